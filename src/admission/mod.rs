@@ -1,0 +1,8 @@
+//! Admission: refuse at `kubectl apply` what the backend cannot honour.
+//!
+//! `rules` holds the one pure `validate` that the webhook, `settle check`, the controller and the
+//! runtime all call. Nothing here may touch a broker.
+
+mod rules;
+
+pub use rules::{BackendView, FieldIssue, Verdict, validate, validate_policy};

@@ -1,0 +1,221 @@
+//! The admission rules: `validate(spec, old, backend) -> Verdict`.
+//!
+//! One pure function serves the webhook, `settle check`, the controller (which re-checks before
+//! it touches a broker) and the handler runtime (`validate_policy`, when a bus is built). It must
+//! stay pure: no I/O, no clock, no Kubernetes client. Every error names the field and the fix.
+
+use std::fmt;
+
+use crate::api::{Capabilities, DeliveryPolicy, Mode, SlowHandler, SubscriptionSpec};
+
+/// What admission concluded: errors refuse the spec; warnings admit it and are shown to the user.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    pub errors: Vec<FieldIssue>,
+    pub warnings: Vec<FieldIssue>,
+}
+
+/// One finding about one field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldIssue {
+    /// The field's path, e.g. `spec.durableName`.
+    pub field: String,
+    /// What is wrong and what to do instead.
+    pub message: String,
+}
+
+impl fmt::Display for FieldIssue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl Verdict {
+    pub fn allowed(&self) -> bool {
+        self.errors.is_empty()
+    }
+
+    fn error(&mut self, field: &str, message: impl Into<String>) {
+        self.errors.push(FieldIssue { field: field.to_string(), message: message.into() });
+    }
+
+    fn warn(&mut self, field: &str, message: impl Into<String>) {
+        self.warnings.push(FieldIssue { field: field.to_string(), message: message.into() });
+    }
+
+    /// All errors in one line, as the webhook and the CLI print them.
+    pub fn error_text(&self) -> String {
+        self.errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+    }
+}
+
+/// The Backend a Subscription refers to, as far as admission knows it.
+#[derive(Clone, Copy, Debug)]
+pub enum BackendView<'a> {
+    /// The Backend exists; these are its capabilities (from its status, or from its kind).
+    Known { name: &'a str, capabilities: &'a Capabilities },
+    /// No Backend of that name exists yet: admit, warn, and let the controller report it.
+    Missing { name: &'a str },
+}
+
+/// The admission rules of design §3 and seed 000 for a Subscription create (`old` is `None`) or
+/// update (`old` is the stored spec).
+pub fn validate(spec: &SubscriptionSpec, old: Option<&SubscriptionSpec>, backend: BackendView<'_>) -> Verdict {
+    let mut v = Verdict::default();
+    match backend {
+        BackendView::Known { capabilities, .. } => policy_rules(&mut v, &spec.policy, Some(capabilities)),
+        BackendView::Missing { name } => {
+            policy_rules(&mut v, &spec.policy, None);
+            v.warn(
+                "spec.backendRef.name",
+                format!(
+                    "Backend {name:?} does not exist in this namespace yet; the Subscription is admitted, \
+                     its capability checks run when the Backend exists, and until then it is not Ready"
+                ),
+            );
+        }
+    }
+    if let Some(old) = old {
+        immutable_rules(&mut v, spec, old);
+    }
+    v
+}
+
+/// The rules that depend only on the delivery policy and the backend's capabilities: what the
+/// handler runtime checks when a bus is built.
+pub fn validate_policy(policy: &DeliveryPolicy, capabilities: &Capabilities) -> Verdict {
+    let mut v = Verdict::default();
+    policy_rules(&mut v, policy, Some(capabilities));
+    v
+}
+
+fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>) {
+    let at_least_once = p.mode == Mode::AtLeastOnce;
+
+    // Rule 1 (seed 000, "Under AtLeastOnce ... DurableName ... is required in this mode on every backend").
+    if at_least_once && p.durable_name.as_deref().is_none_or(str::is_empty) {
+        v.error(
+            "spec.durableName",
+            "required under mode AtLeastOnce, on every backend: set spec.durableName to a stable name \
+             (for example the Subscription's name) so redeliveries survive a restart",
+        );
+    }
+
+    // Rule 5: a malformed schedule is refused whatever the mode.
+    if let Some(b) = &p.backoff {
+        if b.initial.is_zero() {
+            v.error("spec.backoff.initial", "must be greater than zero: set the wait after the first decline, e.g. 1s");
+        }
+        if b.max < b.initial {
+            v.error(
+                "spec.backoff.max",
+                format!("{} is shorter than spec.backoff.initial {}: set max to at least initial", b.max, b.initial),
+            );
+        }
+        if !(b.multiplier.is_finite() && b.multiplier >= 1.0) {
+            v.error(
+                "spec.backoff.multiplier",
+                format!("{} is below 1: a multiplier of at least 1 keeps waits from shrinking; use 2 to double each wait", b.multiplier),
+            );
+        }
+    }
+
+    if !at_least_once {
+        // Rule 2 (seed 000: delays are "not allowed under AtMostOnce, where nothing comes back").
+        if p.backoff.is_some() {
+            v.error(
+                "spec.backoff",
+                "not allowed under mode AtMostOnce, where nothing comes back: remove spec.backoff, or set spec.mode: AtLeastOnce",
+            );
+        }
+        if p.max_nack_delay.is_some() {
+            v.error(
+                "spec.maxNackDelay",
+                "not allowed under mode AtMostOnce, where nothing comes back: remove spec.maxNackDelay, or set spec.mode: AtLeastOnce",
+            );
+        }
+        // Fields that only matter when the broker waits for a settlement.
+        let no_effect = [
+            ("spec.maxDeliver", p.max_deliver.is_some()),
+            ("spec.slowHandler", p.slow_handler.is_some()),
+            ("spec.ackWait", p.ack_wait.is_some()),
+            ("spec.maxProcessingTime", p.max_processing_time.is_some()),
+            ("spec.maxInFlight", p.max_in_flight.is_some()),
+        ];
+        for (field, set) in no_effect {
+            if set {
+                v.warn(field, "has no effect under mode AtMostOnce (nothing is acknowledged or redelivered); remove it, or set spec.mode: AtLeastOnce");
+            }
+        }
+        return;
+    }
+
+    // Rules 3 and 4: delays need a backend that can hold a message back, for that long.
+    if let Some(caps) = caps {
+        let delays = [
+            ("spec.backoff", p.backoff.as_ref().map(|b| b.max)),
+            ("spec.maxNackDelay", p.max_nack_delay),
+        ];
+        for (field, delay) in delays {
+            let Some(delay) = delay else { continue };
+            if !caps.delays_redelivery {
+                v.error(
+                    field,
+                    "this backend cannot delay a redelivery (it does not declare delaysRedelivery): remove the field, \
+                     or use a backend that can, such as nats",
+                );
+            } else if let Some(limit) = caps.max_redelivery_delay
+                && delay > limit
+            {
+                let what = if field == "spec.backoff" { "spec.backoff.max" } else { field };
+                v.error(what, format!("{delay} is longer than this backend can hold a message back ({limit}): set it to {limit} or less"));
+            }
+        }
+    }
+
+    // Rule 7 (seed 000: under Redeliver "AckWait becomes a correctness setting").
+    if p.slow_handler == Some(SlowHandler::Redeliver) && p.ack_wait.is_none() {
+        v.warn(
+            "spec.ackWait",
+            "slowHandler Redeliver without an explicit ackWait: under Redeliver, ackWait is a correctness setting; \
+             set it longer than your slowest handler run, or duplicate work is routine",
+        );
+    }
+    if p.slow_handler != Some(SlowHandler::Redeliver)
+        && let (Some(ack_wait), Some(max_processing)) = (p.ack_wait, p.max_processing_time)
+        && max_processing < ack_wait
+    {
+        v.warn(
+            "spec.maxProcessingTime",
+            format!("{max_processing} is shorter than spec.ackWait {ack_wait}: under ExtendLease the lease is never extended; raise it or remove it"),
+        );
+    }
+}
+
+/// Rule 6: what the broker cannot change in place on an existing consumer.
+fn immutable_rules(v: &mut Verdict, new: &SubscriptionSpec, old: &SubscriptionSpec) {
+    fn show<T: fmt::Debug>(x: &Option<T>) -> String {
+        match x {
+            Some(x) => format!("{x:?}"),
+            None => "unset".to_string(),
+        }
+    }
+    let changes = [
+        ("spec.backendRef.name", format!("{:?}", old.backend_ref.name), format!("{:?}", new.backend_ref.name), "backend"),
+        ("spec.stream", show(&old.stream), show(&new.stream), "stream"),
+        ("spec.mode", format!("{:?}", old.policy.mode), format!("{:?}", new.policy.mode), "ack policy"),
+        ("spec.shape", format!("{:?}", old.policy.shape), format!("{:?}", new.policy.shape), "delivery shape"),
+        ("spec.durableName", show(&old.policy.durable_name), show(&new.policy.durable_name), "durable name"),
+    ];
+    for (field, before, after, what) in changes {
+        if before != after {
+            v.error(
+                field,
+                format!(
+                    "cannot change from {before} to {after}: the broker cannot change a consumer's {what} in place. \
+                     Delete this Subscription and create it again with the new value (its consumer and unsettled deliveries go with it)"
+                ),
+            );
+        }
+    }
+}

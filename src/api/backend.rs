@@ -1,0 +1,119 @@
+//! The `Backend` resource: where a broker is, and what it can do (its `Capabilities`).
+//!
+//! Types only. What a backend kind can do is decided in `backend::capabilities`, not here.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::Duration;
+
+/// Where a broker is and how to reach it. Exactly one backend kind must be set.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "messaging.settle.dev",
+    version = "v1alpha1",
+    kind = "Backend",
+    namespaced,
+    status = "BackendStatus",
+    shortname = "sbe",
+    category = "settle",
+    printcolumn = r#"{"name":"Version","type":"string","jsonPath":".status.serverVersion"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "(has(self.nats) ? 1 : 0) + (has(self.memory) ? 1 : 0) == 1",
+    "message": "exactly one backend kind must be set: nats or memory"
+}]))]
+#[serde(rename_all = "camelCase")]
+pub struct BackendSpec {
+    /// A NATS JetStream server or cluster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nats: Option<NatsBackend>,
+    /// The in-memory backend of the handler runtime: for tests and local development only;
+    /// nothing survives a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryBackend>,
+}
+
+/// How to reach NATS JetStream.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NatsBackend {
+    /// Server URLs, e.g. nats://nats.messaging:4222. At least one.
+    #[schemars(length(min = 1))]
+    pub servers: Vec<String>,
+    /// A Secret in the Backend's namespace holding credentials: key `creds` (a .creds file),
+    /// `nkey` (an nkey seed), `token`, or `user` and `password`. Optional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretRef>,
+    /// TLS settings. Optional; without them the connection follows the URL scheme.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<NatsTls>,
+}
+
+/// TLS settings for NATS.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NatsTls {
+    /// A Secret with key `ca.crt`: the CA that signed the server's certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretRef>,
+}
+
+/// The in-memory backend takes no settings.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct MemoryBackend {}
+
+/// A reference to a Secret in the same namespace.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct SecretRef {
+    /// The Secret's name.
+    pub name: String,
+}
+
+/// What a backend can honour (seed 000, "If you write a backend"). Shown in Backend status,
+/// used by admission to refuse specs the backend cannot honour.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Capabilities {
+    /// The backend can hold a declined message back for a while (needed by backoff and maxNackDelay).
+    pub delays_redelivery: bool,
+    /// The longest the backend can hold a message back; unset means no limit.
+    #[serde(default)]
+    pub max_redelivery_delay: Option<Duration>,
+    /// A restart can spend a message's last attempt where no handler saw it, so Exhausted can undercount.
+    pub restart_can_spend_unseen_attempt: bool,
+}
+
+/// What Settle observed of the backend.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendStatus {
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The broker's version, as it reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_version: Option<String>,
+    /// What this backend can honour, from its kind and its live version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<Capabilities>,
+    /// Ready: Settle can reach the broker.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+impl BackendSpec {
+    /// The kind of backend this spec names, if exactly one is set.
+    pub fn kind(&self) -> Option<crate::backend::BackendKind> {
+        use crate::backend::BackendKind;
+        match (&self.nats, &self.memory) {
+            (Some(_), None) => Some(BackendKind::Nats),
+            (None, Some(_)) => Some(BackendKind::Memory),
+            _ => None,
+        }
+    }
+}

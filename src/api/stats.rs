@@ -1,0 +1,110 @@
+//! ConsumerStats: the delivery account of seed 000, as it travels on the wire (the runtime's
+//! stats report) and sits in `Subscription.status.stats`.
+//!
+//! Only the shape and the meaning of each counter live here; who counts what lives in `bus/`
+//! (the runtime) and `account/` (the operator). Every counter is cumulative and never decreases.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// How handlers settled their deliveries. Acked, Nacked and Silent partition Delivered;
+/// Refused is a different axis (a settlement the backend could not perform).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Settlement {
+    /// Deliveries the handler accepted (Ack).
+    #[serde(default)]
+    pub acked: u64,
+    /// Deliveries the handler declined (Nack or NackAfter).
+    #[serde(default)]
+    pub nacked: u64,
+    /// Deliveries whose handler returned without settling (or panicked): silence is not consent.
+    #[serde(default)]
+    pub silent: u64,
+    /// Settlements the backend could not perform (for example a nack after the consumer was retired).
+    #[serde(default)]
+    pub refused: u64,
+}
+
+/// The cumulative account of one subscription (seed 000, "Reading it back"). At rest,
+/// offered == delivered + released + lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConsumerStats {
+    /// Attempts the backend handed to the runtime.
+    #[serde(default)]
+    pub offered: u64,
+    /// Attempts whose handler returned (settled or silent). Attempt grain.
+    #[serde(default)]
+    pub delivered: u64,
+    /// Attempts given up before a handler returned, owed back by the backend. Attempt grain.
+    #[serde(default)]
+    pub released: u64,
+    /// Attempts offered and never delivered nor released (under AtMostOnce, dropped on shutdown).
+    #[serde(default)]
+    pub lost: u64,
+    /// How handlers settled what was delivered.
+    #[serde(default)]
+    pub settlement: Settlement,
+    /// Messages that ran out of attempts (MaxDeliver): real data loss, message grain.
+    #[serde(default)]
+    pub exhausted: u64,
+    /// Messages declined whose backend could not be asked to try again. Message grain.
+    #[serde(default)]
+    pub stranded: u64,
+    /// Attempts handed on at MaxProcessingTime while the handler may still have been running.
+    #[serde(default)]
+    pub lease_expired: u64,
+    /// Declines redelivered sooner than their delay asked, because the backend could not hold them that long.
+    #[serde(default)]
+    pub delay_shortened: u64,
+    /// Attempts whose transport header contradicted the event's envelope.
+    #[serde(default)]
+    pub foreign_conflicts: u64,
+}
+
+impl ConsumerStats {
+    /// Adds another account into this one (summing the reports of several instances).
+    pub fn add(&mut self, o: &ConsumerStats) {
+        self.offered += o.offered;
+        self.delivered += o.delivered;
+        self.released += o.released;
+        self.lost += o.lost;
+        self.settlement.acked += o.settlement.acked;
+        self.settlement.nacked += o.settlement.nacked;
+        self.settlement.silent += o.settlement.silent;
+        self.settlement.refused += o.settlement.refused;
+        self.exhausted += o.exhausted;
+        self.stranded += o.stranded;
+        self.lease_expired += o.lease_expired;
+        self.delay_shortened += o.delay_shortened;
+        self.foreign_conflicts += o.foreign_conflicts;
+    }
+
+    /// The per-counter maximum: what a reader that must never go backwards keeps when a source
+    /// reports a smaller value than it reported before (a restart that lost its memory).
+    pub fn max(&self, o: &ConsumerStats) -> ConsumerStats {
+        ConsumerStats {
+            offered: self.offered.max(o.offered),
+            delivered: self.delivered.max(o.delivered),
+            released: self.released.max(o.released),
+            lost: self.lost.max(o.lost),
+            settlement: Settlement {
+                acked: self.settlement.acked.max(o.settlement.acked),
+                nacked: self.settlement.nacked.max(o.settlement.nacked),
+                silent: self.settlement.silent.max(o.settlement.silent),
+                refused: self.settlement.refused.max(o.settlement.refused),
+            },
+            exhausted: self.exhausted.max(o.exhausted),
+            stranded: self.stranded.max(o.stranded),
+            lease_expired: self.lease_expired.max(o.lease_expired),
+            delay_shortened: self.delay_shortened.max(o.delay_shortened),
+            foreign_conflicts: self.foreign_conflicts.max(o.foreign_conflicts),
+        }
+    }
+
+    /// The seed's identity at rest: offered == delivered + released + lost.
+    pub fn balanced(&self) -> bool {
+        self.offered == self.delivered + self.released + self.lost
+    }
+}

@@ -1,0 +1,10 @@
+//! Settle: message subscriptions as Kubernetes resources, with admission that refuses what the
+//! broker cannot honour and an honest delivery account in status.
+//!
+//! - [`api`]: the CRD types and the wire types they share with the runtime.
+//! - [`backend`]: backend kinds and their capabilities.
+//! - [`admission`]: the one `validate` of what a backend can honour.
+
+pub mod admission;
+pub mod api;
+pub mod backend;
