@@ -1,0 +1,106 @@
+//! Shared by the integration tests: finds the environment `hack/env.sh up` started (real
+//! kube-apiserver + etcd, real nats-server) and runs real `kubectl` against it.
+//!
+//! Tests that need the environment fail (never skip) with a message saying how to start it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::io::Write;
+
+/// Where the environment is.
+#[derive(Clone, Debug)]
+pub struct Env {
+    pub kubeconfig: PathBuf,
+    pub nats_url: String,
+    pub nats_server: PathBuf,
+    pub helm: PathBuf,
+}
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The environment, from the process environment (`source target/env/settle.env`) or, failing
+/// that, from `target/env/settle.env` itself.
+pub fn env() -> Env {
+    let file = root().join("target/env/settle.env");
+    let from_file = std::fs::read_to_string(&file).unwrap_or_default();
+    let get = |key: &str| -> String {
+        if let Ok(v) = std::env::var(key) {
+            return v;
+        }
+        from_file
+            .lines()
+            .filter_map(|l| l.strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.to_string())
+            .unwrap_or_else(|| {
+                panic!("{key} is not set and {} does not define it: start the environment with `make env-up` (or run `make test`)", file.display())
+            })
+    };
+    Env {
+        kubeconfig: PathBuf::from(get("KUBECONFIG")),
+        nats_url: get("SETTLE_NATS_URL"),
+        nats_server: PathBuf::from(get("SETTLE_NATS_SERVER")),
+        helm: PathBuf::from(get("SETTLE_HELM")),
+    }
+}
+
+/// Runs real kubectl against the environment's API server, with `stdin` piped in if given.
+pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
+    let env = env();
+    let mut cmd = Command::new("kubectl");
+    cmd.arg("--kubeconfig").arg(&env.kubeconfig).args(args);
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("kubectl must be on PATH");
+    if let Some(input) = stdin {
+        child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+    }
+    child.wait_with_output().expect("kubectl ran")
+}
+
+/// kubectl that must succeed; returns stdout.
+pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl(args, stdin);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A kube client for the environment's API server.
+pub async fn kube_client() -> kube::Client {
+    let env = env();
+    let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
+        .await
+        .expect("kubeconfig is valid");
+    kube::Client::try_from(config).expect("client")
+}
+
+/// Installs Settle's CRDs (idempotent) and waits until they are served.
+pub fn install_crds() {
+    let crds = root().join("crds/settle.yaml");
+    kubectl_ok(&["apply", "--server-side", "--force-conflicts", "-f", path_str(&crds)], None);
+    kubectl_ok(
+        &["wait", "--for=condition=Established", "--timeout=60s", "crd/backends.messaging.settle.dev", "crd/subscriptions.messaging.settle.dev"],
+        None,
+    );
+}
+
+/// A fresh namespace for one test, so tests can share the API server.
+pub fn namespace(name: &str) -> String {
+    let ns = format!("{name}-{}", std::process::id());
+    kubectl_ok(&["create", "namespace", &ns], None);
+    ns
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
