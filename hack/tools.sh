@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CP_VERSION="$(cat "$ROOT/tests/controlplane/VERSION")"
 NATS_VERSION="v2.15.3"
 HELM_VERSION="v3.21.4"
-TOOLS="$ROOT/target/tools"
+TOOLS="${CARGO_TARGET_DIR:-$ROOT/target}/tools"
 
 cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go} | sha256sum | cut -c1-12; }
 path_of() {

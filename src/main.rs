@@ -5,7 +5,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "settle", version, about = "Message subscriptions as Kubernetes resources")]
+#[command(
+    name = "settle",
+    version,
+    about = "Message subscriptions as Kubernetes resources"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -36,16 +36,26 @@ impl Verdict {
     }
 
     fn error(&mut self, field: &str, message: impl Into<String>) {
-        self.errors.push(FieldIssue { field: field.to_string(), message: message.into() });
+        self.errors.push(FieldIssue {
+            field: field.to_string(),
+            message: message.into(),
+        });
     }
 
     fn warn(&mut self, field: &str, message: impl Into<String>) {
-        self.warnings.push(FieldIssue { field: field.to_string(), message: message.into() });
+        self.warnings.push(FieldIssue {
+            field: field.to_string(),
+            message: message.into(),
+        });
     }
 
     /// All errors in one line, as the webhook and the CLI print them.
     pub fn error_text(&self) -> String {
-        self.errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ")
+        self.errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 }
 
@@ -53,17 +63,26 @@ impl Verdict {
 #[derive(Clone, Copy, Debug)]
 pub enum BackendView<'a> {
     /// The Backend exists; these are its capabilities (from its status, or from its kind).
-    Known { name: &'a str, capabilities: &'a Capabilities },
+    Known {
+        name: &'a str,
+        capabilities: &'a Capabilities,
+    },
     /// No Backend of that name exists yet: admit, warn, and let the controller report it.
     Missing { name: &'a str },
 }
 
 /// The admission rules of design §3 and seed 000 for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
-pub fn validate(spec: &SubscriptionSpec, old: Option<&SubscriptionSpec>, backend: BackendView<'_>) -> Verdict {
+pub fn validate(
+    spec: &SubscriptionSpec,
+    old: Option<&SubscriptionSpec>,
+    backend: BackendView<'_>,
+) -> Verdict {
     let mut v = Verdict::default();
     match backend {
-        BackendView::Known { capabilities, .. } => policy_rules(&mut v, &spec.policy, Some(capabilities)),
+        BackendView::Known { capabilities, .. } => {
+            policy_rules(&mut v, &spec.policy, Some(capabilities))
+        }
         BackendView::Missing { name } => {
             policy_rules(&mut v, &spec.policy, None);
             v.warn(
@@ -104,12 +123,18 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
     // Rule 5: a malformed schedule is refused whatever the mode.
     if let Some(b) = &p.backoff {
         if b.initial.is_zero() {
-            v.error("spec.backoff.initial", "must be greater than zero: set the wait after the first decline, e.g. 1s");
+            v.error(
+                "spec.backoff.initial",
+                "must be greater than zero: set the wait after the first decline, e.g. 1s",
+            );
         }
         if b.max < b.initial {
             v.error(
                 "spec.backoff.max",
-                format!("{} is shorter than spec.backoff.initial {}: set max to at least initial", b.max, b.initial),
+                format!(
+                    "{} is shorter than spec.backoff.initial {}: set max to at least initial",
+                    b.max, b.initial
+                ),
             );
         }
         if !(b.multiplier.is_finite() && b.multiplier >= 1.0) {
@@ -167,7 +192,11 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
             } else if let Some(limit) = caps.max_redelivery_delay
                 && delay > limit
             {
-                let what = if field == "spec.backoff" { "spec.backoff.max" } else { field };
+                let what = if field == "spec.backoff" {
+                    "spec.backoff.max"
+                } else {
+                    field
+                };
                 v.error(what, format!("{delay} is longer than this backend can hold a message back ({limit}): set it to {limit} or less"));
             }
         }
@@ -201,11 +230,36 @@ fn immutable_rules(v: &mut Verdict, new: &SubscriptionSpec, old: &SubscriptionSp
         }
     }
     let changes = [
-        ("spec.backendRef.name", format!("{:?}", old.backend_ref.name), format!("{:?}", new.backend_ref.name), "backend"),
-        ("spec.stream", show(&old.stream), show(&new.stream), "stream"),
-        ("spec.mode", format!("{:?}", old.policy.mode), format!("{:?}", new.policy.mode), "ack policy"),
-        ("spec.shape", format!("{:?}", old.policy.shape), format!("{:?}", new.policy.shape), "delivery shape"),
-        ("spec.durableName", show(&old.policy.durable_name), show(&new.policy.durable_name), "durable name"),
+        (
+            "spec.backendRef.name",
+            format!("{:?}", old.backend_ref.name),
+            format!("{:?}", new.backend_ref.name),
+            "backend",
+        ),
+        (
+            "spec.stream",
+            show(&old.stream),
+            show(&new.stream),
+            "stream",
+        ),
+        (
+            "spec.mode",
+            format!("{:?}", old.policy.mode),
+            format!("{:?}", new.policy.mode),
+            "ack policy",
+        ),
+        (
+            "spec.shape",
+            format!("{:?}", old.policy.shape),
+            format!("{:?}", new.policy.shape),
+            "delivery shape",
+        ),
+        (
+            "spec.durableName",
+            show(&old.policy.durable_name),
+            show(&new.policy.durable_name),
+            "durable name",
+        ),
     ];
     for (field, before, after, what) in changes {
         if before != after {

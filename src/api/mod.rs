@@ -11,7 +11,8 @@ mod stats;
 mod subscription;
 
 pub use backend::{
-    Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackend, NatsBackend, NatsTls, SecretRef,
+    Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackend, NatsBackend, NatsTls,
+    SecretRef,
 };
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};
@@ -28,7 +29,8 @@ pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
     use kube::CustomResourceExt;
     let mut out = String::new();
     for crd in [Backend::crd(), Subscription::crd()] {
-        let mut value = serde_json::to_value(&crd).map_err(<serde_yaml::Error as serde::ser::Error>::custom)?;
+        let mut value =
+            serde_json::to_value(&crd).map_err(<serde_yaml::Error as serde::ser::Error>::custom)?;
         tidy_schema(&mut value);
         out.push_str("---\n");
         out.push_str(&serde_yaml::to_string(&value)?);
@@ -44,7 +46,11 @@ fn tidy_schema(v: &mut serde_json::Value) {
     match v {
         Value::Object(map) => {
             if let Some(Value::String(d)) = map.get_mut("description") {
-                *d = d.split("\n\n").map(|p| p.split('\n').map(str::trim).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n\n");
+                *d = d
+                    .split("\n\n")
+                    .map(|p| p.split('\n').map(str::trim).collect::<Vec<_>>().join(" "))
+                    .collect::<Vec<_>>()
+                    .join("\n\n");
             }
             if matches!(map.get("format"), Some(Value::String(f)) if f.starts_with("uint")) {
                 map.insert("format".into(), Value::String("int64".into()));

@@ -23,7 +23,12 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
-    pub const ALL: [BackendKind; 4] = [BackendKind::Nats, BackendKind::Memory, BackendKind::Sqs, BackendKind::Rabbitmq];
+    pub const ALL: [BackendKind; 4] = [
+        BackendKind::Nats,
+        BackendKind::Memory,
+        BackendKind::Sqs,
+        BackendKind::Rabbitmq,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -52,7 +57,9 @@ impl FromStr for BackendKind {
         BackendKind::ALL
             .into_iter()
             .find(|k| k.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| format!("unknown backend kind {s:?}: expected one of nats, memory, sqs, rabbitmq"))
+            .ok_or_else(|| {
+                format!("unknown backend kind {s:?}: expected one of nats, memory, sqs, rabbitmq")
+            })
     }
 }
 

@@ -4,9 +4,9 @@
 //! Tests that need the environment fail (never skip) with a message saying how to start it.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::io::Write;
 
 /// Where the environment is.
 #[derive(Clone, Debug)]
@@ -53,11 +53,20 @@ pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
     let env = env();
     let mut cmd = Command::new("kubectl");
     cmd.arg("--kubeconfig").arg(&env.kubeconfig).args(args);
-    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("kubectl must be on PATH");
     if let Some(input) = stdin {
-        child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
     }
     child.wait_with_output().expect("kubectl ran")
 }
@@ -78,18 +87,36 @@ pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
 pub async fn kube_client() -> kube::Client {
     let env = env();
     let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &kube::config::KubeConfigOptions::default())
-        .await
-        .expect("kubeconfig is valid");
+    let config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("kubeconfig is valid");
     kube::Client::try_from(config).expect("client")
 }
 
 /// Installs Settle's CRDs (idempotent) and waits until they are served.
 pub fn install_crds() {
     let crds = root().join("crds/settle.yaml");
-    kubectl_ok(&["apply", "--server-side", "--force-conflicts", "-f", path_str(&crds)], None);
     kubectl_ok(
-        &["wait", "--for=condition=Established", "--timeout=60s", "crd/backends.messaging.settle.dev", "crd/subscriptions.messaging.settle.dev"],
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            path_str(&crds),
+        ],
+        None,
+    );
+    kubectl_ok(
+        &[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/backends.messaging.settle.dev",
+            "crd/subscriptions.messaging.settle.dev",
+        ],
         None,
     );
 }
