@@ -4,5 +4,7 @@
 //! the README all read it. This module must not decide policy (that is `admission`).
 
 mod capabilities;
+pub mod memory;
+pub mod nats;
 
 pub use capabilities::{BackendKind, capabilities_of};

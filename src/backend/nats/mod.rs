@@ -1,0 +1,327 @@
+//! The NATS JetStream backend: binds a subscription to a pull consumer on the stream whose
+//! subjects cover its pattern, turns each JetStream message into a `Delivery`, and performs
+//! settlements with JetStream's ack protocol. Also the stats-report sink (a KV bucket).
+//!
+//! What it sends, and why (design §4):
+//! - Ack: `+ACK`, fire-and-forget (as any JetStream client does). A late ack after the consumer
+//!   was retired by this process is Refused locally.
+//! - Decline: a bare `-NAK` for a zero delay (a `{"delay":0}` is not immediate on a consumer with
+//!   a `backoff` list), else `-NAK {"delay":<ns>}`. Sent as a request, so the server confirms it:
+//!   when nobody answers (the consumer was deleted) the decline is Refused and, since the broker
+//!   cannot be asked to try again, Stranded.
+//! - Last attempt declined (attempt == maxDeliver): `+TERM`. The runtime has already counted it
+//!   Exhausted at message grain; terminating frees its max-ack-pending slot at once instead of
+//!   holding it until the server notices max_deliver at the next pull, and the server's
+//!   `MSG_TERMINATED` advisory tells the operator the same story. The consumer's `max_deliver` is
+//!   still set, so attempts spent without a handler (a crash, AckWait) also stop there.
+//! - ExtendLease: `+WPI` (the bus decides when); Redeliver: nothing. Release at close: bare `-NAK`.
+//! - The consumer's `backoff` list is never set: the server would lengthen every nak delay by it;
+//!   the schedule is paced client-side with delayed naks.
+//!
+//! It must not count anything (the settle path does) nor create streams (the platform or the
+//! operator owns them); it creates or binds the consumer only.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, consumer::DeliverPolicy, kv};
+use async_nats::{Client, HeaderMap, RequestErrorKind, Subject};
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::OnceCell;
+
+use crate::backend::BackendKind;
+use crate::bus::report::REPORT_BUCKET;
+use crate::bus::{Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal, StatsSink, SubscriptionCtx};
+
+const ACK: &[u8] = b"+ACK";
+const NAK: &[u8] = b"-NAK";
+const TERM: &[u8] = b"+TERM";
+const WPI: &[u8] = b"+WPI";
+
+fn err(e: impl std::fmt::Display) -> BusError {
+    BusError::backend(BackendKind::Nats, e)
+}
+
+/// NATS JetStream as a backend. Clones share one connection.
+#[derive(Clone)]
+pub struct NatsBackend {
+    client: Client,
+    js: jetstream::Context,
+    bucket: String,
+    kv: Arc<OnceCell<kv::Store>>,
+}
+
+impl NatsBackend {
+    /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
+    pub async fn connect(url: &str) -> Result<NatsBackend, BusError> {
+        let client = async_nats::connect(url).await.map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
+        Ok(NatsBackend::from_client(client))
+    }
+
+    /// Uses an existing connection.
+    pub fn from_client(client: Client) -> NatsBackend {
+        let js = jetstream::new(client.clone());
+        NatsBackend { client, js, bucket: REPORT_BUCKET.to_string(), kv: Arc::default() }
+    }
+
+    /// Stats reports go to this KV bucket instead of `settle-stats`.
+    pub fn with_stats_bucket(mut self, bucket: impl Into<String>) -> NatsBackend {
+        self.bucket = bucket.into();
+        self.kv = Arc::default();
+        self
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// The stats-report bucket, created (history 1: last value per key) if missing.
+    pub async fn stats_bucket(&self) -> Result<kv::Store, BusError> {
+        self.kv
+            .get_or_try_init(|| async {
+                if let Ok(store) = self.js.get_key_value(&self.bucket).await {
+                    return Ok(store);
+                }
+                let created = self
+                    .js
+                    .create_key_value(kv::Config {
+                        bucket: self.bucket.clone(),
+                        description: "Settle runtime stats reports: <namespace>.<subscription>.<instance> -> JSON (docs/stats-report.md)".into(),
+                        history: 1,
+                        ..Default::default()
+                    })
+                    .await;
+                match created {
+                    Ok(store) => Ok(store),
+                    // Another instance may have created it meanwhile.
+                    Err(e) => self.js.get_key_value(&self.bucket).await.map_err(|_| err(format!("cannot create KV bucket {}: {e}", self.bucket))),
+                }
+            })
+            .await
+            .cloned()
+    }
+}
+
+impl Backend for NatsBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Nats
+    }
+
+    fn hands_on_slow_handlers(&self) -> bool {
+        true
+    }
+
+    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+        async move {
+            let p = ctx.policy();
+            let stream_name = self
+                .js
+                .stream_by_subject(p.pattern.clone())
+                .await
+                .map_err(|e| err(format!("no stream carries {:?}: create a stream whose subjects cover it ({e})", p.pattern)))?;
+            let stream = self.js.get_stream(&stream_name).await.map_err(|e| err(format!("stream {stream_name}: {e}")))?;
+            let alo = p.at_least_once();
+            let mut config = pull::Config {
+                durable_name: p.durable_name.clone(),
+                deliver_policy: if p.durable_name.is_some() { DeliverPolicy::All } else { DeliverPolicy::New },
+                ack_policy: if alo { AckPolicy::Explicit } else { AckPolicy::None },
+                filter_subject: p.pattern.clone(),
+                description: Some(format!("settle subscription {}", ctx.name())),
+                ..Default::default()
+            };
+            if alo {
+                config.ack_wait = p.ack_wait;
+                config.max_deliver = p.max_deliver.map_or(-1, i64::from);
+                config.max_ack_pending = i64::try_from(p.max_in_flight).unwrap_or(i64::MAX);
+            }
+            let consumer: jetstream::consumer::PullConsumer = match &p.durable_name {
+                Some(durable) => stream.get_or_create_consumer(durable, config).await,
+                None => stream.create_consumer(config).await,
+            }
+            .map_err(|e| err(format!("consumer for {:?} on stream {stream_name}: {e}", ctx.name())))?;
+            let batch = p.max_in_flight.clamp(1, 1000);
+            let messages = consumer
+                .stream()
+                .max_messages_per_batch(batch)
+                .messages()
+                .await
+                .map_err(|e| err(format!("cannot pull from stream {stream_name}: {e}")))?;
+            tracing::info!(subscription = %ctx.name(), stream = %stream_name, durable = ?p.durable_name, "bound to a JetStream pull consumer");
+            Ok(Box::new(NatsConsumer { client: self.client.clone(), ctx, messages: Some(messages), retired: Arc::default(), acks: alo })
+                as Box<dyn Consumer>)
+        }
+        .boxed()
+    }
+
+    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        async move {
+            let ack = if headers.is_empty() {
+                self.js.publish(subject, payload).await
+            } else {
+                let mut map = HeaderMap::new();
+                for (k, v) in headers {
+                    map.append(k.as_str(), v.as_str());
+                }
+                self.js.publish_with_headers(subject, map, payload).await
+            }
+            .map_err(err)?;
+            ack.await.map_err(err)?;
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
+        Some(Arc::new(self.clone()))
+    }
+}
+
+impl StatsSink for NatsBackend {
+    fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        async move {
+            let store = self.stats_bucket().await?;
+            store.put(key, value).await.map_err(err)?;
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+struct NatsConsumer {
+    client: Client,
+    ctx: Arc<SubscriptionCtx>,
+    messages: Option<pull::Stream>,
+    retired: Arc<AtomicBool>,
+    acks: bool,
+}
+
+impl NatsConsumer {
+    fn delivery(&self, m: jetstream::Message) -> Delivery {
+        let attempt = m.info().map_or(1, |i| u32::try_from(i.delivered).unwrap_or(u32::MAX));
+        let msg: async_nats::Message = m.into();
+        let headers = msg
+            .headers
+            .as_ref()
+            .map(|h| h.iter().flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string()))).collect())
+            .unwrap_or_default();
+        let on_settle = NatsSettler { client: self.client.clone(), reply: msg.reply, retired: Arc::clone(&self.retired), acks: self.acks };
+        Delivery::new(&self.ctx, DeliveryOptions { subject: msg.subject.to_string(), headers, payload: msg.payload, attempt, on_settle: Box::new(on_settle) })
+    }
+}
+
+impl Consumer for NatsConsumer {
+    fn next(&mut self) -> BoxFuture<'_, Option<Delivery>> {
+        async move {
+            loop {
+                let messages = self.messages.as_mut()?;
+                match messages.next().await {
+                    Some(Ok(m)) => return Some(self.delivery(m)),
+                    Some(Err(e)) => {
+                        use pull::MessagesErrorKind as K;
+                        match e.kind() {
+                            K::ConsumerDeleted | K::NoResponders | K::PushBasedConsumer => {
+                                tracing::error!(subscription = %self.ctx.name(), error = %e, "the JetStream consumer is gone");
+                                self.messages = None;
+                                return None;
+                            }
+                            _ => tracing::warn!(subscription = %self.ctx.name(), error = %e, "pulling from JetStream"),
+                        }
+                    }
+                    None => {
+                        self.messages = None;
+                        return None;
+                    }
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn retire(&mut self) -> BoxFuture<'_, ()> {
+        self.retired.store(true, Ordering::Release);
+        self.messages = None;
+        futures::future::ready(()).boxed()
+    }
+}
+
+struct NatsSettler {
+    client: Client,
+    reply: Option<Subject>,
+    retired: Arc<AtomicBool>,
+    acks: bool,
+}
+
+impl NatsSettler {
+    fn reply(&self) -> Result<Subject, Refusal> {
+        if self.retired.load(Ordering::Acquire) {
+            return Err(Refusal {
+                reason: "the consumer that offered this delivery was retired by this process; the server offers the message again after ackWait".into(),
+                stranded: false,
+            });
+        }
+        if !self.acks {
+            return Err(Refusal { reason: "the consumer does not take acknowledgements (ack policy none)".into(), stranded: false });
+        }
+        self.reply.clone().ok_or_else(|| Refusal { reason: "the message has no reply subject: not a JetStream delivery".into(), stranded: true })
+    }
+
+    async fn publish(&self, body: &'static [u8]) -> Result<(), Refusal> {
+        let reply = self.reply()?;
+        self.client
+            .publish(reply, Bytes::from_static(body))
+            .await
+            .map_err(|e| Refusal { reason: format!("cannot send to the server: {e}"), stranded: false })
+    }
+
+    /// Sends and waits for the server's confirmation.
+    async fn confirmed(&self, body: Bytes) -> Result<(), Refusal> {
+        let reply = self.reply()?;
+        match self.client.request(reply, body).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == RequestErrorKind::NoResponders => Err(Refusal {
+                reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
+                stranded: true,
+            }),
+            Err(e) => Err(Refusal { reason: format!("the server did not confirm: {e}"), stranded: false }),
+        }
+    }
+}
+
+/// The body of a decline: a bare `-NAK` for zero (immediate), else `-NAK {"delay":<ns>}`.
+pub fn nak_body(delay: Duration) -> Bytes {
+    if delay.is_zero() { Bytes::from_static(NAK) } else { Bytes::from(format!("-NAK {{\"delay\":{}}}", delay.as_nanos())) }
+}
+
+impl OnSettle for NatsSettler {
+    fn settle(&self, action: Action) -> BoxFuture<'_, Result<Performed, Refusal>> {
+        async move {
+            match action {
+                Action::Ack => self.publish(ACK).await?,
+                Action::Decline(delay) => self.confirmed(nak_body(delay)).await?,
+                Action::Terminate => self.confirmed(Bytes::from_static(TERM)).await?,
+            }
+            Ok(Performed::AsAsked)
+        }
+        .boxed()
+    }
+
+    fn progress(&self) -> BoxFuture<'_, Result<(), Refusal>> {
+        self.publish(WPI).boxed()
+    }
+
+    fn release(&self) -> BoxFuture<'_, ()> {
+        async move {
+            if let Err(r) = self.publish(NAK).await {
+                tracing::debug!(reason = %r.reason, "release not sent; the server offers the message again after ackWait");
+            }
+        }
+        .boxed()
+    }
+}

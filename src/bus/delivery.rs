@@ -1,0 +1,381 @@
+//! One attempt of one message as a handler sees it, and the one settle path (seed 000, "Two
+//! rules that hold in every mode"; "If you write a backend").
+//!
+//! Backends construct deliveries only through `Delivery::new(ctx, DeliveryOptions)`; the
+//! settlement state sits behind an `Arc`, so every clone agrees and the first settlement wins.
+//! `settle` / `settle_with` are the only way a settlement reaches a backend: the handler's
+//! `ack`/`nack`/`nack_after`, the bus after the handler returns, and the conformance suite all
+//! go through them. This module must not decide redelivery timing beyond the policy, nor talk
+//! to a broker itself (that is the backend's `OnSettle`).
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
+
+use crate::api::{ConsumerStats, DeliveryPolicy};
+
+use super::envelope::{self, Data, Event, Foreign};
+use super::spec::Policy;
+use super::stats::{Counters, RuntimeStats};
+
+/// One subscription as the runtime and its backend share it: name, resolved policy, counters.
+/// A backend receives it when it opens a consumer and passes it to every `Delivery::new`.
+#[derive(Debug)]
+pub struct SubscriptionCtx {
+    name: String,
+    policy: Policy,
+    pub(crate) counters: Arc<Counters>,
+}
+
+impl SubscriptionCtx {
+    /// A subscription context from the CRD's policy (defaults filled in). Does not validate it:
+    /// `Bus::subscribe` and `conformance::run` call `admission::validate_policy` first.
+    pub fn new(name: impl Into<String>, policy: &DeliveryPolicy) -> Arc<SubscriptionCtx> {
+        SubscriptionCtx::with_counters(name, policy, Arc::default())
+    }
+    pub(crate) fn with_counters(name: impl Into<String>, policy: &DeliveryPolicy, counters: Arc<Counters>) -> Arc<SubscriptionCtx> {
+        Arc::new(SubscriptionCtx { name: name.into(), policy: Policy::resolve(policy), counters })
+    }
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+    /// The cumulative account so far.
+    pub fn stats(&self) -> ConsumerStats {
+        self.counters.snapshot()
+    }
+    /// Handler errors and panics so far.
+    pub fn runtime_stats(&self) -> RuntimeStats {
+        self.counters.runtime()
+    }
+}
+
+/// What a backend is asked to do with a settled attempt (AtLeastOnce only; under AtMostOnce
+/// nothing is acted on and the backend is not called).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Accepted: forget the message.
+    Ack,
+    /// Declined: offer it again, not before this delay (zero: at once).
+    Decline(Duration),
+    /// Declined on its last attempt (MaxDeliver): the runtime counted it Exhausted; the backend
+    /// must not offer it again.
+    Terminate,
+}
+
+/// The backend performed the action, possibly with a shorter delay than asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Performed {
+    AsAsked,
+    /// The backend could not hold the message as long as asked (counted DelayShortened).
+    DelayShortened,
+}
+
+/// The backend could not perform a settlement (counted Refused).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: String,
+    /// True when the backend cannot be asked to try the message again at all (counted Stranded
+    /// for a decline); false when it will come back anyway (for example after AckWait).
+    pub stranded: bool,
+}
+
+/// A backend's callbacks for one delivery (seed 000's OnSettle / OnSettleWith).
+pub trait OnSettle: Send + Sync + 'static {
+    /// Performs a settlement.
+    fn settle(&self, action: Action) -> BoxFuture<'_, Result<Performed, Refusal>>;
+    /// Keeps the message with its running handler for another AckWait (JetStream `+WPI`).
+    fn progress(&self) -> BoxFuture<'_, Result<(), Refusal>>;
+    /// Gives back an attempt no handler finished (the bus is closing): offer it again at once.
+    fn release(&self) -> BoxFuture<'_, ()>;
+}
+
+/// What is handed to `Delivery::new`.
+pub struct DeliveryOptions {
+    pub subject: String,
+    pub headers: Vec<(String, String)>,
+    pub payload: Bytes,
+    /// 1 for the first attempt, higher for each redelivery.
+    pub attempt: u32,
+    pub on_settle: Box<dyn OnSettle>,
+}
+
+/// How a handler (or the bus, for silence) settles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    Ack,
+    /// Decline, waiting the backoff schedule (at once without one).
+    Nack,
+    /// The handler returned without settling (or panicked): counted Silent, declined like a Nack.
+    Silent,
+}
+
+/// Why a settlement did not happen as asked.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SettleError {
+    #[error("already settled: exactly one settlement per delivery, and the first call won")]
+    AlreadySettled,
+    #[error(
+        "nack_after is not allowed on subscription {0:?}: it has neither maxNackDelay nor backoff (nothing recorded; call nack() instead, or set spec.maxNackDelay)"
+    )]
+    NoDelayAllowed(String),
+    #[error("nack_after({requested:?}) is above this subscription's ceiling of {ceiling:?} (nothing recorded; ask for less, or call nack())")]
+    DelayTooLong { requested: Duration, ceiling: Duration },
+    #[error("nack_after of a negative delay ({0} ms) is refused (nothing recorded; call nack() or nack_after(0))")]
+    NegativeDelay(i64),
+    #[error("the backend could not perform the settlement: {0}")]
+    Refused(String),
+}
+
+/// The data could not be decoded into the requested type.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot decode the event data of {subject:?}: {source}")]
+pub struct DecodeError {
+    subject: String,
+    #[source]
+    source: serde_json::Error,
+}
+
+const OPEN: u8 = 0;
+const DELIVERED: u8 = 1;
+const RELEASED: u8 = 2;
+
+struct Inner {
+    ctx: Arc<SubscriptionCtx>,
+    subject: String,
+    headers: Vec<(String, String)>,
+    payload: Bytes,
+    attempt: u32,
+    event: Event,
+    foreign: Foreign,
+    data: Data,
+    settled: AtomicBool,
+    fate: AtomicU8,
+    on_settle: Box<dyn OnSettle>,
+}
+
+/// One attempt of one message. Clones share one settlement state.
+#[derive(Clone)]
+pub struct Delivery {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery")
+            .field("subscription", &self.inner.ctx.name)
+            .field("subject", &self.inner.subject)
+            .field("attempt", &self.inner.attempt)
+            .field("settled", &self.is_settled())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// The one way to make a delivery: counts it Offered (and a ForeignConflict when its
+    /// transport headers contradict its envelope).
+    pub fn new(ctx: &Arc<SubscriptionCtx>, opts: DeliveryOptions) -> Delivery {
+        let parsed = envelope::parse(&opts.headers, &opts.payload);
+        ctx.counters.offered.inc();
+        if !parsed.foreign.is_empty() {
+            ctx.counters.foreign_conflicts.inc();
+            tracing::debug!(subscription = %ctx.name, subject = %opts.subject, foreign = ?parsed.foreign.headers, "transport headers contradict the envelope; keeping the envelope's values");
+        }
+        Delivery {
+            inner: Arc::new(Inner {
+                ctx: Arc::clone(ctx),
+                subject: opts.subject,
+                headers: opts.headers,
+                payload: opts.payload,
+                attempt: opts.attempt.max(1),
+                event: parsed.event,
+                foreign: parsed.foreign,
+                data: parsed.data,
+                settled: AtomicBool::new(false),
+                fate: AtomicU8::new(OPEN),
+                on_settle: opts.on_settle,
+            }),
+        }
+    }
+
+    pub fn subscription(&self) -> &str {
+        &self.inner.ctx.name
+    }
+    pub fn subject(&self) -> &str {
+        &self.inner.subject
+    }
+    /// The raw payload as it arrived.
+    pub fn payload(&self) -> &Bytes {
+        &self.inner.payload
+    }
+    /// The transport headers as they arrived.
+    pub fn headers(&self) -> &[(String, String)] {
+        &self.inner.headers
+    }
+    /// One transport header, by case-insensitive name.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        envelope::header(&self.inner.headers, name)
+    }
+    /// 1 for the first attempt; each redelivery arrives with a higher attempt.
+    pub fn attempt(&self) -> u32 {
+        self.inner.attempt
+    }
+    /// The event's identity as its envelope states it.
+    pub fn event(&self) -> &Event {
+        &self.inner.event
+    }
+    /// Transport headers that contradicted the envelope (empty for CloudEvents and raw).
+    pub fn foreign(&self) -> &Foreign {
+        &self.inner.foreign
+    }
+    /// Whether a settlement (by any clone) has happened.
+    pub fn is_settled(&self) -> bool {
+        self.inner.settled.load(Ordering::Acquire)
+    }
+
+    /// Decodes the event's data (the payload, CloudEvents `data`, or MassTransit `message`) from JSON.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, DecodeError> {
+        let r = match &self.inner.data {
+            Data::Bytes(b) => serde_json::from_slice(b),
+            Data::Json(v) => T::deserialize(v),
+        };
+        r.map_err(|source| DecodeError { subject: self.inner.subject.clone(), source })
+    }
+
+    /// Accepts the delivery.
+    pub async fn ack(&self) -> Result<(), SettleError> {
+        settle(self, Decision::Ack).await
+    }
+    /// Declines the delivery; under AtLeastOnce it comes back after the backoff schedule.
+    pub async fn nack(&self) -> Result<(), SettleError> {
+        settle(self, Decision::Nack).await
+    }
+    /// Declines the delivery and asks that it not come back before `delay` (zero: at once).
+    /// Above the ceiling, or with no ceiling, returns an error and records nothing.
+    pub async fn nack_after(&self, delay: Duration) -> Result<(), SettleError> {
+        settle_with(self, delay).await
+    }
+    /// `nack_after` from a signed millisecond count (a parsed Retry-After, say): a negative
+    /// delay returns an error and records nothing.
+    pub async fn nack_after_millis(&self, millis: i64) -> Result<(), SettleError> {
+        match u64::try_from(millis) {
+            Ok(ms) => settle_with(self, Duration::from_millis(ms)).await,
+            Err(_) => Err(SettleError::NegativeDelay(millis)),
+        }
+    }
+
+    /// The bus, after the handler returned (or panicked): counts the attempt Delivered, and
+    /// settles it as Silent unless the handler settled. Returns false when the attempt had
+    /// already been released.
+    pub(crate) async fn complete(&self) -> bool {
+        if self.inner.fate.compare_exchange(OPEN, DELIVERED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return false;
+        }
+        self.inner.ctx.counters.delivered.inc();
+        match settle(self, Decision::Silent).await {
+            Ok(()) => tracing::debug!(subscription = %self.inner.ctx.name, subject = %self.inner.subject, attempt = self.inner.attempt, "handler returned without settling: counted Silent"),
+            Err(SettleError::AlreadySettled) => {}
+            Err(e) => tracing::warn!(subscription = %self.inner.ctx.name, error = %e, "silent settlement failed"),
+        }
+        true
+    }
+
+    /// The bus, giving up an attempt before a handler returned (closing): Released under
+    /// AtLeastOnce (the backend owes it back), Lost under AtMostOnce.
+    pub(crate) async fn release(&self) {
+        if self.inner.fate.compare_exchange(OPEN, RELEASED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return;
+        }
+        let c = &self.inner.ctx.counters;
+        if self.inner.ctx.policy.at_least_once() {
+            c.released.inc();
+            if !self.is_settled() {
+                self.inner.on_settle.release().await;
+            }
+        } else {
+            c.lost.inc();
+        }
+    }
+
+    /// The lease keeper: one `+WPI`.
+    pub(crate) async fn progress(&self) -> Result<(), Refusal> {
+        self.inner.on_settle.progress().await
+    }
+
+    pub(crate) fn ctx(&self) -> &Arc<SubscriptionCtx> {
+        &self.inner.ctx
+    }
+}
+
+/// Settles a delivery: the one path the handler's `ack`/`nack`, the bus (silence) and the
+/// conformance suite all take. The first settlement of a delivery wins; any later one, from any
+/// clone, returns `AlreadySettled`.
+pub async fn settle(d: &Delivery, decision: Decision) -> Result<(), SettleError> {
+    settle_inner(d, decision, None).await
+}
+
+/// Declines a delivery with a delay (`nack_after`): checked against the ceiling first; a refused
+/// delay records nothing and leaves the delivery unsettled.
+pub async fn settle_with(d: &Delivery, delay: Duration) -> Result<(), SettleError> {
+    settle_inner(d, Decision::Nack, Some(delay)).await
+}
+
+async fn settle_inner(d: &Delivery, decision: Decision, delay: Option<Duration>) -> Result<(), SettleError> {
+    let inner = &d.inner;
+    let policy = &inner.ctx.policy;
+    let c = &inner.ctx.counters;
+    if let Some(delay) = delay {
+        match policy.nack_ceiling() {
+            None => return Err(SettleError::NoDelayAllowed(inner.ctx.name.clone())),
+            Some(ceiling) if delay > ceiling => return Err(SettleError::DelayTooLong { requested: delay, ceiling }),
+            Some(_) => {}
+        }
+    }
+    if inner.settled.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, attempt = inner.attempt, ?decision, "second settlement refused: a handler that settles twice has a bug");
+        return Err(SettleError::AlreadySettled);
+    }
+    match decision {
+        Decision::Ack => c.acked.inc(),
+        Decision::Nack => c.nacked.inc(),
+        Decision::Silent => c.silent.inc(),
+    }
+    if !policy.at_least_once() {
+        // AtMostOnce: recorded, never acted on.
+        return Ok(());
+    }
+    let action = match decision {
+        Decision::Ack => Action::Ack,
+        Decision::Nack | Decision::Silent => {
+            if policy.max_deliver.is_some_and(|m| inner.attempt >= m) {
+                c.exhausted.inc();
+                tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, attempt = inner.attempt, "declined on its last attempt: counted Exhausted (data loss)");
+                Action::Terminate
+            } else {
+                Action::Decline(delay.unwrap_or_else(|| policy.decline_delay(inner.attempt)))
+            }
+        }
+    };
+    match inner.on_settle.settle(action).await {
+        Ok(Performed::AsAsked) => Ok(()),
+        Ok(Performed::DelayShortened) => {
+            c.delay_shortened.inc();
+            Ok(())
+        }
+        Err(refusal) => {
+            c.refused.inc();
+            if refusal.stranded && matches!(action, Action::Decline(_)) {
+                c.stranded.inc();
+            }
+            tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, ?action, reason = %refusal.reason, "the backend refused a settlement");
+            Err(SettleError::Refused(refusal.reason))
+        }
+    }
+}

@@ -1,0 +1,430 @@
+//! The handler runtime of seed 000: a `Bus` runs subscriptions on a backend, hands each
+//! delivery to its handler, and keeps the account (`ConsumerStats`).
+//!
+//! - [`SubscriptionSpec`]: name + the CRD's `DeliveryPolicy` + a handler.
+//! - [`Delivery`]: one attempt; `ack`/`nack`/`nack_after`; exactly one settlement across clones.
+//! - [`settle`] / [`settle_with`]: the one settle path (handlers, the bus, the conformance suite).
+//! - [`Backend`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`).
+//! - [`conformance::run`]: the seed's conformance rows for any AtLeastOnce backend.
+//! - [`report`]: the versioned stats report for the operator.
+//!
+//! This module must not know a particular broker, and must not re-state the admission rules:
+//! it calls `admission::validate_policy` when a subscription is added.
+
+pub mod conformance;
+mod delivery;
+mod envelope;
+pub mod report;
+mod seam;
+mod spec;
+mod stats;
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use tokio::sync::{Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+
+pub use delivery::{
+    Action, DecodeError, Decision, Delivery, DeliveryOptions, OnSettle, Performed, Refusal, SettleError, SubscriptionCtx, settle,
+    settle_with,
+};
+pub use envelope::{Event, Foreign, Format};
+pub use seam::{Backend, BusError, Consumer, StatsSink};
+pub use spec::{
+    DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, Handler, HandlerError, Policy, Schedule, SubscriptionSpec,
+    handler,
+};
+pub use stats::RuntimeStats;
+
+use crate::api::{Capabilities, ConsumerStats, SlowHandler};
+use report::{ReportTarget, Reporter};
+use stats::Counters;
+
+/// How long `close` waits for running handlers before it gives their attempts up (Released
+/// under AtLeastOnce, Lost under AtMostOnce).
+pub const DEFAULT_CLOSE_GRACE: Duration = Duration::from_secs(30);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock only means another thread panicked while holding it; the maps stay usable.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Builds a [`Bus`].
+pub struct BusBuilder {
+    backend: Arc<dyn Backend>,
+    close_grace: Duration,
+    namespace: String,
+    instance: String,
+    report_interval: Duration,
+    sink: Option<Arc<dyn StatsSink>>,
+}
+
+impl BusBuilder {
+    /// How long `close` waits for running handlers (default 30s).
+    pub fn close_grace(mut self, d: Duration) -> Self {
+        self.close_grace = d;
+        self
+    }
+    /// The Subscriptions' namespace, for stats reports (default `POD_NAMESPACE`, else `default`).
+    pub fn namespace(mut self, ns: impl Into<String>) -> Self {
+        self.namespace = ns.into();
+        self
+    }
+    /// This instance's name in stats reports (default: see `report::default_instance`).
+    pub fn instance(mut self, id: impl Into<String>) -> Self {
+        self.instance = id.into();
+        self
+    }
+    /// The least time between two reports of one subscription (default 5s).
+    pub fn report_interval(mut self, d: Duration) -> Self {
+        self.report_interval = d.max(Duration::from_millis(10));
+        self
+    }
+    /// Where stats reports go (default: the backend's own sink, if it has one).
+    pub fn stats_sink(mut self, sink: Arc<dyn StatsSink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+    /// Publish no stats reports.
+    pub fn without_reports(mut self) -> Self {
+        self.sink = None;
+        self
+    }
+    pub fn build(self) -> Bus {
+        let (report_stop, _) = watch::channel(false);
+        Bus {
+            inner: Arc::new(BusInner {
+                backend: self.backend,
+                close_grace: self.close_grace,
+                report: self.sink.map(|sink| (self.report_interval, sink)),
+                namespace: self.namespace,
+                instance: self.instance,
+                started_at_ms: report::now_ms(),
+                running: Mutex::new(HashMap::new()),
+                ctxs: Mutex::new(HashMap::new()),
+                counters: Mutex::new(HashMap::new()),
+                closed: AtomicBool::new(false),
+                report_stop,
+                report_task: Mutex::new(None),
+            }),
+        }
+    }
+}
+
+struct Running {
+    shutdown: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+struct BusInner {
+    backend: Arc<dyn Backend>,
+    close_grace: Duration,
+    report: Option<(Duration, Arc<dyn StatsSink>)>,
+    namespace: String,
+    instance: String,
+    started_at_ms: u64,
+    running: Mutex<HashMap<String, Running>>,
+    /// The latest context of every subscription this bus ran (kept after unsubscribe, so stats stay readable).
+    ctxs: Mutex<HashMap<String, Arc<SubscriptionCtx>>>,
+    /// Counters by subscription name, reused if a name is subscribed again: counters never go backwards.
+    counters: Mutex<HashMap<String, Arc<Counters>>>,
+    closed: AtomicBool,
+    report_stop: watch::Sender<bool>,
+    report_task: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The handler runtime: runs subscriptions on one backend. Cheap to clone.
+#[derive(Clone)]
+pub struct Bus {
+    inner: Arc<BusInner>,
+}
+
+impl Bus {
+    /// A bus on `backend` with the defaults (reports to the backend's sink, if it has one).
+    pub fn new(backend: impl Backend) -> Bus {
+        Bus::builder(backend).build()
+    }
+
+    pub fn builder(backend: impl Backend) -> BusBuilder {
+        let backend: Arc<dyn Backend> = Arc::new(backend);
+        let sink = backend.stats_sink();
+        BusBuilder {
+            backend,
+            close_grace: DEFAULT_CLOSE_GRACE,
+            namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "default".to_string()),
+            instance: report::default_instance(),
+            report_interval: report::DEFAULT_REPORT_INTERVAL,
+            sink,
+        }
+    }
+
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.backend.capabilities()
+    }
+
+    pub fn instance(&self) -> &str {
+        &self.inner.instance
+    }
+
+    /// Starts a subscription. Refused, with the admission rules' own words, when the backend
+    /// cannot honour its policy (seed 000: "the subscription is refused when the bus is built").
+    pub async fn subscribe(&self, spec: SubscriptionSpec) -> Result<(), BusError> {
+        let inner = &self.inner;
+        if inner.closed.load(Ordering::Acquire) {
+            return Err(BusError::Closed);
+        }
+        let backend = &inner.backend;
+        let verdict = crate::admission::validate_policy(&spec.policy, &backend.capabilities());
+        if !verdict.allowed() {
+            return Err(BusError::Refused { name: spec.name, backend: backend.kind(), reason: verdict.error_text() });
+        }
+        for w in &verdict.warnings {
+            tracing::warn!(subscription = %spec.name, "{w}");
+        }
+        if lock(&inner.running).contains_key(&spec.name) {
+            return Err(BusError::Duplicate(spec.name));
+        }
+        let counters = Arc::clone(lock(&inner.counters).entry(spec.name.clone()).or_default());
+        let ctx = SubscriptionCtx::with_counters(spec.name.clone(), &spec.policy, counters);
+        let consumer = backend.open(Arc::clone(&ctx)).await?;
+
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let lease = (backend.hands_on_slow_handlers() && ctx.policy().at_least_once() && ctx.policy().slow_handler == SlowHandler::ExtendLease)
+            .then(|| Lease { ack_wait: ctx.policy().ack_wait, max_processing_time: ctx.policy().max_processing_time });
+        let task = tokio::spawn(dispatch(Arc::clone(&ctx), spec.handler, consumer, shutdown_rx, inner.close_grace, lease));
+        {
+            let mut running = lock(&inner.running);
+            if running.contains_key(&spec.name) {
+                // Lost a race with another subscribe of the same name.
+                let _ = shutdown.send(true);
+                return Err(BusError::Duplicate(spec.name));
+            }
+            running.insert(spec.name.clone(), Running { shutdown, task });
+        }
+        lock(&inner.ctxs).insert(spec.name.clone(), ctx);
+        self.start_reports();
+        tracing::info!(subscription = %spec.name, backend = %backend.kind(), "subscribed");
+        Ok(())
+    }
+
+    /// Publishes a message.
+    pub async fn publish(&self, subject: impl Into<String>, payload: impl Into<Bytes>) -> Result<(), BusError> {
+        self.publish_with_headers(subject, Vec::new(), payload).await
+    }
+
+    /// Publishes a message with transport headers.
+    pub async fn publish_with_headers(&self, subject: impl Into<String>, headers: Vec<(String, String)>, payload: impl Into<Bytes>) -> Result<(), BusError> {
+        self.inner.backend.publish(subject.into(), headers, payload.into()).await
+    }
+
+    /// The cumulative account of a subscription (also after it stopped).
+    pub fn stats(&self, name: &str) -> Option<ConsumerStats> {
+        lock(&self.inner.ctxs).get(name).map(|c| c.stats())
+    }
+
+    /// Handler errors and panics of a subscription.
+    pub fn runtime_stats(&self, name: &str) -> Option<RuntimeStats> {
+        lock(&self.inner.ctxs).get(name).map(|c| c.runtime_stats())
+    }
+
+    /// Stops one subscription: no new deliveries; running handlers get the close grace; then
+    /// its consumer is retired.
+    pub async fn unsubscribe(&self, name: &str) -> Result<(), BusError> {
+        let running = lock(&self.inner.running).remove(name).ok_or_else(|| BusError::Unknown(name.to_string()))?;
+        stop(running).await;
+        Ok(())
+    }
+
+    /// Stops every subscription (see `unsubscribe`) and publishes a last stats report.
+    pub async fn close(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+        let all: Vec<Running> = lock(&self.inner.running).drain().map(|(_, r)| r).collect();
+        futures::future::join_all(all.into_iter().map(stop)).await;
+        let _ = self.inner.report_stop.send(true);
+        let task = lock(&self.inner.report_task).take();
+        if let Some(task) = task
+            && let Err(e) = task.await
+        {
+            tracing::warn!(error = %e, "stats reporter ended abnormally");
+        }
+    }
+
+    fn start_reports(&self) {
+        let Some((interval, sink)) = self.inner.report.clone() else { return };
+        let mut slot = lock(&self.inner.report_task);
+        if slot.is_some() {
+            return;
+        }
+        let target = ReportTarget {
+            namespace: self.inner.namespace.clone(),
+            instance: self.inner.instance.clone(),
+            backend: self.inner.backend.kind().to_string(),
+            started_at_ms: self.inner.started_at_ms,
+            sink,
+        };
+        let weak = Arc::downgrade(&self.inner);
+        let mut stop_rx = self.inner.report_stop.subscribe();
+        *slot = Some(tokio::spawn(async move {
+            let mut reporter = Reporter::default();
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let stopping = tokio::select! {
+                    _ = tick.tick() => false,
+                    _ = stop_rx.changed() => true,
+                };
+                let Some(inner) = weak.upgrade() else { return };
+                let subs: Vec<Arc<SubscriptionCtx>> = lock(&inner.ctxs).values().cloned().collect();
+                drop(inner);
+                reporter.tick(&target, &subs, stopping).await;
+                if stopping {
+                    return;
+                }
+            }
+        }));
+    }
+}
+
+async fn stop(r: Running) {
+    let _ = r.shutdown.send(true);
+    if let Err(e) = r.task.await {
+        tracing::error!(error = %e, "subscription dispatcher ended abnormally");
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Lease {
+    ack_wait: Duration,
+    max_processing_time: Duration,
+}
+
+/// One subscription's loop: takes a slot (maxInFlight), takes a delivery, runs its handler.
+async fn dispatch(
+    ctx: Arc<SubscriptionCtx>,
+    handler: Handler,
+    mut consumer: Box<dyn Consumer>,
+    mut shutdown: watch::Receiver<bool>,
+    grace: Duration,
+    lease: Option<Lease>,
+) {
+    let slots = Arc::new(Semaphore::new(ctx.policy().max_in_flight));
+    let in_flight: Arc<Mutex<HashMap<u64, Delivery>>> = Arc::default();
+    let ids = AtomicU64::new(0);
+    let mut tasks = JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            biased;
+            _ = shutdown.changed() => break,
+            p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.changed() => break,
+            d = consumer.next() => d,
+        };
+        let Some(d) = next else {
+            tracing::warn!(subscription = %ctx.name(), "consumer ended");
+            break;
+        };
+        while tasks.try_join_next().is_some() {}
+        let id = ids.fetch_add(1, Ordering::Relaxed);
+        lock(&in_flight).insert(id, d.clone());
+        let h = Arc::clone(&handler);
+        let registry = Arc::clone(&in_flight);
+        tasks.spawn(async move {
+            run_one(d, h, lease).await;
+            lock(&registry).remove(&id);
+            drop(permit);
+        });
+    }
+    // Closing: running handlers get the grace; what is left is given up.
+    let deadline = tokio::time::sleep(grace);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            r = tasks.join_next() => if r.is_none() { break },
+            _ = &mut deadline => {
+                tasks.abort_all();
+                while tasks.join_next().await.is_some() {}
+                break;
+            }
+        }
+    }
+    let left: Vec<Delivery> = lock(&in_flight).drain().map(|(_, d)| d).collect();
+    for d in left {
+        tracing::warn!(subscription = %ctx.name(), subject = %d.subject(), "handler still running at close: attempt given up");
+        d.release().await;
+    }
+    consumer.retire().await;
+}
+
+/// Runs one handler on one delivery: contains a panic, counts a returned error, keeps the
+/// lease, and settles silence.
+async fn run_one(d: Delivery, handler: Handler, lease: Option<Lease>) {
+    let ctx = Arc::clone(d.ctx());
+    let run = AssertUnwindSafe(handler(d.clone())).catch_unwind();
+    let outcome = match lease {
+        None => run.await,
+        Some(lease) => {
+            tokio::pin!(run);
+            tokio::select! {
+                r = &mut run => r,
+                never = keep_lease(&d, lease) => match never {},
+            }
+        }
+    };
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            ctx.counters.handler_errors.inc();
+            tracing::warn!(subscription = %ctx.name(), subject = %d.subject(), attempt = d.attempt(), settled = d.is_settled(), error = %e, "handler returned an error (it does not decide settlement)");
+        }
+        Err(panic) => {
+            ctx.counters.panics.inc();
+            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+            tracing::error!(subscription = %ctx.name(), subject = %d.subject(), attempt = d.attempt(), panic = %what, "handler panicked: contained, treated as silence");
+        }
+    }
+    d.complete().await;
+}
+
+enum Never {}
+
+/// ExtendLease: `+WPI` half an AckWait before each lease runs out, as long as the lease then
+/// ends by MaxProcessingTime; then counts LeaseExpired when the last lease runs out. Never returns.
+async fn keep_lease(d: &Delivery, lease: Lease) -> Never {
+    let start = Instant::now();
+    let bound = start + lease.max_processing_time;
+    let mut held_until = start + lease.ack_wait;
+    let half = lease.ack_wait / 2;
+    loop {
+        tokio::time::sleep_until(held_until - half).await;
+        if d.is_settled() {
+            return std::future::pending().await;
+        }
+        let now = Instant::now();
+        if now + lease.ack_wait > bound {
+            break;
+        }
+        match d.progress().await {
+            Ok(()) => held_until = now + lease.ack_wait,
+            Err(r) => {
+                tracing::warn!(subscription = %d.subscription(), reason = %r.reason, "could not extend the lease");
+                break;
+            }
+        }
+    }
+    tokio::time::sleep_until(held_until).await;
+    if !d.is_settled() {
+        d.ctx().counters.lease_expired.inc();
+        tracing::warn!(subscription = %d.subscription(), subject = %d.subject(), attempt = d.attempt(), "handler ran past maxProcessingTime: the message is handed on while it may still run (LeaseExpired)");
+    }
+    std::future::pending().await
+}

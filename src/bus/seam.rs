@@ -1,0 +1,72 @@
+//! The backend seam: what a broker must provide for the runtime to drive it (open a consumer,
+//! hand over deliveries, publish, keep stats reports).
+//!
+//! Traits and the error type only. Implementations live in `crate::backend::{memory, nats}`;
+//! nothing here may know a particular broker.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+
+use crate::api::Capabilities;
+use crate::backend::{BackendKind, capabilities_of};
+
+use super::{Delivery, SubscriptionCtx};
+
+/// Why the bus or a backend could not do something.
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    /// The subscription asks for what the backend cannot honour (the admission rules).
+    #[error("subscription {name:?} cannot run on the {backend} backend: {reason}")]
+    Refused { name: String, backend: BackendKind, reason: String },
+    #[error("a subscription named {0:?} is already running on this bus")]
+    Duplicate(String),
+    #[error("no subscription named {0:?} on this bus")]
+    Unknown(String),
+    #[error("the bus is closed")]
+    Closed,
+    /// The broker failed or refused an operation.
+    #[error("{backend} backend: {message}")]
+    Backend { backend: BackendKind, message: String },
+}
+
+impl BusError {
+    pub fn backend(backend: BackendKind, message: impl std::fmt::Display) -> BusError {
+        BusError::Backend { backend, message: message.to_string() }
+    }
+}
+
+/// A broker the runtime can drive.
+pub trait Backend: Send + Sync + 'static {
+    fn kind(&self) -> BackendKind;
+    /// What this backend can honour; the admission rules judge subscriptions against it.
+    fn capabilities(&self) -> Capabilities {
+        capabilities_of(self.kind())
+    }
+    /// Whether the broker hands a message on after AckWait while its handler still runs (then the
+    /// bus keeps leases under ExtendLease). The memory backend never does.
+    fn hands_on_slow_handlers(&self) -> bool;
+    /// Opens (or binds to) the consumer of one subscription.
+    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>>;
+    /// Publishes one message.
+    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>>;
+    /// Where this backend keeps stats reports, if it can (see `docs/stats-report.md`).
+    fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
+        None
+    }
+}
+
+/// One subscription's consumer: hands out deliveries, one at a time.
+pub trait Consumer: Send {
+    /// The next delivery, built with `Delivery::new`; `None` once the consumer has ended.
+    /// Must be cancel-safe: dropping the future loses no delivery.
+    fn next(&mut self) -> BoxFuture<'_, Option<Delivery>>;
+    /// Retires the consumer: no more deliveries; later settlements of its deliveries are refused.
+    fn retire(&mut self) -> BoxFuture<'_, ()>;
+}
+
+/// Where stats reports go: last value per key.
+pub trait StatsSink: Send + Sync + 'static {
+    fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>>;
+}

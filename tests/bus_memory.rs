@@ -1,0 +1,1211 @@
+//! The handler runtime (seed 000, seed 003) on the in-memory backend: one test per behaviour the
+//! seeds state, each citing its sentence. Time is Tokio's paused clock, so "at once" and "after
+//! one second" are exact and the suite runs in milliseconds of wall time.
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use settle::api::{self, Backoff, Capabilities, ConsumerStats, DeliveryPolicy, Mode, SlowHandler};
+use settle::backend::BackendKind;
+use settle::backend::memory::MemoryBackend;
+use settle::bus::{
+    self, Backend, Bus, BusError, Consumer, Decision, Delivery, Format, SettleError, StatsSink, SubscriptionCtx, SubscriptionSpec,
+    handler,
+};
+use tokio::time::Instant;
+
+// ---------------------------------------------------------------- helpers
+
+fn alo(pattern: &str) -> DeliveryPolicy {
+    DeliveryPolicy {
+        pattern: pattern.into(),
+        mode: Mode::AtLeastOnce,
+        durable_name: Some(format!("d-{}", pattern.replace(['.', '>', '*'], "_"))),
+        max_deliver: Some(5),
+        ..DeliveryPolicy::default()
+    }
+}
+
+fn amo(pattern: &str) -> DeliveryPolicy {
+    DeliveryPolicy { pattern: pattern.into(), ..DeliveryPolicy::default() }
+}
+
+fn backoff(initial_ms: u64, max_ms: u64, multiplier: f64) -> Option<Backoff> {
+    Some(Backoff { initial: api::Duration::from_millis(initial_ms), max: api::Duration::from_millis(max_ms), multiplier })
+}
+
+fn bus(backend: &MemoryBackend) -> Bus {
+    Bus::builder(backend.clone()).without_reports().build()
+}
+
+/// What a handler saw: (payload, attempt, when).
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
+
+impl Seen {
+    fn record(&self, d: &Delivery) {
+        self.0.lock().unwrap().push((String::from_utf8_lossy(d.payload()).into_owned(), d.attempt(), Instant::now()));
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|e| e.1).collect()
+    }
+    fn times(&self) -> Vec<Instant> {
+        self.0.lock().unwrap().iter().map(|e| e.2).collect()
+    }
+    fn gaps(&self) -> Vec<Duration> {
+        let t = self.times();
+        t.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+}
+
+/// Waits (on the paused clock) until `f` holds; panics with `what` after ten minutes of virtual time.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Lets the bus run for a while of virtual time.
+async fn settle_for(d: Duration) {
+    tokio::time::sleep(d).await;
+}
+
+fn stats(bus: &Bus, name: &str) -> ConsumerStats {
+    bus.stats(name).expect("subscription exists")
+}
+
+fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> SubscriptionSpec
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
+{
+    SubscriptionSpec::new(name, policy, handler(f))
+}
+
+// ---------------------------------------------------------------- spec and defaults
+
+#[test]
+fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
+    // seed 000: "ExtendLease, the default, keeps the message yours for up to MaxProcessingTime
+    // (five minutes unless you say otherwise)"; "Under AtMostOnce — the default"; seed 003: prefetch 250.
+    let crd: api::SubscriptionSpec = serde_json::from_value(serde_json::json!({
+        "backendRef": {"name": "nats"}, "pattern": "orders.>"
+    }))
+    .unwrap();
+    let spec = SubscriptionSpec::from_resource("orders", &crd, handler(|_d| async { Ok::<_, bus::HandlerError>(()) }));
+    assert_eq!(spec.policy, crd.policy);
+    let p = bus::Policy::resolve(&spec.policy);
+    assert_eq!(p.mode, Mode::AtMostOnce);
+    assert_eq!(p.slow_handler, SlowHandler::ExtendLease);
+    assert_eq!(p.max_processing_time, Duration::from_secs(300));
+    assert_eq!(p.ack_wait, Duration::from_secs(30));
+    assert_eq!(p.max_in_flight, 250);
+    assert_eq!(p.max_deliver, None);
+}
+
+#[test]
+fn backoff_schedule_doubles_and_is_capped() {
+    // seed 000: "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
+    let s = bus::Schedule { initial: Duration::from_secs(1), max: Duration::from_secs(60), multiplier: 2.0 };
+    let waits: Vec<u64> = (1..=8).map(|a| s.delay_after(a).as_secs()).collect();
+    assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
+    assert_eq!(s.delay_after(10_000), Duration::from_secs(60));
+}
+
+// ---------------------------------------------------------------- say what happened
+
+#[tokio::test(start_paused = true)]
+async fn ack_accepts_and_is_counted_acked() {
+    // seed 000: "Ack accepts the delivery."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus.subscribe(sub("orders", alo("orders.>"), move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("orders.1", "a").await.unwrap();
+    until("acked", || stats(&bus, "orders").settlement.acked == 1).await;
+    settle_for(Duration::from_secs(5)).await;
+    assert_eq!(seen.attempts(), [1], "an acked message does not come back");
+    let st = stats(&bus, "orders");
+    assert_eq!((st.offered, st.delivered, st.settlement.acked, st.settlement.nacked, st.settlement.silent), (1, 1, 1, 0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn nack_declines_and_is_counted_nacked() {
+    // seed 000: "Nack declines it."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    bus.subscribe(sub("orders", alo("orders.>"), |d| async move {
+        if d.attempt() == 1 { d.nack().await? } else { d.ack().await? }
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus.publish("orders.1", "a").await.unwrap();
+    until("acked on attempt 2", || stats(&bus, "orders").settlement.acked == 1).await;
+    let st = stats(&bus, "orders");
+    assert_eq!((st.settlement.nacked, st.settlement.acked, st.delivered), (1, 1, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn returning_without_settling_is_silence_not_consent() {
+    // seed 000: "Returning without calling either is silence, and the bus records it as such rather than reading it as consent."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus.subscribe(sub("orders", alo("orders.>"), move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() == 2 {
+                d.ack().await?;
+            }
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("orders.1", "a").await.unwrap();
+    until("acked", || stats(&bus, "orders").settlement.acked == 1).await;
+    let st = stats(&bus, "orders");
+    assert_eq!(st.settlement.silent, 1, "silence is recorded");
+    assert_eq!(seen.attempts(), [1, 2], "silence is not consent: the message came back");
+}
+
+// ---------------------------------------------------------------- modes
+
+#[tokio::test(start_paused = true)]
+async fn at_most_once_acts_on_nothing_and_records_everything() {
+    // seed 000: "Under AtMostOnce — the default — nothing is acted on: a Nack does not bring the
+    // message back. Every settlement is still recorded, in the Settlement counters on ConsumerStats"
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus.subscribe(sub("metrics", amo("metrics.>"), move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            match d.payload().as_ref() {
+                b"ack" => d.ack().await?,
+                b"nack" => d.nack().await?,
+                _ => {}
+            }
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    for body in ["ack", "nack", "silent"] {
+        bus.publish("metrics.x", body).await.unwrap();
+    }
+    until("three delivered", || stats(&bus, "metrics").delivered == 3).await;
+    settle_for(Duration::from_secs(10)).await;
+    assert_eq!(seen.len(), 3, "nothing comes back under AtMostOnce");
+    let st = stats(&bus, "metrics");
+    assert_eq!((st.settlement.acked, st.settlement.nacked, st.settlement.silent), (1, 1, 1));
+    assert_eq!(st.exhausted, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_most_once_still_refuses_a_second_settlement() {
+    // seed 000: "Every settlement is still recorded ... and a handler that settles twice is refused."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let second = Arc::new(Mutex::new(None));
+    let s2 = second.clone();
+    bus.subscribe(sub("m", amo("m.>"), move |d| {
+        let s2 = s2.clone();
+        async move {
+            d.ack().await?;
+            *s2.lock().unwrap() = Some(d.nack().await);
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("m.1", "x").await.unwrap();
+    until("handled", || second.lock().unwrap().is_some()).await;
+    assert_eq!(second.lock().unwrap().clone().unwrap(), Err(SettleError::AlreadySettled));
+    let st = stats(&bus, "m");
+    assert_eq!((st.settlement.acked, st.settlement.nacked), (1, 0), "the refused second settlement records nothing");
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_max_deliver() {
+    // seed 000: "Under AtLeastOnce a Nack, or silence, brings the message back, up to MaxDeliver
+    // attempts." and "Each redelivery arrives with a higher Attempt."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = alo("orders.>");
+    p.max_deliver = Some(4);
+    bus.subscribe(sub("orders", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() % 2 == 1 {
+                d.nack().await?;
+            } // even attempts: silence
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("orders.1", "a").await.unwrap();
+    until("exhausted", || stats(&bus, "orders").exhausted == 1).await;
+    settle_for(Duration::from_secs(10)).await;
+    assert_eq!(seen.attempts(), [1, 2, 3, 4], "up to MaxDeliver attempts, each higher");
+    let st = stats(&bus, "orders");
+    assert_eq!((st.settlement.nacked, st.settlement.silent), (2, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn exhausted_is_counted_once_per_message() {
+    // seed 000: "A handler that keeps declining exhausts the budget and the message is counted
+    // Exhausted — real data loss, reported at message grain."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("orders.>");
+    p.max_deliver = Some(3);
+    bus.subscribe(sub("orders", p, |d| async move {
+        d.nack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    for i in 0..2 {
+        bus.publish(format!("orders.{i}"), "a").await.unwrap();
+    }
+    until("both exhausted", || stats(&bus, "orders").exhausted == 2).await;
+    settle_for(Duration::from_secs(10)).await;
+    let st = stats(&bus, "orders");
+    assert_eq!(st.exhausted, 2, "two messages, six declined attempts: Exhausted counts messages");
+    assert_eq!(st.settlement.nacked, 6);
+    assert_eq!(st.stranded, 0, "Stranded is zero where the broker will try again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_least_once_requires_a_durable_name_on_the_memory_backend_too() {
+    // seed 000: "DurableName ... is required in this mode on every backend, so the spec you test
+    // against memory is the spec you run against a broker."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("orders.>");
+    p.durable_name = None;
+    let expected = settle::admission::validate_policy(&p, &mem.capabilities()).error_text();
+    let err = bus.subscribe(sub("orders", p, |_d| async { Ok(()) })).await.unwrap_err();
+    match &err {
+        BusError::Refused { reason, backend, .. } => {
+            assert_eq!(*backend, BackendKind::Memory);
+            assert_eq!(reason, &expected, "the bus uses the admission rules' own words");
+            assert!(reason.contains("spec.durableName"), "{reason}");
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_same_handler_is_correct_in_both_modes() {
+    // seed 000: "The same handler is correct in both modes; only what the bus does with its answer differs."
+    async fn handle(d: Delivery) -> Result<(), bus::HandlerError> {
+        if d.payload().as_ref() == b"bad" {
+            d.nack().await?;
+        } else {
+            d.ack().await?;
+        }
+        Ok(())
+    }
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("a.>");
+    p.max_deliver = Some(2);
+    bus.subscribe(SubscriptionSpec::new("alo", p, handler(handle))).await.unwrap();
+    bus.subscribe(SubscriptionSpec::new("amo", amo("a.>"), handler(handle))).await.unwrap();
+    bus.publish("a.1", "good").await.unwrap();
+    bus.publish("a.2", "bad").await.unwrap();
+    until("alo exhausted", || stats(&bus, "alo").exhausted == 1).await;
+    until("amo delivered", || stats(&bus, "amo").delivered == 2).await;
+    settle_for(Duration::from_secs(5)).await;
+    assert_eq!(stats(&bus, "alo").delivered, 3, "under AtLeastOnce the declined one came back once");
+    assert_eq!(stats(&bus, "amo").delivered, 2, "under AtMostOnce it did not");
+}
+
+// ---------------------------------------------------------------- backoff and nack_after
+
+#[tokio::test(start_paused = true)]
+async fn without_backoff_a_nack_comes_back_at_once() {
+    // seed 000: "By default a Nack brings the message back at once."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = alo("o.>");
+    p.max_deliver = Some(3);
+    bus.subscribe(sub("o", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("exhausted", || stats(&bus, "o").exhausted == 1).await;
+    assert_eq!(seen.gaps(), [Duration::ZERO, Duration::ZERO], "no virtual time passes between attempts");
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_backoff_each_decline_waits_the_schedule() {
+    // seed 000: "Give the subscription a Backoff, and each decline waits before the next attempt"
+    // "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = alo("o.>");
+    p.max_deliver = Some(9);
+    p.backoff = backoff(1000, 60_000, 2.0);
+    bus.subscribe(sub("o", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("exhausted", || stats(&bus, "o").exhausted == 1).await;
+    let secs: Vec<u64> = seen.gaps().iter().map(|g| g.as_secs()).collect();
+    assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn silence_and_a_returned_error_wait_the_same_schedule() {
+    // seed 000: "A handler that returns without settling has declined too, so a plain return err waits the same schedule"
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = alo("o.>");
+    p.max_deliver = Some(4);
+    p.backoff = backoff(1000, 60_000, 2.0);
+    bus.subscribe(sub("o", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            Err("dependency down".into())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("exhausted", || stats(&bus, "o").exhausted == 1).await;
+    let secs: Vec<u64> = seen.gaps().iter().map(|g| g.as_secs()).collect();
+    assert_eq!(secs, [1, 2, 4]);
+    assert_eq!(stats(&bus, "o").settlement.silent, 4);
+    assert_eq!(bus.runtime_stats("o").unwrap().handler_errors, 4, "each error is counted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn nack_after_zero_is_an_immediate_retry_even_with_a_backoff() {
+    // seed 000: "d.NackAfter(0) is how to ask for an immediate retry instead."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = alo("o.>");
+    p.max_deliver = Some(3);
+    p.backoff = backoff(1000, 60_000, 2.0);
+    bus.subscribe(sub("o", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack_after(Duration::ZERO).await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("exhausted", || stats(&bus, "o").exhausted == 1).await;
+    assert_eq!(seen.gaps(), [Duration::ZERO, Duration::ZERO]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn nack_after_waits_its_delay_never_less_and_the_attempt_is_spent() {
+    // seed 000: "What a delay promises: the message is not offered again before the delay has
+    // passed." "A delay is never quietly turned into an immediate retry." "The declined attempt
+    // is spent, so it still counts towards MaxDeliver."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = alo("o.>");
+    p.max_deliver = Some(2);
+    p.max_nack_delay = Some(api::Duration::from_secs(600));
+    bus.subscribe(sub("o", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack_after(Duration::from_secs(7)).await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("exhausted", || stats(&bus, "o").exhausted == 1).await;
+    assert_eq!(seen.gaps(), [Duration::from_secs(7)]);
+    assert_eq!(seen.attempts(), [1, 2], "the delayed decline spent attempt 1 of MaxDeliver 2");
+}
+
+#[tokio::test(start_paused = true)]
+async fn nack_after_ceiling_is_max_nack_delay_else_backoff_max() {
+    // seed 000: "NackAfter is allowed up to MaxNackDelay, or the schedule's Max when that is unset."
+    let mem = MemoryBackend::new();
+    let mut with_max = alo("a.>");
+    with_max.max_nack_delay = Some(api::Duration::from_secs(10));
+    with_max.backoff = backoff(1000, 60_000, 2.0);
+    let mut schedule_only = alo("b.>");
+    schedule_only.backoff = backoff(1000, 60_000, 2.0);
+    for (name, p, ok, too_long, ceiling) in
+        [("a", with_max, 10u64, 11u64, 10u64), ("b", schedule_only, 60, 61, 60)]
+    {
+        let ctx = SubscriptionCtx::new(name, &p);
+        let mut c = mem.open(ctx.clone()).await.unwrap();
+        mem.publish(format!("{name}.1"), vec![], "x".into()).await.unwrap();
+        let d = c.next().await.unwrap();
+        assert_eq!(
+            d.nack_after(Duration::from_secs(too_long)).await,
+            Err(SettleError::DelayTooLong { requested: Duration::from_secs(too_long), ceiling: Duration::from_secs(ceiling) })
+        );
+        assert_eq!(d.nack_after(Duration::from_secs(ok)).await, Ok(()), "{name}: up to the ceiling is allowed");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn nack_after_refused_records_nothing_and_the_handler_can_still_nack() {
+    // seed 000: "On a subscription with neither, or for a delay that is negative or above that
+    // ceiling, it returns an error and records nothing, so the handler can still Nack."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let results = Arc::new(Mutex::new(Vec::new()));
+    let r = results.clone();
+    let mut neither = alo("n.>");
+    neither.max_deliver = Some(1);
+    bus.subscribe(sub("neither", neither, move |d| {
+        let r = r.clone();
+        async move {
+            let a = d.nack_after(Duration::from_millis(1)).await;
+            let b = d.nack_after_millis(-5).await;
+            r.lock().unwrap().extend([a, b]);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    let results2 = Arc::new(Mutex::new(Vec::new()));
+    let r2 = results2.clone();
+    let mut capped = alo("c.>");
+    capped.max_deliver = Some(1);
+    capped.max_nack_delay = Some(api::Duration::from_secs(5));
+    bus.subscribe(sub("capped", capped, move |d| {
+        let r2 = r2.clone();
+        async move {
+            let a = d.nack_after(Duration::from_secs(6)).await;
+            let b = d.nack_after_millis(-1).await;
+            r2.lock().unwrap().extend([a, b]);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("n.1", "x").await.unwrap();
+    bus.publish("c.1", "x").await.unwrap();
+    until("both handled", || stats(&bus, "neither").delivered == 1 && stats(&bus, "capped").delivered == 1).await;
+    let r = results.lock().unwrap().clone();
+    assert!(matches!(r[0], Err(SettleError::NoDelayAllowed(_))), "{r:?}");
+    assert_eq!(r[1], Err(SettleError::NegativeDelay(-5)));
+    let r2 = results2.lock().unwrap().clone();
+    assert!(matches!(r2[0], Err(SettleError::DelayTooLong { .. })), "{r2:?}");
+    assert_eq!(r2[1], Err(SettleError::NegativeDelay(-1)));
+    for name in ["neither", "capped"] {
+        let st = stats(&bus, name);
+        assert_eq!((st.settlement.nacked, st.settlement.silent, st.settlement.acked), (1, 0, 0), "{name}: only the Nack was recorded");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_them() {
+    // seed 000: "A delay needs a backend that can hold the message back, Capabilities.DelaysRedelivery.
+    // On one that cannot, the subscription is refused when the bus is built, as it is for a delay
+    // longer than the backend's MaxRedeliveryDelay."
+    let no_delays = Limited(MemoryBackend::new(), Capabilities { delays_redelivery: false, ..Capabilities::default() });
+    let mut p = alo("o.>");
+    p.backoff = backoff(1000, 2000, 2.0);
+    let err = Bus::builder(no_delays).without_reports().build().subscribe(sub("o", p.clone(), |_d| async { Ok(()) })).await.unwrap_err();
+    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.backoff") && reason.contains("delaysRedelivery")), "{err}");
+
+    let short = Limited(
+        MemoryBackend::new(),
+        Capabilities { delays_redelivery: true, max_redelivery_delay: Some(api::Duration::from_secs(60)), restart_can_spend_unseen_attempt: false },
+    );
+    let mut p2 = alo("o.>");
+    p2.max_nack_delay = Some(api::Duration::from_secs(3600));
+    let err = Bus::builder(short).without_reports().build().subscribe(sub("o", p2, |_d| async { Ok(()) })).await.unwrap_err();
+    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.maxNackDelay")), "{err}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn delays_are_not_allowed_under_at_most_once() {
+    // seed 000: "Neither is allowed under AtMostOnce, where nothing comes back."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = amo("o.>");
+    p.backoff = backoff(1000, 2000, 2.0);
+    let err = bus.subscribe(sub("o", p, |_d| async { Ok(()) })).await.unwrap_err();
+    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("AtMostOnce")), "{err}");
+    let mut p = amo("o.>");
+    p.max_nack_delay = Some(api::Duration::from_secs(1));
+    assert!(bus.subscribe(sub("o", p, |_d| async { Ok(()) })).await.is_err());
+}
+
+// ---------------------------------------------------------------- slow handlers
+
+#[tokio::test(start_paused = true)]
+async fn the_memory_backend_never_hands_a_message_on_while_its_handler_runs() {
+    // seed 000: "The in-memory backend never hands a message on while a handler runs, so neither
+    // setting does anything there"
+    for slow in [SlowHandler::ExtendLease, SlowHandler::Redeliver] {
+        let mem = MemoryBackend::new();
+        let bus = bus(&mem);
+        let seen = Seen::default();
+        let s = seen.clone();
+        let mut p = alo("o.>");
+        p.slow_handler = Some(slow);
+        p.ack_wait = Some(api::Duration::from_secs(1));
+        p.max_processing_time = Some(api::Duration::from_secs(2));
+        bus.subscribe(sub("o", p, move |d| {
+            let s = s.clone();
+            async move {
+                s.record(&d);
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                d.ack().await?;
+                Ok(())
+            }
+        }))
+        .await
+        .unwrap();
+        bus.publish("o.1", "a").await.unwrap();
+        until("acked", || stats(&bus, "o").settlement.acked == 1).await;
+        assert_eq!(seen.attempts(), [1], "{slow:?}: not handed on");
+        assert_eq!(stats(&bus, "o").lease_expired, 0);
+    }
+}
+
+// ---------------------------------------------------------------- exactly one settlement
+
+#[tokio::test(start_paused = true)]
+async fn the_first_settlement_wins_even_through_clones_in_other_tasks() {
+    // seed 000: "Exactly one settlement per delivery. The first call wins; a second returns
+    // ErrAlreadySettled. This holds even if you copy the Delivery — into a struct, a closure,
+    // another goroutine — because the settlement state is shared behind the value."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let o = outcomes.clone();
+    bus.subscribe(sub("o", alo("o.>"), move |d| {
+        let o = o.clone();
+        async move {
+            struct Holder {
+                d: Delivery,
+            }
+            let held = Holder { d: d.clone() };
+            let mut tasks = Vec::new();
+            for i in 0..8 {
+                let c = held.d.clone();
+                tasks.push(tokio::spawn(async move { if i % 2 == 0 { c.ack().await } else { c.nack().await } }));
+            }
+            for t in tasks {
+                let r = t.await.unwrap();
+                o.lock().unwrap().push(r);
+            }
+            let last = d.ack().await;
+            o.lock().unwrap().push(last);
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("handled", || outcomes.lock().unwrap().len() == 9).await;
+    let o = outcomes.lock().unwrap().clone();
+    assert_eq!(o.iter().filter(|r| r.is_ok()).count(), 1, "{o:?}");
+    assert_eq!(o.iter().filter(|r| **r == Err(SettleError::AlreadySettled)).count(), 8);
+    let st = stats(&bus, "o");
+    assert_eq!(st.settlement.acked + st.settlement.nacked + st.settlement.silent, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_returned_error_never_decides_settlement() {
+    // seed 000: "The returned error and the settlement are separate. An error is counted and
+    // logged and does not affect settlement ... So Ack-then-return-error and Nack-then-return-nil
+    // are both legal and both mean exactly what they say."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus.subscribe(sub("o", alo("o.>"), move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            match (d.payload().as_ref(), d.attempt()) {
+                (b"ack-then-err", _) => {
+                    d.ack().await?;
+                    Err("logged, not a nack".into())
+                }
+                (b"nack-then-ok", 1) => {
+                    d.nack().await?;
+                    Ok(())
+                }
+                _ => {
+                    d.ack().await?;
+                    Ok(())
+                }
+            }
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "ack-then-err").await.unwrap();
+    bus.publish("o.2", "nack-then-ok").await.unwrap();
+    until("three runs", || stats(&bus, "o").delivered == 3).await;
+    settle_for(Duration::from_secs(5)).await;
+    let st = stats(&bus, "o");
+    assert_eq!((st.settlement.acked, st.settlement.nacked), (2, 1));
+    assert_eq!(bus.runtime_stats("o").unwrap().handler_errors, 1);
+    let runs: Vec<String> = seen.0.lock().unwrap().iter().map(|e| e.0.clone()).collect();
+    assert_eq!(runs.iter().filter(|r| *r == "ack-then-err").count(), 1, "an acked message that returned an error is not redelivered");
+    assert_eq!(runs.iter().filter(|r| *r == "nack-then-ok").count(), 2, "a nacked message that returned Ok is redelivered");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_is_contained_counted_and_treated_as_silence() {
+    // issue 3, Done when: "A handler that panics is contained: counted, the delivery treated as
+    // silence, the bus keeps running."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("o.>");
+    p.max_deliver = Some(2);
+    bus.subscribe(sub("o", p, |d| async move {
+        if d.payload().as_ref() == b"boom" && d.attempt() == 1 {
+            panic!("handler bug");
+        }
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "boom").await.unwrap();
+    bus.publish("o.2", "fine").await.unwrap();
+    until("both acked", || stats(&bus, "o").settlement.acked == 2).await;
+    let st = stats(&bus, "o");
+    assert_eq!(st.settlement.silent, 1, "the panic was silence");
+    assert_eq!(bus.runtime_stats("o").unwrap().panics, 1);
+    assert_eq!(st.delivered, 3);
+}
+
+// ---------------------------------------------------------------- counters
+
+#[tokio::test(start_paused = true)]
+async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest() {
+    // seed 000: "The first three partition Delivered." "the identity at rest is Offered ==
+    // Delivered + Released + Lost."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("o.>");
+    p.max_deliver = Some(3);
+    bus.subscribe(sub("o", p, |d| async move {
+        match (d.payload()[0] % 3, d.attempt()) {
+            (0, _) => d.ack().await?,
+            (1, a) if a < 2 => d.nack().await?,
+            (1, _) => d.ack().await?,
+            _ => {}
+        }
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    for i in 0..30u8 {
+        bus.publish(format!("o.{i}"), vec![i]).await.unwrap();
+    }
+    until("at rest", || {
+        let st = stats(&bus, "o");
+        st.settlement.acked == 20 && st.exhausted == 10
+    })
+    .await;
+    let st = stats(&bus, "o");
+    assert_eq!(st.settlement.acked + st.settlement.nacked + st.settlement.silent, st.delivered);
+    assert!(st.balanced(), "{st:?}");
+    assert_eq!((st.offered, st.released, st.lost), (60, 0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_nack_moves_nacked_and_refused() {
+    // seed 000: "Refused is orthogonal: a nack the backend could not act on moves Nacked and Refused."
+    let mem = MemoryBackend::new();
+    let bus = Bus::builder(mem.clone()).without_reports().close_grace(Duration::from_secs(1)).build();
+    let kept: Arc<Mutex<Option<Delivery>>> = Arc::default();
+    let k = kept.clone();
+    bus.subscribe(sub("o", alo("o.>"), move |d| {
+        let k = k.clone();
+        async move {
+            // Hand the delivery to "another task" that settles it later, after the bus retired the consumer.
+            *k.lock().unwrap() = Some(d.clone());
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("handler running", || kept.lock().unwrap().is_some()).await;
+    bus.unsubscribe("o").await.unwrap();
+    let d = kept.lock().unwrap().clone().unwrap();
+    assert!(matches!(d.nack().await, Err(SettleError::Refused(_))));
+    let st = stats(&bus, "o");
+    assert_eq!((st.settlement.nacked, st.settlement.refused), (1, 1));
+    assert_eq!(st.released, 1, "the running attempt was given up at close");
+    assert!(st.balanced(), "{st:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
+    // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
+    let mem = MemoryBackend::new();
+    let bus1 = Bus::builder(mem.clone()).without_reports().close_grace(Duration::from_millis(100)).build();
+    bus1.subscribe(sub("o", alo("o.>"), |_d| async move {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus1.publish("o.1", "a").await.unwrap();
+    until("offered", || stats(&bus1, "o").offered == 1).await;
+    bus1.close().await;
+    let st = stats(&bus1, "o");
+    assert_eq!((st.released, st.delivered, st.lost), (1, 0, 0));
+    assert!(st.balanced());
+
+    // The same durable on a new bus gets it back, with a higher attempt.
+    let bus2 = bus(&mem);
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus2.subscribe(sub("o", alo("o.>"), move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    until("redelivered", || seen.len() == 1).await;
+    assert_eq!(seen.attempts(), [2]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
+    // api ConsumerStats.lost: "Attempts offered and never delivered nor released (under AtMostOnce, dropped on shutdown)."
+    let mem = MemoryBackend::new();
+    let bus = Bus::builder(mem.clone()).without_reports().close_grace(Duration::from_millis(100)).build();
+    bus.subscribe(sub("o", amo("o.>"), |_d| async move {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    until("offered", || stats(&bus, "o").offered == 1).await;
+    bus.close().await;
+    let st = stats(&bus, "o");
+    assert_eq!((st.lost, st.released, st.delivered), (1, 0, 0));
+    assert!(st.balanced());
+}
+
+#[tokio::test(start_paused = true)]
+async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
+    // seed 000: "DelayShortened is zero except on a backend with a limit on how long it can hold a
+    // message"; LeaseExpired counts attempts handed on, which memory never does.
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("o.>");
+    p.max_nack_delay = Some(api::Duration::from_secs(3600));
+    p.ack_wait = Some(api::Duration::from_secs(1));
+    p.max_processing_time = Some(api::Duration::from_secs(1));
+    bus.subscribe(sub("o", p, |d| async move {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        if d.attempt() == 1 { d.nack_after(Duration::from_secs(3600)).await? } else { d.ack().await? }
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus.publish("o.1", "a").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3700)).await;
+    until("acked", || stats(&bus, "o").settlement.acked == 1).await;
+    let st = stats(&bus, "o");
+    assert_eq!((st.lease_expired, st.delay_shortened, st.stranded), (0, 0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn counters_never_go_backwards_across_resubscribe() {
+    // design §5: "Status counters never decrease"; the runtime's own counters are cumulative.
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    for round in 1..=2u64 {
+        bus.subscribe(sub("o", alo("o.>"), |d| async move {
+            d.ack().await?;
+            Ok(())
+        }))
+        .await
+        .unwrap();
+        bus.publish(format!("o.{round}"), "x").await.unwrap();
+        until("acked", || stats(&bus, "o").settlement.acked == round).await;
+        bus.unsubscribe("o").await.unwrap();
+        assert_eq!(stats(&bus, "o").settlement.acked, round, "readable after unsubscribe, and not reset");
+    }
+}
+
+// ---------------------------------------------------------------- envelopes and foreign headers
+
+#[derive(serde::Deserialize, Debug, PartialEq)]
+struct Order {
+    id: u32,
+}
+
+async fn one_delivery(headers: Vec<(&str, &str)>, payload: &str) -> (Delivery, ConsumerStats) {
+    let mem = MemoryBackend::new();
+    let ctx = SubscriptionCtx::new("o", &amo("o.>"));
+    let mut c = mem.open(ctx.clone()).await.unwrap();
+    let headers = headers.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    mem.publish("o.1".into(), headers, payload.to_string().into()).await.unwrap();
+    let d = c.next().await.unwrap();
+    (d, ctx.stats())
+}
+
+#[tokio::test(start_paused = true)]
+async fn cloudevents_binary_and_structured_decode_and_never_raise_a_foreign_conflict() {
+    // seed 000: "Binary and structured mode never raise it."
+    let (d, st) = one_delivery(
+        vec![("ce-specversion", "1.0"), ("ce-id", "e1"), ("ce-type", "order.created"), ("ce-source", "/shop"), ("correlation-id", "other")],
+        r#"{"id": 7}"#,
+    )
+    .await;
+    assert_eq!(d.event().format, Format::CloudEventsBinary);
+    assert_eq!(d.event().id.as_deref(), Some("e1"));
+    assert_eq!(d.decode::<Order>().unwrap(), Order { id: 7 });
+    assert_eq!(st.foreign_conflicts, 0);
+    assert!(d.foreign().is_empty());
+
+    let (d, st) = one_delivery(
+        vec![("content-type", "application/cloudevents+json"), ("correlation-id", "other")],
+        r#"{"specversion":"1.0","id":"e2","type":"order.created","source":"/shop","data":{"id":8}}"#,
+    )
+    .await;
+    assert_eq!(d.event().format, Format::CloudEventsStructured);
+    assert_eq!(d.event().event_type.as_deref(), Some("order.created"));
+    assert_eq!(d.decode::<Order>().unwrap(), Order { id: 8 });
+    assert_eq!(st.foreign_conflicts, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_masstransit_envelope_contradicted_by_a_transport_header_counts_one_foreign_conflict() {
+    // seed 000: "ForeignConflicts, under any mode, is attempts that arrived with a transport header
+    // contradicting the event's envelope, such as a broker's correlation ID that differs from the
+    // one in a MassTransit envelope. ... The event is still the envelope's; the other value is in
+    // d.Foreign().Headers."
+    let envelope = r#"{"messageId":"m-1","correlationId":"c-envelope","messageType":["urn:message:Shop:OrderCreated"],"message":{"id":9}}"#;
+    let (d, st) = one_delivery(vec![("content-type", "application/vnd.masstransit+json"), ("correlation-id", "c-broker")], envelope).await;
+    assert_eq!(d.event().format, Format::MassTransit);
+    assert_eq!(d.event().correlation_id.as_deref(), Some("c-envelope"), "the envelope's value is kept");
+    assert_eq!(d.foreign().get("correlation-id"), Some("c-broker"), "the transport's value is in the foreign view");
+    assert_eq!(d.decode::<Order>().unwrap(), Order { id: 9 });
+    assert_eq!(st.foreign_conflicts, 1);
+    assert_eq!(d.header("Correlation-ID"), Some("c-broker"), "headers are read case-insensitively");
+
+    // Agreeing headers are no conflict.
+    let (d, st) = one_delivery(vec![("correlation-id", "c-envelope"), ("message-id", "m-1")], envelope).await;
+    assert_eq!(st.foreign_conflicts, 0);
+    assert!(d.foreign().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn foreign_conflicts_are_counted_per_attempt_under_at_least_once() {
+    // seed 000: "It is attempt-grain and outside the identity too."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let mut p = alo("o.>");
+    p.max_deliver = Some(3);
+    bus.subscribe(sub("o", p, |d| async move {
+        d.nack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus.publish_with_headers(
+        "o.1",
+        vec![("correlation-id".into(), "broker".into())],
+        r#"{"messageId":"m","correlationId":"env","messageType":["x"],"message":{}}"#,
+    )
+    .await
+    .unwrap();
+    until("exhausted", || stats(&bus, "o").exhausted == 1).await;
+    let st = stats(&bus, "o");
+    assert_eq!(st.foreign_conflicts, 3);
+    assert!(st.balanced());
+}
+
+#[tokio::test(start_paused = true)]
+async fn decode_reads_a_raw_json_payload_and_reports_a_malformed_one() {
+    // seed 000: "if err := d.Decode(&order); err != nil { return d.Nack() // malformed: decline it }"
+    let (d, _) = one_delivery(vec![], r#"{"id": 1}"#).await;
+    assert_eq!(d.event().format, Format::Raw);
+    assert_eq!(d.decode::<Order>().unwrap(), Order { id: 1 });
+    let (d, _) = one_delivery(vec![], "not json").await;
+    assert!(d.decode::<Order>().is_err());
+}
+
+// ---------------------------------------------------------------- seed 003: prefetch and the forgotten ack
+
+#[tokio::test(start_paused = true)]
+async fn max_in_flight_bounds_concurrent_handlers() {
+    // seed 003: "`prefetch` is how many un-acknowledged messages the broker will send a consumer."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let now = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (n, pk) = (now.clone(), peak.clone());
+    let mut p = alo("o.>");
+    p.max_in_flight = Some(2);
+    bus.subscribe(sub("o", p, move |d| {
+        let (n, pk) = (n.clone(), pk.clone());
+        async move {
+            let c = n.fetch_add(1, Ordering::SeqCst) + 1;
+            pk.fetch_max(c, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            n.fetch_sub(1, Ordering::SeqCst);
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    for i in 0..10 {
+        bus.publish(format!("o.{i}"), "x").await.unwrap();
+    }
+    until("all acked", || stats(&bus, "o").settlement.acked == 10).await;
+    assert_eq!(peak.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
+    // seed 003: "With `prefetch: 1` the consumer stops after exactly one message"; design §2: in
+    // Settle it "becomes a counted Silent settlement that is redelivered under AtLeastOnce, so it
+    // can never hide."
+    let mem = MemoryBackend::new();
+    let bus = bus(&mem);
+    let runs = Arc::new(AtomicU32::new(0));
+    let r = runs.clone();
+    let mut p = alo("o.>");
+    p.max_in_flight = Some(1);
+    p.max_deliver = Some(2);
+    bus.subscribe(sub("o", p, move |_d| {
+        let r = r.clone();
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok(()) // forgot to ack
+        }
+    }))
+    .await
+    .unwrap();
+    for i in 0..5 {
+        bus.publish(format!("o.{i}"), "x").await.unwrap();
+    }
+    until("all five exhausted", || stats(&bus, "o").exhausted == 5).await;
+    let st = stats(&bus, "o");
+    assert_eq!(st.settlement.silent, 10, "every forgotten ack is visible");
+    assert_eq!(runs.load(Ordering::SeqCst), 10, "the consumer went past the first message");
+}
+
+// ---------------------------------------------------------------- the seam and conformance
+
+#[tokio::test(start_paused = true)]
+async fn the_conformance_suite_passes_on_the_memory_backend() {
+    // seed 000: "The conformance suite holds an AtLeastOnce backend to four rows ... and a fifth, a
+    // declined message waiting out its delay, on a backend declaring DelaysRedelivery."
+    let mem = MemoryBackend::new();
+    let rows = bus::conformance::run(&mem, "conformance").await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(rows, bus::conformance::ROWS.to_vec());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_conformance_suite_skips_the_delay_row_where_delays_are_not_declared() {
+    // seed 000: "and a fifth ... on a backend declaring DelaysRedelivery."
+    let limited = Limited(MemoryBackend::new(), Capabilities { delays_redelivery: false, ..Capabilities::default() });
+    let rows = bus::conformance::run(&limited, "conformance").await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(rows, bus::conformance::ROWS[..4].to_vec());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_conformance_suite_catches_a_backend_that_redelivers_early() {
+    // The suite must fail a backend that turns a delay into an immediate retry
+    // (seed 000: "A delay is never quietly turned into an immediate retry").
+    let rows = bus::conformance::run(&Hasty(MemoryBackend::new()), "conformance").await;
+    let err = rows.unwrap_err();
+    assert_eq!(err.row, bus::conformance::ROWS[4], "{err}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn settle_is_the_one_path_at_the_seam() {
+    // seed 000: "it completes each exchange with messaging.Settle, the same function the bus calls
+    // after a handler returns, or messaging.SettleWith to put a delay on a decline."
+    let mem = MemoryBackend::new();
+    let mut p = alo("o.>");
+    p.max_nack_delay = Some(api::Duration::from_secs(1));
+    let ctx = SubscriptionCtx::new("o", &p);
+    let mut c = mem.open(ctx.clone()).await.unwrap();
+    mem.publish("o.1".into(), vec![], "x".into()).await.unwrap();
+    let d = c.next().await.unwrap();
+    bus::settle(&d, Decision::Silent).await.unwrap();
+    let d = c.next().await.unwrap();
+    assert_eq!(d.attempt(), 2);
+    bus::settle_with(&d, Duration::from_millis(10)).await.unwrap();
+    assert_eq!(bus::settle(&d, Decision::Ack).await, Err(SettleError::AlreadySettled));
+    let d = c.next().await.unwrap();
+    bus::settle(&d, Decision::Ack).await.unwrap();
+    let st = ctx.stats();
+    assert_eq!((st.offered, st.settlement.silent, st.settlement.nacked, st.settlement.acked), (3, 1, 1, 1));
+}
+
+// ---------------------------------------------------------------- test backends
+
+/// Memory with other declared capabilities.
+struct Limited(MemoryBackend, Capabilities);
+
+impl Backend for Limited {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Memory
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.1.clone()
+    }
+    fn hands_on_slow_handlers(&self) -> bool {
+        false
+    }
+    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+        self.0.open(ctx)
+    }
+    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: bytes::Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        self.0.publish(subject, headers, payload)
+    }
+    fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
+        None
+    }
+}
+
+/// A broken backend: ignores delays (redelivers at once). Its consumer hands out deliveries of
+/// the caller's context whose settler declines the inner memory delivery without any delay.
+struct Hasty(MemoryBackend);
+
+impl Backend for Hasty {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Memory
+    }
+    fn hands_on_slow_handlers(&self) -> bool {
+        false
+    }
+    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+        Box::pin(async move {
+            let inner_policy = DeliveryPolicy {
+                pattern: ctx.policy().pattern.clone(),
+                mode: Mode::AtLeastOnce,
+                durable_name: ctx.policy().durable_name.clone(),
+                ..DeliveryPolicy::default()
+            };
+            let inner = self.0.open(SubscriptionCtx::new("inner", &inner_policy)).await?;
+            Ok(Box::new(Rewrap(inner, ctx)) as Box<dyn Consumer>)
+        })
+    }
+    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: bytes::Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        self.0.publish(subject, headers, payload)
+    }
+}
+
+struct Rewrap(Box<dyn Consumer>, Arc<SubscriptionCtx>);
+
+struct ZeroDelay(Delivery);
+
+impl bus::OnSettle for ZeroDelay {
+    fn settle(&self, action: bus::Action) -> BoxFuture<'_, Result<bus::Performed, bus::Refusal>> {
+        Box::pin(async move {
+            let r = match action {
+                bus::Action::Ack | bus::Action::Terminate => bus::settle(&self.0, Decision::Ack).await,
+                bus::Action::Decline(_) => bus::settle(&self.0, Decision::Nack).await,
+            };
+            r.map(|()| bus::Performed::AsAsked).map_err(|e| bus::Refusal { reason: e.to_string(), stranded: false })
+        })
+    }
+    fn progress(&self) -> BoxFuture<'_, Result<(), bus::Refusal>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+}
+
+impl Consumer for Rewrap {
+    fn next(&mut self) -> BoxFuture<'_, Option<Delivery>> {
+        Box::pin(async move {
+            let d = self.0.next().await?;
+            Some(Delivery::new(
+                &self.1,
+                bus::DeliveryOptions {
+                    subject: d.subject().to_string(),
+                    headers: d.headers().to_vec(),
+                    payload: d.payload().clone(),
+                    attempt: d.attempt(),
+                    on_settle: Box::new(ZeroDelay(d)),
+                },
+            ))
+        })
+    }
+    fn retire(&mut self) -> BoxFuture<'_, ()> {
+        self.0.retire()
+    }
+}
