@@ -18,7 +18,7 @@ kubectl wait --for=condition=Established --timeout=60s crd/subscriptions.messagi
 
 step "Apply the samples into namespace $NS"
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
-kubectl apply -n "$NS" -f config/samples/
+kubectl apply -n "$NS" -k config/samples/
 kubectl get backends,subscriptions -n "$NS"
 
 step "The API server itself refuses a malformed duration"

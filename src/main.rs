@@ -1,8 +1,13 @@
-//! The `settle` command: `settle crds` today; `settle operator` and `settle check` follow.
+//! The `settle` command: `settle crds` prints the CRDs, `settle check` applies the admission
+//! rules to manifests offline (same code as the webhook).
 
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use settle::admission::offline;
+use settle::backend::BackendKind;
 
 #[derive(Parser)]
 #[command(
@@ -19,6 +24,17 @@ struct Cli {
 enum Command {
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
     Crds,
+    /// Check Subscription manifests against the admission rules, offline. Exits 1 when any is
+    /// refused, 2 when the input cannot be read.
+    Check {
+        /// A manifest file, or a directory searched for *.yaml and *.yml.
+        #[arg(short = 'f', long = "filename", required = true)]
+        files: Vec<PathBuf>,
+        /// Check every Subscription against this backend kind (nats, memory, sqs, rabbitmq)
+        /// instead of the Backend named in the input.
+        #[arg(long, env = "SETTLE_BACKEND_KIND")]
+        backend_kind: Option<BackendKind>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -34,5 +50,53 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Check {
+            files,
+            backend_kind,
+        } => check(&files, backend_kind),
+    }
+}
+
+fn check(paths: &[PathBuf], backend_kind: Option<BackendKind>) -> ExitCode {
+    let mut inputs = Vec::new();
+    for path in paths {
+        let files = match offline::collect_files(path) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("settle check: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        for file in files {
+            match std::fs::read_to_string(&file) {
+                Ok(text) => inputs.push((file.display().to_string(), text)),
+                Err(e) => {
+                    eprintln!("settle check: {}: {e}", file.display());
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    }
+    let report = offline::check(&inputs, backend_kind);
+    let refused = report
+        .findings
+        .iter()
+        .filter(|f| !f.errors.is_empty())
+        .count();
+    // Write through a locked stdout and stop quietly if the reader went away (`| head`).
+    let mut out = std::io::stdout().lock();
+    let _ = (|| -> std::io::Result<()> {
+        if report.findings.is_empty() {
+            writeln!(out, "no Settle resources found")?;
+        }
+        for finding in &report.findings {
+            writeln!(out, "{finding}")?;
+        }
+        writeln!(out, "{} checked, {refused} refused", report.findings.len())
+    })();
+    if report.has_errors() {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
     }
 }

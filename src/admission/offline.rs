@@ -1,0 +1,265 @@
+//! `settle check`: the admission rules applied to manifests on disk, with no cluster.
+//!
+//! Reads YAML files (several documents each), finds the Subscriptions, resolves each one's
+//! Backend from the same input (or from `--backend-kind`), and runs the same `validate` as the
+//! webhook. It must not talk to a cluster or a broker.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use super::{BackendView, FieldIssue, validate};
+use crate::api::{Backend, Subscription};
+use crate::backend::{BackendKind, capabilities_of};
+
+/// Why input could not be checked at all.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: no .yaml or .yml files found")]
+    Empty { path: PathBuf },
+}
+
+/// The verdict on one object.
+#[derive(Debug)]
+pub struct Finding {
+    /// `file#document`, e.g. `samples/orders.yaml#1`.
+    pub source: String,
+    /// `Kind namespace/name`.
+    pub object: String,
+    pub errors: Vec<String>,
+    pub warnings: Vec<String>,
+    /// Which backend the capabilities came from, e.g. `nats (Backend "nats" in input)`.
+    pub backend: Option<String>,
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let verdict = if self.errors.is_empty() {
+            "ok"
+        } else {
+            "REFUSED"
+        };
+        write!(f, "{}: {} {}", self.source, self.object, verdict)?;
+        if let Some(b) = &self.backend {
+            write!(f, " (backend: {b})")?;
+        }
+        for e in &self.errors {
+            write!(f, "\n  error: {e}")?;
+        }
+        for w in &self.warnings {
+            write!(f, "\n  warning: {w}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything `settle check` found.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+}
+
+impl Report {
+    pub fn has_errors(&self) -> bool {
+        self.findings.iter().any(|f| !f.errors.is_empty())
+    }
+}
+
+/// Collects `.yaml`/`.yml` files: the file itself, or every such file under a directory, sorted.
+pub fn collect_files(path: &Path) -> Result<Vec<PathBuf>, CheckError> {
+    let read_err = |source| CheckError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(read_err)?;
+    if meta.is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut out = Vec::new();
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(|source| CheckError::Read {
+            path: dir.clone(),
+            source,
+        })? {
+            let p = entry
+                .map_err(|source| CheckError::Read {
+                    path: dir.clone(),
+                    source,
+                })?
+                .path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    if out.is_empty() {
+        return Err(CheckError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(out)
+}
+
+#[derive(Deserialize)]
+struct TypeMeta {
+    #[serde(rename = "apiVersion", default)]
+    api_version: String,
+    #[serde(default)]
+    kind: String,
+}
+
+/// Checks manifests given as (source name, YAML text). `kind_override` makes every Subscription
+/// be checked against that backend kind (`--backend-kind`); otherwise each one's Backend is
+/// looked up in the input by namespace and name, and a Subscription whose Backend is not in the
+/// input is checked against `nats` (the backend Settle drives first) and says so.
+pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) -> Report {
+    let mut report = Report::default();
+    let mut subscriptions = Vec::new();
+    let mut backends: HashMap<(String, String), BackendKind> = HashMap::new();
+
+    for (name, text) in inputs {
+        for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+            let source = format!("{name}#{}", i + 1);
+            let value = match serde_yaml::Value::deserialize(doc) {
+                Ok(serde_yaml::Value::Null) => continue,
+                Ok(v) => v,
+                Err(e) => {
+                    // The parser cannot resynchronise after a syntax error (it would yield the
+                    // same error forever), so the rest of this file is not read.
+                    report.findings.push(unreadable(
+                        source,
+                        "document",
+                        format!("not valid YAML, rest of file not read: {e}"),
+                    ));
+                    break;
+                }
+            };
+            let meta: TypeMeta = serde_yaml::from_value(value.clone()).unwrap_or(TypeMeta {
+                api_version: String::new(),
+                kind: String::new(),
+            });
+            if !meta.api_version.starts_with(crate::api::GROUP) {
+                continue; // not Settle's: someone else's manifest in the same directory
+            }
+            match meta.kind.as_str() {
+                "Subscription" => {
+                    match serde_path_to_error::deserialize::<_, Subscription>(value.clone()) {
+                        Ok(s) => subscriptions.push((source, s)),
+                        Err(e) => report.findings.push(unreadable(
+                            source,
+                            "Subscription",
+                            policy_error(&value).unwrap_or(e.to_string()),
+                        )),
+                    }
+                }
+                "Backend" => match serde_path_to_error::deserialize::<_, Backend>(value) {
+                    Ok(b) => match b.spec.kind() {
+                        Some(kind) => {
+                            backends.insert(
+                                (
+                                    namespace_of(&b.metadata),
+                                    b.metadata.name.clone().unwrap_or_default(),
+                                ),
+                                kind,
+                            );
+                        }
+                        None => report.findings.push(Finding {
+                            source,
+                            object: object_name("Backend", &b.metadata),
+                            errors: vec![
+                                "spec: exactly one backend kind must be set: nats or memory".into(),
+                            ],
+                            warnings: vec![],
+                            backend: None,
+                        }),
+                    },
+                    Err(e) => report
+                        .findings
+                        .push(unreadable(source, "Backend", e.to_string())),
+                },
+                _ => {}
+            }
+        }
+    }
+
+    for (source, sub) in subscriptions {
+        let backend_name = sub.spec.backend_ref.name.clone();
+        let (kind, from) = match kind_override {
+            Some(k) => (k, "--backend-kind".to_string()),
+            None => match backends.get(&(namespace_of(&sub.metadata), backend_name.clone())) {
+                Some(k) => (*k, format!("Backend {backend_name:?} in input")),
+                None => (
+                    BackendKind::Nats,
+                    format!(
+                        "Backend {backend_name:?} not in input; assumed nats, pass --backend-kind to choose"
+                    ),
+                ),
+            },
+        };
+        let caps = capabilities_of(kind);
+        let verdict = validate(
+            &sub.spec,
+            None,
+            BackendView::Known {
+                name: &backend_name,
+                capabilities: &caps,
+            },
+        );
+        let mut warnings: Vec<String> =
+            verdict.warnings.iter().map(FieldIssue::to_string).collect();
+        if !kind.driven() {
+            warnings.push(format!(
+                "backend kind {kind} is in the capability table but Settle does not drive it yet"
+            ));
+        }
+        report.findings.push(Finding {
+            source,
+            object: object_name("Subscription", &sub.metadata),
+            errors: verdict.errors.iter().map(FieldIssue::to_string).collect(),
+            warnings,
+            backend: Some(format!("{kind}, {from}")),
+        });
+    }
+    report
+}
+
+fn unreadable(source: String, kind: &str, error: String) -> Finding {
+    Finding {
+        source,
+        object: kind.to_string(),
+        errors: vec![error],
+        warnings: vec![],
+        backend: None,
+    }
+}
+
+/// The spec's policy fields are flattened into it, and serde loses the path through a flatten:
+/// parse the policy alone to say which field is wrong (`spec.ackWait: ...`).
+fn policy_error(value: &serde_yaml::Value) -> Option<String> {
+    let spec = value.get("spec")?.clone();
+    let err = serde_path_to_error::deserialize::<_, crate::api::DeliveryPolicy>(spec).err()?;
+    Some(format!("spec.{}: {}", err.path(), err.inner()))
+}
+
+fn namespace_of(meta: &kube::api::ObjectMeta) -> String {
+    meta.namespace.clone().unwrap_or_else(|| "default".into())
+}
+
+fn object_name(kind: &str, meta: &kube::api::ObjectMeta) -> String {
+    format!(
+        "{kind} {}/{}",
+        namespace_of(meta),
+        meta.name.as_deref().unwrap_or("<unnamed>")
+    )
+}

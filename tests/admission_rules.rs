@@ -1,0 +1,420 @@
+//! Every admission rule (design §3, seed 000), valid and invalid, as one table over the pure
+//! `validate`. The webhook and `settle check` call the same function; their own tests check the
+//! wiring, this one the rules.
+
+use settle::admission::{BackendView, Verdict, validate, validate_policy};
+use settle::api::{Capabilities, Duration, SubscriptionSpec};
+use settle::backend::{BackendKind, capabilities_of};
+
+/// The backend a row is checked against.
+#[derive(Clone, Copy)]
+enum B {
+    Kind(BackendKind),
+    Missing,
+}
+
+struct Row {
+    name: &'static str,
+    spec: &'static str,
+    old: Option<&'static str>,
+    backend: B,
+    /// (field, a phrase the message must contain)
+    errors: &'static [(&'static str, &'static str)],
+    warnings: &'static [(&'static str, &'static str)],
+}
+
+const ALO: &str = "mode: AtLeastOnce\ndurableName: orders\n";
+
+fn spec(body: &str) -> SubscriptionSpec {
+    let yaml = format!("backendRef: {{name: nats}}\npattern: \"orders.>\"\n{body}");
+    serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("row spec does not parse: {e}\n{yaml}"))
+}
+
+fn run(row: &Row) -> Verdict {
+    let new = spec(row.spec);
+    let old = row.old.map(spec);
+    let caps;
+    let view = match row.backend {
+        B::Kind(k) => {
+            caps = capabilities_of(k);
+            BackendView::Known {
+                name: "nats",
+                capabilities: &caps,
+            }
+        }
+        B::Missing => BackendView::Missing { name: "nats" },
+    };
+    validate(&new, old.as_ref(), view)
+}
+
+fn rows() -> Vec<Row> {
+    use B::*;
+    use BackendKind::*;
+    vec![
+        // --- valid specs: nothing to say
+        Row {
+            name: "default AtMostOnce",
+            spec: "",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "full AtLeastOnce on nats",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 5\nbackoff: {initial: 1s, max: 1m, multiplier: 2}\nmaxNackDelay: 10m\nackWait: 30s\nmaxProcessingTime: 5m\nmaxInFlight: 250\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "AtLeastOnce on memory",
+            spec: ALO,
+            old: None,
+            backend: Kind(Memory),
+            errors: &[],
+            warnings: &[],
+        },
+        // --- rule 1: AtLeastOnce requires durableName, on every backend
+        Row {
+            name: "rule 1: AtLeastOnce without durableName (nats)",
+            spec: "mode: AtLeastOnce\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[(
+                "spec.durableName",
+                "required under mode AtLeastOnce, on every backend",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 1: AtLeastOnce without durableName (memory too)",
+            spec: "mode: AtLeastOnce\n",
+            old: None,
+            backend: Kind(Memory),
+            errors: &[("spec.durableName", "required under mode AtLeastOnce")],
+            warnings: &[],
+        },
+        // --- rule 2: nothing comes back under AtMostOnce
+        Row {
+            name: "rule 2: backoff under AtMostOnce",
+            spec: "backoff: {initial: 1s, max: 1m}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[(
+                "spec.backoff",
+                "not allowed under mode AtMostOnce, where nothing comes back",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 2: maxNackDelay under AtMostOnce",
+            spec: "maxNackDelay: 1m\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[("spec.maxNackDelay", "not allowed under mode AtMostOnce")],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 2: fields with no effect under AtMostOnce are admitted with warnings",
+            spec: "maxDeliver: 3\nslowHandler: Redeliver\nackWait: 10s\nmaxProcessingTime: 1m\nmaxInFlight: 1\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[
+                ("spec.maxDeliver", "has no effect under mode AtMostOnce"),
+                ("spec.slowHandler", "has no effect under mode AtMostOnce"),
+                ("spec.ackWait", "has no effect under mode AtMostOnce"),
+                (
+                    "spec.maxProcessingTime",
+                    "has no effect under mode AtMostOnce",
+                ),
+                ("spec.maxInFlight", "has no effect under mode AtMostOnce"),
+            ],
+        },
+        // --- rule 3: delays need delaysRedelivery
+        Row {
+            name: "rule 3: backoff on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m}\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.backoff", "cannot delay a redelivery")],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 3: maxNackDelay on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxNackDelay: 1m\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.maxNackDelay", "cannot delay a redelivery")],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 3: AtLeastOnce without delays is fine on rabbitmq",
+            spec: ALO,
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
+        // --- rule 4: not longer than the backend can hold
+        Row {
+            name: "rule 4: backoff.max above SQS's 12h",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 13h}\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[(
+                "spec.backoff.max",
+                "13h0m0s is longer than this backend can hold a message back (12h0m0s)",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 4: maxNackDelay above SQS's 12h",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxNackDelay: 24h\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[(
+                "spec.maxNackDelay",
+                "24h0m0s is longer than this backend can hold a message back",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 4: exactly 12h on SQS is fine",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 12h}\nmaxNackDelay: 12h\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 4: no limit on nats",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 48h}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        // --- rule 5: malformed backoff
+        Row {
+            name: "rule 5: max shorter than initial",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1m, max: 1s}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[(
+                "spec.backoff.max",
+                "1s is shorter than spec.backoff.initial 1m0s",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 5: multiplier below 1",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m, multiplier: 0.5}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[("spec.backoff.multiplier", "0.5 is below 1")],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 5: zero initial (only reachable past the CEL check)",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 0s, max: 1m}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[("spec.backoff.initial", "must be greater than zero")],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 5: multiplier exactly 1 is a constant wait",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1s, multiplier: 1}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        // --- rule 6: what the broker cannot change in place
+        Row {
+            name: "rule 6: mode change",
+            spec: ALO,
+            old: Some("mode: AtMostOnce\ndurableName: orders\n"),
+            backend: Kind(Nats),
+            errors: &[(
+                "spec.mode",
+                "cannot change from AtMostOnce to AtLeastOnce: the broker cannot change a consumer's ack policy in place. Delete this Subscription and create it again",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 6: durableName change",
+            spec: "mode: AtLeastOnce\ndurableName: orders2\n",
+            old: Some(ALO),
+            backend: Kind(Nats),
+            errors: &[(
+                "spec.durableName",
+                "cannot change from \"orders\" to \"orders2\"",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 6: stream set on update",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: Some(ALO),
+            backend: Kind(Nats),
+            errors: &[("spec.stream", "cannot change from unset to \"ORDERS\"")],
+            warnings: &[],
+        },
+        Row {
+            name: "rule 6: editable fields change freely",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 9\nackWait: 1m\nmaxInFlight: 10\n",
+            old: Some("mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 3\n"),
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        // --- rule 7: Redeliver makes ackWait a correctness setting
+        Row {
+            name: "rule 7: Redeliver without ackWait",
+            spec: "mode: AtLeastOnce\ndurableName: o\nslowHandler: Redeliver\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[(
+                "spec.ackWait",
+                "under Redeliver, ackWait is a correctness setting",
+            )],
+        },
+        Row {
+            name: "rule 7: Redeliver with ackWait",
+            spec: "mode: AtLeastOnce\ndurableName: o\nslowHandler: Redeliver\nackWait: 10m\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "ExtendLease that can never extend",
+            spec: "mode: AtLeastOnce\ndurableName: o\nackWait: 1m\nmaxProcessingTime: 30s\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[("spec.maxProcessingTime", "the lease is never extended")],
+        },
+        // --- rule 8: a Backend that does not exist yet
+        Row {
+            name: "rule 8: missing backend is admitted with a warning",
+            spec: ALO,
+            old: None,
+            backend: Missing,
+            errors: &[],
+            warnings: &[(
+                "spec.backendRef.name",
+                "Backend \"nats\" does not exist in this namespace yet",
+            )],
+        },
+        Row {
+            name: "rule 8: missing backend does not hide policy errors",
+            spec: "mode: AtLeastOnce\n",
+            old: None,
+            backend: Missing,
+            errors: &[("spec.durableName", "required under mode AtLeastOnce")],
+            warnings: &[("spec.backendRef.name", "does not exist")],
+        },
+    ]
+}
+
+#[test]
+fn every_rule_valid_and_invalid() {
+    let mut failures = Vec::new();
+    for row in rows() {
+        let v = run(&row);
+        let check = |kind: &str,
+                     got: &[settle::admission::FieldIssue],
+                     want: &[(&str, &str)],
+                     failures: &mut Vec<String>| {
+            let got_fields: Vec<&str> = got.iter().map(|i| i.field.as_str()).collect();
+            let want_fields: Vec<&str> = want.iter().map(|(f, _)| *f).collect();
+            if got_fields != want_fields {
+                failures.push(format!(
+                    "{}: {kind} fields {got_fields:?}, wanted {want_fields:?} ({got:?})",
+                    row.name
+                ));
+                return;
+            }
+            for (issue, (_, phrase)) in got.iter().zip(want) {
+                if !issue.message.contains(phrase) {
+                    failures.push(format!(
+                        "{}: {kind} {} says {:?}, wanted it to contain {phrase:?}",
+                        row.name, issue.field, issue.message
+                    ));
+                }
+            }
+        };
+        check("error", &v.errors, row.errors, &mut failures);
+        check("warning", &v.warnings, row.warnings, &mut failures);
+        assert_eq!(v.allowed(), row.errors.is_empty(), "{}", row.name);
+    }
+    assert!(
+        failures.is_empty(),
+        "{} rows failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn every_error_says_what_to_do() {
+    // Bad input gets an error naming the field and the fix: each error message carries an
+    // instruction (set / remove / use / delete ... create).
+    for row in rows() {
+        for e in run(&row).errors {
+            let m = e.message.to_lowercase();
+            assert!(
+                ["set ", "remove ", "use ", "delete "]
+                    .iter()
+                    .any(|verb| m.contains(verb)),
+                "{}: {} gives no way out: {}",
+                row.name,
+                e.field,
+                e.message
+            );
+        }
+    }
+}
+
+#[test]
+fn validate_policy_is_the_same_rules_without_the_resource() {
+    // The runtime calls validate_policy when a bus is built; it must agree with validate.
+    for row in rows().into_iter().filter(|r| r.old.is_none()) {
+        let B::Kind(kind) = row.backend else { continue };
+        let caps = capabilities_of(kind);
+        let full = run(&row);
+        let policy_only = validate_policy(&spec(row.spec).policy, &caps);
+        assert_eq!(full, policy_only, "{}", row.name);
+    }
+}
+
+#[test]
+fn capabilities_from_status_override_the_kind() {
+    // A Backend whose status says it cannot hold a message longer than 1m.
+    let caps = Capabilities {
+        delays_redelivery: true,
+        max_redelivery_delay: Some(Duration::from_secs(60)),
+        restart_can_spend_unseen_attempt: true,
+    };
+    let s = spec("mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 2m}\n");
+    let v = validate(
+        &s,
+        None,
+        BackendView::Known {
+            name: "nats",
+            capabilities: &caps,
+        },
+    );
+    assert_eq!(v.errors.len(), 1, "{v:?}");
+    assert_eq!(v.errors[0].field, "spec.backoff.max");
+    assert_eq!(
+        v.errors[0].message,
+        "2m0s is longer than this backend can hold a message back (1m0s): set it to 1m0s or less"
+    );
+}

@@ -1,0 +1,134 @@
+//! `settle check` as a CI pipeline runs it: a real process, real files, exit codes.
+
+use std::path::Path;
+use std::process::Command;
+
+fn settle_check(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_settle"))
+        .arg("check")
+        .args(args)
+        .output()
+        .expect("settle runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().expect("exit code"), text)
+}
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn samples_pass_on_the_backend_they_name() {
+    let (code, out) = settle_check(&["-f", root().join("config/samples").to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("Subscription default/orders ok (backend: nats, Backend \"nats\" in input)"),
+        "{out}"
+    );
+    assert!(out.contains("3 checked, 0 refused"), "{out}");
+}
+
+#[test]
+fn rabbitmq_without_plugins_refuses_delays_and_exits_1() {
+    let (code, out) = settle_check(&[
+        "-f",
+        root().join("config/samples").to_str().unwrap(),
+        "--backend-kind",
+        "rabbitmq",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("Subscription default/orders REFUSED (backend: rabbitmq, --backend-kind)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("error: spec.backoff: this backend cannot delay a redelivery"),
+        "{out}"
+    );
+    assert!(
+        out.contains("error: spec.maxNackDelay: this backend cannot delay a redelivery"),
+        "{out}"
+    );
+    assert!(out.contains("warning: backend kind rabbitmq is in the capability table but Settle does not drive it yet"), "{out}");
+    assert!(out.contains("3 checked, 1 refused"), "{out}");
+}
+
+#[test]
+fn sqs_refuses_delays_longer_than_twelve_hours() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("long.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: slow, namespace: shop}\nspec:\n  backendRef: {name: q}\n  pattern: jobs\n  mode: AtLeastOnce\n  durableName: slow\n  maxNackDelay: 13h\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", f.to_str().unwrap(), "--backend-kind", "sqs"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("error: spec.maxNackDelay: 13h0m0s is longer than this backend can hold a message back (12h0m0s): set it to 12h0m0s or less"), "{out}");
+    let (code, out) = settle_check(&["-f", f.to_str().unwrap(), "--backend-kind", "nats"]);
+    assert_eq!(code, 0, "{out}");
+}
+
+#[test]
+fn backend_in_the_same_input_decides_capabilities() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("all.yaml"),
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: mem, namespace: a}\nspec: {memory: {}}\n---\n\
+         apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: s, namespace: a}\nspec:\n  backendRef: {name: mem}\n  pattern: x\n  mode: AtLeastOnce\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("other.yml"),
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: unrelated}\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("Subscription a/s REFUSED (backend: memory, Backend \"mem\" in input)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("error: spec.durableName: required under mode AtLeastOnce, on every backend"),
+        "{out}"
+    );
+    assert!(out.contains("1 checked, 1 refused"), "{out}");
+}
+
+#[test]
+fn unreadable_input_names_the_field_or_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("bad.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: x}\nspec:\n  backendRef: {name: nats}\n  pattern: a\n  ackWait: 30 seconds\n---\n: : bad\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", f.to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("error: spec.ackWait: \"30 seconds\" is not a duration"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "not valid YAML, rest of file not read: did not find expected key at line 9 column 1"
+        ),
+        "{out}"
+    );
+
+    let (code, out) = settle_check(&["-f", "/nonexistent/settle"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("settle check: /nonexistent/settle: No such file or directory"),
+        "{out}"
+    );
+    let (code, out) = settle_check(&["-f", "x.yaml", "--backend-kind", "kafka"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("unknown backend kind \"kafka\": expected one of nats, memory, sqs, rabbitmq"),
+        "{out}"
+    );
+}
