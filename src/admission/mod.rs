@@ -1,9 +1,14 @@
 //! Admission: refuse at `kubectl apply` what the backend cannot honour.
 //!
 //! `rules` holds the one pure `validate` that the webhook, `settle check`, the controller and the
-//! runtime all call. Nothing here may touch a broker.
+//! runtime all call. Nothing here may touch a broker. `webhook` serves `validate` to the API
+//! server over HTTPS; `certs` provides and rotates its serving certificate.
 
 pub mod offline;
 mod rules;
+#[cfg(feature = "operator")]
+pub mod certs;
+#[cfg(feature = "operator")]
+pub mod webhook;
 
 pub use rules::{BackendView, FieldIssue, Verdict, validate, validate_policy};
