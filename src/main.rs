@@ -1,4 +1,4 @@
-//! The `settle` command: `settle crds` prints the CRDs, `settle check` applies the admission
+//! The `settle` command: `settle operator` runs the operator, `settle crds` prints the CRDs, `settle check` applies the admission
 //! rules to manifests offline (same code as the webhook).
 
 use std::io::Write;
@@ -22,6 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the operator: the admission webhook and the metrics/health server.
+    Operator(Box<settle::operator::OperatorArgs>),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
     Crds,
     /// Check Subscription manifests against the admission rules, offline. Exits 1 when any is
@@ -40,6 +42,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Operator(args) => operator(*args),
         Command::Crds => match settle::api::crds_yaml() {
             Ok(yaml) => {
                 print!("{yaml}");
@@ -54,6 +57,25 @@ fn main() -> ExitCode {
             files,
             backend_kind,
         } => check(&files, backend_kind),
+    }
+}
+
+fn operator(args: settle::operator::OperatorArgs) -> ExitCode {
+    settle::operator::init_logging(args.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("settle operator: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(settle::operator::run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "settle operator stopped");
+            eprintln!("settle operator: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 

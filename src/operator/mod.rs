@@ -1,0 +1,214 @@
+//! `settle operator`: the long-running process. Today it serves the admission webhook (with its
+//! certificates and a Backend cache behind it) and a metrics/health endpoint; the controllers
+//! join here.
+//!
+//! This module wires parts together and owns process concerns (flags, logging, signals). It must
+//! not hold admission rules or broker logic: those live in `admission/` and `backend/`.
+
+mod health;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Api, Client};
+use prometheus::Registry;
+use tokio::sync::watch;
+
+use crate::admission::certs::{self, CertSource, FileCertConfig, Sans, SelfManagedConfig};
+use crate::admission::webhook::{self, StoreLookup, WebhookConfig};
+use crate::api::Backend;
+
+/// How `settle operator` runs. Every flag has an environment fallback (the chart sets those).
+#[derive(clap::Args, Clone, Debug)]
+pub struct OperatorArgs {
+    /// Where the admission webhook listens (HTTPS).
+    #[arg(long, env = "SETTLE_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
+    pub webhook_addr: SocketAddr,
+    /// Where /metrics, /healthz and /readyz are served (HTTP).
+    #[arg(long, env = "SETTLE_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+    /// The operator's namespace: where it keeps the webhook certificate Secret.
+    #[arg(long, env = "SETTLE_NAMESPACE", default_value = "settle-system")]
+    pub namespace: String,
+    /// The Secret holding the operator's own webhook CA and serving certificate.
+    #[arg(
+        long,
+        env = "SETTLE_WEBHOOK_SECRET",
+        default_value = "settle-webhook-tls"
+    )]
+    pub webhook_secret: String,
+    /// The ValidatingWebhookConfiguration whose caBundle the operator keeps current. Empty: none.
+    #[arg(long, env = "SETTLE_WEBHOOK_CONFIGURATION", default_value = "settle")]
+    pub webhook_configuration: String,
+    /// DNS names for the self-managed serving certificate (comma-separated).
+    #[arg(
+        long,
+        env = "SETTLE_WEBHOOK_DNS_NAMES",
+        value_delimiter = ',',
+        default_value = "settle-webhook.settle-system.svc"
+    )]
+    pub webhook_dns_names: Vec<String>,
+    /// IP addresses for the self-managed serving certificate (comma-separated), e.g. 127.0.0.1
+    /// when the API server reaches the webhook by a `url:` clientConfig.
+    #[arg(long, env = "SETTLE_WEBHOOK_IPS", value_delimiter = ',')]
+    pub webhook_ips: Vec<IpAddr>,
+    /// Serve this certificate (PEM, e.g. mounted from cert-manager) instead of a self-managed
+    /// one; reloaded when it changes. Requires --tls-key-file.
+    #[arg(long, env = "SETTLE_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The private key for --tls-cert-file.
+    #[arg(long, env = "SETTLE_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Log format: json (in a cluster), text (a terminal), or auto (json when running in a pod).
+    #[arg(long, env = "SETTLE_LOG_FORMAT", default_value = "auto")]
+    pub log_format: LogFormat,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Auto,
+    Json,
+    Text,
+}
+
+/// Why the operator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("cannot reach the Kubernetes API (set KUBECONFIG, or run in a pod): {0}")]
+    Kube(#[from] kube::Error),
+    #[error("webhook certificate: {0}")]
+    Certs(#[from] certs::CertError),
+    #[error("admission webhook: {0}")]
+    Webhook(#[from] webhook::WebhookError),
+    #[error("metrics server: {0}")]
+    Health(#[from] health::HealthError),
+}
+
+/// Sets up logging: JSON lines in a cluster (or when asked), human text otherwise. RUST_LOG
+/// filters as usual; the default is `info`.
+pub fn init_logging(format: LogFormat) {
+    let json = match format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
+/// Runs until SIGTERM or SIGINT.
+pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
+    let client = Client::try_default().await?;
+    let registry = Registry::new();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        let _ = stop_tx.send(true);
+    });
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+
+    // The Backends admission resolves capabilities from, cached by a watch.
+    let (store, writer) = reflector::store::<Backend>();
+    let backends = reflector(
+        writer,
+        watcher(
+            Api::<Backend>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .touched_objects()
+    .for_each(|r| async move {
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "Backend watch error; retrying");
+        }
+    });
+    let backends_task = tokio::spawn(backends);
+
+    let source = match (&args.tls_cert_file, &args.tls_key_file) {
+        (Some(cert), Some(key)) => CertSource::Files(FileCertConfig::new(cert, key)),
+        _ => {
+            let mut config = SelfManagedConfig::new(
+                &args.namespace,
+                &args.webhook_secret,
+                Sans {
+                    dns_names: args.webhook_dns_names.clone(),
+                    ip_addresses: args.webhook_ips.clone(),
+                },
+            );
+            config.webhook_configuration =
+                Some(args.webhook_configuration.clone()).filter(|s| !s.is_empty());
+            CertSource::SelfManaged {
+                client: client.clone(),
+                config,
+            }
+        }
+    };
+    let serving = certs::start(source).await?;
+
+    let lookup = Arc::new(StoreLookup::new(store.clone(), client.clone()));
+    let webhook = webhook::Server::bind(
+        WebhookConfig::new(args.webhook_addr),
+        lookup,
+        serving.resolver.clone(),
+        &registry,
+    )
+    .await?;
+    tracing::info!(addr = %webhook.local_addr()?, "admission webhook bound");
+    let health = health::Server::bind(args.metrics_addr, registry.clone(), store.clone()).await?;
+
+    let result = tokio::try_join!(
+        async { webhook.run(stopped()).await.map_err(OperatorError::from) },
+        async { health.run(stopped()).await.map_err(OperatorError::from) },
+    );
+    serving.task.abort();
+    backends_task.abort();
+    // Give in-flight log lines a moment; nothing else is pending.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    result.map(|_| ())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}

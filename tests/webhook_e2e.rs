@@ -1,0 +1,551 @@
+//! Admission through the real API server: `settle operator` runs as a local process, makes its
+//! own CA, patches the caBundle of a ValidatingWebhookConfiguration that reaches it by `url:`,
+//! and a table of manifests goes through real `kubectl apply` (and `--dry-run=server`). Then the
+//! webhook goes down and the API server fails closed for Settle's resources only.
+
+mod common;
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{install_crds, kubectl, kubectl_ok};
+
+const WEBHOOK: &str = "subscriptions.messaging.settle.dev";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// The operator process; killed when dropped, so a failed assertion leaves nothing running.
+struct Operator {
+    child: Child,
+    metrics_port: u16,
+}
+
+impl Operator {
+    fn start(webhook_port: u16, secret_ns: &str, configuration: &str) -> Operator {
+        let env = common::env();
+        let metrics_port = free_port();
+        let log = std::fs::File::create(
+            common::root().join(format!("target/webhook-e2e-operator-{webhook_port}.log")),
+        )
+        .expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_settle"))
+            .args(["operator", "--log-format", "text"])
+            .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args([
+                "--namespace",
+                secret_ns,
+                "--webhook-secret",
+                "settle-e2e-tls",
+            ])
+            .args([
+                "--webhook-configuration",
+                configuration,
+                "--webhook-ips",
+                "127.0.0.1",
+            ])
+            .env("KUBECONFIG", &env.kubeconfig)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start settle operator");
+        let op = Operator {
+            child,
+            metrics_port,
+        };
+        op.wait_ready();
+        op
+    }
+
+    fn get(&self, path: &str) -> Option<String> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if self
+                .get("/readyz")
+                .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("settle operator not ready after 30s; see target/webhook-e2e-operator-*.log");
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What the API server must answer.
+enum Want {
+    Allowed(&'static [&'static str]),
+    Denied(&'static str, &'static [&'static str]),
+}
+
+struct Row {
+    name: &'static str,
+    /// The spec (indented two spaces) of Subscription `name`.
+    spec: &'static str,
+    /// For updates: the spec stored first.
+    before: Option<&'static str>,
+    want: Want,
+}
+
+fn manifest(name: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n{spec}"
+    )
+}
+
+fn rows() -> Vec<Row> {
+    use Want::*;
+    vec![
+        Row {
+            name: "amo-default",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n",
+            before: None,
+            want: Allowed(&[]),
+        },
+        Row {
+            name: "alo-full",
+            spec: "  backendRef: {name: nats}\n  pattern: orders.>\n  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 5\n  backoff: {initial: 1s, max: 1m, multiplier: 2}\n  maxNackDelay: 10m\n  ackWait: 30s\n  maxProcessingTime: 5m\n  maxInFlight: 250\n",
+            before: None,
+            want: Allowed(&[]),
+        },
+        Row {
+            name: "alo-no-durable",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n",
+            before: None,
+            want: Denied(
+                "spec.durableName: required under mode AtLeastOnce, on every backend: set spec.durableName to a stable name (for example the Subscription's name) so redeliveries survive a restart",
+                &[],
+            ),
+        },
+        Row {
+            name: "amo-backoff",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  backoff: {initial: 1s, max: 1m}\n",
+            before: None,
+            want: Denied(
+                "spec.backoff: not allowed under mode AtMostOnce, where nothing comes back: remove spec.backoff, or set spec.mode: AtLeastOnce",
+                &[],
+            ),
+        },
+        Row {
+            name: "amo-max-nack-delay",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  maxNackDelay: 1m\n",
+            before: None,
+            want: Denied(
+                "spec.maxNackDelay: not allowed under mode AtMostOnce, where nothing comes back: remove spec.maxNackDelay, or set spec.mode: AtLeastOnce",
+                &[],
+            ),
+        },
+        Row {
+            name: "amo-no-effect",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  maxDeliver: 3\n  ackWait: 10s\n",
+            before: None,
+            want: Allowed(&[
+                "spec.maxDeliver: has no effect under mode AtMostOnce (nothing is acknowledged or redelivered); remove it, or set spec.mode: AtLeastOnce",
+                "spec.ackWait: has no effect under mode AtMostOnce (nothing is acknowledged or redelivered); remove it, or set spec.mode: AtLeastOnce",
+            ]),
+        },
+        Row {
+            name: "backoff-nodelay",
+            spec: "  backendRef: {name: nodelay}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m}\n",
+            before: None,
+            want: Denied(
+                "spec.backoff: this backend cannot delay a redelivery (it does not declare delaysRedelivery): remove the field, or use a backend that can, such as nats",
+                &[],
+            ),
+        },
+        Row {
+            name: "nack-delay-limited",
+            spec: "  backendRef: {name: limited}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  maxNackDelay: 2m\n",
+            before: None,
+            want: Denied(
+                "spec.maxNackDelay: 2m0s is longer than this backend can hold a message back (1m0s): set it to 1m0s or less",
+                &[],
+            ),
+        },
+        Row {
+            name: "backoff-limited",
+            spec: "  backendRef: {name: limited}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 5m}\n",
+            before: None,
+            want: Denied(
+                "spec.backoff.max: 5m0s is longer than this backend can hold a message back (1m0s): set it to 1m0s or less",
+                &[],
+            ),
+        },
+        Row {
+            name: "backoff-within-limit",
+            spec: "  backendRef: {name: limited}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m}\n",
+            before: None,
+            want: Allowed(&[]),
+        },
+        Row {
+            name: "backoff-inverted",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1m, max: 1s}\n",
+            before: None,
+            want: Denied(
+                "spec.backoff.max: 1s is shorter than spec.backoff.initial 1m0s: set max to at least initial",
+                &[],
+            ),
+        },
+        Row {
+            name: "backoff-shrinking",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m, multiplier: 0.5}\n",
+            before: None,
+            want: Denied(
+                "spec.backoff.multiplier: 0.5 is below 1: a multiplier of at least 1 keeps waits from shrinking; use 2 to double each wait",
+                &[],
+            ),
+        },
+        Row {
+            name: "redeliver-no-ackwait",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  slowHandler: Redeliver\n",
+            before: None,
+            want: Allowed(&[
+                "spec.ackWait: slowHandler Redeliver without an explicit ackWait: under Redeliver, ackWait is a correctness setting; set it longer than your slowest handler run, or duplicate work is routine",
+            ]),
+        },
+        Row {
+            name: "redeliver-ackwait",
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  slowHandler: Redeliver\n  ackWait: 10m\n",
+            before: None,
+            want: Allowed(&[]),
+        },
+        Row {
+            name: "missing-backend",
+            spec: "  backendRef: {name: later}\n  pattern: a.>\n",
+            before: None,
+            want: Allowed(&[
+                "spec.backendRef.name: Backend \"later\" does not exist in this namespace yet; the Subscription is admitted, its capability checks run when the Backend exists, and until then it is not Ready",
+            ]),
+        },
+        Row {
+            name: "memory-alo",
+            spec: "  backendRef: {name: memory}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: m\n  backoff: {initial: 100ms, max: 1s}\n",
+            before: None,
+            want: Allowed(&[]),
+        },
+        Row {
+            name: "two-errors",
+            spec: "  backendRef: {name: nodelay}\n  pattern: a.>\n  mode: AtLeastOnce\n  maxNackDelay: 1m\n",
+            before: None,
+            want: Denied(
+                "spec.durableName: required under mode AtLeastOnce, on every backend: set spec.durableName to a stable name (for example the Subscription's name) so redeliveries survive a restart; spec.maxNackDelay: this backend cannot delay a redelivery (it does not declare delaysRedelivery): remove the field, or use a backend that can, such as nats",
+                &[],
+            ),
+        },
+        // ---- updates
+        Row {
+            name: "upd-mode",
+            before: Some("  backendRef: {name: nats}\n  pattern: a.>\n  durableName: u\n"),
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  durableName: u\n  mode: AtLeastOnce\n",
+            want: Denied(
+                "spec.mode: cannot change from AtMostOnce to AtLeastOnce: the broker cannot change a consumer's ack policy in place. Delete this Subscription and create it again with the new value (its consumer and unsettled deliveries go with it)",
+                &[],
+            ),
+        },
+        Row {
+            name: "upd-durable",
+            before: Some(
+                "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: one\n",
+            ),
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: two\n",
+            want: Denied(
+                "spec.durableName: cannot change from \"one\" to \"two\": the broker cannot change a consumer's durable name in place. Delete this Subscription and create it again with the new value (its consumer and unsettled deliveries go with it)",
+                &[],
+            ),
+        },
+        Row {
+            name: "upd-backend",
+            before: Some("  backendRef: {name: nats}\n  pattern: a.>\n"),
+            spec: "  backendRef: {name: memory}\n  pattern: a.>\n",
+            want: Denied(
+                "spec.backendRef.name: cannot change from \"nats\" to \"memory\": the broker cannot change a consumer's backend in place. Delete this Subscription and create it again with the new value (its consumer and unsettled deliveries go with it)",
+                &[],
+            ),
+        },
+        Row {
+            name: "upd-stream",
+            before: Some("  backendRef: {name: nats}\n  pattern: a.>\n"),
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  stream: ORDERS\n",
+            want: Denied(
+                "spec.stream: cannot change from unset to \"ORDERS\": the broker cannot change a consumer's stream in place. Delete this Subscription and create it again with the new value (its consumer and unsettled deliveries go with it)",
+                &[],
+            ),
+        },
+        Row {
+            name: "upd-editable",
+            before: Some(
+                "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: e\n  maxDeliver: 3\n",
+            ),
+            spec: "  backendRef: {name: nats}\n  pattern: a.*\n  mode: AtLeastOnce\n  durableName: e\n  maxDeliver: 9\n  ackWait: 1m\n  maxInFlight: 1\n",
+            want: Allowed(&[]),
+        },
+        Row {
+            name: "upd-redeliver",
+            before: Some(
+                "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: r\n",
+            ),
+            spec: "  backendRef: {name: nats}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: r\n  slowHandler: Redeliver\n",
+            want: Allowed(&[
+                "spec.ackWait: slowHandler Redeliver without an explicit ackWait: under Redeliver, ackWait is a correctness setting; set it longer than your slowest handler run, or duplicate work is routine",
+            ]),
+        },
+    ]
+}
+
+/// kubectl prints each admission warning as a `Warning: ` line on stderr.
+fn warnings(stderr: &str) -> Vec<String> {
+    stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("Warning: "))
+        .map(str::to_string)
+        .collect()
+}
+
+fn check_row(ns: &str, row: &Row, dry_run: bool) {
+    let mut args = vec!["apply", "-n", ns, "-f", "-"];
+    if dry_run {
+        args.push("--dry-run=server");
+    }
+    let out = kubectl(&args, Some(&manifest(row.name, row.spec)));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mode = if dry_run { "dry-run" } else { "apply" };
+    let (want_ok, want_warnings) = match &row.want {
+        Want::Allowed(w) => (true, *w),
+        Want::Denied(msg, w) => {
+            let expected = format!("admission webhook \"{WEBHOOK}\" denied the request: {msg}\n");
+            assert!(
+                stderr.ends_with(&expected),
+                "{mode} {}: wanted the denial\n  {expected}got:\n  {stderr}",
+                row.name
+            );
+            (false, *w)
+        }
+    };
+    assert_eq!(
+        out.status.success(),
+        want_ok,
+        "{mode} {}: stdout {stdout} stderr {stderr}",
+        row.name
+    );
+    let got: Vec<String> = warnings(&stderr);
+    let want: Vec<String> = want_warnings.iter().map(|s| s.to_string()).collect();
+    assert_eq!(got, want, "{mode} {}: warnings", row.name);
+    if want_ok && dry_run {
+        assert!(
+            stdout.contains("(server dry run)"),
+            "{mode} {}: {stdout}",
+            row.name
+        );
+    }
+}
+
+#[test]
+fn admission_through_the_real_api_server() {
+    install_crds();
+    let ns = common::namespace("webhook-e2e");
+    let label = format!("settle.dev/webhook-e2e={}", std::process::id());
+    kubectl_ok(&["label", "namespace", &ns, &label], None);
+    let configuration = format!("settle-e2e-{}", std::process::id());
+    let port = free_port();
+
+    // The webhook, reached by url:, scoped to this test's namespace so parallel tests are unaffected.
+    let vwc = format!(
+        "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\nmetadata: {{name: {configuration}}}\nwebhooks:\n\
+         - name: {WEBHOOK}\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 5\n\
+         \x20 namespaceSelector: {{matchLabels: {{settle.dev/webhook-e2e: \"{}\"}}}}\n\
+         \x20 rules: [{{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}}]\n\
+         \x20 clientConfig: {{url: \"https://127.0.0.1:{port}/validate\"}}\n",
+        std::process::id()
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&vwc));
+
+    // Backends: nats and memory by kind; two whose status narrows their capabilities.
+    let backends = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nats}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
+                    apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: memory}\nspec: {memory: {}}\n---\n\
+                    apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nodelay}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
+                    apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: limited}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n";
+    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(backends));
+    for (name, caps) in [
+        (
+            "nodelay",
+            r#"{"delaysRedelivery":false,"restartCanSpendUnseenAttempt":true}"#,
+        ),
+        (
+            "limited",
+            r#"{"delaysRedelivery":true,"maxRedeliveryDelay":"1m","restartCanSpendUnseenAttempt":true}"#,
+        ),
+    ] {
+        let patch = format!(r#"{{"status":{{"capabilities":{caps}}}}}"#);
+        kubectl_ok(
+            &[
+                "patch",
+                "backend",
+                name,
+                "-n",
+                &ns,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                &patch,
+            ],
+            None,
+        );
+    }
+
+    let operator = Operator::start(port, &ns, &configuration);
+    let ca_bundle = kubectl_ok(
+        &[
+            "get",
+            "validatingwebhookconfiguration",
+            &configuration,
+            "-o",
+            "jsonpath={.webhooks[0].clientConfig.caBundle}",
+        ],
+        None,
+    );
+    assert!(!ca_bundle.is_empty(), "the operator patched caBundle");
+
+    let rows = rows();
+    assert!(rows.len() >= 20, "the table holds at least 20 manifests");
+    for row in &rows {
+        if let Some(before) = row.before {
+            kubectl_ok(
+                &["apply", "-n", &ns, "-f", "-"],
+                Some(&manifest(row.name, before)),
+            );
+        }
+    }
+    // Same verdicts with --dry-run=server, and nothing is stored by it.
+    for row in &rows {
+        check_row(&ns, row, true);
+    }
+    let stored = kubectl_ok(&["get", "subscriptions", "-n", &ns, "-o", "name"], None);
+    for row in rows.iter().filter(|r| r.before.is_none()) {
+        assert!(
+            !stored.contains(&format!("/{}\n", row.name)),
+            "dry run stored {}: {stored}",
+            row.name
+        );
+    }
+    for row in &rows {
+        check_row(&ns, row, false);
+    }
+    // An update the webhook refused left the stored object as it was.
+    let mode = kubectl_ok(
+        &[
+            "get",
+            "subscription",
+            "upd-mode",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.spec.mode}",
+        ],
+        None,
+    );
+    assert_eq!(mode, "AtMostOnce");
+
+    // Decisions are counted.
+    let metrics = operator.get("/metrics").expect("metrics answer");
+    assert!(
+        metrics.contains("settle_admission_requests_total"),
+        "{metrics}"
+    );
+    assert!(metrics.contains(r#"allowed="false""#), "{metrics}");
+
+    // The webhook goes down: Settle's resources fail closed with a clear message; others don't care.
+    drop(operator);
+    let out = kubectl(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&manifest(
+            "while-down",
+            "  backendRef: {name: nats}\n  pattern: a.>\n",
+        )),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "a Subscription must not be admitted unchecked"
+    );
+    assert!(
+        stderr.contains(&format!("failed calling webhook \"{WEBHOOK}\"")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("connection refused"), "{stderr}");
+    kubectl_ok(
+        &[
+            "create",
+            "configmap",
+            "unaffected",
+            "-n",
+            &ns,
+            "--from-literal=a=b",
+        ],
+        None,
+    );
+    kubectl_ok(&["get", "subscriptions", "-n", &ns], None);
+    let backend_update = kubectl(
+        &["label", "backend", "nats", "-n", &ns, "touched=yes"],
+        None,
+    );
+    assert!(
+        backend_update.status.success(),
+        "Backends are not behind the webhook"
+    );
+
+    // And it comes back: the same Secret is reused, so the caBundle still matches.
+    let operator = Operator::start(port, &ns, &configuration);
+    let again = kubectl_ok(
+        &[
+            "get",
+            "validatingwebhookconfiguration",
+            &configuration,
+            "-o",
+            "jsonpath={.webhooks[0].clientConfig.caBundle}",
+        ],
+        None,
+    );
+    assert_eq!(again, ca_bundle, "a restart reuses the stored CA");
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&manifest(
+            "after-restart",
+            "  backendRef: {name: nats}\n  pattern: a.>\n",
+        )),
+    );
+    drop(operator);
+
+    kubectl_ok(
+        &["delete", "validatingwebhookconfiguration", &configuration],
+        None,
+    );
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
