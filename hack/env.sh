@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Starts and stops Settle's local environment of real parts, all on 127.0.0.1:
 #   kube-apiserver + etcd (tests/controlplane) and nats-server with JetStream.
-#   hack/env.sh up       build what is missing, start both, wait until ready, write target/env/settle.env
+#   hack/env.sh up       build what is missing, start both, wait until ready, write $SETTLE_ENV_DIR/settle.env
+#                        (default target/env/settle.env)
 #   hack/env.sh down     stop both and remove their state
 #   hack/env.sh status   say what runs
 # `up` is idempotent: if the environment is already up and healthy it only prints how to use it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-ENV_DIR="$ROOT/target/env"
+# SETTLE_ENV_DIR lets `make test` run its own environment beside a developer's `make env-up`.
+ENV_DIR="${SETTLE_ENV_DIR:-$ROOT/target/env}"
 ENV_FILE="$ENV_DIR/settle.env"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
@@ -61,7 +63,7 @@ Settle environment is up (state in $ENV_DIR):
 Use it in your shell with:
   source $ENV_FILE
   kubectl get --raw=/version
-Stop it with: make env-down
+Stop it with: make env-down${SETTLE_ENV_DIR:+ (with SETTLE_ENV_DIR=$ENV_DIR)}
 MSG
 }
 

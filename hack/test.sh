@@ -9,9 +9,14 @@ start=$SECONDS
 hack/tools.sh build
 cargo build --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
 
+# The tests get an environment of their own (a developer's `make env-up` keeps running), and
+# read where it is from the variables its env file exports.
+export SETTLE_ENV_DIR="$ROOT/target/test-env"
 hack/env.sh down >/dev/null 2>&1 || true
 trap 'hack/env.sh down >/dev/null 2>&1 || true' EXIT
 hack/env.sh up
+# shellcheck disable=SC1091
+source "$SETTLE_ENV_DIR/settle.env"
 
 # Unit and integration tests (benches are compiled above but not run: they print figures and
 # are run with `make bench`).

@@ -21,10 +21,11 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The environment, from the process environment (`source target/env/settle.env`) or, failing
-/// that, from `target/env/settle.env` itself.
+/// The environment, from the process environment (`source target/env/settle.env`; `make test`
+/// exports it) or, failing that, from `$SETTLE_ENV_DIR/settle.env` (default `target/env`).
 pub fn env() -> Env {
-    let file = root().join("target/env/settle.env");
+    let dir = std::env::var_os("SETTLE_ENV_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target/env"));
+    let file = dir.join("settle.env");
     let from_file = std::fs::read_to_string(&file).unwrap_or_default();
     let get = |key: &str| -> String {
         if let Ok(v) = std::env::var(key) {
