@@ -164,7 +164,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                     }
                 }
                 "Backend" => match serde_path_to_error::deserialize::<_, Backend>(value) {
-                    Ok(b) => match b.spec.kind() {
+                    Ok(b) => match BackendKind::of(&b.spec) {
                         Some(kind) => {
                             backends.insert(
                                 (

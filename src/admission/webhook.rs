@@ -35,7 +35,7 @@ use tokio_rustls::TlsAcceptor;
 use super::certs::{CertResolver, crypto_provider};
 use super::{BackendView, validate};
 use crate::api::{Backend, Capabilities, GROUP, Subscription};
-use crate::backend::capabilities_of;
+use crate::backend::{BackendKind, capabilities_of};
 
 /// How long a Backend lookup may take before the webhook gives up and denies (fail closed);
 /// well inside the API server's 10 s webhook timeout.
@@ -310,7 +310,7 @@ async fn decide(request: &RequestIn, backends: &dyn BackendLookup) -> Decision {
         None => None,
         Some(backend) => match backend.status.as_ref().and_then(|s| s.capabilities.clone()) {
             Some(caps) => Some(caps),
-            None => match backend.spec.kind() {
+            None => match BackendKind::of(&backend.spec) {
                 Some(kind) => Some(capabilities_of(kind)),
                 None => {
                     return Decision::deny(

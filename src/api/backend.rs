@@ -105,15 +105,3 @@ pub struct BackendStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }
-
-impl BackendSpec {
-    /// The kind of backend this spec names, if exactly one is set.
-    pub fn kind(&self) -> Option<crate::backend::BackendKind> {
-        use crate::backend::BackendKind;
-        match (&self.nats, &self.memory) {
-            (Some(_), None) => Some(BackendKind::Nats),
-            (None, Some(_)) => Some(BackendKind::Memory),
-            _ => None,
-        }
-    }
-}

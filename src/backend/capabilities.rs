@@ -6,7 +6,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::api::{Capabilities, Duration};
+use crate::api::{BackendSpec, Capabilities, Duration};
 
 /// A kind of backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -36,6 +36,15 @@ impl BackendKind {
             BackendKind::Memory => "memory",
             BackendKind::Sqs => "sqs",
             BackendKind::Rabbitmq => "rabbitmq",
+        }
+    }
+
+    /// The kind a Backend spec names, if exactly one is set (the API server enforces that).
+    pub fn of(spec: &BackendSpec) -> Option<BackendKind> {
+        match (&spec.nats, &spec.memory) {
+            (Some(_), None) => Some(BackendKind::Nats),
+            (None, Some(_)) => Some(BackendKind::Memory),
+            _ => None,
         }
     }
 
