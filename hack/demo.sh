@@ -1,27 +1,88 @@
 #!/usr/bin/env bash
 # `make demo`: the main job, locally, on real parts. Starts kube-apiserver+etcd and nats-server
-# on 127.0.0.1, installs Settle's CRDs, applies the samples, and shows what the API server
-# accepts and refuses. Leaves the environment up so you can keep going (`make env-down` stops it).
+# on 127.0.0.1, installs Settle's CRDs, runs `settle operator` as a local process with its
+# webhook registered by url:, and shows what is admitted, refused and warned about.
+# Leaves everything running so you can keep going; `make env-down` stops it all.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
-cargo build --quiet
+cargo build --quiet --bin settle
 hack/env.sh up >/dev/null
+ENV_DIR="${SETTLE_ENV_DIR:-$ROOT/target/env}"
 # shellcheck disable=SC1091
-source target/env/settle.env
+source "$ENV_DIR/settle.env"
 NS=settle-demo
+SETTLE="$ROOT/target/debug/settle"
+[ -n "${CARGO_TARGET_DIR:-}" ] && SETTLE="$CARGO_TARGET_DIR/debug/settle"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 
 step "Install the CRDs (generated from the Rust types)"
-./target/debug/settle crds | kubectl apply --server-side --force-conflicts -f -
-kubectl wait --for=condition=Established --timeout=60s crd/subscriptions.messaging.settle.dev crd/backends.messaging.settle.dev
+"$SETTLE" crds | kubectl apply --server-side --force-conflicts -f -
+kubectl wait --for=condition=Established --timeout=60s crd/subscriptions.messaging.settle.dev crd/backends.messaging.settle.dev >/dev/null
 
-step "Apply the samples into namespace $NS"
-kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f -
+step "Start settle operator; the API server reaches its webhook by url:"
+if [ -f "$ENV_DIR/operator.pid" ] && kill -0 "$(cat "$ENV_DIR/operator.pid")" 2>/dev/null; then
+  kill "$(cat "$ENV_DIR/operator.pid")"; sleep 1
+fi
+WEBHOOK_PORT="$(free_port)"; METRICS_PORT="$(free_port)"
+kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+kubectl apply -f - <<YAML
+apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata: {name: settle}
+webhooks:
+  - name: subscriptions.messaging.settle.dev
+    admissionReviewVersions: ["v1"]
+    sideEffects: None
+    failurePolicy: Fail
+    timeoutSeconds: 5
+    rules: [{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}]
+    clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate"}
+YAML
+setsid "$SETTLE" operator --log-format text --namespace "$NS" --webhook-configuration settle --webhook-ips 127.0.0.1 \
+  --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" \
+  >"$ENV_DIR/operator.log" 2>&1 </dev/null &
+echo $! >"$ENV_DIR/operator.pid"
+for _ in $(seq 1 60); do
+  python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/readyz', timeout=1)" 2>/dev/null && break
+  sleep 0.5
+done
+echo "operator ready: webhook https://127.0.0.1:$WEBHOOK_PORT/validate, metrics http://127.0.0.1:$METRICS_PORT/metrics (log: $ENV_DIR/operator.log)"
+
+step "Apply the samples: all admitted"
 kubectl apply -n "$NS" -k config/samples/
 kubectl get backends,subscriptions -n "$NS"
 
-step "The API server itself refuses a malformed duration"
+step "AtLeastOnce without durableName: refused, naming the field and the fix"
+kubectl apply -n "$NS" -f - <<'YAML' || true
+apiVersion: messaging.settle.dev/v1alpha1
+kind: Subscription
+metadata: {name: payments}
+spec:
+  backendRef: {name: nats}
+  pattern: "payments.>"
+  mode: AtLeastOnce
+  maxDeliver: 5
+YAML
+
+step "Changing the mode of an existing Subscription: refused (the broker cannot change it in place)"
+kubectl patch subscription metrics -n "$NS" --type=merge -p '{"spec":{"mode":"AtLeastOnce","durableName":"metrics"}}' || true
+
+step "Redeliver without ackWait: admitted, with a warning"
+kubectl apply -n "$NS" -f - <<'YAML'
+apiVersion: messaging.settle.dev/v1alpha1
+kind: Subscription
+metadata: {name: thumbnails}
+spec:
+  backendRef: {name: nats}
+  pattern: "images.uploaded"
+  mode: AtLeastOnce
+  durableName: thumbnails
+  slowHandler: Redeliver
+YAML
+
+step "A malformed duration never reaches the webhook: the API server's own CEL check refuses it"
 kubectl apply -n "$NS" -f - <<'YAML' || true
 apiVersion: messaging.settle.dev/v1alpha1
 kind: Subscription
@@ -32,6 +93,12 @@ spec:
   ackWait: 30 seconds
 YAML
 
-step "Done. The environment is still up:"
-echo "  source target/env/settle.env && kubectl get subscriptions -A"
-echo "  make env-down    # to stop it"
+step "The same rules offline, for CI: settle check (against RabbitMQ, which cannot delay a redelivery)"
+"$SETTLE" check -f config/samples --backend-kind rabbitmq || true
+
+step "Admission metrics"
+python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith('settle_admission_requests_total')))"
+
+step "Done. Everything is still running:"
+echo "  source $ENV_DIR/settle.env && kubectl get subscriptions -A"
+echo "  make env-down    # stops the operator, kube-apiserver+etcd and nats-server"

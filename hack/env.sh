@@ -107,6 +107,7 @@ ENV
 }
 
 down() {
+  stop_one operator   # started by `make demo`
   stop_one controlplane
   stop_one nats
   rm -rf "$ENV_DIR"
