@@ -357,6 +357,8 @@ async fn dispatch(
             }
         }
     }
+    // Stop pulling before giving attempts back, so they are not offered to this consumer again.
+    consumer.stop().await;
     let left: Vec<Delivery> = lock(&in_flight).drain().map(|(_, d)| d).collect();
     for d in left {
         tracing::warn!(subscription = %ctx.name(), subject = %d.subject(), "handler still running at close: attempt given up");
@@ -397,24 +399,30 @@ async fn run_one(d: Delivery, handler: Handler, lease: Option<Lease>) {
 
 enum Never {}
 
-/// ExtendLease: `+WPI` half an AckWait before each lease runs out, as long as the lease then
-/// ends by MaxProcessingTime; then counts LeaseExpired when the last lease runs out. Never returns.
+/// ExtendLease: `+WPI` half an AckWait before each lease runs out, up to MaxProcessingTime; then
+/// counts LeaseExpired when the last lease runs out with the handler still running. Never returns.
 async fn keep_lease(d: &Delivery, lease: Lease) -> Never {
     let start = Instant::now();
     let bound = start + lease.max_processing_time;
     let mut held_until = start + lease.ack_wait;
     let half = lease.ack_wait / 2;
     loop {
-        tokio::time::sleep_until(held_until - half).await;
+        // Extend half an AckWait before the lease runs out; the last extension is timed so the
+        // lease ends exactly at MaxProcessingTime (a +WPI always grants a full AckWait).
+        let regular = held_until - half;
+        let at = if regular + lease.ack_wait <= bound {
+            regular
+        } else if held_until < bound {
+            bound - lease.ack_wait
+        } else {
+            break;
+        };
+        tokio::time::sleep_until(at).await;
         if d.is_settled() {
             return std::future::pending().await;
         }
-        let now = Instant::now();
-        if now + lease.ack_wait > bound {
-            break;
-        }
         match d.progress().await {
-            Ok(()) => held_until = now + lease.ack_wait,
+            Ok(()) => held_until = Instant::now() + lease.ack_wait,
             Err(r) => {
                 tracing::warn!(subscription = %d.subscription(), reason = %r.reason, "could not extend the lease");
                 break;

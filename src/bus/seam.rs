@@ -62,6 +62,10 @@ pub trait Consumer: Send {
     /// The next delivery, built with `Delivery::new`; `None` once the consumer has ended.
     /// Must be cancel-safe: dropping the future loses no delivery.
     fn next(&mut self) -> BoxFuture<'_, Option<Delivery>>;
+    /// Stops taking deliveries (the bus is closing); settlements still work until `retire`.
+    fn stop(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
     /// Retires the consumer: no more deliveries; later settlements of its deliveries are refused.
     fn retire(&mut self) -> BoxFuture<'_, ()>;
 }

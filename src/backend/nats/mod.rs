@@ -146,7 +146,9 @@ impl Backend for NatsBackend {
                 None => stream.create_consumer(config).await,
             }
             .map_err(|e| err(format!("consumer for {:?} on stream {stream_name}: {e}", ctx.name())))?;
-            let batch = p.max_in_flight.clamp(1, 1000);
+            // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
+            // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
+            let batch = p.max_in_flight.clamp(2, 1000);
             let messages = consumer
                 .stream()
                 .max_messages_per_batch(batch)
@@ -242,6 +244,11 @@ impl Consumer for NatsConsumer {
             }
         }
         .boxed()
+    }
+
+    fn stop(&mut self) -> BoxFuture<'_, ()> {
+        self.messages = None;
+        futures::future::ready(()).boxed()
     }
 
     fn retire(&mut self) -> BoxFuture<'_, ()> {

@@ -1,0 +1,710 @@
+//! The handler runtime on a real nats-server with JetStream: the conformance suite, and every
+//! rule of seed 000 that involves what the broker is sent or does (design §4). Each test uses its
+//! own stream and subjects, so the tests share one server and run in parallel. Acks are observed
+//! on the wire by a plain subscription to `$JS.ACK.<stream>.>`.
+//!
+//! Needs the environment (`make env-up`); never skips.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use settle::api::{self, Backoff, ConsumerStats, DeliveryPolicy, Mode, SlowHandler};
+use settle::backend::nats::NatsBackend;
+use settle::bus::{self, Bus, BusError, Delivery, SettleError, SubscriptionSpec, handler};
+use tokio::time::Instant;
+
+// ---------------------------------------------------------------- helpers
+
+static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// A private stream `<NAME>` with subjects `<prefix>.>`, deleted when dropped.
+struct Scope {
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+    stream: String,
+    prefix: String,
+    wire: Wire,
+}
+
+#[derive(Clone, Default)]
+struct Wire(Arc<Mutex<Vec<String>>>);
+
+impl Wire {
+    fn bodies(&self) -> Vec<String> {
+        self.0.lock().unwrap().clone()
+    }
+    fn count(&self, body: &str) -> usize {
+        self.bodies().iter().filter(|b| *b == body).count()
+    }
+}
+
+impl Scope {
+    async fn new(test: &str) -> Scope {
+        Scope::with_wire(test, true).await
+    }
+
+    /// `watch`: observe acks on the wire (a watcher is a responder on the ack subject, so tests
+    /// that need "no responders" run without one).
+    async fn with_wire(test: &str, watch: bool) -> Scope {
+        let env = common::env();
+        let client = async_nats::connect(&env.nats_url).await.unwrap_or_else(|e| panic!("connect to {}: {e}", env.nats_url));
+        let js = async_nats::jetstream::new(client.clone());
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}_{}_{}", test, std::process::id(), n);
+        let stream = format!("BUS_{}", tag.to_uppercase());
+        let prefix = format!("bus.{tag}");
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        // Watch every acknowledgement sent for this stream.
+        let wire = Wire::default();
+        if watch {
+            let mut acks = client.subscribe(format!("$JS.ACK.{stream}.>")).await.unwrap();
+            let w = wire.clone();
+            tokio::spawn(async move {
+                while let Some(m) = acks.next().await {
+                    w.0.lock().unwrap().push(String::from_utf8_lossy(&m.payload).into_owned());
+                }
+            });
+        }
+        client.flush().await.unwrap();
+        Scope { client, js, stream, prefix, wire }
+    }
+
+    async fn backend(&self) -> NatsBackend {
+        NatsBackend::connect(&common::env().nats_url).await.unwrap()
+    }
+
+    async fn bus(&self) -> Bus {
+        Bus::builder(self.backend().await).without_reports().build()
+    }
+
+    fn subject(&self, s: &str) -> String {
+        format!("{}.{s}", self.prefix)
+    }
+
+    fn pattern(&self) -> String {
+        format!("{}.>", self.prefix)
+    }
+
+    fn alo(&self, durable: &str) -> DeliveryPolicy {
+        DeliveryPolicy {
+            pattern: self.pattern(),
+            mode: Mode::AtLeastOnce,
+            durable_name: Some(durable.into()),
+            max_deliver: Some(5),
+            ..DeliveryPolicy::default()
+        }
+    }
+
+    async fn publish(&self, s: &str, body: &str) {
+        self.js.publish(self.subject(s), body.to_string().into()).await.unwrap().await.unwrap();
+    }
+
+    async fn consumer_config(&self, durable: &str) -> async_nats::jetstream::consumer::Config {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let mut c: async_nats::jetstream::consumer::PullConsumer = stream.get_consumer(durable).await.unwrap();
+        let info = c.info().await.unwrap();
+        serde_json::from_value(serde_json::to_value(&info.config).unwrap()).unwrap()
+    }
+
+    async fn drop_stream(self) {
+        let _ = self.js.delete_stream(&self.stream).await;
+        drop(self.client);
+    }
+}
+
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
+
+impl Seen {
+    fn record(&self, d: &Delivery) {
+        self.0.lock().unwrap().push((String::from_utf8_lossy(d.payload()).into_owned(), d.attempt(), Instant::now()));
+    }
+    fn attempts(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().map(|e| e.1).collect()
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn gaps(&self) -> Vec<Duration> {
+        let v = self.0.lock().unwrap();
+        v.windows(2).map(|w| w[1].2 - w[0].2).collect()
+    }
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn stats(bus: &Bus, name: &str) -> ConsumerStats {
+    bus.stats(name).expect("subscription exists")
+}
+
+fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> SubscriptionSpec
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
+{
+    SubscriptionSpec::new(name, policy, handler(f))
+}
+
+fn ms(v: u64) -> api::Duration {
+    api::Duration::from_millis(v)
+}
+
+// ---------------------------------------------------------------- conformance
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_conformance_suite_passes_on_real_jetstream() {
+    // seed 000: "The conformance suite holds an AtLeastOnce backend to four rows — redelivery with
+    // an increasing attempt, MaxDeliver and Exhausted, per-message acknowledgement, and a refused
+    // settlement after retirement — and a fifth, a declined message waiting out its delay, on a
+    // backend declaring DelaysRedelivery."
+    let scope = Scope::new("conformance").await;
+    let backend = scope.backend().await;
+    let rows = bus::conformance::run(&backend, &scope.prefix).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(rows, bus::conformance::ROWS.to_vec());
+    scope.drop_stream().await;
+}
+
+// ---------------------------------------------------------------- the consumer Settle makes
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_consumer_carries_the_policy_and_never_a_backoff_list() {
+    // design §4: "With `backoff` set, the server ... lengthens every nak delay": the runtime paces
+    // declines client-side and never sets it. seed 003: maxInFlight is the prefetch (max ack pending).
+    let scope = Scope::new("config").await;
+    let bus = scope.bus().await;
+    let mut p = scope.alo("cfg");
+    p.backoff = Some(Backoff { initial: ms(100), max: ms(400), multiplier: 2.0 });
+    p.ack_wait = Some(ms(2000));
+    p.max_deliver = Some(7);
+    p.max_in_flight = Some(3);
+    bus.subscribe(sub("cfg", p, |d| async move {
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    let c = scope.consumer_config("cfg").await;
+    assert!(c.backoff.is_empty(), "backoff list must not be set: {:?}", c.backoff);
+    assert_eq!(c.ack_wait, Duration::from_secs(2));
+    assert_eq!(c.max_deliver, 7);
+    assert_eq!(c.max_ack_pending, 3);
+    assert_eq!(c.ack_policy, async_nats::jetstream::consumer::AckPolicy::Explicit);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_least_once_requires_a_durable_name_on_nats() {
+    // seed 000: DurableName "is required in this mode on every backend".
+    let scope = Scope::new("durable").await;
+    let bus = scope.bus().await;
+    let mut p = scope.alo("x");
+    p.durable_name = None;
+    let err = bus.subscribe(sub("x", p, |_d| async { Ok(()) })).await.unwrap_err();
+    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.durableName")), "{err}");
+    scope.drop_stream().await;
+}
+
+// ---------------------------------------------------------------- what goes on the wire
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nack_after_zero_and_a_plain_nack_without_backoff_send_a_bare_nak() {
+    // seed 000: "By default a Nack brings the message back at once." "d.NackAfter(0) is how to ask
+    // for an immediate retry"; design §4: "`NackAfter(0)` must send a bare `-NAK`."
+    let scope = Scope::new("barenak").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("bare");
+    p.max_nack_delay = Some(api::Duration::from_secs(10));
+    bus.subscribe(sub("bare", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            match d.attempt() {
+                1 => d.nack_after(Duration::ZERO).await?,
+                2 => d.nack().await?,
+                _ => d.ack().await?,
+            }
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("acked", || stats(&bus, "bare").settlement.acked == 1).await;
+    until("wire", || scope.wire.count("+ACK") == 1).await;
+    assert_eq!(seen.attempts(), [1, 2, 3]);
+    assert_eq!(scope.wire.bodies(), ["-NAK", "-NAK", "+ACK"]);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_backoff_schedule_is_sent_as_delayed_naks_and_never_comes_back_early() {
+    // seed 000: "each decline waits before the next attempt" ... "What a delay promises: the
+    // message is not offered again before the delay has passed."; design §4: "A delayed nak is the
+    // client's `-NAK {"delay":<ns>}`".
+    let scope = Scope::new("schedule").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("sched");
+    p.backoff = Some(Backoff { initial: ms(100), max: ms(300), multiplier: 2.0 });
+    p.max_deliver = Some(4);
+    bus.subscribe(sub("sched", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() < 4 {
+                d.nack().await?;
+            } else {
+                d.ack().await?;
+            }
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("acked", || stats(&bus, "sched").settlement.acked == 1).await;
+    until("wire", || scope.wire.count("+ACK") == 1).await;
+    assert_eq!(
+        scope.wire.bodies(),
+        [r#"-NAK {"delay":100000000}"#, r#"-NAK {"delay":200000000}"#, r#"-NAK {"delay":300000000}"#, "+ACK"]
+    );
+    let gaps = seen.gaps();
+    for (gap, want) in gaps.iter().zip([100u64, 200, 300]) {
+        assert!(*gap >= Duration::from_millis(want), "offered again after {gap:?}, before its delay of {want}ms");
+    }
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn silence_is_redelivered_with_the_schedule_on_nats() {
+    // seed 000: "A handler that returns without settling has declined too, so a plain return err waits the same schedule"
+    let scope = Scope::new("silence").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("sil");
+    p.backoff = Some(Backoff { initial: ms(150), max: ms(150), multiplier: 1.0 });
+    bus.subscribe(sub("sil", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() == 2 {
+                d.ack().await?;
+                return Ok(());
+            }
+            Err("down".into())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("acked", || stats(&bus, "sil").settlement.acked == 1).await;
+    assert_eq!(seen.attempts(), [1, 2]);
+    assert!(seen.gaps()[0] >= Duration::from_millis(150));
+    assert_eq!(stats(&bus, "sil").settlement.silent, 1);
+    until("wire", || scope.wire.count("+ACK") == 1).await;
+    assert_eq!(scope.wire.bodies(), [r#"-NAK {"delay":150000000}"#, "+ACK"]);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_declined_on_its_last_attempt_is_exhausted_and_terminated() {
+    // seed 000: "A handler that keeps declining exhausts the budget and the message is counted
+    // Exhausted — real data loss, reported at message grain." On JetStream the runtime sends +TERM.
+    let scope = Scope::new("exhaust").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("ex");
+    p.max_deliver = Some(3);
+    bus.subscribe(sub("ex", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("exhausted", || stats(&bus, "ex").exhausted == 1).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(seen.attempts(), [1, 2, 3], "not offered again after MaxDeliver");
+    assert_eq!(scope.wire.bodies(), ["-NAK", "-NAK", "+TERM"]);
+    let st = stats(&bus, "ex");
+    assert_eq!((st.exhausted, st.settlement.nacked, st.stranded), (1, 3, 0));
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_most_once_sends_nothing_and_nothing_comes_back() {
+    // seed 000: "Under AtMostOnce — the default — nothing is acted on: a Nack does not bring the
+    // message back. Every settlement is still recorded"
+    let scope = Scope::new("amo").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let p = DeliveryPolicy { pattern: scope.pattern(), ..DeliveryPolicy::default() };
+    bus.subscribe(sub("amo", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    scope.publish("2", "b").await;
+    until("two", || stats(&bus, "amo").delivered == 2).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(seen.len(), 2);
+    assert_eq!(stats(&bus, "amo").settlement.nacked, 2);
+    assert!(scope.wire.bodies().is_empty(), "nothing is sent under AtMostOnce: {:?}", scope.wire.bodies());
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+// ---------------------------------------------------------------- slow handlers
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extend_lease_keeps_a_slow_message_with_its_handler() {
+    // seed 000: "ExtendLease, the default, keeps the message yours for up to MaxProcessingTime";
+    // design §4: "`+WPI` restarts the full ack wait from that moment".
+    let scope = Scope::new("extend").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("ext");
+    p.ack_wait = Some(ms(600));
+    p.max_processing_time = Some(api::Duration::from_secs(20));
+    bus.subscribe(sub("ext", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            tokio::time::sleep(Duration::from_millis(2000)).await;
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("acked", || stats(&bus, "ext").settlement.acked == 1).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(seen.attempts(), [1], "the broker did not hand it on");
+    assert!(scope.wire.count("+WPI") >= 2, "{:?}", scope.wire.bodies());
+    assert_eq!(stats(&bus, "ext").lease_expired, 0);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on() {
+    // seed 000: "LeaseExpired // attempts handed on at MaxProcessingTime while the handler may
+    // still have been running" ... "the attempt it counts is still running and is Delivered when
+    // its handler returns".
+    let scope = Scope::new("expire").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("exp");
+    p.ack_wait = Some(ms(500));
+    p.max_processing_time = Some(ms(900));
+    bus.subscribe(sub("exp", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() == 1 {
+                tokio::time::sleep(Duration::from_millis(2500)).await;
+            }
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("handed on", || seen.len() == 2).await;
+    assert_eq!(stats(&bus, "exp").lease_expired, 1);
+    until("both returned", || stats(&bus, "exp").delivered == 2).await;
+    let st = stats(&bus, "exp");
+    assert_eq!(st.lease_expired, 1, "attempt grain: one attempt reached the bound");
+    assert!(st.balanced(), "LeaseExpired changes nothing in the identity: {st:?}");
+    assert!(seen.gaps()[0] >= Duration::from_millis(900), "kept until MaxProcessingTime: {:?}", seen.gaps());
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redeliver_lets_the_broker_hand_a_slow_message_on_and_sends_no_progress() {
+    // seed 000: "Redeliver lets the message go while you may still be running."
+    let scope = Scope::new("redeliver").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("red");
+    p.slow_handler = Some(SlowHandler::Redeliver);
+    p.ack_wait = Some(ms(500));
+    bus.subscribe(sub("red", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() == 1 {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+            }
+            let _ = d.ack().await;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("handed on", || seen.len() >= 2).await;
+    assert_eq!(seen.attempts()[..2], [1, 2]);
+    until("both returned", || stats(&bus, "red").delivered >= 2).await;
+    assert_eq!(scope.wire.count("+WPI"), 0);
+    assert_eq!(stats(&bus, "red").lease_expired, 0);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+// ---------------------------------------------------------------- refused, released, panics
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_nack_the_broker_cannot_act_on_is_refused_and_stranded() {
+    // seed 000: "Refused is orthogonal: a nack the backend could not act on moves Nacked and
+    // Refused." "Stranded // messages declined whose backend could not be asked to try again".
+    let scope = Scope::with_wire("refused", false).await;
+    let bus = scope.bus().await;
+    let result = Arc::new(Mutex::new(None));
+    let r = result.clone();
+    let js = scope.js.clone();
+    let stream = scope.stream.clone();
+    bus.subscribe(sub("gone", scope.alo("gone"), move |d| {
+        let (r, js, stream) = (r.clone(), js.clone(), stream.clone());
+        async move {
+            // Someone deletes the consumer on the broker while the handler runs.
+            js.get_stream(&stream).await.unwrap().delete_consumer("gone").await.unwrap();
+            let out = d.nack().await;
+            *r.lock().unwrap() = Some(out);
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("handled", || result.lock().unwrap().is_some()).await;
+    let out = result.lock().unwrap().clone().unwrap();
+    assert!(matches!(out, Err(SettleError::Refused(_))), "{out:?}");
+    let st = stats(&bus, "gone");
+    assert_eq!((st.settlement.nacked, st.settlement.refused, st.stranded), (1, 1, 1));
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_given_up_at_close_is_released_and_comes_back() {
+    // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
+    let scope = Scope::new("release").await;
+    let bus1 = Bus::builder(scope.backend().await).without_reports().close_grace(Duration::from_millis(200)).build();
+    let mut p = scope.alo("rel");
+    p.ack_wait = Some(ms(1000));
+    bus1.subscribe(sub("rel", p.clone(), |_d| async move {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("offered", || stats(&bus1, "rel").offered == 1).await;
+    bus1.close().await;
+    let st = stats(&bus1, "rel");
+    assert_eq!((st.released, st.delivered), (1, 0));
+    assert!(st.balanced());
+    until("released on the wire", || scope.wire.count("-NAK") == 1).await;
+
+    let bus2 = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus2.subscribe(sub("rel", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    until("redelivered", || seen.len() == 1).await;
+    assert!(seen.attempts()[0] >= 2, "comes back as a later attempt: {:?}", seen.attempts());
+    bus2.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_panicking_handler_is_contained_on_nats_and_its_message_redelivered() {
+    // issue 3: "A handler that panics is contained: counted, the delivery treated as silence, the bus keeps running."
+    let scope = Scope::new("panic").await;
+    let bus = scope.bus().await;
+    bus.subscribe(sub("p", scope.alo("p"), |d| async move {
+        if d.attempt() == 1 {
+            panic!("boom");
+        }
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    scope.publish("2", "b").await;
+    until("both acked", || stats(&bus, "p").settlement.acked == 2).await;
+    let st = stats(&bus, "p");
+    assert_eq!(st.settlement.silent, 2);
+    assert_eq!(bus.runtime_stats("p").unwrap().panics, 2);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_masstransit_envelope_contradicted_by_a_nats_header_counts_a_foreign_conflict() {
+    // seed 000: "ForeignConflicts ... a broker's correlation ID that differs from the one in a MassTransit envelope."
+    let scope = Scope::new("foreign").await;
+    let bus = scope.bus().await;
+    let got = Arc::new(Mutex::new(None));
+    let g = got.clone();
+    bus.subscribe(sub("f", scope.alo("f"), move |d| {
+        let g = g.clone();
+        async move {
+            *g.lock().unwrap() = Some((d.event().correlation_id.clone(), d.foreign().get("correlation-id").map(str::to_string)));
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("content-type", "application/vnd.masstransit+json");
+    headers.insert("correlation-id", "from-broker");
+    let body = r#"{"messageId":"m","correlationId":"from-envelope","messageType":["x"],"message":{}}"#;
+    scope.js.publish_with_headers(scope.subject("1"), headers, body.into()).await.unwrap().await.unwrap();
+    until("handled", || got.lock().unwrap().is_some()).await;
+    assert_eq!(got.lock().unwrap().clone().unwrap(), (Some("from-envelope".into()), Some("from-broker".into())));
+    assert_eq!(stats(&bus, "f").foreign_conflicts, 1);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+// ---------------------------------------------------------------- seed 003 on the broker
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_nats() {
+    // seed 003: "With `prefetch: 1` the consumer stops after exactly one message"; in Settle the
+    // forgotten ack is a counted Silent settlement, redelivered, so the consumer goes on.
+    let scope = Scope::new("forgotten").await;
+    let bus = scope.bus().await;
+    let mut p = scope.alo("fg");
+    p.max_in_flight = Some(1);
+    p.max_deliver = Some(2);
+    bus.subscribe(sub("fg", p, |_d| async move { Ok(()) })).await.unwrap();
+    for i in 0..4 {
+        scope.publish(&i.to_string(), "x").await;
+    }
+    until("all exhausted", || stats(&bus, "fg").exhausted == 4).await;
+    let st = stats(&bus, "fg");
+    assert_eq!(st.settlement.silent, 8);
+    assert_eq!(scope.consumer_config("fg").await.max_ack_pending, 1);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_bus_keeps_consuming_across_a_broker_restart() {
+    // design §4 / §5: the runtime must survive a broker restart (durable consumer, file storage).
+    let env = common::env();
+    let dir = tempfile::tempdir().unwrap();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let start = || {
+        std::process::Command::new(&env.nats_server)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", env.nats_server.display()))
+    };
+    let url = format!("nats://127.0.0.1:{port}");
+    let mut server = start();
+    let client = loop {
+        if let Ok(c) = async_nats::connect(&url).await {
+            break c;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let js = async_nats::jetstream::new(client.clone());
+    js.create_stream(async_nats::jetstream::stream::Config { name: "RESTART".into(), subjects: vec!["restart.>".into()], ..Default::default() })
+        .await
+        .unwrap();
+    let bus = Bus::builder(NatsBackend::from_client(client.clone())).without_reports().build();
+    let p = DeliveryPolicy { pattern: "restart.>".into(), mode: Mode::AtLeastOnce, durable_name: Some("r".into()), ..DeliveryPolicy::default() };
+    bus.subscribe(sub("r", p, |d| async move {
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    js.publish("restart.1", "a".into()).await.unwrap().await.unwrap();
+    until("first acked", || stats(&bus, "r").settlement.acked == 1).await;
+
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let mut server = start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let acked = match js.publish("restart.2", "b".into()).await {
+            Ok(ack) => ack.await.is_ok(),
+            Err(_) => false,
+        };
+        match acked {
+            true => break,
+            false => {
+                assert!(Instant::now() < deadline, "broker did not come back");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    until("second acked after the restart", || stats(&bus, "r").settlement.acked == 2).await;
+    bus.close().await;
+    server.kill().unwrap();
+    let _ = server.wait();
+}
