@@ -1209,3 +1209,86 @@ impl Consumer for Rewrap {
         self.0.retire()
     }
 }
+
+// ---------------------------------------------------------------- the stats report (issue 3, item 10)
+
+/// Counts every put, keeps the last value per key.
+#[derive(Clone, Default)]
+struct CountingSink(Arc<Mutex<Vec<(String, bytes::Bytes)>>>);
+
+impl StatsSink for CountingSink {
+    fn put(&self, key: String, value: bytes::Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        self.0.lock().unwrap().push((key, value));
+        Box::pin(async { Ok(()) })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_instance() {
+    // docs/stats-report.md: {"version":1,"namespace","subscription","instance",...,"stats":ConsumerStats}
+    let mem = MemoryBackend::new();
+    let bus = Bus::builder(mem.clone()).namespace("shop").instance("pod-a").report_interval(Duration::from_secs(1)).build();
+    bus.subscribe(sub("orders", alo("orders.>"), |d| async move {
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    bus.publish("orders.1", "x").await.unwrap();
+    until("acked", || stats(&bus, "orders").settlement.acked == 1).await;
+    bus.close().await;
+    let reports = mem.reports();
+    let body = reports.get("shop.orders.pod-a").unwrap_or_else(|| panic!("no report under shop.orders.pod-a: {:?}", reports.keys()));
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(v["version"], 1);
+    assert_eq!(v["namespace"], "shop");
+    assert_eq!(v["subscription"], "orders");
+    assert_eq!(v["instance"], "pod-a");
+    assert_eq!(v["backend"], "memory");
+    assert_eq!(v["mode"], "AtLeastOnce");
+    assert_eq!(v["durableName"], "d-orders__");
+    assert_eq!(v["stats"]["settlement"]["acked"], 1);
+    assert_eq!(v["stats"]["offered"], 1);
+    assert!(v["stats"].get("leaseExpired").is_some(), "counters use the CRD's camelCase names");
+    let report: bus::report::StatsReport = serde_json::from_slice(body).unwrap();
+    assert_eq!(report.stats, stats(&bus, "orders"), "the last report is the final account");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something_changed() {
+    // issue 3, item 10: "publishes its cumulative per-subscription stats ... at a bounded rate".
+    let mem = MemoryBackend::new();
+    let sink = CountingSink::default();
+    let bus = Bus::builder(mem.clone()).instance("i").report_interval(Duration::from_secs(1)).stats_sink(Arc::new(sink.clone())).build();
+    bus.subscribe(sub("busy", alo("busy.>"), |d| async move {
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    // 10 s of traffic: 100 messages a second.
+    for i in 0..1000 {
+        bus.publish(format!("busy.{i}"), "x").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    until("all acked", || stats(&bus, "busy").settlement.acked == 1000).await;
+    let during = sink.0.lock().unwrap().len();
+    assert!(during <= 12, "at most one report per interval: {during} reports in ~10 s");
+    // Nothing changes for 10 s: nothing more is sent beyond the one that carries the last change.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let idle = sink.0.lock().unwrap().len();
+    assert!(idle <= during + 1, "idle subscriptions are not re-reported: {during} -> {idle}");
+    bus.close().await;
+    let all = sink.0.lock().unwrap().clone();
+    let seqs: Vec<u64> = all.iter().map(|(_, b)| serde_json::from_slice::<bus::report::StatsReport>(b).unwrap().sequence).collect();
+    assert!(seqs.windows(2).all(|w| w[1] > w[0]), "sequence increases: {seqs:?}");
+    let counts: Vec<u64> = all.iter().map(|(_, b)| serde_json::from_slice::<bus::report::StatsReport>(b).unwrap().stats.settlement.acked).collect();
+    assert!(counts.windows(2).all(|w| w[1] >= w[0]), "reported counters never go backwards: {counts:?}");
+    assert_eq!(*counts.last().unwrap(), 1000, "the report at close carries the final account");
+}
+
+#[test]
+fn report_keys_stay_in_the_kv_key_alphabet() {
+    assert_eq!(bus::report::report_key("shop", "orders", "pod-7f9c"), "shop.orders.pod-7f9c");
+    assert_eq!(bus::report::report_key("a b", "x.y", ""), "a_b.x_y._");
+}

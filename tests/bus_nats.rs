@@ -708,3 +708,42 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
     server.kill().unwrap();
     let _ = server.wait();
 }
+
+// ---------------------------------------------------------------- the stats report on the broker
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_stats_report_lands_in_a_jetstream_kv_bucket_readable_by_a_fresh_connection() {
+    // issue 3, item 10; docs/stats-report.md: bucket `settle-stats`, key
+    // `<namespace>.<subscription>.<instance>`, last value per key, versioned JSON.
+    let scope = Scope::new("report").await;
+    let bucket = format!("settle-stats-test-{}", scope.stream.to_lowercase().replace('_', "-"));
+    let backend = scope.backend().await.with_stats_bucket(bucket.clone());
+    let bus = Bus::builder(backend).namespace("shop").instance("pod-1").report_interval(Duration::from_millis(100)).build();
+    bus.subscribe(sub("orders", scope.alo("orders"), |d| async move {
+        d.ack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    for i in 0..5 {
+        scope.publish(&i.to_string(), "x").await;
+    }
+    until("acked", || stats(&bus, "orders").settlement.acked == 5).await;
+    bus.close().await;
+
+    // The operator, on its own connection, possibly restarted since: the last value is there.
+    let operator = async_nats::jetstream::new(async_nats::connect(&common::env().nats_url).await.unwrap());
+    let kv = operator.get_key_value(&bucket).await.unwrap();
+    let body = kv.get("shop.orders.pod-1").await.unwrap().expect("a report under shop.orders.pod-1");
+    let report: bus::report::StatsReport = serde_json::from_slice(&body).unwrap();
+    assert_eq!(report.version, 1);
+    assert_eq!((report.namespace.as_str(), report.subscription.as_str(), report.instance.as_str()), ("shop", "orders", "pod-1"));
+    assert_eq!(report.backend, "nats");
+    assert_eq!(report.durable_name.as_deref(), Some("orders"));
+    assert_eq!(report.stats, stats(&bus, "orders"));
+    assert!(report.stats.balanced());
+    let status = kv.status().await.unwrap();
+    assert_eq!(status.history(), 1, "last value per instance");
+    operator.delete_key_value(&bucket).await.unwrap();
+    scope.drop_stream().await;
+}
