@@ -6,6 +6,7 @@
 //!
 //! Uses a throwaway namespace and a throwaway ValidatingWebhookConfiguration that matches nothing
 //! (so no other test's requests are affected).
+#![cfg(feature = "operator")]
 
 mod common;
 

@@ -6,6 +6,7 @@
 //! input with a 400 or a denial that says why.
 //!
 //! The rules themselves are pinned by `tests/admission_rules.rs`; this file must not re-test them.
+#![cfg(feature = "operator")]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
