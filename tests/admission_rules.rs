@@ -183,7 +183,37 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "rule 4: exactly 12h on SQS is fine",
-            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 12h}\nmaxNackDelay: 12h\n",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 2\nbackoff: {initial: 1s, max: 12h}\nmaxNackDelay: 12h\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "seed 000 DelayShortened: total wait past SQS's limit from first receive",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 4h, max: 8h}\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[],
+            warnings: &[(
+                "spec.backoff",
+                "the schedule waits 28h0m0s in all over 4 declines, longer than this backend can hold a message from its first receive (12h0m0s): later declines come back sooner than asked and are counted DelayShortened",
+            )],
+        },
+        Row {
+            name: "seed 000 DelayShortened: unbounded attempts on SQS",
+            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m}\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[],
+            warnings: &[(
+                "spec.backoff",
+                "with no maxDeliver the schedule's total wait is unbounded",
+            )],
+        },
+        Row {
+            name: "seed 000 DelayShortened: a schedule that fits SQS says nothing",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[],
@@ -291,6 +321,17 @@ fn rows() -> Vec<Row> {
             backend: Kind(Nats),
             errors: &[],
             warnings: &[],
+        },
+        Row {
+            name: "ExtendLease with ackWait past the default 5m maxProcessingTime",
+            spec: "mode: AtLeastOnce\ndurableName: o\nackWait: 10m\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[(
+                "spec.maxProcessingTime",
+                "5m0s is shorter than spec.ackWait 10m0s",
+            )],
         },
         Row {
             name: "ExtendLease that can never extend",

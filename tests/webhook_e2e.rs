@@ -200,7 +200,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "backoff-within-limit",
-            spec: "  backendRef: {name: limited}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m}\n",
+            spec: "  backendRef: {name: limited}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  maxDeliver: 3\n  backoff: {initial: 1s, max: 1m}\n",
             before: None,
             want: Allowed(&[]),
         },

@@ -6,7 +6,10 @@
 
 use std::fmt;
 
-use crate::api::{Capabilities, DeliveryPolicy, Mode, SlowHandler, SubscriptionSpec};
+use crate::api::{
+    Capabilities, DEFAULT_MAX_PROCESSING_TIME, DeliveryPolicy, Duration, Mode, SlowHandler,
+    SubscriptionSpec,
+};
 
 /// What admission concluded: errors refuse the spec; warnings admit it and are shown to the user.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -202,6 +205,40 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         }
     }
 
+    // Seed 000: a backend with a limit from the first receive (SQS) redelivers sooner than asked
+    // once a message's total wait passes it, and counts DelayShortened. Admitted, but said.
+    if let (Some(caps), Some(b)) = (caps, &p.backoff)
+        && let Some(limit) = caps.max_redelivery_delay
+        && caps.delays_redelivery
+        && b.max <= limit
+    {
+        let total = p.max_deliver.map(|n| {
+            let declines = u32::try_from(n.saturating_sub(1))
+                .unwrap_or(u32::MAX)
+                .min(10_000);
+            (1..=declines)
+                .map(|a| b.delay_after(a))
+                .sum::<std::time::Duration>()
+        });
+        let text = match total {
+            Some(total) if total > limit.get() => Some(format!(
+                "the schedule waits {} in all over {} declines, longer than this backend can hold a message from its first receive ({limit})",
+                Duration(total),
+                p.max_deliver.unwrap_or(1) - 1
+            )),
+            None => Some(format!(
+                "with no maxDeliver the schedule's total wait is unbounded, and this backend can hold a message at most {limit} from its first receive"
+            )),
+            _ => None,
+        };
+        if let Some(text) = text {
+            v.warn(
+                "spec.backoff",
+                format!("{text}: later declines come back sooner than asked and are counted DelayShortened; set maxDeliver or shorten the schedule"),
+            );
+        }
+    }
+
     // Rule 7 (seed 000: under Redeliver "AckWait becomes a correctness setting").
     if p.slow_handler == Some(SlowHandler::Redeliver) && p.ack_wait.is_none() {
         v.warn(
@@ -210,13 +247,21 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
              set it longer than your slowest handler run, or duplicate work is routine",
         );
     }
+    // Under ExtendLease the lease is extended only until maxProcessingTime (5m unless set).
+    let max_processing = p
+        .max_processing_time
+        .map_or(DEFAULT_MAX_PROCESSING_TIME, Duration::get);
     if p.slow_handler != Some(SlowHandler::Redeliver)
-        && let (Some(ack_wait), Some(max_processing)) = (p.ack_wait, p.max_processing_time)
-        && max_processing < ack_wait
+        && let Some(ack_wait) = p.ack_wait
+        && max_processing < ack_wait.get()
     {
         v.warn(
             "spec.maxProcessingTime",
-            format!("{max_processing} is shorter than spec.ackWait {ack_wait}: under ExtendLease the lease is never extended; raise it or remove it"),
+            format!(
+                "{} is shorter than spec.ackWait {ack_wait}: under ExtendLease the lease is never extended; \
+                 raise maxProcessingTime or lower ackWait",
+                Duration(max_processing)
+            ),
         );
     }
 }

@@ -17,8 +17,9 @@ pub use backend::{
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};
 pub use subscription::{
-    BackendRef, Backoff, ConsumerRef, DeliveryPolicy, Mode, Shape, SlowHandler, Subscription,
-    SubscriptionSpec, SubscriptionStats, SubscriptionStatus,
+    BackendRef, Backoff, ConsumerRef, DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_PROCESSING_TIME, DeliveryPolicy, Mode, Shape, SlowHandler, Subscription,
+    SubscriptionSpec, SubscriptionStats, SubscriptionStatus, schedule_delay,
 };
 
 /// The API group.

@@ -20,7 +20,8 @@ use super::Delivery;
 pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A message handler: gets each delivery, settles it (or not), returns an outcome.
-pub type Handler = Arc<dyn Fn(Delivery) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
+pub type Handler =
+    Arc<dyn Fn(Delivery) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
 
 /// Wraps an async closure as a [`Handler`].
 pub fn handler<F, Fut, E>(f: F) -> Handler
@@ -35,13 +36,7 @@ where
     })
 }
 
-/// Default of `maxProcessingTime` (seed 000: "five minutes unless you say otherwise").
-pub const DEFAULT_MAX_PROCESSING_TIME: Duration = Duration::from_secs(300);
-/// Default of `ackWait` (the broker's usual 30s).
-pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
-/// Default of `maxInFlight`: seed 003's prefetch default of 250 (throughput-oriented; use 1 for
-/// expensive, unevenly sized work).
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 250;
+pub use crate::api::{DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME};
 
 /// One subscription of an application: a name, the CRD's delivery policy, and the handler.
 #[derive(Clone)]
@@ -56,18 +51,29 @@ pub struct SubscriptionSpec {
 
 impl SubscriptionSpec {
     pub fn new(name: impl Into<String>, policy: DeliveryPolicy, handler: Handler) -> Self {
-        SubscriptionSpec { name: name.into(), policy, handler }
+        SubscriptionSpec {
+            name: name.into(),
+            policy,
+            handler,
+        }
     }
 
     /// From a Subscription resource's spec: same policy, same name.
-    pub fn from_resource(name: impl Into<String>, spec: &api::SubscriptionSpec, handler: Handler) -> Self {
+    pub fn from_resource(
+        name: impl Into<String>,
+        spec: &api::SubscriptionSpec,
+        handler: Handler,
+    ) -> Self {
         SubscriptionSpec::new(name, spec.policy.clone(), handler)
     }
 }
 
 impl fmt::Debug for SubscriptionSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SubscriptionSpec").field("name", &self.name).field("policy", &self.policy).finish_non_exhaustive()
+        f.debug_struct("SubscriptionSpec")
+            .field("name", &self.name)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
     }
 }
 
@@ -98,12 +104,7 @@ pub struct Schedule {
 impl Schedule {
     /// The wait after the decline of attempt `attempt` (1-based): initial × multiplier^(attempt-1), capped at max.
     pub fn delay_after(&self, attempt: u32) -> Duration {
-        let exp = attempt.saturating_sub(1).min(1024) as i32;
-        let secs = self.initial.as_secs_f64() * self.multiplier.powi(exp);
-        if !secs.is_finite() || secs >= self.max.as_secs_f64() {
-            return self.max;
-        }
-        Duration::try_from_secs_f64(secs).map_or(self.max, |d| d.min(self.max))
+        crate::api::schedule_delay(self.initial, self.max, self.multiplier, attempt)
     }
 }
 
@@ -114,13 +115,26 @@ impl Policy {
             pattern: p.pattern.clone(),
             mode: p.mode,
             durable_name: p.durable_name.clone().filter(|d| !d.is_empty()),
-            max_deliver: p.max_deliver.and_then(|m| u32::try_from(m).ok()).filter(|m| *m > 0),
-            backoff: p.backoff.as_ref().map(|b| Schedule { initial: b.initial.get(), max: b.max.get(), multiplier: b.multiplier }),
+            max_deliver: p
+                .max_deliver
+                .and_then(|m| u32::try_from(m).ok())
+                .filter(|m| *m > 0),
+            backoff: p.backoff.as_ref().map(|b| Schedule {
+                initial: b.initial.get(),
+                max: b.max.get(),
+                multiplier: b.multiplier,
+            }),
             max_nack_delay: p.max_nack_delay.map(api::Duration::get),
             slow_handler: p.slow_handler.unwrap_or_default(),
             ack_wait: p.ack_wait.map_or(DEFAULT_ACK_WAIT, api::Duration::get),
-            max_processing_time: p.max_processing_time.map_or(DEFAULT_MAX_PROCESSING_TIME, api::Duration::get),
-            max_in_flight: p.max_in_flight.and_then(|m| usize::try_from(m).ok()).filter(|m| *m > 0).unwrap_or(DEFAULT_MAX_IN_FLIGHT),
+            max_processing_time: p
+                .max_processing_time
+                .map_or(DEFAULT_MAX_PROCESSING_TIME, api::Duration::get),
+            max_in_flight: p
+                .max_in_flight
+                .and_then(|m| usize::try_from(m).ok())
+                .filter(|m| *m > 0)
+                .unwrap_or(DEFAULT_MAX_IN_FLIGHT),
         }
     }
 
@@ -137,6 +151,7 @@ impl Policy {
     /// The wait before the next attempt after a Nack or silence on `attempt`: the schedule, or
     /// at once without one.
     pub fn decline_delay(&self, attempt: u32) -> Duration {
-        self.backoff.map_or(Duration::ZERO, |b| b.delay_after(attempt))
+        self.backoff
+            .map_or(Duration::ZERO, |b| b.delay_after(attempt))
     }
 }
