@@ -11,8 +11,8 @@ use settle::api::{self, Backoff, Capabilities, ConsumerStats, DeliveryPolicy, Mo
 use settle::backend::BackendKind;
 use settle::backend::memory::MemoryBackend;
 use settle::bus::{
-    self, Backend, Bus, BusError, Consumer, Decision, Delivery, Format, SettleError, StatsSink, SubscriptionCtx, SubscriptionSpec,
-    handler,
+    self, Backend, Bus, BusError, Consumer, Decision, Delivery, Format, SettleError, StatsSink,
+    SubscriptionCtx, SubscriptionSpec, handler,
 };
 use tokio::time::Instant;
 
@@ -29,11 +29,18 @@ fn alo(pattern: &str) -> DeliveryPolicy {
 }
 
 fn amo(pattern: &str) -> DeliveryPolicy {
-    DeliveryPolicy { pattern: pattern.into(), ..DeliveryPolicy::default() }
+    DeliveryPolicy {
+        pattern: pattern.into(),
+        ..DeliveryPolicy::default()
+    }
 }
 
 fn backoff(initial_ms: u64, max_ms: u64, multiplier: f64) -> Option<Backoff> {
-    Some(Backoff { initial: api::Duration::from_millis(initial_ms), max: api::Duration::from_millis(max_ms), multiplier })
+    Some(Backoff {
+        initial: api::Duration::from_millis(initial_ms),
+        max: api::Duration::from_millis(max_ms),
+        multiplier,
+    })
 }
 
 fn bus(backend: &MemoryBackend) -> Bus {
@@ -46,7 +53,11 @@ struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
 
 impl Seen {
     fn record(&self, d: &Delivery) {
-        self.0.lock().unwrap().push((String::from_utf8_lossy(d.payload()).into_owned(), d.attempt(), Instant::now()));
+        self.0.lock().unwrap().push((
+            String::from_utf8_lossy(d.payload()).into_owned(),
+            d.attempt(),
+            Instant::now(),
+        ));
     }
     fn len(&self) -> usize {
         self.0.lock().unwrap().len()
@@ -99,7 +110,11 @@ fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
         "backendRef": {"name": "nats"}, "pattern": "orders.>"
     }))
     .unwrap();
-    let spec = SubscriptionSpec::from_resource("orders", &crd, handler(|_d| async { Ok::<_, bus::HandlerError>(()) }));
+    let spec = SubscriptionSpec::from_resource(
+        "orders",
+        &crd,
+        handler(|_d| async { Ok::<_, bus::HandlerError>(()) }),
+    );
     assert_eq!(spec.policy, crd.policy);
     let p = bus::Policy::resolve(&spec.policy);
     assert_eq!(p.mode, Mode::AtMostOnce);
@@ -113,7 +128,11 @@ fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
 #[test]
 fn backoff_schedule_doubles_and_is_capped() {
     // seed 000: "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
-    let s = bus::Schedule { initial: Duration::from_secs(1), max: Duration::from_secs(60), multiplier: 2.0 };
+    let s = bus::Schedule {
+        initial: Duration::from_secs(1),
+        max: Duration::from_secs(60),
+        multiplier: 2.0,
+    };
     let waits: Vec<u64> = (1..=8).map(|a| s.delay_after(a).as_secs()).collect();
     assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
     assert_eq!(s.delay_after(10_000), Duration::from_secs(60));
@@ -143,7 +162,16 @@ async fn ack_accepts_and_is_counted_acked() {
     settle_for(Duration::from_secs(5)).await;
     assert_eq!(seen.attempts(), [1], "an acked message does not come back");
     let st = stats(&bus, "orders");
-    assert_eq!((st.offered, st.delivered, st.settlement.acked, st.settlement.nacked, st.settlement.silent), (1, 1, 1, 0, 0));
+    assert_eq!(
+        (
+            st.offered,
+            st.delivered,
+            st.settlement.acked,
+            st.settlement.nacked,
+            st.settlement.silent
+        ),
+        (1, 1, 1, 0, 0)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -152,15 +180,25 @@ async fn nack_declines_and_is_counted_nacked() {
     let mem = MemoryBackend::new();
     let bus = bus(&mem);
     bus.subscribe(sub("orders", alo("orders.>"), |d| async move {
-        if d.attempt() == 1 { d.nack().await? } else { d.ack().await? }
+        if d.attempt() == 1 {
+            d.nack().await?
+        } else {
+            d.ack().await?
+        }
         Ok(())
     }))
     .await
     .unwrap();
     bus.publish("orders.1", "a").await.unwrap();
-    until("acked on attempt 2", || stats(&bus, "orders").settlement.acked == 1).await;
+    until("acked on attempt 2", || {
+        stats(&bus, "orders").settlement.acked == 1
+    })
+    .await;
     let st = stats(&bus, "orders");
-    assert_eq!((st.settlement.nacked, st.settlement.acked, st.delivered), (1, 1, 2));
+    assert_eq!(
+        (st.settlement.nacked, st.settlement.acked, st.delivered),
+        (1, 1, 2)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -186,7 +224,11 @@ async fn returning_without_settling_is_silence_not_consent() {
     until("acked", || stats(&bus, "orders").settlement.acked == 1).await;
     let st = stats(&bus, "orders");
     assert_eq!(st.settlement.silent, 1, "silence is recorded");
-    assert_eq!(seen.attempts(), [1, 2], "silence is not consent: the message came back");
+    assert_eq!(
+        seen.attempts(),
+        [1, 2],
+        "silence is not consent: the message came back"
+    );
 }
 
 // ---------------------------------------------------------------- modes
@@ -220,7 +262,14 @@ async fn at_most_once_acts_on_nothing_and_records_everything() {
     settle_for(Duration::from_secs(10)).await;
     assert_eq!(seen.len(), 3, "nothing comes back under AtMostOnce");
     let st = stats(&bus, "metrics");
-    assert_eq!((st.settlement.acked, st.settlement.nacked, st.settlement.silent), (1, 1, 1));
+    assert_eq!(
+        (
+            st.settlement.acked,
+            st.settlement.nacked,
+            st.settlement.silent
+        ),
+        (1, 1, 1)
+    );
     assert_eq!(st.exhausted, 0);
 }
 
@@ -243,9 +292,16 @@ async fn at_most_once_still_refuses_a_second_settlement() {
     .unwrap();
     bus.publish("m.1", "x").await.unwrap();
     until("handled", || second.lock().unwrap().is_some()).await;
-    assert_eq!(second.lock().unwrap().clone().unwrap(), Err(SettleError::AlreadySettled));
+    assert_eq!(
+        second.lock().unwrap().clone().unwrap(),
+        Err(SettleError::AlreadySettled)
+    );
     let st = stats(&bus, "m");
-    assert_eq!((st.settlement.acked, st.settlement.nacked), (1, 0), "the refused second settlement records nothing");
+    assert_eq!(
+        (st.settlement.acked, st.settlement.nacked),
+        (1, 0),
+        "the refused second settlement records nothing"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -273,7 +329,11 @@ async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_ma
     bus.publish("orders.1", "a").await.unwrap();
     until("exhausted", || stats(&bus, "orders").exhausted == 1).await;
     settle_for(Duration::from_secs(10)).await;
-    assert_eq!(seen.attempts(), [1, 2, 3, 4], "up to MaxDeliver attempts, each higher");
+    assert_eq!(
+        seen.attempts(),
+        [1, 2, 3, 4],
+        "up to MaxDeliver attempts, each higher"
+    );
     let st = stats(&bus, "orders");
     assert_eq!((st.settlement.nacked, st.settlement.silent), (2, 2));
 }
@@ -298,9 +358,15 @@ async fn exhausted_is_counted_once_per_message() {
     until("both exhausted", || stats(&bus, "orders").exhausted == 2).await;
     settle_for(Duration::from_secs(10)).await;
     let st = stats(&bus, "orders");
-    assert_eq!(st.exhausted, 2, "two messages, six declined attempts: Exhausted counts messages");
+    assert_eq!(
+        st.exhausted, 2,
+        "two messages, six declined attempts: Exhausted counts messages"
+    );
     assert_eq!(st.settlement.nacked, 6);
-    assert_eq!(st.stranded, 0, "Stranded is zero where the broker will try again");
+    assert_eq!(
+        st.stranded, 0,
+        "Stranded is zero where the broker will try again"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -312,11 +378,19 @@ async fn at_least_once_requires_a_durable_name_on_the_memory_backend_too() {
     let mut p = alo("orders.>");
     p.durable_name = None;
     let expected = settle::admission::validate_policy(&p, &mem.capabilities()).error_text();
-    let err = bus.subscribe(sub("orders", p, |_d| async { Ok(()) })).await.unwrap_err();
+    let err = bus
+        .subscribe(sub("orders", p, |_d| async { Ok(()) }))
+        .await
+        .unwrap_err();
     match &err {
-        BusError::Refused { reason, backend, .. } => {
+        BusError::Refused {
+            reason, backend, ..
+        } => {
             assert_eq!(*backend, BackendKind::Memory);
-            assert_eq!(reason, &expected, "the bus uses the admission rules' own words");
+            assert_eq!(
+                reason, &expected,
+                "the bus uses the admission rules' own words"
+            );
             assert!(reason.contains("spec.durableName"), "{reason}");
         }
         other => panic!("expected Refused, got {other:?}"),
@@ -338,15 +412,27 @@ async fn the_same_handler_is_correct_in_both_modes() {
     let bus = bus(&mem);
     let mut p = alo("a.>");
     p.max_deliver = Some(2);
-    bus.subscribe(SubscriptionSpec::new("alo", p, handler(handle))).await.unwrap();
-    bus.subscribe(SubscriptionSpec::new("amo", amo("a.>"), handler(handle))).await.unwrap();
+    bus.subscribe(SubscriptionSpec::new("alo", p, handler(handle)))
+        .await
+        .unwrap();
+    bus.subscribe(SubscriptionSpec::new("amo", amo("a.>"), handler(handle)))
+        .await
+        .unwrap();
     bus.publish("a.1", "good").await.unwrap();
     bus.publish("a.2", "bad").await.unwrap();
     until("alo exhausted", || stats(&bus, "alo").exhausted == 1).await;
     until("amo delivered", || stats(&bus, "amo").delivered == 2).await;
     settle_for(Duration::from_secs(5)).await;
-    assert_eq!(stats(&bus, "alo").delivered, 3, "under AtLeastOnce the declined one came back once");
-    assert_eq!(stats(&bus, "amo").delivered, 2, "under AtMostOnce it did not");
+    assert_eq!(
+        stats(&bus, "alo").delivered,
+        3,
+        "under AtLeastOnce the declined one came back once"
+    );
+    assert_eq!(
+        stats(&bus, "amo").delivered,
+        2,
+        "under AtMostOnce it did not"
+    );
 }
 
 // ---------------------------------------------------------------- backoff and nack_after
@@ -372,7 +458,11 @@ async fn without_backoff_a_nack_comes_back_at_once() {
     .unwrap();
     bus.publish("o.1", "a").await.unwrap();
     until("exhausted", || stats(&bus, "o").exhausted == 1).await;
-    assert_eq!(seen.gaps(), [Duration::ZERO, Duration::ZERO], "no virtual time passes between attempts");
+    assert_eq!(
+        seen.gaps(),
+        [Duration::ZERO, Duration::ZERO],
+        "no virtual time passes between attempts"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -426,7 +516,11 @@ async fn silence_and_a_returned_error_wait_the_same_schedule() {
     let secs: Vec<u64> = seen.gaps().iter().map(|g| g.as_secs()).collect();
     assert_eq!(secs, [1, 2, 4]);
     assert_eq!(stats(&bus, "o").settlement.silent, 4);
-    assert_eq!(bus.runtime_stats("o").unwrap().handler_errors, 4, "each error is counted");
+    assert_eq!(
+        bus.runtime_stats("o").unwrap().handler_errors,
+        4,
+        "each error is counted"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -479,7 +573,11 @@ async fn nack_after_waits_its_delay_never_less_and_the_attempt_is_spent() {
     bus.publish("o.1", "a").await.unwrap();
     until("exhausted", || stats(&bus, "o").exhausted == 1).await;
     assert_eq!(seen.gaps(), [Duration::from_secs(7)]);
-    assert_eq!(seen.attempts(), [1, 2], "the delayed decline spent attempt 1 of MaxDeliver 2");
+    assert_eq!(
+        seen.attempts(),
+        [1, 2],
+        "the delayed decline spent attempt 1 of MaxDeliver 2"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -491,18 +589,28 @@ async fn nack_after_ceiling_is_max_nack_delay_else_backoff_max() {
     with_max.backoff = backoff(1000, 60_000, 2.0);
     let mut schedule_only = alo("b.>");
     schedule_only.backoff = backoff(1000, 60_000, 2.0);
-    for (name, p, ok, too_long, ceiling) in
-        [("a", with_max, 10u64, 11u64, 10u64), ("b", schedule_only, 60, 61, 60)]
-    {
+    for (name, p, ok, too_long, ceiling) in [
+        ("a", with_max, 10u64, 11u64, 10u64),
+        ("b", schedule_only, 60, 61, 60),
+    ] {
         let ctx = SubscriptionCtx::new(name, &p);
         let mut c = mem.open(ctx.clone()).await.unwrap();
-        mem.publish(format!("{name}.1"), vec![], "x".into()).await.unwrap();
+        mem.publish(format!("{name}.1"), vec![], "x".into())
+            .await
+            .unwrap();
         let d = c.next().await.unwrap();
         assert_eq!(
             d.nack_after(Duration::from_secs(too_long)).await,
-            Err(SettleError::DelayTooLong { requested: Duration::from_secs(too_long), ceiling: Duration::from_secs(ceiling) })
+            Err(SettleError::DelayTooLong {
+                requested: Duration::from_secs(too_long),
+                ceiling: Duration::from_secs(ceiling)
+            })
         );
-        assert_eq!(d.nack_after(Duration::from_secs(ok)).await, Ok(()), "{name}: up to the ceiling is allowed");
+        assert_eq!(
+            d.nack_after(Duration::from_secs(ok)).await,
+            Ok(()),
+            "{name}: up to the ceiling is allowed"
+        );
     }
 }
 
@@ -547,16 +655,30 @@ async fn nack_after_refused_records_nothing_and_the_handler_can_still_nack() {
     .unwrap();
     bus.publish("n.1", "x").await.unwrap();
     bus.publish("c.1", "x").await.unwrap();
-    until("both handled", || stats(&bus, "neither").delivered == 1 && stats(&bus, "capped").delivered == 1).await;
+    until("both handled", || {
+        stats(&bus, "neither").delivered == 1 && stats(&bus, "capped").delivered == 1
+    })
+    .await;
     let r = results.lock().unwrap().clone();
     assert!(matches!(r[0], Err(SettleError::NoDelayAllowed(_))), "{r:?}");
     assert_eq!(r[1], Err(SettleError::NegativeDelay(-5)));
     let r2 = results2.lock().unwrap().clone();
-    assert!(matches!(r2[0], Err(SettleError::DelayTooLong { .. })), "{r2:?}");
+    assert!(
+        matches!(r2[0], Err(SettleError::DelayTooLong { .. })),
+        "{r2:?}"
+    );
     assert_eq!(r2[1], Err(SettleError::NegativeDelay(-1)));
     for name in ["neither", "capped"] {
         let st = stats(&bus, name);
-        assert_eq!((st.settlement.nacked, st.settlement.silent, st.settlement.acked), (1, 0, 0), "{name}: only the Nack was recorded");
+        assert_eq!(
+            (
+                st.settlement.nacked,
+                st.settlement.silent,
+                st.settlement.acked
+            ),
+            (1, 0, 0),
+            "{name}: only the Nack was recorded"
+        );
     }
 }
 
@@ -565,20 +687,46 @@ async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_
     // seed 000: "A delay needs a backend that can hold the message back, Capabilities.DelaysRedelivery.
     // On one that cannot, the subscription is refused when the bus is built, as it is for a delay
     // longer than the backend's MaxRedeliveryDelay."
-    let no_delays = Limited(MemoryBackend::new(), Capabilities { delays_redelivery: false, ..Capabilities::default() });
+    let no_delays = Limited(
+        MemoryBackend::new(),
+        Capabilities {
+            delays_redelivery: false,
+            ..Capabilities::default()
+        },
+    );
     let mut p = alo("o.>");
     p.backoff = backoff(1000, 2000, 2.0);
-    let err = Bus::builder(no_delays).without_reports().build().subscribe(sub("o", p.clone(), |_d| async { Ok(()) })).await.unwrap_err();
-    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.backoff") && reason.contains("delaysRedelivery")), "{err}");
+    let err = Bus::builder(no_delays)
+        .without_reports()
+        .build()
+        .subscribe(sub("o", p.clone(), |_d| async { Ok(()) }))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.backoff") && reason.contains("delaysRedelivery")),
+        "{err}"
+    );
 
     let short = Limited(
         MemoryBackend::new(),
-        Capabilities { delays_redelivery: true, max_redelivery_delay: Some(api::Duration::from_secs(60)), restart_can_spend_unseen_attempt: false },
+        Capabilities {
+            delays_redelivery: true,
+            max_redelivery_delay: Some(api::Duration::from_secs(60)),
+            restart_can_spend_unseen_attempt: false,
+        },
     );
     let mut p2 = alo("o.>");
     p2.max_nack_delay = Some(api::Duration::from_secs(3600));
-    let err = Bus::builder(short).without_reports().build().subscribe(sub("o", p2, |_d| async { Ok(()) })).await.unwrap_err();
-    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.maxNackDelay")), "{err}");
+    let err = Bus::builder(short)
+        .without_reports()
+        .build()
+        .subscribe(sub("o", p2, |_d| async { Ok(()) }))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.maxNackDelay")),
+        "{err}"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -588,11 +736,21 @@ async fn delays_are_not_allowed_under_at_most_once() {
     let bus = bus(&mem);
     let mut p = amo("o.>");
     p.backoff = backoff(1000, 2000, 2.0);
-    let err = bus.subscribe(sub("o", p, |_d| async { Ok(()) })).await.unwrap_err();
-    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("AtMostOnce")), "{err}");
+    let err = bus
+        .subscribe(sub("o", p, |_d| async { Ok(()) }))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, BusError::Refused { reason, .. } if reason.contains("AtMostOnce")),
+        "{err}"
+    );
     let mut p = amo("o.>");
     p.max_nack_delay = Some(api::Duration::from_secs(1));
-    assert!(bus.subscribe(sub("o", p, |_d| async { Ok(()) })).await.is_err());
+    assert!(
+        bus.subscribe(sub("o", p, |_d| async { Ok(()) }))
+            .await
+            .is_err()
+    );
 }
 
 // ---------------------------------------------------------------- slow handlers
@@ -649,7 +807,13 @@ async fn the_first_settlement_wins_even_through_clones_in_other_tasks() {
             let mut tasks = Vec::new();
             for i in 0..8 {
                 let c = held.d.clone();
-                tasks.push(tokio::spawn(async move { if i % 2 == 0 { c.ack().await } else { c.nack().await } }));
+                tasks.push(tokio::spawn(async move {
+                    if i % 2 == 0 {
+                        c.ack().await
+                    } else {
+                        c.nack().await
+                    }
+                }));
             }
             for t in tasks {
                 let r = t.await.unwrap();
@@ -666,9 +830,17 @@ async fn the_first_settlement_wins_even_through_clones_in_other_tasks() {
     until("handled", || outcomes.lock().unwrap().len() == 9).await;
     let o = outcomes.lock().unwrap().clone();
     assert_eq!(o.iter().filter(|r| r.is_ok()).count(), 1, "{o:?}");
-    assert_eq!(o.iter().filter(|r| **r == Err(SettleError::AlreadySettled)).count(), 8);
+    assert_eq!(
+        o.iter()
+            .filter(|r| **r == Err(SettleError::AlreadySettled))
+            .count(),
+        8
+    );
     let st = stats(&bus, "o");
-    assert_eq!(st.settlement.acked + st.settlement.nacked + st.settlement.silent, 1);
+    assert_eq!(
+        st.settlement.acked + st.settlement.nacked + st.settlement.silent,
+        1
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -710,8 +882,16 @@ async fn the_returned_error_never_decides_settlement() {
     assert_eq!((st.settlement.acked, st.settlement.nacked), (2, 1));
     assert_eq!(bus.runtime_stats("o").unwrap().handler_errors, 1);
     let runs: Vec<String> = seen.0.lock().unwrap().iter().map(|e| e.0.clone()).collect();
-    assert_eq!(runs.iter().filter(|r| *r == "ack-then-err").count(), 1, "an acked message that returned an error is not redelivered");
-    assert_eq!(runs.iter().filter(|r| *r == "nack-then-ok").count(), 2, "a nacked message that returned Ok is redelivered");
+    assert_eq!(
+        runs.iter().filter(|r| *r == "ack-then-err").count(),
+        1,
+        "an acked message that returned an error is not redelivered"
+    );
+    assert_eq!(
+        runs.iter().filter(|r| *r == "nack-then-ok").count(),
+        2,
+        "a nacked message that returned Ok is redelivered"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -770,7 +950,10 @@ async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest(
     })
     .await;
     let st = stats(&bus, "o");
-    assert_eq!(st.settlement.acked + st.settlement.nacked + st.settlement.silent, st.delivered);
+    assert_eq!(
+        st.settlement.acked + st.settlement.nacked + st.settlement.silent,
+        st.delivered
+    );
     assert!(st.balanced(), "{st:?}");
     assert_eq!((st.offered, st.released, st.lost), (60, 0, 0));
 }
@@ -779,7 +962,10 @@ async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest(
 async fn a_refused_nack_moves_nacked_and_refused() {
     // seed 000: "Refused is orthogonal: a nack the backend could not act on moves Nacked and Refused."
     let mem = MemoryBackend::new();
-    let bus = Bus::builder(mem.clone()).without_reports().close_grace(Duration::from_secs(1)).build();
+    let bus = Bus::builder(mem.clone())
+        .without_reports()
+        .close_grace(Duration::from_secs(1))
+        .build();
     let kept: Arc<Mutex<Option<Delivery>>> = Arc::default();
     let k = kept.clone();
     bus.subscribe(sub("o", alo("o.>"), move |d| {
@@ -808,7 +994,10 @@ async fn a_refused_nack_moves_nacked_and_refused() {
 async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
     // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
     let mem = MemoryBackend::new();
-    let bus1 = Bus::builder(mem.clone()).without_reports().close_grace(Duration::from_millis(100)).build();
+    let bus1 = Bus::builder(mem.clone())
+        .without_reports()
+        .close_grace(Duration::from_millis(100))
+        .build();
     bus1.subscribe(sub("o", alo("o.>"), |_d| async move {
         tokio::time::sleep(Duration::from_secs(3600)).await;
         Ok(())
@@ -844,7 +1033,10 @@ async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
 async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
     // api ConsumerStats.lost: "Attempts offered and never delivered nor released (under AtMostOnce, dropped on shutdown)."
     let mem = MemoryBackend::new();
-    let bus = Bus::builder(mem.clone()).without_reports().close_grace(Duration::from_millis(100)).build();
+    let bus = Bus::builder(mem.clone())
+        .without_reports()
+        .close_grace(Duration::from_millis(100))
+        .build();
     bus.subscribe(sub("o", amo("o.>"), |_d| async move {
         tokio::time::sleep(Duration::from_secs(3600)).await;
         Ok(())
@@ -871,7 +1063,11 @@ async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
     p.max_processing_time = Some(api::Duration::from_secs(1));
     bus.subscribe(sub("o", p, |d| async move {
         tokio::time::sleep(Duration::from_secs(5)).await;
-        if d.attempt() == 1 { d.nack_after(Duration::from_secs(3600)).await? } else { d.ack().await? }
+        if d.attempt() == 1 {
+            d.nack_after(Duration::from_secs(3600)).await?
+        } else {
+            d.ack().await?
+        }
         Ok(())
     }))
     .await
@@ -880,7 +1076,10 @@ async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
     tokio::time::sleep(Duration::from_secs(3700)).await;
     until("acked", || stats(&bus, "o").settlement.acked == 1).await;
     let st = stats(&bus, "o");
-    assert_eq!((st.lease_expired, st.delay_shortened, st.stranded), (0, 0, 0));
+    assert_eq!(
+        (st.lease_expired, st.delay_shortened, st.stranded),
+        (0, 0, 0)
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -898,7 +1097,11 @@ async fn counters_never_go_backwards_across_resubscribe() {
         bus.publish(format!("o.{round}"), "x").await.unwrap();
         until("acked", || stats(&bus, "o").settlement.acked == round).await;
         bus.unsubscribe("o").await.unwrap();
-        assert_eq!(stats(&bus, "o").settlement.acked, round, "readable after unsubscribe, and not reset");
+        assert_eq!(
+            stats(&bus, "o").settlement.acked,
+            round,
+            "readable after unsubscribe, and not reset"
+        );
     }
 }
 
@@ -913,8 +1116,13 @@ async fn one_delivery(headers: Vec<(&str, &str)>, payload: &str) -> (Delivery, C
     let mem = MemoryBackend::new();
     let ctx = SubscriptionCtx::new("o", &amo("o.>"));
     let mut c = mem.open(ctx.clone()).await.unwrap();
-    let headers = headers.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    mem.publish("o.1".into(), headers, payload.to_string().into()).await.unwrap();
+    let headers = headers
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    mem.publish("o.1".into(), headers, payload.to_string().into())
+        .await
+        .unwrap();
     let d = c.next().await.unwrap();
     (d, ctx.stats())
 }
@@ -923,7 +1131,13 @@ async fn one_delivery(headers: Vec<(&str, &str)>, payload: &str) -> (Delivery, C
 async fn cloudevents_binary_and_structured_decode_and_never_raise_a_foreign_conflict() {
     // seed 000: "Binary and structured mode never raise it."
     let (d, st) = one_delivery(
-        vec![("ce-specversion", "1.0"), ("ce-id", "e1"), ("ce-type", "order.created"), ("ce-source", "/shop"), ("correlation-id", "other")],
+        vec![
+            ("ce-specversion", "1.0"),
+            ("ce-id", "e1"),
+            ("ce-type", "order.created"),
+            ("ce-source", "/shop"),
+            ("correlation-id", "other"),
+        ],
         r#"{"id": 7}"#,
     )
     .await;
@@ -951,16 +1165,39 @@ async fn a_masstransit_envelope_contradicted_by_a_transport_header_counts_one_fo
     // one in a MassTransit envelope. ... The event is still the envelope's; the other value is in
     // d.Foreign().Headers."
     let envelope = r#"{"messageId":"m-1","correlationId":"c-envelope","messageType":["urn:message:Shop:OrderCreated"],"message":{"id":9}}"#;
-    let (d, st) = one_delivery(vec![("content-type", "application/vnd.masstransit+json"), ("correlation-id", "c-broker")], envelope).await;
+    let (d, st) = one_delivery(
+        vec![
+            ("content-type", "application/vnd.masstransit+json"),
+            ("correlation-id", "c-broker"),
+        ],
+        envelope,
+    )
+    .await;
     assert_eq!(d.event().format, Format::MassTransit);
-    assert_eq!(d.event().correlation_id.as_deref(), Some("c-envelope"), "the envelope's value is kept");
-    assert_eq!(d.foreign().get("correlation-id"), Some("c-broker"), "the transport's value is in the foreign view");
+    assert_eq!(
+        d.event().correlation_id.as_deref(),
+        Some("c-envelope"),
+        "the envelope's value is kept"
+    );
+    assert_eq!(
+        d.foreign().get("correlation-id"),
+        Some("c-broker"),
+        "the transport's value is in the foreign view"
+    );
     assert_eq!(d.decode::<Order>().unwrap(), Order { id: 9 });
     assert_eq!(st.foreign_conflicts, 1);
-    assert_eq!(d.header("Correlation-ID"), Some("c-broker"), "headers are read case-insensitively");
+    assert_eq!(
+        d.header("Correlation-ID"),
+        Some("c-broker"),
+        "headers are read case-insensitively"
+    );
 
     // Agreeing headers are no conflict.
-    let (d, st) = one_delivery(vec![("correlation-id", "c-envelope"), ("message-id", "m-1")], envelope).await;
+    let (d, st) = one_delivery(
+        vec![("correlation-id", "c-envelope"), ("message-id", "m-1")],
+        envelope,
+    )
+    .await;
     assert_eq!(st.foreign_conflicts, 0);
     assert!(d.foreign().is_empty());
 }
@@ -1060,7 +1297,11 @@ async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
     until("all five exhausted", || stats(&bus, "o").exhausted == 5).await;
     let st = stats(&bus, "o");
     assert_eq!(st.settlement.silent, 10, "every forgotten ack is visible");
-    assert_eq!(runs.load(Ordering::SeqCst), 10, "the consumer went past the first message");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        10,
+        "the consumer went past the first message"
+    );
 }
 
 // ---------------------------------------------------------------- the seam and conformance
@@ -1070,15 +1311,25 @@ async fn the_conformance_suite_passes_on_the_memory_backend() {
     // seed 000: "The conformance suite holds an AtLeastOnce backend to four rows ... and a fifth, a
     // declined message waiting out its delay, on a backend declaring DelaysRedelivery."
     let mem = MemoryBackend::new();
-    let rows = bus::conformance::run(&mem, "conformance").await.unwrap_or_else(|e| panic!("{e}"));
+    let rows = bus::conformance::run(&mem, "conformance")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(rows, bus::conformance::ROWS.to_vec());
 }
 
 #[tokio::test(start_paused = true)]
 async fn the_conformance_suite_skips_the_delay_row_where_delays_are_not_declared() {
     // seed 000: "and a fifth ... on a backend declaring DelaysRedelivery."
-    let limited = Limited(MemoryBackend::new(), Capabilities { delays_redelivery: false, ..Capabilities::default() });
-    let rows = bus::conformance::run(&limited, "conformance").await.unwrap_or_else(|e| panic!("{e}"));
+    let limited = Limited(
+        MemoryBackend::new(),
+        Capabilities {
+            delays_redelivery: false,
+            ..Capabilities::default()
+        },
+    );
+    let rows = bus::conformance::run(&limited, "conformance")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(rows, bus::conformance::ROWS[..4].to_vec());
 }
 
@@ -1105,12 +1356,25 @@ async fn settle_is_the_one_path_at_the_seam() {
     bus::settle(&d, Decision::Silent).await.unwrap();
     let d = c.next().await.unwrap();
     assert_eq!(d.attempt(), 2);
-    bus::settle_with(&d, Duration::from_millis(10)).await.unwrap();
-    assert_eq!(bus::settle(&d, Decision::Ack).await, Err(SettleError::AlreadySettled));
+    bus::settle_with(&d, Duration::from_millis(10))
+        .await
+        .unwrap();
+    assert_eq!(
+        bus::settle(&d, Decision::Ack).await,
+        Err(SettleError::AlreadySettled)
+    );
     let d = c.next().await.unwrap();
     bus::settle(&d, Decision::Ack).await.unwrap();
     let st = ctx.stats();
-    assert_eq!((st.offered, st.settlement.silent, st.settlement.nacked, st.settlement.acked), (3, 1, 1, 1));
+    assert_eq!(
+        (
+            st.offered,
+            st.settlement.silent,
+            st.settlement.nacked,
+            st.settlement.acked
+        ),
+        (3, 1, 1, 1)
+    );
 }
 
 // ---------------------------------------------------------------- test backends
@@ -1128,10 +1392,18 @@ impl Backend for Limited {
     fn hands_on_slow_handlers(&self) -> bool {
         false
     }
-    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+    fn open(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
         self.0.open(ctx)
     }
-    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: bytes::Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+    fn publish(
+        &self,
+        subject: String,
+        headers: Vec<(String, String)>,
+        payload: bytes::Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
         self.0.publish(subject, headers, payload)
     }
     fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
@@ -1150,7 +1422,10 @@ impl Backend for Hasty {
     fn hands_on_slow_handlers(&self) -> bool {
         false
     }
-    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+    fn open(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
         Box::pin(async move {
             let inner_policy = DeliveryPolicy {
                 pattern: ctx.policy().pattern.clone(),
@@ -1158,11 +1433,19 @@ impl Backend for Hasty {
                 durable_name: ctx.policy().durable_name.clone(),
                 ..DeliveryPolicy::default()
             };
-            let inner = self.0.open(SubscriptionCtx::new("inner", &inner_policy)).await?;
+            let inner = self
+                .0
+                .open(SubscriptionCtx::new("inner", &inner_policy))
+                .await?;
             Ok(Box::new(Rewrap(inner, ctx)) as Box<dyn Consumer>)
         })
     }
-    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: bytes::Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+    fn publish(
+        &self,
+        subject: String,
+        headers: Vec<(String, String)>,
+        payload: bytes::Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
         self.0.publish(subject, headers, payload)
     }
 }
@@ -1175,10 +1458,16 @@ impl bus::OnSettle for ZeroDelay {
     fn settle(&self, action: bus::Action) -> BoxFuture<'_, Result<bus::Performed, bus::Refusal>> {
         Box::pin(async move {
             let r = match action {
-                bus::Action::Ack | bus::Action::Terminate => bus::settle(&self.0, Decision::Ack).await,
+                bus::Action::Ack | bus::Action::Terminate => {
+                    bus::settle(&self.0, Decision::Ack).await
+                }
                 bus::Action::Decline(_) => bus::settle(&self.0, Decision::Nack).await,
             };
-            r.map(|()| bus::Performed::AsAsked).map_err(|e| bus::Refusal { reason: e.to_string(), stranded: false })
+            r.map(|()| bus::Performed::AsAsked)
+                .map_err(|e| bus::Refusal {
+                    reason: e.to_string(),
+                    stranded: false,
+                })
         })
     }
     fn progress(&self) -> BoxFuture<'_, Result<(), bus::Refusal>> {
@@ -1227,7 +1516,11 @@ impl StatsSink for CountingSink {
 async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_instance() {
     // docs/stats-report.md: {"version":1,"namespace","subscription","instance",...,"stats":ConsumerStats}
     let mem = MemoryBackend::new();
-    let bus = Bus::builder(mem.clone()).namespace("shop").instance("pod-a").report_interval(Duration::from_secs(1)).build();
+    let bus = Bus::builder(mem.clone())
+        .namespace("shop")
+        .instance("pod-a")
+        .report_interval(Duration::from_secs(1))
+        .build();
     bus.subscribe(sub("orders", alo("orders.>"), |d| async move {
         d.ack().await?;
         Ok(())
@@ -1238,7 +1531,9 @@ async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_
     until("acked", || stats(&bus, "orders").settlement.acked == 1).await;
     bus.close().await;
     let reports = mem.reports();
-    let body = reports.get("shop.orders.pod-a").unwrap_or_else(|| panic!("no report under shop.orders.pod-a: {:?}", reports.keys()));
+    let body = reports
+        .get("shop.orders.pod-a")
+        .unwrap_or_else(|| panic!("no report under shop.orders.pod-a: {:?}", reports.keys()));
     let v: serde_json::Value = serde_json::from_slice(body).unwrap();
     assert_eq!(v["version"], 1);
     assert_eq!(v["namespace"], "shop");
@@ -1249,9 +1544,16 @@ async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_
     assert_eq!(v["durableName"], "d-orders__");
     assert_eq!(v["stats"]["settlement"]["acked"], 1);
     assert_eq!(v["stats"]["offered"], 1);
-    assert!(v["stats"].get("leaseExpired").is_some(), "counters use the CRD's camelCase names");
+    assert!(
+        v["stats"].get("leaseExpired").is_some(),
+        "counters use the CRD's camelCase names"
+    );
     let report: bus::report::StatsReport = serde_json::from_slice(body).unwrap();
-    assert_eq!(report.stats, stats(&bus, "orders"), "the last report is the final account");
+    assert_eq!(
+        report.stats,
+        stats(&bus, "orders"),
+        "the last report is the final account"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -1259,7 +1561,11 @@ async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something
     // issue 3, item 10: "publishes its cumulative per-subscription stats ... at a bounded rate".
     let mem = MemoryBackend::new();
     let sink = CountingSink::default();
-    let bus = Bus::builder(mem.clone()).instance("i").report_interval(Duration::from_secs(1)).stats_sink(Arc::new(sink.clone())).build();
+    let bus = Bus::builder(mem.clone())
+        .instance("i")
+        .report_interval(Duration::from_secs(1))
+        .stats_sink(Arc::new(sink.clone()))
+        .build();
     bus.subscribe(sub("busy", alo("busy.>"), |d| async move {
         d.ack().await?;
         Ok(())
@@ -1273,22 +1579,57 @@ async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something
     }
     until("all acked", || stats(&bus, "busy").settlement.acked == 1000).await;
     let during = sink.0.lock().unwrap().len();
-    assert!(during <= 12, "at most one report per interval: {during} reports in ~10 s");
+    assert!(
+        during <= 12,
+        "at most one report per interval: {during} reports in ~10 s"
+    );
     // Nothing changes for 10 s: nothing more is sent beyond the one that carries the last change.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let idle = sink.0.lock().unwrap().len();
-    assert!(idle <= during + 1, "idle subscriptions are not re-reported: {during} -> {idle}");
+    assert!(
+        idle <= during + 1,
+        "idle subscriptions are not re-reported: {during} -> {idle}"
+    );
     bus.close().await;
     let all = sink.0.lock().unwrap().clone();
-    let seqs: Vec<u64> = all.iter().map(|(_, b)| serde_json::from_slice::<bus::report::StatsReport>(b).unwrap().sequence).collect();
-    assert!(seqs.windows(2).all(|w| w[1] > w[0]), "sequence increases: {seqs:?}");
-    let counts: Vec<u64> = all.iter().map(|(_, b)| serde_json::from_slice::<bus::report::StatsReport>(b).unwrap().stats.settlement.acked).collect();
-    assert!(counts.windows(2).all(|w| w[1] >= w[0]), "reported counters never go backwards: {counts:?}");
-    assert_eq!(*counts.last().unwrap(), 1000, "the report at close carries the final account");
+    let seqs: Vec<u64> = all
+        .iter()
+        .map(|(_, b)| {
+            serde_json::from_slice::<bus::report::StatsReport>(b)
+                .unwrap()
+                .sequence
+        })
+        .collect();
+    assert!(
+        seqs.windows(2).all(|w| w[1] > w[0]),
+        "sequence increases: {seqs:?}"
+    );
+    let counts: Vec<u64> = all
+        .iter()
+        .map(|(_, b)| {
+            serde_json::from_slice::<bus::report::StatsReport>(b)
+                .unwrap()
+                .stats
+                .settlement
+                .acked
+        })
+        .collect();
+    assert!(
+        counts.windows(2).all(|w| w[1] >= w[0]),
+        "reported counters never go backwards: {counts:?}"
+    );
+    assert_eq!(
+        *counts.last().unwrap(),
+        1000,
+        "the report at close carries the final account"
+    );
 }
 
 #[test]
 fn report_keys_stay_in_the_kv_key_alphabet() {
-    assert_eq!(bus::report::report_key("shop", "orders", "pod-7f9c"), "shop.orders.pod-7f9c");
+    assert_eq!(
+        bus::report::report_key("shop", "orders", "pod-7f9c"),
+        "shop.orders.pod-7f9c"
+    );
     assert_eq!(bus::report::report_key("a b", "x.y", ""), "a_b.x_y._");
 }

@@ -50,7 +50,9 @@ impl Scope {
     /// that need "no responders" run without one).
     async fn with_wire(test: &str, watch: bool) -> Scope {
         let env = common::env();
-        let client = async_nats::connect(&env.nats_url).await.unwrap_or_else(|e| panic!("connect to {}: {e}", env.nats_url));
+        let client = async_nats::connect(&env.nats_url)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", env.nats_url));
         let js = async_nats::jetstream::new(client.clone());
         let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let tag = format!("{}_{}_{}", test, std::process::id(), n);
@@ -67,16 +69,27 @@ impl Scope {
         // Watch every acknowledgement sent for this stream.
         let wire = Wire::default();
         if watch {
-            let mut acks = client.subscribe(format!("$JS.ACK.{stream}.>")).await.unwrap();
+            let mut acks = client
+                .subscribe(format!("$JS.ACK.{stream}.>"))
+                .await
+                .unwrap();
             let w = wire.clone();
             tokio::spawn(async move {
                 while let Some(m) = acks.next().await {
-                    w.0.lock().unwrap().push(String::from_utf8_lossy(&m.payload).into_owned());
+                    w.0.lock()
+                        .unwrap()
+                        .push(String::from_utf8_lossy(&m.payload).into_owned());
                 }
             });
         }
         client.flush().await.unwrap();
-        Scope { client, js, stream, prefix, wire }
+        Scope {
+            client,
+            js,
+            stream,
+            prefix,
+            wire,
+        }
     }
 
     async fn backend(&self) -> NatsBackend {
@@ -106,12 +119,18 @@ impl Scope {
     }
 
     async fn publish(&self, s: &str, body: &str) {
-        self.js.publish(self.subject(s), body.to_string().into()).await.unwrap().await.unwrap();
+        self.js
+            .publish(self.subject(s), body.to_string().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
     }
 
     async fn consumer_config(&self, durable: &str) -> async_nats::jetstream::consumer::Config {
         let stream = self.js.get_stream(&self.stream).await.unwrap();
-        let mut c: async_nats::jetstream::consumer::PullConsumer = stream.get_consumer(durable).await.unwrap();
+        let mut c: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer(durable).await.unwrap();
         let info = c.info().await.unwrap();
         serde_json::from_value(serde_json::to_value(&info.config).unwrap()).unwrap()
     }
@@ -127,7 +146,11 @@ struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
 
 impl Seen {
     fn record(&self, d: &Delivery) {
-        self.0.lock().unwrap().push((String::from_utf8_lossy(d.payload()).into_owned(), d.attempt(), Instant::now()));
+        self.0.lock().unwrap().push((
+            String::from_utf8_lossy(d.payload()).into_owned(),
+            d.attempt(),
+            Instant::now(),
+        ));
     }
     fn attempts(&self) -> Vec<u32> {
         self.0.lock().unwrap().iter().map(|e| e.1).collect()
@@ -175,7 +198,9 @@ async fn the_conformance_suite_passes_on_real_jetstream() {
     // backend declaring DelaysRedelivery."
     let scope = Scope::new("conformance").await;
     let backend = scope.backend().await;
-    let rows = bus::conformance::run(&backend, &scope.prefix).await.unwrap_or_else(|e| panic!("{e}"));
+    let rows = bus::conformance::run(&backend, &scope.prefix)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(rows, bus::conformance::ROWS.to_vec());
     scope.drop_stream().await;
 }
@@ -189,7 +214,11 @@ async fn the_consumer_carries_the_policy_and_never_a_backoff_list() {
     let scope = Scope::new("config").await;
     let bus = scope.bus().await;
     let mut p = scope.alo("cfg");
-    p.backoff = Some(Backoff { initial: ms(100), max: ms(400), multiplier: 2.0 });
+    p.backoff = Some(Backoff {
+        initial: ms(100),
+        max: ms(400),
+        multiplier: 2.0,
+    });
     p.ack_wait = Some(ms(2000));
     p.max_deliver = Some(7);
     p.max_in_flight = Some(3);
@@ -200,11 +229,18 @@ async fn the_consumer_carries_the_policy_and_never_a_backoff_list() {
     .await
     .unwrap();
     let c = scope.consumer_config("cfg").await;
-    assert!(c.backoff.is_empty(), "backoff list must not be set: {:?}", c.backoff);
+    assert!(
+        c.backoff.is_empty(),
+        "backoff list must not be set: {:?}",
+        c.backoff
+    );
     assert_eq!(c.ack_wait, Duration::from_secs(2));
     assert_eq!(c.max_deliver, 7);
     assert_eq!(c.max_ack_pending, 3);
-    assert_eq!(c.ack_policy, async_nats::jetstream::consumer::AckPolicy::Explicit);
+    assert_eq!(
+        c.ack_policy,
+        async_nats::jetstream::consumer::AckPolicy::Explicit
+    );
     bus.close().await;
     scope.drop_stream().await;
 }
@@ -216,8 +252,14 @@ async fn at_least_once_requires_a_durable_name_on_nats() {
     let bus = scope.bus().await;
     let mut p = scope.alo("x");
     p.durable_name = None;
-    let err = bus.subscribe(sub("x", p, |_d| async { Ok(()) })).await.unwrap_err();
-    assert!(matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.durableName")), "{err}");
+    let err = bus
+        .subscribe(sub("x", p, |_d| async { Ok(()) }))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.durableName")),
+        "{err}"
+    );
     scope.drop_stream().await;
 }
 
@@ -266,7 +308,11 @@ async fn the_backoff_schedule_is_sent_as_delayed_naks_and_never_comes_back_early
     let seen = Seen::default();
     let s = seen.clone();
     let mut p = scope.alo("sched");
-    p.backoff = Some(Backoff { initial: ms(100), max: ms(300), multiplier: 2.0 });
+    p.backoff = Some(Backoff {
+        initial: ms(100),
+        max: ms(300),
+        multiplier: 2.0,
+    });
     p.max_deliver = Some(4);
     bus.subscribe(sub("sched", p, move |d| {
         let s = s.clone();
@@ -287,11 +333,19 @@ async fn the_backoff_schedule_is_sent_as_delayed_naks_and_never_comes_back_early
     until("wire", || scope.wire.count("+ACK") == 1).await;
     assert_eq!(
         scope.wire.bodies(),
-        [r#"-NAK {"delay":100000000}"#, r#"-NAK {"delay":200000000}"#, r#"-NAK {"delay":300000000}"#, "+ACK"]
+        [
+            r#"-NAK {"delay":100000000}"#,
+            r#"-NAK {"delay":200000000}"#,
+            r#"-NAK {"delay":300000000}"#,
+            "+ACK"
+        ]
     );
     let gaps = seen.gaps();
     for (gap, want) in gaps.iter().zip([100u64, 200, 300]) {
-        assert!(*gap >= Duration::from_millis(want), "offered again after {gap:?}, before its delay of {want}ms");
+        assert!(
+            *gap >= Duration::from_millis(want),
+            "offered again after {gap:?}, before its delay of {want}ms"
+        );
     }
     bus.close().await;
     scope.drop_stream().await;
@@ -305,7 +359,11 @@ async fn silence_is_redelivered_with_the_schedule_on_nats() {
     let seen = Seen::default();
     let s = seen.clone();
     let mut p = scope.alo("sil");
-    p.backoff = Some(Backoff { initial: ms(150), max: ms(150), multiplier: 1.0 });
+    p.backoff = Some(Backoff {
+        initial: ms(150),
+        max: ms(150),
+        multiplier: 1.0,
+    });
     bus.subscribe(sub("sil", p, move |d| {
         let s = s.clone();
         async move {
@@ -353,7 +411,11 @@ async fn a_message_declined_on_its_last_attempt_is_exhausted_and_terminated() {
     scope.publish("1", "a").await;
     until("exhausted", || stats(&bus, "ex").exhausted == 1).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(seen.attempts(), [1, 2, 3], "not offered again after MaxDeliver");
+    assert_eq!(
+        seen.attempts(),
+        [1, 2, 3],
+        "not offered again after MaxDeliver"
+    );
     assert_eq!(scope.wire.bodies(), ["-NAK", "-NAK", "+TERM"]);
     let st = stats(&bus, "ex");
     assert_eq!((st.exhausted, st.settlement.nacked, st.stranded), (1, 3, 0));
@@ -369,7 +431,10 @@ async fn at_most_once_sends_nothing_and_nothing_comes_back() {
     let bus = scope.bus().await;
     let seen = Seen::default();
     let s = seen.clone();
-    let p = DeliveryPolicy { pattern: scope.pattern(), ..DeliveryPolicy::default() };
+    let p = DeliveryPolicy {
+        pattern: scope.pattern(),
+        ..DeliveryPolicy::default()
+    };
     bus.subscribe(sub("amo", p, move |d| {
         let s = s.clone();
         async move {
@@ -386,7 +451,11 @@ async fn at_most_once_sends_nothing_and_nothing_comes_back() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(seen.len(), 2);
     assert_eq!(stats(&bus, "amo").settlement.nacked, 2);
-    assert!(scope.wire.bodies().is_empty(), "nothing is sent under AtMostOnce: {:?}", scope.wire.bodies());
+    assert!(
+        scope.wire.bodies().is_empty(),
+        "nothing is sent under AtMostOnce: {:?}",
+        scope.wire.bodies()
+    );
     bus.close().await;
     scope.drop_stream().await;
 }
@@ -455,9 +524,19 @@ async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on()
     assert_eq!(stats(&bus, "exp").lease_expired, 1);
     until("both returned", || stats(&bus, "exp").delivered == 2).await;
     let st = stats(&bus, "exp");
-    assert_eq!(st.lease_expired, 1, "attempt grain: one attempt reached the bound");
-    assert!(st.balanced(), "LeaseExpired changes nothing in the identity: {st:?}");
-    assert!(seen.gaps()[0] >= Duration::from_millis(900), "kept until MaxProcessingTime: {:?}", seen.gaps());
+    assert_eq!(
+        st.lease_expired, 1,
+        "attempt grain: one attempt reached the bound"
+    );
+    assert!(
+        st.balanced(),
+        "LeaseExpired changes nothing in the identity: {st:?}"
+    );
+    assert!(
+        seen.gaps()[0] >= Duration::from_millis(900),
+        "kept until MaxProcessingTime: {:?}",
+        seen.gaps()
+    );
     bus.close().await;
     scope.drop_stream().await;
 }
@@ -511,7 +590,12 @@ async fn a_nack_the_broker_cannot_act_on_is_refused_and_stranded() {
         let (r, js, stream) = (r.clone(), js.clone(), stream.clone());
         async move {
             // Someone deletes the consumer on the broker while the handler runs.
-            js.get_stream(&stream).await.unwrap().delete_consumer("gone").await.unwrap();
+            js.get_stream(&stream)
+                .await
+                .unwrap()
+                .delete_consumer("gone")
+                .await
+                .unwrap();
             let out = d.nack().await;
             *r.lock().unwrap() = Some(out);
             Ok(())
@@ -524,7 +608,10 @@ async fn a_nack_the_broker_cannot_act_on_is_refused_and_stranded() {
     let out = result.lock().unwrap().clone().unwrap();
     assert!(matches!(out, Err(SettleError::Refused(_))), "{out:?}");
     let st = stats(&bus, "gone");
-    assert_eq!((st.settlement.nacked, st.settlement.refused, st.stranded), (1, 1, 1));
+    assert_eq!(
+        (st.settlement.nacked, st.settlement.refused, st.stranded),
+        (1, 1, 1)
+    );
     bus.close().await;
     scope.drop_stream().await;
 }
@@ -533,7 +620,10 @@ async fn a_nack_the_broker_cannot_act_on_is_refused_and_stranded() {
 async fn an_attempt_given_up_at_close_is_released_and_comes_back() {
     // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
     let scope = Scope::new("release").await;
-    let bus1 = Bus::builder(scope.backend().await).without_reports().close_grace(Duration::from_millis(200)).build();
+    let bus1 = Bus::builder(scope.backend().await)
+        .without_reports()
+        .close_grace(Duration::from_millis(200))
+        .build();
     let mut p = scope.alo("rel");
     p.ack_wait = Some(ms(1000));
     bus1.subscribe(sub("rel", p.clone(), |_d| async move {
@@ -564,7 +654,11 @@ async fn an_attempt_given_up_at_close_is_released_and_comes_back() {
     .await
     .unwrap();
     until("redelivered", || seen.len() == 1).await;
-    assert!(seen.attempts()[0] >= 2, "comes back as a later attempt: {:?}", seen.attempts());
+    assert!(
+        seen.attempts()[0] >= 2,
+        "comes back as a later attempt: {:?}",
+        seen.attempts()
+    );
     bus2.close().await;
     scope.drop_stream().await;
 }
@@ -603,7 +697,10 @@ async fn a_masstransit_envelope_contradicted_by_a_nats_header_counts_a_foreign_c
     bus.subscribe(sub("f", scope.alo("f"), move |d| {
         let g = g.clone();
         async move {
-            *g.lock().unwrap() = Some((d.event().correlation_id.clone(), d.foreign().get("correlation-id").map(str::to_string)));
+            *g.lock().unwrap() = Some((
+                d.event().correlation_id.clone(),
+                d.foreign().get("correlation-id").map(str::to_string),
+            ));
             d.ack().await?;
             Ok(())
         }
@@ -613,10 +710,20 @@ async fn a_masstransit_envelope_contradicted_by_a_nats_header_counts_a_foreign_c
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("content-type", "application/vnd.masstransit+json");
     headers.insert("correlation-id", "from-broker");
-    let body = r#"{"messageId":"m","correlationId":"from-envelope","messageType":["x"],"message":{}}"#;
-    scope.js.publish_with_headers(scope.subject("1"), headers, body.into()).await.unwrap().await.unwrap();
+    let body =
+        r#"{"messageId":"m","correlationId":"from-envelope","messageType":["x"],"message":{}}"#;
+    scope
+        .js
+        .publish_with_headers(scope.subject("1"), headers, body.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     until("handled", || got.lock().unwrap().is_some()).await;
-    assert_eq!(got.lock().unwrap().clone().unwrap(), (Some("from-envelope".into()), Some("from-broker".into())));
+    assert_eq!(
+        got.lock().unwrap().clone().unwrap(),
+        (Some("from-envelope".into()), Some("from-broker".into()))
+    );
     assert_eq!(stats(&bus, "f").foreign_conflicts, 1);
     bus.close().await;
     scope.drop_stream().await;
@@ -633,7 +740,9 @@ async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_nats() {
     let mut p = scope.alo("fg");
     p.max_in_flight = Some(1);
     p.max_deliver = Some(2);
-    bus.subscribe(sub("fg", p, |_d| async move { Ok(()) })).await.unwrap();
+    bus.subscribe(sub("fg", p, |_d| async move { Ok(()) }))
+        .await
+        .unwrap();
     for i in 0..4 {
         scope.publish(&i.to_string(), "x").await;
     }
@@ -672,18 +781,33 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let js = async_nats::jetstream::new(client.clone());
-    js.create_stream(async_nats::jetstream::stream::Config { name: "RESTART".into(), subjects: vec!["restart.>".into()], ..Default::default() })
-        .await
-        .unwrap();
-    let bus = Bus::builder(NatsBackend::from_client(client.clone())).without_reports().build();
-    let p = DeliveryPolicy { pattern: "restart.>".into(), mode: Mode::AtLeastOnce, durable_name: Some("r".into()), ..DeliveryPolicy::default() };
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "RESTART".into(),
+        subjects: vec!["restart.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let bus = Bus::builder(NatsBackend::from_client(client.clone()))
+        .without_reports()
+        .build();
+    let p = DeliveryPolicy {
+        pattern: "restart.>".into(),
+        mode: Mode::AtLeastOnce,
+        durable_name: Some("r".into()),
+        ..DeliveryPolicy::default()
+    };
     bus.subscribe(sub("r", p, |d| async move {
         d.ack().await?;
         Ok(())
     }))
     .await
     .unwrap();
-    js.publish("restart.1", "a".into()).await.unwrap().await.unwrap();
+    js.publish("restart.1", "a".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     until("first acked", || stats(&bus, "r").settlement.acked == 1).await;
 
     server.kill().unwrap();
@@ -703,7 +827,10 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
             }
         }
     }
-    until("second acked after the restart", || stats(&bus, "r").settlement.acked == 2).await;
+    until("second acked after the restart", || {
+        stats(&bus, "r").settlement.acked == 2
+    })
+    .await;
     bus.close().await;
     server.kill().unwrap();
     let _ = server.wait();
@@ -716,9 +843,16 @@ async fn the_stats_report_lands_in_a_jetstream_kv_bucket_readable_by_a_fresh_con
     // issue 3, item 10; docs/stats-report.md: bucket `settle-stats`, key
     // `<namespace>.<subscription>.<instance>`, last value per key, versioned JSON.
     let scope = Scope::new("report").await;
-    let bucket = format!("settle-stats-test-{}", scope.stream.to_lowercase().replace('_', "-"));
+    let bucket = format!(
+        "settle-stats-test-{}",
+        scope.stream.to_lowercase().replace('_', "-")
+    );
     let backend = scope.backend().await.with_stats_bucket(bucket.clone());
-    let bus = Bus::builder(backend).namespace("shop").instance("pod-1").report_interval(Duration::from_millis(100)).build();
+    let bus = Bus::builder(backend)
+        .namespace("shop")
+        .instance("pod-1")
+        .report_interval(Duration::from_millis(100))
+        .build();
     bus.subscribe(sub("orders", scope.alo("orders"), |d| async move {
         d.ack().await?;
         Ok(())
@@ -732,12 +866,24 @@ async fn the_stats_report_lands_in_a_jetstream_kv_bucket_readable_by_a_fresh_con
     bus.close().await;
 
     // The operator, on its own connection, possibly restarted since: the last value is there.
-    let operator = async_nats::jetstream::new(async_nats::connect(&common::env().nats_url).await.unwrap());
+    let operator =
+        async_nats::jetstream::new(async_nats::connect(&common::env().nats_url).await.unwrap());
     let kv = operator.get_key_value(&bucket).await.unwrap();
-    let body = kv.get("shop.orders.pod-1").await.unwrap().expect("a report under shop.orders.pod-1");
+    let body = kv
+        .get("shop.orders.pod-1")
+        .await
+        .unwrap()
+        .expect("a report under shop.orders.pod-1");
     let report: bus::report::StatsReport = serde_json::from_slice(&body).unwrap();
     assert_eq!(report.version, 1);
-    assert_eq!((report.namespace.as_str(), report.subscription.as_str(), report.instance.as_str()), ("shop", "orders", "pod-1"));
+    assert_eq!(
+        (
+            report.namespace.as_str(),
+            report.subscription.as_str(),
+            report.instance.as_str()
+        ),
+        ("shop", "orders", "pod-1")
+    );
     assert_eq!(report.backend, "nats");
     assert_eq!(report.durable_name.as_deref(), Some("orders"));
     assert_eq!(report.stats, stats(&bus, "orders"));

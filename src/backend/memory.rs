@@ -6,7 +6,8 @@
 //! It never hands a message on while a handler runs (no AckWait), so SlowHandler does nothing
 //! here (seed 000). It must not count anything itself: counting is the settle path's job.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -19,7 +20,8 @@ use tokio::time::Instant;
 
 use crate::backend::BackendKind;
 use crate::bus::{
-    Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal, StatsSink, SubscriptionCtx,
+    Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
+    StatsSink, SubscriptionCtx,
 };
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -60,7 +62,10 @@ struct ConsumerState {
 
 #[derive(Default)]
 struct Queue {
-    pending: Vec<Pending>,
+    /// Ready now, in publish order: seq → attempts spent.
+    ready: BTreeMap<usize, u32>,
+    /// Waiting out a delay: (ready_at, seq, attempts spent).
+    delayed: BinaryHeap<Reverse<(Instant, usize, u32)>>,
     /// Handed out and not settled: token → (attachment, message).
     in_flight: HashMap<u64, (u64, Pending)>,
     live: Vec<u64>,
@@ -71,7 +76,17 @@ struct Pending {
     seq: usize,
     /// Attempts spent so far.
     attempts: u32,
-    ready_at: Instant,
+}
+
+impl Queue {
+    fn put_back(&mut self, p: Pending, ready_at: Option<Instant>) {
+        match ready_at {
+            Some(t) => self.delayed.push(Reverse((t, p.seq, p.attempts))),
+            None => {
+                self.ready.insert(p.seq, p.attempts);
+            }
+        }
+    }
 }
 
 /// Whether `subject` matches the NATS-style `pattern` (`*` one token, `>` one or more at the end).
@@ -102,7 +117,10 @@ impl MemoryBackend {
     /// Messages of a durable consumer waiting to be offered (ready or delayed).
     pub fn pending(&self, durable_name: &str) -> usize {
         let state = lock(&self.shared.state);
-        state.consumers.get(durable_name).map_or(0, |c| lock(&c.queue).pending.len())
+        state.consumers.get(durable_name).map_or(0, |c| {
+            let q = lock(&c.queue);
+            q.ready.len() + q.delayed.len()
+        })
     }
 
     fn id(&self) -> u64 {
@@ -119,7 +137,10 @@ impl Backend for MemoryBackend {
         false
     }
 
-    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+    fn open(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
         async move {
             let policy = ctx.policy();
             let attachment = self.id();
@@ -139,22 +160,15 @@ impl Backend for MemoryBackend {
                     Arc::clone(existing)
                 } else {
                     // A durable consumer starts from the first stored message; an ephemeral one from now.
-                    let now = Instant::now();
-                    let pending = if policy.durable_name.is_some() {
-                        state
-                            .log
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, m)| subject_matches(&policy.pattern, &m.subject))
-                            .map(|(seq, _)| Pending { seq, attempts: 0, ready_at: now })
-                            .collect()
+                    let ready = if policy.durable_name.is_some() {
+                        state.log.iter().enumerate().filter(|(_, m)| subject_matches(&policy.pattern, &m.subject)).map(|(seq, _)| (seq, 0)).collect()
                     } else {
-                        Vec::new()
+                        BTreeMap::new()
                     };
                     let cs = Arc::new(ConsumerState {
                         pattern: policy.pattern.clone(),
                         acks: policy.at_least_once(),
-                        queue: Mutex::new(Queue { pending, ..Queue::default() }),
+                        queue: Mutex::new(Queue { ready, ..Queue::default() }),
                         notify: Notify::new(),
                     });
                     state.consumers.insert(key, Arc::clone(&cs));
@@ -167,17 +181,25 @@ impl Backend for MemoryBackend {
         .boxed()
     }
 
-    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+    fn publish(
+        &self,
+        subject: String,
+        headers: Vec<(String, String)>,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
         let mut state = lock(&self.shared.state);
         let seq = state.log.len();
-        let now = Instant::now();
         for cs in state.consumers.values() {
             if subject_matches(&cs.pattern, &subject) {
-                lock(&cs.queue).pending.push(Pending { seq, attempts: 0, ready_at: now });
+                lock(&cs.queue).ready.insert(seq, 0);
                 cs.notify.notify_waiters();
             }
         }
-        state.log.push(Stored { subject, headers, payload });
+        state.log.push(Stored {
+            subject,
+            headers,
+            payload,
+        });
         futures::future::ready(Ok(())).boxed()
     }
 
@@ -215,19 +237,27 @@ impl MemoryConsumer {
             return Next::Retired;
         }
         let now = Instant::now();
-        let ready = q.pending.iter().enumerate().filter(|(_, p)| p.ready_at <= now).min_by_key(|(_, p)| (p.seq, p.ready_at)).map(|(i, _)| i);
-        match ready {
-            Some(i) => {
-                let mut p = q.pending.swap_remove(i);
-                p.attempts += 1;
+        while let Some(Reverse((t, seq, attempts))) = q.delayed.peek().copied() {
+            if t > now {
+                break;
+            }
+            q.delayed.pop();
+            q.ready.insert(seq, attempts);
+        }
+        match q.ready.pop_first() {
+            Some((seq, attempts)) => {
+                let p = Pending {
+                    seq,
+                    attempts: attempts + 1,
+                };
                 let token = self.backend.id();
                 if self.cs.acks {
                     q.in_flight.insert(token, (self.attachment, p));
                 }
                 Next::Ready(p, token)
             }
-            None => match q.pending.iter().map(|p| p.ready_at).min() {
-                Some(t) => Next::WaitUntil(t),
+            None => match q.delayed.peek() {
+                Some(Reverse((t, _, _))) => Next::WaitUntil(*t),
                 None => Next::Wait,
             },
         }
@@ -248,7 +278,10 @@ impl MemoryConsumer {
                 headers,
                 payload,
                 attempt: p.attempts,
-                on_settle: Box::new(MemorySettler { cs: Arc::clone(&self.cs), token }),
+                on_settle: Box::new(MemorySettler {
+                    cs: Arc::clone(&self.cs),
+                    token,
+                }),
             },
         )
     }
@@ -282,12 +315,15 @@ impl Consumer for MemoryConsumer {
         let mut q = lock(&self.cs.queue);
         q.live.retain(|a| *a != self.attachment);
         // Unsettled messages of this attachment go back, ready at once, attempts kept.
-        let now = Instant::now();
-        let mine: Vec<u64> = q.in_flight.iter().filter(|(_, (a, _))| *a == self.attachment).map(|(t, _)| *t).collect();
+        let mine: Vec<u64> = q
+            .in_flight
+            .iter()
+            .filter(|(_, (a, _))| *a == self.attachment)
+            .map(|(t, _)| *t)
+            .collect();
         for t in mine {
-            if let Some((_, mut p)) = q.in_flight.remove(&t) {
-                p.ready_at = now;
-                q.pending.push(p);
+            if let Some((_, p)) = q.in_flight.remove(&t) {
+                q.put_back(p, None);
             }
         }
         drop(q);
@@ -304,9 +340,10 @@ struct MemorySettler {
 impl MemorySettler {
     fn requeue(&self, delay: Duration) -> bool {
         let mut q = lock(&self.cs.queue);
-        let Some((_, mut p)) = q.in_flight.remove(&self.token) else { return false };
-        p.ready_at = Instant::now() + delay;
-        q.pending.push(p);
+        let Some((_, p)) = q.in_flight.remove(&self.token) else {
+            return false;
+        };
+        q.put_back(p, (!delay.is_zero()).then(|| Instant::now() + delay));
         drop(q);
         self.cs.notify.notify_waiters();
         true
@@ -316,7 +353,9 @@ impl MemorySettler {
 impl OnSettle for MemorySettler {
     fn settle(&self, action: Action) -> BoxFuture<'_, Result<Performed, Refusal>> {
         let done = match action {
-            Action::Ack | Action::Terminate => lock(&self.cs.queue).in_flight.remove(&self.token).is_some(),
+            Action::Ack | Action::Terminate => {
+                lock(&self.cs.queue).in_flight.remove(&self.token).is_some()
+            }
             Action::Decline(delay) => self.requeue(delay),
         };
         let r = if done {

@@ -15,7 +15,9 @@ use tokio::time::Instant;
 
 use crate::api::{self, DeliveryPolicy, Mode};
 
-use super::{Backend, Consumer, Decision, Delivery, SettleError, SubscriptionCtx, settle, settle_with};
+use super::{
+    Backend, Consumer, Decision, Delivery, SettleError, SubscriptionCtx, settle, settle_with,
+};
 
 /// How long a row waits for a delivery it expects.
 const EXPECT: Duration = Duration::from_secs(10);
@@ -44,8 +46,15 @@ pub const ROWS: [&str; 5] = [
 /// Runs every row that applies to `backend`. Subjects are `<subject_prefix>.<row>.<run>`; the
 /// backend must carry them (for JetStream, a stream whose subjects cover `<subject_prefix>.>`).
 /// Returns the rows that ran.
-pub async fn run(backend: &dyn Backend, subject_prefix: &str) -> Result<Vec<&'static str>, Failure> {
-    let run_id = format!("{}{}", std::process::id(), super::report::now_ms() % 1_000_000_000);
+pub async fn run(
+    backend: &dyn Backend,
+    subject_prefix: &str,
+) -> Result<Vec<&'static str>, Failure> {
+    let run_id = format!(
+        "{}{}",
+        std::process::id(),
+        super::report::now_ms() % 1_000_000_000
+    );
     let mut ran = vec![
         redelivery(backend, subject_prefix, &run_id).await?,
         max_deliver(backend, subject_prefix, &run_id).await?,
@@ -66,7 +75,14 @@ struct Row {
 }
 
 impl Row {
-    async fn open(backend: &dyn Backend, name: &'static str, prefix: &str, run_id: &str, tag: &str, tune: impl FnOnce(&mut DeliveryPolicy)) -> Result<Row, Failure> {
+    async fn open(
+        backend: &dyn Backend,
+        name: &'static str,
+        prefix: &str,
+        run_id: &str,
+        tag: &str,
+        tune: impl FnOnce(&mut DeliveryPolicy),
+    ) -> Result<Row, Failure> {
         let subject = format!("{prefix}.{tag}.{run_id}");
         let mut policy = DeliveryPolicy {
             pattern: subject.clone(),
@@ -79,38 +95,67 @@ impl Row {
         tune(&mut policy);
         let verdict = crate::admission::validate_policy(&policy, &backend.capabilities());
         if !verdict.allowed() {
-            return Err(Failure { row: name, what: format!("the row's own policy was refused: {}", verdict.error_text()) });
+            return Err(Failure {
+                row: name,
+                what: format!("the row's own policy was refused: {}", verdict.error_text()),
+            });
         }
         let ctx = SubscriptionCtx::new(format!("conformance-{tag}"), &policy);
-        let consumer = backend.open(Arc::clone(&ctx)).await.map_err(|e| Failure { row: name, what: format!("open: {e}") })?;
-        Ok(Row { name, ctx, consumer, subject })
+        let consumer = backend.open(Arc::clone(&ctx)).await.map_err(|e| Failure {
+            row: name,
+            what: format!("open: {e}"),
+        })?;
+        Ok(Row {
+            name,
+            ctx,
+            consumer,
+            subject,
+        })
     }
 
     fn fail(&self, what: impl Into<String>) -> Failure {
-        Failure { row: self.name, what: what.into() }
+        Failure {
+            row: self.name,
+            what: what.into(),
+        }
     }
 
     async fn publish(&self, backend: &dyn Backend, body: &str) -> Result<(), Failure> {
-        backend.publish(self.subject.clone(), Vec::new(), Bytes::from(body.to_string())).await.map_err(|e| self.fail(format!("publish: {e}")))
+        backend
+            .publish(
+                self.subject.clone(),
+                Vec::new(),
+                Bytes::from(body.to_string()),
+            )
+            .await
+            .map_err(|e| self.fail(format!("publish: {e}")))
     }
 
     async fn expect(&mut self, what: &str) -> Result<Delivery, Failure> {
         match tokio::time::timeout(EXPECT, self.consumer.next()).await {
             Ok(Some(d)) => Ok(d),
             Ok(None) => Err(self.fail(format!("the consumer ended while waiting for {what}"))),
-            Err(_) => Err(self.fail(format!("nothing arrived within {EXPECT:?} while waiting for {what}"))),
+            Err(_) => Err(self.fail(format!(
+                "nothing arrived within {EXPECT:?} while waiting for {what}"
+            ))),
         }
     }
 
     async fn expect_none(&mut self, what: &str) -> Result<(), Failure> {
         match tokio::time::timeout(QUIET, self.consumer.next()).await {
-            Ok(Some(d)) => Err(self.fail(format!("{what}, but {:?} (attempt {}) arrived", String::from_utf8_lossy(d.payload()), d.attempt()))),
+            Ok(Some(d)) => Err(self.fail(format!(
+                "{what}, but {:?} (attempt {}) arrived",
+                String::from_utf8_lossy(d.payload()),
+                d.attempt()
+            ))),
             Ok(None) | Err(_) => Ok(()),
         }
     }
 
     async fn settle(&self, d: &Delivery, how: Decision) -> Result<(), Failure> {
-        settle(d, how).await.map_err(|e| self.fail(format!("settle {how:?}: {e}")))
+        settle(d, how)
+            .await
+            .map_err(|e| self.fail(format!("settle {how:?}: {e}")))
     }
 
     async fn done(mut self) {
@@ -123,22 +168,32 @@ async fn redelivery(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'sta
     let mut row = Row::open(b, ROWS[0], prefix, run_id, "redelivery", |_| {}).await?;
     row.publish(b, "m").await?;
     let mut last = 0;
-    for (i, how) in [Decision::Nack, Decision::Silent, Decision::Ack].into_iter().enumerate() {
+    for (i, how) in [Decision::Nack, Decision::Silent, Decision::Ack]
+        .into_iter()
+        .enumerate()
+    {
         let d = row.expect(&format!("attempt {}", i + 1)).await?;
         if d.attempt() <= last {
-            return Err(row.fail(format!("attempt {} after attempt {last}: a redelivery must arrive with a higher attempt", d.attempt())));
+            return Err(row.fail(format!(
+                "attempt {} after attempt {last}: a redelivery must arrive with a higher attempt",
+                d.attempt()
+            )));
         }
         last = d.attempt();
         row.settle(&d, how).await?;
     }
-    row.expect_none("an acked message must not come back").await?;
+    row.expect_none("an acked message must not come back")
+        .await?;
     row.done().await;
     Ok(row_name(0))
 }
 
 /// Seed 000: "A handler that keeps declining exhausts the budget and the message is counted Exhausted."
 async fn max_deliver(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
-    let mut row = Row::open(b, ROWS[1], prefix, run_id, "maxdeliver", |p| p.max_deliver = Some(2)).await?;
+    let mut row = Row::open(b, ROWS[1], prefix, run_id, "maxdeliver", |p| {
+        p.max_deliver = Some(2)
+    })
+    .await?;
     row.publish(b, "m").await?;
     for attempt in 1..=2 {
         let d = row.expect(&format!("attempt {attempt} of 2")).await?;
@@ -149,9 +204,12 @@ async fn max_deliver(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'st
     }
     let exhausted = row.ctx.stats().exhausted;
     if exhausted != 1 {
-        return Err(row.fail(format!("declined on its last attempt: Exhausted should be 1, is {exhausted}")));
+        return Err(row.fail(format!(
+            "declined on its last attempt: Exhausted should be 1, is {exhausted}"
+        )));
     }
-    row.expect_none("a message past MaxDeliver must not come back").await?;
+    row.expect_none("a message past MaxDeliver must not come back")
+        .await?;
     row.done().await;
     Ok(row_name(1))
 }
@@ -167,7 +225,11 @@ async fn per_message(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'st
         got.push(row.expect(&format!("message {} of 3", i + 1)).await?);
     }
     for d in &got {
-        let how = if d.payload().as_ref() == b"b" { Decision::Ack } else { Decision::Nack };
+        let how = if d.payload().as_ref() == b"b" {
+            Decision::Ack
+        } else {
+            Decision::Nack
+        };
         row.settle(d, how).await?;
     }
     let mut back = Vec::new();
@@ -194,11 +256,18 @@ async fn retirement(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'sta
     row.consumer.retire().await;
     match settle(&d, Decision::Nack).await {
         Err(SettleError::Refused(_)) => {}
-        other => return Err(row.fail(format!("a nack after retirement should be refused, got {other:?}"))),
+        other => {
+            return Err(row.fail(format!(
+                "a nack after retirement should be refused, got {other:?}"
+            )));
+        }
     }
     let st = row.ctx.stats();
     if st.settlement.refused != 1 || st.settlement.nacked != 1 {
-        return Err(row.fail(format!("a refused nack moves Nacked and Refused: nacked {}, refused {}", st.settlement.nacked, st.settlement.refused)));
+        return Err(row.fail(format!(
+            "a refused nack moves Nacked and Refused: nacked {}, refused {}",
+            st.settlement.nacked, st.settlement.refused
+        )));
     }
     Ok(row_name(3))
 }
@@ -206,18 +275,29 @@ async fn retirement(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'sta
 /// Seed 000: "the message is not offered again before the delay has passed ... The declined
 /// attempt is spent, so it still counts towards MaxDeliver."
 async fn delay(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
-    let mut row = Row::open(b, ROWS[4], prefix, run_id, "delay", |p| p.max_nack_delay = Some(api::Duration(Duration::from_secs(10)))).await?;
+    let mut row = Row::open(b, ROWS[4], prefix, run_id, "delay", |p| {
+        p.max_nack_delay = Some(api::Duration(Duration::from_secs(10)))
+    })
+    .await?;
     row.publish(b, "m").await?;
     let d = row.expect("the message").await?;
     let declined_at = Instant::now();
-    settle_with(&d, DELAY).await.map_err(|e| row.fail(format!("settle_with: {e}")))?;
+    settle_with(&d, DELAY)
+        .await
+        .map_err(|e| row.fail(format!("settle_with: {e}")))?;
     let again = row.expect("the delayed message").await?;
     let waited = declined_at.elapsed();
     if waited < DELAY {
-        return Err(row.fail(format!("offered again after {waited:?}, before its delay of {DELAY:?}")));
+        return Err(row.fail(format!(
+            "offered again after {waited:?}, before its delay of {DELAY:?}"
+        )));
     }
     if again.attempt() != d.attempt() + 1 {
-        return Err(row.fail(format!("the declined attempt is spent: expected attempt {}, got {}", d.attempt() + 1, again.attempt())));
+        return Err(row.fail(format!(
+            "the declined attempt is spent: expected attempt {}, got {}",
+            d.attempt() + 1,
+            again.attempt()
+        )));
     }
     row.settle(&again, Decision::Ack).await?;
     row.done().await;

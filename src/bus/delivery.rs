@@ -38,8 +38,16 @@ impl SubscriptionCtx {
     pub fn new(name: impl Into<String>, policy: &DeliveryPolicy) -> Arc<SubscriptionCtx> {
         SubscriptionCtx::with_counters(name, policy, Arc::default())
     }
-    pub(crate) fn with_counters(name: impl Into<String>, policy: &DeliveryPolicy, counters: Arc<Counters>) -> Arc<SubscriptionCtx> {
-        Arc::new(SubscriptionCtx { name: name.into(), policy: Policy::resolve(policy), counters })
+    pub(crate) fn with_counters(
+        name: impl Into<String>,
+        policy: &DeliveryPolicy,
+        counters: Arc<Counters>,
+    ) -> Arc<SubscriptionCtx> {
+        Arc::new(SubscriptionCtx {
+            name: name.into(),
+            policy: Policy::resolve(policy),
+            counters,
+        })
     }
     pub fn name(&self) -> &str {
         &self.name
@@ -126,9 +134,16 @@ pub enum SettleError {
         "nack_after is not allowed on subscription {0:?}: it has neither maxNackDelay nor backoff (nothing recorded; call nack() instead, or set spec.maxNackDelay)"
     )]
     NoDelayAllowed(String),
-    #[error("nack_after({requested:?}) is above this subscription's ceiling of {ceiling:?} (nothing recorded; ask for less, or call nack())")]
-    DelayTooLong { requested: Duration, ceiling: Duration },
-    #[error("nack_after of a negative delay ({0} ms) is refused (nothing recorded; call nack() or nack_after(0))")]
+    #[error(
+        "nack_after({requested:?}) is above this subscription's ceiling of {ceiling:?} (nothing recorded; ask for less, or call nack())"
+    )]
+    DelayTooLong {
+        requested: Duration,
+        ceiling: Duration,
+    },
+    #[error(
+        "nack_after of a negative delay ({0} ms) is refused (nothing recorded; call nack() or nack_after(0))"
+    )]
     NegativeDelay(i64),
     #[error("the backend could not perform the settlement: {0}")]
     Refused(String),
@@ -246,7 +261,10 @@ impl Delivery {
             Data::Bytes(b) => serde_json::from_slice(b),
             Data::Json(v) => T::deserialize(v),
         };
-        r.map_err(|source| DecodeError { subject: self.inner.subject.clone(), source })
+        r.map_err(|source| DecodeError {
+            subject: self.inner.subject.clone(),
+            source,
+        })
     }
 
     /// Accepts the delivery.
@@ -275,14 +293,26 @@ impl Delivery {
     /// settles it as Silent unless the handler settled. Returns false when the attempt had
     /// already been released.
     pub(crate) async fn complete(&self) -> bool {
-        if self.inner.fate.compare_exchange(OPEN, DELIVERED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        if self
+            .inner
+            .fate
+            .compare_exchange(OPEN, DELIVERED, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return false;
         }
         self.inner.ctx.counters.delivered.inc();
+        if self.is_settled() {
+            return true;
+        }
         match settle(self, Decision::Silent).await {
-            Ok(()) => tracing::debug!(subscription = %self.inner.ctx.name, subject = %self.inner.subject, attempt = self.inner.attempt, "handler returned without settling: counted Silent"),
+            Ok(()) => {
+                tracing::debug!(subscription = %self.inner.ctx.name, subject = %self.inner.subject, attempt = self.inner.attempt, "handler returned without settling: counted Silent")
+            }
             Err(SettleError::AlreadySettled) => {}
-            Err(e) => tracing::warn!(subscription = %self.inner.ctx.name, error = %e, "silent settlement failed"),
+            Err(e) => {
+                tracing::warn!(subscription = %self.inner.ctx.name, error = %e, "silent settlement failed")
+            }
         }
         true
     }
@@ -290,7 +320,12 @@ impl Delivery {
     /// The bus, giving up an attempt before a handler returned (closing): Released under
     /// AtLeastOnce (the backend owes it back), Lost under AtMostOnce.
     pub(crate) async fn release(&self) {
-        if self.inner.fate.compare_exchange(OPEN, RELEASED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        if self
+            .inner
+            .fate
+            .compare_exchange(OPEN, RELEASED, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return;
         }
         let c = &self.inner.ctx.counters;
@@ -327,18 +362,31 @@ pub async fn settle_with(d: &Delivery, delay: Duration) -> Result<(), SettleErro
     settle_inner(d, Decision::Nack, Some(delay)).await
 }
 
-async fn settle_inner(d: &Delivery, decision: Decision, delay: Option<Duration>) -> Result<(), SettleError> {
+async fn settle_inner(
+    d: &Delivery,
+    decision: Decision,
+    delay: Option<Duration>,
+) -> Result<(), SettleError> {
     let inner = &d.inner;
     let policy = &inner.ctx.policy;
     let c = &inner.ctx.counters;
     if let Some(delay) = delay {
         match policy.nack_ceiling() {
             None => return Err(SettleError::NoDelayAllowed(inner.ctx.name.clone())),
-            Some(ceiling) if delay > ceiling => return Err(SettleError::DelayTooLong { requested: delay, ceiling }),
+            Some(ceiling) if delay > ceiling => {
+                return Err(SettleError::DelayTooLong {
+                    requested: delay,
+                    ceiling,
+                });
+            }
             Some(_) => {}
         }
     }
-    if inner.settled.compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire).is_err() {
+    if inner
+        .settled
+        .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
         tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, attempt = inner.attempt, ?decision, "second settlement refused: a handler that settles twice has a bug");
         return Err(SettleError::AlreadySettled);
     }

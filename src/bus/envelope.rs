@@ -40,7 +40,10 @@ pub struct Foreign {
 
 impl Foreign {
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
     pub fn is_empty(&self) -> bool {
         self.headers.is_empty()
@@ -65,7 +68,10 @@ const CORRELATION_HEADERS: [&str; 3] = ["correlation-id", "correlation_id", "cor
 const MESSAGE_ID_HEADERS: [&str; 3] = ["message-id", "message_id", "messageid"];
 
 pub(crate) fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
 }
 
 fn str_field(v: &Value, key: &str) -> Option<String> {
@@ -77,16 +83,36 @@ fn str_field(v: &Value, key: &str) -> Option<String> {
 }
 
 fn looks_like(payload: &[u8], key: &[u8]) -> bool {
-    payload.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') && payload.windows(key.len()).any(|w| w == key)
+    payload.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+        && payload.windows(key.len()).any(|w| w == key)
 }
 
 /// Reads the event out of a message's headers and payload.
 pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
+    // Fast path: no headers and not a JSON object, so no envelope.
+    if headers.is_empty() && payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Parsed {
+            event: Event {
+                format: Format::Raw,
+                id: None,
+                source: None,
+                event_type: None,
+                correlation_id: None,
+                content_type: None,
+            },
+            foreign: Foreign::default(),
+            data: Data::Bytes(payload.clone()),
+        };
+    }
     let content_type = header(headers, "content-type").map(str::to_string);
     let ct = content_type.as_deref().unwrap_or("").to_ascii_lowercase();
 
     // Binary mode: the attributes are headers (`ce-` prefix; `ce_` as some transports spell it).
-    let ce = |attr: &str| header(headers, &format!("ce-{attr}")).or_else(|| header(headers, &format!("ce_{attr}"))).map(str::to_string);
+    let ce = |attr: &str| {
+        header(headers, &format!("ce-{attr}"))
+            .or_else(|| header(headers, &format!("ce_{attr}")))
+            .map(str::to_string)
+    };
     if ce("specversion").is_some() {
         return Parsed {
             event: Event {
@@ -102,7 +128,8 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
         };
     }
 
-    let structured = ct.starts_with("application/cloudevents+json") || (ct.is_empty() && looks_like(payload, b"\"specversion\""));
+    let structured = ct.starts_with("application/cloudevents+json")
+        || (ct.is_empty() && looks_like(payload, b"\"specversion\""));
     if structured && let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload) {
         let data = match doc.get_mut("data").map(Value::take) {
             Some(v) => Data::Json(v),
@@ -122,31 +149,57 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
         };
     }
 
-    let masstransit = ct.starts_with("application/vnd.masstransit+json") || (ct.is_empty() && looks_like(payload, b"\"messageType\""));
-    if masstransit && let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload) {
+    let masstransit = ct.starts_with("application/vnd.masstransit+json")
+        || (ct.is_empty() && looks_like(payload, b"\"messageType\""));
+    if masstransit && let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload)
+    {
         let event = Event {
             format: Format::MassTransit,
             id: str_field(&doc, "messageId"),
             source: str_field(&doc, "sourceAddress"),
-            event_type: doc.get("messageType").and_then(|t| t.get(0)).and_then(Value::as_str).map(str::to_string),
+            event_type: doc
+                .get("messageType")
+                .and_then(|t| t.get(0))
+                .and_then(Value::as_str)
+                .map(str::to_string),
             correlation_id: str_field(&doc, "correlationId"),
             content_type,
         };
         let mut foreign = Foreign::default();
-        for (names, envelope_value) in [(CORRELATION_HEADERS, &event.correlation_id), (MESSAGE_ID_HEADERS, &event.id)] {
-            let Some(envelope_value) = envelope_value else { continue };
+        for (names, envelope_value) in [
+            (CORRELATION_HEADERS, &event.correlation_id),
+            (MESSAGE_ID_HEADERS, &event.id),
+        ] {
+            let Some(envelope_value) = envelope_value else {
+                continue;
+            };
             for (k, v) in headers {
                 if names.iter().any(|n| k.eq_ignore_ascii_case(n)) && v != envelope_value {
                     foreign.headers.push((k.clone(), v.clone()));
                 }
             }
         }
-        let data = Data::Json(doc.get_mut("message").map(Value::take).unwrap_or(Value::Null));
-        return Parsed { event, foreign, data };
+        let data = Data::Json(
+            doc.get_mut("message")
+                .map(Value::take)
+                .unwrap_or(Value::Null),
+        );
+        return Parsed {
+            event,
+            foreign,
+            data,
+        };
     }
 
     Parsed {
-        event: Event { format: Format::Raw, id: None, source: None, event_type: None, correlation_id: None, content_type },
+        event: Event {
+            format: Format::Raw,
+            id: None,
+            source: None,
+            event_type: None,
+            correlation_id: None,
+            content_type,
+        },
         foreign: Foreign::default(),
         data: Data::Bytes(payload.clone()),
     }

@@ -20,7 +20,9 @@ mod spec;
 mod stats;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -32,14 +34,14 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 pub use delivery::{
-    Action, DecodeError, Decision, Delivery, DeliveryOptions, OnSettle, Performed, Refusal, SettleError, SubscriptionCtx, settle,
-    settle_with,
+    Action, Decision, DecodeError, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
+    SettleError, SubscriptionCtx, settle, settle_with,
 };
 pub use envelope::{Event, Foreign, Format};
 pub use seam::{Backend, BusError, Consumer, StatsSink};
 pub use spec::{
-    DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, Handler, HandlerError, Policy, Schedule, SubscriptionSpec,
-    handler,
+    DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, Handler, HandlerError,
+    Policy, Schedule, SubscriptionSpec, handler,
 };
 pub use stats::RuntimeStats;
 
@@ -183,7 +185,11 @@ impl Bus {
         let backend = &inner.backend;
         let verdict = crate::admission::validate_policy(&spec.policy, &backend.capabilities());
         if !verdict.allowed() {
-            return Err(BusError::Refused { name: spec.name, backend: backend.kind(), reason: verdict.error_text() });
+            return Err(BusError::Refused {
+                name: spec.name,
+                backend: backend.kind(),
+                reason: verdict.error_text(),
+            });
         }
         for w in &verdict.warnings {
             tracing::warn!(subscription = %spec.name, "{w}");
@@ -196,9 +202,21 @@ impl Bus {
         let consumer = backend.open(Arc::clone(&ctx)).await?;
 
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let lease = (backend.hands_on_slow_handlers() && ctx.policy().at_least_once() && ctx.policy().slow_handler == SlowHandler::ExtendLease)
-            .then(|| Lease { ack_wait: ctx.policy().ack_wait, max_processing_time: ctx.policy().max_processing_time });
-        let task = tokio::spawn(dispatch(Arc::clone(&ctx), spec.handler, consumer, shutdown_rx, inner.close_grace, lease));
+        let lease = (backend.hands_on_slow_handlers()
+            && ctx.policy().at_least_once()
+            && ctx.policy().slow_handler == SlowHandler::ExtendLease)
+            .then(|| Lease {
+                ack_wait: ctx.policy().ack_wait,
+                max_processing_time: ctx.policy().max_processing_time,
+            });
+        let task = tokio::spawn(dispatch(
+            Arc::clone(&ctx),
+            spec.handler,
+            consumer,
+            shutdown_rx,
+            inner.close_grace,
+            lease,
+        ));
         {
             let mut running = lock(&inner.running);
             if running.contains_key(&spec.name) {
@@ -215,13 +233,26 @@ impl Bus {
     }
 
     /// Publishes a message.
-    pub async fn publish(&self, subject: impl Into<String>, payload: impl Into<Bytes>) -> Result<(), BusError> {
-        self.publish_with_headers(subject, Vec::new(), payload).await
+    pub async fn publish(
+        &self,
+        subject: impl Into<String>,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), BusError> {
+        self.publish_with_headers(subject, Vec::new(), payload)
+            .await
     }
 
     /// Publishes a message with transport headers.
-    pub async fn publish_with_headers(&self, subject: impl Into<String>, headers: Vec<(String, String)>, payload: impl Into<Bytes>) -> Result<(), BusError> {
-        self.inner.backend.publish(subject.into(), headers, payload.into()).await
+    pub async fn publish_with_headers(
+        &self,
+        subject: impl Into<String>,
+        headers: Vec<(String, String)>,
+        payload: impl Into<Bytes>,
+    ) -> Result<(), BusError> {
+        self.inner
+            .backend
+            .publish(subject.into(), headers, payload.into())
+            .await
     }
 
     /// The cumulative account of a subscription (also after it stopped).
@@ -237,7 +268,9 @@ impl Bus {
     /// Stops one subscription: no new deliveries; running handlers get the close grace; then
     /// its consumer is retired.
     pub async fn unsubscribe(&self, name: &str) -> Result<(), BusError> {
-        let running = lock(&self.inner.running).remove(name).ok_or_else(|| BusError::Unknown(name.to_string()))?;
+        let running = lock(&self.inner.running)
+            .remove(name)
+            .ok_or_else(|| BusError::Unknown(name.to_string()))?;
         stop(running).await;
         Ok(())
     }
@@ -257,7 +290,9 @@ impl Bus {
     }
 
     fn start_reports(&self) {
-        let Some((interval, sink)) = self.inner.report.clone() else { return };
+        let Some((interval, sink)) = self.inner.report.clone() else {
+            return;
+        };
         let mut slot = lock(&self.inner.report_task);
         if slot.is_some() {
             return;
@@ -334,12 +369,20 @@ async fn dispatch(
             break;
         };
         while tasks.try_join_next().is_some() {}
+        // A handler that finishes without waiting (the common ack-and-return) completes inline
+        // on its first poll: no task, no cross-thread wake-up. One that waits continues on its
+        // own task, so slow handlers run concurrently up to maxInFlight.
+        let mut run: Pin<Box<dyn Future<Output = ()> + Send>> =
+            Box::pin(run_one(d.clone(), Arc::clone(&handler), lease));
+        if futures::poll!(run.as_mut()).is_ready() {
+            drop(permit);
+            continue;
+        }
         let id = ids.fetch_add(1, Ordering::Relaxed);
-        lock(&in_flight).insert(id, d.clone());
-        let h = Arc::clone(&handler);
+        lock(&in_flight).insert(id, d);
         let registry = Arc::clone(&in_flight);
         tasks.spawn(async move {
-            run_one(d, h, lease).await;
+            run.await;
             lock(&registry).remove(&id);
             drop(permit);
         });
@@ -376,7 +419,9 @@ async fn run_one(d: Delivery, handler: Handler, lease: Option<Lease>) {
         None => run.await,
         Some(lease) => {
             tokio::pin!(run);
+            // Biased: a handler that finishes on its first poll never arms a lease timer.
             tokio::select! {
+                biased;
                 r = &mut run => r,
                 never = keep_lease(&d, lease) => match never {},
             }
@@ -390,7 +435,11 @@ async fn run_one(d: Delivery, handler: Handler, lease: Option<Lease>) {
         }
         Err(panic) => {
             ctx.counters.panics.inc();
-            let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned()).unwrap_or_default();
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
             tracing::error!(subscription = %ctx.name(), subject = %d.subject(), attempt = d.attempt(), panic = %what, "handler panicked: contained, treated as silence");
         }
     }

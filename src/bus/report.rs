@@ -63,14 +63,30 @@ impl StatsReport {
 /// The KV key of one instance's report of one subscription.
 pub fn report_key(namespace: &str, subscription: &str, instance: &str) -> String {
     let clean = |s: &str| -> String {
-        let c: String = s.chars().map(|ch| if ch.is_ascii_alphanumeric() || ch == '-' || ch == '_' { ch } else { '_' }).collect();
+        let c: String = s
+            .chars()
+            .map(|ch| {
+                if ch.is_ascii_alphanumeric() || ch == '-' || ch == '_' {
+                    ch
+                } else {
+                    '_'
+                }
+            })
+            .collect();
         if c.is_empty() { "_".to_string() } else { c }
     };
-    format!("{}.{}.{}", clean(namespace), clean(subscription), clean(instance))
+    format!(
+        "{}.{}.{}",
+        clean(namespace),
+        clean(subscription),
+        clean(instance)
+    )
 }
 
 pub(crate) fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Who this process is, for reports: `SETTLE_INSTANCE`, else `HOSTNAME` (a pod's name), else
@@ -99,11 +115,20 @@ pub(crate) struct Reporter {
 impl Reporter {
     /// Publishes the reports of subscriptions whose counters changed since their last report
     /// (all of them when `force`). Failures are logged and retried at the next tick.
-    pub(crate) async fn tick(&mut self, target: &ReportTarget, subs: &[Arc<SubscriptionCtx>], force: bool) {
+    pub(crate) async fn tick(
+        &mut self,
+        target: &ReportTarget,
+        subs: &[Arc<SubscriptionCtx>],
+        force: bool,
+    ) {
         for ctx in subs {
             let stats = ctx.stats();
             let runtime = ctx.runtime_stats();
-            let entry = self.last.entry(ctx.name().to_string()).or_insert((ConsumerStats::default(), RuntimeStats::default(), 0));
+            let entry = self.last.entry(ctx.name().to_string()).or_insert((
+                ConsumerStats::default(),
+                RuntimeStats::default(),
+                0,
+            ));
             if !force && entry.2 > 0 && entry.0 == stats && entry.1 == runtime {
                 continue;
             }
@@ -130,7 +155,9 @@ impl Reporter {
             };
             match target.sink.put(report.key(), body).await {
                 Ok(()) => *entry = (stats, runtime, report.sequence),
-                Err(e) => tracing::warn!(subscription = %ctx.name(), error = %e, "stats report not published; retrying at the next interval"),
+                Err(e) => {
+                    tracing::warn!(subscription = %ctx.name(), error = %e, "stats report not published; retrying at the next interval")
+                }
             }
         }
     }

@@ -19,7 +19,11 @@ use super::{Delivery, SubscriptionCtx};
 pub enum BusError {
     /// The subscription asks for what the backend cannot honour (the admission rules).
     #[error("subscription {name:?} cannot run on the {backend} backend: {reason}")]
-    Refused { name: String, backend: BackendKind, reason: String },
+    Refused {
+        name: String,
+        backend: BackendKind,
+        reason: String,
+    },
     #[error("a subscription named {0:?} is already running on this bus")]
     Duplicate(String),
     #[error("no subscription named {0:?} on this bus")]
@@ -28,12 +32,18 @@ pub enum BusError {
     Closed,
     /// The broker failed or refused an operation.
     #[error("{backend} backend: {message}")]
-    Backend { backend: BackendKind, message: String },
+    Backend {
+        backend: BackendKind,
+        message: String,
+    },
 }
 
 impl BusError {
     pub fn backend(backend: BackendKind, message: impl std::fmt::Display) -> BusError {
-        BusError::Backend { backend, message: message.to_string() }
+        BusError::Backend {
+            backend,
+            message: message.to_string(),
+        }
     }
 }
 
@@ -48,9 +58,15 @@ pub trait Backend: Send + Sync + 'static {
     /// bus keeps leases under ExtendLease). The memory backend never does.
     fn hands_on_slow_handlers(&self) -> bool;
     /// Opens (or binds to) the consumer of one subscription.
-    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>>;
+    fn open(&self, ctx: Arc<SubscriptionCtx>)
+    -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>>;
     /// Publishes one message.
-    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>>;
+    fn publish(
+        &self,
+        subject: String,
+        headers: Vec<(String, String)>,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>>;
     /// Where this backend keeps stats reports, if it can (see `docs/stats-report.md`).
     fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
         None

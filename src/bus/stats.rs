@@ -66,7 +66,10 @@ impl Counters {
     }
 
     pub(crate) fn runtime(&self) -> RuntimeStats {
-        RuntimeStats { handler_errors: self.handler_errors.get(), panics: self.panics.get() }
+        RuntimeStats {
+            handler_errors: self.handler_errors.get(),
+            panics: self.panics.get(),
+        }
     }
 }
 

@@ -25,7 +25,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, consumer::DeliverPolicy, kv};
+use async_nats::jetstream::{
+    self, consumer::AckPolicy, consumer::DeliverPolicy, consumer::pull, kv,
+};
 use async_nats::{Client, HeaderMap, RequestErrorKind, Subject};
 use bytes::Bytes;
 use futures::future::BoxFuture;
@@ -34,7 +36,10 @@ use tokio::sync::OnceCell;
 
 use crate::backend::BackendKind;
 use crate::bus::report::REPORT_BUCKET;
-use crate::bus::{Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal, StatsSink, SubscriptionCtx};
+use crate::bus::{
+    Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
+    StatsSink, SubscriptionCtx,
+};
 
 const ACK: &[u8] = b"+ACK";
 const NAK: &[u8] = b"-NAK";
@@ -57,14 +62,21 @@ pub struct NatsBackend {
 impl NatsBackend {
     /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
     pub async fn connect(url: &str) -> Result<NatsBackend, BusError> {
-        let client = async_nats::connect(url).await.map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
+        let client = async_nats::connect(url)
+            .await
+            .map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
         Ok(NatsBackend::from_client(client))
     }
 
     /// Uses an existing connection.
     pub fn from_client(client: Client) -> NatsBackend {
         let js = jetstream::new(client.clone());
-        NatsBackend { client, js, bucket: REPORT_BUCKET.to_string(), kv: Arc::default() }
+        NatsBackend {
+            client,
+            js,
+            bucket: REPORT_BUCKET.to_string(),
+            kv: Arc::default(),
+        }
     }
 
     /// Stats reports go to this KV bucket instead of `settle-stats`.
@@ -118,7 +130,10 @@ impl Backend for NatsBackend {
         true
     }
 
-    fn open(&self, ctx: Arc<SubscriptionCtx>) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+    fn open(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
         async move {
             let p = ctx.policy();
             let stream_name = self
@@ -156,13 +171,18 @@ impl Backend for NatsBackend {
                 .await
                 .map_err(|e| err(format!("cannot pull from stream {stream_name}: {e}")))?;
             tracing::info!(subscription = %ctx.name(), stream = %stream_name, durable = ?p.durable_name, "bound to a JetStream pull consumer");
-            Ok(Box::new(NatsConsumer { client: self.client.clone(), ctx, messages: Some(messages), retired: Arc::default(), acks: alo })
+            Ok(Box::new(NatsConsumer { client: Arc::new(self.client.clone()), ctx, messages: Some(messages), retired: Arc::default(), acks: alo })
                 as Box<dyn Consumer>)
         }
         .boxed()
     }
 
-    fn publish(&self, subject: String, headers: Vec<(String, String)>, payload: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+    fn publish(
+        &self,
+        subject: String,
+        headers: Vec<(String, String)>,
+        payload: Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             let ack = if headers.is_empty() {
                 self.js.publish(subject, payload).await
@@ -197,7 +217,7 @@ impl StatsSink for NatsBackend {
 }
 
 struct NatsConsumer {
-    client: Client,
+    client: Arc<Client>,
     ctx: Arc<SubscriptionCtx>,
     messages: Option<pull::Stream>,
     retired: Arc<AtomicBool>,
@@ -206,15 +226,35 @@ struct NatsConsumer {
 
 impl NatsConsumer {
     fn delivery(&self, m: jetstream::Message) -> Delivery {
-        let attempt = m.info().map_or(1, |i| u32::try_from(i.delivered).unwrap_or(u32::MAX));
+        let attempt = m
+            .info()
+            .map_or(1, |i| u32::try_from(i.delivered).unwrap_or(u32::MAX));
         let msg: async_nats::Message = m.into();
         let headers = msg
             .headers
             .as_ref()
-            .map(|h| h.iter().flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string()))).collect())
+            .map(|h| {
+                h.iter()
+                    .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
+                    .collect()
+            })
             .unwrap_or_default();
-        let on_settle = NatsSettler { client: self.client.clone(), reply: msg.reply, retired: Arc::clone(&self.retired), acks: self.acks };
-        Delivery::new(&self.ctx, DeliveryOptions { subject: msg.subject.to_string(), headers, payload: msg.payload, attempt, on_settle: Box::new(on_settle) })
+        let on_settle = NatsSettler {
+            client: Arc::clone(&self.client),
+            reply: msg.reply,
+            retired: Arc::clone(&self.retired),
+            acks: self.acks,
+        };
+        Delivery::new(
+            &self.ctx,
+            DeliveryOptions {
+                subject: msg.subject.as_str().to_owned(),
+                headers,
+                payload: msg.payload,
+                attempt,
+                on_settle: Box::new(on_settle),
+            },
+        )
     }
 }
 
@@ -259,7 +299,7 @@ impl Consumer for NatsConsumer {
 }
 
 struct NatsSettler {
-    client: Client,
+    client: Arc<Client>,
     reply: Option<Subject>,
     retired: Arc<AtomicBool>,
     acks: bool,
@@ -274,9 +314,15 @@ impl NatsSettler {
             });
         }
         if !self.acks {
-            return Err(Refusal { reason: "the consumer does not take acknowledgements (ack policy none)".into(), stranded: false });
+            return Err(Refusal {
+                reason: "the consumer does not take acknowledgements (ack policy none)".into(),
+                stranded: false,
+            });
         }
-        self.reply.clone().ok_or_else(|| Refusal { reason: "the message has no reply subject: not a JetStream delivery".into(), stranded: true })
+        self.reply.clone().ok_or_else(|| Refusal {
+            reason: "the message has no reply subject: not a JetStream delivery".into(),
+            stranded: true,
+        })
     }
 
     async fn publish(&self, body: &'static [u8]) -> Result<(), Refusal> {
@@ -284,7 +330,10 @@ impl NatsSettler {
         self.client
             .publish(reply, Bytes::from_static(body))
             .await
-            .map_err(|e| Refusal { reason: format!("cannot send to the server: {e}"), stranded: false })
+            .map_err(|e| Refusal {
+                reason: format!("cannot send to the server: {e}"),
+                stranded: false,
+            })
     }
 
     /// Sends and waits for the server's confirmation.
@@ -303,7 +352,11 @@ impl NatsSettler {
 
 /// The body of a decline: a bare `-NAK` for zero (immediate), else `-NAK {"delay":<ns>}`.
 pub fn nak_body(delay: Duration) -> Bytes {
-    if delay.is_zero() { Bytes::from_static(NAK) } else { Bytes::from(format!("-NAK {{\"delay\":{}}}", delay.as_nanos())) }
+    if delay.is_zero() {
+        Bytes::from_static(NAK)
+    } else {
+        Bytes::from(format!("-NAK {{\"delay\":{}}}", delay.as_nanos()))
+    }
 }
 
 impl OnSettle for NatsSettler {
