@@ -37,6 +37,8 @@ webhooks:
     sideEffects: None
     failurePolicy: Fail
     timeoutSeconds: 5
+    # Only the demo's namespace: a stopped demo operator must not block Subscriptions elsewhere.
+    namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: $NS}}
     rules: [{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}]
     clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate"}
 YAML
