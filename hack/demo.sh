@@ -72,6 +72,7 @@ step "Changing the mode of an existing Subscription: refused (the broker cannot 
 kubectl patch subscription metrics -n "$NS" --type=merge -p '{"spec":{"mode":"AtLeastOnce","durableName":"metrics"}}' || true
 
 step "Redeliver without ackWait: admitted, with a warning"
+kubectl delete subscription thumbnails -n "$NS" --ignore-not-found >/dev/null
 kubectl apply -n "$NS" -f - <<'YAML'
 apiVersion: messaging.settle.dev/v1alpha1
 kind: Subscription
