@@ -471,13 +471,13 @@ async fn extend_lease_keeps_a_slow_message_with_its_handler() {
     let seen = Seen::default();
     let s = seen.clone();
     let mut p = scope.alo("ext");
-    p.ack_wait = Some(ms(600));
+    p.ack_wait = Some(ms(1000));
     p.max_processing_time = Some(api::Duration::from_secs(20));
     bus.subscribe(sub("ext", p, move |d| {
         let s = s.clone();
         async move {
             s.record(&d);
-            tokio::time::sleep(Duration::from_millis(2000)).await;
+            tokio::time::sleep(Duration::from_millis(2500)).await;
             d.ack().await?;
             Ok(())
         }
@@ -521,7 +521,10 @@ async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on()
     .unwrap();
     scope.publish("1", "a").await;
     until("handed on", || seen.len() == 2).await;
-    assert_eq!(stats(&bus, "exp").lease_expired, 1);
+    until("lease expired counted", || {
+        stats(&bus, "exp").lease_expired == 1
+    })
+    .await;
     until("both returned", || stats(&bus, "exp").delivered == 2).await;
     let st = stats(&bus, "exp");
     assert_eq!(

@@ -167,6 +167,10 @@ impl Backend for NatsBackend {
             let messages = consumer
                 .stream()
                 .max_messages_per_batch(batch)
+                // Short pulls: after a broker restart the client re-pulls when a pull expires,
+                // so this bounds how long a subscription can sit idle (design §4: re-converge).
+                .expires(Duration::from_secs(10))
+                .heartbeat(Duration::from_secs(3))
                 .messages()
                 .await
                 .map_err(|e| err(format!("cannot pull from stream {stream_name}: {e}")))?;
