@@ -177,6 +177,15 @@ struct Inner {
 }
 
 /// One attempt of one message. Clones share one settlement state.
+///
+/// A backend makes one only with [`Delivery::new`] (seed 000: "Construct deliveries through
+/// NewDelivery with a DeliveryOptions, never as a struct literal"); a literal does not compile:
+///
+/// ```compile_fail
+/// fn forge(inner: std::sync::Arc<()>) -> settle::bus::Delivery {
+///     settle::bus::Delivery { inner } // error: field `inner` is private
+/// }
+/// ```
 #[derive(Clone)]
 pub struct Delivery {
     inner: Arc<Inner>,
