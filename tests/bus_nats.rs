@@ -545,6 +545,50 @@ async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lease_expired_is_attempt_grain_one_message_can_reach_the_bound_twice() {
+    // seed 000: "Released and LeaseExpired are attempt-grain: one message can be released, or
+    // reach the bound, more than once, so neither is a message count."
+    let scope = Scope::new("expiretwice").await;
+    let bus = scope.bus().await;
+    let seen = Seen::default();
+    let s = seen.clone();
+    let mut p = scope.alo("twice");
+    p.ack_wait = Some(ms(500));
+    p.max_processing_time = Some(ms(600));
+    bus.subscribe(sub("twice", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            if d.attempt() <= 2 {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                return Ok(()); // too late to matter; silence
+            }
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    scope.publish("1", "a").await;
+    until("acked on attempt 3", || {
+        stats(&bus, "twice").settlement.acked == 1
+    })
+    .await;
+    until("slow attempts returned", || {
+        stats(&bus, "twice").delivered >= 3
+    })
+    .await;
+    let st = stats(&bus, "twice");
+    assert_eq!(
+        st.lease_expired, 2,
+        "one message, two attempts past the bound: {st:?}"
+    );
+    assert_eq!(seen.attempts()[..3], [1, 2, 3]);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redeliver_lets_the_broker_hand_a_slow_message_on_and_sends_no_progress() {
     // seed 000: "Redeliver lets the message go while you may still be running."
     let scope = Scope::new("redeliver").await;
