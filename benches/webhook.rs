@@ -84,9 +84,13 @@ fn bodies() -> Vec<(Bytes, Expect)> {
 }
 
 fn check(body: &[u8], expect: Expect) -> bool {
-    let Ok(v) = serde_json::from_slice::<Value>(body) else { return false };
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return false;
+    };
     let allowed = v["response"]["allowed"].as_bool();
-    let warned = v["response"]["warnings"].as_array().is_some_and(|w| !w.is_empty());
+    let warned = v["response"]["warnings"]
+        .as_array()
+        .is_some_and(|w| !w.is_empty());
     match expect {
         Expect::Allowed => allowed == Some(true) && !warned,
         Expect::Denied => allowed == Some(false),
@@ -120,21 +124,43 @@ fn client(ca_pem: &str) -> HttpsClient {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.enforce_http(false);
-    let https =
-        hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_only().enable_http1().enable_http2().wrap_connector(http);
-    Client::builder(TokioExecutor::new()).pool_max_idle_per_host(CONCURRENCY * 2).build(https)
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(CONCURRENCY * 2)
+        .build(https)
 }
 
 /// One POST; Ok(latency) if the answer was a 200 with the expected verdict.
-async fn one(client: &HttpsClient, url: &str, body: Bytes, expect: Expect) -> Result<Duration, String> {
+async fn one(
+    client: &HttpsClient,
+    url: &str,
+    body: Bytes,
+    expect: Expect,
+) -> Result<Duration, String> {
     let started = Instant::now();
-    let req = http::Request::post(url).header("content-type", "application/json").body(Full::new(body)).map_err(|e| e.to_string())?;
+    let req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+        .map_err(|e| e.to_string())?;
     let resp = client.request(req).await.map_err(|e| e.to_string())?;
     let status = resp.status();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
     let took = started.elapsed();
     if status != http::StatusCode::OK || !check(&body, expect) {
-        return Err(format!("unexpected answer {status}: {}", String::from_utf8_lossy(&body)));
+        return Err(format!(
+            "unexpected answer {status}: {}",
+            String::from_utf8_lossy(&body)
+        ));
     }
     Ok(took)
 }
@@ -183,7 +209,12 @@ async fn in_process(bodies: &[(Bytes, Expect)]) -> Stats {
             errors += 1;
         }
     }
-    Stats { latencies, errors, first_error: None, wall: started.elapsed() }
+    Stats {
+        latencies,
+        errors,
+        first_error: None,
+        wall: started.elapsed(),
+    }
 }
 
 async fn paced(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)]) -> Stats {
@@ -195,7 +226,9 @@ async fn paced(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)]) -> S
     let started = Instant::now();
     for i in 0..total {
         ticker.tick().await;
-        let Ok(permit) = gate.clone().acquire_owned().await else { break };
+        let Ok(permit) = gate.clone().acquire_owned().await else {
+            break;
+        };
         let (body, expect) = bodies[i % bodies.len()].clone();
         let (client, url) = (client.clone(), url.to_string());
         tasks.push(tokio::spawn(async move {
@@ -214,7 +247,12 @@ async fn unthrottled(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)]
     let deadline = started + UNTHROTTLED_TIME;
     let mut tasks = Vec::new();
     for _ in 0..CONCURRENCY {
-        let (client, url, next, bodies) = (client.clone(), url.to_string(), next.clone(), bodies.clone());
+        let (client, url, next, bodies) = (
+            client.clone(),
+            url.to_string(),
+            next.clone(),
+            bodies.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             loop {
@@ -234,7 +272,10 @@ async fn unthrottled(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)]
     summarize(results, started.elapsed())
 }
 
-async fn collect(tasks: Vec<tokio::task::JoinHandle<Result<Duration, String>>>, started: Instant) -> Stats {
+async fn collect(
+    tasks: Vec<tokio::task::JoinHandle<Result<Duration, String>>>,
+    started: Instant,
+) -> Stats {
     let mut results = Vec::with_capacity(tasks.len());
     for t in tasks {
         results.push(t.await.unwrap_or_else(|e| Err(format!("task failed: {e}"))));
@@ -243,7 +284,12 @@ async fn collect(tasks: Vec<tokio::task::JoinHandle<Result<Duration, String>>>, 
 }
 
 fn summarize(results: Vec<Result<Duration, String>>, wall: Duration) -> Stats {
-    let mut s = Stats { latencies: Vec::with_capacity(results.len()), errors: 0, first_error: None, wall };
+    let mut s = Stats {
+        latencies: Vec::with_capacity(results.len()),
+        errors: 0,
+        first_error: None,
+        wall,
+    };
     for r in results {
         match r {
             Ok(d) => s.latencies.push(d),
@@ -257,7 +303,10 @@ fn summarize(results: Vec<Result<Duration, String>>, wall: Duration) -> Stats {
 }
 
 fn main() {
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("could not start a runtime: {e}");
@@ -271,11 +320,23 @@ fn main() {
 }
 
 async fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let sans = Sans { dns_names: vec!["localhost".into()], ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)] };
+    let sans = Sans {
+        dns_names: vec!["localhost".into()],
+        ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+    };
     let bundle = certs::issue_for(&sans, Duration::from_secs(3600))?;
-    let resolver = Arc::new(CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())?);
+    let resolver = Arc::new(CertResolver::from_pem(
+        bundle.cert_pem.as_bytes(),
+        bundle.key_pem.as_bytes(),
+    )?);
     let registry = prometheus::Registry::new();
-    let server = Server::bind(WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))), Arc::new(lookup()), resolver, &registry).await?;
+    let server = Server::bind(
+        WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+        Arc::new(lookup()),
+        resolver,
+        &registry,
+    )
+    .await?;
     let addr = server.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(server.run(async {
@@ -285,20 +346,39 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let url = format!("https://127.0.0.1:{}/validate", addr.port());
     let bodies = bodies();
     let client = client(&bundle.ca_pem);
-    println!("admission webhook benchmark: {} CPUs, mix of allowed/denied/warned CREATEs, {} bytes per body", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), bodies[0].0.len());
+    println!(
+        "admission webhook benchmark: {} CPUs, mix of allowed/denied/warned CREATEs, {} bytes per body",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        bodies[0].0.len()
+    );
 
-    print("review() in process (no network)", in_process(&bodies).await);
+    print(
+        "review() in process (no network)",
+        in_process(&bodies).await,
+    );
     // Warm up connections and caches.
     let _ = unthrottled_warmup(&client, &url, &bodies).await;
-    print(&format!("HTTPS paced at {RATE} req/s for {}s", PACED.as_secs()), paced(&client, &url, &bodies).await);
-    print(&format!("HTTPS unthrottled, {CONCURRENCY} concurrent"), unthrottled(&client, &url, &bodies).await);
+    print(
+        &format!("HTTPS paced at {RATE} req/s for {}s", PACED.as_secs()),
+        paced(&client, &url, &bodies).await,
+    );
+    print(
+        &format!("HTTPS unthrottled, {CONCURRENCY} concurrent"),
+        unthrottled(&client, &url, &bodies).await,
+    );
 
     let _ = stop.send(());
     serving.await??;
     Ok(())
 }
 
-async fn unthrottled_warmup(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)]) -> Vec<Result<Duration, String>> {
+async fn unthrottled_warmup(
+    client: &HttpsClient,
+    url: &str,
+    bodies: &[(Bytes, Expect)],
+) -> Vec<Result<Duration, String>> {
     let mut out = Vec::new();
     for i in 0..200 {
         let (body, expect) = bodies[i % bodies.len()].clone();

@@ -25,7 +25,11 @@ use settle::api::Backend;
 const HOOK: &str = "subscriptions.webhook-test.settle.dev";
 
 fn text(out: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 fn apply(ns: &str, yaml: &str, extra: &[&str]) -> Output {
@@ -48,8 +52,25 @@ struct Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = common::kubectl(&["delete", "validatingwebhookconfiguration", &self.vwc, "--ignore-not-found"], None);
-        let _ = common::kubectl(&["delete", "namespace", &self.ns, "--wait=false", "--ignore-not-found"], None);
+        let _ = common::kubectl(
+            &[
+                "delete",
+                "validatingwebhookconfiguration",
+                &self.vwc,
+                "--ignore-not-found",
+            ],
+            None,
+        );
+        let _ = common::kubectl(
+            &[
+                "delete",
+                "namespace",
+                &self.ns,
+                "--wait=false",
+                "--ignore-not-found",
+            ],
+            None,
+        );
     }
 }
 
@@ -61,24 +82,49 @@ async fn the_api_server_calls_the_webhook_and_honours_its_answers() {
     common::install_crds();
     let ns = common::namespace("webhook-apiserver");
     let vwc = ns.clone();
-    let _cleanup = Cleanup { vwc: vwc.clone(), ns: ns.clone() };
-    common::kubectl_ok(&["label", "namespace", &ns, &format!("settle-webhook-test={ns}")], None);
+    let _cleanup = Cleanup {
+        vwc: vwc.clone(),
+        ns: ns.clone(),
+    };
+    common::kubectl_ok(
+        &[
+            "label",
+            "namespace",
+            &ns,
+            &format!("settle-webhook-test={ns}"),
+        ],
+        None,
+    );
     common::kubectl_ok(
         &["-n", &ns, "apply", "-f", "-"],
-        Some("apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata:\n  name: nats\nspec:\n  nats:\n    servers: [\"nats://127.0.0.1:4222\"]\n"),
+        Some(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata:\n  name: nats\nspec:\n  nats:\n    servers: [\"nats://127.0.0.1:4222\"]\n",
+        ),
     );
 
     // Backends as the operator sees them: a reflector store, misses confirmed by a GET.
     let client = common::kube_client().await;
     let (store, writer) = reflector::store::<Backend>();
-    let watch = reflector(writer, watcher(Api::<Backend>::namespaced(client.clone(), &ns), watcher::Config::default()))
-        .applied_objects()
-        .for_each(|_| async {});
+    let watch = reflector(
+        writer,
+        watcher(
+            Api::<Backend>::namespaced(client.clone(), &ns),
+            watcher::Config::default(),
+        ),
+    )
+    .applied_objects()
+    .for_each(|_| async {});
     let watch_task = tokio::spawn(watch);
 
-    let sans = Sans { dns_names: vec![], ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)] };
+    let sans = Sans {
+        dns_names: vec![],
+        ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+    };
     let bundle = certs::issue_for(&sans, Duration::from_secs(3600)).expect("issue");
-    let resolver = Arc::new(CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes()).expect("resolver"));
+    let resolver = Arc::new(
+        CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+            .expect("resolver"),
+    );
     let registry = prometheus::Registry::new();
     let server = Server::bind(
         WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
@@ -134,7 +180,11 @@ webhooks:
         if text(&out).contains(&denial) {
             break;
         }
-        assert!(Instant::now() < deadline, "the API server never asked the webhook; last answer: {}", text(&out));
+        assert!(
+            Instant::now() < deadline,
+            "the API server never asked the webhook; last answer: {}",
+            text(&out)
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
@@ -144,9 +194,18 @@ webhooks:
     for extra in [&[][..], &["--dry-run=server"][..]] {
         let out = apply(&ns, &bad, extra);
         assert!(!out.status.success(), "{extra:?}: {}", text(&out));
-        assert!(text(&out).contains(&format!("denied the request: {DURABLE}")), "{extra:?}: {}", text(&out));
+        assert!(
+            text(&out).contains(&format!("denied the request: {DURABLE}")),
+            "{extra:?}: {}",
+            text(&out)
+        );
     }
-    assert!(!common::kubectl(&["-n", &ns, "get", "subscription", "bad"], None).status.success(), "a denied Subscription must not be stored");
+    assert!(
+        !common::kubectl(&["-n", &ns, "get", "subscription", "bad"], None)
+            .status
+            .success(),
+        "a denied Subscription must not be stored"
+    );
 
     // Warnings appear in kubectl's output; the Subscription is stored.
     let out = apply(&ns, &subscription("warned", "  maxDeliver: 5\n"), &[]);
@@ -160,16 +219,32 @@ webhooks:
     );
 
     // A Backend that does not exist: admitted, with a warning.
-    let out = apply(&ns, &subscription("ghost", "").replace("name: nats", "name: ghost"), &[]);
+    let out = apply(
+        &ns,
+        &subscription("ghost", "").replace("name: nats", "name: ghost"),
+        &[],
+    );
     assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("Warning: spec.backendRef.name: Backend \"ghost\" does not exist in this namespace yet"), "{}", text(&out));
+    assert!(
+        text(&out).contains(
+            "Warning: spec.backendRef.name: Backend \"ghost\" does not exist in this namespace yet"
+        ),
+        "{}",
+        text(&out)
+    );
 
     // A Backend created a moment ago (maybe not in the store yet) is found, not reported missing.
     common::kubectl_ok(
         &["-n", &ns, "apply", "-f", "-"],
-        Some("apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata:\n  name: fresh\nspec:\n  memory: {}\n"),
+        Some(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata:\n  name: fresh\nspec:\n  memory: {}\n",
+        ),
     );
-    let out = apply(&ns, &subscription("fresh", "").replace("name: nats", "name: fresh"), &[]);
+    let out = apply(
+        &ns,
+        &subscription("fresh", "").replace("name: nats", "name: fresh"),
+        &[],
+    );
     assert!(out.status.success(), "{}", text(&out));
     assert!(!text(&out).contains("does not exist"), "{}", text(&out));
 
@@ -177,7 +252,11 @@ webhooks:
     let v1 = subscription("orders", "  mode: AtLeastOnce\n  durableName: orders\n");
     let out = apply(&ns, &v1, &[]);
     assert!(out.status.success(), "{}", text(&out));
-    let out = apply(&ns, &v1.replace("durableName: orders", "durableName: orders-v2"), &[]);
+    let out = apply(
+        &ns,
+        &v1.replace("durableName: orders", "durableName: orders-v2"),
+        &[],
+    );
     assert!(!out.status.success());
     assert!(
         text(&out).contains(
@@ -190,11 +269,29 @@ webhooks:
 
     // The webhook down: Subscriptions fail closed, other resources are untouched.
     let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(15), running).await.expect("stops").expect("joins").expect("ran");
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("stops")
+        .expect("joins")
+        .expect("ran");
     let out = apply(&ns, &subscription("while-down", ""), &[]);
     assert!(!out.status.success(), "must fail closed: {}", text(&out));
-    assert!(text(&out).contains(&format!("failed calling webhook \"{HOOK}\"")), "{}", text(&out));
-    common::kubectl_ok(&["-n", &ns, "create", "configmap", "unaffected", "--from-literal=a=b"], None);
+    assert!(
+        text(&out).contains(&format!("failed calling webhook \"{HOOK}\"")),
+        "{}",
+        text(&out)
+    );
+    common::kubectl_ok(
+        &[
+            "-n",
+            &ns,
+            "create",
+            "configmap",
+            "unaffected",
+            "--from-literal=a=b",
+        ],
+        None,
+    );
 
     watch_task.abort();
 }

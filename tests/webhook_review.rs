@@ -21,7 +21,9 @@ use hyper_util::rt::TokioExecutor;
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use settle::admission::certs::{self, CertBundle, CertResolver, Sans};
-use settle::admission::webhook::{BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review};
+use settle::admission::webhook::{
+    BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review,
+};
 use settle::admission::{BackendView, validate};
 use settle::api::{Backend, Subscription};
 use settle::backend::{BackendKind, capabilities_of};
@@ -95,7 +97,12 @@ struct Answer {
 
 async fn ask_with(review_body: &Value, backends: &dyn BackendLookup) -> Answer {
     let (status, body) = review(&serde_json::to_vec(review_body).expect("encode"), backends).await;
-    assert_eq!(status, StatusCode::OK, "body: {}", String::from_utf8_lossy(&body));
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "body: {}",
+        String::from_utf8_lossy(&body)
+    );
     parse_answer(&body)
 }
 
@@ -114,7 +121,14 @@ fn parse_answer(body: &[u8]) -> Answer {
         code: r["status"]["code"].as_u64(),
         reason: r["status"]["reason"].as_str().map(str::to_string),
         message: r["status"]["message"].as_str().map(str::to_string),
-        warnings: r["warnings"].as_array().map(|w| w.iter().filter_map(|s| s.as_str().map(str::to_string)).collect()).unwrap_or_default(),
+        warnings: r["warnings"]
+            .as_array()
+            .map(|w| {
+                w.iter()
+                    .filter_map(|s| s.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default(),
     }
 }
 
@@ -168,7 +182,9 @@ async fn warnings_are_admission_warnings_also_on_denials() {
     // Allowed, with a warning.
     let a = ask(&request(
         "CREATE",
-        Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "maxDeliver": 5}))),
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "maxDeliver": 5}),
+        )),
         None,
     ))
     .await;
@@ -194,13 +210,21 @@ async fn warnings_are_admission_warnings_also_on_denials() {
     assert!(!a.allowed);
     assert_eq!(a.message.as_deref(), Some(DURABLE_MSG));
     assert_eq!(a.warnings.len(), 1, "{a:?}");
-    assert!(a.warnings[0].starts_with("spec.ackWait: slowHandler Redeliver without an explicit ackWait"), "{a:?}");
+    assert!(
+        a.warnings[0]
+            .starts_with("spec.ackWait: slowHandler Redeliver without an explicit ackWait"),
+        "{a:?}"
+    );
 }
 
 #[tokio::test]
 async fn update_of_an_immutable_field_is_denied_naming_it() {
-    let old = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "durableName": "orders"}));
-    let new = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "durableName": "orders-v2"}));
+    let old = subscription(
+        json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "durableName": "orders"}),
+    );
+    let new = subscription(
+        json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "durableName": "orders-v2"}),
+    );
     let a = ask(&request("UPDATE", Some(new.clone()), Some(old.clone()))).await;
     assert!(!a.allowed);
     assert_eq!(
@@ -213,8 +237,14 @@ async fn update_of_an_immutable_field_is_denied_naming_it() {
     // The same object as CREATE is fine: the rule needs the old object.
     assert!(ask(&request("CREATE", Some(new), None)).await.allowed);
     // An UPDATE that changes nothing immutable is fine.
-    let tweak = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "durableName": "orders", "maxDeliver": 3}));
-    assert!(ask(&request("UPDATE", Some(tweak), Some(old))).await.allowed);
+    let tweak = subscription(
+        json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "durableName": "orders", "maxDeliver": 3}),
+    );
+    assert!(
+        ask(&request("UPDATE", Some(tweak), Some(old)))
+            .await
+            .allowed
+    );
 }
 
 #[tokio::test]
@@ -222,14 +252,19 @@ async fn update_without_old_object_is_denied_saying_why() {
     let new = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>"}));
     let a = ask(&request("UPDATE", Some(new), None)).await;
     assert!(!a.allowed);
-    assert_eq!(a.message.as_deref(), Some("the UPDATE request carries no oldObject to compare with"));
+    assert_eq!(
+        a.message.as_deref(),
+        Some("the UPDATE request carries no oldObject to compare with")
+    );
 }
 
 #[tokio::test]
 async fn missing_backend_is_admitted_with_a_warning() {
     let a = ask(&request(
         "CREATE",
-        Some(subscription(json!({"backendRef": {"name": "nope"}, "pattern": "orders.>"}))),
+        Some(subscription(
+            json!({"backendRef": {"name": "nope"}, "pattern": "orders.>"}),
+        )),
         None,
     ))
     .await;
@@ -251,9 +286,24 @@ async fn backend_in_another_namespace_does_not_count() {
         b.metadata.namespace = Some("elsewhere".into());
         b
     });
-    let a = ask_with(&request("CREATE", Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}))), None), &other).await;
+    let a = ask_with(
+        &request(
+            "CREATE",
+            Some(subscription(
+                json!({"backendRef": {"name": "nats"}, "pattern": "a"}),
+            )),
+            None,
+        ),
+        &other,
+    )
+    .await;
     assert!(a.allowed);
-    assert!(a.warnings.iter().any(|w| w.starts_with("spec.backendRef.name: Backend \"nats\" does not exist")), "{a:?}");
+    assert!(
+        a.warnings
+            .iter()
+            .any(|w| w.starts_with("spec.backendRef.name: Backend \"nats\" does not exist")),
+        "{a:?}"
+    );
 }
 
 #[tokio::test]
@@ -265,7 +315,11 @@ async fn backend_status_capabilities_win_over_kind_defaults() {
         }))
     };
     // Kind defaults (nats, empty status): delays are fine.
-    assert!(ask(&request("CREATE", Some(spec("nats")), None)).await.allowed);
+    assert!(
+        ask(&request("CREATE", Some(spec("nats")), None))
+            .await
+            .allowed
+    );
     // Same kind, but the status says it cannot delay: refused.
     let a = ask(&request("CREATE", Some(spec("rabbit-like")), None)).await;
     assert!(!a.allowed);
@@ -280,7 +334,9 @@ async fn backend_status_capabilities_win_over_kind_defaults() {
 
 #[tokio::test]
 async fn dry_run_is_answered_exactly_like_a_real_request() {
-    let spec = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "maxDeliver": 5}));
+    let spec = subscription(
+        json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce", "maxDeliver": 5}),
+    );
     let real = request("CREATE", Some(spec), None);
     let mut dry = real.clone();
     dry["request"]["dryRun"] = json!(true);
@@ -293,7 +349,9 @@ async fn dry_run_is_answered_exactly_like_a_real_request() {
 
 #[tokio::test]
 async fn delete_connect_status_and_other_kinds_are_allowed() {
-    let bad = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce"}));
+    let bad = subscription(
+        json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce"}),
+    );
     for op in ["DELETE", "CONNECT"] {
         let a = ask(&request(op, None, Some(bad.clone()))).await;
         assert!(a.allowed, "{op}: {a:?}");
@@ -304,7 +362,8 @@ async fn delete_connect_status_and_other_kinds_are_allowed() {
     assert!(ask(&status).await.allowed);
     // Backends are CEL's job.
     let mut b = request("CREATE", Some(json!({"spec": "not even an object"})), None);
-    b["request"]["kind"] = json!({"group": "messaging.settle.dev", "version": "v1alpha1", "kind": "Backend"});
+    b["request"]["kind"] =
+        json!({"group": "messaging.settle.dev", "version": "v1alpha1", "kind": "Backend"});
     assert!(ask(&b).await.allowed);
 }
 
@@ -312,22 +371,37 @@ async fn delete_connect_status_and_other_kinds_are_allowed() {
 async fn unreadable_object_is_denied_saying_which_field() {
     let a = ask(&request(
         "CREATE",
-        Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "ackWait": 30}))),
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "ackWait": 30}),
+        )),
         None,
     ))
     .await;
     assert!(!a.allowed);
     assert_eq!(a.code, Some(400));
     let message = a.message.expect("a message");
-    assert!(message.starts_with("the Subscription could not be read: spec"), "{message}");
-    assert!(message.contains("invalid type: integer `30`, expected a string"), "{message}");
+    assert!(
+        message.starts_with("the Subscription could not be read: spec"),
+        "{message}"
+    );
+    assert!(
+        message.contains("invalid type: integer `30`, expected a string"),
+        "{message}"
+    );
 
     let a = ask(&request("CREATE", Some(json!(42)), None)).await;
     assert!(!a.allowed);
-    assert!(a.message.expect("message").starts_with("the Subscription could not be read: invalid type: integer `42`"));
+    assert!(
+        a.message
+            .expect("message")
+            .starts_with("the Subscription could not be read: invalid type: integer `42`")
+    );
 
     let a = ask(&request("CREATE", None, None)).await;
-    assert_eq!(a.message.as_deref(), Some("the admission request carries no object to validate"));
+    assert_eq!(
+        a.message.as_deref(),
+        Some("the admission request carries no object to validate")
+    );
 }
 
 #[tokio::test]
@@ -348,21 +422,35 @@ async fn not_an_admission_review_is_a_400_with_a_reason() {
 
 struct FailingLookup;
 impl BackendLookup for FailingLookup {
-    fn get<'a>(&'a self, _: &'a str, _: &'a str) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
+    fn get<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
         Box::pin(async { Err(LookupError::Other("connection refused".into())) })
     }
 }
 
 struct HangingLookup;
 impl BackendLookup for HangingLookup {
-    fn get<'a>(&'a self, _: &'a str, _: &'a str) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
+    fn get<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
         Box::pin(futures::future::pending())
     }
 }
 
 #[tokio::test]
 async fn lookup_error_fails_closed_with_retry_advice() {
-    let body = request("CREATE", Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}))), None);
+    let body = request(
+        "CREATE",
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "a"}),
+        )),
+        None,
+    );
     let a = ask_with(&body, &FailingLookup).await;
     assert!(!a.allowed);
     assert_eq!(a.code, Some(503));
@@ -377,7 +465,13 @@ async fn lookup_error_fails_closed_with_retry_advice() {
 
 #[tokio::test(start_paused = true)]
 async fn hanging_lookup_times_out_and_fails_closed() {
-    let body = request("CREATE", Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}))), None);
+    let body = request(
+        "CREATE",
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "a"}),
+        )),
+        None,
+    );
     let a = ask_with(&body, &HangingLookup).await;
     assert!(!a.allowed);
     assert!(a.message.expect("message").contains("(timed out after 3s)"));
@@ -386,7 +480,10 @@ async fn hanging_lookup_times_out_and_fails_closed() {
 // ---------------------------------------------------------------------------------------------
 // Over HTTPS.
 
-type HttpsClient = Client<hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>, Full<Bytes>>;
+type HttpsClient = Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Full<Bytes>,
+>;
 
 fn client_trusting(ca_pem: &str) -> HttpsClient {
     use rustls::pki_types::CertificateDer;
@@ -400,32 +497,57 @@ fn client_trusting(ca_pem: &str) -> HttpsClient {
         .expect("protocols")
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let https = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls).https_only().enable_http1().enable_http2().build();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http1()
+        .enable_http2()
+        .build();
     Client::builder(TokioExecutor::new()).build(https)
 }
 
-async fn post(client: &HttpsClient, addr: SocketAddr, path: &str, body: Vec<u8>) -> Result<(StatusCode, Vec<u8>), String> {
+async fn post(
+    client: &HttpsClient,
+    addr: SocketAddr,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<(StatusCode, Vec<u8>), String> {
     let req = http::Request::post(format!("https://127.0.0.1:{}{path}", addr.port()))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let resp = client.request(req).await.map_err(|e| format!("{e:?}"))?;
     let status = resp.status();
-    let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes().to_vec();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes()
+        .to_vec();
     Ok((status, body))
 }
 
 fn local_sans() -> Sans {
-    Sans { dns_names: vec!["localhost".into()], ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)] }
+    Sans {
+        dns_names: vec!["localhost".into()],
+        ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
+    }
 }
 
 #[tokio::test]
 async fn https_round_trip_rotation_without_restart_and_metrics() {
-    let first: CertBundle = certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
-    let resolver = Arc::new(CertResolver::from_pem(first.cert_pem.as_bytes(), first.key_pem.as_bytes()).expect("resolver"));
+    let first: CertBundle =
+        certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
+    let resolver = Arc::new(
+        CertResolver::from_pem(first.cert_pem.as_bytes(), first.key_pem.as_bytes())
+            .expect("resolver"),
+    );
     let registry = prometheus::Registry::new();
     let config = WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
-    let server = Server::bind(config, Arc::new(lookup()), resolver.clone(), &registry).await.expect("bind");
+    let server = Server::bind(config, Arc::new(lookup()), resolver.clone(), &registry)
+        .await
+        .expect("bind");
     let addr = server.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(server.run(async {
@@ -433,56 +555,121 @@ async fn https_round_trip_rotation_without_restart_and_metrics() {
     }));
 
     let client = client_trusting(&first.ca_pem);
-    let denied = request("CREATE", Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a", "mode": "AtLeastOnce"}))), None);
-    let (status, body) = post(&client, addr, "/validate", serde_json::to_vec(&denied).unwrap()).await.expect("POST /validate");
+    let denied = request(
+        "CREATE",
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "a", "mode": "AtLeastOnce"}),
+        )),
+        None,
+    );
+    let (status, body) = post(
+        &client,
+        addr,
+        "/validate",
+        serde_json::to_vec(&denied).unwrap(),
+    )
+    .await
+    .expect("POST /validate");
     assert_eq!(status, StatusCode::OK);
     let a = parse_answer(&body);
     assert!(!a.allowed);
     assert_eq!(a.message.as_deref(), Some(DURABLE_MSG));
 
-    let (status, body) = post(&client, addr, "/validate", b"not json".to_vec()).await.expect("POST garbage");
+    let (status, body) = post(&client, addr, "/validate", b"not json".to_vec())
+        .await
+        .expect("POST garbage");
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(String::from_utf8_lossy(&body).starts_with("the body is not an AdmissionReview"));
 
     let health = client
-        .request(http::Request::get(format!("https://127.0.0.1:{}/healthz", addr.port())).body(Full::new(Bytes::new())).unwrap())
+        .request(
+            http::Request::get(format!("https://127.0.0.1:{}/healthz", addr.port()))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
         .await
         .expect("GET /healthz");
     assert_eq!(health.status(), StatusCode::OK);
 
     // Rotate to a certificate from a new CA: new connections see it, without a restart.
     let second = certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
-    resolver.set_pem(second.cert_pem.as_bytes(), second.key_pem.as_bytes()).expect("swap");
+    resolver
+        .set_pem(second.cert_pem.as_bytes(), second.key_pem.as_bytes())
+        .expect("swap");
     let fresh = client_trusting(&second.ca_pem);
-    let allowed = request("CREATE", Some(subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}))), None);
-    let (status, body) = post(&fresh, addr, "/validate", serde_json::to_vec(&allowed).unwrap()).await.expect("POST after rotation");
+    let allowed = request(
+        "CREATE",
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "a"}),
+        )),
+        None,
+    );
+    let (status, body) = post(
+        &fresh,
+        addr,
+        "/validate",
+        serde_json::to_vec(&allowed).unwrap(),
+    )
+    .await
+    .expect("POST after rotation");
     assert_eq!(status, StatusCode::OK);
     assert!(parse_answer(&body).allowed);
     // A client that trusts only the old CA is refused on a new connection.
     let stale = client_trusting(&first.ca_pem);
-    let err = post(&stale, addr, "/validate", serde_json::to_vec(&allowed).unwrap()).await.expect_err("old CA must not verify");
+    let err = post(
+        &stale,
+        addr,
+        "/validate",
+        serde_json::to_vec(&allowed).unwrap(),
+    )
+    .await
+    .expect_err("old CA must not verify");
     assert!(err.to_lowercase().contains("certificate"), "{err}");
 
     // Metrics: one denied CREATE, one allowed CREATE, one unreadable body.
     let text = {
         let mut buf = Vec::new();
-        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut buf).unwrap();
+        prometheus::Encoder::encode(
+            &prometheus::TextEncoder::new(),
+            &registry.gather(),
+            &mut buf,
+        )
+        .unwrap();
         String::from_utf8(buf).unwrap()
     };
-    assert!(text.contains(r#"settle_admission_requests_total{allowed="false",operation="CREATE"} 1"#), "{text}");
-    assert!(text.contains(r#"settle_admission_requests_total{allowed="true",operation="CREATE"} 1"#), "{text}");
-    assert!(text.contains(r#"settle_admission_requests_total{allowed="false",operation="unknown"} 1"#), "{text}");
-    assert!(text.contains("settle_admission_duration_seconds_count 3"), "{text}");
+    assert!(
+        text.contains(r#"settle_admission_requests_total{allowed="false",operation="CREATE"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"settle_admission_requests_total{allowed="true",operation="CREATE"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"settle_admission_requests_total{allowed="false",operation="unknown"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains("settle_admission_duration_seconds_count 3"),
+        "{text}"
+    );
 
     let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(15), running).await.expect("stops").expect("joins").expect("runs cleanly");
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("stops")
+        .expect("joins")
+        .expect("runs cleanly");
 }
 
 // ---------------------------------------------------------------------------------------------
 // Property tests: garbage in, an answer out.
 
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime")
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .expect("runtime")
 }
 
 /// Every answer is a 400 with a plain reason, or a 200 AdmissionReview whose denial says why.
@@ -491,10 +678,19 @@ fn check_answer(status: StatusCode, body: &[u8]) -> Result<Option<Answer>, TestC
         prop_assert!(!body.is_empty(), "a 400 must say why");
         return Ok(None);
     }
-    prop_assert_eq!(status, StatusCode::OK, "unexpected status; body {}", String::from_utf8_lossy(body));
+    prop_assert_eq!(
+        status,
+        StatusCode::OK,
+        "unexpected status; body {}",
+        String::from_utf8_lossy(body)
+    );
     let a = parse_answer(body);
     if !a.allowed {
-        prop_assert!(a.message.as_deref().is_some_and(|m| !m.is_empty()), "a denial must say why: {:?}", a);
+        prop_assert!(
+            a.message.as_deref().is_some_and(|m| !m.is_empty()),
+            "a denial must say why: {:?}",
+            a
+        );
     }
     Ok(Some(a))
 }
@@ -504,10 +700,28 @@ fn json_value() -> impl Strategy<Value = Value> {
         Just(Value::Null),
         any::<bool>().prop_map(Value::Bool),
         any::<i64>().prop_map(|n| json!(n)),
-        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(|f| json!(f)),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(|f| json!(f)),
         "[a-zA-Z0-9.>*_ -]{0,12}".prop_map(Value::String),
-        prop_oneof![Just("1s"), Just("0s"), Just("-1s"), Just("1h30m"), Just("5m"), Just("13h"), Just("x")].prop_map(|s| json!(s)),
-        prop_oneof![Just("AtLeastOnce"), Just("AtMostOnce"), Just("Redeliver"), Just("ExtendLease"), Just("Fanout")].prop_map(|s| json!(s)),
+        prop_oneof![
+            Just("1s"),
+            Just("0s"),
+            Just("-1s"),
+            Just("1h30m"),
+            Just("5m"),
+            Just("13h"),
+            Just("x")
+        ]
+        .prop_map(|s| json!(s)),
+        prop_oneof![
+            Just("AtLeastOnce"),
+            Just("AtMostOnce"),
+            Just("Redeliver"),
+            Just("ExtendLease"),
+            Just("Fanout")
+        ]
+        .prop_map(|s| json!(s)),
     ];
     leaf.prop_recursive(4, 32, 6, |inner| {
         prop_oneof![
@@ -532,7 +746,15 @@ fn json_value() -> impl Strategy<Value = Value> {
 
 /// The spec fields a Subscription may carry, with good and bad values.
 fn spec_field() -> impl Strategy<Value = (&'static str, Value)> {
-    let duration = prop_oneof![Just("1s"), Just("500ms"), Just("1m"), Just("13h"), Just("0s"), Just("30s")].prop_map(|s| json!(s));
+    let duration = prop_oneof![
+        Just("1s"),
+        Just("500ms"),
+        Just("1m"),
+        Just("13h"),
+        Just("0s"),
+        Just("30s")
+    ]
+    .prop_map(|s| json!(s));
     prop_oneof![
         Just(("mode", json!("AtLeastOnce"))),
         Just(("mode", json!("AtMostOnce"))),
@@ -544,7 +766,8 @@ fn spec_field() -> impl Strategy<Value = (&'static str, Value)> {
         duration.clone().prop_map(|d| ("ackWait", d)),
         duration.clone().prop_map(|d| ("maxProcessingTime", d)),
         duration.clone().prop_map(|d| ("maxNackDelay", d)),
-        (duration.clone(), duration, 0.0f64..4.0).prop_map(|(i, m, x)| ("backoff", json!({"initial": i, "max": m, "multiplier": x}))),
+        (duration.clone(), duration, 0.0f64..4.0)
+            .prop_map(|(i, m, x)| ("backoff", json!({"initial": i, "max": m, "multiplier": x}))),
         json_value().prop_map(|v| ("stream", v)),
     ]
 }

@@ -24,7 +24,10 @@ use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
-use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
+};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -50,7 +53,10 @@ pub enum CertError {
     #[error("the certificate and key do not fit together or cannot be served: {0}")]
     Tls(#[from] rustls::Error),
     #[error("could not read {path}: {source}")]
-    File { path: PathBuf, source: std::io::Error },
+    File {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error(
@@ -80,13 +86,18 @@ impl fmt::Debug for CertResolver {
 impl CertResolver {
     /// A resolver serving this PEM certificate chain (leaf first) and PEM private key.
     pub fn from_pem(cert_chain_pem: &[u8], key_pem: &[u8]) -> Result<Self, CertError> {
-        Ok(CertResolver { current: RwLock::new(Arc::new(certified_key(cert_chain_pem, key_pem)?)) })
+        Ok(CertResolver {
+            current: RwLock::new(Arc::new(certified_key(cert_chain_pem, key_pem)?)),
+        })
     }
 
     /// Serve this certificate from the next handshake on. On error the old one stays.
     pub fn set_pem(&self, cert_chain_pem: &[u8], key_pem: &[u8]) -> Result<(), CertError> {
         let key = Arc::new(certified_key(cert_chain_pem, key_pem)?);
-        *self.current.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = key;
+        *self
+            .current
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = key;
         Ok(())
     }
 
@@ -96,7 +107,10 @@ impl CertResolver {
     }
 
     fn current(&self) -> Arc<CertifiedKey> {
-        self.current.read().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        self.current
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 }
 
@@ -118,7 +132,8 @@ fn certified_key(cert_chain_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, 
     if chain.is_empty() {
         return Err(CertError::Pem("no CERTIFICATE block found".into()));
     }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| CertError::Pem(format!("private key: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem)
+        .map_err(|e| CertError::Pem(format!("private key: {e}")))?;
     Ok(CertifiedKey::from_der(chain, key, &crypto_provider())?)
 }
 
@@ -156,21 +171,37 @@ pub struct CertBundle {
 
 impl fmt::Debug for CertBundle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CertBundle").field("ca_pem", &self.ca_pem).field("cert_pem", &self.cert_pem).finish_non_exhaustive()
+        f.debug_struct("CertBundle")
+            .field("ca_pem", &self.ca_pem)
+            .field("cert_pem", &self.cert_pem)
+            .finish_non_exhaustive()
     }
 }
 
 /// Makes a new CA and a serving certificate for `sans`, both valid from `not_before` to
 /// `not_after`.
-pub fn issue(sans: &Sans, not_before: SystemTime, not_after: SystemTime) -> Result<CertBundle, CertError> {
-    let (not_before, not_after) = (time::OffsetDateTime::from(not_before), time::OffsetDateTime::from(not_after));
+pub fn issue(
+    sans: &Sans,
+    not_before: SystemTime,
+    not_after: SystemTime,
+) -> Result<CertBundle, CertError> {
+    let (not_before, not_after) = (
+        time::OffsetDateTime::from(not_before),
+        time::OffsetDateTime::from(not_after),
+    );
 
     let ca_key = KeyPair::generate()?;
     let mut ca_params = CertificateParams::default();
     ca_params.distinguished_name = rcgen::DistinguishedName::new();
-    ca_params.distinguished_name.push(DnType::CommonName, "settle-webhook-ca");
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "settle-webhook-ca");
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    ca_params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     ca_params.not_before = not_before;
     ca_params.not_after = not_after;
     let ca_cert = ca_params.self_signed(&ca_key)?;
@@ -181,17 +212,27 @@ pub fn issue(sans: &Sans, not_before: SystemTime, not_after: SystemTime) -> Resu
     params.distinguished_name = rcgen::DistinguishedName::new();
     params.distinguished_name.push(
         DnType::CommonName,
-        sans.dns_names.first().cloned().unwrap_or_else(|| "settle-webhook".to_string()),
+        sans.dns_names
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "settle-webhook".to_string()),
     );
     params.subject_alt_names = sans.to_rcgen()?;
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.use_authority_key_identifier_extension = true;
     params.not_before = not_before;
     params.not_after = not_after;
     let cert = params.signed_by(&key, &issuer)?;
 
-    Ok(CertBundle { ca_pem: ca_cert.pem(), cert_pem: cert.pem(), key_pem: key.serialize_pem() })
+    Ok(CertBundle {
+        ca_pem: ca_cert.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
 }
 
 /// Makes a new CA and serving certificate valid from a minute ago for `validity`.
@@ -222,25 +263,37 @@ pub fn assess(bundle: &CertBundle, sans: &Sans, now: SystemTime) -> Assessment {
 fn assess_inner(bundle: &CertBundle, sans: &Sans, now: SystemTime) -> Result<Assessment, String> {
     use x509_parser::prelude::{FromDer, GeneralName, X509Certificate};
 
-    certified_key(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes()).map_err(|e| format!("stored tls.crt/tls.key unusable: {e}"))?;
-    let leaf_der = CertificateDer::from_pem_slice(bundle.cert_pem.as_bytes()).map_err(|e| format!("tls.crt: {e}"))?;
-    let ca_der = CertificateDer::from_pem_slice(bundle.ca_pem.as_bytes()).map_err(|e| format!("ca.crt: {e}"))?;
+    certified_key(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+        .map_err(|e| format!("stored tls.crt/tls.key unusable: {e}"))?;
+    let leaf_der = CertificateDer::from_pem_slice(bundle.cert_pem.as_bytes())
+        .map_err(|e| format!("tls.crt: {e}"))?;
+    let ca_der = CertificateDer::from_pem_slice(bundle.ca_pem.as_bytes())
+        .map_err(|e| format!("ca.crt: {e}"))?;
     let (_, leaf) = X509Certificate::from_der(&leaf_der).map_err(|e| format!("tls.crt: {e}"))?;
     let (_, ca) = X509Certificate::from_der(&ca_der).map_err(|e| format!("ca.crt: {e}"))?;
 
     if leaf.issuer() != ca.subject() || leaf.verify_signature(Some(ca.public_key())).is_err() {
-        return Ok(Assessment::Rotate("tls.crt was not issued by ca.crt".into()));
+        return Ok(Assessment::Rotate(
+            "tls.crt was not issued by ca.crt".into(),
+        ));
     }
     let now = time::OffsetDateTime::from(now);
     for (what, cert) in [("tls.crt", &leaf), ("ca.crt", &ca)] {
         let validity = cert.validity();
-        let (from, until) = (validity.not_before.to_datetime(), validity.not_after.to_datetime());
+        let (from, until) = (
+            validity.not_before.to_datetime(),
+            validity.not_after.to_datetime(),
+        );
         let lifetime = until - from;
         if now < from {
-            return Ok(Assessment::Rotate(format!("{what} is not valid before {from}")));
+            return Ok(Assessment::Rotate(format!(
+                "{what} is not valid before {from}"
+            )));
         }
         if until - now <= lifetime / 3 {
-            return Ok(Assessment::Rotate(format!("{what} expires at {until}: less than a third of its lifetime is left")));
+            return Ok(Assessment::Rotate(format!(
+                "{what} expires at {until}: less than a third of its lifetime is left"
+            )));
         }
     }
 
@@ -251,19 +304,31 @@ fn assess_inner(bundle: &CertBundle, sans: &Sans, now: SystemTime) -> Result<Ass
             match name {
                 GeneralName::DNSName(d) => dns.push(d.to_string()),
                 GeneralName::IPAddress(bytes) => match bytes.len() {
-                    4 => ips.push(IpAddr::from(<[u8; 4]>::try_from(*bytes).unwrap_or_default())),
-                    16 => ips.push(IpAddr::from(<[u8; 16]>::try_from(*bytes).unwrap_or_default())),
+                    4 => ips.push(IpAddr::from(
+                        <[u8; 4]>::try_from(*bytes).unwrap_or_default(),
+                    )),
+                    16 => ips.push(IpAddr::from(
+                        <[u8; 16]>::try_from(*bytes).unwrap_or_default(),
+                    )),
                     _ => {}
                 },
                 _ => {}
             }
         }
     }
-    if let Some(missing) = sans.dns_names.iter().find(|d| !dns.iter().any(|x| x.eq_ignore_ascii_case(d))) {
-        return Ok(Assessment::Rotate(format!("tls.crt does not name {missing}")));
+    if let Some(missing) = sans
+        .dns_names
+        .iter()
+        .find(|d| !dns.iter().any(|x| x.eq_ignore_ascii_case(d)))
+    {
+        return Ok(Assessment::Rotate(format!(
+            "tls.crt does not name {missing}"
+        )));
     }
     if let Some(missing) = sans.ip_addresses.iter().find(|ip| !ips.contains(ip)) {
-        return Ok(Assessment::Rotate(format!("tls.crt does not name {missing}")));
+        return Ok(Assessment::Rotate(format!(
+            "tls.crt does not name {missing}"
+        )));
     }
     Ok(Assessment::Reuse)
 }
@@ -271,8 +336,12 @@ fn assess_inner(bundle: &CertBundle, sans: &Sans, now: SystemTime) -> Result<Ass
 /// Whether `pem` (a CA certificate) has expired at `now`; unreadable counts as expired.
 fn ca_expired(pem: &str, now: SystemTime) -> bool {
     use x509_parser::prelude::{FromDer, X509Certificate};
-    let Ok(der) = CertificateDer::from_pem_slice(pem.as_bytes()) else { return true };
-    let Ok((_, cert)) = X509Certificate::from_der(&der) else { return true };
+    let Ok(der) = CertificateDer::from_pem_slice(pem.as_bytes()) else {
+        return true;
+    };
+    let Ok((_, cert)) = X509Certificate::from_der(&der) else {
+        return true;
+    };
     cert.validity().not_after.to_datetime() <= time::OffsetDateTime::from(now)
 }
 
@@ -311,7 +380,9 @@ impl SelfManagedConfig {
     }
 
     fn interval(&self) -> Duration {
-        self.check_interval.min(self.validity / 10).max(Duration::from_secs(1))
+        self.check_interval
+            .min(self.validity / 10)
+            .max(Duration::from_secs(1))
     }
 }
 
@@ -335,7 +406,13 @@ pub async fn ensure_secret(
         match api.get_opt(name).await? {
             None => {
                 let bundle = issue_for(&config.sans, config.validity)?;
-                match api.create(&PostParams::default(), &secret_object(config, &bundle, None)).await {
+                match api
+                    .create(
+                        &PostParams::default(),
+                        &secret_object(config, &bundle, None),
+                    )
+                    .await
+                {
                     Ok(_) => {
                         tracing::info!(secret = %format!("{ns}/{name}"), "created the webhook CA and serving certificate");
                         return Ok((bundle, SecretOutcome::Created, None));
@@ -345,8 +422,18 @@ pub async fn ensure_secret(
                 }
             }
             Some(secret) => {
-                if secret.metadata.labels.as_ref().and_then(|l| l.get(MANAGED_BY_LABEL)).map(String::as_str) != Some(MANAGED_BY_VALUE) {
-                    return Err(CertError::ForeignSecret { namespace: ns.clone(), name: name.clone() });
+                if secret
+                    .metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(MANAGED_BY_LABEL))
+                    .map(String::as_str)
+                    != Some(MANAGED_BY_VALUE)
+                {
+                    return Err(CertError::ForeignSecret {
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                    });
                 }
                 let stored = bundle_of(&secret);
                 let reason = match &stored {
@@ -357,8 +444,11 @@ pub async fn ensure_secret(
                     None => "the Secret lacks ca.crt, tls.crt or tls.key".to_string(),
                 };
                 let bundle = issue_for(&config.sans, config.validity)?;
-                let previous_ca = stored.map(|b| b.ca_pem).filter(|ca| !ca_expired(ca, SystemTime::now()));
-                let object = secret_object(config, &bundle, secret.metadata.resource_version.clone());
+                let previous_ca = stored
+                    .map(|b| b.ca_pem)
+                    .filter(|ca| !ca_expired(ca, SystemTime::now()));
+                let object =
+                    secret_object(config, &bundle, secret.metadata.resource_version.clone());
                 match api.replace(name, &PostParams::default(), &object).await {
                     Ok(_) => {
                         tracing::info!(secret = %format!("{ns}/{name}"), %reason, "rotated the webhook CA and serving certificate");
@@ -371,20 +461,39 @@ pub async fn ensure_secret(
             }
         }
     }
-    Err(CertError::Contended { namespace: ns.clone(), name: name.clone() })
+    Err(CertError::Contended {
+        namespace: ns.clone(),
+        name: name.clone(),
+    })
 }
 
-fn secret_object(config: &SelfManagedConfig, bundle: &CertBundle, resource_version: Option<String>) -> Secret {
+fn secret_object(
+    config: &SelfManagedConfig,
+    bundle: &CertBundle,
+    resource_version: Option<String>,
+) -> Secret {
     let data = BTreeMap::from([
-        ("ca.crt".to_string(), ByteString(bundle.ca_pem.clone().into_bytes())),
-        ("tls.crt".to_string(), ByteString(bundle.cert_pem.clone().into_bytes())),
-        ("tls.key".to_string(), ByteString(bundle.key_pem.clone().into_bytes())),
+        (
+            "ca.crt".to_string(),
+            ByteString(bundle.ca_pem.clone().into_bytes()),
+        ),
+        (
+            "tls.crt".to_string(),
+            ByteString(bundle.cert_pem.clone().into_bytes()),
+        ),
+        (
+            "tls.key".to_string(),
+            ByteString(bundle.key_pem.clone().into_bytes()),
+        ),
     ]);
     Secret {
         metadata: ObjectMeta {
             name: Some(config.secret_name.clone()),
             namespace: Some(config.namespace.clone()),
-            labels: Some(BTreeMap::from([(MANAGED_BY_LABEL.to_string(), MANAGED_BY_VALUE.to_string())])),
+            labels: Some(BTreeMap::from([(
+                MANAGED_BY_LABEL.to_string(),
+                MANAGED_BY_VALUE.to_string(),
+            )])),
             resource_version,
             ..ObjectMeta::default()
         },
@@ -396,8 +505,15 @@ fn secret_object(config: &SelfManagedConfig, bundle: &CertBundle, resource_versi
 
 fn bundle_of(secret: &Secret) -> Option<CertBundle> {
     let data = secret.data.as_ref()?;
-    let text = |key: &str| data.get(key).and_then(|b| String::from_utf8(b.0.clone()).ok());
-    Some(CertBundle { ca_pem: text("ca.crt")?, cert_pem: text("tls.crt")?, key_pem: text("tls.key")? })
+    let text = |key: &str| {
+        data.get(key)
+            .and_then(|b| String::from_utf8(b.0.clone()).ok())
+    };
+    Some(CertBundle {
+        ca_pem: text("ca.crt")?,
+        cert_pem: text("tls.crt")?,
+        key_pem: text("tls.key")?,
+    })
 }
 
 /// Patches `caBundle` of every webhook in the named ValidatingWebhookConfiguration that does not
@@ -423,7 +539,12 @@ pub async fn patch_ca_bundle(
         .iter()
         .flatten()
         .filter(|w| {
-            let current = w.client_config.ca_bundle.as_ref().map(|b| String::from_utf8_lossy(&b.0).into_owned()).unwrap_or_default();
+            let current = w
+                .client_config
+                .ca_bundle
+                .as_ref()
+                .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+                .unwrap_or_default();
             !current.contains(wanted)
         })
         .map(|w| w.name.as_str())
@@ -439,8 +560,12 @@ pub async fn patch_ca_bundle(
         "metadata": {"resourceVersion": vwc.metadata.resource_version},
         "webhooks": webhooks,
     });
-    let params = PatchParams { field_manager: Some(FIELD_MANAGER.to_string()), ..PatchParams::default() };
-    api.patch(configuration, &params, &Patch::Strategic(patch)).await?;
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.to_string()),
+        ..PatchParams::default()
+    };
+    api.patch(configuration, &params, &Patch::Strategic(patch))
+        .await?;
     tracing::info!(configuration, webhooks = ?stale, "patched the webhook caBundle");
     Ok(stale.len())
 }
@@ -462,13 +587,24 @@ pub struct FileCertConfig {
 
 impl FileCertConfig {
     pub fn new(cert_path: impl Into<PathBuf>, key_path: impl Into<PathBuf>) -> Self {
-        FileCertConfig { cert_path: cert_path.into(), key_path: key_path.into(), poll_interval: Duration::from_secs(10) }
+        FileCertConfig {
+            cert_path: cert_path.into(),
+            key_path: key_path.into(),
+            poll_interval: Duration::from_secs(10),
+        }
     }
 }
 
 async fn read_files(config: &FileCertConfig) -> Result<(Vec<u8>, Vec<u8>), CertError> {
-    let read = |path: PathBuf| async move { tokio::fs::read(&path).await.map_err(|source| CertError::File { path, source }) };
-    Ok((read(config.cert_path.clone()).await?, read(config.key_path.clone()).await?))
+    let read = |path: PathBuf| async move {
+        tokio::fs::read(&path)
+            .await
+            .map_err(|source| CertError::File { path, source })
+    };
+    Ok((
+        read(config.cert_path.clone()).await?,
+        read(config.key_path.clone()).await?,
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -477,7 +613,10 @@ async fn read_files(config: &FileCertConfig) -> Result<(Vec<u8>, Vec<u8>), CertE
 /// Where the serving certificate comes from.
 pub enum CertSource {
     /// The operator's own CA and certificate, kept in a Secret, caBundle patched.
-    SelfManaged { client: Client, config: SelfManagedConfig },
+    SelfManaged {
+        client: Client,
+        config: SelfManagedConfig,
+    },
     /// A certificate mounted from files; caBundle is someone else's job (cert-manager's CA
     /// injector).
     Files(FileCertConfig),
@@ -497,17 +636,27 @@ pub async fn start(source: CertSource) -> Result<ServingCerts, CertError> {
     match source {
         CertSource::SelfManaged { client, config } => {
             let (bundle, _, previous_ca) = ensure_secret(&client, &config).await?;
-            let resolver = Arc::new(CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())?);
+            let resolver = Arc::new(CertResolver::from_pem(
+                bundle.cert_pem.as_bytes(),
+                bundle.key_pem.as_bytes(),
+            )?);
             let mut first_wait = config.interval();
             if let Some(vwc) = &config.webhook_configuration
-                && let Err(e) = patch_ca_bundle(&client, vwc, &bundle.ca_pem, previous_ca.as_deref()).await
+                && let Err(e) =
+                    patch_ca_bundle(&client, vwc, &bundle.ca_pem, previous_ca.as_deref()).await
             {
                 // Serve anyway (the API server cannot call us until it trusts us, so nothing is
                 // admitted wrongly); the task retries soon.
                 tracing::warn!(configuration = %vwc, error = %e, "could not patch the webhook caBundle; retrying");
                 first_wait = RETRY.min(first_wait);
             }
-            let task = tokio::spawn(keep_self_managed(client, config, resolver.clone(), bundle, first_wait));
+            let task = tokio::spawn(keep_self_managed(
+                client,
+                config,
+                resolver.clone(),
+                bundle,
+                first_wait,
+            ));
             Ok(ServingCerts { resolver, task })
         }
         CertSource::Files(config) => {
@@ -554,7 +703,8 @@ async fn refresh_self_managed(
     let (bundle, _, previous_ca) = ensure_secret(client, config).await?;
     // Patch caBundle before swapping: the API server must trust the new CA before it is shown it.
     if let Some(vwc) = &config.webhook_configuration {
-        let previous = previous_ca.or_else(|| (serving.ca_pem != bundle.ca_pem).then(|| serving.ca_pem.clone()));
+        let previous = previous_ca
+            .or_else(|| (serving.ca_pem != bundle.ca_pem).then(|| serving.ca_pem.clone()));
         patch_ca_bundle(client, vwc, &bundle.ca_pem, previous.as_deref()).await?;
     }
     if bundle.cert_pem != serving.cert_pem {
@@ -564,7 +714,11 @@ async fn refresh_self_managed(
     Ok(bundle)
 }
 
-async fn keep_files(config: FileCertConfig, resolver: Arc<CertResolver>, mut loaded: (Vec<u8>, Vec<u8>)) {
+async fn keep_files(
+    config: FileCertConfig,
+    resolver: Arc<CertResolver>,
+    mut loaded: (Vec<u8>, Vec<u8>),
+) {
     loop {
         tokio::time::sleep(config.poll_interval).await;
         let files = match read_files(&config).await {
@@ -584,7 +738,9 @@ async fn keep_files(config: FileCertConfig, resolver: Arc<CertResolver>, mut loa
                 tracing::info!(cert = %config.cert_path.display(), "reloaded the webhook certificate from files");
                 loaded = files;
             }
-            Err(e) => tracing::warn!(error = %e, "the changed webhook certificate files are not usable (yet); serving the old certificate"),
+            Err(e) => {
+                tracing::warn!(error = %e, "the changed webhook certificate files are not usable (yet); serving the old certificate")
+            }
         }
     }
 }

@@ -4,10 +4,10 @@
 //! runtime all call. Nothing here may touch a broker. `webhook` serves `validate` to the API
 //! server over HTTPS; `certs` provides and rotates its serving certificate.
 
-pub mod offline;
-mod rules;
 #[cfg(feature = "operator")]
 pub mod certs;
+pub mod offline;
+mod rules;
 #[cfg(feature = "operator")]
 pub mod webhook;
 

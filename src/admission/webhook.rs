@@ -62,7 +62,11 @@ pub enum LookupError {
 /// Finds a Backend by namespace and name: a reflector store in the operator ([`StoreLookup`]),
 /// a map in tests and benchmarks ([`StaticLookup`]).
 pub trait BackendLookup: Send + Sync {
-    fn get<'a>(&'a self, namespace: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>>;
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>>;
 }
 
 /// Backends from the operator's reflector store. A miss is confirmed with one GET, so a Backend
@@ -77,16 +81,28 @@ pub struct StoreLookup {
 
 impl StoreLookup {
     pub fn new(store: Store<Backend>, client: kube::Client) -> Self {
-        StoreLookup { store, client, ready_timeout: Duration::from_secs(2) }
+        StoreLookup {
+            store,
+            client,
+            ready_timeout: Duration::from_secs(2),
+        }
     }
 }
 
 impl BackendLookup for StoreLookup {
-    fn get<'a>(&'a self, namespace: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
         Box::pin(async move {
             match tokio::time::timeout(self.ready_timeout, self.store.wait_until_ready()).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(LookupError::Other(format!("the Backend cache is gone: {e}"))),
+                Ok(Err(e)) => {
+                    return Err(LookupError::Other(format!(
+                        "the Backend cache is gone: {e}"
+                    )));
+                }
                 Err(_) => return Err(LookupError::NotReady),
             }
             if let Some(found) = self.store.get(&ObjectRef::new(name).within(namespace)) {
@@ -111,15 +127,25 @@ impl StaticLookup {
 
     /// Adds a Backend under its `metadata.namespace` (empty if unset) and `metadata.name`.
     pub fn with(mut self, backend: Backend) -> Self {
-        let key = (backend.metadata.namespace.clone().unwrap_or_default(), backend.metadata.name.clone().unwrap_or_default());
+        let key = (
+            backend.metadata.namespace.clone().unwrap_or_default(),
+            backend.metadata.name.clone().unwrap_or_default(),
+        );
         self.backends.insert(key, Arc::new(backend));
         self
     }
 }
 
 impl BackendLookup for StaticLookup {
-    fn get<'a>(&'a self, namespace: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
-        let found = self.backends.get(&(namespace.to_string(), name.to_string())).cloned();
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
+        let found = self
+            .backends
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned();
         Box::pin(async move { Ok(found) })
     }
 }
@@ -186,14 +212,22 @@ pub async fn review(body: &[u8], backends: &dyn BackendLookup) -> (StatusCode, V
 async fn answer(body: &[u8], backends: &dyn BackendLookup) -> Answer {
     let bad_request = |reason: String| {
         tracing::warn!(%reason, "refused a request that is not an AdmissionReview");
-        Answer { status: StatusCode::BAD_REQUEST, body: reason.into_bytes(), operation: "unknown".into(), allowed: false }
+        Answer {
+            status: StatusCode::BAD_REQUEST,
+            body: reason.into_bytes(),
+            operation: "unknown".into(),
+            allowed: false,
+        }
     };
     let review: ReviewIn = match serde_json::from_slice(body) {
         Ok(r) => r,
         Err(e) => return bad_request(format!("the body is not an AdmissionReview: {e}\n")),
     };
     if review.kind != META_KIND {
-        return bad_request(format!("the body is not an AdmissionReview: kind is {:?}, expected {META_KIND:?}\n", review.kind));
+        return bad_request(format!(
+            "the body is not an AdmissionReview: kind is {:?}, expected {META_KIND:?}\n",
+            review.kind
+        ));
     }
     if review.api_version != META_API_VERSION_V1 && review.api_version != META_API_VERSION_V1BETA1 {
         return bad_request(format!(
@@ -225,13 +259,21 @@ async fn answer(body: &[u8], backends: &dyn BackendLookup) -> Answer {
     );
 
     let mut response = AdmissionResponse::invalid("");
-    response.types = TypeMeta { api_version: review.api_version, kind: META_KIND.to_string() };
+    response.types = TypeMeta {
+        api_version: review.api_version,
+        kind: META_KIND.to_string(),
+    };
     response.uid = request.uid;
     response.allowed = allowed;
     response.result = decision.error.unwrap_or_default();
     response.warnings = (!decision.warnings.is_empty()).then_some(decision.warnings);
     match serde_json::to_vec(&response.into_review()) {
-        Ok(body) => Answer { status: StatusCode::OK, body, operation: request.operation, allowed },
+        Ok(body) => Answer {
+            status: StatusCode::OK,
+            body,
+            operation: request.operation,
+            allowed,
+        },
         // Cannot happen for these types; still an answer, not a panic.
         Err(e) => Answer {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -255,7 +297,10 @@ impl Decision {
     }
 
     fn deny(code: u16, reason: &str, message: String) -> Self {
-        Decision { error: Some(Status::failure(&message, reason).with_code(code)), warnings: Vec::new() }
+        Decision {
+            error: Some(Status::failure(&message, reason).with_code(code)),
+            warnings: Vec::new(),
+        }
     }
 }
 
@@ -263,22 +308,44 @@ async fn decide(request: &RequestIn, backends: &dyn BackendLookup) -> Decision {
     // Backends (and anything else) are checked by the API server's CEL rules; status and other
     // subresources carry no spec change to judge, and must never be blocked by a spec that got
     // in while the webhook was down.
-    if request.kind.group != GROUP || request.kind.kind != "Subscription" || request.sub_resource.as_deref().is_some_and(|s| !s.is_empty()) {
+    if request.kind.group != GROUP
+        || request.kind.kind != "Subscription"
+        || request
+            .sub_resource
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+    {
         return Decision::allow();
     }
     let update = match request.operation.as_str() {
         "CREATE" => false,
         "UPDATE" => true,
         "DELETE" | "CONNECT" => return Decision::allow(),
-        other => return Decision::deny(400, "BadRequest", format!("unknown admission operation {other:?}")),
+        other => {
+            return Decision::deny(
+                400,
+                "BadRequest",
+                format!("unknown admission operation {other:?}"),
+            );
+        }
     };
 
     let Some(object) = &request.object else {
-        return Decision::deny(400, "BadRequest", "the admission request carries no object to validate".into());
+        return Decision::deny(
+            400,
+            "BadRequest",
+            "the admission request carries no object to validate".into(),
+        );
     };
     let new = match read_subscription(object) {
         Ok(s) => s,
-        Err(why) => return Decision::deny(400, "BadRequest", format!("the Subscription could not be read: {why}")),
+        Err(why) => {
+            return Decision::deny(
+                400,
+                "BadRequest",
+                format!("the Subscription could not be read: {why}"),
+            );
+        }
     };
     let old = if update {
         match request.old_object.as_ref().map(read_subscription) {
@@ -287,24 +354,48 @@ async fn decide(request: &RequestIn, backends: &dyn BackendLookup) -> Decision {
                 return Decision::deny(
                     400,
                     "BadRequest",
-                    format!("the stored Subscription could not be read ({why}): delete it and create it again"),
+                    format!(
+                        "the stored Subscription could not be read ({why}): delete it and create it again"
+                    ),
                 );
             }
-            None => return Decision::deny(400, "BadRequest", "the UPDATE request carries no oldObject to compare with".into()),
+            None => {
+                return Decision::deny(
+                    400,
+                    "BadRequest",
+                    "the UPDATE request carries no oldObject to compare with".into(),
+                );
+            }
         }
     } else {
         None
     };
 
-    let Some(namespace) = request.namespace.as_deref().or(new.metadata.namespace.as_deref()).filter(|n| !n.is_empty()) else {
-        return Decision::deny(400, "BadRequest", "the admission request names no namespace".into());
+    let Some(namespace) = request
+        .namespace
+        .as_deref()
+        .or(new.metadata.namespace.as_deref())
+        .filter(|n| !n.is_empty())
+    else {
+        return Decision::deny(
+            400,
+            "BadRequest",
+            "the admission request names no namespace".into(),
+        );
     };
     let backend_name = new.spec.backend_ref.name.as_str();
-    let found = match tokio::time::timeout(LOOKUP_TIMEOUT, backends.get(namespace, backend_name)).await {
-        Ok(Ok(found)) => found,
-        Ok(Err(e)) => return lookup_failed(namespace, backend_name, &e),
-        Err(_) => return lookup_failed(namespace, backend_name, &LookupError::Timeout(LOOKUP_TIMEOUT)),
-    };
+    let found =
+        match tokio::time::timeout(LOOKUP_TIMEOUT, backends.get(namespace, backend_name)).await {
+            Ok(Ok(found)) => found,
+            Ok(Err(e)) => return lookup_failed(namespace, backend_name, &e),
+            Err(_) => {
+                return lookup_failed(
+                    namespace,
+                    backend_name,
+                    &LookupError::Timeout(LOOKUP_TIMEOUT),
+                );
+            }
+        };
 
     let capabilities: Option<Capabilities> = match &found {
         None => None,
@@ -326,14 +417,20 @@ async fn decide(request: &RequestIn, backends: &dyn BackendLookup) -> Decision {
         },
     };
     let view = match &capabilities {
-        Some(capabilities) => BackendView::Known { name: backend_name, capabilities },
+        Some(capabilities) => BackendView::Known {
+            name: backend_name,
+            capabilities,
+        },
         None => BackendView::Missing { name: backend_name },
     };
 
     let verdict = validate(&new.spec, old.as_ref().map(|o| &o.spec), view);
     let warnings = verdict.warnings.iter().map(ToString::to_string).collect();
     if verdict.allowed() {
-        Decision { error: None, warnings }
+        Decision {
+            error: None,
+            warnings,
+        }
     } else {
         let mut d = Decision::deny(422, "Invalid", verdict.error_text());
         d.warnings = warnings;
@@ -357,7 +454,11 @@ fn lookup_failed(namespace: &str, name: &str, e: &LookupError) -> Decision {
 fn read_subscription(value: &serde_json::Value) -> Result<Subscription, String> {
     serde_path_to_error::deserialize::<_, Subscription>(value).map_err(|e| {
         let path = e.path().to_string();
-        if path.is_empty() || path == "." { e.into_inner().to_string() } else { format!("{path}: {}", e.into_inner()) }
+        if path.is_empty() || path == "." {
+            e.into_inner().to_string()
+        } else {
+            format!("{path}: {}", e.into_inner())
+        }
     })
 }
 
@@ -375,12 +476,21 @@ impl WebhookMetrics {
     /// Makes the metrics and registers them in `registry`.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let requests = IntCounterVec::new(
-            Opts::new("settle_admission_requests_total", "Admission reviews answered, by operation and whether allowed."),
+            Opts::new(
+                "settle_admission_requests_total",
+                "Admission reviews answered, by operation and whether allowed.",
+            ),
             &["operation", "allowed"],
         )?;
         let duration = Histogram::with_opts(
-            HistogramOpts::new("settle_admission_duration_seconds", "Time to answer one admission review, body read to answer.")
-                .buckets(vec![0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]),
+            HistogramOpts::new(
+                "settle_admission_duration_seconds",
+                "Time to answer one admission review, body read to answer.",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0,
+            ]),
         )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
@@ -392,7 +502,9 @@ impl WebhookMetrics {
             op @ ("CREATE" | "UPDATE" | "DELETE" | "CONNECT") => op,
             _ => "unknown",
         };
-        self.requests.with_label_values(&[operation, if answer.allowed { "true" } else { "false" }]).inc();
+        self.requests
+            .with_label_values(&[operation, if answer.allowed { "true" } else { "false" }])
+            .inc();
         self.duration.observe(elapsed.as_secs_f64());
     }
 }
@@ -413,7 +525,11 @@ pub struct WebhookConfig {
 
 impl WebhookConfig {
     pub fn new(addr: SocketAddr) -> Self {
-        WebhookConfig { addr, max_body_bytes: 8 << 20, client_timeout: Duration::from_secs(5) }
+        WebhookConfig {
+            addr,
+            max_body_bytes: 8 << 20,
+            client_timeout: Duration::from_secs(5),
+        }
     }
 }
 
@@ -421,7 +537,10 @@ impl WebhookConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum WebhookError {
     #[error("could not listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("could not set up TLS: {0}")]
     Tls(#[from] rustls::Error),
     #[error("could not register the webhook metrics: {0}")]
@@ -458,9 +577,23 @@ impl Server {
             .with_no_client_auth()
             .with_cert_resolver(certs);
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        let listener = TcpListener::bind(config.addr).await.map_err(|source| WebhookError::Bind { addr: config.addr, source })?;
+        let listener =
+            TcpListener::bind(config.addr)
+                .await
+                .map_err(|source| WebhookError::Bind {
+                    addr: config.addr,
+                    source,
+                })?;
         let metrics = WebhookMetrics::register(registry)?;
-        Ok(Server { listener, acceptor: TlsAcceptor::from(Arc::new(tls)), shared: Arc::new(Shared { backends, metrics, config }) })
+        Ok(Server {
+            listener,
+            acceptor: TlsAcceptor::from(Arc::new(tls)),
+            shared: Arc::new(Shared {
+                backends,
+                metrics,
+                config,
+            }),
+        })
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, WebhookError> {
@@ -470,10 +603,17 @@ impl Server {
     /// Serves until `shutdown` completes, then stops accepting and lets answers in flight finish
     /// (for at most `client_timeout` plus [`LOOKUP_TIMEOUT`]).
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), WebhookError> {
-        let Server { listener, acceptor, shared } = self;
+        let Server {
+            listener,
+            acceptor,
+            shared,
+        } = self;
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
         let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder.http1().timer(TokioTimer::new()).header_read_timeout(shared.config.client_timeout);
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(shared.config.client_timeout);
         builder.http2().timer(TokioTimer::new());
         let builder = Arc::new(builder);
         tracing::info!(addr = %listener.local_addr()?, "admission webhook listening");
@@ -498,11 +638,16 @@ impl Server {
             let builder = builder.clone();
             let watcher = graceful.watcher();
             tokio::spawn(async move {
-                let tls = match tokio::time::timeout(shared.config.client_timeout, acceptor.accept(tcp)).await {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
-                };
+                let tls =
+                    match tokio::time::timeout(shared.config.client_timeout, acceptor.accept(tcp))
+                        .await
+                    {
+                        Ok(Ok(tls)) => tls,
+                        Ok(Err(e)) => {
+                            return tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        }
+                        Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
+                    };
                 let service = hyper::service::service_fn(move |req| {
                     let shared = shared.clone();
                     async move { Ok::<_, Infallible>(handle(&shared, req).await) }
@@ -515,7 +660,10 @@ impl Server {
         }
         drop(listener);
         let grace = shared.config.client_timeout + LOOKUP_TIMEOUT;
-        if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        if tokio::time::timeout(grace, graceful.shutdown())
+            .await
+            .is_err()
+        {
             tracing::warn!("admission webhook stopped with connections still open");
         }
         tracing::info!("admission webhook stopped");
@@ -531,13 +679,19 @@ pub async fn serve(
     registry: &Registry,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), WebhookError> {
-    Server::bind(config, backends, certs, registry).await?.run(shutdown).await
+    Server::bind(config, backends, certs, registry)
+        .await?
+        .run(shutdown)
+        .await
 }
 
 fn plain(status: StatusCode, text: impl Into<Bytes>) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(text.into()));
     *response.status_mut() = status;
-    response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static("text/plain; charset=utf-8"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     response
 }
 
@@ -547,26 +701,56 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
         (&Method::POST, "/validate") => {
             let started = Instant::now();
             let limited = Limited::new(req.into_body(), shared.config.max_body_bytes);
-            let body = match tokio::time::timeout(shared.config.client_timeout, limited.collect()).await {
-                Ok(Ok(collected)) => collected.to_bytes(),
-                Ok(Err(e)) => {
-                    return if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                        plain(StatusCode::PAYLOAD_TOO_LARGE, format!("the body is larger than {} bytes\n", shared.config.max_body_bytes))
-                    } else {
-                        plain(StatusCode::BAD_REQUEST, format!("could not read the body: {e}\n"))
-                    };
-                }
-                Err(_) => return plain(StatusCode::REQUEST_TIMEOUT, "the body did not arrive in time\n"),
-            };
+            let body =
+                match tokio::time::timeout(shared.config.client_timeout, limited.collect()).await {
+                    Ok(Ok(collected)) => collected.to_bytes(),
+                    Ok(Err(e)) => {
+                        return if e
+                            .downcast_ref::<http_body_util::LengthLimitError>()
+                            .is_some()
+                        {
+                            plain(
+                                StatusCode::PAYLOAD_TOO_LARGE,
+                                format!(
+                                    "the body is larger than {} bytes\n",
+                                    shared.config.max_body_bytes
+                                ),
+                            )
+                        } else {
+                            plain(
+                                StatusCode::BAD_REQUEST,
+                                format!("could not read the body: {e}\n"),
+                            )
+                        };
+                    }
+                    Err(_) => {
+                        return plain(
+                            StatusCode::REQUEST_TIMEOUT,
+                            "the body did not arrive in time\n",
+                        );
+                    }
+                };
             let answer = answer(&body, shared.backends.as_ref()).await;
             shared.metrics.observe(&answer, started.elapsed());
-            let content_type = if answer.status == StatusCode::OK { "application/json" } else { "text/plain; charset=utf-8" };
+            let content_type = if answer.status == StatusCode::OK {
+                "application/json"
+            } else {
+                "text/plain; charset=utf-8"
+            };
             let mut response = Response::new(Full::new(Bytes::from(answer.body)));
             *response.status_mut() = answer.status;
-            response.headers_mut().insert(header::CONTENT_TYPE, header::HeaderValue::from_static(content_type));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static(content_type),
+            );
             response
         }
-        (_, "/validate" | "/healthz") => plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
-        _ => plain(StatusCode::NOT_FOUND, "not found: the admission webhook serves POST /validate and GET /healthz\n"),
+        (_, "/validate" | "/healthz") => {
+            plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
+        }
+        _ => plain(
+            StatusCode::NOT_FOUND,
+            "not found: the admission webhook serves POST /validate and GET /healthz\n",
+        ),
     }
 }

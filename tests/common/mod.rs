@@ -24,7 +24,9 @@ pub fn root() -> PathBuf {
 /// The environment, from the process environment (`source target/env/settle.env`; `make test`
 /// exports it) or, failing that, from `$SETTLE_ENV_DIR/settle.env` (default `target/env`).
 pub fn env() -> Env {
-    let dir = std::env::var_os("SETTLE_ENV_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target/env"));
+    let dir = std::env::var_os("SETTLE_ENV_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/env"));
     let file = dir.join("settle.env");
     let from_file = std::fs::read_to_string(&file).unwrap_or_default();
     let get = |key: &str| -> String {
