@@ -99,6 +99,9 @@ YAML
 step "The same rules offline, for CI: settle check (against RabbitMQ, which cannot delay a redelivery)"
 "$SETTLE" check -f config/samples --backend-kind rabbitmq || true
 
+step "The handler runtime on the real JetStream: an orders app acks, nacks, waits out a backoff, and exhausts a malformed order"
+SETTLE_NATS_URL="$SETTLE_NATS_URL" cargo run --quiet --example orders
+
 step "Admission metrics"
 python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith('settle_admission_requests_total')))"
 
