@@ -20,6 +20,8 @@ source "$SETTLE_ENV_DIR/settle.env"
 
 # Unit and integration tests (benches are compiled above but not run: they print figures and
 # are run with `make bench`).
-cargo test --locked --lib --bins --tests --examples
-cargo test --locked --doc
-echo "make test: all tests passed in $((SECONDS - start))s"
+log="$ROOT/target/test-output.log"
+{ cargo test --locked --lib --bins --tests --examples && cargo test --locked --doc; } 2>&1 | tee "$log"
+counts="$(awk '/^test result:/ {p += $4; f += $6} END {printf "%d passed, %d failed", p, f}' "$log")"
+echo "make test: every suite green in $((SECONDS - start))s"
+echo "settle: $counts"
