@@ -381,7 +381,7 @@ async fn unreadable_object_is_denied_saying_which_field() {
     assert_eq!(a.code, Some(400));
     let message = a.message.expect("a message");
     assert!(
-        message.starts_with("the Subscription could not be read: spec"),
+        message.starts_with("the Subscription could not be read: spec.ackWait: "),
         "{message}"
     );
     assert!(

@@ -7,8 +7,10 @@
 #[cfg(feature = "operator")]
 pub mod certs;
 pub mod offline;
+mod read;
 mod rules;
 #[cfg(feature = "operator")]
 pub mod webhook;
 
+pub use read::read_subscription;
 pub use rules::{BackendView, FieldIssue, Verdict, validate, validate_policy};

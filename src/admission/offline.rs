@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::{BackendView, FieldIssue, validate};
-use crate::api::{Backend, Subscription};
+use super::{BackendView, FieldIssue, read_subscription, validate};
+use crate::api::Backend;
 use crate::backend::{BackendKind, capabilities_of};
 
 /// Why input could not be checked at all.
@@ -154,13 +154,12 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
             }
             match meta.kind.as_str() {
                 "Subscription" => {
-                    match serde_path_to_error::deserialize::<_, Subscription>(value.clone()) {
+                    let read = serde_json::to_value(&value)
+                        .map_err(|e| format!("not representable as JSON: {e}"))
+                        .and_then(|json| read_subscription(&json));
+                    match read {
                         Ok(s) => subscriptions.push((source, s)),
-                        Err(e) => report.findings.push(unreadable(
-                            source,
-                            "Subscription",
-                            policy_error(&value).unwrap_or(e.to_string()),
-                        )),
+                        Err(e) => report.findings.push(unreadable(source, "Subscription", e)),
                     }
                 }
                 "Backend" => match serde_path_to_error::deserialize::<_, Backend>(value) {
@@ -242,14 +241,6 @@ fn unreadable(source: String, kind: &str, error: String) -> Finding {
         warnings: vec![],
         backend: None,
     }
-}
-
-/// The spec's policy fields are flattened into it, and serde loses the path through a flatten:
-/// parse the policy alone to say which field is wrong (`spec.ackWait: ...`).
-fn policy_error(value: &serde_yaml::Value) -> Option<String> {
-    let spec = value.get("spec")?.clone();
-    let err = serde_path_to_error::deserialize::<_, crate::api::DeliveryPolicy>(spec).err()?;
-    Some(format!("spec.{}: {}", err.path(), err.inner()))
 }
 
 fn namespace_of(meta: &kube::api::ObjectMeta) -> String {

@@ -33,8 +33,8 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::certs::{CertResolver, crypto_provider};
-use super::{BackendView, validate};
-use crate::api::{Backend, Capabilities, GROUP, Subscription};
+use super::{BackendView, read_subscription, validate};
+use crate::api::{Backend, Capabilities, GROUP};
 use crate::backend::{BackendKind, capabilities_of};
 
 /// How long a Backend lookup may take before the webhook gives up and denies (fail closed);
@@ -448,18 +448,6 @@ fn lookup_failed(namespace: &str, name: &str, e: &LookupError) -> Decision {
              the backend can honour this Subscription: retry in a moment"
         ),
     )
-}
-
-/// Reads a Subscription out of raw JSON, naming the field that does not fit.
-fn read_subscription(value: &serde_json::Value) -> Result<Subscription, String> {
-    serde_path_to_error::deserialize::<_, Subscription>(value).map_err(|e| {
-        let path = e.path().to_string();
-        if path.is_empty() || path == "." {
-            e.into_inner().to_string()
-        } else {
-            format!("{path}: {}", e.into_inner())
-        }
-    })
 }
 
 // ---------------------------------------------------------------------------------------------
