@@ -64,45 +64,6 @@ pub struct ConsumerStats {
 }
 
 impl ConsumerStats {
-    /// Adds another account into this one (summing the reports of several instances).
-    pub fn add(&mut self, o: &ConsumerStats) {
-        self.offered += o.offered;
-        self.delivered += o.delivered;
-        self.released += o.released;
-        self.lost += o.lost;
-        self.settlement.acked += o.settlement.acked;
-        self.settlement.nacked += o.settlement.nacked;
-        self.settlement.silent += o.settlement.silent;
-        self.settlement.refused += o.settlement.refused;
-        self.exhausted += o.exhausted;
-        self.stranded += o.stranded;
-        self.lease_expired += o.lease_expired;
-        self.delay_shortened += o.delay_shortened;
-        self.foreign_conflicts += o.foreign_conflicts;
-    }
-
-    /// The per-counter maximum: what a reader that must never go backwards keeps when a source
-    /// reports a smaller value than it reported before (a restart that lost its memory).
-    pub fn max(&self, o: &ConsumerStats) -> ConsumerStats {
-        ConsumerStats {
-            offered: self.offered.max(o.offered),
-            delivered: self.delivered.max(o.delivered),
-            released: self.released.max(o.released),
-            lost: self.lost.max(o.lost),
-            settlement: Settlement {
-                acked: self.settlement.acked.max(o.settlement.acked),
-                nacked: self.settlement.nacked.max(o.settlement.nacked),
-                silent: self.settlement.silent.max(o.settlement.silent),
-                refused: self.settlement.refused.max(o.settlement.refused),
-            },
-            exhausted: self.exhausted.max(o.exhausted),
-            stranded: self.stranded.max(o.stranded),
-            lease_expired: self.lease_expired.max(o.lease_expired),
-            delay_shortened: self.delay_shortened.max(o.delay_shortened),
-            foreign_conflicts: self.foreign_conflicts.max(o.foreign_conflicts),
-        }
-    }
-
     /// The seed's identity at rest: offered == delivered + released + lost.
     pub fn balanced(&self) -> bool {
         self.offered == self.delivered + self.released + self.lost
