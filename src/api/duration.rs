@@ -271,18 +271,53 @@ mod tests {
     }
 
     #[test]
-    fn rust_parser_and_cel_pattern_agree() {
-        // The CEL regex is evaluated by the API server (RE2); check the same pattern with the
-        // corpus of strings both sides must agree on. Pure-Rust check of the grammar here; the
-        // integration test checks the API server's side.
-        let re_like = |s: &str| {
-            s.parse::<Duration>().is_ok() || matches!(d(s), Err(DurationError::Negative(_)))
-        };
-        for good in ["1s", "1m30s", "1.5h", "0", "-1s", "10ns"] {
-            assert!(re_like(good), "{good}");
-        }
-        for bad in ["1", "1x", "abc", ""] {
-            assert!(!re_like(bad), "{bad}");
+    fn rust_parser_and_cel_patterns_agree() {
+        // The API server evaluates these patterns (RE2) before the Rust parser ever sees a value:
+        // whatever the format rule accepts the parser must parse (or call negative), and the zero
+        // rule must match exactly the values that parse to zero. Rust's regex crate is RE2-like.
+        let format = regex::Regex::new(DURATION_PATTERN).unwrap();
+        let zero = regex::Regex::new(ZERO_PATTERN).unwrap();
+        let corpus = [
+            "1s",
+            "1m30s",
+            "1.5h",
+            "0",
+            "-1s",
+            "10ns",
+            "250ms",
+            "3us",
+            "1h0m0s",
+            "0s",
+            "0.0s",
+            "00ms",
+            "-0s",
+            "0h0m0s",
+            "0.5s",
+            "1",
+            "1x",
+            "abc",
+            "",
+            "1.s",
+            ".5s",
+            "1s ",
+            "--1s",
+            "1S",
+            "P1D",
+            "30 seconds",
+            "1h-1m",
+        ];
+        for s in corpus {
+            let parsed = d(s);
+            let accepted = matches!(parsed, Ok(_) | Err(DurationError::Negative(_)));
+            assert_eq!(
+                format.is_match(s),
+                accepted,
+                "format rule vs parser on {s:?}: {parsed:?}"
+            );
+            if format.is_match(s) {
+                let is_zero = parsed.as_ref().is_ok_and(StdDuration::is_zero);
+                assert_eq!(zero.is_match(s), is_zero, "zero rule vs parser on {s:?}");
+            }
         }
     }
 }
