@@ -458,6 +458,22 @@ fn admission_through_the_real_api_server() {
     for row in &rows {
         check_row(&ns, row, false);
     }
+    // A Backend created a moment ago (perhaps not yet in the operator's watch cache) is found,
+    // not reported missing: its capabilities are checked and nothing is warned.
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: fresh}\nspec: {memory: {}}\n",
+        ),
+    );
+    let fresh = Row {
+        name: "fresh-backend",
+        spec: "  backendRef: {name: fresh}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: f\n  backoff: {initial: 100ms, max: 1s}\n",
+        before: None,
+        want: Want::Allowed(&[]),
+    };
+    check_row(&ns, &fresh, false);
+
     // An update the webhook refused left the stored object as it was.
     let mode = kubectl_ok(
         &[
