@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull};
 use futures::StreamExt;
 use settle::api::{DeliveryPolicy, Mode};
-use settle::backend::memory::MemoryBackend;
-use settle::backend::nats::NatsBackend;
-use settle::bus::{self, Backend, Bus, Decision, SubscriptionCtx, SubscriptionSpec, handler};
+use settle::backend::memory::MemoryBroker;
+use settle::backend::nats::NatsBroker;
+use settle::bus::{self, Broker, Bus, Decision, Subscriber, SubscriptionCtx, handler};
 use tokio::sync::Notify;
 
 const IN_FLIGHT: i64 = 250;
@@ -130,7 +130,7 @@ async fn bare(
 }
 
 async fn runtime(url: &str, subject: &str, durable: &str, n: u64) -> Duration {
-    let backend = NatsBackend::connect(url).await.expect("connect");
+    let backend = NatsBroker::connect(url).await.expect("connect");
     let client = backend.client().clone();
     let bus = Bus::builder(backend).without_reports().build();
     let acked = Arc::new(AtomicU64::new(0));
@@ -144,7 +144,7 @@ async fn runtime(url: &str, subject: &str, durable: &str, n: u64) -> Duration {
         ..DeliveryPolicy::default()
     };
     let start = Instant::now();
-    bus.subscribe(SubscriptionSpec::new(
+    bus.subscribe(Subscriber::new(
         durable,
         policy,
         handler(move |del| {
@@ -237,7 +237,7 @@ async fn memory_bench(n: u64) {
     };
 
     // The settle path alone: deliveries already handed out, then settle(Ack) on each.
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let ctx = SubscriptionCtx::new("m", &policy);
     let mut c = mem.open(ctx.clone()).await.expect("open");
     for _ in 0..n {
@@ -277,12 +277,12 @@ async fn memory_bench(n: u64) {
     );
 
     // The whole bus: publish, handler, ack.
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let b = Bus::builder(mem.clone()).without_reports().build();
     let acked = Arc::new(AtomicU64::new(0));
     let done = Arc::new(Notify::new());
     let (a, dn) = (acked.clone(), done.clone());
-    b.subscribe(SubscriptionSpec::new(
+    b.subscribe(Subscriber::new(
         "m",
         policy.clone(),
         handler(move |d| {

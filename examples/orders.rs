@@ -9,9 +9,9 @@
 use std::time::Duration;
 
 use settle::api::{self, Backoff, DeliveryPolicy, Mode};
-use settle::backend::memory::MemoryBackend;
-use settle::backend::nats::NatsBackend;
-use settle::bus::{Bus, Delivery, HandlerError, SubscriptionSpec, handler};
+use settle::backend::memory::MemoryBroker;
+use settle::backend::nats::NatsBroker;
+use settle::bus::{Bus, Delivery, HandlerError, Subscriber, handler};
 
 #[derive(serde::Deserialize)]
 struct Order {
@@ -54,7 +54,7 @@ fn policy(pattern: &str) -> DeliveryPolicy {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bus = match std::env::var("SETTLE_NATS_URL") {
         Ok(url) => {
-            let backend = NatsBackend::connect(&url).await?;
+            let backend = NatsBroker::connect(&url).await?;
             let js = backend.jetstream().clone();
             js.get_or_create_stream(async_nats::jetstream::stream::Config {
                 name: "EXAMPLE_ORDERS".into(),
@@ -64,9 +64,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
             Bus::new(backend)
         }
-        Err(_) => Bus::new(MemoryBackend::new()),
+        Err(_) => Bus::new(MemoryBroker::new()),
     };
-    bus.subscribe(SubscriptionSpec::new(
+    bus.subscribe(Subscriber::new(
         "orders",
         policy("example.orders.>"),
         handler(handle),

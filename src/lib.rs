@@ -1,11 +1,18 @@
 //! Settle: message subscriptions as Kubernetes resources, with admission that refuses what the
 //! broker cannot honour and an honest delivery account in status.
 //!
+//! Every import points down this order, and siblings on one level do not import each other:
+//!
+//! ```text
+//! main → operator → {admission, reconcile, account} → backend → bus → policy → api
+//! ```
+//!
 //! - [`api`]: the CRD types and the wire types they share with the runtime.
-//! - [`backend`]: backend kinds and their capabilities.
-//! - [`admission`]: the one `validate` of what a backend can honour.
+//! - [`policy`]: pure rules: the capability table, the one `validate`, resolved defaults.
+//! - [`bus`]: the handler runtime (settlement, modes, backoff, counters, conformance).
+//! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream).
+//! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
 //! - [`operator`]: the `settle operator` process (webhook, metrics; controllers to come).
-//! - [`bus`]: the handler runtime of seed 000 (settlement, modes, backoff, counters, conformance).
 
 pub mod admission;
 pub mod api;
@@ -13,3 +20,4 @@ pub mod backend;
 pub mod bus;
 #[cfg(feature = "operator")]
 pub mod operator;
+pub mod policy;

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use settle::admission::offline;
-use settle::backend::BackendKind;
+use settle::policy::BackendKind;
 
 #[derive(Parser)]
 #[command(

@@ -2,9 +2,9 @@
 //! `validate`. The webhook and `settle check` call the same function; their own tests check the
 //! wiring, this one the rules.
 
-use settle::admission::{BackendView, Verdict, validate, validate_policy};
 use settle::api::{Capabilities, Duration, SubscriptionSpec};
-use settle::backend::{BackendKind, capabilities_of};
+use settle::policy::{BackendKind, capabilities_of};
+use settle::policy::{BackendView, Verdict, validate, validate_policy};
 
 /// The backend a row is checked against.
 #[derive(Clone, Copy)]
@@ -370,7 +370,7 @@ fn every_rule_valid_and_invalid() {
     for row in rows() {
         let v = run(&row);
         let check = |kind: &str,
-                     got: &[settle::admission::FieldIssue],
+                     got: &[settle::policy::FieldIssue],
                      want: &[(&str, &str)],
                      failures: &mut Vec<String>| {
             let got_fields: Vec<&str> = got.iter().map(|i| i.field.as_str()).collect();

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use settle::api::{self, Backoff, Capabilities, ConsumerStats, DeliveryPolicy, Mode, SlowHandler};
-use settle::backend::BackendKind;
-use settle::backend::memory::MemoryBackend;
+use settle::backend::memory::MemoryBroker;
 use settle::bus::{
-    self, Backend, Bus, BusError, Consumer, Decision, Delivery, Format, SettleError, StatsSink,
-    SubscriptionCtx, SubscriptionSpec, handler,
+    self, Broker, Bus, BusError, Consumer, Decision, Delivery, Format, SettleError, StatsSink,
+    Subscriber, SubscriptionCtx, handler,
 };
+use settle::policy::{self, BackendKind};
 use tokio::time::Instant;
 
 // ---------------------------------------------------------------- helpers
@@ -43,7 +43,7 @@ fn backoff(initial_ms: u64, max_ms: u64, multiplier: f64) -> Option<Backoff> {
     })
 }
 
-fn bus(backend: &MemoryBackend) -> Bus {
+fn bus(backend: &MemoryBroker) -> Bus {
     Bus::builder(backend.clone()).without_reports().build()
 }
 
@@ -92,12 +92,12 @@ fn stats(bus: &Bus, name: &str) -> ConsumerStats {
     bus.stats(name).expect("subscription exists")
 }
 
-fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> SubscriptionSpec
+fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> Subscriber
 where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
 {
-    SubscriptionSpec::new(name, policy, handler(f))
+    Subscriber::new(name, policy, handler(f))
 }
 
 // ---------------------------------------------------------------- spec and defaults
@@ -110,13 +110,13 @@ fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
         "backendRef": {"name": "nats"}, "pattern": "orders.>"
     }))
     .unwrap();
-    let spec = SubscriptionSpec::from_resource(
+    let spec = Subscriber::from_resource(
         "orders",
         &crd,
         handler(|_d| async { Ok::<_, bus::HandlerError>(()) }),
     );
     assert_eq!(spec.policy, crd.policy);
-    let p = bus::Policy::resolve(&spec.policy);
+    let p = policy::ResolvedPolicy::resolve(&spec.policy);
     assert_eq!(p.mode, Mode::AtMostOnce);
     assert_eq!(p.slow_handler, SlowHandler::ExtendLease);
     assert_eq!(p.max_processing_time, Duration::from_secs(300));
@@ -128,7 +128,7 @@ fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
 #[test]
 fn backoff_schedule_doubles_and_is_capped() {
     // seed 000: "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
-    let s = bus::Schedule {
+    let s = policy::Schedule {
         initial: Duration::from_secs(1),
         max: Duration::from_secs(60),
         multiplier: 2.0,
@@ -143,7 +143,7 @@ fn backoff_schedule_doubles_and_is_capped() {
 #[tokio::test(start_paused = true)]
 async fn ack_accepts_and_is_counted_acked() {
     // seed 000: "Ack accepts the delivery."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -177,7 +177,7 @@ async fn ack_accepts_and_is_counted_acked() {
 #[tokio::test(start_paused = true)]
 async fn nack_declines_and_is_counted_nacked() {
     // seed 000: "Nack declines it."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     bus.subscribe(sub("orders", alo("orders.>"), |d| async move {
         if d.attempt() == 1 {
@@ -204,7 +204,7 @@ async fn nack_declines_and_is_counted_nacked() {
 #[tokio::test(start_paused = true)]
 async fn returning_without_settling_is_silence_not_consent() {
     // seed 000: "Returning without calling either is silence, and the bus records it as such rather than reading it as consent."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -237,7 +237,7 @@ async fn returning_without_settling_is_silence_not_consent() {
 async fn at_most_once_acts_on_nothing_and_records_everything() {
     // seed 000: "Under AtMostOnce — the default — nothing is acted on: a Nack does not bring the
     // message back. Every settlement is still recorded, in the Settlement counters on ConsumerStats"
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -276,7 +276,7 @@ async fn at_most_once_acts_on_nothing_and_records_everything() {
 #[tokio::test(start_paused = true)]
 async fn at_most_once_still_refuses_a_second_settlement() {
     // seed 000: "Every settlement is still recorded ... and a handler that settles twice is refused."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let second = Arc::new(Mutex::new(None));
     let s2 = second.clone();
@@ -308,7 +308,7 @@ async fn at_most_once_still_refuses_a_second_settlement() {
 async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_max_deliver() {
     // seed 000: "Under AtLeastOnce a Nack, or silence, brings the message back, up to MaxDeliver
     // attempts." and "Each redelivery arrives with a higher Attempt."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -342,7 +342,7 @@ async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_ma
 async fn exhausted_is_counted_once_per_message() {
     // seed 000: "A handler that keeps declining exhausts the budget and the message is counted
     // Exhausted — real data loss, reported at message grain."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("orders.>");
     p.max_deliver = Some(3);
@@ -373,11 +373,11 @@ async fn exhausted_is_counted_once_per_message() {
 async fn at_least_once_requires_a_durable_name_on_the_memory_backend_too() {
     // seed 000: "DurableName ... is required in this mode on every backend, so the spec you test
     // against memory is the spec you run against a broker."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("orders.>");
     p.durable_name = None;
-    let expected = settle::admission::validate_policy(&p, &mem.capabilities()).error_text();
+    let expected = settle::policy::validate_policy(&p, &mem.capabilities()).error_text();
     let err = bus
         .subscribe(sub("orders", p, |_d| async { Ok(()) }))
         .await
@@ -408,14 +408,14 @@ async fn the_same_handler_is_correct_in_both_modes() {
         }
         Ok(())
     }
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("a.>");
     p.max_deliver = Some(2);
-    bus.subscribe(SubscriptionSpec::new("alo", p, handler(handle)))
+    bus.subscribe(Subscriber::new("alo", p, handler(handle)))
         .await
         .unwrap();
-    bus.subscribe(SubscriptionSpec::new("amo", amo("a.>"), handler(handle)))
+    bus.subscribe(Subscriber::new("amo", amo("a.>"), handler(handle)))
         .await
         .unwrap();
     bus.publish("a.1", "good").await.unwrap();
@@ -440,7 +440,7 @@ async fn the_same_handler_is_correct_in_both_modes() {
 #[tokio::test(start_paused = true)]
 async fn without_backoff_a_nack_comes_back_at_once() {
     // seed 000: "By default a Nack brings the message back at once."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -469,7 +469,7 @@ async fn without_backoff_a_nack_comes_back_at_once() {
 async fn with_backoff_each_decline_waits_the_schedule() {
     // seed 000: "Give the subscription a Backoff, and each decline waits before the next attempt"
     // "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -495,7 +495,7 @@ async fn with_backoff_each_decline_waits_the_schedule() {
 #[tokio::test(start_paused = true)]
 async fn silence_and_a_returned_error_wait_the_same_schedule() {
     // seed 000: "A handler that returns without settling has declined too, so a plain return err waits the same schedule"
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -526,7 +526,7 @@ async fn silence_and_a_returned_error_wait_the_same_schedule() {
 #[tokio::test(start_paused = true)]
 async fn nack_after_zero_is_an_immediate_retry_even_with_a_backoff() {
     // seed 000: "d.NackAfter(0) is how to ask for an immediate retry instead."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -553,7 +553,7 @@ async fn nack_after_waits_its_delay_never_less_and_the_attempt_is_spent() {
     // seed 000: "What a delay promises: the message is not offered again before the delay has
     // passed." "A delay is never quietly turned into an immediate retry." "The declined attempt
     // is spent, so it still counts towards MaxDeliver."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -583,7 +583,7 @@ async fn nack_after_waits_its_delay_never_less_and_the_attempt_is_spent() {
 #[tokio::test(start_paused = true)]
 async fn nack_after_ceiling_is_max_nack_delay_else_backoff_max() {
     // seed 000: "NackAfter is allowed up to MaxNackDelay, or the schedule's Max when that is unset."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let mut with_max = alo("a.>");
     with_max.max_nack_delay = Some(api::Duration::from_secs(10));
     with_max.backoff = backoff(1000, 60_000, 2.0);
@@ -618,7 +618,7 @@ async fn nack_after_ceiling_is_max_nack_delay_else_backoff_max() {
 async fn nack_after_refused_records_nothing_and_the_handler_can_still_nack() {
     // seed 000: "On a subscription with neither, or for a delay that is negative or above that
     // ceiling, it returns an error and records nothing, so the handler can still Nack."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let results = Arc::new(Mutex::new(Vec::new()));
     let r = results.clone();
@@ -688,7 +688,7 @@ async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_
     // On one that cannot, the subscription is refused when the bus is built, as it is for a delay
     // longer than the backend's MaxRedeliveryDelay."
     let no_delays = Limited(
-        MemoryBackend::new(),
+        MemoryBroker::new(),
         Capabilities {
             delays_redelivery: false,
             ..Capabilities::default()
@@ -708,7 +708,7 @@ async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_
     );
 
     let short = Limited(
-        MemoryBackend::new(),
+        MemoryBroker::new(),
         Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: Some(api::Duration::from_secs(60)),
@@ -732,7 +732,7 @@ async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_
 #[tokio::test(start_paused = true)]
 async fn delays_are_not_allowed_under_at_most_once() {
     // seed 000: "Neither is allowed under AtMostOnce, where nothing comes back."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = amo("o.>");
     p.backoff = backoff(1000, 2000, 2.0);
@@ -760,7 +760,7 @@ async fn the_memory_backend_never_hands_a_message_on_while_its_handler_runs() {
     // seed 000: "The in-memory backend never hands a message on while a handler runs, so neither
     // setting does anything there"
     for slow in [SlowHandler::ExtendLease, SlowHandler::Redeliver] {
-        let mem = MemoryBackend::new();
+        let mem = MemoryBroker::new();
         let bus = bus(&mem);
         let seen = Seen::default();
         let s = seen.clone();
@@ -793,7 +793,7 @@ async fn the_first_settlement_wins_even_through_clones_in_other_tasks() {
     // seed 000: "Exactly one settlement per delivery. The first call wins; a second returns
     // ErrAlreadySettled. This holds even if you copy the Delivery — into a struct, a closure,
     // another goroutine — because the settlement state is shared behind the value."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let outcomes = Arc::new(Mutex::new(Vec::new()));
     let o = outcomes.clone();
@@ -848,7 +848,7 @@ async fn the_returned_error_never_decides_settlement() {
     // seed 000: "The returned error and the settlement are separate. An error is counted and
     // logged and does not affect settlement ... So Ack-then-return-error and Nack-then-return-nil
     // are both legal and both mean exactly what they say."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
     let s = seen.clone();
@@ -898,7 +898,7 @@ async fn the_returned_error_never_decides_settlement() {
 async fn a_panicking_handler_is_contained_counted_and_treated_as_silence() {
     // issue 3, Done when: "A handler that panics is contained: counted, the delivery treated as
     // silence, the bus keeps running."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
     p.max_deliver = Some(2);
@@ -926,7 +926,7 @@ async fn a_panicking_handler_is_contained_counted_and_treated_as_silence() {
 async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest() {
     // seed 000: "The first three partition Delivered." "the identity at rest is Offered ==
     // Delivered + Released + Lost."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
     p.max_deliver = Some(3);
@@ -961,7 +961,7 @@ async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest(
 #[tokio::test(start_paused = true)]
 async fn a_refused_nack_moves_nacked_and_refused() {
     // seed 000: "Refused is orthogonal: a nack the backend could not act on moves Nacked and Refused."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = Bus::builder(mem.clone())
         .without_reports()
         .close_grace(Duration::from_secs(1))
@@ -993,7 +993,7 @@ async fn a_refused_nack_moves_nacked_and_refused() {
 #[tokio::test(start_paused = true)]
 async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
     // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus1 = Bus::builder(mem.clone())
         .without_reports()
         .close_grace(Duration::from_millis(100))
@@ -1032,7 +1032,7 @@ async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
 #[tokio::test(start_paused = true)]
 async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
     // api ConsumerStats.lost: "Attempts offered and never delivered nor released (under AtMostOnce, dropped on shutdown)."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = Bus::builder(mem.clone())
         .without_reports()
         .close_grace(Duration::from_millis(100))
@@ -1055,7 +1055,7 @@ async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
 async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
     // seed 000: "DelayShortened is zero except on a backend with a limit on how long it can hold a
     // message"; LeaseExpired counts attempts handed on, which memory never does.
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
     p.max_nack_delay = Some(api::Duration::from_secs(3600));
@@ -1085,7 +1085,7 @@ async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
 #[tokio::test(start_paused = true)]
 async fn counters_never_go_backwards_across_resubscribe() {
     // design §5: "Status counters never decrease"; the runtime's own counters are cumulative.
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     for round in 1..=2u64 {
         bus.subscribe(sub("o", alo("o.>"), |d| async move {
@@ -1113,7 +1113,7 @@ struct Order {
 }
 
 async fn one_delivery(headers: Vec<(&str, &str)>, payload: &str) -> (Delivery, ConsumerStats) {
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let ctx = SubscriptionCtx::new("o", &amo("o.>"));
     let mut c = mem.open(ctx.clone()).await.unwrap();
     let headers = headers
@@ -1205,7 +1205,7 @@ async fn a_masstransit_envelope_contradicted_by_a_transport_header_counts_one_fo
 #[tokio::test(start_paused = true)]
 async fn foreign_conflicts_are_counted_per_attempt_under_at_least_once() {
     // seed 000: "It is attempt-grain and outside the identity too."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
     p.max_deliver = Some(3);
@@ -1243,7 +1243,7 @@ async fn decode_reads_a_raw_json_payload_and_reports_a_malformed_one() {
 #[tokio::test(start_paused = true)]
 async fn max_in_flight_bounds_concurrent_handlers() {
     // seed 003: "`prefetch` is how many un-acknowledged messages the broker will send a consumer."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let now = Arc::new(AtomicUsize::new(0));
     let peak = Arc::new(AtomicUsize::new(0));
@@ -1275,7 +1275,7 @@ async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
     // seed 003: "With `prefetch: 1` the consumer stops after exactly one message"; design §2: in
     // Settle it "becomes a counted Silent settlement that is redelivered under AtLeastOnce, so it
     // can never hide."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let runs = Arc::new(AtomicU32::new(0));
     let r = runs.clone();
@@ -1310,7 +1310,7 @@ async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
 async fn the_conformance_suite_passes_on_the_memory_backend() {
     // seed 000: "The conformance suite holds an AtLeastOnce backend to four rows ... and a fifth, a
     // declined message waiting out its delay, on a backend declaring DelaysRedelivery."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let rows = bus::conformance::run(&mem, "conformance")
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -1321,7 +1321,7 @@ async fn the_conformance_suite_passes_on_the_memory_backend() {
 async fn the_conformance_suite_skips_the_delay_row_where_delays_are_not_declared() {
     // seed 000: "and a fifth ... on a backend declaring DelaysRedelivery."
     let limited = Limited(
-        MemoryBackend::new(),
+        MemoryBroker::new(),
         Capabilities {
             delays_redelivery: false,
             ..Capabilities::default()
@@ -1337,7 +1337,7 @@ async fn the_conformance_suite_skips_the_delay_row_where_delays_are_not_declared
 async fn the_conformance_suite_catches_a_backend_that_redelivers_early() {
     // The suite must fail a backend that turns a delay into an immediate retry
     // (seed 000: "A delay is never quietly turned into an immediate retry").
-    let rows = bus::conformance::run(&Hasty(MemoryBackend::new()), "conformance").await;
+    let rows = bus::conformance::run(&Hasty(MemoryBroker::new()), "conformance").await;
     let err = rows.unwrap_err();
     assert_eq!(err.row, bus::conformance::ROWS[4], "{err}");
 }
@@ -1346,7 +1346,7 @@ async fn the_conformance_suite_catches_a_backend_that_redelivers_early() {
 async fn settle_is_the_one_path_at_the_seam() {
     // seed 000: "it completes each exchange with messaging.Settle, the same function the bus calls
     // after a handler returns, or messaging.SettleWith to put a delay on a decline."
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let mut p = alo("o.>");
     p.max_nack_delay = Some(api::Duration::from_secs(1));
     let ctx = SubscriptionCtx::new("o", &p);
@@ -1380,9 +1380,9 @@ async fn settle_is_the_one_path_at_the_seam() {
 // ---------------------------------------------------------------- test backends
 
 /// Memory with other declared capabilities.
-struct Limited(MemoryBackend, Capabilities);
+struct Limited(MemoryBroker, Capabilities);
 
-impl Backend for Limited {
+impl Broker for Limited {
     fn kind(&self) -> BackendKind {
         BackendKind::Memory
     }
@@ -1413,9 +1413,9 @@ impl Backend for Limited {
 
 /// A broken backend: ignores delays (redelivers at once). Its consumer hands out deliveries of
 /// the caller's context whose settler declines the inner memory delivery without any delay.
-struct Hasty(MemoryBackend);
+struct Hasty(MemoryBroker);
 
-impl Backend for Hasty {
+impl Broker for Hasty {
     fn kind(&self) -> BackendKind {
         BackendKind::Memory
     }
@@ -1455,13 +1455,16 @@ struct Rewrap(Box<dyn Consumer>, Arc<SubscriptionCtx>);
 struct ZeroDelay(Delivery);
 
 impl bus::OnSettle for ZeroDelay {
-    fn settle(&self, action: bus::Action) -> BoxFuture<'_, Result<bus::Performed, bus::Refusal>> {
+    fn settle(
+        &self,
+        action: bus::BrokerAction,
+    ) -> BoxFuture<'_, Result<bus::Performed, bus::Refusal>> {
         Box::pin(async move {
             let r = match action {
-                bus::Action::Ack | bus::Action::Terminate => {
+                bus::BrokerAction::Ack | bus::BrokerAction::Terminate => {
                     bus::settle(&self.0, Decision::Ack).await
                 }
-                bus::Action::Decline(_) => bus::settle(&self.0, Decision::Nack).await,
+                bus::BrokerAction::Decline(_) => bus::settle(&self.0, Decision::Nack).await,
             };
             r.map(|()| bus::Performed::AsAsked)
                 .map_err(|e| bus::Refusal {
@@ -1515,7 +1518,7 @@ impl StatsSink for CountingSink {
 #[tokio::test(start_paused = true)]
 async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_instance() {
     // docs/stats-report.md: {"version":1,"namespace","subscription","instance",...,"stats":ConsumerStats}
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let bus = Bus::builder(mem.clone())
         .namespace("shop")
         .instance("pod-a")
@@ -1559,7 +1562,7 @@ async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_
 #[tokio::test(start_paused = true)]
 async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something_changed() {
     // issue 3, item 10: "publishes its cumulative per-subscription stats ... at a bounded rate".
-    let mem = MemoryBackend::new();
+    let mem = MemoryBroker::new();
     let sink = CountingSink::default();
     let bus = Bus::builder(mem.clone())
         .instance("i")

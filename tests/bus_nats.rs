@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use settle::api::{self, Backoff, ConsumerStats, DeliveryPolicy, Mode, SlowHandler};
-use settle::backend::nats::NatsBackend;
-use settle::bus::{self, Bus, BusError, Delivery, SettleError, SubscriptionSpec, handler};
+use settle::backend::nats::NatsBroker;
+use settle::bus::{self, Bus, BusError, Delivery, SettleError, Subscriber, handler};
 use tokio::time::Instant;
 
 // ---------------------------------------------------------------- helpers
@@ -92,8 +92,8 @@ impl Scope {
         }
     }
 
-    async fn backend(&self) -> NatsBackend {
-        NatsBackend::connect(&common::env().nats_url).await.unwrap()
+    async fn backend(&self) -> NatsBroker {
+        NatsBroker::connect(&common::env().nats_url).await.unwrap()
     }
 
     async fn bus(&self) -> Bus {
@@ -176,12 +176,12 @@ fn stats(bus: &Bus, name: &str) -> ConsumerStats {
     bus.stats(name).expect("subscription exists")
 }
 
-fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> SubscriptionSpec
+fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> Subscriber
 where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
 {
-    SubscriptionSpec::new(name, policy, handler(f))
+    Subscriber::new(name, policy, handler(f))
 }
 
 fn ms(v: u64) -> api::Duration {
@@ -835,7 +835,7 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
     })
     .await
     .unwrap();
-    let bus = Bus::builder(NatsBackend::from_client(client.clone()))
+    let bus = Bus::builder(NatsBroker::from_client(client.clone()))
         .without_reports()
         .build();
     let p = DeliveryPolicy {

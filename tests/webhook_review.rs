@@ -24,9 +24,9 @@ use settle::admission::certs::{self, CertBundle, CertResolver, Sans};
 use settle::admission::webhook::{
     BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review,
 };
-use settle::admission::{BackendView, validate};
 use settle::api::{Backend, Subscription};
-use settle::backend::{BackendKind, capabilities_of};
+use settle::policy::{BackendKind, capabilities_of};
+use settle::policy::{BackendView, validate};
 
 const NS: &str = "team-a";
 

@@ -1,16 +1,15 @@
 //! Admission: refuse at `kubectl apply` what the backend cannot honour.
 //!
-//! `rules` holds the one pure `validate` that the webhook, `settle check`, the controller and the
-//! runtime all call. Nothing here may touch a broker. `webhook` serves `validate` to the API
-//! server over HTTPS; `certs` provides and rotates its serving certificate.
+//! The rules themselves are `policy::validate` (pure, shared with the controller and the
+//! runtime). Here: reading untrusted Subscriptions (`read`), `settle check` on files
+//! (`offline`), the webhook that serves the rules to the API server over HTTPS (`webhook`), and
+//! its serving certificate (`certs`). Nothing here may touch a broker.
 
 #[cfg(feature = "operator")]
 pub mod certs;
 pub mod offline;
 mod read;
-mod rules;
 #[cfg(feature = "operator")]
 pub mod webhook;
 
 pub use read::read_subscription;
-pub use rules::{BackendView, FieldIssue, Verdict, validate, validate_policy};

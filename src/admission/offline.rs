@@ -10,9 +10,11 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::{BackendView, FieldIssue, read_subscription, validate};
-use crate::api::Backend;
-use crate::backend::{BackendKind, capabilities_of};
+use super::read_subscription;
+use crate::api::{Backend, Capabilities};
+use crate::policy::{
+    BackendKind, BackendView, FieldIssue, capabilities_of, effective_capabilities, validate,
+};
 
 /// Why input could not be checked at all.
 #[derive(Debug, thiserror::Error)]
@@ -126,7 +128,7 @@ struct TypeMeta {
 pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) -> Report {
     let mut report = Report::default();
     let mut subscriptions = Vec::new();
-    let mut backends: HashMap<(String, String), BackendKind> = HashMap::new();
+    let mut backends: HashMap<(String, String), (BackendKind, Capabilities)> = HashMap::new();
 
     for (name, text) in inputs {
         for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
@@ -163,17 +165,17 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                     }
                 }
                 "Backend" => match serde_path_to_error::deserialize::<_, Backend>(value) {
-                    Ok(b) => match BackendKind::of(&b.spec) {
-                        Some(kind) => {
+                    Ok(b) => match (BackendKind::of(&b.spec), effective_capabilities(&b)) {
+                        (Some(kind), Some(caps)) => {
                             backends.insert(
                                 (
                                     namespace_of(&b.metadata),
                                     b.metadata.name.clone().unwrap_or_default(),
                                 ),
-                                kind,
+                                (kind, caps),
                             );
                         }
-                        None => report.findings.push(Finding {
+                        _ => report.findings.push(Finding {
                             source,
                             object: object_name("Backend", &b.metadata),
                             errors: vec![
@@ -194,19 +196,23 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
 
     for (source, sub) in subscriptions {
         let backend_name = sub.spec.backend_ref.name.clone();
-        let (kind, from) = match kind_override {
-            Some(k) => (k, "--backend-kind".to_string()),
+        let (kind, caps, from) = match kind_override {
+            Some(k) => (k, capabilities_of(k), "--backend-kind".to_string()),
             None => match backends.get(&(namespace_of(&sub.metadata), backend_name.clone())) {
-                Some(k) => (*k, format!("Backend {backend_name:?} in input")),
+                Some((k, caps)) => (
+                    *k,
+                    caps.clone(),
+                    format!("Backend {backend_name:?} in input"),
+                ),
                 None => (
                     BackendKind::Nats,
+                    capabilities_of(BackendKind::Nats),
                     format!(
                         "Backend {backend_name:?} not in input; assumed nats, pass --backend-kind to choose"
                     ),
                 ),
             },
         };
-        let caps = capabilities_of(kind);
         let verdict = validate(
             &sub.spec,
             None,

@@ -2,11 +2,11 @@
 //!
 //! [`review`] turns one AdmissionReview body into one answer without a network: it reads the
 //! Subscription (and the stored one on UPDATE), looks up the Backend it names through a
-//! [`BackendLookup`], and asks the one `admission::validate` for the verdict. [`Server`] serves
+//! [`BackendLookup`], and asks the one `policy::validate` for the verdict. [`Server`] serves
 //! it over rustls with a certificate from `admission::certs`, with metrics and a log line per
 //! decision.
 //!
-//! This module must not write admission rules (they live in `rules.rs`), must not change
+//! This module must not write admission rules (they live in `policy`), must not change
 //! anything anywhere (the webhook declares `sideEffects: None`; `dryRun` requests are handled
 //! exactly like the others), and must never panic or hang on what a client sends: malformed
 //! input gets a 400 or a denial that says why, and a Backend it cannot read fails closed.
@@ -33,9 +33,9 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
 use super::certs::{CertResolver, crypto_provider};
-use super::{BackendView, read_subscription, validate};
+use super::read_subscription;
 use crate::api::{Backend, Capabilities, GROUP};
-use crate::backend::{BackendKind, capabilities_of};
+use crate::policy::{BackendView, effective_capabilities, validate};
 
 /// How long a Backend lookup may take before the webhook gives up and denies (fail closed);
 /// well inside the API server's 10 s webhook timeout.
@@ -399,21 +399,18 @@ async fn decide(request: &RequestIn, backends: &dyn BackendLookup) -> Decision {
 
     let capabilities: Option<Capabilities> = match &found {
         None => None,
-        Some(backend) => match backend.status.as_ref().and_then(|s| s.capabilities.clone()) {
+        Some(backend) => match effective_capabilities(backend) {
             Some(caps) => Some(caps),
-            None => match BackendKind::of(&backend.spec) {
-                Some(kind) => Some(capabilities_of(kind)),
-                None => {
-                    return Decision::deny(
-                        422,
-                        "Invalid",
-                        format!(
-                            "spec.backendRef.name: Backend {namespace}/{backend_name} names no single backend kind, so \
-                             what it can honour is unknown: fix the Backend (set exactly one of nats, memory)"
-                        ),
-                    );
-                }
-            },
+            None => {
+                return Decision::deny(
+                    422,
+                    "Invalid",
+                    format!(
+                        "spec.backendRef.name: Backend {namespace}/{backend_name} names no single backend kind, so \
+                         what it can honour is unknown: fix the Backend (set exactly one of nats, memory)"
+                    ),
+                );
+            }
         },
     };
     let view = match &capabilities {

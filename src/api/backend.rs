@@ -1,6 +1,6 @@
 //! The `Backend` resource: where a broker is, and what it can do (its `Capabilities`).
 //!
-//! Types only. What a backend kind can do is decided in `backend::capabilities`, not here.
+//! Types only. What a backend kind can do is decided in `policy` (the capability table), not here.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::CustomResource;
@@ -31,17 +31,17 @@ use super::Duration;
 pub struct BackendSpec {
     /// A NATS JetStream server or cluster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nats: Option<NatsBackend>,
+    pub nats: Option<NatsBackendSpec>,
     /// The in-memory backend of the handler runtime: for tests and local development only;
     /// nothing survives a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory: Option<MemoryBackend>,
+    pub memory: Option<MemoryBackendSpec>,
 }
 
 /// How to reach NATS JetStream.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct NatsBackend {
+pub struct NatsBackendSpec {
     /// Server URLs, e.g. nats://nats.messaging:4222. At least one.
     #[schemars(length(min = 1))]
     pub servers: Vec<String>,
@@ -51,13 +51,13 @@ pub struct NatsBackend {
     pub credentials_secret_ref: Option<SecretRef>,
     /// TLS settings. Optional; without them the connection follows the URL scheme.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tls: Option<NatsTls>,
+    pub tls: Option<NatsTlsSpec>,
 }
 
 /// TLS settings for NATS.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct NatsTls {
+pub struct NatsTlsSpec {
     /// A Secret with key `ca.crt`: the CA that signed the server's certificate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretRef>,
@@ -65,7 +65,7 @@ pub struct NatsTls {
 
 /// The in-memory backend takes no settings.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct MemoryBackend {}
+pub struct MemoryBackendSpec {}
 
 /// A reference to a Secret in the same namespace.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -11,15 +11,14 @@ mod stats;
 mod subscription;
 
 pub use backend::{
-    Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackend, NatsBackend, NatsTls,
-    SecretRef,
+    Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackendSpec, NatsBackendSpec,
+    NatsTlsSpec, SecretRef,
 };
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};
 pub use subscription::{
-    BackendRef, Backoff, ConsumerRef, DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_MAX_PROCESSING_TIME, DeliveryPolicy, Mode, Shape, SlowHandler, Subscription,
-    SubscriptionSpec, SubscriptionStats, SubscriptionStatus, schedule_delay,
+    BackendRef, Backoff, ConsumerRef, DeliveryPolicy, Mode, Shape, SlowHandler, Subscription,
+    SubscriptionSpec, SubscriptionStats, SubscriptionStatus,
 };
 
 /// The API group.

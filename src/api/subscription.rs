@@ -1,8 +1,8 @@
 //! The `Subscription` resource: one consumer, its delivery policy, and its account.
 //!
-//! Types only. `DeliveryPolicy` is the part the handler runtime needs too (`bus::SubscriptionSpec`
+//! Types only. `DeliveryPolicy` is the part the handler runtime needs too (`bus::Subscriber`
 //! embeds it), so every policy field is written once. The rules about which combinations a
-//! backend can honour live in `admission::validate`, not here.
+//! backend can honour, and the defaults, live in `policy`, not here.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
@@ -124,37 +124,6 @@ pub struct Backoff {
 
 fn default_multiplier() -> f64 {
     2.0
-}
-
-/// Default of `maxProcessingTime` (seed 000: "five minutes unless you say otherwise").
-pub const DEFAULT_MAX_PROCESSING_TIME: std::time::Duration = std::time::Duration::from_secs(300);
-/// Default of `ackWait` (the broker's usual 30s).
-pub const DEFAULT_ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
-/// Default of `maxInFlight`: seed 003's prefetch default of 250 (throughput-oriented; use 1 for
-/// expensive, unevenly sized work).
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 250;
-
-impl Backoff {
-    /// The wait after the decline of attempt `attempt` (1-based).
-    pub fn delay_after(&self, attempt: u32) -> std::time::Duration {
-        schedule_delay(self.initial.get(), self.max.get(), self.multiplier, attempt)
-    }
-}
-
-/// The backoff schedule of seed 000: after the decline of attempt `attempt` (1-based), wait
-/// initial × multiplier^(attempt-1), capped at max (1s, 2s, 4s … 1m).
-pub fn schedule_delay(
-    initial: std::time::Duration,
-    max: std::time::Duration,
-    multiplier: f64,
-    attempt: u32,
-) -> std::time::Duration {
-    let exp = attempt.saturating_sub(1).min(1024) as i32;
-    let secs = initial.as_secs_f64() * multiplier.powi(exp);
-    if !secs.is_finite() || secs >= max.as_secs_f64() {
-        return max;
-    }
-    std::time::Duration::try_from_secs_f64(secs).map_or(max, |d| d.min(max))
 }
 
 /// How deliveries are shared between subscriptions.

@@ -1,7 +1,7 @@
 //! The in-memory backend: the embedded default for tests and local development. Holds every
 //! published message in process, delivers it to each matching subscription (fanout), redelivers
 //! declined messages after their delay, and keeps durable consumers for as long as the backend
-//! value lives (so a bus restarted on the same `MemoryBackend` resumes where it left off).
+//! value lives (so a bus restarted on the same `MemoryBroker` resumes where it left off).
 //!
 //! It never hands a message on while a handler runs (no AckWait), so SlowHandler does nothing
 //! here (seed 000). It must not count anything itself: counting is the settle path's job.
@@ -18,11 +18,11 @@ use futures::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::backend::BackendKind;
 use crate::bus::{
-    Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
-    StatsSink, SubscriptionCtx,
+    Broker, BrokerAction, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed,
+    Refusal, StatsSink, SubscriptionCtx,
 };
+use crate::policy::BackendKind;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -30,7 +30,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The in-memory backend. Clones share one store.
 #[derive(Clone, Default)]
-pub struct MemoryBackend {
+pub struct MemoryBroker {
     shared: Arc<Shared>,
 }
 
@@ -104,9 +104,9 @@ pub fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
-impl MemoryBackend {
-    pub fn new() -> MemoryBackend {
-        MemoryBackend::default()
+impl MemoryBroker {
+    pub fn new() -> MemoryBroker {
+        MemoryBroker::default()
     }
 
     /// The stats reports published to this backend, by key.
@@ -128,7 +128,7 @@ impl MemoryBackend {
     }
 }
 
-impl Backend for MemoryBackend {
+impl Broker for MemoryBroker {
     fn kind(&self) -> BackendKind {
         BackendKind::Memory
     }
@@ -208,7 +208,7 @@ impl Backend for MemoryBackend {
     }
 }
 
-impl StatsSink for MemoryBackend {
+impl StatsSink for MemoryBroker {
     fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
         lock(&self.shared.reports).insert(key, value);
         futures::future::ready(Ok(())).boxed()
@@ -216,7 +216,7 @@ impl StatsSink for MemoryBackend {
 }
 
 struct MemoryConsumer {
-    backend: MemoryBackend,
+    backend: MemoryBroker,
     ctx: Arc<SubscriptionCtx>,
     cs: Arc<ConsumerState>,
     attachment: u64,
@@ -351,12 +351,12 @@ impl MemorySettler {
 }
 
 impl OnSettle for MemorySettler {
-    fn settle(&self, action: Action) -> BoxFuture<'_, Result<Performed, Refusal>> {
+    fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>> {
         let done = match action {
-            Action::Ack | Action::Terminate => {
+            BrokerAction::Ack | BrokerAction::Terminate => {
                 lock(&self.cs.queue).in_flight.remove(&self.token).is_some()
             }
-            Action::Decline(delay) => self.requeue(delay),
+            BrokerAction::Decline(delay) => self.requeue(delay),
         };
         let r = if done {
             Ok(Performed::AsAsked)

@@ -1,10 +1,8 @@
-//! Backends: the brokers a subscription can run on, and what each can honour.
+//! Backends: the brokers the runtime drives, each behind the `bus::Broker` seam.
 //!
-//! `capabilities` is the one table of what each backend kind can do; admission, the runtime and
-//! the README all read it. This module must not decide policy (that is `admission`).
+//! `memory` (in process, for tests and local development) and `nats` (JetStream). Anything that
+//! names a broker's subject, header or config field lives under its folder here. This module must
+//! not decide policy (that is `policy`) nor talk to Kubernetes.
 
-mod capabilities;
 pub mod memory;
 pub mod nats;
-
-pub use capabilities::{BackendKind, capabilities_of};

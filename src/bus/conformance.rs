@@ -5,7 +5,7 @@
 //! Rows: redelivery with an increasing attempt; MaxDeliver and Exhausted; per-message
 //! acknowledgement; a refused settlement after retirement; and, on a backend declaring
 //! `delaysRedelivery`, a declined message waiting out its delay, never early. It must not use
-//! any backend-specific call: what it cannot see through `Backend`/`Consumer` it does not judge.
+//! any backend-specific call: what it cannot see through `Broker`/`Consumer` it does not judge.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::api::{self, DeliveryPolicy, Mode};
 
 use super::{
-    Backend, Consumer, Decision, Delivery, SettleError, SubscriptionCtx, settle, settle_with,
+    Broker, Consumer, Decision, Delivery, SettleError, SubscriptionCtx, settle, settle_with,
 };
 
 /// How long a row waits for a delivery it expects.
@@ -46,10 +46,7 @@ pub const ROWS: [&str; 5] = [
 /// Runs every row that applies to `backend`. Subjects are `<subject_prefix>.<row>.<run>`; the
 /// backend must carry them (for JetStream, a stream whose subjects cover `<subject_prefix>.>`).
 /// Returns the rows that ran.
-pub async fn run(
-    backend: &dyn Backend,
-    subject_prefix: &str,
-) -> Result<Vec<&'static str>, Failure> {
+pub async fn run(backend: &dyn Broker, subject_prefix: &str) -> Result<Vec<&'static str>, Failure> {
     let run_id = format!(
         "{}{}",
         std::process::id(),
@@ -76,7 +73,7 @@ struct Row {
 
 impl Row {
     async fn open(
-        backend: &dyn Backend,
+        backend: &dyn Broker,
         name: &'static str,
         prefix: &str,
         run_id: &str,
@@ -93,7 +90,7 @@ impl Row {
             ..DeliveryPolicy::default()
         };
         tune(&mut policy);
-        let verdict = crate::admission::validate_policy(&policy, &backend.capabilities());
+        let verdict = crate::policy::validate_policy(&policy, &backend.capabilities());
         if !verdict.allowed() {
             return Err(Failure {
                 row: name,
@@ -120,7 +117,7 @@ impl Row {
         }
     }
 
-    async fn publish(&self, backend: &dyn Backend, body: &str) -> Result<(), Failure> {
+    async fn publish(&self, backend: &dyn Broker, body: &str) -> Result<(), Failure> {
         backend
             .publish(
                 self.subject.clone(),
@@ -164,7 +161,7 @@ impl Row {
 }
 
 /// Seed 000: "Each redelivery arrives with a higher Attempt."
-async fn redelivery(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
+async fn redelivery(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[0], prefix, run_id, "redelivery", |_| {}).await?;
     row.publish(b, "m").await?;
     let mut last = 0;
@@ -189,7 +186,7 @@ async fn redelivery(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'sta
 }
 
 /// Seed 000: "A handler that keeps declining exhausts the budget and the message is counted Exhausted."
-async fn max_deliver(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
+async fn max_deliver(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[1], prefix, run_id, "maxdeliver", |p| {
         p.max_deliver = Some(2)
     })
@@ -215,7 +212,7 @@ async fn max_deliver(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'st
 }
 
 /// Each message is settled on its own: acking one neither acks nor declines another.
-async fn per_message(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
+async fn per_message(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[2], prefix, run_id, "permessage", |_| {}).await?;
     for body in ["a", "b", "c"] {
         row.publish(b, body).await?;
@@ -249,7 +246,7 @@ async fn per_message(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'st
 
 /// A settlement the backend cannot perform, because the consumer was retired, is Refused (and
 /// still counts as the settlement it was).
-async fn retirement(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
+async fn retirement(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[3], prefix, run_id, "retirement", |_| {}).await?;
     row.publish(b, "m").await?;
     let d = row.expect("the message").await?;
@@ -274,7 +271,7 @@ async fn retirement(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'sta
 
 /// Seed 000: "the message is not offered again before the delay has passed ... The declined
 /// attempt is spent, so it still counts towards MaxDeliver."
-async fn delay(b: &dyn Backend, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
+async fn delay(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[4], prefix, run_id, "delay", |p| {
         p.max_nack_delay = Some(api::Duration(Duration::from_secs(10)))
     })

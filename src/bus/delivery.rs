@@ -19,22 +19,22 @@ use serde::de::DeserializeOwned;
 
 use crate::api::{ConsumerStats, DeliveryPolicy};
 
-use super::envelope::{self, Data, Event, Foreign};
-use super::spec::Policy;
+use super::envelope::{self, Data, EnvelopeEvent, Foreign};
 use super::stats::{Counters, RuntimeStats};
+use crate::policy::ResolvedPolicy;
 
 /// One subscription as the runtime and its backend share it: name, resolved policy, counters.
 /// A backend receives it when it opens a consumer and passes it to every `Delivery::new`.
 #[derive(Debug)]
 pub struct SubscriptionCtx {
     name: String,
-    policy: Policy,
+    policy: ResolvedPolicy,
     pub(crate) counters: Arc<Counters>,
 }
 
 impl SubscriptionCtx {
     /// A subscription context from the CRD's policy (defaults filled in). Does not validate it:
-    /// `Bus::subscribe` and `conformance::run` call `admission::validate_policy` first.
+    /// `Bus::subscribe` and `conformance::run` call `policy::validate_policy` first.
     pub fn new(name: impl Into<String>, policy: &DeliveryPolicy) -> Arc<SubscriptionCtx> {
         SubscriptionCtx::with_counters(name, policy, Arc::default())
     }
@@ -45,14 +45,14 @@ impl SubscriptionCtx {
     ) -> Arc<SubscriptionCtx> {
         Arc::new(SubscriptionCtx {
             name: name.into(),
-            policy: Policy::resolve(policy),
+            policy: ResolvedPolicy::resolve(policy),
             counters,
         })
     }
     pub fn name(&self) -> &str {
         &self.name
     }
-    pub fn policy(&self) -> &Policy {
+    pub fn policy(&self) -> &ResolvedPolicy {
         &self.policy
     }
     /// The cumulative account so far.
@@ -68,7 +68,7 @@ impl SubscriptionCtx {
 /// What a backend is asked to do with a settled attempt (AtLeastOnce only; under AtMostOnce
 /// nothing is acted on and the backend is not called).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Action {
+pub enum BrokerAction {
     /// Accepted: forget the message.
     Ack,
     /// Declined: offer it again, not before this delay (zero: at once).
@@ -98,7 +98,7 @@ pub struct Refusal {
 /// A backend's callbacks for one delivery (seed 000's OnSettle / OnSettleWith).
 pub trait OnSettle: Send + Sync + 'static {
     /// Performs a settlement.
-    fn settle(&self, action: Action) -> BoxFuture<'_, Result<Performed, Refusal>>;
+    fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>>;
     /// Keeps the message with its running handler for another AckWait (JetStream `+WPI`).
     fn progress(&self) -> BoxFuture<'_, Result<(), Refusal>>;
     /// Gives back an attempt no handler finished (the bus is closing): offer it again at once.
@@ -168,7 +168,7 @@ struct Inner {
     headers: Vec<(String, String)>,
     payload: Bytes,
     attempt: u32,
-    event: Event,
+    event: EnvelopeEvent,
     foreign: Foreign,
     data: Data,
     settled: AtomicBool,
@@ -252,7 +252,7 @@ impl Delivery {
         self.inner.attempt
     }
     /// The event's identity as its envelope states it.
-    pub fn event(&self) -> &Event {
+    pub fn event(&self) -> &EnvelopeEvent {
         &self.inner.event
     }
     /// Transport headers that contradicted the envelope (empty for CloudEvents and raw).
@@ -409,14 +409,14 @@ async fn settle_inner(
         return Ok(());
     }
     let action = match decision {
-        Decision::Ack => Action::Ack,
+        Decision::Ack => BrokerAction::Ack,
         Decision::Nack | Decision::Silent => {
             if policy.max_deliver.is_some_and(|m| inner.attempt >= m) {
                 c.exhausted.inc();
                 tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, attempt = inner.attempt, "declined on its last attempt: counted Exhausted (data loss)");
-                Action::Terminate
+                BrokerAction::Terminate
             } else {
-                Action::Decline(delay.unwrap_or_else(|| policy.decline_delay(inner.attempt)))
+                BrokerAction::Decline(delay.unwrap_or_else(|| policy.decline_delay(inner.attempt)))
             }
         }
     };
@@ -428,7 +428,7 @@ async fn settle_inner(
         }
         Err(refusal) => {
             c.refused.inc();
-            if refusal.stranded && matches!(action, Action::Decline(_)) {
+            if refusal.stranded && matches!(action, BrokerAction::Decline(_)) {
                 c.stranded.inc();
             }
             tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, ?action, reason = %refusal.reason, "the backend refused a settlement");

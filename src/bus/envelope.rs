@@ -23,7 +23,7 @@ pub enum Format {
 
 /// The event's identity, as its envelope states it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Event {
+pub struct EnvelopeEvent {
     pub format: Format,
     pub id: Option<String>,
     pub source: Option<String>,
@@ -58,7 +58,7 @@ pub(crate) enum Data {
 }
 
 pub(crate) struct Parsed {
-    pub event: Event,
+    pub event: EnvelopeEvent,
     pub foreign: Foreign,
     pub data: Data,
 }
@@ -92,7 +92,7 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
     // Fast path: no headers and not a JSON object, so no envelope.
     if headers.is_empty() && payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Parsed {
-            event: Event {
+            event: EnvelopeEvent {
                 format: Format::Raw,
                 id: None,
                 source: None,
@@ -115,7 +115,7 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
     };
     if ce("specversion").is_some() {
         return Parsed {
-            event: Event {
+            event: EnvelopeEvent {
                 format: Format::CloudEventsBinary,
                 id: ce("id"),
                 source: ce("source"),
@@ -136,7 +136,7 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
             None => Data::Bytes(Bytes::new()),
         };
         return Parsed {
-            event: Event {
+            event: EnvelopeEvent {
                 format: Format::CloudEventsStructured,
                 id: str_field(&doc, "id"),
                 source: str_field(&doc, "source"),
@@ -153,7 +153,7 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
         || (ct.is_empty() && looks_like(payload, b"\"messageType\""));
     if masstransit && let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload)
     {
-        let event = Event {
+        let event = EnvelopeEvent {
             format: Format::MassTransit,
             id: str_field(&doc, "messageId"),
             source: str_field(&doc, "sourceAddress"),
@@ -192,7 +192,7 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
     }
 
     Parsed {
-        event: Event {
+        event: EnvelopeEvent {
             format: Format::Raw,
             id: None,
             source: None,

@@ -1,15 +1,15 @@
 //! The handler runtime of seed 000: a `Bus` runs subscriptions on a backend, hands each
 //! delivery to its handler, and keeps the account (`ConsumerStats`).
 //!
-//! - [`SubscriptionSpec`]: name + the CRD's `DeliveryPolicy` + a handler.
+//! - [`Subscriber`]: name + the CRD's `DeliveryPolicy` + a handler.
 //! - [`Delivery`]: one attempt; `ack`/`nack`/`nack_after`; exactly one settlement across clones.
 //! - [`settle`] / [`settle_with`]: the one settle path (handlers, the bus, the conformance suite).
-//! - [`Backend`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`).
+//! - [`Broker`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`).
 //! - [`conformance::run`]: the seed's conformance rows for any AtLeastOnce backend.
 //! - [`report`]: the versioned stats report for the operator.
 //!
 //! This module must not know a particular broker, and must not re-state the admission rules:
-//! it calls `admission::validate_policy` when a subscription is added.
+//! it calls `policy::validate_policy` when a subscription is added.
 
 pub mod conformance;
 mod delivery;
@@ -34,19 +34,16 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 pub use delivery::{
-    Action, Decision, DecodeError, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
+    BrokerAction, Decision, DecodeError, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
     SettleError, SubscriptionCtx, settle, settle_with,
 };
-pub use envelope::{Event, Foreign, Format};
-pub use seam::{Backend, BusError, Consumer, StatsSink};
-pub use spec::{
-    DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, Handler, HandlerError,
-    Policy, Schedule, SubscriptionSpec, handler,
-};
+pub use envelope::{EnvelopeEvent, Foreign, Format};
+pub use seam::{Broker, BusError, Consumer, StatsSink};
+pub use spec::{Handler, HandlerError, Subscriber, handler};
 pub use stats::RuntimeStats;
 
 use crate::api::{Capabilities, ConsumerStats, SlowHandler};
-use report::{ReportTarget, Reporter};
+use report::{ReportTarget, StatsReporter};
 use stats::Counters;
 
 /// How long `close` waits for running handlers before it gives their attempts up (Released
@@ -60,7 +57,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Builds a [`Bus`].
 pub struct BusBuilder {
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn Broker>,
     close_grace: Duration,
     namespace: String,
     instance: String,
@@ -126,7 +123,7 @@ struct Running {
 }
 
 struct BusInner {
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn Broker>,
     close_grace: Duration,
     report: Option<(Duration, Arc<dyn StatsSink>)>,
     namespace: String,
@@ -150,12 +147,12 @@ pub struct Bus {
 
 impl Bus {
     /// A bus on `backend` with the defaults (reports to the backend's sink, if it has one).
-    pub fn new(backend: impl Backend) -> Bus {
+    pub fn new(backend: impl Broker) -> Bus {
         Bus::builder(backend).build()
     }
 
-    pub fn builder(backend: impl Backend) -> BusBuilder {
-        let backend: Arc<dyn Backend> = Arc::new(backend);
+    pub fn builder(backend: impl Broker) -> BusBuilder {
+        let backend: Arc<dyn Broker> = Arc::new(backend);
         let sink = backend.stats_sink();
         BusBuilder {
             backend,
@@ -177,13 +174,13 @@ impl Bus {
 
     /// Starts a subscription. Refused, with the admission rules' own words, when the backend
     /// cannot honour its policy (seed 000: "the subscription is refused when the bus is built").
-    pub async fn subscribe(&self, spec: SubscriptionSpec) -> Result<(), BusError> {
+    pub async fn subscribe(&self, spec: Subscriber) -> Result<(), BusError> {
         let inner = &self.inner;
         if inner.closed.load(Ordering::Acquire) {
             return Err(BusError::Closed);
         }
         let backend = &inner.backend;
-        let verdict = crate::admission::validate_policy(&spec.policy, &backend.capabilities());
+        let verdict = crate::policy::validate_policy(&spec.policy, &backend.capabilities());
         if !verdict.allowed() {
             return Err(BusError::Refused {
                 name: spec.name,
@@ -307,7 +304,7 @@ impl Bus {
         let weak = Arc::downgrade(&self.inner);
         let mut stop_rx = self.inner.report_stop.subscribe();
         *slot = Some(tokio::spawn(async move {
-            let mut reporter = Reporter::default();
+            let mut reporter = StatsReporter::default();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {

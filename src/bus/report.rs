@@ -108,11 +108,11 @@ pub(crate) struct ReportTarget {
 
 /// Per-subscription state of the publishing loop.
 #[derive(Default)]
-pub(crate) struct Reporter {
+pub(crate) struct StatsReporter {
     last: HashMap<String, (ConsumerStats, RuntimeStats, u64)>,
 }
 
-impl Reporter {
+impl StatsReporter {
     /// Publishes the reports of subscriptions whose counters changed since their last report
     /// (all of them when `force`). Failures are logged and retried at the next tick.
     pub(crate) async fn tick(

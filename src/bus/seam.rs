@@ -10,7 +10,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 
 use crate::api::Capabilities;
-use crate::backend::{BackendKind, capabilities_of};
+use crate::policy::{BackendKind, capabilities_of};
 
 use super::{Delivery, SubscriptionCtx};
 
@@ -48,7 +48,7 @@ impl BusError {
 }
 
 /// A broker the runtime can drive.
-pub trait Backend: Send + Sync + 'static {
+pub trait Broker: Send + Sync + 'static {
     fn kind(&self) -> BackendKind;
     /// What this backend can honour; the admission rules judge subscriptions against it.
     fn capabilities(&self) -> Capabilities {

@@ -34,12 +34,12 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::OnceCell;
 
-use crate::backend::BackendKind;
 use crate::bus::report::REPORT_BUCKET;
 use crate::bus::{
-    Action, Backend, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
-    StatsSink, SubscriptionCtx,
+    Broker, BrokerAction, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed,
+    Refusal, StatsSink, SubscriptionCtx,
 };
+use crate::policy::BackendKind;
 
 const ACK: &[u8] = b"+ACK";
 const NAK: &[u8] = b"-NAK";
@@ -52,26 +52,26 @@ fn err(e: impl std::fmt::Display) -> BusError {
 
 /// NATS JetStream as a backend. Clones share one connection.
 #[derive(Clone)]
-pub struct NatsBackend {
+pub struct NatsBroker {
     client: Client,
     js: jetstream::Context,
     bucket: String,
     kv: Arc<OnceCell<kv::Store>>,
 }
 
-impl NatsBackend {
+impl NatsBroker {
     /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
-    pub async fn connect(url: &str) -> Result<NatsBackend, BusError> {
+    pub async fn connect(url: &str) -> Result<NatsBroker, BusError> {
         let client = async_nats::connect(url)
             .await
             .map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
-        Ok(NatsBackend::from_client(client))
+        Ok(NatsBroker::from_client(client))
     }
 
     /// Uses an existing connection.
-    pub fn from_client(client: Client) -> NatsBackend {
+    pub fn from_client(client: Client) -> NatsBroker {
         let js = jetstream::new(client.clone());
-        NatsBackend {
+        NatsBroker {
             client,
             js,
             bucket: REPORT_BUCKET.to_string(),
@@ -80,7 +80,7 @@ impl NatsBackend {
     }
 
     /// Stats reports go to this KV bucket instead of `settle-stats`.
-    pub fn with_stats_bucket(mut self, bucket: impl Into<String>) -> NatsBackend {
+    pub fn with_stats_bucket(mut self, bucket: impl Into<String>) -> NatsBroker {
         self.bucket = bucket.into();
         self.kv = Arc::default();
         self
@@ -121,7 +121,7 @@ impl NatsBackend {
     }
 }
 
-impl Backend for NatsBackend {
+impl Broker for NatsBroker {
     fn kind(&self) -> BackendKind {
         BackendKind::Nats
     }
@@ -209,7 +209,7 @@ impl Backend for NatsBackend {
     }
 }
 
-impl StatsSink for NatsBackend {
+impl StatsSink for NatsBroker {
     fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             let store = self.stats_bucket().await?;
@@ -364,12 +364,12 @@ pub fn nak_body(delay: Duration) -> Bytes {
 }
 
 impl OnSettle for NatsSettler {
-    fn settle(&self, action: Action) -> BoxFuture<'_, Result<Performed, Refusal>> {
+    fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>> {
         async move {
             match action {
-                Action::Ack => self.publish(ACK).await?,
-                Action::Decline(delay) => self.confirmed(nak_body(delay)).await?,
-                Action::Terminate => self.confirmed(Bytes::from_static(TERM)).await?,
+                BrokerAction::Ack => self.publish(ACK).await?,
+                BrokerAction::Decline(delay) => self.confirmed(nak_body(delay)).await?,
+                BrokerAction::Terminate => self.confirmed(Bytes::from_static(TERM)).await?,
             }
             Ok(Performed::AsAsked)
         }

@@ -6,7 +6,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::api::{BackendSpec, Capabilities, Duration};
+use crate::api::{Backend, BackendSpec, Capabilities, Duration};
 
 /// A kind of backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -96,4 +96,15 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             restart_can_spend_unseen_attempt: true,
         },
     }
+}
+
+/// The capabilities of a Backend, as every caller must resolve them: what its status says (the
+/// controller's view of the live broker and its version) first, else its kind's row in the table.
+/// `None` when the spec does not name exactly one kind (the API server refuses such a spec).
+pub fn effective_capabilities(backend: &Backend) -> Option<Capabilities> {
+    backend
+        .status
+        .as_ref()
+        .and_then(|s| s.capabilities.clone())
+        .or_else(|| BackendKind::of(&backend.spec).map(capabilities_of))
 }

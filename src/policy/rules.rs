@@ -6,10 +6,8 @@
 
 use std::fmt;
 
-use crate::api::{
-    Capabilities, DEFAULT_MAX_PROCESSING_TIME, DeliveryPolicy, Duration, Mode, SlowHandler,
-    SubscriptionSpec,
-};
+use super::{DEFAULT_MAX_PROCESSING_TIME, Schedule};
+use crate::api::{Capabilities, DeliveryPolicy, Duration, Mode, SlowHandler, SubscriptionSpec};
 
 /// What admission concluded: errors refuse the spec; warnings admit it and are shown to the user.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -217,7 +215,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
                 .unwrap_or(u32::MAX)
                 .min(10_000);
             (1..=declines)
-                .map(|a| b.delay_after(a))
+                .map(|a| Schedule::from(b).delay_after(a))
                 .sum::<std::time::Duration>()
         });
         let text = match total {

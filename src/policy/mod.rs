@@ -1,0 +1,20 @@
+//! Policy: everything pure about what a Subscription may ask and what a backend can honour.
+//!
+//! - [`capabilities`](BackendKind): the one capability table, and [`effective_capabilities`], the
+//!   one resolver every caller uses (the webhook, `settle check`, the runtime, the controller).
+//! - [`validate`] / [`validate_policy`]: the one set of admission rules.
+//! - [`ResolvedPolicy`]: a delivery policy with every default filled in, and the backoff schedule.
+//!
+//! This module must stay pure: no I/O, no clock, no Kubernetes or broker client. It imports only
+//! `api`; everything else imports it.
+
+mod capabilities;
+mod resolved;
+mod rules;
+
+pub use capabilities::{BackendKind, capabilities_of, effective_capabilities};
+pub use resolved::{
+    DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, ResolvedPolicy, Schedule,
+    schedule_delay,
+};
+pub use rules::{BackendView, FieldIssue, Verdict, validate, validate_policy};
