@@ -20,34 +20,64 @@ use serde::de::DeserializeOwned;
 use crate::api::{ConsumerStats, DeliveryPolicy};
 
 use super::envelope::{self, Data, EnvelopeEvent, Foreign};
+use super::spec::ConsumerOwner;
 use super::stats::{Counters, RuntimeStats};
 use crate::policy::ResolvedPolicy;
 
-/// One subscription as the runtime and its backend share it: name, resolved policy, counters.
-/// A backend receives it when it opens a consumer and passes it to every `Delivery::new`.
+/// One subscription as the runtime and its backend share it: name, resolved policy, where its
+/// consumer lives and who owns it, and counters. A backend receives it when it opens a consumer
+/// and passes it to every `Delivery::new`.
 #[derive(Debug)]
 pub struct SubscriptionCtx {
     name: String,
     policy: ResolvedPolicy,
+    binding: Binding,
     pub(crate) counters: Arc<Counters>,
 }
 
+/// Where a subscription's consumer lives, and who makes it.
+#[derive(Clone, Debug)]
+pub struct Binding {
+    /// The Subscription's namespace (names derived consumers).
+    pub namespace: String,
+    /// The stream, when named; otherwise the backend finds it by the pattern.
+    pub stream: Option<String>,
+    pub owner: ConsumerOwner,
+}
+
+impl Default for Binding {
+    fn default() -> Self {
+        Binding {
+            namespace: "default".to_string(),
+            stream: None,
+            owner: ConsumerOwner::Runtime,
+        }
+    }
+}
+
 impl SubscriptionCtx {
-    /// A subscription context from the CRD's policy (defaults filled in). Does not validate it:
-    /// `Bus::subscribe` and `conformance::run` call `policy::validate_policy` first.
+    /// A subscription context from the CRD's policy (defaults filled in), owning its consumer.
+    /// Does not validate it: `Bus::subscribe` and `conformance::run` call
+    /// `policy::validate_policy` first.
     pub fn new(name: impl Into<String>, policy: &DeliveryPolicy) -> Arc<SubscriptionCtx> {
-        SubscriptionCtx::with_counters(name, policy, Arc::default())
+        SubscriptionCtx::with_counters(name, policy, Binding::default(), Arc::default())
     }
     pub(crate) fn with_counters(
         name: impl Into<String>,
         policy: &DeliveryPolicy,
+        binding: Binding,
         counters: Arc<Counters>,
     ) -> Arc<SubscriptionCtx> {
         Arc::new(SubscriptionCtx {
             name: name.into(),
             policy: ResolvedPolicy::resolve(policy),
+            binding,
             counters,
         })
+    }
+    /// Where the consumer lives and who makes it.
+    pub fn binding(&self) -> &Binding {
+        &self.binding
     }
     pub fn name(&self) -> &str {
         &self.name

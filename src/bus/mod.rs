@@ -34,12 +34,12 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 pub use delivery::{
-    BrokerAction, Decision, DecodeError, Delivery, DeliveryOptions, OnSettle, Performed, Refusal,
-    SettleError, SubscriptionCtx, settle, settle_with,
+    Binding, BrokerAction, Decision, DecodeError, Delivery, DeliveryOptions, OnSettle, Performed,
+    Refusal, SettleError, SubscriptionCtx, settle, settle_with,
 };
 pub use envelope::{EnvelopeEvent, Foreign, Format};
 pub use seam::{Broker, BusError, Consumer, StatsSink};
-pub use spec::{Handler, HandlerError, Subscriber, handler};
+pub use spec::{ConsumerOwner, Handler, HandlerError, Subscriber, handler};
 pub use stats::RuntimeStats;
 
 use crate::api::{Capabilities, ConsumerStats, SlowHandler};
@@ -195,7 +195,13 @@ impl Bus {
             return Err(BusError::Duplicate(spec.name));
         }
         let counters = Arc::clone(lock(&inner.counters).entry(spec.name.clone()).or_default());
-        let ctx = SubscriptionCtx::with_counters(spec.name.clone(), &spec.policy, counters);
+        let binding = Binding {
+            namespace: inner.namespace.clone(),
+            stream: spec.stream.clone(),
+            owner: spec.owner,
+        };
+        let ctx =
+            SubscriptionCtx::with_counters(spec.name.clone(), &spec.policy, binding, counters);
         let consumer = backend.open(Arc::clone(&ctx)).await?;
 
         let (shutdown, shutdown_rx) = watch::channel(false);

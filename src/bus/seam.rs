@@ -30,19 +30,30 @@ pub enum BusError {
     Unknown(String),
     #[error("the bus is closed")]
     Closed,
-    /// The broker failed or refused an operation.
-    #[error("{backend} backend: {message}")]
-    Backend {
+    /// The broker failed or refused an operation. `source` is the broker's own typed error
+    /// (for example `backend::nats::jsapi::NatsError`), so a caller can tell causes apart.
+    #[error("{backend} backend: {source}")]
+    Broker {
         backend: BackendKind,
-        message: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 }
 
 impl BusError {
+    /// A broker failure described by a message only.
     pub fn backend(backend: BackendKind, message: impl std::fmt::Display) -> BusError {
-        BusError::Backend {
+        BusError::Broker {
             backend,
-            message: message.to_string(),
+            source: message.to_string().into(),
+        }
+    }
+
+    /// The broker's typed error, if it is one of type `E`.
+    pub fn broker_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        match self {
+            BusError::Broker { source, .. } => source.downcast_ref::<E>(),
+            _ => None,
         }
     }
 }

@@ -25,19 +25,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use async_nats::jetstream::{
-    self, consumer::AckPolicy, consumer::DeliverPolicy, consumer::pull, kv,
-};
+use async_nats::jetstream::{self, consumer::pull, kv};
 use async_nats::{Client, HeaderMap, RequestErrorKind, Subject};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::OnceCell;
 
+pub mod consumer;
+pub mod jsapi;
+
 use crate::bus::report::REPORT_BUCKET;
 use crate::bus::{
-    Broker, BrokerAction, BusError, Consumer, Delivery, DeliveryOptions, OnSettle, Performed,
-    Refusal, StatsSink, SubscriptionCtx,
+    Broker, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
+    Performed, Refusal, StatsSink, SubscriptionCtx,
 };
 use crate::policy::BackendKind;
 
@@ -121,6 +122,124 @@ impl NatsBroker {
     }
 }
 
+impl NatsBroker {
+    /// Finds or makes the subscription's consumer (through the one mapping in `consumer`) and
+    /// starts pulling from it. A code-defined subscription creates its consumer, or brings an
+    /// existing one in line (refusing when only a new consumer could); one the operator owns is
+    /// only bound to, waiting while it does not exist.
+    async fn bind(&self, ctx: &SubscriptionCtx) -> Result<pull::Stream, BusError> {
+        let (stream, name) = match ctx.binding().owner {
+            ConsumerOwner::Runtime => self.converge_own(ctx).await?,
+            ConsumerOwner::Operator => self.await_operator(ctx).await,
+        };
+        let p = ctx.policy();
+        let consumer: jetstream::consumer::PullConsumer = self
+            .js
+            .get_consumer_from_stream(&name, &stream)
+            .await
+            .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+        // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
+        // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
+        let batch = p.max_in_flight.clamp(2, 1000);
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(batch)
+            // Short pulls: after a broker restart the client re-pulls when a pull expires, so
+            // this bounds how long a subscription can sit idle.
+            .expires(Duration::from_secs(10))
+            .heartbeat(Duration::from_secs(3))
+            .messages()
+            .await
+            .map_err(|e| err(format!("cannot pull from stream {stream}: {e}")))?;
+        tracing::info!(subscription = %ctx.name(), %stream, consumer = %name, owner = ?ctx.binding().owner, "bound to a JetStream pull consumer");
+        Ok(messages)
+    }
+
+    /// A code-defined subscription's consumer: created from the mapping, or updated to it.
+    async fn converge_own(&self, ctx: &SubscriptionCtx) -> Result<(String, String), BusError> {
+        let b = ctx.binding();
+        let p = ctx.policy();
+        let stream = jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await?;
+        let want = consumer::desired_by_runtime(&b.namespace, ctx.name(), &stream, p);
+        match jsapi::consumer_info(&self.js, &stream, &want.name).await? {
+            None => {
+                jsapi::create_consumer(&self.js, &want).await?;
+            }
+            Some(info) => {
+                let live = consumer::normalise(&stream, &want.name, &info.config);
+                let d = consumer::diff(&want, &live);
+                if !d.immutable.is_empty() {
+                    return Err(err(format!(
+                        "consumer {} on stream {stream} exists with a config that cannot change in place ({}): \
+                         delete it, or choose another durableName",
+                        want.name,
+                        d.immutable
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    )));
+                }
+                if !d.editable.is_empty() {
+                    tracing::info!(subscription = %ctx.name(), consumer = %want.name, changes = %d.editable.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "), "updating the consumer to the subscription's policy");
+                    jsapi::update_consumer(&self.js, &want).await?;
+                }
+            }
+        }
+        Ok((stream, want.name))
+    }
+
+    /// An operator-owned consumer: waits, logging why, until the stream and the consumer exist;
+    /// warns (never silently) when the consumer differs from the policy this runtime runs.
+    async fn await_operator(&self, ctx: &SubscriptionCtx) -> (String, String) {
+        let b = ctx.binding();
+        let p = ctx.policy();
+        let mut wait = Duration::from_millis(250);
+        let mut said = String::new();
+        loop {
+            let why = match jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await {
+                Err(e) => e.to_string(),
+                Ok(stream) => {
+                    let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
+                    match jsapi::consumer_info(&self.js, &stream, &want.name).await {
+                        Ok(Some(info)) => {
+                            let d = consumer::diff(
+                                &want,
+                                &consumer::normalise(&stream, &want.name, &info.config),
+                            );
+                            if !d.is_empty() {
+                                let all: Vec<String> = d
+                                    .immutable
+                                    .iter()
+                                    .chain(&d.editable)
+                                    .map(ToString::to_string)
+                                    .collect();
+                                tracing::warn!(subscription = %ctx.name(), consumer = %want.name, differences = %all.join("; "), "the operator's consumer differs from the policy this application runs: bound anyway; check that the Subscription resource and the application agree");
+                            }
+                            return (stream, want.name);
+                        }
+                        Ok(None) => format!(
+                            "consumer {} on stream {stream} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
+                            want.name,
+                            b.namespace,
+                            ctx.name(),
+                            ctx.name(),
+                            b.namespace
+                        ),
+                        Err(e) => e.to_string(),
+                    }
+                }
+            };
+            if why != said {
+                tracing::info!(subscription = %ctx.name(), reason = %why, "waiting for the operator's consumer");
+                said = why;
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(5));
+        }
+    }
+}
+
 impl Broker for NatsBroker {
     fn kind(&self) -> BackendKind {
         BackendKind::Nats
@@ -135,48 +254,15 @@ impl Broker for NatsBroker {
         ctx: Arc<SubscriptionCtx>,
     ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
         async move {
-            let p = ctx.policy();
-            let stream_name = self
-                .js
-                .stream_by_subject(p.pattern.clone())
-                .await
-                .map_err(|e| err(format!("no stream carries {:?}: create a stream whose subjects cover it ({e})", p.pattern)))?;
-            let stream = self.js.get_stream(&stream_name).await.map_err(|e| err(format!("stream {stream_name}: {e}")))?;
-            let alo = p.at_least_once();
-            let mut config = pull::Config {
-                durable_name: p.durable_name.clone(),
-                deliver_policy: if p.durable_name.is_some() { DeliverPolicy::All } else { DeliverPolicy::New },
-                ack_policy: if alo { AckPolicy::Explicit } else { AckPolicy::None },
-                filter_subject: p.pattern.clone(),
-                description: Some(format!("settle subscription {}", ctx.name())),
-                ..Default::default()
-            };
-            if alo {
-                config.ack_wait = p.ack_wait;
-                config.max_deliver = p.max_deliver.map_or(-1, i64::from);
-                config.max_ack_pending = i64::try_from(p.max_in_flight).unwrap_or(i64::MAX);
-            }
-            let consumer: jetstream::consumer::PullConsumer = match &p.durable_name {
-                Some(durable) => stream.get_or_create_consumer(durable, config).await,
-                None => stream.create_consumer(config).await,
-            }
-            .map_err(|e| err(format!("consumer for {:?} on stream {stream_name}: {e}", ctx.name())))?;
-            // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
-            // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
-            let batch = p.max_in_flight.clamp(2, 1000);
-            let messages = consumer
-                .stream()
-                .max_messages_per_batch(batch)
-                // Short pulls: after a broker restart the client re-pulls when a pull expires,
-                // so this bounds how long a subscription can sit idle (design §4: re-converge).
-                .expires(Duration::from_secs(10))
-                .heartbeat(Duration::from_secs(3))
-                .messages()
-                .await
-                .map_err(|e| err(format!("cannot pull from stream {stream_name}: {e}")))?;
-            tracing::info!(subscription = %ctx.name(), stream = %stream_name, durable = ?p.durable_name, "bound to a JetStream pull consumer");
-            Ok(Box::new(NatsConsumer { client: Arc::new(self.client.clone()), ctx, messages: Some(messages), retired: Arc::default(), acks: alo })
-                as Box<dyn Consumer>)
+            let messages = self.bind(&ctx).await?;
+            Ok(Box::new(NatsConsumer {
+                broker: self.clone(),
+                client: Arc::new(self.client.clone()),
+                acks: ctx.policy().at_least_once(),
+                ctx,
+                messages: Some(messages),
+                retired: Arc::default(),
+            }) as Box<dyn Consumer>)
         }
         .boxed()
     }
@@ -221,6 +307,7 @@ impl StatsSink for NatsBroker {
 }
 
 struct NatsConsumer {
+    broker: NatsBroker,
     client: Arc<Client>,
     ctx: Arc<SubscriptionCtx>,
     messages: Option<pull::Stream>,
@@ -273,8 +360,21 @@ impl Consumer for NatsConsumer {
                         use pull::MessagesErrorKind as K;
                         match e.kind() {
                             K::ConsumerDeleted | K::NoResponders | K::PushBasedConsumer => {
-                                tracing::error!(subscription = %self.ctx.name(), error = %e, "the JetStream consumer is gone");
                                 self.messages = None;
+                                if self.ctx.binding().owner == ConsumerOwner::Operator && !self.retired.load(Ordering::Acquire) {
+                                    // The operator repairs a deleted consumer while its Subscription exists:
+                                    // bind again when it is back (or wait until the bus closes).
+                                    tracing::warn!(subscription = %self.ctx.name(), error = %e, "the operator's consumer is gone; waiting for it to come back");
+                                    match self.broker.bind(&self.ctx).await {
+                                        Ok(m) => {
+                                            self.messages = Some(m);
+                                            continue;
+                                        }
+                                        Err(e) => tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot bind again"),
+                                    }
+                                    return None;
+                                }
+                                tracing::error!(subscription = %self.ctx.name(), error = %e, "the JetStream consumer is gone");
                                 return None;
                             }
                             _ => tracing::warn!(subscription = %self.ctx.name(), error = %e, "pulling from JetStream"),

@@ -1,0 +1,700 @@
+//! The one mapping from a Subscription to a JetStream consumer: [`desired`] (the config Settle
+//! wants, with the consumer name it derives), [`normalise`] (a live consumer's config with the
+//! server's defaults filled in, in the same shape) and [`diff`] (what differs, split into what
+//! the server can edit in place and what it cannot).
+//!
+//! The controller creates and updates consumers with it, the runtime creates (code-defined
+//! subscriptions) or checks (operator-made ones) with it, and a test ties the admission rule on
+//! immutable fields to [`diff`]. Pure: no I/O. It must not decide what to do about a difference
+//! (the callers do), and no other file may build a consumer config.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, ReplayPolicy};
+
+use crate::api::Mode;
+use crate::policy::{DEFAULT_ACK_WAIT, ResolvedPolicy};
+
+/// The metadata key naming the Subscription (`namespace/name`) a consumer belongs to. It marks
+/// the consumers the operator owns, so it never touches one it did not make.
+pub const OWNER_KEY: &str = "settle.dev/subscription";
+/// The server's defaults for what Settle does not set (nats-server 2.10–2.15).
+const SERVER_MAX_WAITING: i64 = 512;
+const SERVER_MAX_ACK_PENDING: i64 = 1000;
+
+/// A consumer as Settle manages it: the fields it sets, in the server's terms, with every default
+/// spelled out so that two configs compare equal exactly when the server holds the same.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConsumerConfig {
+    /// The stream the consumer lives in (cannot change: a consumer belongs to one stream).
+    pub stream: String,
+    /// The consumer's name, which is also its durable name.
+    pub name: String,
+    pub description: String,
+    /// Where a new consumer starts: all stored messages, or only new ones.
+    pub deliver_policy: DeliverPolicy,
+    pub ack_policy: AckPolicy,
+    pub ack_wait: Duration,
+    /// Attempts per message, the first included; -1 is unlimited.
+    pub max_deliver: i64,
+    pub filter_subject: String,
+    pub max_ack_pending: i64,
+    /// Never set by Settle: the server would lengthen every delayed nak by it.
+    pub backoff: Vec<Duration>,
+    pub replay_policy: ReplayPolicy,
+    pub max_waiting: i64,
+    /// A push consumer (`deliver_subject` set) cannot become a pull consumer in place.
+    pub push: bool,
+    pub headers_only: bool,
+    pub inactive_threshold: Duration,
+    pub sample_frequency: u8,
+    /// User metadata (the server's own `_nats.*` keys are left out).
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// The consumer name Settle uses for a Subscription: its `durableName`, or, without one (only
+/// possible under AtMostOnce), a stable name from namespace and Subscription name. Kubernetes
+/// names contain no `_`, so `settle_<namespace>_<name>` (with `.` as `_`) never collides.
+pub fn consumer_name(namespace: &str, subscription: &str, policy: &ResolvedPolicy) -> String {
+    match &policy.durable_name {
+        Some(durable) => durable.clone(),
+        None => format!("settle_{namespace}_{}", subscription.replace('.', "_")),
+    }
+}
+
+/// The consumer Settle wants for Subscription `namespace/subscription` on `stream`.
+pub fn desired(
+    namespace: &str,
+    subscription: &str,
+    stream: &str,
+    policy: &ResolvedPolicy,
+) -> ConsumerConfig {
+    let alo = policy.mode == Mode::AtLeastOnce;
+    ConsumerConfig {
+        stream: stream.to_string(),
+        name: consumer_name(namespace, subscription, policy),
+        description: format!("settle subscription {namespace}/{subscription}"),
+        // A named consumer replays what the stream holds; a derived AtMostOnce one starts now.
+        deliver_policy: if policy.durable_name.is_some() {
+            DeliverPolicy::All
+        } else {
+            DeliverPolicy::New
+        },
+        ack_policy: if alo {
+            AckPolicy::Explicit
+        } else {
+            AckPolicy::None
+        },
+        // Under AtMostOnce nothing is acknowledged; the server's own defaults stand.
+        ack_wait: if alo {
+            policy.ack_wait
+        } else {
+            DEFAULT_ACK_WAIT
+        },
+        max_deliver: if alo {
+            policy.max_deliver.map_or(-1, i64::from)
+        } else {
+            -1
+        },
+        filter_subject: policy.pattern.clone(),
+        max_ack_pending: if alo {
+            i64::try_from(policy.max_in_flight).unwrap_or(i64::MAX)
+        } else {
+            0
+        },
+        backoff: Vec::new(),
+        replay_policy: ReplayPolicy::Instant,
+        max_waiting: SERVER_MAX_WAITING,
+        push: false,
+        headers_only: false,
+        inactive_threshold: Duration::ZERO,
+        sample_frequency: 0,
+        metadata: BTreeMap::from([(OWNER_KEY.to_string(), format!("{namespace}/{subscription}"))]),
+    }
+}
+
+/// How long the server keeps a consumer that a code-defined subscription made under a derived
+/// name once no instance reads it: no operator is there to delete it.
+pub const CODE_DEFINED_INACTIVE_THRESHOLD: Duration = Duration::from_secs(300);
+
+/// The consumer a runtime with no operator makes for itself: [`desired`], except that one under
+/// a derived name is reaped by the server when the last instance has gone.
+pub fn desired_by_runtime(
+    namespace: &str,
+    subscription: &str,
+    stream: &str,
+    policy: &ResolvedPolicy,
+) -> ConsumerConfig {
+    let mut c = desired(namespace, subscription, stream, policy);
+    if policy.durable_name.is_none() {
+        c.inactive_threshold = CODE_DEFINED_INACTIVE_THRESHOLD;
+    }
+    c
+}
+
+/// A live consumer's config in the shape of [`ConsumerConfig`], with the defaults the server
+/// fills in when it was not sent a value, and without the server's own metadata.
+pub fn normalise(stream: &str, name: &str, live: &consumer::Config) -> ConsumerConfig {
+    let explicit = live.ack_policy != AckPolicy::None;
+    let mut filter = live.filter_subject.clone();
+    if filter.is_empty() && live.filter_subjects.len() == 1 {
+        filter = live.filter_subjects[0].clone();
+    }
+    ConsumerConfig {
+        stream: stream.to_string(),
+        name: live
+            .durable_name
+            .clone()
+            .or_else(|| live.name.clone())
+            .unwrap_or_else(|| name.to_string()),
+        description: live.description.clone().unwrap_or_default(),
+        deliver_policy: live.deliver_policy,
+        ack_policy: live.ack_policy,
+        ack_wait: if live.ack_wait.is_zero() {
+            DEFAULT_ACK_WAIT
+        } else {
+            live.ack_wait
+        },
+        max_deliver: if live.max_deliver == 0 {
+            -1
+        } else {
+            live.max_deliver
+        },
+        filter_subject: filter,
+        max_ack_pending: match live.max_ack_pending {
+            0 if explicit => SERVER_MAX_ACK_PENDING,
+            n if !explicit && n < 0 => 0,
+            n => n,
+        },
+        backoff: live.backoff.clone(),
+        replay_policy: live.replay_policy,
+        max_waiting: match (live.max_waiting, live.deliver_subject.is_some()) {
+            (0, false) => SERVER_MAX_WAITING,
+            (n, _) => n,
+        },
+        push: live.deliver_subject.is_some(),
+        headers_only: live.headers_only,
+        inactive_threshold: live.inactive_threshold,
+        sample_frequency: live.sample_frequency,
+        metadata: live
+            .metadata
+            .iter()
+            .filter(|(k, _)| !k.starts_with("_nats."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    }
+}
+
+impl ConsumerConfig {
+    /// The request body's config for creating or updating this consumer.
+    pub fn to_server(&self) -> consumer::Config {
+        consumer::Config {
+            durable_name: Some(self.name.clone()),
+            name: Some(self.name.clone()),
+            description: Some(self.description.clone()),
+            deliver_policy: self.deliver_policy,
+            ack_policy: self.ack_policy,
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver,
+            filter_subject: self.filter_subject.clone(),
+            max_ack_pending: self.max_ack_pending,
+            backoff: self.backoff.clone(),
+            replay_policy: self.replay_policy,
+            max_waiting: self.max_waiting,
+            headers_only: self.headers_only,
+            inactive_threshold: self.inactive_threshold,
+            sample_frequency: self.sample_frequency,
+            metadata: self
+                .metadata
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The Subscription (`namespace/name`) this consumer belongs to, if Settle made it.
+    pub fn owner(&self) -> Option<&str> {
+        self.metadata.get(OWNER_KEY).map(String::as_str)
+    }
+}
+
+/// Whether the server can change a field of an existing consumer in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Editable {
+    InPlace,
+    /// Only by deleting the consumer and creating it again (its unsettled deliveries go with it).
+    Recreate,
+}
+
+/// One field that differs between the desired and the live consumer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldDiff {
+    /// The consumer config field, as the server names it.
+    pub field: &'static str,
+    /// The Subscription field it comes from, when there is one.
+    pub spec_field: Option<&'static str>,
+    pub desired: String,
+    pub live: String,
+}
+
+impl fmt::Display for FieldDiff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.spec_field {
+            Some(spec) => write!(
+                f,
+                "{} ({spec}): wants {}, the consumer has {}",
+                self.field, self.desired, self.live
+            ),
+            None => write!(
+                f,
+                "{}: wants {}, the consumer has {}",
+                self.field, self.desired, self.live
+            ),
+        }
+    }
+}
+
+/// What differs between a desired and a live consumer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Diff {
+    /// Fields an update can change in place.
+    pub editable: Vec<FieldDiff>,
+    /// Fields only a new consumer can change.
+    pub immutable: Vec<FieldDiff>,
+}
+
+impl Diff {
+    pub fn is_empty(&self) -> bool {
+        self.editable.is_empty() && self.immutable.is_empty()
+    }
+}
+
+/// The fields Settle manages: the config field, the spec field it comes from, whether the server
+/// can edit it in place, and how to show it. The one list both `diff` and its tests read.
+type Show = fn(&ConsumerConfig) -> String;
+const FIELDS: &[(&str, Option<&str>, Editable, Show)] = &[
+    ("stream", Some("spec.stream"), Editable::Recreate, |c| {
+        c.stream.clone()
+    }),
+    (
+        "durable_name",
+        Some("spec.durableName"),
+        Editable::Recreate,
+        |c| c.name.clone(),
+    ),
+    ("ack_policy", Some("spec.mode"), Editable::Recreate, |c| {
+        format!("{:?}", c.ack_policy)
+    }),
+    (
+        "deliver_policy",
+        Some("spec.durableName"),
+        Editable::Recreate,
+        |c| format!("{:?}", c.deliver_policy),
+    ),
+    ("replay_policy", None, Editable::Recreate, |c| {
+        format!("{:?}", c.replay_policy)
+    }),
+    ("max_waiting", None, Editable::Recreate, |c| {
+        c.max_waiting.to_string()
+    }),
+    ("deliver_subject", None, Editable::Recreate, |c| {
+        if c.push { "push" } else { "pull" }.to_string()
+    }),
+    ("ack_wait", Some("spec.ackWait"), Editable::InPlace, |c| {
+        format!("{:?}", c.ack_wait)
+    }),
+    (
+        "max_deliver",
+        Some("spec.maxDeliver"),
+        Editable::InPlace,
+        |c| c.max_deliver.to_string(),
+    ),
+    (
+        "max_ack_pending",
+        Some("spec.maxInFlight"),
+        Editable::InPlace,
+        |c| c.max_ack_pending.to_string(),
+    ),
+    (
+        "filter_subject",
+        Some("spec.pattern"),
+        Editable::InPlace,
+        |c| c.filter_subject.clone(),
+    ),
+    ("backoff", None, Editable::InPlace, |c| {
+        format!("{:?}", c.backoff)
+    }),
+    ("description", None, Editable::InPlace, |c| {
+        c.description.clone()
+    }),
+    ("headers_only", None, Editable::InPlace, |c| {
+        c.headers_only.to_string()
+    }),
+    ("inactive_threshold", None, Editable::InPlace, |c| {
+        format!("{:?}", c.inactive_threshold)
+    }),
+    ("sample_freq", None, Editable::InPlace, |c| {
+        c.sample_frequency.to_string()
+    }),
+    ("metadata", None, Editable::InPlace, |c| {
+        format!("{:?}", c.metadata)
+    }),
+];
+
+/// What differs between `desired` and `live` (both from this module: `desired` and `normalise`).
+pub fn diff(desired: &ConsumerConfig, live: &ConsumerConfig) -> Diff {
+    let mut d = Diff::default();
+    for (field, spec_field, editable, show) in FIELDS {
+        let (want, have) = (show(desired), show(live));
+        if want != have {
+            let fd = FieldDiff {
+                field,
+                spec_field: *spec_field,
+                desired: want,
+                live: have,
+            };
+            match editable {
+                Editable::InPlace => d.editable.push(fd),
+                Editable::Recreate => d.immutable.push(fd),
+            }
+        }
+    }
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{self, DeliveryPolicy, SlowHandler};
+
+    fn policy(f: impl FnOnce(&mut DeliveryPolicy)) -> ResolvedPolicy {
+        let mut p = DeliveryPolicy {
+            pattern: "orders.>".into(),
+            mode: Mode::AtLeastOnce,
+            durable_name: Some("orders".into()),
+            ..DeliveryPolicy::default()
+        };
+        f(&mut p);
+        ResolvedPolicy::resolve(&p)
+    }
+
+    fn server_view(c: &ConsumerConfig) -> ConsumerConfig {
+        // What a server returns for a consumer created from `c`: the request's config, with the
+        // server's own metadata added.
+        let mut live = c.to_server();
+        live.metadata.insert("_nats.req.level".into(), "0".into());
+        live.metadata.insert("_nats.ver".into(), "2.15.3".into());
+        normalise(&c.stream, &c.name, &live)
+    }
+
+    #[test]
+    fn at_least_once_maps_every_policy_field() {
+        let p = policy(|p| {
+            p.max_deliver = Some(5);
+            p.ack_wait = Some(api::Duration::from_secs(10));
+            p.max_in_flight = Some(7);
+        });
+        let c = desired("shop", "orders", "ORDERS", &p);
+        assert_eq!(c.name, "orders");
+        assert_eq!(c.stream, "ORDERS");
+        assert_eq!(c.ack_policy, AckPolicy::Explicit);
+        assert_eq!(c.deliver_policy, DeliverPolicy::All);
+        assert_eq!(c.ack_wait, Duration::from_secs(10));
+        assert_eq!(c.max_deliver, 5);
+        assert_eq!(c.max_ack_pending, 7);
+        assert_eq!(c.filter_subject, "orders.>");
+        assert!(c.backoff.is_empty(), "never a backoff list");
+        assert_eq!(c.owner(), Some("shop/orders"));
+    }
+
+    #[test]
+    fn defaults_are_safe_thirty_seconds_unlimited_and_the_prefetch_default() {
+        let c = desired("shop", "orders", "ORDERS", &policy(|_| {}));
+        assert_eq!(c.ack_wait, Duration::from_secs(30));
+        assert_eq!(c.max_deliver, -1);
+        assert_eq!(c.max_ack_pending, 250);
+    }
+
+    #[test]
+    fn at_most_once_gets_a_stable_derived_name_and_no_acks() {
+        let p = policy(|p| {
+            p.mode = Mode::AtMostOnce;
+            p.durable_name = None;
+        });
+        let a = desired("shop", "orders.eu", "ORDERS", &p);
+        let b = desired("shop", "orders.eu", "ORDERS", &p);
+        assert_eq!(a, b, "the same Subscription maps to the same consumer");
+        assert_eq!(a.name, "settle_shop_orders_eu");
+        assert_eq!(a.ack_policy, AckPolicy::None);
+        assert_eq!(a.deliver_policy, DeliverPolicy::New);
+        assert_eq!(a.max_deliver, -1);
+        assert_ne!(
+            desired("other", "orders.eu", "ORDERS", &p).name,
+            a.name,
+            "namespaces do not share consumers"
+        );
+    }
+
+    #[test]
+    fn derived_names_never_collide_across_namespace_and_name_boundaries() {
+        let p = policy(|p| {
+            p.mode = Mode::AtMostOnce;
+            p.durable_name = None;
+        });
+        // Kubernetes namespaces have no '.' or '_', names no '_': the first '_' after the prefix
+        // ends the namespace.
+        let names: Vec<String> = [("a-b", "c"), ("a", "b-c"), ("a", "b.c"), ("a-b", "c.d")]
+            .iter()
+            .map(|(ns, n)| consumer_name(ns, n, &p))
+            .collect();
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "{names:?}");
+    }
+
+    #[test]
+    fn what_the_server_returns_for_a_desired_consumer_compares_equal() {
+        for p in [
+            policy(|_| {}),
+            policy(|p| p.max_deliver = Some(3)),
+            policy(|p| {
+                p.mode = Mode::AtMostOnce;
+                p.durable_name = None;
+            }),
+            policy(|p| p.slow_handler = Some(SlowHandler::Redeliver)),
+        ] {
+            let want = desired("shop", "orders", "ORDERS", &p);
+            let live = server_view(&want);
+            assert_eq!(diff(&want, &live), Diff::default(), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn normalise_fills_the_defaults_the_server_applies() {
+        let want = desired("shop", "orders", "ORDERS", &policy(|_| {}));
+        let mut sent = want.to_server();
+        // A consumer created by someone else with nothing but the essentials: the server fills
+        // ack wait, max deliver, max ack pending and max waiting itself.
+        sent.ack_wait = Duration::ZERO;
+        sent.max_deliver = 0;
+        sent.max_ack_pending = 0;
+        sent.max_waiting = 0;
+        let live = normalise("ORDERS", "orders", &sent);
+        assert_eq!(live.ack_wait, Duration::from_secs(30));
+        assert_eq!(live.max_deliver, -1);
+        assert_eq!(live.max_ack_pending, 1000);
+        assert_eq!(live.max_waiting, 512);
+    }
+
+    #[test]
+    fn a_single_filter_in_filter_subjects_is_the_filter_subject() {
+        let want = desired("shop", "orders", "ORDERS", &policy(|_| {}));
+        let mut sent = want.to_server();
+        sent.filter_subject = String::new();
+        sent.filter_subjects = vec!["orders.>".into()];
+        assert!(diff(&want, &normalise("ORDERS", "orders", &sent)).is_empty());
+    }
+
+    #[test]
+    fn editable_fields_are_editable_and_identity_fields_are_not() {
+        let base = desired("shop", "orders", "ORDERS", &policy(|_| {}));
+        type Edit = Box<dyn Fn(&mut ConsumerConfig)>;
+        let cases: Vec<(&str, Edit, bool)> = vec![
+            (
+                "ack_wait",
+                Box::new(|c| c.ack_wait = Duration::from_secs(5)),
+                true,
+            ),
+            ("max_deliver", Box::new(|c| c.max_deliver = 9), true),
+            ("max_ack_pending", Box::new(|c| c.max_ack_pending = 1), true),
+            (
+                "filter_subject",
+                Box::new(|c| c.filter_subject = "x.>".into()),
+                true,
+            ),
+            (
+                "backoff",
+                Box::new(|c| c.backoff = vec![Duration::from_secs(1)]),
+                true,
+            ),
+            (
+                "description",
+                Box::new(|c| c.description = "edited".into()),
+                true,
+            ),
+            (
+                "metadata",
+                Box::new(|c| {
+                    c.metadata.clear();
+                }),
+                true,
+            ),
+            (
+                "inactive_threshold",
+                Box::new(|c| c.inactive_threshold = Duration::from_secs(60)),
+                true,
+            ),
+            (
+                "ack_policy",
+                Box::new(|c| c.ack_policy = AckPolicy::None),
+                false,
+            ),
+            (
+                "deliver_policy",
+                Box::new(|c| c.deliver_policy = DeliverPolicy::New),
+                false,
+            ),
+            ("durable_name", Box::new(|c| c.name = "other".into()), false),
+            ("stream", Box::new(|c| c.stream = "OTHER".into()), false),
+            ("deliver_subject", Box::new(|c| c.push = true), false),
+            ("max_waiting", Box::new(|c| c.max_waiting = 1), false),
+            (
+                "replay_policy",
+                Box::new(|c| c.replay_policy = ReplayPolicy::Original),
+                false,
+            ),
+        ];
+        for (field, edit, in_place) in cases {
+            let mut live = base.clone();
+            edit(&mut live);
+            let d = diff(&base, &live);
+            let (hit, other) = if in_place {
+                (&d.editable, &d.immutable)
+            } else {
+                (&d.immutable, &d.editable)
+            };
+            assert_eq!(hit.len(), 1, "{field}: {d:?}");
+            assert_eq!(hit[0].field, field);
+            assert!(other.is_empty(), "{field}: {d:?}");
+        }
+    }
+
+    #[test]
+    fn a_field_diff_says_which_spec_field_and_both_values() {
+        let base = desired("shop", "orders", "ORDERS", &policy(|_| {}));
+        let mut live = base.clone();
+        live.max_deliver = 3;
+        let d = diff(&base, &live);
+        assert_eq!(
+            d.editable[0].to_string(),
+            "max_deliver (spec.maxDeliver): wants -1, the consumer has 3"
+        );
+    }
+
+    /// The admission rule on immutable fields and `diff` agree: an update the rule admits changes
+    /// only fields the server edits in place, and every update that changes a field only a new
+    /// consumer can change is refused by the rule.
+    #[test]
+    fn the_admission_rule_on_immutable_fields_and_diff_agree() {
+        use crate::api::{BackendRef, Backoff, SubscriptionSpec};
+        use crate::policy::{BackendKind, BackendView, capabilities_of, validate};
+
+        let spec = |mode: Mode, durable: Option<&str>| SubscriptionSpec {
+            backend_ref: BackendRef {
+                name: "nats".into(),
+            },
+            stream: None,
+            policy: DeliveryPolicy {
+                pattern: "orders.>".into(),
+                mode,
+                durable_name: durable.map(str::to_string),
+                ..DeliveryPolicy::default()
+            },
+        };
+        type Edit = fn(&mut SubscriptionSpec);
+        let edits: &[(&str, Edit)] = &[
+            ("nothing", |_| {}),
+            ("pattern", |s| s.policy.pattern = "orders.eu.>".into()),
+            ("maxDeliver", |s| s.policy.max_deliver = Some(4)),
+            ("ackWait", |s| {
+                s.policy.ack_wait = Some(api::Duration::from_secs(9))
+            }),
+            ("maxInFlight", |s| s.policy.max_in_flight = Some(3)),
+            ("maxProcessingTime", |s| {
+                s.policy.max_processing_time = Some(api::Duration::from_secs(600))
+            }),
+            ("slowHandler", |s| {
+                s.policy.slow_handler = Some(SlowHandler::ExtendLease)
+            }),
+            ("backoff", |s| {
+                s.policy.backoff = Some(Backoff {
+                    initial: api::Duration::from_secs(1),
+                    max: api::Duration::from_secs(10),
+                    multiplier: 2.0,
+                })
+            }),
+            ("maxNackDelay", |s| {
+                s.policy.max_nack_delay = Some(api::Duration::from_secs(30))
+            }),
+            ("stream", |s| s.stream = Some("OTHER".into())),
+            ("durableName", |s| {
+                s.policy.durable_name = Some("renamed".into())
+            }),
+            ("durableName removed", |s| s.policy.durable_name = None),
+            ("mode", |s| {
+                s.policy.mode = match s.policy.mode {
+                    Mode::AtLeastOnce => Mode::AtMostOnce,
+                    Mode::AtMostOnce => Mode::AtLeastOnce,
+                }
+            }),
+            ("backendRef", |s| s.backend_ref.name = "other".into()),
+        ];
+        let caps = capabilities_of(BackendKind::Nats);
+        let mapped = |s: &SubscriptionSpec| {
+            desired(
+                "shop",
+                "orders",
+                s.stream.as_deref().unwrap_or("ORDERS"),
+                &ResolvedPolicy::resolve(&s.policy),
+            )
+        };
+        let mut checked = 0;
+        for base in [
+            spec(Mode::AtLeastOnce, Some("orders")),
+            spec(Mode::AtMostOnce, None),
+            spec(Mode::AtMostOnce, Some("metrics")),
+        ] {
+            for (first, e1) in edits {
+                for (second, e2) in edits {
+                    let mut new = base.clone();
+                    e1(&mut new);
+                    e2(&mut new);
+                    let verdict = validate(
+                        &new,
+                        Some(&base),
+                        BackendView::Known {
+                            name: "nats",
+                            capabilities: &caps,
+                        },
+                    );
+                    let immutable_refusal = verdict
+                        .errors
+                        .iter()
+                        .any(|e| e.message.contains("cannot change from"));
+                    let d = diff(&mapped(&new), &mapped(&base));
+                    if !immutable_refusal {
+                        assert!(
+                            d.immutable.is_empty(),
+                            "{first} + {second} on {:?}: admitted, but the consumer needs recreating: {:?}",
+                            base.policy.mode,
+                            d.immutable
+                        );
+                    }
+                    if !d.immutable.is_empty() {
+                        assert!(
+                            immutable_refusal,
+                            "{first} + {second}: diff says {:?} cannot change in place, admission let it through",
+                            d.immutable
+                        );
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 3 * edits.len() * edits.len());
+    }
+}

@@ -1,0 +1,226 @@
+//! Typed calls to the JetStream API for streams and consumers, with errors a caller can tell
+//! apart (a stream that does not exist is not a server that cannot be reached).
+//!
+//! Used by the runtime (to create or bind a consumer) and the controller (to converge one). It
+//! must not decide what a consumer looks like (that is `consumer`) nor retry: callers choose.
+
+use async_nats::jetstream::{self, consumer, response::Response};
+use async_nats::jetstream::{ErrorCode, context::RequestErrorKind};
+use serde::{Deserialize, Serialize};
+
+use super::consumer::ConsumerConfig;
+use crate::bus::BusError;
+use crate::policy::BackendKind;
+
+/// Why a JetStream call failed, in the terms a Subscription's status speaks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NatsError {
+    /// The server did not answer (down, restarting, or unreachable from here).
+    #[error("the NATS server did not answer ({0}): is it running and reachable?")]
+    Unreachable(String),
+    /// Nothing answers on the JetStream API.
+    #[error("JetStream is not enabled on the NATS server (start nats-server with -js)")]
+    JetStreamDisabled,
+    /// A stream named explicitly does not exist.
+    #[error("stream {0:?} does not exist: create it, or fix spec.stream")]
+    StreamNotFound(String),
+    /// No stream's subjects cover the pattern.
+    #[error("no stream carries {0:?}: create a stream whose subjects cover it, or set spec.stream")]
+    NoStreamFor(String),
+    /// More than one stream carries the pattern.
+    #[error("several streams carry {pattern:?} ({}): set spec.stream to one of them", streams.join(", "))]
+    StreamAmbiguous {
+        pattern: String,
+        streams: Vec<String>,
+    },
+    /// The JetStream API refused the call.
+    #[error("the JetStream API refused: {description} (error code {code})")]
+    Api { code: u64, description: String },
+}
+
+impl NatsError {
+    fn from_api(e: &jetstream::Error) -> NatsError {
+        match e.error_code() {
+            ErrorCode::JETSTREAM_NOT_ENABLED | ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT => {
+                NatsError::JetStreamDisabled
+            }
+            code => NatsError::Api {
+                code: code.0,
+                description: e.to_string(),
+            },
+        }
+    }
+
+    fn from_request(e: &jetstream::context::RequestError) -> NatsError {
+        match e.kind() {
+            RequestErrorKind::NoResponders => NatsError::JetStreamDisabled,
+            _ => NatsError::Unreachable(e.to_string()),
+        }
+    }
+
+    /// The JetStream error code, when the API refused.
+    pub fn code(&self) -> Option<u64> {
+        match self {
+            NatsError::Api { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl From<NatsError> for BusError {
+    fn from(e: NatsError) -> BusError {
+        BusError::Broker {
+            backend: BackendKind::Nats,
+            source: Box::new(e),
+        }
+    }
+}
+
+async fn call<T: for<'de> Deserialize<'de>>(
+    js: &jetstream::Context,
+    subject: String,
+    body: &(impl Serialize + ?Sized),
+) -> Result<Result<T, jetstream::Error>, NatsError> {
+    match js.request::<_, _, Response<T>>(subject, body).await {
+        Ok(Response::Ok(v)) => Ok(Ok(v)),
+        Ok(Response::Err { error }) => Ok(Err(error)),
+        Err(e) => Err(NatsError::from_request(&e)),
+    }
+}
+
+fn refused(e: &jetstream::Error) -> NatsError {
+    NatsError::from_api(e)
+}
+
+#[derive(Deserialize)]
+struct StreamNames {
+    #[serde(default)]
+    streams: Option<Vec<String>>,
+}
+
+/// The stream a Subscription consumes from: `explicit` if given (it must exist), else the one
+/// stream whose subjects overlap `pattern`.
+pub async fn resolve_stream(
+    js: &jetstream::Context,
+    explicit: Option<&str>,
+    pattern: &str,
+) -> Result<String, NatsError> {
+    if let Some(name) = explicit {
+        let info: Result<serde_json::Value, _> =
+            call(js, format!("STREAM.INFO.{name}"), &serde_json::json!({})).await?;
+        return match info {
+            Ok(_) => Ok(name.to_string()),
+            Err(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+                Err(NatsError::StreamNotFound(name.to_string()))
+            }
+            Err(e) => Err(refused(&e)),
+        };
+    }
+    let names: StreamNames = call(
+        js,
+        "STREAM.NAMES".to_string(),
+        &serde_json::json!({ "subject": pattern }),
+    )
+    .await?
+    .map_err(|e| refused(&e))?;
+    let mut streams = names.streams.unwrap_or_default();
+    streams.sort();
+    match streams.len() {
+        0 => Err(NatsError::NoStreamFor(pattern.to_string())),
+        1 => Ok(streams.remove(0)),
+        _ => Err(NatsError::StreamAmbiguous {
+            pattern: pattern.to_string(),
+            streams,
+        }),
+    }
+}
+
+/// A consumer's info, or `None` when it (or its stream) does not exist.
+pub async fn consumer_info(
+    js: &jetstream::Context,
+    stream: &str,
+    name: &str,
+) -> Result<Option<consumer::Info>, NatsError> {
+    match call(
+        js,
+        format!("CONSUMER.INFO.{stream}.{name}"),
+        &serde_json::json!({}),
+    )
+    .await?
+    {
+        Ok(info) => Ok(Some(info)),
+        Err(e)
+            if e.error_code() == ErrorCode::CONSUMER_NOT_FOUND
+                || e.error_code() == ErrorCode::STREAM_NOT_FOUND =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(refused(&e)),
+    }
+}
+
+#[derive(Serialize)]
+struct CreateRequest<'a> {
+    stream_name: &'a str,
+    config: consumer::Config,
+    action: &'a str,
+}
+
+async fn put(
+    js: &jetstream::Context,
+    c: &ConsumerConfig,
+    action: &str,
+) -> Result<consumer::Info, NatsError> {
+    let body = CreateRequest {
+        stream_name: &c.stream,
+        config: c.to_server(),
+        action,
+    };
+    call(
+        js,
+        format!("CONSUMER.CREATE.{}.{}", c.stream, c.name),
+        &body,
+    )
+    .await?
+    .map_err(|e| refused(&e))
+}
+
+/// Creates the consumer. Fails if one of that name exists with another config.
+pub async fn create_consumer(
+    js: &jetstream::Context,
+    c: &ConsumerConfig,
+) -> Result<consumer::Info, NatsError> {
+    put(js, c, "create").await
+}
+
+/// Updates the consumer's editable fields in place. Fails if it does not exist.
+pub async fn update_consumer(
+    js: &jetstream::Context,
+    c: &ConsumerConfig,
+) -> Result<consumer::Info, NatsError> {
+    put(js, c, "update").await
+}
+
+/// Deletes a consumer; `Ok(false)` when it (or its stream) did not exist.
+pub async fn delete_consumer(
+    js: &jetstream::Context,
+    stream: &str,
+    name: &str,
+) -> Result<bool, NatsError> {
+    match call::<serde_json::Value>(
+        js,
+        format!("CONSUMER.DELETE.{stream}.{name}"),
+        &serde_json::json!({}),
+    )
+    .await?
+    {
+        Ok(_) => Ok(true),
+        Err(e)
+            if e.error_code() == ErrorCode::CONSUMER_NOT_FOUND
+                || e.error_code() == ErrorCode::STREAM_NOT_FOUND =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(refused(&e)),
+    }
+}
