@@ -10,11 +10,12 @@ demo:            ## run Settle locally against a real API server and nats-server
 build:
 	cargo build --release
 
-crds:            ## regenerate crds/ and the chart's copy from the Rust types
+crds:            ## regenerate crds/ and its copies (chart, kustomize) from the Rust types
 	cargo run --quiet -- crds > crds/settle.yaml
 	cp crds/settle.yaml charts/settle/crds/settle.yaml
+	cp crds/settle.yaml config/crd/settle.yaml
 
-tools:           ## build the pinned kube-apiserver+etcd, nats-server and helm (cached under target/tools)
+tools:           ## build the pinned kube-apiserver+etcd, nats-server, helm and kube-score (cached under target/tools)
 	hack/tools.sh build
 
 env-up:          ## start kube-apiserver+etcd and nats-server on 127.0.0.1; writes target/env/settle.env

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Builds (once) and prints the paths of the real parts Settle's tests and demo run against:
-# kube-apiserver+etcd (tests/controlplane), nats-server and helm, each pinned and cached under
-# target/tools/<name>-<version>/. Safe to run repeatedly; a finished binary is never rebuilt.
+# kube-apiserver+etcd (tests/controlplane), nats-server, helm and kube-score (the chart's lint),
+# each pinned and cached under target/tools/<name>-<version>/. Safe to run repeatedly; a finished
+# binary is never rebuilt.
 #   hack/tools.sh build        build whatever is missing
-#   hack/tools.sh path NAME    print the cached binary of NAME (controlplane|nats-server|helm)
+#   hack/tools.sh path NAME    print the cached binary of NAME (controlplane|nats-server|helm|kube-score)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CP_VERSION="$(cat "$ROOT/tests/controlplane/VERSION")"
 NATS_VERSION="v2.15.3"
 HELM_VERSION="v3.21.4"
+KUBE_SCORE_VERSION="v1.20.0"
 TOOLS="${CARGO_TARGET_DIR:-$ROOT/target}/tools"
 
 cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go} | sha256sum | cut -c1-12; }
@@ -17,6 +19,7 @@ path_of() {
     controlplane) echo "$TOOLS/controlplane-$CP_VERSION-$(cp_hash)/settle-controlplane" ;;
     nats-server)  echo "$TOOLS/nats-server-$NATS_VERSION/nats-server" ;;
     helm)         echo "$TOOLS/helm-$HELM_VERSION/helm" ;;
+    kube-score)   echo "$TOOLS/kube-score-$KUBE_SCORE_VERSION/kube-score" ;;
     *) echo "unknown tool $1" >&2; exit 2 ;;
   esac
 }
@@ -51,6 +54,8 @@ build_one() {
       with_progress "nats-server $NATS_VERSION" env GOBIN="$tmp" go install "github.com/nats-io/nats-server/v2@$NATS_VERSION" ;;
     helm)
       with_progress "helm $HELM_VERSION" env GOBIN="$tmp" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ;;
+    kube-score)
+      with_progress "kube-score $KUBE_SCORE_VERSION" env GOBIN="$tmp" go install "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION" ;;
   esac
   mv "$tmp/$(basename "$out")" "$out"
   rm -rf "$tmp"
@@ -61,7 +66,7 @@ case "${1:-build}" in
   build)
     need kubectl "the Kubernetes client; Debian: apt-get install kubectl, or see kubernetes.io"
     mkdir -p "$TOOLS"
-    for t in ${2:-nats-server helm controlplane}; do build_one "$t"; done ;;
+    for t in ${2:-nats-server helm kube-score controlplane}; do build_one "$t"; done ;;
   path) path_of "$2" ;;
   *) echo "usage: hack/tools.sh build [names] | path NAME" >&2; exit 2 ;;
 esac

@@ -99,6 +99,25 @@ impl Drop for Operator {
     }
 }
 
+/// config/webhook/validating-webhook.yaml, asserted as shipped, then changed only where a test
+/// must: clientConfig (a `url:` to this process, at the shipped path), the namespace selector
+/// (this test's namespace) and the name (one of this test's own).
+fn shipped_configuration(name: &str, port: u16) -> serde_json::Value {
+    let mut vwc = common::install::shipped_webhook_configuration();
+    common::install::assert_settle_webhook("config/webhook/validating-webhook.yaml", &vwc);
+    vwc["metadata"]["name"] = serde_json::json!(name);
+    let hook = &mut vwc["webhooks"][0];
+    let path = hook["clientConfig"]["service"]["path"]
+        .as_str()
+        .expect("the shipped webhook names its path")
+        .to_string();
+    hook["clientConfig"] = serde_json::json!({"url": format!("https://127.0.0.1:{port}{path}")});
+    hook["namespaceSelector"] = serde_json::json!({
+        "matchLabels": {"settle.dev/webhook-e2e": std::process::id().to_string()}
+    });
+    vwc
+}
+
 /// What the API server must answer.
 enum Want {
     Allowed(&'static [&'static str]),
@@ -376,16 +395,25 @@ fn admission_through_the_real_api_server() {
     let configuration = format!("settle-e2e-{}", std::process::id());
     let port = free_port();
 
-    // The webhook, reached by url:, scoped to this test's namespace so parallel tests are unaffected.
-    let vwc = format!(
-        "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\nmetadata: {{name: {configuration}}}\nwebhooks:\n\
-         - name: {WEBHOOK}\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 5\n\
-         \x20 namespaceSelector: {{matchLabels: {{settle.dev/webhook-e2e: \"{}\"}}}}\n\
-         \x20 rules: [{{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}}]\n\
-         \x20 clientConfig: {{url: \"https://127.0.0.1:{port}/validate\"}}\n",
-        std::process::id()
+    // The shipped webhook configuration, reached by url:, scoped to this test's namespace so
+    // parallel tests are unaffected: the fail-closed and "only Subscriptions" checks below are
+    // checks of what we ship.
+    let vwc = shipped_configuration(&configuration, port);
+    kubectl_ok(&["apply", "-f", "-"], Some(&vwc.to_string()));
+    let stored = kubectl_ok(
+        &[
+            "get",
+            "validatingwebhookconfiguration",
+            &configuration,
+            "-o",
+            "json",
+        ],
+        None,
     );
-    kubectl_ok(&["apply", "-f", "-"], Some(&vwc));
+    common::install::assert_settle_webhook(
+        "the configuration as the API server stored it",
+        &serde_json::from_str(&stored).expect("json"),
+    );
 
     // Backends: nats and memory by kind; two whose status narrows their capabilities.
     let backends = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nats}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\

@@ -4,6 +4,9 @@
 //! Tests that need the environment fail (never skip) with a message saying how to start it.
 #![allow(dead_code)]
 
+pub mod controlplane;
+pub mod install;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -12,3 +12,18 @@ app.kubernetes.io/name: settle
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- define "settle.webhookService" -}}{{ include "settle.fullname" . }}-webhook{{- end -}}
+{{- define "settle.leaseName" -}}{{ .Values.leaderElection.leaseName | default (printf "%s-operator" (include "settle.fullname" .)) }}{{- end -}}
+{{- define "settle.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end -}}
+{{- /* The kube-score checks declined by the values in force, with their reasons in values.yaml. */ -}}
+{{- define "settle.kubeScoreIgnore" -}}
+{{- $ignore := list -}}
+{{- if ne .Values.image.pullPolicy "Always" -}}{{- $ignore = append $ignore "container-image-pull-policy" -}}{{- end -}}
+{{- if not .Values.networkPolicy.enabled -}}{{- $ignore = append $ignore "pod-networkpolicy" -}}{{- end -}}
+{{- join "," $ignore -}}
+{{- end -}}

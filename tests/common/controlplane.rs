@@ -1,0 +1,176 @@
+//! A control plane of a test's own: the pinned kube-apiserver + etcd that `hack/tools.sh` builds,
+//! started empty on free 127.0.0.1 ports for a test that must not see what other tests created
+//! (Settle's CRDs above all), and killed with its state removed when dropped.
+//!
+//! It must not be used where the shared environment would do: each one costs a few seconds and a
+//! few hundred MiB.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use super::root;
+
+/// The cached binary of a pinned tool (`hack/tools.sh path NAME`); fails, naming the command
+/// that builds it, when it is missing.
+pub fn tool(name: &str) -> PathBuf {
+    let out = Command::new(root().join("hack/tools.sh"))
+        .args(["path", name])
+        .output()
+        .expect("run hack/tools.sh");
+    assert!(
+        out.status.success(),
+        "hack/tools.sh path {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(
+        path.is_file(),
+        "{name} is not built at {}: run `hack/tools.sh build` (or `make tools`) with the same CARGO_TARGET_DIR",
+        path.display()
+    );
+    path
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a free port on 127.0.0.1")
+        .port()
+}
+
+/// Runs real kubectl against the API server of `kubeconfig`.
+pub fn kubectl_at(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl must be on PATH");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
+    }
+    child.wait_with_output().expect("kubectl ran")
+}
+
+pub struct ControlPlane {
+    child: Child,
+    dir: PathBuf,
+    pub kubeconfig: PathBuf,
+}
+
+impl ControlPlane {
+    /// Starts an empty control plane and waits (up to 3 minutes on a loaded machine) until it
+    /// serves the `default` namespace. `name` labels its state directory under target/.
+    pub fn start(name: &str) -> ControlPlane {
+        let binary = tool("controlplane");
+        // A port picked here may be taken by someone else before the server binds it: try again
+        // with new ports when that is why it exited.
+        for attempt in 1..=3 {
+            let dir = root().join(format!("target/{name}-cp-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("create the control plane's directory");
+            let log = std::fs::File::create(dir.join("controlplane.log")).expect("log file");
+            let child = Command::new(&binary)
+                .arg("-dir")
+                .arg(&dir)
+                .args(["-apiserver-port", &free_port().to_string()])
+                .args(["-etcd-port", &free_port().to_string()])
+                .args(["-etcd-peer-port", &free_port().to_string()])
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log file"))
+                .stderr(log)
+                .spawn()
+                .expect("start settle-controlplane");
+            let mut cp = ControlPlane {
+                child,
+                kubeconfig: dir.join("kubeconfig"),
+                dir,
+            };
+            match cp.wait_ready(Duration::from_secs(180)) {
+                Ok(()) => return cp,
+                Err(why) => {
+                    let log = std::fs::read_to_string(cp.dir.join("controlplane.log"))
+                        .unwrap_or_default();
+                    if attempt < 3 && log.contains("address already in use") {
+                        continue; // dropped: killed and removed
+                    }
+                    let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                    let tail: Vec<&str> = tail.into_iter().rev().collect();
+                    panic!(
+                        "control plane in {} {why}; last lines of its log:\n{}",
+                        cp.dir.display(),
+                        tail.join("\n")
+                    );
+                }
+            }
+        }
+        unreachable!("the loop returns or panics")
+    }
+
+    fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(format!("exited ({status}) before it was ready"));
+            }
+            // The API server answers /readyz before its bootstrap objects exist: wait for `default`.
+            if self.kubeconfig.is_file()
+                && self
+                    .kubectl(&["get", "--raw=/readyz"], None)
+                    .status
+                    .success()
+                && self
+                    .kubectl(&["get", "namespace", "default", "-o", "name"], None)
+                    .status
+                    .success()
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("was not ready after {}s", limit.as_secs()));
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        kubectl_at(&self.kubeconfig, args, stdin)
+    }
+
+    /// kubectl that must succeed; returns stdout.
+    pub fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> String {
+        let out = self.kubectl(args, stdin);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // Keep the log of a failed test; otherwise leave nothing behind.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
