@@ -6,6 +6,7 @@
 //! not hold admission rules or broker logic: those live in `admission/` and `backend/`.
 
 mod health;
+pub mod leader;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
