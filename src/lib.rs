@@ -4,7 +4,8 @@
 //! - [`api`]: the CRD types and the wire types they share with the runtime.
 //! - [`backend`]: backend kinds and their capabilities.
 //! - [`admission`]: the one `validate` of what a backend can honour.
-//! - [`operator`]: the `settle operator` process (webhook, metrics; controllers to come).
+//! - [`operator`]: the `settle operator` process (webhook, metrics, leader election; controllers
+//!   to come).
 //! - [`bus`]: the handler runtime of seed 000 (settlement, modes, backoff, counters, conformance).
 
 pub mod admission;
