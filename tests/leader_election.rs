@@ -377,6 +377,173 @@ async fn without_rights_on_leases_election_stops_with_an_error_saying_what_to_gr
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 
+/// A TCP forwarder to the API server that can be made to hang: while paused it accepts and holds
+/// connections but passes no bytes either way, like a network partition.
+struct Partition {
+    port: u16,
+    paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Partition {
+    async fn to(upstream: std::net::SocketAddr) -> Partition {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the forwarder");
+        let port = listener.local_addr().expect("addr").port();
+        let paused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = paused.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let flag = flag.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
+                        return;
+                    };
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let up = pump(cr, sw, flag.clone());
+                    let down = pump(sr, cw, flag);
+                    let _ = tokio::join!(up, down);
+                });
+            }
+        });
+        async fn pump(
+            mut from: tokio::net::tcp::OwnedReadHalf,
+            mut to: tokio::net::tcp::OwnedWriteHalf,
+            paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        ) {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut buf = vec![0u8; 16 * 1024];
+            loop {
+                while paused.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let n = match from.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                while paused.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                if to.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+        Partition { port, paused, task }
+    }
+
+    fn pause(&self, on: bool) {
+        self.paused.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Partition {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A client for the environment's API server that goes through `partition`.
+async fn client_through(partition: &Partition) -> kube::Client {
+    let env = common::env();
+    let mut kubeconfig =
+        kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
+    for named in &mut kubeconfig.clusters {
+        if let Some(cluster) = named.cluster.as_mut() {
+            cluster.server = Some(format!("https://127.0.0.1:{}", partition.port));
+        }
+    }
+    let config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .expect("kubeconfig is valid");
+    kube::Client::try_from(config).expect("client")
+}
+
+fn api_server_addr() -> std::net::SocketAddr {
+    let env = common::env();
+    let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
+    let server = kubeconfig.clusters[0]
+        .cluster
+        .as_ref()
+        .and_then(|c| c.server.clone())
+        .expect("the kubeconfig names a server");
+    let hostport = server
+        .trim_start_matches("https://")
+        .trim_end_matches('/')
+        .to_string();
+    hostport.parse().expect("the server is an IP:port")
+}
+
+#[tokio::test]
+async fn a_leader_cut_off_from_the_api_server_stops_leading_before_a_standby_takes_over() {
+    let direct = common::kube_client().await;
+    let ns = common::namespace("leader-partition");
+    let partition = Partition::to(api_server_addr()).await;
+    let cut_off = client_through(&partition).await;
+    let a = Contender::start(&cut_off, &ns, "partition", "a");
+    poll(
+        "the contender behind the forwarder to lead",
+        TAKEOVER,
+        || a.leads(),
+    )
+    .await;
+    let b = Contender::start(&direct, &ns, "partition", "b");
+    exactly_one_leads_throughout(&[&a, &b], Duration::from_secs(3)).await;
+    assert!(a.leads());
+
+    // Every byte between a and the API server stops: its renewals hang.
+    partition.pause(true);
+    let start = Instant::now();
+    let mut a_stopped = None;
+    let b_took = loop {
+        let (a_leads, b_leads) = (a.leads(), b.leads());
+        assert!(
+            !(a_leads && b_leads),
+            "both lead {:?} after the partition",
+            start.elapsed()
+        );
+        if !a_leads && a_stopped.is_none() {
+            a_stopped = Some(start.elapsed());
+        }
+        if b_leads {
+            break start.elapsed();
+        }
+        assert!(
+            start.elapsed() < TAKEOVER,
+            "waited {TAKEOVER:?} for the standby to take over from a leader cut off"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let a_stopped = a_stopped.expect("a stopped leading before b took over");
+    println!(
+        "cut off: a stopped leading after {:.1}s, b took over after {:.1}s",
+        a_stopped.as_secs_f64(),
+        b_took.as_secs_f64()
+    );
+    assert_eq!(a.gauge(), 0.0);
+    assert_eq!(b.gauge(), 1.0);
+
+    // The partition heals: a finds b's record and stays a standby.
+    partition.pause(false);
+    exactly_one_leads_throughout(&[&a, &b], Duration::from_secs(4)).await;
+    assert!(b.leads());
+    assert_eq!(
+        spec(&direct, &ns, "partition")
+            .await
+            .holder_identity
+            .as_deref(),
+        Some("b")
+    );
+    drop((a, b));
+    common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
 // ---- `settle operator` processes
 
 fn free_port() -> u16 {
