@@ -435,15 +435,15 @@ impl Elector {
 
     /// One round: renew if leading, else read and act. Returns how long to pause before the next.
     async fn step(&mut self) -> Result<Duration, LeaderError> {
-        if let Role::Leading { lease, until } = &self.role {
-            let (lease, until) = (lease.clone(), *until);
+        if let Role::Leading { lease, .. } = &self.role {
+            let lease = lease.clone();
             let sent = Instant::now();
             let spec = renew(&lease.spec.clone().unwrap_or_default(), Timestamp::now());
             let next = Lease {
                 spec: Some(spec),
                 ..*lease
             };
-            match self.replace(next, until).await {
+            match self.replace(next).await {
                 Ok(written) => {
                     self.lead(written, sent, "renewed");
                     return Ok(RENEW_INTERVAL);
@@ -487,11 +487,7 @@ impl Elector {
                     spec: Some(spec),
                     ..lease
                 };
-                let until = match &self.role {
-                    Role::Leading { until, .. } => *until,
-                    Role::Following => sent + REQUEST_TIMEOUT,
-                };
-                match self.replace(next, until).await {
+                match self.replace(next).await {
                     Ok(written) => {
                         self.lead(written, sent, "took the Lease");
                         Ok(RENEW_INTERVAL)
@@ -564,19 +560,14 @@ impl Elector {
         }
     }
 
-    /// A replace guarded by the resourceVersion in `lease`, bounded by [`REQUEST_TIMEOUT`] and by
-    /// `until` (so a leader stops waiting when its leadership ends).
-    async fn replace(&self, lease: Lease, until: Instant) -> Result<Lease, Failure> {
-        let deadline = until.min(Instant::now() + REQUEST_TIMEOUT);
-        match tokio::time::timeout_at(
-            deadline,
+    /// A replace guarded by the resourceVersion in `lease`: it fails with a conflict if anyone
+    /// wrote the Lease since that version was read.
+    async fn replace(&self, lease: Lease) -> Result<Lease, Failure> {
+        self.call(
+            "update",
             self.api.replace(&self.config.name, &post_params(), &lease),
         )
         .await
-        {
-            Ok(result) => result.map_err(|e| self.classify("update", e)),
-            Err(_) => Err(Failure::Transient("update: no answer in time".into())),
-        }
     }
 
     async fn call<T>(
@@ -584,12 +575,14 @@ impl Elector {
         verb: &'static str,
         request: impl Future<Output = Result<T, kube::Error>>,
     ) -> Result<T, Failure> {
-        match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+        // A leader gives up at the end of its leadership, so it can step down on time.
+        let mut deadline = Instant::now() + REQUEST_TIMEOUT;
+        if let Role::Leading { until, .. } = &self.role {
+            deadline = deadline.min(*until);
+        }
+        match tokio::time::timeout_at(deadline, request).await {
             Ok(result) => result.map_err(|e| self.classify(verb, e)),
-            Err(_) => Err(Failure::Transient(format!(
-                "{verb}: no answer within {}s",
-                REQUEST_TIMEOUT.as_secs()
-            ))),
+            Err(_) => Err(Failure::Transient(format!("{verb}: no answer in time"))),
         }
     }
 
@@ -691,7 +684,7 @@ impl Elector {
                 spec: Some(release(&spec)),
                 ..lease
             };
-            match self.replace(next, Instant::now() + REQUEST_TIMEOUT).await {
+            match self.replace(next).await {
                 Ok(_) => {
                     tracing::info!(lease = %self.config.name, "released the Lease");
                     return;
