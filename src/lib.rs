@@ -12,7 +12,8 @@
 //! - [`bus`]: the handler runtime (settlement, modes, backoff, counters, conformance).
 //! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream).
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
-//! - [`operator`]: the `settle operator` process (webhook, metrics; controllers to come).
+//! - [`operator`]: the `settle operator` process (webhook, metrics, leader election;
+//!   controllers to come).
 
 pub mod admission;
 pub mod api;

@@ -1,11 +1,12 @@
 //! `settle operator`: the long-running process. Today it serves the admission webhook (with its
-//! certificates and a Backend cache behind it) and a metrics/health endpoint; the controllers
-//! join here.
+//! certificates and a Backend cache behind it) and a metrics/health endpoint, and contends for the
+//! leader Lease; the controllers join here, gated on [`leader::LeaderGate`].
 //!
 //! This module wires parts together and owns process concerns (flags, logging, signals). It must
 //! not hold admission rules or broker logic: those live in `admission/` and `backend/`.
 
 mod health;
+pub mod leader;
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -63,6 +64,21 @@ pub struct OperatorArgs {
     /// The private key for --tls-cert-file.
     #[arg(long, env = "SETTLE_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
+    /// Contend for the leader Lease: only its holder reconciles, every replica serves the
+    /// webhook. Turn off only when exactly one replica runs.
+    #[arg(
+        long,
+        env = "SETTLE_LEADER_ELECTION",
+        default_value_t = true,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    pub leader_election: bool,
+    /// The Lease (in --namespace) the replicas contend for. The holder identity is POD_NAME, else
+    /// <hostname>-<pid>.
+    #[arg(long, env = "SETTLE_LEASE_NAME", default_value = "settle-operator")]
+    pub lease_name: String,
     /// Log format: json (in a cluster), text (a terminal), or auto (json when running in a pod).
     #[arg(long, env = "SETTLE_LOG_FORMAT", default_value = "auto")]
     pub log_format: LogFormat,
@@ -86,6 +102,8 @@ pub enum OperatorError {
     Webhook(#[from] webhook::WebhookError),
     #[error("metrics server: {0}")]
     Health(#[from] health::HealthError),
+    #[error("leader election: {0}")]
+    Leader(#[from] leader::LeaderError),
 }
 
 /// Sets up logging: JSON lines in a cluster (or when asked), human text otherwise. RUST_LOG
@@ -143,6 +161,20 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     });
     let backends_task = tokio::spawn(backends);
 
+    // Contend for the Lease from the start; only what reconciles waits on it.
+    let mut leadership = if args.leader_election {
+        leader::start(
+            client.clone(),
+            leader::LeaseConfig::new(&args.namespace, &args.lease_name, leader::identity()),
+            &registry,
+        )?
+    } else {
+        tracing::warn!(
+            "leader election is off: this replica reconciles as if it were the only one; run one replica"
+        );
+        leader::Leadership::always(&registry)?
+    };
+
     let source = match (&args.tls_cert_file, &args.tls_key_file) {
         (Some(cert), Some(key)) => CertSource::Files(FileCertConfig::new(cert, key)),
         _ => {
@@ -175,9 +207,25 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     tracing::info!(addr = %webhook.local_addr()?, "admission webhook bound");
     let health = health::Server::bind(args.metrics_addr, registry.clone(), store.clone()).await?;
 
+    // On SIGTERM the Lease is released at once, so a standby leads while this replica's webhook
+    // drains; if leader election stops by itself, the process ends with its error.
+    let lease = async {
+        let ended = tokio::select! {
+            () = stopped() => None,
+            e = leadership.ended() => Some(e),
+        };
+        match ended {
+            None => {
+                leadership.release().await;
+                Ok(())
+            }
+            Some(e) => Err(OperatorError::from(e)),
+        }
+    };
     let result = tokio::try_join!(
         async { webhook.run(stopped()).await.map_err(OperatorError::from) },
         async { health.run(stopped()).await.map_err(OperatorError::from) },
+        lease,
     );
     serving.task.abort();
     backends_task.abort();
