@@ -101,7 +101,9 @@ pub struct BackendStatus {
     /// What this backend can honour, from its kind and its live version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capabilities: Option<Capabilities>,
-    /// Ready: Settle can reach the broker.
+    /// Ready: Settle can reach the broker. A list-map keyed by `type`, so each of Settle's status writers server-side-applies its
+    /// own conditions without erasing another's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }

@@ -179,8 +179,10 @@ pub struct SubscriptionStatus {
     /// When stats were last written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stats_updated_at: Option<Time>,
-    /// Accepted, Ready, Exhausting, Stranding.
+    /// Accepted, Ready, Exhausting, Stranding. A list-map keyed by `type`, so each of Settle's status writers server-side-applies its
+    /// own conditions without erasing another's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
 
