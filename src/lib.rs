@@ -12,9 +12,11 @@
 //! - [`bus`]: the handler runtime (settlement, modes, backoff, counters, conformance).
 //! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream).
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
+//! - [`account`]: the delivery account that fills `status.stats` (its pure ledger so far).
 //! - [`operator`]: the `settle operator` process (webhook, metrics, leader election;
 //!   controllers to come).
 
+pub mod account;
 pub mod admission;
 pub mod api;
 pub mod backend;
