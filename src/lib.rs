@@ -14,6 +14,9 @@
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
 //! - [`operator`]: the `settle operator` process (webhook, metrics; controllers to come).
 
+// No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
+#![warn(clippy::unwrap_used)]
+
 pub mod admission;
 pub mod api;
 pub mod backend;
