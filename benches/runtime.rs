@@ -1,4 +1,4 @@
-//! Benchmark of the handler runtime (issue 3, item 11).
+//! Benchmark of the handler runtime (figures in the README's Benchmarks section).
 //!
 //! 1. JetStream: N messages in one stream, consumed and acked one by one (a) by a bare async-nats
 //!    pull consumer and (b) by `settle::bus` (AtLeastOnce, handler acks), each with its own

@@ -16,6 +16,9 @@
 //! - [`operator`]: the `settle operator` process (webhook, metrics, leader election;
 //!   controllers to come).
 
+// No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
+#![warn(clippy::unwrap_used)]
+
 pub mod account;
 pub mod admission;
 pub mod api;

@@ -1,6 +1,9 @@
 //! The `settle` command: `settle operator` runs the operator, `settle crds` prints the CRDs, `settle check` applies the admission
 //! rules to manifests offline (same code as the webhook).
 
+// No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
+#![warn(clippy::unwrap_used)]
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;

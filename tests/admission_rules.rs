@@ -1,4 +1,4 @@
-//! Every admission rule (design §3, seed 000), valid and invalid, as one table over the pure
+//! Every admission rule (docs/semantics.md A1–A9), valid and invalid, as one table over the pure
 //! `validate`. The webhook and `settle check` call the same function; their own tests check the
 //! wiring, this one the rules.
 
@@ -76,9 +76,9 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
-        // --- rule 1: AtLeastOnce requires durableName, on every backend
+        // --- A1: AtLeastOnce requires durableName, on every backend
         Row {
-            name: "rule 1: AtLeastOnce without durableName (nats)",
+            name: "A1: AtLeastOnce without durableName (nats)",
             spec: "mode: AtLeastOnce\n",
             old: None,
             backend: Kind(Nats),
@@ -89,16 +89,16 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 1: AtLeastOnce without durableName (memory too)",
+            name: "A1: AtLeastOnce without durableName (memory too)",
             spec: "mode: AtLeastOnce\n",
             old: None,
             backend: Kind(Memory),
             errors: &[("spec.durableName", "required under mode AtLeastOnce")],
             warnings: &[],
         },
-        // --- rule 2: nothing comes back under AtMostOnce
+        // --- A2: nothing comes back under AtMostOnce
         Row {
-            name: "rule 2: backoff under AtMostOnce",
+            name: "A2: backoff under AtMostOnce",
             spec: "backoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Nats),
@@ -109,7 +109,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 2: maxNackDelay under AtMostOnce",
+            name: "A2: maxNackDelay under AtMostOnce",
             spec: "maxNackDelay: 1m\n",
             old: None,
             backend: Kind(Nats),
@@ -117,7 +117,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 2: fields with no effect under AtMostOnce are admitted with warnings",
+            name: "A2: fields with no effect under AtMostOnce are admitted with warnings",
             spec: "maxDeliver: 3\nslowHandler: Redeliver\nackWait: 10s\nmaxProcessingTime: 1m\nmaxInFlight: 1\n",
             old: None,
             backend: Kind(Nats),
@@ -133,9 +133,9 @@ fn rows() -> Vec<Row> {
                 ("spec.maxInFlight", "has no effect under mode AtMostOnce"),
             ],
         },
-        // --- rule 3: delays need delaysRedelivery
+        // --- A3: delays need delaysRedelivery
         Row {
-            name: "rule 3: backoff on rabbitmq",
+            name: "A3: backoff on rabbitmq",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Rabbitmq),
@@ -143,7 +143,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 3: maxNackDelay on rabbitmq",
+            name: "A3: maxNackDelay on rabbitmq",
             spec: "mode: AtLeastOnce\ndurableName: o\nmaxNackDelay: 1m\n",
             old: None,
             backend: Kind(Rabbitmq),
@@ -151,16 +151,16 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 3: AtLeastOnce without delays is fine on rabbitmq",
+            name: "A3: AtLeastOnce without delays is fine on rabbitmq",
             spec: ALO,
             old: None,
             backend: Kind(Rabbitmq),
             errors: &[],
             warnings: &[],
         },
-        // --- rule 4: not longer than the backend can hold
+        // --- A4: not longer than the backend can hold
         Row {
-            name: "rule 4: backoff.max above SQS's 12h",
+            name: "A4: backoff.max above SQS's 12h",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 13h}\n",
             old: None,
             backend: Kind(Sqs),
@@ -171,7 +171,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 4: maxNackDelay above SQS's 12h",
+            name: "A4: maxNackDelay above SQS's 12h",
             spec: "mode: AtLeastOnce\ndurableName: o\nmaxNackDelay: 24h\n",
             old: None,
             backend: Kind(Sqs),
@@ -182,7 +182,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 4: exactly 12h on SQS is fine",
+            name: "A4: exactly 12h on SQS is fine",
             spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 2\nbackoff: {initial: 1s, max: 12h}\nmaxNackDelay: 12h\n",
             old: None,
             backend: Kind(Sqs),
@@ -190,7 +190,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "seed 000 DelayShortened: total wait past SQS's limit from first receive",
+            name: "A9 (DelayShortened): total wait past SQS's limit from first receive",
             spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 4h, max: 8h}\n",
             old: None,
             backend: Kind(Sqs),
@@ -201,7 +201,7 @@ fn rows() -> Vec<Row> {
             )],
         },
         Row {
-            name: "seed 000 DelayShortened: unbounded attempts on SQS",
+            name: "A9 (DelayShortened): unbounded attempts on SQS",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Sqs),
@@ -212,7 +212,7 @@ fn rows() -> Vec<Row> {
             )],
         },
         Row {
-            name: "seed 000 DelayShortened: a schedule that fits SQS says nothing",
+            name: "A9 (DelayShortened): a schedule that fits SQS says nothing",
             spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Sqs),
@@ -220,16 +220,16 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 4: no limit on nats",
+            name: "A4: no limit on nats",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 48h}\n",
             old: None,
             backend: Kind(Nats),
             errors: &[],
             warnings: &[],
         },
-        // --- rule 5: malformed backoff
+        // --- A5: malformed backoff
         Row {
-            name: "rule 5: max shorter than initial",
+            name: "A5: max shorter than initial",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1m, max: 1s}\n",
             old: None,
             backend: Kind(Nats),
@@ -240,7 +240,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 5: multiplier below 1",
+            name: "A5: multiplier below 1",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m, multiplier: 0.5}\n",
             old: None,
             backend: Kind(Nats),
@@ -248,7 +248,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 5: zero initial (only reachable past the CEL check)",
+            name: "A5: zero initial (only reachable past the CEL check)",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 0s, max: 1m}\n",
             old: None,
             backend: Kind(Nats),
@@ -256,16 +256,16 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 5: multiplier exactly 1 is a constant wait",
+            name: "A5: multiplier exactly 1 is a constant wait",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1s, multiplier: 1}\n",
             old: None,
             backend: Kind(Nats),
             errors: &[],
             warnings: &[],
         },
-        // --- rule 6: what the broker cannot change in place
+        // --- A6: what the broker cannot change in place
         Row {
-            name: "rule 6: mode change",
+            name: "A6: mode change",
             spec: ALO,
             old: Some("mode: AtMostOnce\ndurableName: orders\n"),
             backend: Kind(Nats),
@@ -276,7 +276,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 6: durableName change",
+            name: "A6: durableName change",
             spec: "mode: AtLeastOnce\ndurableName: orders2\n",
             old: Some(ALO),
             backend: Kind(Nats),
@@ -287,7 +287,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 6: stream set on update",
+            name: "A6: stream set on update",
             spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
             old: Some(ALO),
             backend: Kind(Nats),
@@ -295,16 +295,16 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "rule 6: editable fields change freely",
+            name: "A6: editable fields change freely",
             spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 9\nackWait: 1m\nmaxInFlight: 10\n",
             old: Some("mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 3\n"),
             backend: Kind(Nats),
             errors: &[],
             warnings: &[],
         },
-        // --- rule 7: Redeliver makes ackWait a correctness setting
+        // --- A7: Redeliver makes ackWait a correctness setting
         Row {
-            name: "rule 7: Redeliver without ackWait",
+            name: "A7: Redeliver without ackWait",
             spec: "mode: AtLeastOnce\ndurableName: o\nslowHandler: Redeliver\n",
             old: None,
             backend: Kind(Nats),
@@ -315,7 +315,7 @@ fn rows() -> Vec<Row> {
             )],
         },
         Row {
-            name: "rule 7: Redeliver with ackWait",
+            name: "A7: Redeliver with ackWait",
             spec: "mode: AtLeastOnce\ndurableName: o\nslowHandler: Redeliver\nackWait: 10m\n",
             old: None,
             backend: Kind(Nats),
@@ -323,7 +323,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "ExtendLease with ackWait past the default 5m maxProcessingTime",
+            name: "A9: ExtendLease with ackWait past the default 5m maxProcessingTime",
             spec: "mode: AtLeastOnce\ndurableName: o\nackWait: 10m\n",
             old: None,
             backend: Kind(Nats),
@@ -334,16 +334,16 @@ fn rows() -> Vec<Row> {
             )],
         },
         Row {
-            name: "ExtendLease that can never extend",
+            name: "A9: ExtendLease that can never extend",
             spec: "mode: AtLeastOnce\ndurableName: o\nackWait: 1m\nmaxProcessingTime: 30s\n",
             old: None,
             backend: Kind(Nats),
             errors: &[],
             warnings: &[("spec.maxProcessingTime", "the lease is never extended")],
         },
-        // --- rule 8: a Backend that does not exist yet
+        // --- A8: a Backend that does not exist yet
         Row {
-            name: "rule 8: missing backend is admitted with a warning",
+            name: "A8: missing backend is admitted with a warning",
             spec: ALO,
             old: None,
             backend: Missing,
@@ -354,7 +354,7 @@ fn rows() -> Vec<Row> {
             )],
         },
         Row {
-            name: "rule 8: missing backend does not hide policy errors",
+            name: "A8: missing backend does not hide policy errors",
             spec: "mode: AtLeastOnce\n",
             old: None,
             backend: Missing,

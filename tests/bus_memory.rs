@@ -1,6 +1,6 @@
-//! The handler runtime (seed 000, seed 003) on the in-memory backend: one test per behaviour the
-//! seeds state, each citing its sentence. Time is Tokio's paused clock, so "at once" and "after
-//! one second" are exact and the suite runs in milliseconds of wall time.
+//! The handler runtime on the in-memory backend: one test per rule of docs/semantics.md that the
+//! runtime implements, each citing its rule. Time is Tokio's paused clock, so "at once" and
+//! "after one second" are exact and the suite runs in milliseconds of wall time.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -103,9 +103,9 @@ where
 // ---------------------------------------------------------------- spec and defaults
 
 #[test]
-fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
-    // seed 000: "ExtendLease, the default, keeps the message yours for up to MaxProcessingTime
-    // (five minutes unless you say otherwise)"; "Under AtMostOnce — the default"; seed 003: prefetch 250.
+fn spec_is_built_from_the_crd_type_with_the_documented_defaults() {
+    // semantics M1: AtMostOnce is the default mode. H1: ExtendLease is the default, for up to
+    // maxProcessingTime, 5m unless set; ackWait 30s unless set. P2: maxInFlight 250 unless set.
     let crd: api::SubscriptionSpec = serde_json::from_value(serde_json::json!({
         "backendRef": {"name": "nats"}, "pattern": "orders.>"
     }))
@@ -127,7 +127,8 @@ fn spec_is_built_from_the_crd_type_with_the_seeds_defaults() {
 
 #[test]
 fn backoff_schedule_doubles_and_is_capped() {
-    // seed 000: "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
+    // semantics B2: initial × multiplier^(n−1) after the decline of attempt n, capped at max:
+    // 1s, 2s, 4s, … 1m.
     let s = policy::Schedule {
         initial: Duration::from_secs(1),
         max: Duration::from_secs(60),
@@ -142,7 +143,7 @@ fn backoff_schedule_doubles_and_is_capped() {
 
 #[tokio::test(start_paused = true)]
 async fn ack_accepts_and_is_counted_acked() {
-    // seed 000: "Ack accepts the delivery."
+    // semantics S1: ack() accepts an attempt.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -176,7 +177,7 @@ async fn ack_accepts_and_is_counted_acked() {
 
 #[tokio::test(start_paused = true)]
 async fn nack_declines_and_is_counted_nacked() {
-    // seed 000: "Nack declines it."
+    // semantics S1: nack() declines an attempt.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     bus.subscribe(sub("orders", alo("orders.>"), |d| async move {
@@ -203,7 +204,8 @@ async fn nack_declines_and_is_counted_nacked() {
 
 #[tokio::test(start_paused = true)]
 async fn returning_without_settling_is_silence_not_consent() {
-    // seed 000: "Returning without calling either is silence, and the bus records it as such rather than reading it as consent."
+    // semantics S1: a handler that returns without settling is silent; the runtime settles the
+    // attempt as Silent, never as acceptance.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -235,8 +237,8 @@ async fn returning_without_settling_is_silence_not_consent() {
 
 #[tokio::test(start_paused = true)]
 async fn at_most_once_acts_on_nothing_and_records_everything() {
-    // seed 000: "Under AtMostOnce — the default — nothing is acted on: a Nack does not bring the
-    // message back. Every settlement is still recorded, in the Settlement counters on ConsumerStats"
+    // semantics M1: under AtMostOnce (the default) every settlement is counted and none is acted
+    // on: a Nack does not bring the message back.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -275,7 +277,7 @@ async fn at_most_once_acts_on_nothing_and_records_everything() {
 
 #[tokio::test(start_paused = true)]
 async fn at_most_once_still_refuses_a_second_settlement() {
-    // seed 000: "Every settlement is still recorded ... and a handler that settles twice is refused."
+    // semantics M1, S2: under AtMostOnce too, a second settlement is refused and records nothing.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let second = Arc::new(Mutex::new(None));
@@ -306,8 +308,8 @@ async fn at_most_once_still_refuses_a_second_settlement() {
 
 #[tokio::test(start_paused = true)]
 async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_max_deliver() {
-    // seed 000: "Under AtLeastOnce a Nack, or silence, brings the message back, up to MaxDeliver
-    // attempts." and "Each redelivery arrives with a higher Attempt."
+    // semantics M2: under AtLeastOnce a Nack or silence brings the message back, each time with
+    // a higher attempt, up to maxDeliver attempts in all.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -340,8 +342,8 @@ async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_ma
 
 #[tokio::test(start_paused = true)]
 async fn exhausted_is_counted_once_per_message() {
-    // seed 000: "A handler that keeps declining exhausts the budget and the message is counted
-    // Exhausted — real data loss, reported at message grain."
+    // semantics C7: a message declined on its last attempt is Exhausted, once per message
+    // (message grain): real data loss.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("orders.>");
@@ -371,8 +373,8 @@ async fn exhausted_is_counted_once_per_message() {
 
 #[tokio::test(start_paused = true)]
 async fn at_least_once_requires_a_durable_name_on_the_memory_backend_too() {
-    // seed 000: "DurableName ... is required in this mode on every backend, so the spec you test
-    // against memory is the spec you run against a broker."
+    // semantics M3: durableName is required under AtLeastOnce on every backend, memory included,
+    // so the spec tested against memory is the spec run against a broker.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("orders.>");
@@ -399,7 +401,8 @@ async fn at_least_once_requires_a_durable_name_on_the_memory_backend_too() {
 
 #[tokio::test(start_paused = true)]
 async fn the_same_handler_is_correct_in_both_modes() {
-    // seed 000: "The same handler is correct in both modes; only what the bus does with its answer differs."
+    // semantics M4: one handler is correct in both modes; only what the runtime does with its
+    // answer differs.
     async fn handle(d: Delivery) -> Result<(), bus::HandlerError> {
         if d.payload().as_ref() == b"bad" {
             d.nack().await?;
@@ -439,7 +442,7 @@ async fn the_same_handler_is_correct_in_both_modes() {
 
 #[tokio::test(start_paused = true)]
 async fn without_backoff_a_nack_comes_back_at_once() {
-    // seed 000: "By default a Nack brings the message back at once."
+    // semantics B1: without a schedule, a declined message is offered again at once.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -467,8 +470,8 @@ async fn without_backoff_a_nack_comes_back_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn with_backoff_each_decline_waits_the_schedule() {
-    // seed 000: "Give the subscription a Backoff, and each decline waits before the next attempt"
-    // "Nack now waits one second after the first attempt, two after the second, then four, capped at a minute."
+    // semantics B2: with a backoff, each decline waits the schedule before the next attempt:
+    // 1s, 2s, 4s, … capped at max.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -494,7 +497,8 @@ async fn with_backoff_each_decline_waits_the_schedule() {
 
 #[tokio::test(start_paused = true)]
 async fn silence_and_a_returned_error_wait_the_same_schedule() {
-    // seed 000: "A handler that returns without settling has declined too, so a plain return err waits the same schedule"
+    // semantics S3, S4, B2: silence declines, and so does a returned error without a settlement;
+    // both wait the same schedule as a Nack.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -525,7 +529,7 @@ async fn silence_and_a_returned_error_wait_the_same_schedule() {
 
 #[tokio::test(start_paused = true)]
 async fn nack_after_zero_is_an_immediate_retry_even_with_a_backoff() {
-    // seed 000: "d.NackAfter(0) is how to ask for an immediate retry instead."
+    // semantics B4: nack_after(0) is an immediate retry, also on a subscription with a schedule.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -550,9 +554,9 @@ async fn nack_after_zero_is_an_immediate_retry_even_with_a_backoff() {
 
 #[tokio::test(start_paused = true)]
 async fn nack_after_waits_its_delay_never_less_and_the_attempt_is_spent() {
-    // seed 000: "What a delay promises: the message is not offered again before the delay has
-    // passed." "A delay is never quietly turned into an immediate retry." "The declined attempt
-    // is spent, so it still counts towards MaxDeliver."
+    // semantics B5: a delay is a floor: the message is not offered again before it has passed.
+    // B3: a delay is never turned into an immediate retry. B6: the declined attempt is spent and
+    // counts towards maxDeliver.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -582,7 +586,7 @@ async fn nack_after_waits_its_delay_never_less_and_the_attempt_is_spent() {
 
 #[tokio::test(start_paused = true)]
 async fn nack_after_ceiling_is_max_nack_delay_else_backoff_max() {
-    // seed 000: "NackAfter is allowed up to MaxNackDelay, or the schedule's Max when that is unset."
+    // semantics B3: the ceiling of nack_after is maxNackDelay, else backoff.max.
     let mem = MemoryBroker::new();
     let mut with_max = alo("a.>");
     with_max.max_nack_delay = Some(api::Duration::from_secs(10));
@@ -616,8 +620,8 @@ async fn nack_after_ceiling_is_max_nack_delay_else_backoff_max() {
 
 #[tokio::test(start_paused = true)]
 async fn nack_after_refused_records_nothing_and_the_handler_can_still_nack() {
-    // seed 000: "On a subscription with neither, or for a delay that is negative or above that
-    // ceiling, it returns an error and records nothing, so the handler can still Nack."
+    // semantics B3: with no ceiling, or for a negative delay or one above the ceiling, nack_after
+    // returns an error and records nothing, so the handler can still nack().
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let results = Arc::new(Mutex::new(Vec::new()));
@@ -684,9 +688,8 @@ async fn nack_after_refused_records_nothing_and_the_handler_can_still_nack() {
 
 #[tokio::test(start_paused = true)]
 async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_them() {
-    // seed 000: "A delay needs a backend that can hold the message back, Capabilities.DelaysRedelivery.
-    // On one that cannot, the subscription is refused when the bus is built, as it is for a delay
-    // longer than the backend's MaxRedeliveryDelay."
+    // semantics B7: delays need delaysRedelivery and must not exceed maxRedeliveryDelay; a
+    // subscription that asks otherwise is refused when a bus is built on the backend.
     let no_delays = Limited(
         MemoryBroker::new(),
         Capabilities {
@@ -731,7 +734,7 @@ async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_
 
 #[tokio::test(start_paused = true)]
 async fn delays_are_not_allowed_under_at_most_once() {
-    // seed 000: "Neither is allowed under AtMostOnce, where nothing comes back."
+    // semantics B7, A2: no backoff and no maxNackDelay under AtMostOnce, where nothing comes back.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = amo("o.>");
@@ -757,8 +760,8 @@ async fn delays_are_not_allowed_under_at_most_once() {
 
 #[tokio::test(start_paused = true)]
 async fn the_memory_backend_never_hands_a_message_on_while_its_handler_runs() {
-    // seed 000: "The in-memory backend never hands a message on while a handler runs, so neither
-    // setting does anything there"
+    // semantics H4: the in-memory backend never hands a message on while its handler runs, so
+    // neither slowHandler setting does anything there.
     for slow in [SlowHandler::ExtendLease, SlowHandler::Redeliver] {
         let mem = MemoryBroker::new();
         let bus = bus(&mem);
@@ -790,9 +793,9 @@ async fn the_memory_backend_never_hands_a_message_on_while_its_handler_runs() {
 
 #[tokio::test(start_paused = true)]
 async fn the_first_settlement_wins_even_through_clones_in_other_tasks() {
-    // seed 000: "Exactly one settlement per delivery. The first call wins; a second returns
-    // ErrAlreadySettled. This holds even if you copy the Delivery — into a struct, a closure,
-    // another goroutine — because the settlement state is shared behind the value."
+    // semantics S2: exactly one settlement per attempt. The first wins; a later one returns
+    // AlreadySettled, also from a clone held by another task, struct or closure, because every
+    // clone shares one settlement state.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let outcomes = Arc::new(Mutex::new(Vec::new()));
@@ -845,9 +848,8 @@ async fn the_first_settlement_wins_even_through_clones_in_other_tasks() {
 
 #[tokio::test(start_paused = true)]
 async fn the_returned_error_never_decides_settlement() {
-    // seed 000: "The returned error and the settlement are separate. An error is counted and
-    // logged and does not affect settlement ... So Ack-then-return-error and Nack-then-return-nil
-    // are both legal and both mean exactly what they say."
+    // semantics S3: the returned error never settles; it is counted and logged. Ack then return
+    // an error: acked. Nack then return success: nacked.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let seen = Seen::default();
@@ -896,8 +898,8 @@ async fn the_returned_error_never_decides_settlement() {
 
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_is_contained_counted_and_treated_as_silence() {
-    // issue 3, Done when: "A handler that panics is contained: counted, the delivery treated as
-    // silence, the bus keeps running."
+    // semantics S5: a panicking handler is contained and counted, its attempt is settled as
+    // Silent, and the subscription keeps running.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
@@ -924,8 +926,8 @@ async fn a_panicking_handler_is_contained_counted_and_treated_as_silence() {
 
 #[tokio::test(start_paused = true)]
 async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest() {
-    // seed 000: "The first three partition Delivered." "the identity at rest is Offered ==
-    // Delivered + Released + Lost."
+    // semantics C5: Acked, Nacked and Silent partition Delivered. I1: at rest, offered ==
+    // delivered + released + lost.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
@@ -960,7 +962,8 @@ async fn acked_nacked_silent_partition_delivered_and_the_identity_holds_at_rest(
 
 #[tokio::test(start_paused = true)]
 async fn a_refused_nack_moves_nacked_and_refused() {
-    // seed 000: "Refused is orthogonal: a nack the backend could not act on moves Nacked and Refused."
+    // semantics C6: Refused is a different axis: a nack the backend could not perform counts in
+    // both Nacked and Refused.
     let mem = MemoryBroker::new();
     let bus = Bus::builder(mem.clone())
         .without_reports()
@@ -992,7 +995,8 @@ async fn a_refused_nack_moves_nacked_and_refused() {
 
 #[tokio::test(start_paused = true)]
 async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
-    // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
+    // semantics C3: Released counts attempts given up before their handler returned; the backend
+    // owes them back.
     let mem = MemoryBroker::new();
     let bus1 = Bus::builder(mem.clone())
         .without_reports()
@@ -1031,7 +1035,7 @@ async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
 
 #[tokio::test(start_paused = true)]
 async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
-    // api ConsumerStats.lost: "Attempts offered and never delivered nor released (under AtMostOnce, dropped on shutdown)."
+    // semantics C4: under AtMostOnce an attempt given up before its handler returned is Lost.
     let mem = MemoryBroker::new();
     let bus = Bus::builder(mem.clone())
         .without_reports()
@@ -1053,8 +1057,8 @@ async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
 
 #[tokio::test(start_paused = true)]
 async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
-    // seed 000: "DelayShortened is zero except on a backend with a limit on how long it can hold a
-    // message"; LeaseExpired counts attempts handed on, which memory never does.
+    // semantics C10: DelayShortened is zero except on a backend with a maxRedeliveryDelay. C9, H4:
+    // LeaseExpired counts attempts handed on, which memory never does.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
@@ -1084,7 +1088,7 @@ async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
 
 #[tokio::test(start_paused = true)]
 async fn counters_never_go_backwards_across_resubscribe() {
-    // design §5: "Status counters never decrease"; the runtime's own counters are cumulative.
+    // semantics C14: counters are cumulative and never decrease, also across a resubscribe.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     for round in 1..=2u64 {
@@ -1129,7 +1133,7 @@ async fn one_delivery(headers: Vec<(&str, &str)>, payload: &str) -> (Delivery, C
 
 #[tokio::test(start_paused = true)]
 async fn cloudevents_binary_and_structured_decode_and_never_raise_a_foreign_conflict() {
-    // seed 000: "Binary and structured mode never raise it."
+    // semantics C11: CloudEvents in binary and structured mode never raise a ForeignConflict.
     let (d, st) = one_delivery(
         vec![
             ("ce-specversion", "1.0"),
@@ -1160,10 +1164,10 @@ async fn cloudevents_binary_and_structured_decode_and_never_raise_a_foreign_conf
 
 #[tokio::test(start_paused = true)]
 async fn a_masstransit_envelope_contradicted_by_a_transport_header_counts_one_foreign_conflict() {
-    // seed 000: "ForeignConflicts, under any mode, is attempts that arrived with a transport header
-    // contradicting the event's envelope, such as a broker's correlation ID that differs from the
-    // one in a MassTransit envelope. ... The event is still the envelope's; the other value is in
-    // d.Foreign().Headers."
+    // semantics C11: ForeignConflicts counts, in any mode, attempts whose transport headers
+    // contradict the event's envelope, such as a correlation-id header that differs from a
+    // MassTransit envelope's correlationId. The event stays the envelope's; the contradicting
+    // headers are in d.foreign().
     let envelope = r#"{"messageId":"m-1","correlationId":"c-envelope","messageType":["urn:message:Shop:OrderCreated"],"message":{"id":9}}"#;
     let (d, st) = one_delivery(
         vec![
@@ -1204,7 +1208,7 @@ async fn a_masstransit_envelope_contradicted_by_a_transport_header_counts_one_fo
 
 #[tokio::test(start_paused = true)]
 async fn foreign_conflicts_are_counted_per_attempt_under_at_least_once() {
-    // seed 000: "It is attempt-grain and outside the identity too."
+    // semantics C11, I2: ForeignConflicts is attempt grain and outside the identity.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
@@ -1230,7 +1234,7 @@ async fn foreign_conflicts_are_counted_per_attempt_under_at_least_once() {
 
 #[tokio::test(start_paused = true)]
 async fn decode_reads_a_raw_json_payload_and_reports_a_malformed_one() {
-    // seed 000: "if err := d.Decode(&order); err != nil { return d.Nack() // malformed: decline it }"
+    // A handler decodes first; a malformed payload is an error it can decline (semantics S1).
     let (d, _) = one_delivery(vec![], r#"{"id": 1}"#).await;
     assert_eq!(d.event().format, Format::Raw);
     assert_eq!(d.decode::<Order>().unwrap(), Order { id: 1 });
@@ -1238,11 +1242,12 @@ async fn decode_reads_a_raw_json_payload_and_reports_a_malformed_one() {
     assert!(d.decode::<Order>().is_err());
 }
 
-// ---------------------------------------------------------------- seed 003: prefetch and the forgotten ack
+// ------------------------------------------------ prefetch and the forgotten ack (semantics P1–P4)
 
 #[tokio::test(start_paused = true)]
 async fn max_in_flight_bounds_concurrent_handlers() {
-    // seed 003: "`prefetch` is how many un-acknowledged messages the broker will send a consumer."
+    // semantics P1: maxInFlight is how many unsettled attempts a subscription holds; the runtime
+    // runs at most that many handlers at once.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let now = Arc::new(AtomicUsize::new(0));
@@ -1272,9 +1277,9 @@ async fn max_in_flight_bounds_concurrent_handlers() {
 
 #[tokio::test(start_paused = true)]
 async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
-    // seed 003: "With `prefetch: 1` the consumer stops after exactly one message"; design §2: in
-    // Settle it "becomes a counted Silent settlement that is redelivered under AtLeastOnce, so it
-    // can never hide."
+    // semantics P3: a forgotten ack does not hold its slot (with a prefetch of 1 a consumer would
+    // otherwise stop after one message): it is counted Silent and, under AtLeastOnce,
+    // redelivered, so it never stalls a consumer unseen.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let runs = Arc::new(AtomicU32::new(0));
@@ -1308,8 +1313,8 @@ async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
 
 #[tokio::test(start_paused = true)]
 async fn the_conformance_suite_passes_on_the_memory_backend() {
-    // seed 000: "The conformance suite holds an AtLeastOnce backend to four rows ... and a fifth, a
-    // declined message waiting out its delay, on a backend declaring DelaysRedelivery."
+    // semantics T1–T5: four rows for any AtLeastOnce backend, and a fifth, a declined message
+    // waiting out its delay, on a backend declaring delaysRedelivery.
     let mem = MemoryBroker::new();
     let rows = bus::conformance::run(&mem, "conformance")
         .await
@@ -1319,7 +1324,7 @@ async fn the_conformance_suite_passes_on_the_memory_backend() {
 
 #[tokio::test(start_paused = true)]
 async fn the_conformance_suite_skips_the_delay_row_where_delays_are_not_declared() {
-    // seed 000: "and a fifth ... on a backend declaring DelaysRedelivery."
+    // semantics T5: the delay row runs only on a backend declaring delaysRedelivery.
     let limited = Limited(
         MemoryBroker::new(),
         Capabilities {
@@ -1336,7 +1341,7 @@ async fn the_conformance_suite_skips_the_delay_row_where_delays_are_not_declared
 #[tokio::test(start_paused = true)]
 async fn the_conformance_suite_catches_a_backend_that_redelivers_early() {
     // The suite must fail a backend that turns a delay into an immediate retry
-    // (seed 000: "A delay is never quietly turned into an immediate retry").
+    // (semantics B3, B5, T5).
     let rows = bus::conformance::run(&Hasty(MemoryBroker::new()), "conformance").await;
     let err = rows.unwrap_err();
     assert_eq!(err.row, bus::conformance::ROWS[4], "{err}");
@@ -1344,8 +1349,8 @@ async fn the_conformance_suite_catches_a_backend_that_redelivers_early() {
 
 #[tokio::test(start_paused = true)]
 async fn settle_is_the_one_path_at_the_seam() {
-    // seed 000: "it completes each exchange with messaging.Settle, the same function the bus calls
-    // after a handler returns, or messaging.SettleWith to put a delay on a decline."
+    // semantics T6, S6: at the seam every exchange is completed with bus::settle (or
+    // bus::settle_with for a delayed decline), the same functions the bus uses.
     let mem = MemoryBroker::new();
     let mut p = alo("o.>");
     p.max_nack_delay = Some(api::Duration::from_secs(1));
@@ -1502,7 +1507,7 @@ impl Consumer for Rewrap {
     }
 }
 
-// ---------------------------------------------------------------- the stats report (issue 3, item 10)
+// ---------------------------------------------------------- the stats report (docs/stats-report.md)
 
 /// Counts every put, keeps the last value per key.
 #[derive(Clone, Default)]
@@ -1561,7 +1566,8 @@ async fn the_stats_report_is_versioned_json_keyed_by_namespace_subscription_and_
 
 #[tokio::test(start_paused = true)]
 async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something_changed() {
-    // issue 3, item 10: "publishes its cumulative per-subscription stats ... at a bounded rate".
+    // docs/stats-report.md, "When": at most once per interval per subscription, and only when a
+    // counter changed.
     let mem = MemoryBroker::new();
     let sink = CountingSink::default();
     let bus = Bus::builder(mem.clone())

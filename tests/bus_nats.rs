@@ -1,7 +1,7 @@
 //! The handler runtime on a real nats-server with JetStream: the conformance suite, and every
-//! rule of seed 000 that involves what the broker is sent or does (design §4). Each test uses its
-//! own stream and subjects, so the tests share one server and run in parallel. Acks are observed
-//! on the wire by a plain subscription to `$JS.ACK.<stream>.>`.
+//! rule of docs/semantics.md that involves what the broker is sent or does (J1–J7). Each test
+//! uses its own stream and subjects, so the tests share one server and run in parallel. Acks are
+//! observed on the wire by a plain subscription to `$JS.ACK.<stream>.>`.
 //!
 //! Needs the environment (`make env-up`); never skips.
 
@@ -192,10 +192,9 @@ fn ms(v: u64) -> api::Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_conformance_suite_passes_on_real_jetstream() {
-    // seed 000: "The conformance suite holds an AtLeastOnce backend to four rows — redelivery with
-    // an increasing attempt, MaxDeliver and Exhausted, per-message acknowledgement, and a refused
-    // settlement after retirement — and a fifth, a declined message waiting out its delay, on a
-    // backend declaring DelaysRedelivery."
+    // semantics T1–T5: redelivery with an increasing attempt, MaxDeliver and Exhausted,
+    // per-message acknowledgement, a refused settlement after retirement, and (JetStream declares
+    // delaysRedelivery) a declined message waiting out its delay.
     let scope = Scope::new("conformance").await;
     let backend = scope.backend().await;
     let rows = bus::conformance::run(&backend, &scope.prefix)
@@ -209,8 +208,8 @@ async fn the_conformance_suite_passes_on_real_jetstream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_consumer_carries_the_policy_and_never_a_backoff_list() {
-    // design §4: "With `backoff` set, the server ... lengthens every nak delay": the runtime paces
-    // declines client-side and never sets it. seed 003: maxInFlight is the prefetch (max ack pending).
+    // semantics J2: the consumer's backoff list is never set (the server would lengthen every nak
+    // delay with it); the runtime paces declines itself. J1, P1: maxInFlight is max_ack_pending.
     let scope = Scope::new("config").await;
     let bus = scope.bus().await;
     let mut p = scope.alo("cfg");
@@ -247,7 +246,7 @@ async fn the_consumer_carries_the_policy_and_never_a_backoff_list() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_least_once_requires_a_durable_name_on_nats() {
-    // seed 000: DurableName "is required in this mode on every backend".
+    // semantics M3: durableName is required under AtLeastOnce, on every backend.
     let scope = Scope::new("durable").await;
     let bus = scope.bus().await;
     let mut p = scope.alo("x");
@@ -267,8 +266,8 @@ async fn at_least_once_requires_a_durable_name_on_nats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nack_after_zero_and_a_plain_nack_without_backoff_send_a_bare_nak() {
-    // seed 000: "By default a Nack brings the message back at once." "d.NackAfter(0) is how to ask
-    // for an immediate retry"; design §4: "`NackAfter(0)` must send a bare `-NAK`."
+    // semantics B1, B4: without a schedule a Nack, and nack_after(0) always, is an immediate
+    // retry. J3: on JetStream both send a bare -NAK.
     let scope = Scope::new("barenak").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -300,9 +299,8 @@ async fn nack_after_zero_and_a_plain_nack_without_backoff_send_a_bare_nak() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_backoff_schedule_is_sent_as_delayed_naks_and_never_comes_back_early() {
-    // seed 000: "each decline waits before the next attempt" ... "What a delay promises: the
-    // message is not offered again before the delay has passed."; design §4: "A delayed nak is the
-    // client's `-NAK {"delay":<ns>}`".
+    // semantics B2: each decline waits the schedule. B5: never offered again before the delay has
+    // passed. J3: a delayed decline is sent as `-NAK {"delay":<ns>}`.
     let scope = Scope::new("schedule").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -353,7 +351,7 @@ async fn the_backoff_schedule_is_sent_as_delayed_naks_and_never_comes_back_early
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn silence_is_redelivered_with_the_schedule_on_nats() {
-    // seed 000: "A handler that returns without settling has declined too, so a plain return err waits the same schedule"
+    // semantics S4, B2: silence declines, and waits the same schedule as a Nack.
     let scope = Scope::new("silence").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -390,8 +388,8 @@ async fn silence_is_redelivered_with_the_schedule_on_nats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_message_declined_on_its_last_attempt_is_exhausted_and_terminated() {
-    // seed 000: "A handler that keeps declining exhausts the budget and the message is counted
-    // Exhausted — real data loss, reported at message grain." On JetStream the runtime sends +TERM.
+    // semantics C7: declined on its last attempt, a message is Exhausted once (message grain).
+    // J3: on JetStream the runtime then sends +TERM.
     let scope = Scope::new("exhaust").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -425,8 +423,8 @@ async fn a_message_declined_on_its_last_attempt_is_exhausted_and_terminated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_most_once_sends_nothing_and_nothing_comes_back() {
-    // seed 000: "Under AtMostOnce — the default — nothing is acted on: a Nack does not bring the
-    // message back. Every settlement is still recorded"
+    // semantics M1: under AtMostOnce every settlement is counted and none is acted on: nothing
+    // is sent, and a Nack does not bring the message back.
     let scope = Scope::new("amo").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -464,8 +462,8 @@ async fn at_most_once_sends_nothing_and_nothing_comes_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn extend_lease_keeps_a_slow_message_with_its_handler() {
-    // seed 000: "ExtendLease, the default, keeps the message yours for up to MaxProcessingTime";
-    // design §4: "`+WPI` restarts the full ack wait from that moment".
+    // semantics H1: ExtendLease keeps the message with its handler for up to maxProcessingTime.
+    // J4: by +WPI, which restarts the full ack wait.
     let scope = Scope::new("extend").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -496,9 +494,8 @@ async fn extend_lease_keeps_a_slow_message_with_its_handler() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on() {
-    // seed 000: "LeaseExpired // attempts handed on at MaxProcessingTime while the handler may
-    // still have been running" ... "the attempt it counts is still running and is Delivered when
-    // its handler returns".
+    // semantics H2, C9: at maxProcessingTime the message is handed on and LeaseExpired counts the
+    // attempt; I2: that attempt is still running, and is Delivered when its handler returns.
     let scope = Scope::new("expire").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -546,8 +543,7 @@ async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lease_expired_is_attempt_grain_one_message_can_reach_the_bound_twice() {
-    // seed 000: "Released and LeaseExpired are attempt-grain: one message can be released, or
-    // reach the bound, more than once, so neither is a message count."
+    // semantics C9: LeaseExpired is attempt grain: one message can reach the bound more than once.
     let scope = Scope::new("expiretwice").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -590,7 +586,7 @@ async fn lease_expired_is_attempt_grain_one_message_can_reach_the_bound_twice() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redeliver_lets_the_broker_hand_a_slow_message_on_and_sends_no_progress() {
-    // seed 000: "Redeliver lets the message go while you may still be running."
+    // semantics H3: Redeliver lets the message go after ackWait while its handler may still run.
     let scope = Scope::new("redeliver").await;
     let bus = scope.bus().await;
     let seen = Seen::default();
@@ -625,8 +621,8 @@ async fn redeliver_lets_the_broker_hand_a_slow_message_on_and_sends_no_progress(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_nack_the_broker_cannot_act_on_is_refused_and_stranded() {
-    // seed 000: "Refused is orthogonal: a nack the backend could not act on moves Nacked and
-    // Refused." "Stranded // messages declined whose backend could not be asked to try again".
+    // semantics C6: a nack the backend could not perform counts in Nacked and Refused. C8, J3:
+    // the consumer is gone, so the broker cannot be asked to try again: Stranded.
     let scope = Scope::with_wire("refused", false).await;
     let bus = scope.bus().await;
     let result = Arc::new(Mutex::new(None));
@@ -665,7 +661,8 @@ async fn a_nack_the_broker_cannot_act_on_is_refused_and_stranded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_attempt_given_up_at_close_is_released_and_comes_back() {
-    // seed 000: "Released // attempts given up before a handler returned, owed back by the backend"
+    // semantics C3: an attempt given up before its handler returned is Released; the backend
+    // owes it back (J4: a bare -NAK).
     let scope = Scope::new("release").await;
     let bus1 = Bus::builder(scope.backend().await)
         .without_reports()
@@ -712,7 +709,8 @@ async fn an_attempt_given_up_at_close_is_released_and_comes_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_panicking_handler_is_contained_on_nats_and_its_message_redelivered() {
-    // issue 3: "A handler that panics is contained: counted, the delivery treated as silence, the bus keeps running."
+    // semantics S5: a panicking handler is contained and counted, its attempt settled as Silent
+    // (so redelivered, S4), and the subscription keeps running.
     let scope = Scope::new("panic").await;
     let bus = scope.bus().await;
     bus.subscribe(sub("p", scope.alo("p"), |d| async move {
@@ -736,7 +734,8 @@ async fn a_panicking_handler_is_contained_on_nats_and_its_message_redelivered() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_masstransit_envelope_contradicted_by_a_nats_header_counts_a_foreign_conflict() {
-    // seed 000: "ForeignConflicts ... a broker's correlation ID that differs from the one in a MassTransit envelope."
+    // semantics C11: a transport correlation-id header that differs from the MassTransit
+    // envelope's correlationId is a ForeignConflict.
     let scope = Scope::new("foreign").await;
     let bus = scope.bus().await;
     let got = Arc::new(Mutex::new(None));
@@ -776,12 +775,12 @@ async fn a_masstransit_envelope_contradicted_by_a_nats_header_counts_a_foreign_c
     scope.drop_stream().await;
 }
 
-// ---------------------------------------------------------------- seed 003 on the broker
+// ------------------------------------------------ the forgotten ack on the broker (semantics P3)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_nats() {
-    // seed 003: "With `prefetch: 1` the consumer stops after exactly one message"; in Settle the
-    // forgotten ack is a counted Silent settlement, redelivered, so the consumer goes on.
+    // semantics P3: with maxInFlight 1 a forgotten ack would stop the consumer after one message;
+    // in Settle it is counted Silent and redelivered, so the consumer goes on.
     let scope = Scope::new("forgotten").await;
     let bus = scope.bus().await;
     let mut p = scope.alo("fg");
@@ -803,7 +802,7 @@ async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_nats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_bus_keeps_consuming_across_a_broker_restart() {
-    // design §4 / §5: the runtime must survive a broker restart (durable consumer, file storage).
+    // semantics J7: the runtime survives a broker restart (durable consumer, file storage).
     let env = common::env();
     let dir = tempfile::tempdir().unwrap();
     let port = {
@@ -887,7 +886,7 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_stats_report_lands_in_a_jetstream_kv_bucket_readable_by_a_fresh_connection() {
-    // issue 3, item 10; docs/stats-report.md: bucket `settle-stats`, key
+    // docs/stats-report.md: bucket `settle-stats`, key
     // `<namespace>.<subscription>.<instance>`, last value per key, versioned JSON.
     let scope = Scope::new("report").await;
     let bucket = format!(

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
 use super::read_subscription;
@@ -249,11 +250,11 @@ fn unreadable(source: String, kind: &str, error: String) -> Finding {
     }
 }
 
-fn namespace_of(meta: &kube::api::ObjectMeta) -> String {
+fn namespace_of(meta: &ObjectMeta) -> String {
     meta.namespace.clone().unwrap_or_else(|| "default".into())
 }
 
-fn object_name(kind: &str, meta: &kube::api::ObjectMeta) -> String {
+fn object_name(kind: &str, meta: &ObjectMeta) -> String {
     format!(
         "{kind} {}/{}",
         namespace_of(meta),

@@ -74,7 +74,7 @@ pub struct SecretRef {
     pub name: String,
 }
 
-/// What a backend can honour (seed 000, "If you write a backend"). Shown in Backend status,
+/// What a backend can honour (docs/semantics.md K1–K3). Shown in Backend status,
 /// used by admission to refuse specs the backend cannot honour.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -1,5 +1,5 @@
-//! ConsumerStats: the delivery account of seed 000, as it travels on the wire (the runtime's
-//! stats report) and sits in `Subscription.status.stats`.
+//! ConsumerStats: the delivery account (docs/semantics.md C1–C14, I1–I3), as it travels on the
+//! wire (the runtime's stats report) and sits in `Subscription.status.stats`.
 //!
 //! Only the shape and the meaning of each counter live here; who counts what lives in `bus/`
 //! (the runtime) and `account/` (the operator). Every counter is cumulative and never decreases.
@@ -26,7 +26,7 @@ pub struct Settlement {
     pub refused: u64,
 }
 
-/// The cumulative account of one subscription (seed 000, "Reading it back"). At rest,
+/// The cumulative account of one subscription (semantics C1–C11). At rest (semantics I1),
 /// offered == delivered + released + lost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -64,7 +64,7 @@ pub struct ConsumerStats {
 }
 
 impl ConsumerStats {
-    /// The seed's identity at rest: offered == delivered + released + lost.
+    /// The identity at rest (semantics I1): offered == delivered + released + lost.
     pub fn balanced(&self) -> bool {
         self.offered == self.delivered + self.released + self.lost
     }

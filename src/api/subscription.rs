@@ -190,7 +190,7 @@ pub struct SubscriptionStatus {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SubscriptionStats {
-    /// The cumulative counters of seed 000.
+    /// The cumulative counters (docs/semantics.md C1–C11).
     #[serde(flatten)]
     pub counters: ConsumerStats,
     /// Messages in the stream not yet delivered to this consumer (a gauge).

@@ -4,7 +4,8 @@
 //! value lives (so a bus restarted on the same `MemoryBroker` resumes where it left off).
 //!
 //! It never hands a message on while a handler runs (no AckWait), so SlowHandler does nothing
-//! here (seed 000). It must not count anything itself: counting is the settle path's job.
+//! here (docs/semantics.md H4). It must not count anything itself: counting is the settle
+//! path's job.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};

@@ -1,5 +1,5 @@
-//! The conformance suite of seed 000: holds any AtLeastOnce backend to the seed's rows, driving
-//! it at the seam with no bus above it, completing each exchange with [`settle`] /
+//! The conformance suite (docs/semantics.md T1–T6): holds any AtLeastOnce backend to its rows,
+//! driving it at the seam with no bus above it, completing each exchange with [`settle`] /
 //! [`settle_with`] (the same path the bus uses).
 //!
 //! Rows: redelivery with an increasing attempt; MaxDeliver and Exhausted; per-message
@@ -160,7 +160,8 @@ impl Row {
     }
 }
 
-/// Seed 000: "Each redelivery arrives with a higher Attempt."
+/// Semantics T1: a declined message comes back each time with a higher attempt; once acked, it
+/// stays away.
 async fn redelivery(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[0], prefix, run_id, "redelivery", |_| {}).await?;
     row.publish(b, "m").await?;
@@ -185,7 +186,7 @@ async fn redelivery(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'stat
     Ok(row_name(0))
 }
 
-/// Seed 000: "A handler that keeps declining exhausts the budget and the message is counted Exhausted."
+/// Semantics T2: declined on its last attempt, a message is counted Exhausted once and stays away.
 async fn max_deliver(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[1], prefix, run_id, "maxdeliver", |p| {
         p.max_deliver = Some(2)
@@ -211,7 +212,7 @@ async fn max_deliver(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'sta
     Ok(row_name(1))
 }
 
-/// Each message is settled on its own: acking one neither acks nor declines another.
+/// Semantics T3: each message is settled on its own: acking one neither acks nor declines another.
 async fn per_message(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[2], prefix, run_id, "permessage", |_| {}).await?;
     for body in ["a", "b", "c"] {
@@ -244,8 +245,8 @@ async fn per_message(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'sta
     Ok(row_name(2))
 }
 
-/// A settlement the backend cannot perform, because the consumer was retired, is Refused (and
-/// still counts as the settlement it was).
+/// Semantics T4: a settlement the backend cannot perform, because the consumer was retired, is
+/// Refused (and still counts as the settlement it was).
 async fn retirement(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[3], prefix, run_id, "retirement", |_| {}).await?;
     row.publish(b, "m").await?;
@@ -269,8 +270,8 @@ async fn retirement(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'stat
     Ok(row_name(3))
 }
 
-/// Seed 000: "the message is not offered again before the delay has passed ... The declined
-/// attempt is spent, so it still counts towards MaxDeliver."
+/// Semantics T5 (B5, B6): the message is not offered again before its delay has passed, and the
+/// declined attempt is spent: it comes back with the next attempt number.
 async fn delay(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
     let mut row = Row::open(b, ROWS[4], prefix, run_id, "delay", |p| {
         p.max_nack_delay = Some(api::Duration(Duration::from_secs(10)))

@@ -1,5 +1,5 @@
-//! One attempt of one message as a handler sees it, and the one settle path (seed 000, "Two
-//! rules that hold in every mode"; "If you write a backend").
+//! One attempt of one message as a handler sees it, and the one settle path (docs/semantics.md
+//! S1–S6).
 //!
 //! Backends construct deliveries only through `Delivery::new(ctx, DeliveryOptions)`; the
 //! settlement state sits behind an `Arc`, so every clone agrees and the first settlement wins.
@@ -125,7 +125,7 @@ pub struct Refusal {
     pub stranded: bool,
 }
 
-/// A backend's callbacks for one delivery (seed 000's OnSettle / OnSettleWith).
+/// A backend's callbacks for one delivery: how it performs a settlement (semantics S6).
 pub trait OnSettle: Send + Sync + 'static {
     /// Performs a settlement.
     fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>>;
@@ -208,8 +208,8 @@ struct Inner {
 
 /// One attempt of one message. Clones share one settlement state.
 ///
-/// A backend makes one only with [`Delivery::new`] (seed 000: "Construct deliveries through
-/// NewDelivery with a DeliveryOptions, never as a struct literal"); a literal does not compile:
+/// A backend makes one only with [`Delivery::new`], never as a struct literal (semantics S6); a
+/// literal does not compile:
 ///
 /// ```compile_fail
 /// fn forge(inner: std::sync::Arc<()>) -> settle::bus::Delivery {

@@ -1,6 +1,6 @@
 //! Reading an event out of a transport message: CloudEvents (binary and structured content
 //! modes), a MassTransit JSON envelope, or a raw payload; and spotting transport headers that
-//! contradict the envelope (seed 000, "ForeignConflicts").
+//! contradict the envelope (docs/semantics.md C11).
 //!
 //! Pure parsing: no counting, no I/O. The envelope's values always win; the transport's
 //! contradicting values are kept aside in `Foreign`.

@@ -1,11 +1,11 @@
-//! The handler runtime of seed 000: a `Bus` runs subscriptions on a backend, hands each
+//! The handler runtime (docs/semantics.md): a `Bus` runs subscriptions on a backend, hands each
 //! delivery to its handler, and keeps the account (`ConsumerStats`).
 //!
 //! - [`Subscriber`]: name + the CRD's `DeliveryPolicy` + a handler.
 //! - [`Delivery`]: one attempt; `ack`/`nack`/`nack_after`; exactly one settlement across clones.
 //! - [`settle`] / [`settle_with`]: the one settle path (handlers, the bus, the conformance suite).
 //! - [`Broker`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`).
-//! - [`conformance::run`]: the seed's conformance rows for any AtLeastOnce backend.
+//! - [`conformance::run`]: the conformance rows (semantics T1–T6) for any AtLeastOnce backend.
 //! - [`report`]: the versioned stats report for the operator.
 //!
 //! This module must not know a particular broker, and must not re-state the admission rules:
@@ -173,7 +173,7 @@ impl Bus {
     }
 
     /// Starts a subscription. Refused, with the admission rules' own words, when the backend
-    /// cannot honour its policy (seed 000: "the subscription is refused when the bus is built").
+    /// cannot honour its policy (semantics B7, A1–A5).
     pub async fn subscribe(&self, spec: Subscriber) -> Result<(), BusError> {
         let inner = &self.inner;
         if inner.closed.load(Ordering::Acquire) {

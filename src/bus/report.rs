@@ -47,7 +47,7 @@ pub struct StatsReport {
     pub reported_at_ms: u64,
     /// Reports of this instance and subscription so far, this one included.
     pub sequence: u64,
-    /// The cumulative counters of seed 000 since `startedAtMs`.
+    /// The cumulative counters (docs/semantics.md C1–C11) since `startedAtMs`.
     pub stats: ConsumerStats,
     /// Handler errors and panics (outside ConsumerStats).
     pub runtime: RuntimeStats,

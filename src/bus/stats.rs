@@ -1,5 +1,5 @@
 //! The runtime's side of the account: lock-free, never-decreasing counters per subscription,
-//! read back as `api::ConsumerStats` (seed 000, "Reading it back").
+//! read back as `api::ConsumerStats` (docs/semantics.md C1–C14).
 //!
 //! Only `fetch_add`: nothing here may ever lower a counter or decide what a counter means (the
 //! settle path and the bus decide when to count; `api::stats` documents each counter).
@@ -44,7 +44,7 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    /// The seed's ConsumerStats, as of now.
+    /// The ConsumerStats, as of now.
     pub(crate) fn snapshot(&self) -> ConsumerStats {
         ConsumerStats {
             offered: self.offered.get(),
@@ -74,7 +74,7 @@ impl Counters {
 }
 
 /// What the runtime counts beside ConsumerStats: outcomes of the handler itself, which never
-/// decide settlement (seed 000: "An error is counted and logged and does not affect settlement").
+/// decide settlement (semantics S3, S5, C13).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RuntimeStats {

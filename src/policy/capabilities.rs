@@ -1,7 +1,7 @@
-//! The capability table: what each backend kind can honour (seed 000, "Capabilities").
+//! The capability table: what each backend kind can honour (docs/semantics.md K1–K5).
 //!
 //! Settle drives `nats` and `memory`; `sqs` and `rabbitmq` are listed so that `settle check
-//! --backend-kind` can say what a spec would need on the brokers the seeds name.
+//! --backend-kind` can say what a spec would need on those brokers.
 
 use std::fmt;
 use std::str::FromStr;

@@ -8,15 +8,15 @@ use std::time::Duration;
 
 use crate::api::{self, DeliveryPolicy, Mode, SlowHandler};
 
-/// Default of `maxProcessingTime` (seed 000: "five minutes unless you say otherwise").
+/// Default of `maxProcessingTime`: five minutes (semantics H1).
 pub const DEFAULT_MAX_PROCESSING_TIME: Duration = Duration::from_secs(300);
 /// Default of `ackWait` (the broker's usual 30s).
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
-/// Default of `maxInFlight`: seed 003's prefetch default of 250 (throughput-oriented; use 1 for
-/// expensive, unevenly sized work).
+/// Default of `maxInFlight`: 250, RabbitMQ's prefetch default (throughput-oriented; use 1 for
+/// expensive, unevenly sized work; semantics P2).
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 250;
 
-/// The backoff schedule of seed 000: after the decline of attempt `attempt` (1-based), wait
+/// The backoff schedule (semantics B2): after the decline of attempt `attempt` (1-based), wait
 /// initial × multiplier^(attempt-1), capped at max (1s, 2s, 4s … 1m).
 pub fn schedule_delay(initial: Duration, max: Duration, multiplier: f64, attempt: u32) -> Duration {
     let exp = attempt.saturating_sub(1).min(1024) as i32;
@@ -100,7 +100,7 @@ impl ResolvedPolicy {
     }
 
     /// The longest delay `nack_after` accepts: maxNackDelay, else the schedule's max, else none
-    /// (seed 000: "NackAfter is allowed up to MaxNackDelay, or the schedule's Max when that is unset").
+    /// (semantics B3).
     pub fn nack_ceiling(&self) -> Option<Duration> {
         self.max_nack_delay.or(self.backoff.map(|b| b.max))
     }

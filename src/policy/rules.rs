@@ -68,11 +68,11 @@ pub enum BackendView<'a> {
         name: &'a str,
         capabilities: &'a Capabilities,
     },
-    /// No Backend of that name exists yet: admit, warn, and let the controller report it.
+    /// No Backend of that name exists yet: admit, warn, and let the controller report it (A8).
     Missing { name: &'a str },
 }
 
-/// The admission rules of design §3 and seed 000 for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A9) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -112,7 +112,7 @@ pub fn validate_policy(policy: &DeliveryPolicy, capabilities: &Capabilities) -> 
 fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>) {
     let at_least_once = p.mode == Mode::AtLeastOnce;
 
-    // Rule 1 (seed 000, "Under AtLeastOnce ... DurableName ... is required in this mode on every backend").
+    // A1: AtLeastOnce needs a durable name, on every backend (semantics M3).
     if at_least_once && p.durable_name.as_deref().is_none_or(str::is_empty) {
         v.error(
             "spec.durableName",
@@ -121,7 +121,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         );
     }
 
-    // Rule 5: a malformed schedule is refused whatever the mode.
+    // A5: a malformed schedule is refused whatever the mode (semantics B8).
     if let Some(b) = &p.backoff {
         if b.initial.is_zero() {
             v.error(
@@ -147,7 +147,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
     }
 
     if !at_least_once {
-        // Rule 2 (seed 000: delays are "not allowed under AtMostOnce, where nothing comes back").
+        // A2: no delays under AtMostOnce, where nothing comes back (semantics B7, M1).
         if p.backoff.is_some() {
             v.error(
                 "spec.backoff",
@@ -176,7 +176,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         return;
     }
 
-    // Rules 3 and 4: delays need a backend that can hold a message back, for that long.
+    // A3, A4: delays need a backend that can hold a message back, for that long (semantics B7).
     if let Some(caps) = caps {
         let delays = [
             ("spec.backoff", p.backoff.as_ref().map(|b| b.max)),
@@ -203,8 +203,9 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         }
     }
 
-    // Seed 000: a backend with a limit from the first receive (SQS) redelivers sooner than asked
-    // once a message's total wait passes it, and counts DelayShortened. Admitted, but said.
+    // A9: a backend with a limit from the first receive (SQS) redelivers sooner than asked once a
+    // message's total wait passes it, and counts DelayShortened (semantics C10). Admitted, but
+    // said.
     if let (Some(caps), Some(b)) = (caps, &p.backoff)
         && let Some(limit) = caps.max_redelivery_delay
         && caps.delays_redelivery
@@ -237,7 +238,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         }
     }
 
-    // Rule 7 (seed 000: under Redeliver "AckWait becomes a correctness setting").
+    // A7: under Redeliver, ackWait is a correctness setting (semantics H3).
     if p.slow_handler == Some(SlowHandler::Redeliver) && p.ack_wait.is_none() {
         v.warn(
             "spec.ackWait",
@@ -245,7 +246,8 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
              set it longer than your slowest handler run, or duplicate work is routine",
         );
     }
-    // Under ExtendLease the lease is extended only until maxProcessingTime (5m unless set).
+    // A9: under ExtendLease the lease is extended only until maxProcessingTime, 5m unless set
+    // (semantics H5).
     let max_processing = p
         .max_processing_time
         .map_or(DEFAULT_MAX_PROCESSING_TIME, Duration::get);
@@ -264,7 +266,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
     }
 }
 
-/// Rule 6: what the broker cannot change in place on an existing consumer.
+/// A6: what the broker cannot change in place on an existing consumer.
 fn immutable_rules(v: &mut Verdict, new: &SubscriptionSpec, old: &SubscriptionSpec) {
     fn show<T: fmt::Debug>(x: &Option<T>) -> String {
         match x {

@@ -147,7 +147,7 @@ pub struct Operator<'a> {
 /// one assertion lists every row that differs.
 pub fn assert_operator_rbac(
     cp: &ControlPlane,
-    op: &Operator,
+    op: &Operator<'_>,
     watched: &[&str],
     unwatched: &[&str],
     all_secrets: bool,

@@ -2,7 +2,7 @@
 //! subjects cover its pattern, turns each JetStream message into a `Delivery`, and performs
 //! settlements with JetStream's ack protocol. Also the stats-report sink (a KV bucket).
 //!
-//! What it sends, and why (design §4):
+//! What it sends, and why (docs/semantics.md J1–J7):
 //! - Ack: `+ACK`, fire-and-forget (as any JetStream client does). A late ack after the consumer
 //!   was retired by this process is Refused locally.
 //! - Decline: a bare `-NAK` for a zero delay (a `{"delay":0}` is not immediate on a consumer with
@@ -145,7 +145,7 @@ impl NatsBroker {
             .stream()
             .max_messages_per_batch(batch)
             // Short pulls: after a broker restart the client re-pulls when a pull expires, so
-            // this bounds how long a subscription can sit idle.
+            // this bounds how long a subscription can sit idle (semantics J7).
             .expires(Duration::from_secs(10))
             .heartbeat(Duration::from_secs(3))
             .messages()
