@@ -41,15 +41,7 @@ PY
 }
 
 # tcp_open PORT: something accepts TCP connections on 127.0.0.1:PORT.
-tcp_open() {
-  python3 - "$1" <<'PY'
-import socket, sys
-try:
-    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2).close()
-except OSError:
-    sys.exit(1)
-PY
-}
+tcp_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # ports_owned PID PORT...: every PORT is listened on by a process of PID's session (each server
 # is started under setsid, so its session id is its pid and its children share it). Fails, naming
@@ -88,7 +80,12 @@ if missing:
 PY
 }
 
-alive() { [ -f "$ENV_DIR/$1.pid" ] && kill -0 "$(cat "$ENV_DIR/$1.pid")" 2>/dev/null; }
+# group_running PGID: a process of the group is running (a zombie is not: a stopped server stays
+# one until init reaps it, which can take seconds).
+group_running() { ps -e -o pgid= -o stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'; }
+
+# alive NAME: the process group spawn started for NAME still runs.
+alive() { [ -f "$ENV_DIR/$1.pid" ] && group_running "$(cat "$ENV_DIR/$1.pid")"; }
 
 # await NAME SECONDS CHECK...: poll CHECK every 0.5 s. Returns 0 when it passes, 1 when NAME's
 # process exited, 2 after SECONDS. Silent: callers say what went wrong.
@@ -120,20 +117,16 @@ start_failed() {
   return 1
 }
 
-# stop_one NAME: TERM the process group NAME's pid file names (the server and its children),
-# KILL it after 10 s, and remove the pid file.
+# stop_one NAME [SECONDS]: TERM the process group NAME's pid file names (the server and its
+# children, as spawn starts them), KILL it after SECONDS (default 10), and remove the pid file.
 stop_one() {
-  local name="$1" pid
+  local name="$1" grace="${2:-10}" pid
   [ -f "$ENV_DIR/$name.pid" ] || return 0
   pid="$(cat "$ENV_DIR/$name.pid")"
-  if kill -0 -- "-$pid" 2>/dev/null; then
+  if group_running "$pid"; then
     kill -TERM -- "-$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 0.25; done
+    for _ in $(seq 1 $((grace * 4))); do group_running "$pid" || break; sleep 0.25; done
     kill -KILL -- "-$pid" 2>/dev/null || true
-  elif kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-    kill -KILL "$pid" 2>/dev/null || true
   fi
   rm -f "$ENV_DIR/$name.pid"
 }
@@ -152,8 +145,9 @@ spawn() {
 }
 
 # What servers write when a port is taken (etcd, kube-apiserver: Go's "bind: address already in
-# use"; RabbitMQ: eaddrinuse; epmd -d: "there is already a epmd running").
-BIND_FAILED='address already in use|eaddrinuse|already a epmd running|BindException'
+# use"; RabbitMQ: eaddrinuse, or dist_port_already_used for its distribution port; epmd -d:
+# "there is already a epmd running").
+BIND_FAILED='address already in use|eaddrinuse|dist_port_already_used|already a epmd running|BindException'
 
 bind_failed() { grep -qiE "$BIND_FAILED" "$ENV_DIR/$1.log" 2>/dev/null; }
 
