@@ -69,6 +69,9 @@ launch_epmd() {
 ready_epmd() { tcp_open "$EPMD_PORT"; }
 ports_epmd() { echo "$EPMD_PORT"; }
 
+# Erlang's schedulers spin while idle by default; on a shared 2-core machine that spinning takes
+# CPU from the tests and the other servers.
+ERL_NO_SPIN="+sbwt none +sbwtdcpu none +sbwtdio none"
 launch_rabbitmq() {
   read -r AMQP_PORT MGMT_PORT DIST_PORT < <(free_ports 3)
   local d="$ENV_DIR/rabbitmq"
@@ -97,7 +100,7 @@ CONF
     RABBITMQ_DIST_PORT="$DIST_PORT" \
     ERL_EPMD_PORT="$EPMD_PORT" \
     ERL_CRASH_DUMP="$d/erl_crash.dump" \
-    RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}" \
+    RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} $ERL_NO_SPIN" \
     "$("$ROOT/hack/tools.sh" path rabbitmq)"
 }
 ready_rabbitmq() { tcp_open "$AMQP_PORT" && http_ok "http://127.0.0.1:$MGMT_PORT/api/overview" guest guest; }

@@ -129,6 +129,7 @@ POM
   if ! with_progress "ElasticMQ $ELASTICMQ_VERSION" mvn -q -B -f "$tmp/pom.xml" -l "$tmp/mvn.log" \
     dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp/lib"; then
     cat "$tmp/mvn.log" >&2
+    rm -rf "$tmp"
     echo "error: Maven could not resolve org.elasticmq:elasticmq-server_2.13:$ELASTICMQ_VERSION (above)" >&2
     exit 1
   fi
@@ -140,7 +141,7 @@ for line in zipfile.ZipFile(sys.argv[1]).read("META-INF/MANIFEST.MF").decode().s
         print(line.split(":", 1)[1].strip())
 PY
 )"
-  [ -n "$main" ] || { echo "error: no Main-Class in the elasticmq-server jar" >&2; exit 1; }
+  [ -n "$main" ] || { rm -rf "$tmp"; echo "error: no Main-Class in the elasticmq-server jar" >&2; exit 1; }
   cat >"$tmp/elasticmq-server" <<SH
 #!/bin/sh
 # ElasticMQ $ELASTICMQ_VERSION (written by hack/tools.sh). Pass JVM options such as -Dconfig.file=FILE.
