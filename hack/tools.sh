@@ -72,11 +72,20 @@ apt_install() {
 }
 
 install_rabbitmq() {
-  local version
+  local version pids
   if ! [ -x "$(path_of rabbitmq)" ]; then
     echo "installing rabbitmq-server (Debian package, with Erlang) (first time only)"
     local start=$SECONDS
     with_progress "rabbitmq-server" apt_install rabbitmq-server
+    # Should the package have started its service anyway (a policy-rc.d that was not honoured),
+    # stop it: it runs as the rabbitmq user, which Settle's environments never do. Only right
+    # after our own install: a system RabbitMQ someone runs on purpose is left alone.
+    pids="$(pgrep -u rabbitmq 2>/dev/null || true)"
+    if [ -n "$pids" ]; then
+      echo "stopping the system RabbitMQ service the package started (pids $(echo "$pids" | paste -sd' '))"
+      # shellcheck disable=SC2086 # one pid per word
+      kill $pids 2>/dev/null || true
+    fi
     echo "installed rabbitmq-server in $((SECONDS - start))s"
   fi
   version="$(dpkg-query -W -f='${Version}' rabbitmq-server 2>/dev/null || true)"
@@ -84,14 +93,6 @@ install_rabbitmq() {
     "$RABBITMQ_SERIES".*) ;;
     *) echo "error: rabbitmq-server $RABBITMQ_SERIES.x expected, found '${version:-none}'" >&2; exit 1 ;;
   esac
-  # Should a service have started anyway (no policy-rc.d honoured), stop it: it runs as the
-  # rabbitmq user, which Settle's environments never do.
-  local pids; pids="$(pgrep -u rabbitmq 2>/dev/null || true)"
-  if [ -n "$pids" ]; then
-    echo "stopping the system RabbitMQ service the package started (pids $(echo "$pids" | paste -sd' '))"
-    # shellcheck disable=SC2086 # one pid per word
-    kill $pids 2>/dev/null || true
-  fi
 }
 
 install_elasticmq() {
