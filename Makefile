@@ -4,7 +4,7 @@
 test:            ## build what is missing, start the real environment, run every test, stop it
 	hack/test.sh
 
-demo:            ## run Settle locally against a real API server and nats-server
+demo:            ## run Settle locally against a real API server and brokers
 	hack/demo.sh
 
 build:
@@ -15,10 +15,10 @@ crds:            ## regenerate crds/ and its copies (chart, kustomize) from the 
 	cp crds/settle.yaml charts/settle/crds/settle.yaml
 	cp crds/settle.yaml config/crd/settle.yaml
 
-tools:           ## build the pinned kube-apiserver+etcd, nats-server, helm and kube-score (cached under target/tools)
+tools:           ## install the pinned kube-apiserver+etcd, nats-server, helm, kube-score, ElasticMQ (target/tools) and RabbitMQ (apt)
 	hack/tools.sh build
 
-env-up:          ## start kube-apiserver+etcd and nats-server on 127.0.0.1; writes target/env/settle.env
+env-up:          ## start kube-apiserver+etcd, nats-server, RabbitMQ, ElasticMQ on 127.0.0.1; writes target/env/settle.env
 	hack/env.sh up
 
 env-down:
@@ -31,9 +31,11 @@ bench:           ## run the benchmarks against a real environment (prints figure
 	hack/env.sh up
 	cargo bench
 
-lint:
+lint:            ## rustfmt, clippy, and shellcheck over the scripts (installs shellcheck with apt when missing)
 	cargo fmt --check
 	cargo clippy --all-targets --locked -- -D warnings
+	hack/tools.sh build shellcheck
+	shellcheck -x hack/*.sh .ci/run
 
 clean: env-down
 	cargo clean

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# `make demo`: the main job, locally, on real parts. Starts kube-apiserver+etcd and nats-server
-# on 127.0.0.1, installs Settle's CRDs, runs `settle operator` as a local process with its
-# webhook registered by url:, and shows what is admitted, refused and warned about.
+# `make demo`: the main job, locally, on real parts. Starts the environment (kube-apiserver+etcd,
+# nats-server, RabbitMQ, ElasticMQ) on 127.0.0.1, installs Settle's CRDs, runs `settle operator`
+# as a local process with its webhook registered by url:, and shows what is admitted, refused
+# and warned about.
 # Leaves everything running so you can keep going; `make env-down` stops it all.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
+# shellcheck source=hack/lib.sh
+. "$ROOT/hack/lib.sh"
 cargo build --quiet --bin settle
 hack/env.sh up >/dev/null
 ENV_DIR="${SETTLE_ENV_DIR:-$ROOT/target/env}"
@@ -15,19 +18,18 @@ NS=settle-demo
 SETTLE="$ROOT/target/debug/settle"
 [ -n "${CARGO_TARGET_DIR:-}" ] && SETTLE="$CARGO_TARGET_DIR/debug/settle"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 
 step "Install the CRDs (generated from the Rust types)"
 "$SETTLE" crds | kubectl apply --server-side --force-conflicts -f -
 kubectl wait --for=condition=Established --timeout=60s crd/subscriptions.messaging.settle.dev crd/backends.messaging.settle.dev >/dev/null
 
 step "Start settle operator; the API server reaches its webhook by url:"
-if [ -f "$ENV_DIR/operator.pid" ] && kill -0 "$(cat "$ENV_DIR/operator.pid")" 2>/dev/null; then
-  kill "$(cat "$ENV_DIR/operator.pid")"; sleep 1
-fi
-WEBHOOK_PORT="$(free_port)"; METRICS_PORT="$(free_port)"
+stop_one operator
 kubectl create namespace "$NS" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-kubectl apply -f - <<YAML
+# The webhook's URL names the operator's port, so each start registers the port it was given.
+launch_operator() {
+  read -r WEBHOOK_PORT METRICS_PORT < <(free_ports 2)
+  kubectl apply -f - >/dev/null <<YAML
 apiVersion: admissionregistration.k8s.io/v1
 kind: ValidatingWebhookConfiguration
 metadata: {name: settle}
@@ -42,14 +44,12 @@ webhooks:
     rules: [{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}]
     clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate"}
 YAML
-setsid "$SETTLE" operator --log-format text --namespace "$NS" --webhook-configuration settle --webhook-ips 127.0.0.1 \
-  --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" \
-  >"$ENV_DIR/operator.log" 2>&1 </dev/null &
-echo $! >"$ENV_DIR/operator.pid"
-for _ in $(seq 1 60); do
-  python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/readyz', timeout=1)" 2>/dev/null && break
-  sleep 0.5
-done
+  spawn operator "$SETTLE" operator --log-format text --namespace "$NS" --webhook-configuration settle \
+    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT"
+}
+operator_ready() { http_ok "http://127.0.0.1:$METRICS_PORT/readyz"; }
+operator_ports() { echo "$WEBHOOK_PORT $METRICS_PORT"; }
+start_retrying operator 60 launch_operator operator_ready operator_ports
 echo "operator ready: webhook https://127.0.0.1:$WEBHOOK_PORT/validate, metrics http://127.0.0.1:$METRICS_PORT/metrics (log: $ENV_DIR/operator.log)"
 
 step "Apply the samples: all admitted"
@@ -107,4 +107,6 @@ python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlop
 
 step "Done. Everything is still running:"
 echo "  source $ENV_DIR/settle.env && kubectl get subscriptions -A"
-echo "  make env-down    # stops the operator, kube-apiserver+etcd and nats-server"
+echo "  RabbitMQ: $SETTLE_RABBITMQ_URL (management $SETTLE_RABBITMQ_MANAGEMENT_URL, guest/guest)"
+echo "  SQS (ElasticMQ): $SETTLE_SQS_ENDPOINT"
+echo "  make env-down    # stops the operator, kube-apiserver+etcd, nats-server, RabbitMQ and ElasticMQ"

@@ -1,65 +1,164 @@
 #!/usr/bin/env bash
 # Starts and stops Settle's local environment of real parts, all on 127.0.0.1:
-#   kube-apiserver + etcd (tests/controlplane) and nats-server with JetStream.
-#   hack/env.sh up       build what is missing, start both, wait until ready, write $SETTLE_ENV_DIR/settle.env
-#                        (default target/env/settle.env)
-#   hack/env.sh down     stop both and remove their state
+#   kube-apiserver + etcd (tests/controlplane), nats-server with JetStream, RabbitMQ (with its
+#   management plugin and its own epmd) and ElasticMQ (SQS).
+#   hack/env.sh up       install what is missing, start all four side by side, wait until each is
+#                        ready, write $SETTLE_ENV_DIR/settle.env (default target/env/settle.env)
+#   hack/env.sh down     stop them all and remove their state
 #   hack/env.sh status   say what runs
 # `up` is idempotent: if the environment is already up and healthy it only prints how to use it.
+# Several environments run side by side (SETTLE_ENV_DIR): each has its own ports, data, node
+# names and epmd, and a server that finds its port taken at start is restarted on new ones.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+. "$ROOT/hack/lib.sh"
 # SETTLE_ENV_DIR lets `make test` run its own environment beside a developer's `make env-up`.
 ENV_DIR="${SETTLE_ENV_DIR:-$ROOT/target/env}"
 ENV_FILE="$ENV_DIR/settle.env"
+PARTS="controlplane nats rabbitmq elasticmq"
+PROCESSES="operator controlplane nats rabbitmq epmd elasticmq"   # operator: started by `make demo`
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-alive() { [ -f "$ENV_DIR/$1.pid" ] && kill -0 "$(cat "$ENV_DIR/$1.pid")" 2>/dev/null; }
+kubeconfig() { echo "$ENV_DIR/cp/kubeconfig"; }
+api_ready() {
+  [ -f "$(kubeconfig)" ] && kubectl --kubeconfig "$(kubeconfig)" get --raw=/readyz >/dev/null 2>&1 &&
+    # /readyz answers before the API server's own bootstrap objects exist; wait for `default`.
+    kubectl --kubeconfig "$(kubeconfig)" get namespace default -o name >/dev/null 2>&1
+}
 
-api_ready() { [ -f "$ENV_DIR/cp/kubeconfig" ] && kubectl --kubeconfig "$ENV_DIR/cp/kubeconfig" get --raw=/readyz >/dev/null 2>&1; }
-nats_ready() {
+# --- kube-apiserver + etcd: ports chosen here; restarted on new ones when one is taken ---------
+launch_controlplane() {
+  read -r API_PORT ETCD_PORT PEER_PORT < <(free_ports 3)
+  rm -rf "$ENV_DIR/cp"; mkdir -p "$ENV_DIR/cp"
+  spawn controlplane "$("$ROOT/hack/tools.sh" path controlplane)" -dir "$ENV_DIR/cp" \
+    -apiserver-port "$API_PORT" -etcd-port "$ETCD_PORT" -etcd-peer-port "$PEER_PORT"
+}
+ports_controlplane() { echo "$API_PORT $ETCD_PORT $PEER_PORT"; }
+start_controlplane() {
+  start_retrying controlplane 180 launch_controlplane api_ready ports_controlplane
+  echo "export KUBECONFIG=$(kubeconfig)" >"$ENV_DIR/controlplane.env"
+  echo "kube-apiserver+etcd ready on 127.0.0.1:$API_PORT"
+}
+
+# --- nats-server: picks its own ports and writes them to a file (no race) ---------------------
+nats_ports_file() { compgen -G "$ENV_DIR/nats/nats-server_*.ports" >/dev/null; }
+start_nats() {
+  local nats; nats="$("$ROOT/hack/tools.sh" path nats-server)"
+  mkdir -p "$ENV_DIR/nats"
+  spawn nats "$nats" -a 127.0.0.1 -p -1 -m -1 -js -sd "$ENV_DIR/nats" --ports_file_dir "$ENV_DIR/nats" -n settle-test
+  wait_for nats 60 nats_ports_file
+  local ports
+  ports="$(python3 -c 'import json,sys; p=json.load(open(sys.argv[1])); print(p["nats"][0].rsplit(":",1)[1], p["monitoring"][0].rsplit(":",1)[1])' \
+    "$(compgen -G "$ENV_DIR/nats/nats-server_*.ports" | head -n1)")"
+  read -r NATS_PORT NATS_MON_PORT <<<"$ports"
+  wait_for nats 60 http_ok "http://127.0.0.1:$NATS_MON_PORT/healthz?js-enabled-only=true"
+  cat >"$ENV_DIR/nats.env" <<ENV
+export SETTLE_NATS_URL=nats://127.0.0.1:$NATS_PORT
+export SETTLE_NATS_MONITOR_URL=http://127.0.0.1:$NATS_MON_PORT
+export SETTLE_NATS_SERVER=$nats
+ENV
+  echo "nats-server ready on 127.0.0.1:$NATS_PORT"
+}
+
+# --- RabbitMQ: its own epmd first, then the node; both restarted on new ports when taken ------
+launch_epmd() {
+  EPMD_PORT="$(free_port)"
+  # -d: say "already running" in the log when the port is taken, instead of exiting silently.
+  spawn epmd epmd -d -port "$EPMD_PORT" -address 127.0.0.1
+}
+ready_epmd() { tcp_open "$EPMD_PORT"; }
+ports_epmd() { echo "$EPMD_PORT"; }
+
+# Erlang's schedulers spin while idle by default; on a shared 2-core machine that spinning takes
+# CPU from the tests and the other servers.
+ERL_NO_SPIN="+sbwt none +sbwtdcpu none +sbwtdio none"
+launch_rabbitmq() {
+  read -r AMQP_PORT MGMT_PORT DIST_PORT < <(free_ports 3)
+  local d="$ENV_DIR/rabbitmq"
+  rm -rf "$d"; mkdir -p "$d/log"
+  cat >"$d/rabbitmq.conf" <<CONF
+listeners.tcp.1 = 127.0.0.1:$AMQP_PORT
+management.tcp.ip = 127.0.0.1
+management.tcp.port = $MGMT_PORT
+log.console = true
+log.console.level = info
+log.console.use_colors = off
+log.file = false
+CONF
+  echo '[rabbitmq_management].' >"$d/enabled_plugins"
+  : >"$d/rabbitmq-env.conf"   # an empty one of our own, so /etc/rabbitmq/rabbitmq-env.conf is not read
+  # HOME: the Erlang cookie is created there; a shared ~/.erlang.cookie races between environments.
+  spawn rabbitmq env HOME="$d" \
+    RABBITMQ_NODENAME="$RABBITMQ_NODE" \
+    RABBITMQ_CONF_ENV_FILE="$d/rabbitmq-env.conf" \
+    RABBITMQ_CONFIG_FILE="$d/rabbitmq.conf" \
+    RABBITMQ_ADVANCED_CONFIG_FILE="$d/advanced.config" \
+    RABBITMQ_ENABLED_PLUGINS_FILE="$d/enabled_plugins" \
+    RABBITMQ_MNESIA_BASE="$d/mnesia" \
+    RABBITMQ_LOG_BASE="$d/log" \
+    RABBITMQ_PID_FILE="$d/rabbitmq.pid" \
+    RABBITMQ_DIST_PORT="$DIST_PORT" \
+    ERL_EPMD_PORT="$EPMD_PORT" \
+    ERL_CRASH_DUMP="$d/erl_crash.dump" \
+    RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1} $ERL_NO_SPIN" \
+    "$("$ROOT/hack/tools.sh" path rabbitmq)"
+}
+ready_rabbitmq() { tcp_open "$AMQP_PORT" && http_ok "http://127.0.0.1:$MGMT_PORT/api/overview" guest guest; }
+ports_rabbitmq() { echo "$AMQP_PORT $MGMT_PORT $DIST_PORT"; }
+start_rabbitmq() {
+  # One node name per environment directory (readable in logs and the management UI).
+  RABBITMQ_NODE="settle-$(printf '%s' "$ENV_DIR" | sha256sum | cut -c1-8)@localhost"
+  start_retrying epmd 30 launch_epmd ready_epmd ports_epmd
+  start_retrying rabbitmq 120 launch_rabbitmq ready_rabbitmq ports_rabbitmq
+  cat >"$ENV_DIR/rabbitmq.env" <<ENV
+export SETTLE_RABBITMQ_URL=amqp://guest:guest@127.0.0.1:$AMQP_PORT/%2f
+export SETTLE_RABBITMQ_MANAGEMENT_URL=http://127.0.0.1:$MGMT_PORT
+ENV
+  echo "RabbitMQ ready on 127.0.0.1:$AMQP_PORT (management http://127.0.0.1:$MGMT_PORT, node $RABBITMQ_NODE)"
+}
+
+# --- ElasticMQ: binds port 0 and logs the port it got (no race) -------------------------------
+elasticmq_started() { [ -n "$(elasticmq_port)" ]; }
+elasticmq_port() {
+  sed -n 's/.*Started SQS rest server, bind address 127\.0\.0\.1:\([0-9]*\).*/\1/p' "$ENV_DIR/elasticmq.log" | head -n1
+}
+sqs_ready() {
   python3 - "$1" <<'PY'
-import sys, urllib.request
+import sys, urllib.parse, urllib.request
+body = urllib.parse.urlencode({"Action": "ListQueues", "Version": "2012-11-05"}).encode()
 try:
-    with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz?js-enabled-only=true", timeout=2) as r:
-        sys.exit(0 if r.status == 200 else 1)
+    with urllib.request.urlopen(sys.argv[1], data=body, timeout=2) as r:
+        sys.exit(0 if r.status == 200 and b"ListQueuesResponse" in r.read() else 1)
 except Exception:
     sys.exit(1)
 PY
 }
-
-wait_for() { # NAME SECONDS CHECK...
-  local name="$1" limit="$2"; shift 2
-  local start=$SECONDS
-  until "$@"; do
-    if ! alive "$name"; then
-      echo "error: $name exited during start; last lines of $ENV_DIR/$name.log:" >&2
-      tail -n 30 "$ENV_DIR/$name.log" >&2 || true
-      return 1
-    fi
-    if (( SECONDS - start > limit )); then
-      echo "error: $name not ready after ${limit}s; see $ENV_DIR/$name.log" >&2
-      return 1
-    fi
-    sleep 0.5
-  done
-}
-
-stop_one() {
-  local name="$1"
-  [ -f "$ENV_DIR/$name.pid" ] || return 0
-  local pid; pid="$(cat "$ENV_DIR/$name.pid")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-    kill -9 "$pid" 2>/dev/null || true
-  fi
-  rm -f "$ENV_DIR/$name.pid"
+start_elasticmq() {
+  local d="$ENV_DIR/elasticmq"
+  mkdir -p "$d"
+  cat >"$d/elasticmq.conf" <<CONF
+include classpath("application.conf")
+rest-sqs { enabled = true, bind-port = 0, bind-hostname = "127.0.0.1", sqs-limits = strict }
+rest-stats { enabled = false }
+# Queue URLs name the host and the port the server really bound (not the default 9324).
+generate-node-address = true
+CONF
+  # A small heap and the C1 compiler only: it starts faster and serves test traffic well.
+  spawn elasticmq env JAVA_OPTS="-Xmx512m -XX:+UseSerialGC -XX:TieredStopAtLevel=1" \
+    "$("$ROOT/hack/tools.sh" path elasticmq)" -Dconfig.file="$d/elasticmq.conf"
+  wait_for elasticmq 120 elasticmq_started
+  SQS_PORT="$(elasticmq_port)"
+  wait_for elasticmq 60 sqs_ready "http://127.0.0.1:$SQS_PORT/"
+  ports_owned "$(cat "$ENV_DIR/elasticmq.pid")" "$SQS_PORT" >/dev/null ||
+    { echo "error: ElasticMQ logged port $SQS_PORT but does not listen on it" >&2; return 1; }
+  echo "export SETTLE_SQS_ENDPOINT=http://127.0.0.1:$SQS_PORT" >"$ENV_DIR/elasticmq.env"
+  echo "ElasticMQ ready on 127.0.0.1:$SQS_PORT"
 }
 
 print_usage() {
   cat <<MSG
 Settle environment is up (state in $ENV_DIR):
-  $(grep -E '^export (KUBECONFIG|SETTLE_NATS_URL)=' "$ENV_FILE" | sed 's/^export //' | paste -sd' ')
+$(sed -n 's/^export /  /p' "$ENV_FILE" | grep -vE 'SETTLE_(NATS_SERVER|HELM)=')
 Use it in your shell with:
   source $ENV_FILE
   kubectl get --raw=/version
@@ -67,57 +166,71 @@ Stop it with: make env-down${SETTLE_ENV_DIR:+ (with SETTLE_ENV_DIR=$ENV_DIR)}
 MSG
 }
 
+healthy() {
+  local p
+  for p in controlplane nats epmd rabbitmq elasticmq; do alive "$p" || return 1; done
+  [ -f "$ENV_FILE" ] && api_ready
+}
+
 up() {
-  if alive controlplane && alive nats && [ -f "$ENV_FILE" ] && api_ready; then
-    print_usage; return 0
-  fi
+  if healthy; then print_usage; return 0; fi
   down >/dev/null
   "$ROOT/hack/tools.sh" build
-  mkdir -p "$ENV_DIR/cp" "$ENV_DIR/nats"
-  local cp nats api_port etcd_port peer_port nats_port mon_port
-  cp="$("$ROOT/hack/tools.sh" path controlplane)"
-  nats="$("$ROOT/hack/tools.sh" path nats-server)"
-  api_port="$(free_port)"; etcd_port="$(free_port)"; peer_port="$(free_port)"
-  nats_port="$(free_port)"; mon_port="$(free_port)"
-
-  echo "starting kube-apiserver+etcd on 127.0.0.1:$api_port"
-  setsid "$cp" -dir "$ENV_DIR/cp" -apiserver-port "$api_port" -etcd-port "$etcd_port" -etcd-peer-port "$peer_port" \
-    >"$ENV_DIR/controlplane.log" 2>&1 </dev/null &
-  echo $! >"$ENV_DIR/controlplane.pid"
-
-  echo "starting nats-server (JetStream) on 127.0.0.1:$nats_port"
-  setsid "$nats" -a 127.0.0.1 -p "$nats_port" -m "$mon_port" -js -sd "$ENV_DIR/nats" -n settle-test \
-    >"$ENV_DIR/nats.log" 2>&1 </dev/null &
-  echo $! >"$ENV_DIR/nats.pid"
-
-  wait_for nats 30 nats_ready "$mon_port"
-  wait_for controlplane 120 api_ready
-  # The API server answers /readyz before its own bootstrap objects exist; wait for `default`.
-  wait_for controlplane 60 kubectl --kubeconfig "$ENV_DIR/cp/kubeconfig" get namespace default -o name >/dev/null 2>&1
-
-  cat >"$ENV_FILE" <<ENV
-# Written by hack/env.sh up; source it to use the environment.
-export KUBECONFIG=$ENV_DIR/cp/kubeconfig
-export SETTLE_NATS_URL=nats://127.0.0.1:$nats_port
-export SETTLE_NATS_MONITOR_URL=http://127.0.0.1:$mon_port
-export SETTLE_NATS_SERVER=$nats
-export SETTLE_HELM=$("$ROOT/hack/tools.sh" path helm)
-ENV
+  mkdir -p "$ENV_DIR"
+  local start=$SECONDS part pids=() failed=""
+  echo "starting kube-apiserver+etcd, nats-server, RabbitMQ and ElasticMQ on 127.0.0.1"
+  # Side by side: together they take as long as the slowest, not the sum.
+  for part in $PARTS; do
+    ( set -e; t=$SECONDS; "start_$part"; echo "  ($part: $((SECONDS - t))s)" ) & pids+=($!)
+  done
+  local i=0
+  for part in $PARTS; do
+    wait "${pids[$i]}" || failed="$failed $part"
+    i=$((i + 1))
+  done
+  if [ -n "$failed" ]; then
+    echo "error: did not start:$failed (logs in $ENV_DIR); stopping the rest" >&2
+    down_processes
+    return 1
+  fi
+  {
+    echo "# Written by hack/env.sh up; source it to use the environment."
+    for part in $PARTS; do cat "$ENV_DIR/$part.env"; done
+    echo "export SETTLE_HELM=$("$ROOT/hack/tools.sh" path helm)"
+  } >"$ENV_FILE"
+  echo "environment ready in $((SECONDS - start))s"
   print_usage
 }
 
+# Stop every process of the environment, side by side. Its state is deleted next, so RabbitMQ
+# gets 2 s to stop cleanly (it takes about 8 s on a busy machine), the others the usual 10 s.
+down_processes() {
+  local p pids=()
+  for p in $PROCESSES; do
+    case "$p" in
+      epmd) continue ;;
+      rabbitmq) stop_one "$p" 2 & pids+=($!) ;;
+      *) stop_one "$p" & pids+=($!) ;;
+    esac
+  done
+  for p in "${pids[@]}"; do wait "$p" || true; done
+  stop_one epmd   # last: the RabbitMQ node deregisters from it as it stops
+}
+
 down() {
-  stop_one operator   # started by `make demo`
-  stop_one controlplane
-  stop_one nats
+  down_processes
   rm -rf "$ENV_DIR"
   echo "Settle environment is down"
 }
 
 status() {
-  for n in controlplane nats; do
-    if alive "$n"; then echo "$n: running (pid $(cat "$ENV_DIR/$n.pid"))"; else echo "$n: stopped"; fi
+  local p
+  for p in $PROCESSES; do
+    if alive "$p"; then echo "$p: running (pid $(cat "$ENV_DIR/$p.pid"), log $ENV_DIR/$p.log)"
+    elif [ "$p" != operator ]; then echo "$p: stopped"; fi
   done
+  [ -f "$ENV_FILE" ] && sed -n 's/^export /  /p' "$ENV_FILE"
+  return 0
 }
 
 case "${1:-}" in

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # `make test`: builds what is missing, brings up the real environment (kube-apiserver + etcd,
-# nats-server), runs every test, and always brings the environment down again.
+# nats-server, RabbitMQ, ElasticMQ), runs every test, and always brings the environment down again.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
+# shellcheck source=hack/lib.sh
+. "$ROOT/hack/lib.sh"
+need cargo "install Rust 1.89+ (rustup.rs)"
 start=$SECONDS
 
 hack/tools.sh build

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Builds (once) and prints the paths of the real parts Settle's tests and demo run against:
-# kube-apiserver+etcd (tests/controlplane), nats-server, helm and kube-score (the chart's lint),
-# each pinned and cached under target/tools/<name>-<version>/. Safe to run repeatedly; a finished
-# binary is never rebuilt.
-#   hack/tools.sh build        build whatever is missing
-#   hack/tools.sh path NAME    print the cached binary of NAME (controlplane|nats-server|helm|kube-score)
+# Installs (once) and prints the paths of the real parts Settle's tests and demo run against,
+# each pinned: kube-apiserver+etcd (tests/controlplane), nats-server, helm and kube-score (the chart's lint), built from Go
+# modules and cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from Maven
+# Central into target/tools/elasticmq-<version>/; RabbitMQ and shellcheck, Debian packages
+# installed with apt-get when missing. Safe to run repeatedly; nothing finished is redone.
+#   hack/tools.sh build [NAMES]  install whatever is missing (default: everything the tests need)
+#   hack/tools.sh path NAME      print the program of NAME
+#                                (controlplane|nats-server|helm|kube-score|rabbitmq|elasticmq|shellcheck)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# shellcheck source=hack/lib.sh
+. "$ROOT/hack/lib.sh"
 CP_VERSION="$(cat "$ROOT/tests/controlplane/VERSION")"
 NATS_VERSION="v2.15.3"
 HELM_VERSION="v3.21.4"
 KUBE_SCORE_VERSION="v1.20.0"
+ELASTICMQ_VERSION="1.6.11"       # org.elasticmq:elasticmq-server_2.13
+RABBITMQ_SERIES="3.10"           # Debian bookworm's rabbitmq-server (3.10.8)
+MAVEN_DEPENDENCY_PLUGIN="3.6.1"
 TOOLS="${CARGO_TARGET_DIR:-$ROOT/target}/tools"
 
 cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go} | sha256sum | cut -c1-12; }
@@ -20,11 +27,14 @@ path_of() {
     nats-server)  echo "$TOOLS/nats-server-$NATS_VERSION/nats-server" ;;
     helm)         echo "$TOOLS/helm-$HELM_VERSION/helm" ;;
     kube-score)   echo "$TOOLS/kube-score-$KUBE_SCORE_VERSION/kube-score" ;;
+    elasticmq)    echo "$TOOLS/elasticmq-$ELASTICMQ_VERSION/elasticmq-server" ;;
+    # The package's own server script, run as the calling user; /usr/sbin/rabbitmq-server would
+    # switch to the rabbitmq user and the system's configuration.
+    rabbitmq)     echo "/usr/lib/rabbitmq/bin/rabbitmq-server" ;;
+    shellcheck)   echo "/usr/bin/shellcheck" ;;
     *) echo "unknown tool $1" >&2; exit 2 ;;
   esac
 }
-
-need() { command -v "$1" >/dev/null 2>&1 || { echo "error: '$1' is required on PATH ($2)" >&2; exit 1; }; }
 
 # Print a line every 30 s while a long build runs, so a cold CI log shows it is alive.
 with_progress() {
@@ -33,13 +43,128 @@ with_progress() {
   "$@" & local pid=$!
   while kill -0 "$pid" 2>/dev/null; do
     sleep 30 & wait $! || true
-    kill -0 "$pid" 2>/dev/null && echo "  ... still building $what ($((SECONDS - start))s)"
+    kill -0 "$pid" 2>/dev/null && echo "  ... still installing $what ($((SECONDS - start))s)"
   done
   wait "$pid"
 }
 
+# apt_install PACKAGE...: install Debian packages, without letting their maintainer scripts start
+# system services (a system-wide RabbitMQ and epmd would hold the default ports for good).
+apt_install() {
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "error: $* missing and apt-get cannot install it here (needs root on Debian);" \
+      "install it yourself: apt-get install $*" >&2
+    exit 1
+  fi
+  local policy=/usr/sbin/policy-rc.d made_policy="" rc=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# written by settle hack/tools.sh during apt-get install\nexit 101\n' >"$policy"
+    chmod 755 "$policy"; made_policy=1
+  fi
+  local apt=(apt-get -q -o DPkg::Lock::Timeout=600)
+  # A fresh machine may have no package lists, or stale ones that name removed versions.
+  if ! apt-cache show "$@" >/dev/null 2>&1; then "${apt[@]}" update -qq || rc=$?; fi
+  if [ "$rc" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "$@" >/dev/null || {
+      "${apt[@]}" update -qq && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends "$@" >/dev/null
+    } || rc=$?
+  fi
+  [ -n "$made_policy" ] && rm -f "$policy"
+  [ "$rc" = 0 ] || { echo "error: apt-get install $* failed (see above)" >&2; exit 1; }
+}
+
+install_rabbitmq() {
+  local version pids
+  if ! [ -x "$(path_of rabbitmq)" ]; then
+    echo "installing rabbitmq-server (Debian package, with Erlang) (first time only)"
+    local start=$SECONDS
+    with_progress "rabbitmq-server" apt_install rabbitmq-server
+    # Should the package have started its service anyway (a policy-rc.d that was not honoured),
+    # stop it: it runs as the rabbitmq user, which Settle's environments never do. Only right
+    # after our own install: a system RabbitMQ someone runs on purpose is left alone.
+    pids="$(pgrep -u rabbitmq 2>/dev/null || true)"
+    if [ -n "$pids" ]; then
+      echo "stopping the system RabbitMQ service the package started (pids $(echo "$pids" | paste -sd' '))"
+      # shellcheck disable=SC2086 # one pid per word
+      kill $pids 2>/dev/null || true
+    fi
+    echo "installed rabbitmq-server in $((SECONDS - start))s"
+  fi
+  version="$(dpkg-query -W -f='${Version}' rabbitmq-server 2>/dev/null || true)"
+  case "$version" in
+    "$RABBITMQ_SERIES".*) ;;
+    *) echo "error: rabbitmq-server $RABBITMQ_SERIES.x expected, found '${version:-none}'" >&2; exit 1 ;;
+  esac
+}
+
+install_elasticmq() {
+  local out; out="$(path_of elasticmq)"
+  [ -x "$out" ] && return 0
+  if ! command -v java >/dev/null || ! command -v mvn >/dev/null; then
+    apt_install openjdk-17-jre-headless maven
+  fi
+  local dir tmp start=$SECONDS
+  dir="$(dirname "$out")"
+  mkdir -p "$TOOLS"
+  tmp="$(mktemp -d "$TOOLS/.build-XXXXXX")"
+  echo "resolving ElasticMQ $ELASTICMQ_VERSION from Maven Central -> $dir (first time only)"
+  cat >"$tmp/pom.xml" <<POM
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>dev.settle.tools</groupId>
+  <artifactId>elasticmq-classpath</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+    <dependency>
+      <groupId>org.elasticmq</groupId>
+      <artifactId>elasticmq-server_2.13</artifactId>
+      <version>$ELASTICMQ_VERSION</version>
+    </dependency>
+  </dependencies>
+  <build><plugins><plugin>
+    <groupId>org.apache.maven.plugins</groupId>
+    <artifactId>maven-dependency-plugin</artifactId>
+    <version>$MAVEN_DEPENDENCY_PLUGIN</version>
+  </plugin></plugins></build>
+</project>
+POM
+  if ! with_progress "ElasticMQ $ELASTICMQ_VERSION" mvn -q -B -f "$tmp/pom.xml" -l "$tmp/mvn.log" \
+    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp/lib"; then
+    cat "$tmp/mvn.log" >&2
+    rm -rf "$tmp"
+    echo "error: Maven could not resolve org.elasticmq:elasticmq-server_2.13:$ELASTICMQ_VERSION (above)" >&2
+    exit 1
+  fi
+  local main
+  main="$(python3 - "$tmp/lib/elasticmq-server_2.13-$ELASTICMQ_VERSION.jar" <<'PY'
+import sys, zipfile
+for line in zipfile.ZipFile(sys.argv[1]).read("META-INF/MANIFEST.MF").decode().splitlines():
+    if line.startswith("Main-Class:"):
+        print(line.split(":", 1)[1].strip())
+PY
+)"
+  [ -n "$main" ] || { rm -rf "$tmp"; echo "error: no Main-Class in the elasticmq-server jar" >&2; exit 1; }
+  cat >"$tmp/elasticmq-server" <<SH
+#!/bin/sh
+# ElasticMQ $ELASTICMQ_VERSION (written by hack/tools.sh). Pass JVM options such as -Dconfig.file=FILE.
+exec java \${JAVA_OPTS:-} "\$@" -cp "\$(dirname "\$0")/lib/*" $main
+SH
+  chmod 755 "$tmp/elasticmq-server"
+  rm -f "$tmp/pom.xml" "$tmp/mvn.log"
+  chmod 755 "$tmp"
+  rm -rf "$dir"
+  mv "$tmp" "$dir"
+  echo "resolved ElasticMQ ($(find "$dir/lib" -name '*.jar' | wc -l) jars) in $((SECONDS - start))s"
+}
+
 build_one() {
   local name="$1" out; out="$(path_of "$name")"
+  case "$name" in
+    rabbitmq) install_rabbitmq; return ;;
+    elasticmq) install_elasticmq; return ;;
+    shellcheck) [ -x "$out" ] || apt_install shellcheck; return ;;
+  esac
   [ -x "$out" ] && return 0
   need go "install Go 1.26+"
   mkdir -p "$(dirname "$out")"
@@ -64,9 +189,24 @@ build_one() {
 
 case "${1:-build}" in
   build)
-    need kubectl "the Kubernetes client; Debian: apt-get install kubectl, or see kubernetes.io"
+    names="${2:-rabbitmq elasticmq nats-server helm kube-score controlplane}"
+    for t in $names; do path_of "$t" >/dev/null; done   # unknown names fail here
+    case " $names " in
+      *" controlplane "*) need kubectl "the Kubernetes client; Debian: apt-get install kubectl, or see kubernetes.io" ;;
+    esac
     mkdir -p "$TOOLS"
-    for t in ${2:-nats-server helm kube-score controlplane}; do build_one "$t"; done ;;
+    # The downloads (apt, Maven) wait on the network and the Go builds on the CPU: run the
+    # downloads beside the builds. Each group runs its own tools in order.
+    pids=()
+    for group in "rabbitmq" "elasticmq" "nats-server helm kube-score controlplane shellcheck"; do
+      mine=""
+      for t in $names; do case " $group " in *" $t "*) mine="$mine $t" ;; esac; done
+      [ -n "$mine" ] || continue
+      ( for t in $mine; do build_one "$t"; done ) & pids+=($!)
+    done
+    failed=0
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    exit "$failed" ;;
   path) path_of "$2" ;;
-  *) echo "usage: hack/tools.sh build [names] | path NAME" >&2; exit 2 ;;
+  *) echo "usage: hack/tools.sh build [NAMES] | path NAME" >&2; exit 2 ;;
 esac

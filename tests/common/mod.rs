@@ -1,5 +1,5 @@
 //! Shared by the integration tests: finds the environment `hack/env.sh up` started (real
-//! kube-apiserver + etcd, real nats-server) and runs real `kubectl` against it.
+//! kube-apiserver + etcd, nats-server, RabbitMQ, ElasticMQ) and runs real `kubectl` against it.
 //!
 //! Tests that need the environment fail (never skip) with a message saying how to start it.
 #![allow(dead_code)]
@@ -18,6 +18,12 @@ pub struct Env {
     pub nats_url: String,
     pub nats_server: PathBuf,
     pub helm: PathBuf,
+    /// `amqp://guest:guest@127.0.0.1:<port>/%2f`: RabbitMQ's AMQP 0-9-1 listener, default vhost.
+    pub rabbitmq_url: String,
+    /// `http://127.0.0.1:<port>`: RabbitMQ's management API (user guest, password guest).
+    pub rabbitmq_management_url: String,
+    /// `http://127.0.0.1:<port>`: ElasticMQ's SQS endpoint (any region and credentials).
+    pub sqs_endpoint: String,
 }
 
 pub fn root() -> PathBuf {
@@ -51,6 +57,9 @@ pub fn env() -> Env {
         nats_url: get("SETTLE_NATS_URL"),
         nats_server: PathBuf::from(get("SETTLE_NATS_SERVER")),
         helm: PathBuf::from(get("SETTLE_HELM")),
+        rabbitmq_url: get("SETTLE_RABBITMQ_URL"),
+        rabbitmq_management_url: get("SETTLE_RABBITMQ_MANAGEMENT_URL"),
+        sqs_endpoint: get("SETTLE_SQS_ENDPOINT"),
     }
 }
 
