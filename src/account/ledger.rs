@@ -428,7 +428,7 @@ mod tests {
         #[test]
         fn reordered_reports_end_at_the_exact_sum(
             counts in prop::collection::vec(1usize..6, 1..4),
-            seed in any::<u64>(),
+            shuffle in any::<u64>(),
         ) {
             let mut all = Vec::new();
             let mut expect = 0u64;
@@ -440,7 +440,7 @@ mod tests {
             }
             // A deterministic shuffle, then every report twice.
             let mut order: Vec<usize> = (0..all.len()).collect();
-            let mut x = seed | 1;
+            let mut x = shuffle | 1;
             for i in (1..order.len()).rev() {
                 x ^= x << 13; x ^= x >> 7; x ^= x << 17;
                 order.swap(i, (x % (i as u64 + 1)) as usize);
