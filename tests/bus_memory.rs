@@ -1586,6 +1586,12 @@ async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something
         during <= 12,
         "at most one report per interval: {during} reports in ~10 s"
     );
+    // And no fewer: something changed in every one of the ten intervals, so each one reports
+    // (time is paused, so this is exact, not a timing guess).
+    assert!(
+        during >= 9,
+        "a report in every interval with changes: {during} reports in ~10 s"
+    );
     // Nothing changes for 10 s: nothing more is sent beyond the one that carries the last change.
     tokio::time::sleep(Duration::from_secs(10)).await;
     let idle = sink.0.lock().unwrap().len();
