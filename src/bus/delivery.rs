@@ -209,11 +209,13 @@ struct Inner {
 /// One attempt of one message. Clones share one settlement state.
 ///
 /// A backend makes one only with [`Delivery::new`] (seed 000: "Construct deliveries through
-/// NewDelivery with a DeliveryOptions, never as a struct literal"); a literal does not compile:
+/// NewDelivery with a DeliveryOptions, never as a struct literal"); a literal does not compile.
+/// The literal below is well-typed (it copies every field from a real delivery), so privacy is
+/// the only thing that can stop it:
 ///
 /// ```compile_fail
-/// fn forge(inner: std::sync::Arc<()>) -> settle::bus::Delivery {
-///     settle::bus::Delivery { inner } // error: field `inner` is private
+/// fn forge(real: settle::bus::Delivery) -> settle::bus::Delivery {
+///     settle::bus::Delivery { ..real } // error[E0451]: field `inner` of struct `Delivery` is private
 /// }
 /// ```
 #[derive(Clone)]
