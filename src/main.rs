@@ -29,8 +29,9 @@ enum Command {
     Operator(Box<settle::operator::OperatorArgs>),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
     Crds,
-    /// Check Subscription manifests against the admission rules, offline. Exits 1 when any is
-    /// refused, 2 when the input cannot be read.
+    /// Check Subscription manifests against the admission rules, offline. Exits 0 when all are
+    /// admitted, 1 when any is refused (a field that does not fit the schema included), 2 when
+    /// the input cannot be read (a missing path, no YAML files, a file that is not valid YAML).
     Check {
         /// A manifest file, or a directory searched for *.yaml and *.yml.
         #[arg(short = 'f', long = "filename", required = true)]
@@ -119,7 +120,9 @@ fn check(paths: &[PathBuf], backend_kind: Option<BackendKind>) -> ExitCode {
         }
         writeln!(out, "{} checked, {refused} refused", report.findings.len())
     })();
-    if report.has_errors() {
+    if report.unreadable > 0 {
+        ExitCode::from(2)
+    } else if report.has_errors() {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS

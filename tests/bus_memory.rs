@@ -1058,7 +1058,9 @@ async fn under_at_most_once_an_attempt_given_up_at_close_is_lost() {
 #[tokio::test(start_paused = true)]
 async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
     // semantics C10: DelayShortened is zero except on a backend with a maxRedeliveryDelay. C9, H4:
-    // LeaseExpired counts attempts handed on, which memory never does.
+    // LeaseExpired counts attempts handed on, which memory never does. Memory holds any delay, so
+    // zero is all DelayShortened can be here: this shows the runtime does not count one by itself.
+    // That it counts one when a backend shortens a delay is the next test.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
     let mut p = alo("o.>");
@@ -1084,6 +1086,60 @@ async fn lease_expired_and_delay_shortened_stay_zero_on_memory() {
         (st.lease_expired, st.delay_shortened, st.stranded),
         (0, 0, 0)
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_delay_the_backend_shortens_is_counted_delay_shortened_and_comes_back_at_the_cap() {
+    // semantics C10: a decline offered again sooner than its delay asked, because the backend
+    // could not hold it that long, is counted DelayShortened. A backend that holds a declined
+    // message at most 10 s.
+    let capped = CappedDelay(MemoryBroker::new(), Duration::from_secs(10));
+    let bus = Bus::builder(capped).without_reports().build();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let mut p = alo("c.>");
+    p.max_nack_delay = Some(api::Duration::from_secs(3600));
+    bus.subscribe(sub("c", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.lock()
+                .unwrap()
+                .push((d.attempt(), tokio::time::Instant::now()));
+            match d.attempt() {
+                1 => d.nack_after(Duration::from_secs(3600)).await?, // shortened to 10 s
+                2 => d.nack_after(Duration::from_secs(5)).await?,    // held as asked
+                _ => d.ack().await?,
+            }
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("c.1", "a").await.unwrap();
+    until("acked on attempt 3", || {
+        stats(&bus, "c").settlement.acked == 1
+    })
+    .await;
+    let st = stats(&bus, "c");
+    assert_eq!(
+        (
+            st.delay_shortened,
+            st.settlement.nacked,
+            st.stranded,
+            st.exhausted
+        ),
+        (1, 2, 0, 0),
+        "one decline shortened, one held as asked: {st:?}"
+    );
+    let seen = seen.lock().unwrap().clone();
+    let gaps: Vec<Duration> = seen.windows(2).map(|w| w[1].1 - w[0].1).collect();
+    assert_eq!(seen.iter().map(|e| e.0).collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(
+        gaps[0] >= Duration::from_secs(10) && gaps[0] < Duration::from_secs(60),
+        "back at the cap, not after the hour asked: {gaps:?}"
+    );
+    assert!(gaps[1] >= Duration::from_secs(5), "held as asked: {gaps:?}");
+    bus.close().await;
 }
 
 #[tokio::test(start_paused = true)]
@@ -1442,7 +1498,7 @@ impl Broker for Hasty {
                 .0
                 .open(SubscriptionCtx::new("inner", &inner_policy))
                 .await?;
-            Ok(Box::new(Rewrap(inner, ctx)) as Box<dyn Consumer>)
+            Ok(Box::new(Rewrap(inner, ctx, None)) as Box<dyn Consumer>)
         })
     }
     fn publish(
@@ -1455,7 +1511,84 @@ impl Broker for Hasty {
     }
 }
 
-struct Rewrap(Box<dyn Consumer>, Arc<SubscriptionCtx>);
+/// Memory's consumer under another context; each delivery settled through `ZeroDelay`, or
+/// through `Capped` when a cap is given.
+struct Rewrap(Box<dyn Consumer>, Arc<SubscriptionCtx>, Option<Duration>);
+
+/// A backend that holds a declined message at most `cap` (as SQS holds one at most 12 h from its
+/// first receive): a longer delay is shortened to the cap, and it says so.
+struct CappedDelay(MemoryBroker, Duration);
+
+impl Broker for CappedDelay {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Memory
+    }
+    fn hands_on_slow_handlers(&self) -> bool {
+        false
+    }
+    fn open(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
+        Box::pin(async move {
+            let inner_policy = DeliveryPolicy {
+                pattern: ctx.policy().pattern.clone(),
+                mode: Mode::AtLeastOnce,
+                durable_name: ctx.policy().durable_name.clone(),
+                max_nack_delay: Some(api::Duration::from_secs(24 * 3600)),
+                ..DeliveryPolicy::default()
+            };
+            let inner = self
+                .0
+                .open(SubscriptionCtx::new("inner", &inner_policy))
+                .await?;
+            Ok(Box::new(Rewrap(inner, ctx, Some(self.1))) as Box<dyn Consumer>)
+        })
+    }
+    fn publish(
+        &self,
+        subject: String,
+        headers: Vec<(String, String)>,
+        payload: bytes::Bytes,
+    ) -> BoxFuture<'_, Result<(), BusError>> {
+        self.0.publish(subject, headers, payload)
+    }
+}
+
+struct Capped(Delivery, Duration);
+
+impl bus::OnSettle for Capped {
+    fn settle(
+        &self,
+        action: bus::BrokerAction,
+    ) -> BoxFuture<'_, Result<bus::Performed, bus::Refusal>> {
+        Box::pin(async move {
+            let r = match action {
+                bus::BrokerAction::Ack | bus::BrokerAction::Terminate => {
+                    bus::settle(&self.0, Decision::Ack)
+                        .await
+                        .map(|()| bus::Performed::AsAsked)
+                }
+                bus::BrokerAction::Decline(d) if d > self.1 => bus::settle_with(&self.0, self.1)
+                    .await
+                    .map(|()| bus::Performed::DelayShortened),
+                bus::BrokerAction::Decline(d) => bus::settle_with(&self.0, d)
+                    .await
+                    .map(|()| bus::Performed::AsAsked),
+            };
+            r.map_err(|e| bus::Refusal {
+                reason: e.to_string(),
+                stranded: false,
+            })
+        })
+    }
+    fn progress(&self) -> BoxFuture<'_, Result<(), bus::Refusal>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+}
 
 struct ZeroDelay(Delivery);
 
@@ -1497,7 +1630,10 @@ impl Consumer for Rewrap {
                     headers: d.headers().to_vec(),
                     payload: d.payload().clone(),
                     attempt: d.attempt(),
-                    on_settle: Box::new(ZeroDelay(d)),
+                    on_settle: match self.2 {
+                        Some(cap) => Box::new(Capped(d, cap)),
+                        None => Box::new(ZeroDelay(d)),
+                    },
                 },
             ))
         })
@@ -1591,6 +1727,12 @@ async fn the_stats_report_is_published_at_a_bounded_rate_and_only_when_something
     assert!(
         during <= 12,
         "at most one report per interval: {during} reports in ~10 s"
+    );
+    // And no fewer: something changed in every one of the ten intervals, so each one reports
+    // (time is paused, so this is exact, not a timing guess).
+    assert!(
+        during >= 9,
+        "a report in every interval with changes: {during} reports in ~10 s"
     );
     // Nothing changes for 10 s: nothing more is sent beyond the one that carries the last change.
     tokio::time::sleep(Duration::from_secs(10)).await;

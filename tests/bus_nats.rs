@@ -408,7 +408,8 @@ async fn a_message_declined_on_its_last_attempt_is_exhausted_and_terminated() {
     .unwrap();
     scope.publish("1", "a").await;
     until("exhausted", || stats(&bus, "ex").exhausted == 1).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Once the server has the +TERM it offers the message no more: wait for it on the wire.
+    until("+TERM on the wire", || scope.wire.count("+TERM") == 1).await;
     assert_eq!(
         seen.attempts(),
         [1, 2, 3],
@@ -469,13 +470,15 @@ async fn extend_lease_keeps_a_slow_message_with_its_handler() {
     let seen = Seen::default();
     let s = seen.clone();
     let mut p = scope.alo("ext");
-    p.ack_wait = Some(ms(1000));
-    p.max_processing_time = Some(api::Duration::from_secs(20));
+    // ackWait 2 s and a handler of three ackWaits: without +WPI the server would hand the
+    // message on twice while the handler runs, with seconds of slack on a loaded machine.
+    p.ack_wait = Some(ms(2000));
+    p.max_processing_time = Some(api::Duration::from_secs(60));
     bus.subscribe(sub("ext", p, move |d| {
         let s = s.clone();
         async move {
             s.record(&d);
-            tokio::time::sleep(Duration::from_millis(2500)).await;
+            tokio::time::sleep(Duration::from_millis(6000)).await;
             d.ack().await?;
             Ok(())
         }
@@ -484,7 +487,6 @@ async fn extend_lease_keeps_a_slow_message_with_its_handler() {
     .unwrap();
     scope.publish("1", "a").await;
     until("acked", || stats(&bus, "ext").settlement.acked == 1).await;
-    tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(seen.attempts(), [1], "the broker did not hand it on");
     assert!(scope.wire.count("+WPI") >= 2, "{:?}", scope.wire.bodies());
     assert_eq!(stats(&bus, "ext").lease_expired, 0);
@@ -501,14 +503,16 @@ async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on()
     let seen = Seen::default();
     let s = seen.clone();
     let mut p = scope.alo("exp");
-    p.ack_wait = Some(ms(500));
-    p.max_processing_time = Some(ms(900));
+    // ackWait 2 s, maxProcessingTime 3 s: the message is handed on within ackWait of the bound
+    // (by ~5 s); the first handler runs 10 s, well past that even on a loaded machine.
+    p.ack_wait = Some(ms(2000));
+    p.max_processing_time = Some(ms(3000));
     bus.subscribe(sub("exp", p, move |d| {
         let s = s.clone();
         async move {
             s.record(&d);
             if d.attempt() == 1 {
-                tokio::time::sleep(Duration::from_millis(2500)).await;
+                tokio::time::sleep(Duration::from_millis(10_000)).await;
             }
             d.ack().await?;
             Ok(())
@@ -533,7 +537,7 @@ async fn at_max_processing_time_the_lease_expires_and_the_message_is_handed_on()
         "LeaseExpired changes nothing in the identity: {st:?}"
     );
     assert!(
-        seen.gaps()[0] >= Duration::from_millis(900),
+        seen.gaps()[0] >= Duration::from_millis(3000),
         "kept until MaxProcessingTime: {:?}",
         seen.gaps()
     );
@@ -549,14 +553,16 @@ async fn lease_expired_is_attempt_grain_one_message_can_reach_the_bound_twice() 
     let seen = Seen::default();
     let s = seen.clone();
     let mut p = scope.alo("twice");
-    p.ack_wait = Some(ms(500));
-    p.max_processing_time = Some(ms(600));
+    // ackWait 2 s, maxProcessingTime 2.4 s: each slow attempt is handed on by ~4.4 s and its
+    // handler runs 7 s, so both reach the bound with seconds to spare.
+    p.ack_wait = Some(ms(2000));
+    p.max_processing_time = Some(ms(2400));
     bus.subscribe(sub("twice", p, move |d| {
         let s = s.clone();
         async move {
             s.record(&d);
             if d.attempt() <= 2 {
-                tokio::time::sleep(Duration::from_millis(1500)).await;
+                tokio::time::sleep(Duration::from_millis(7000)).await;
                 return Ok(()); // too late to matter; silence
             }
             d.ack().await?;
@@ -593,13 +599,14 @@ async fn redeliver_lets_the_broker_hand_a_slow_message_on_and_sends_no_progress(
     let s = seen.clone();
     let mut p = scope.alo("red");
     p.slow_handler = Some(SlowHandler::Redeliver);
-    p.ack_wait = Some(ms(500));
+    // ackWait 2 s and a first handler of 6 s: the server hands it on at ~2 s.
+    p.ack_wait = Some(ms(2000));
     bus.subscribe(sub("red", p, move |d| {
         let s = s.clone();
         async move {
             s.record(&d);
             if d.attempt() == 1 {
-                tokio::time::sleep(Duration::from_millis(1500)).await;
+                tokio::time::sleep(Duration::from_millis(6000)).await;
             }
             let _ = d.ack().await;
             Ok(())
@@ -809,21 +816,29 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
+    // Killed when dropped: a failed assertion leaves no nats-server behind.
     let start = || {
-        std::process::Command::new(&env.nats_server)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(dir.path())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", env.nats_server.display()))
+        common::process::Killed::spawn(
+            "nats-server",
+            std::process::Command::new(&env.nats_server)
+                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+                .arg(dir.path())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null()),
+        )
     };
     let url = format!("nats://127.0.0.1:{port}");
     let mut server = start();
+    let deadline = Instant::now() + Duration::from_secs(30);
     let client = loop {
         if let Ok(c) = async_nats::connect(&url).await {
             break c;
         }
+        server.assert_running();
+        assert!(
+            Instant::now() < deadline,
+            "nats-server on {url} did not accept a connection within 30 s"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let js = async_nats::jetstream::new(client.clone());
@@ -856,8 +871,7 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
         .unwrap();
     until("first acked", || stats(&bus, "r").settlement.acked == 1).await;
 
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.kill();
     let mut server = start();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -878,8 +892,7 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
     })
     .await;
     bus.close().await;
-    server.kill().unwrap();
-    let _ = server.wait();
+    server.kill();
 }
 
 // ---------------------------------------------------------------- the stats report on the broker

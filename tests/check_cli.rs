@@ -98,7 +98,27 @@ fn backend_in_the_same_input_decides_capabilities() {
 }
 
 #[test]
-fn unreadable_input_names_the_field_or_the_line() {
+fn a_field_that_does_not_fit_is_refused_with_exit_1_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("bad.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: x}\nspec:\n  backendRef: {name: nats}\n  pattern: a\n  ackWait: 30 seconds\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", f.to_str().unwrap()]);
+    assert_eq!(code, 1, "readable YAML the API server would refuse: {out}");
+    assert!(
+        out.contains("error: spec.ackWait: \"30 seconds\" is not a duration"),
+        "{out}"
+    );
+    assert!(out.contains("1 checked, 1 refused"), "{out}");
+}
+
+#[test]
+fn input_that_is_not_valid_yaml_exits_2_after_reporting_everything_else() {
+    // README: "2: the input could not be read". A syntax error is unreadable input, not a verdict
+    // on a Subscription, and it wins over a refusal in the same run.
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("bad.yaml");
     std::fs::write(
@@ -106,8 +126,13 @@ fn unreadable_input_names_the_field_or_the_line() {
         "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: x}\nspec:\n  backendRef: {name: nats}\n  pattern: a\n  ackWait: 30 seconds\n---\n: : bad\n",
     )
     .unwrap();
-    let (code, out) = settle_check(&["-f", f.to_str().unwrap()]);
-    assert_eq!(code, 1, "{out}");
+    std::fs::write(
+        dir.path().join("good.yaml"),
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: fine}\nspec:\n  backendRef: {name: nats}\n  pattern: a\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}");
     assert!(
         out.contains("error: spec.ackWait: \"30 seconds\" is not a duration"),
         "{out}"
@@ -118,7 +143,17 @@ fn unreadable_input_names_the_field_or_the_line() {
         ),
         "{out}"
     );
+    assert!(out.contains("Subscription default/fine ok"), "{out}");
+    assert!(out.contains("3 checked, 2 refused"), "{out}");
 
+    // The valid YAML alone: back to the verdicts' exit codes.
+    std::fs::remove_file(&f).unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+}
+
+#[test]
+fn paths_that_cannot_be_read_and_bad_flags_exit_2() {
     let (code, out) = settle_check(&["-f", "/nonexistent/settle"]);
     assert_eq!(code, 2, "{out}");
     assert!(
@@ -130,5 +165,101 @@ fn unreadable_input_names_the_field_or_the_line() {
     assert!(
         out.contains("unknown backend kind \"kafka\": expected one of nats, memory, sqs, rabbitmq"),
         "{out}"
+    );
+}
+
+#[test]
+fn an_empty_directory_exits_2_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("README.md"), "not a manifest").unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains(&format!(
+            "settle check: {}: no .yaml or .yml files found",
+            dir.path().display()
+        )),
+        "{out}"
+    );
+}
+
+#[test]
+fn yaml_without_settle_resources_exits_0_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("cm.yaml"),
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: unrelated}\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("no Settle resources found"), "{out}");
+    assert!(out.contains("0 checked, 0 refused"), "{out}");
+}
+
+#[test]
+fn directories_are_searched_recursively() {
+    let dir = tempfile::tempdir().unwrap();
+    let deep = dir.path().join("team-a/prod/queues");
+    std::fs::create_dir_all(&deep).unwrap();
+    std::fs::write(
+        deep.join("deep.yml"),
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: deep, namespace: a}\nspec:\n  backendRef: {name: nats}\n  pattern: a\n  mode: AtLeastOnce\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "{}#1: Subscription a/deep REFUSED",
+            deep.join("deep.yml").display()
+        )),
+        "{out}"
+    );
+    assert!(out.contains("1 checked, 1 refused"), "{out}");
+}
+
+/// A Subscription whose Backend is not in the input: nats's capabilities, and it says so.
+/// `maxNackDelay: 13h` tells nats (no limit) from sqs (12 h); a backoff tells it from rabbitmq.
+const NO_BACKEND_IN_INPUT: &str = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: s, namespace: shop}\nspec:\n  backendRef: {name: elsewhere}\n  pattern: a\n  mode: AtLeastOnce\n  durableName: s\n  maxNackDelay: 13h\n  backoff: {initial: 1s, max: 1m}\n";
+
+#[test]
+fn the_default_backend_kind_is_nats() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("s.yaml");
+    std::fs::write(&f, NO_BACKEND_IN_INPUT).unwrap();
+    let (code, out) = settle_check(&["-f", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("Subscription shop/s ok (backend: nats, Backend \"elsewhere\" not in input; assumed nats, pass --backend-kind to choose)"),
+        "{out}"
+    );
+    for other in ["sqs", "rabbitmq"] {
+        let (code, out) = settle_check(&["-f", f.to_str().unwrap(), "--backend-kind", other]);
+        assert_eq!(code, 1, "{other} must refuse what nats admits: {out}");
+    }
+}
+
+#[test]
+fn settle_backend_kind_in_the_environment_stands_in_for_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("s.yaml");
+    std::fs::write(&f, NO_BACKEND_IN_INPUT).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_settle"))
+        .args(["check", "-f", f.to_str().unwrap()])
+        .env("SETTLE_BACKEND_KIND", "sqs")
+        .output()
+        .expect("settle runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("Subscription shop/s REFUSED (backend: sqs, --backend-kind)"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "error: spec.maxNackDelay: 13h0m0s is longer than this backend can hold a message back"
+        ),
+        "{text}"
     );
 }

@@ -130,6 +130,14 @@ fn api_server_refuses_bad_subscriptions_naming_the_field() {
             "  maxInFlight: 0\n",
             "spec.maxInFlight: Invalid value: 0: spec.maxInFlight in body should be greater than or equal to 1",
         ),
+        (
+            "  mode: AtLeastOnce\n  durableName: d\n  maxDeliver: 0\n",
+            "spec.maxDeliver: Invalid value: 0: spec.maxDeliver in body should be greater than or equal to 1",
+        ),
+        (
+            "  shape: Queue\n",
+            r#"spec.shape: Unsupported value: "Queue": supported values: "Fanout""#,
+        ),
     ];
     for (i, (extra, want)) in cases.iter().enumerate() {
         let msg = refused(&ns, &subscription(&format!("bad-{i}"), extra));

@@ -110,6 +110,33 @@ fn assess_reuses_only_a_fresh_matching_bundle() {
     ));
 }
 
+/// What the code under test logged (`tracing`), to see that a background task did its work.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logs {
+    fn contains(&self, text: &str) -> bool {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).contains(text)
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+    fn make_writer(&'a self) -> Logs {
+        self.clone()
+    }
+}
+
 async fn wait_for(what: &str, timeout: Duration, mut ok: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !ok().await {
@@ -120,6 +147,14 @@ async fn wait_for(what: &str, timeout: Duration, mut ok: impl AsyncFnMut() -> bo
 
 #[tokio::test]
 async fn file_source_reloads_changed_files_and_keeps_serving_on_garbage() {
+    // The poller runs on this (current-thread) runtime, so a thread-local subscriber sees it.
+    let logs = Logs::default();
+    let _guard = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(logs.clone())
+            .finish(),
+    );
     let dir = tempfile::tempdir().expect("tempdir");
     let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
     let first = issue_for(&sans(), Duration::from_secs(3600)).unwrap();
@@ -132,9 +167,17 @@ async fn file_source_reloads_changed_files_and_keeps_serving_on_garbage() {
         .expect("start from files");
     assert_eq!(serving.resolver.leaf_der(), Some(der(&first.cert_pem)));
 
-    // Garbage in the files: the old certificate stays.
+    // Garbage in the files: the poller reads it, refuses it, and the old certificate stays.
+    // Waiting for its warning proves the poller ran over the garbage (a sleep would pass with
+    // a poller that never ran).
     std::fs::write(&cert_path, "not a certificate").unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let warned = logs.clone();
+    wait_for(
+        "the poller's warning that the changed files are not usable",
+        Duration::from_secs(10),
+        async || warned.contains("the changed webhook certificate files are not usable"),
+    )
+    .await;
     assert_eq!(serving.resolver.leaf_der(), Some(der(&first.cert_pem)));
 
     // A new certificate (cert-manager renewed it): served without a restart.
@@ -332,7 +375,9 @@ async fn self_managed_creates_reuses_rotates_and_patches_ca_bundle() {
             .expect("patch"),
         2
     );
-    for bundle in ca_bundles(&client, &vwc_name).await {
+    let bundles = ca_bundles(&client, &vwc_name).await;
+    assert_eq!(bundles.len(), 2, "both webhooks carry a caBundle");
+    for bundle in bundles {
         assert_eq!(bundle, format!("{}{}", rotated.ca_pem, old.ca_pem));
     }
 
@@ -414,11 +459,11 @@ async fn self_managed_creates_reuses_rotates_and_patches_ca_bundle() {
     )
     .await;
     let current_ca = key(&stored(&client, &ns, "settle-webhook-tls").await, "ca.crt");
+    let bundles = ca_bundles(&client, &vwc_name).await;
+    assert_eq!(bundles.len(), 2, "both webhooks carry a caBundle");
     assert!(
-        ca_bundles(&client, &vwc_name)
-            .await
-            .iter()
-            .all(|b| b.starts_with(&current_ca))
+        bundles.iter().all(|b| b.starts_with(&current_ca)),
+        "every caBundle trusts the rotated CA first: {bundles:?}"
     );
     serving.task.abort();
 

@@ -386,6 +386,28 @@ fn check_row(ns: &str, row: &Row, dry_run: bool) {
     }
 }
 
+/// `settle_admission_requests_total` by (operation, allowed), from Prometheus text.
+fn admission_counts(metrics: &str) -> std::collections::BTreeMap<(String, String), u64> {
+    let mut out = std::collections::BTreeMap::new();
+    for line in metrics.lines() {
+        let Some(rest) = line.strip_prefix("settle_admission_requests_total{") else {
+            continue;
+        };
+        let (labels, value) = rest.split_once("} ").expect("a sample line");
+        let label = |name: &str| {
+            labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{name}=\"")))
+                .and_then(|v| v.strip_suffix('"'))
+                .unwrap_or_else(|| panic!("label {name} in {line}"))
+                .to_string()
+        };
+        let n: u64 = value.trim().parse().expect("a count");
+        out.insert((label("operation"), label("allowed")), n);
+    }
+    out
+}
+
 #[test]
 fn admission_through_the_real_api_server() {
     install_crds();
@@ -459,7 +481,23 @@ fn admission_through_the_real_api_server() {
         ],
         None,
     );
-    assert!(!ca_bundle.is_empty(), "the operator patched caBundle");
+    let secret_ca = kubectl_ok(
+        &[
+            "get",
+            "secret",
+            "settle-e2e-tls",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.data.ca\\.crt}",
+        ],
+        None,
+    );
+    assert!(!secret_ca.is_empty(), "the operator stored its CA");
+    assert_eq!(
+        ca_bundle, secret_ca,
+        "the operator patched caBundle with the CA in its Secret"
+    );
 
     let rows = rows();
     assert!(rows.len() >= 20, "the table holds at least 20 manifests");
@@ -517,13 +555,39 @@ fn admission_through_the_real_api_server() {
     );
     assert_eq!(mode, "AtMostOnce");
 
-    // Decisions are counted.
+    // Decisions are counted, each exactly once: the table fixes how many of each this process
+    // answered (every `before` created, then each row with --dry-run=server and for real, then
+    // `fresh-backend`).
+    let mut want = std::collections::BTreeMap::new();
+    for row in &rows {
+        let op = if row.before.is_some() {
+            *want.entry(("CREATE", "true")).or_insert(0u64) += 1;
+            "UPDATE"
+        } else {
+            "CREATE"
+        };
+        let allowed = if matches!(row.want, Want::Allowed(_)) {
+            "true"
+        } else {
+            "false"
+        };
+        *want.entry((op, allowed)).or_insert(0) += 2;
+    }
+    *want.entry(("CREATE", "true")).or_insert(0) += 1;
     let metrics = operator.get("/metrics").expect("metrics answer");
+    let got = admission_counts(&metrics);
+    let want: std::collections::BTreeMap<(String, String), u64> = want
+        .into_iter()
+        .map(|((op, allowed), n)| ((op.to_string(), allowed.to_string()), n))
+        .collect();
+    assert_eq!(got, want, "settle_admission_requests_total; {metrics}");
+    let total: u64 = want.values().sum();
     assert!(
-        metrics.contains("settle_admission_requests_total"),
-        "{metrics}"
+        metrics
+            .lines()
+            .any(|l| l == format!("settle_admission_duration_seconds_count {total}")),
+        "every answer is timed: {total} in {metrics}"
     );
-    assert!(metrics.contains(r#"allowed="false""#), "{metrics}");
 
     // The webhook goes down: Settle's resources fail closed with a clear message; others don't care.
     drop(operator);

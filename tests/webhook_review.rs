@@ -817,46 +817,122 @@ proptest! {
         }
     }
 
-    /// For every spec that reads, the webhook's verdict is exactly `validate`'s.
-    #[test]
-    fn verdict_matches_validate(
-        fields in prop::collection::vec(spec_field(), 0..8),
-        old_fields in prop::option::of(prop::collection::vec(spec_field(), 0..8)),
-        backend in prop_oneof![Just("nats"), Just("rabbit-like"), Just("memory"), Just("missing")],
-    ) {
-        let make = |fields: Vec<(&'static str, Value)>| {
-            let mut spec = json!({"backendRef": {"name": backend}, "pattern": "orders.>"});
-            for (k, v) in fields { spec[k] = v; }
-            subscription(spec)
-        };
-        let new = make(fields);
-        let old = old_fields.map(make);
-        // Parsed from the same text the webhook reads, so floats round the same way.
-        let read = |v: &Value| serde_json::from_slice::<Subscription>(&serde_json::to_vec(v).unwrap());
-        let Ok(new_sub) = read(&new) else { return Ok(()) };
-        let old_sub = match &old {
-            Some(o) => match read(o) { Ok(s) => Some(s), Err(_) => return Ok(()) },
-            None => None,
-        };
-        let op = if old.is_some() { "UPDATE" } else { "CREATE" };
-        let (status, reply) = runtime().block_on(review(&serde_json::to_vec(&request(op, Some(new), old)).unwrap(), &lookup()));
-        let a = check_answer(status, &reply)?.expect("an AdmissionReview answer");
+}
 
-        let cannot_delay = settle::api::Capabilities { delays_redelivery: false, max_redelivery_delay: None, restart_can_spend_unseen_attempt: true };
-        let nats = capabilities_of(BackendKind::Nats);
-        let memory = capabilities_of(BackendKind::Memory);
-        let view = match backend {
-            "nats" => BackendView::Known { name: backend, capabilities: &nats },
-            "rabbit-like" => BackendView::Known { name: backend, capabilities: &cannot_delay },
-            "memory" => BackendView::Known { name: backend, capabilities: &memory },
-            _ => BackendView::Missing { name: backend },
-        };
-        let verdict = validate(&new_sub.spec, old_sub.as_ref().map(|s| &s.spec), view);
-        prop_assert_eq!(a.allowed, verdict.allowed());
-        if !verdict.allowed() {
-            prop_assert_eq!(a.message.clone(), Some(verdict.error_text()));
-        }
-        let expected: Vec<String> = verdict.warnings.iter().map(ToString::to_string).collect();
-        prop_assert_eq!(a.warnings, expected);
+/// How many cases of `verdict_matches_validate` got as far as comparing, by kind.
+#[derive(Debug, Default)]
+struct Compared {
+    all: u32,
+    allowed: u32,
+    denied: u32,
+    updates: u32,
+    warned: u32,
+}
+
+/// For every spec that reads, the webhook's verdict is exactly `validate`'s. Cases whose spec
+/// does not read are rejected (`prop_assume!`), not counted as passes: the runner draws others
+/// until 256 have been compared, and the counts below show the comparison covered both verdicts,
+/// updates and warnings.
+#[test]
+fn verdict_matches_validate() {
+    use proptest::test_runner::{Config, TestRunner};
+    let compared = std::sync::Mutex::new(Compared::default());
+    let mut runner = TestRunner::new(Config {
+        cases: 256,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let strategy = (
+        prop::collection::vec(spec_field(), 0..8),
+        prop::option::of(prop::collection::vec(spec_field(), 0..8)),
+        prop_oneof![
+            Just("nats"),
+            Just("rabbit-like"),
+            Just("memory"),
+            Just("missing")
+        ],
+    );
+    runner
+        .run(&strategy, |(fields, old_fields, backend)| {
+            let make = |fields: Vec<(&'static str, Value)>| {
+                let mut spec = json!({"backendRef": {"name": backend}, "pattern": "orders.>"});
+                for (k, v) in fields {
+                    spec[k] = v;
+                }
+                subscription(spec)
+            };
+            let new = make(fields);
+            let old = old_fields.map(make);
+            // Parsed from the same text the webhook reads, so floats round the same way.
+            let read =
+                |v: &Value| serde_json::from_slice::<Subscription>(&serde_json::to_vec(v).unwrap());
+            let new_sub = read(&new);
+            prop_assume!(new_sub.is_ok(), "the new spec does not read");
+            let new_sub = new_sub.unwrap();
+            let old_sub = old.as_ref().map(read).transpose();
+            prop_assume!(old_sub.is_ok(), "the old spec does not read");
+            let old_sub = old_sub.unwrap();
+            let op = if old.is_some() { "UPDATE" } else { "CREATE" };
+            let (status, reply) = runtime().block_on(review(
+                &serde_json::to_vec(&request(op, Some(new), old)).unwrap(),
+                &lookup(),
+            ));
+            let a = check_answer(status, &reply)?.expect("an AdmissionReview answer");
+
+            let cannot_delay = settle::api::Capabilities {
+                delays_redelivery: false,
+                max_redelivery_delay: None,
+                restart_can_spend_unseen_attempt: true,
+            };
+            let nats = capabilities_of(BackendKind::Nats);
+            let memory = capabilities_of(BackendKind::Memory);
+            let view = match backend {
+                "nats" => BackendView::Known {
+                    name: backend,
+                    capabilities: &nats,
+                },
+                "rabbit-like" => BackendView::Known {
+                    name: backend,
+                    capabilities: &cannot_delay,
+                },
+                "memory" => BackendView::Known {
+                    name: backend,
+                    capabilities: &memory,
+                },
+                _ => BackendView::Missing { name: backend },
+            };
+            let verdict = validate(&new_sub.spec, old_sub.as_ref().map(|s| &s.spec), view);
+            prop_assert_eq!(a.allowed, verdict.allowed());
+            if !verdict.allowed() {
+                prop_assert_eq!(a.message.clone(), Some(verdict.error_text()));
+            }
+            let expected: Vec<String> = verdict.warnings.iter().map(ToString::to_string).collect();
+            prop_assert_eq!(&a.warnings, &expected);
+            let mut c = compared.lock().unwrap();
+            c.all += 1;
+            if a.allowed {
+                c.allowed += 1
+            } else {
+                c.denied += 1
+            }
+            if old_sub.is_some() {
+                c.updates += 1
+            }
+            if !expected.is_empty() {
+                c.warned += 1
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let c = compared.into_inner().unwrap();
+    println!("verdict_matches_validate compared {c:?}");
+    assert_eq!(c.all, 256, "every counted case ran the comparison: {c:?}");
+    for (what, n) in [
+        ("allowed", c.allowed),
+        ("denied", c.denied),
+        ("updates", c.updates),
+        ("with warnings", c.warned),
+    ] {
+        assert!(n >= 25, "at least 25 of the compared cases {what}: {c:?}");
     }
 }

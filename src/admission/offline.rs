@@ -67,6 +67,9 @@ impl fmt::Display for Finding {
 #[derive(Debug, Default)]
 pub struct Report {
     pub findings: Vec<Finding>,
+    /// Files (or their rest) that are not valid YAML and so could not be checked at all; each
+    /// is also a finding. `settle check` exits 2 when there is one.
+    pub unreadable: usize,
 }
 
 impl Report {
@@ -140,6 +143,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                 Err(e) => {
                     // The parser cannot resynchronise after a syntax error (it would yield the
                     // same error forever), so the rest of this file is not read.
+                    report.unreadable += 1;
                     report.findings.push(unreadable(
                         source,
                         "document",

@@ -3,7 +3,8 @@
 //! [`settle_with`] (the same path the bus uses).
 //!
 //! Rows: redelivery with an increasing attempt; MaxDeliver and Exhausted; per-message
-//! acknowledgement; a refused settlement after retirement; and, on a backend declaring
+//! acknowledgement; a refused settlement after retirement (refused by the backend's own
+//! bookkeeping, then still owed by the broker to a new consumer); and, on a backend declaring
 //! `delaysRedelivery`, a declined message waiting out its delay, never early. It must not use
 //! any backend-specific call: what it cannot see through `Broker`/`Consumer` it does not judge.
 
@@ -69,6 +70,7 @@ struct Row {
     ctx: Arc<SubscriptionCtx>,
     consumer: Box<dyn Consumer>,
     subject: String,
+    policy: DeliveryPolicy,
 }
 
 impl Row {
@@ -98,6 +100,7 @@ impl Row {
             });
         }
         let ctx = SubscriptionCtx::new(format!("conformance-{tag}"), &policy);
+        let kept = policy.clone();
         let consumer = backend.open(Arc::clone(&ctx)).await.map_err(|e| Failure {
             row: name,
             what: format!("open: {e}"),
@@ -107,6 +110,7 @@ impl Row {
             ctx,
             consumer,
             subject,
+            policy: kept,
         })
     }
 
@@ -245,10 +249,21 @@ async fn per_message(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'sta
     Ok(row_name(2))
 }
 
-/// Semantics T4: a settlement the backend cannot perform, because the consumer was retired, is
-/// Refused (and still counts as the settlement it was).
+/// Semantics T4: a settlement the backend cannot perform, because the consumer was retired, is Refused (and
+/// still counts as the settlement it was), and the message is not lost by it: the broker still
+/// owes it, and a new consumer of the same durable gets it again as a later attempt.
+///
+/// What decides the refusal is the backend's own bookkeeping: on JetStream a flag `retire` sets
+/// in this process (the server would have taken the nack; nothing is sent). The broker's part
+/// is the second half: the message it was never told about comes back after ackWait. (The
+/// server itself refusing a settlement, once the consumer is deleted, is a NATS test of its
+/// own, `a_nack_the_broker_cannot_act_on_is_refused_and_stranded`, outside this suite.)
 async fn retirement(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'static str, Failure> {
-    let mut row = Row::open(b, ROWS[3], prefix, run_id, "retirement", |_| {}).await?;
+    let mut row = Row::open(b, ROWS[3], prefix, run_id, "retirement", |p| {
+        // The broker hands an unsettled message on after ackWait: keep the wait short.
+        p.ack_wait = Some(api::Duration(Duration::from_secs(2)))
+    })
+    .await?;
     row.publish(b, "m").await?;
     let d = row.expect("the message").await?;
     row.consumer.retire().await;
@@ -267,6 +282,25 @@ async fn retirement(b: &dyn Broker, prefix: &str, run_id: &str) -> Result<&'stat
             st.settlement.nacked, st.settlement.refused
         )));
     }
+    // The broker's part: the message is still owed.
+    let again_ctx = SubscriptionCtx::new("conformance-retirement-again", &row.policy);
+    row.consumer = b
+        .open(Arc::clone(&again_ctx))
+        .await
+        .map_err(|e| row.fail(format!("open a new consumer of the same durable: {e}")))?;
+    row.ctx = again_ctx;
+    let again = row
+        .expect("the message whose nack was refused, on a new consumer")
+        .await?;
+    if again.attempt() <= d.attempt() {
+        return Err(row.fail(format!(
+            "the message comes back as a later attempt: attempt {} after {}",
+            again.attempt(),
+            d.attempt()
+        )));
+    }
+    row.settle(&again, Decision::Ack).await?;
+    row.done().await;
     Ok(row_name(3))
 }
 

@@ -208,12 +208,13 @@ struct Inner {
 
 /// One attempt of one message. Clones share one settlement state.
 ///
-/// A backend makes one only with [`Delivery::new`], never as a struct literal (semantics S6); a
-/// literal does not compile:
+/// A backend makes one only with [`Delivery::new`], never as a struct literal (semantics S6).
+/// The literal below is well-typed (it copies every field from a real delivery), so privacy is
+/// the only thing that can stop it:
 ///
 /// ```compile_fail
-/// fn forge(inner: std::sync::Arc<()>) -> settle::bus::Delivery {
-///     settle::bus::Delivery { inner } // error: field `inner` is private
+/// fn forge(real: settle::bus::Delivery) -> settle::bus::Delivery {
+///     settle::bus::Delivery { ..real } // error[E0451]: field `inner` of struct `Delivery` is private
 /// }
 /// ```
 #[derive(Clone)]

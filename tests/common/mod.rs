@@ -6,6 +6,7 @@
 
 pub mod controlplane;
 pub mod install;
+pub mod process;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -98,7 +99,8 @@ pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A kube client for the environment's API server.
+/// A kube client for the environment's API server (the client needs the `operator` feature).
+#[cfg(feature = "operator")]
 pub async fn kube_client() -> kube::Client {
     let env = env();
     let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
