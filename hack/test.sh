@@ -22,9 +22,14 @@ hack/env.sh up
 source "$SETTLE_ENV_DIR/settle.env"
 
 # Unit and integration tests (benches are compiled above but not run: they print figures and
-# are run with `make bench`).
+# are run with `make bench`). The test binaries run SETTLE_TEST_JOBS at a time (default 3): most
+# suites wait on real servers rather than the CPU; each binary's output is printed whole.
 log="$ROOT/target/test-output.log"
-{ cargo test --locked --lib --bins --tests --examples && cargo test --locked --doc; } 2>&1 | tee "$log"
+{
+  cargo test --locked --no-run --lib --bins --tests --examples --message-format=json-render-diagnostics \
+    | python3 hack/run-tests.py "${SETTLE_TEST_JOBS:-3}"
+  cargo test --locked --doc
+} 2>&1 | tee "$log"
 counts="$(awk '/^test result:/ {p += $4; f += $6} END {printf "%d passed, %d failed", p, f}' "$log")"
 echo "make test: every suite green in $((SECONDS - start))s"
 echo "settle: $counts"
