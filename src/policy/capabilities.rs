@@ -1,4 +1,4 @@
-//! The capability table: what each backend kind can honour (docs/semantics.md K1–K5).
+//! The capability table: what each backend kind can honour (docs/semantics.md K1–K6).
 //!
 //! Settle drives `nats`, `memory` and `sqs`; `rabbitmq` is listed so that `settle check
 //! --backend-kind` can say what a spec would need on that broker.
