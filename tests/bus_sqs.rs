@@ -433,3 +433,199 @@ async fn a_real_message_is_held_from_its_first_receive_as_the_server_reports_it(
     bus.close().await;
     scope.cleanup().await;
 }
+
+// ---------------------------------------------------------------- in flight, modes, owners
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_in_flight_bounds_what_is_received_and_held() {
+    // semantics P1, Q3: receives ask for no more than the free slots, so SQS never holds more
+    // than maxInFlight of this subscription's messages invisible at once.
+    let scope = Scope::new("inflight");
+    let broker = scope.broker().await;
+    let bus = Bus::builder(broker.clone()).without_reports().build();
+    let mut p = alo("work");
+    p.max_in_flight = Some(2);
+    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let peak = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (r, k) = (Arc::clone(&running), Arc::clone(&peak));
+    bus.subscribe(sub("work", p, move |d| {
+        let (r, k) = (Arc::clone(&r), Arc::clone(&k));
+        async move {
+            let now = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            k.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            r.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    for i in 0..6 {
+        bus.publish("work", format!("m{i}")).await.unwrap();
+    }
+    // While the first two run, the other four stay visible in the queue.
+    until("two handlers running", || {
+        running.load(std::sync::atomic::Ordering::SeqCst) == 2
+    })
+    .await;
+    let q = scope.attributes(&broker, "work").await;
+    let invisible: u64 = q["ApproximateNumberOfMessagesNotVisible"].parse().unwrap();
+    assert!(
+        invisible <= 2,
+        "{invisible} messages held for 2 slots: {q:?}"
+    );
+    until("6 acked", || stats(&bus, "work").settlement.acked == 6).await;
+    assert_eq!(peak.load(std::sync::atomic::Ordering::SeqCst), 2);
+    bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_most_once_deletes_on_delivery_and_nothing_comes_back() {
+    // semantics M1, Q3: a nack is recorded, never acted on.
+    let scope = Scope::new("amo");
+    let broker = scope.broker().await;
+    let bus = Bus::builder(broker.clone()).without_reports().build();
+    let p = DeliveryPolicy {
+        pattern: "feed".into(),
+        ack_wait: Some(api::Duration::from_secs(1)),
+        ..DeliveryPolicy::default()
+    };
+    let seen = Seen::default();
+    let s = seen.clone();
+    bus.subscribe(sub("feed", p, move |d| {
+        let s = s.clone();
+        async move {
+            s.record(&d);
+            d.nack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    bus.publish("feed", "m").await.unwrap();
+    until("nacked", || stats(&bus, "feed").settlement.nacked == 1).await;
+    // Past ackWait: a message SQS still had would be visible again by now.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(seen.attempts(), [1]);
+    let q = scope.attributes(&broker, "feed").await;
+    assert_eq!(
+        (
+            q["ApproximateNumberOfMessages"].as_str(),
+            q["ApproximateNumberOfMessagesNotVisible"].as_str()
+        ),
+        ("0", "0"),
+        "{q:?}"
+    );
+    bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_subscription_from_a_resource_waits_for_the_operators_queue_and_never_makes_it() {
+    // The operator owns a Subscription's queue: the runtime binds to it, waiting while it does
+    // not exist, and never creates it (so deleting the Subscription leaves no queue behind).
+    let scope = Scope::new("owned");
+    let broker = scope.broker().await;
+    let bus = Bus::builder(broker.clone()).without_reports().build();
+    let resource = api::SubscriptionSpec {
+        backend_ref: api::BackendRef { name: "sqs".into() },
+        stream: None,
+        policy: alo("billing"),
+    };
+    let seen = Seen::default();
+    let s = seen.clone();
+    let sub = Subscriber::from_resource(
+        "billing",
+        &resource,
+        handler(move |d: Delivery| {
+            let s = s.clone();
+            async move {
+                s.record(&d);
+                d.ack().await
+            }
+        }),
+    );
+    let waiting = tokio::spawn({
+        let bus = bus.clone();
+        async move { bus.subscribe(sub).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "subscribe must wait for the operator's queue"
+    );
+    let name = format!("{}billing", scope.prefix);
+    assert_eq!(
+        broker.queue_url(&name).await.unwrap(),
+        None,
+        "the runtime made the queue"
+    );
+    // The operator's part, by hand: the queue from the same mapping.
+    broker
+        .client()
+        .create_queue()
+        .queue_name(&name)
+        .send()
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("subscribe returns once the queue exists")
+        .unwrap()
+        .unwrap();
+    bus.publish("billing", "m").await.unwrap();
+    until("acked", || stats(&bus, "billing").settlement.acked == 1).await;
+    assert_eq!(seen.attempts(), [1]);
+    bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn headers_and_a_binary_payload_survive_the_trip() {
+    // Transport headers travel as message attributes; a payload SQS cannot carry as text goes
+    // as base64 and comes back as it was.
+    let scope = Scope::new("trip");
+    let bus = scope.bus().await;
+    let got: Arc<Mutex<Option<(Vec<(String, String)>, Vec<u8>, String)>>> = Arc::default();
+    let g = Arc::clone(&got);
+    bus.subscribe(sub("trip", alo("trip"), move |d| {
+        let g = Arc::clone(&g);
+        async move {
+            *g.lock().unwrap() = Some((
+                d.headers().to_vec(),
+                d.payload().to_vec(),
+                d.subject().to_string(),
+            ));
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    let payload = vec![0u8, 159, 146, 150, b'\n'];
+    bus.publish_with_headers(
+        "trip",
+        vec![
+            ("ce-id".into(), "42".into()),
+            ("ce-type".into(), "t".into()),
+        ],
+        payload.clone(),
+    )
+    .await
+    .unwrap();
+    until("acked", || stats(&bus, "trip").settlement.acked == 1).await;
+    let (headers, body, subject) = got.lock().unwrap().clone().unwrap();
+    assert_eq!(
+        headers,
+        [
+            ("ce-id".to_string(), "42".to_string()),
+            ("ce-type".to_string(), "t".to_string())
+        ]
+    );
+    assert_eq!(body, payload);
+    assert_eq!(subject, "trip");
+    bus.close().await;
+    scope.cleanup().await;
+}
