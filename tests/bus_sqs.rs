@@ -588,7 +588,9 @@ async fn headers_and_a_binary_payload_survive_the_trip() {
     // as base64 and comes back as it was.
     let scope = Scope::new("trip");
     let bus = scope.bus().await;
-    let got: Arc<Mutex<Option<(Vec<(String, String)>, Vec<u8>, String)>>> = Arc::default();
+    /// Headers, payload and subject of the delivery.
+    type Got = (Vec<(String, String)>, Vec<u8>, String);
+    let got: Arc<Mutex<Option<Got>>> = Arc::default();
     let g = Arc::clone(&got);
     bus.subscribe(sub("trip", alo("trip"), move |d| {
         let g = Arc::clone(&g);
