@@ -25,8 +25,14 @@ struct Row {
 
 const ALO: &str = "mode: AtLeastOnce\ndurableName: orders\n";
 
+/// A row's spec: `pattern: "orders.>"` unless the row sets its own.
 fn spec(body: &str) -> SubscriptionSpec {
-    let yaml = format!("backendRef: {{name: nats}}\npattern: \"orders.>\"\n{body}");
+    let pattern = if body.contains("pattern:") {
+        ""
+    } else {
+        "pattern: \"orders.>\"\n"
+    };
+    let yaml = format!("backendRef: {{name: nats}}\n{pattern}{body}");
     serde_yaml::from_str(&yaml).unwrap_or_else(|e| panic!("row spec does not parse: {e}\n{yaml}"))
 }
 
@@ -161,7 +167,7 @@ fn rows() -> Vec<Row> {
         // --- A4: not longer than the backend can hold
         Row {
             name: "A4: backoff.max above SQS's 12h",
-            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 13h}\n",
+            spec: "pattern: o\nmode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 13h}\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[(
@@ -172,7 +178,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "A4: maxNackDelay above SQS's 12h",
-            spec: "mode: AtLeastOnce\ndurableName: o\nmaxNackDelay: 24h\n",
+            spec: "pattern: o\nmode: AtLeastOnce\ndurableName: o\nmaxNackDelay: 24h\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[(
@@ -183,7 +189,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "A4: exactly 12h on SQS is fine",
-            spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 2\nbackoff: {initial: 1s, max: 12h}\nmaxNackDelay: 12h\n",
+            spec: "pattern: o\nmode: AtLeastOnce\ndurableName: o\nmaxDeliver: 2\nbackoff: {initial: 1s, max: 12h}\nmaxNackDelay: 12h\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[],
@@ -191,7 +197,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "A9 (DelayShortened): total wait past SQS's limit from first receive",
-            spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 4h, max: 8h}\n",
+            spec: "pattern: o\nmode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 4h, max: 8h}\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[],
@@ -202,7 +208,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "A9 (DelayShortened): unbounded attempts on SQS",
-            spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m}\n",
+            spec: "pattern: o\nmode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[],
@@ -213,7 +219,7 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "A9 (DelayShortened): a schedule that fits SQS says nothing",
-            spec: "mode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 1s, max: 1m}\n",
+            spec: "pattern: o\nmode: AtLeastOnce\ndurableName: o\nmaxDeliver: 5\nbackoff: {initial: 1s, max: 1m}\n",
             old: None,
             backend: Kind(Sqs),
             errors: &[],
@@ -222,6 +228,61 @@ fn rows() -> Vec<Row> {
         Row {
             name: "A4: no limit on nats",
             spec: "mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 48h}\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        // --- A10: on SQS a subject is a queue's name, and the durableName names the queue
+        Row {
+            name: "A10: a literal pattern equal to durableName on SQS",
+            spec: "pattern: orders_v2\nmode: AtLeastOnce\ndurableName: orders_v2\nmaxDeliver: 5\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A10: a wildcard on SQS",
+            spec: ALO,
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[(
+                "spec.pattern",
+                "\"orders.>\" has a wildcard, and on this backend a subject is the name of one queue",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "A10: a dotted subject on SQS (AtMostOnce too)",
+            spec: "pattern: orders.created\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[("spec.pattern", "has \".\"")],
+            warnings: &[],
+        },
+        Row {
+            name: "A10: a pattern other than the durableName on SQS",
+            spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: billing\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[(
+                "spec.pattern",
+                "differs from spec.durableName \"billing\": on this backend the durableName names the subscription's queue",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "A10: a queue name longer than SQS takes",
+            spec: "pattern: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[("spec.pattern", "is 81 characters long")],
+            warnings: &[],
+        },
+        Row {
+            name: "A10: patterns are free on nats",
+            spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: billing\n",
             old: None,
             backend: Kind(Nats),
             errors: &[],
@@ -442,6 +503,7 @@ fn capabilities_from_status_override_the_kind() {
         delays_redelivery: true,
         max_redelivery_delay: Some(Duration::from_secs(60)),
         restart_can_spend_unseen_attempt: true,
+        subject_names_queue: false,
     };
     let s = spec("mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 2m}\n");
     let v = validate(

@@ -150,13 +150,16 @@ fn api_server_refuses_bad_subscriptions_naming_the_field() {
 fn api_server_refuses_backends_without_exactly_one_kind() {
     install_crds();
     let ns = namespace("backendkinds");
-    let want = "spec: Invalid value: exactly one backend kind must be set: nats or memory";
+    let want = "spec: Invalid value: exactly one backend kind must be set: nats, memory or sqs";
     let two = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: two}\nspec:\n  nats: {servers: [\"nats://x:4222\"]}\n  memory: {}\n";
     let zero = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: zero}\nspec: {}\n";
-    for manifest in [two, zero] {
+    let sqs_too = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: sqs-too}\nspec:\n  memory: {}\n  sqs: {region: eu-west-1}\n";
+    for manifest in [two, zero, sqs_too] {
         let msg = refused(&ns, manifest);
         assert!(msg.contains(want), "wanted {want:?} in:\n{msg}");
     }
+    let sqs = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: queues}\nspec:\n  sqs: {region: eu-west-1, endpoint: \"http://127.0.0.1:9324\", queuePrefix: shop-}\n";
+    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(sqs));
     let no_servers = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: empty}\nspec:\n  nats: {servers: []}\n";
     let msg = refused(&ns, no_servers);
     assert!(msg.contains("spec.nats.servers: Invalid value: 0: spec.nats.servers in body should have at least 1 items"), "{msg}");

@@ -24,8 +24,8 @@ use super::Duration;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[schemars(extend("x-kubernetes-validations" = [{
-    "rule": "(has(self.nats) ? 1 : 0) + (has(self.memory) ? 1 : 0) == 1",
-    "message": "exactly one backend kind must be set: nats or memory"
+    "rule": "(has(self.nats) ? 1 : 0) + (has(self.memory) ? 1 : 0) + (has(self.sqs) ? 1 : 0) == 1",
+    "message": "exactly one backend kind must be set: nats, memory or sqs"
 }]))]
 #[serde(rename_all = "camelCase")]
 pub struct BackendSpec {
@@ -36,6 +36,9 @@ pub struct BackendSpec {
     /// nothing survives a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<MemoryBackendSpec>,
+    /// Amazon SQS, or an SQS-compatible server (ElasticMQ): one queue per Subscription.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sqs: Option<SqsBackendSpec>,
 }
 
 /// How to reach NATS JetStream.
@@ -63,6 +66,32 @@ pub struct NatsTlsSpec {
     pub ca_secret_ref: Option<SecretRef>,
 }
 
+/// How to reach SQS.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SqsBackendSpec {
+    /// The AWS region, e.g. eu-west-1. Optional: by default the pod's (AWS_REGION).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub region: Option<String>,
+    /// The endpoint URL, replacing the region's: an SQS-compatible server
+    /// (http://elasticmq.messaging:9324) or a VPC endpoint. Optional.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub endpoint: Option<String>,
+    /// A Secret in the Backend's namespace with keys `accessKeyId` and `secretAccessKey`.
+    /// Optional: without it, the pod's identity (the AWS SDK's default credential chain: IRSA,
+    /// EKS Pod Identity, instance profile, environment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretRef>,
+    /// Put before every queue name Settle makes or publishes to, e.g. `team-a-`. A queue name
+    /// (prefix, name and the `-dlq` of a dead-letter queue) has at most 80 characters:
+    /// letters, digits, `-` and `_`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 60), regex(pattern = r"^[A-Za-z0-9_-]*$"))]
+    pub queue_prefix: Option<String>,
+}
+
 /// The in-memory backend takes no settings.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct MemoryBackendSpec {}
@@ -86,6 +115,10 @@ pub struct Capabilities {
     pub max_redelivery_delay: Option<Duration>,
     /// A restart can spend a message's last attempt where no handler saw it, so Exhausted can undercount.
     pub restart_can_spend_unseen_attempt: bool,
+    /// A subject names one queue (SQS, which has no subjects): a pattern is one literal subject,
+    /// the name of the subscription's own queue, so it must equal the durableName.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub subject_names_queue: bool,
 }
 
 /// What Settle observed of the backend.

@@ -12,7 +12,7 @@ mod subscription;
 
 pub use backend::{
     Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackendSpec, NatsBackendSpec,
-    NatsTlsSpec, SecretRef,
+    NatsTlsSpec, SecretRef, SqsBackendSpec,
 };
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};

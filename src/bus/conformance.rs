@@ -46,6 +46,8 @@ pub const ROWS: [&str; 5] = [
 
 /// Runs every row that applies to `backend`. Subjects are `<subject_prefix>.<row>.<run>`; the
 /// backend must carry them (for JetStream, a stream whose subjects cover `<subject_prefix>.>`).
+/// On a backend whose subjects name queues (SQS), a row's subject is its durable name,
+/// `conformance-<row>-<run>`, and `subject_prefix` is not used.
 /// Returns the rows that ran.
 pub async fn run(backend: &dyn Broker, subject_prefix: &str) -> Result<Vec<&'static str>, Failure> {
     let run_id = format!(
@@ -82,11 +84,17 @@ impl Row {
         tag: &str,
         tune: impl FnOnce(&mut DeliveryPolicy),
     ) -> Result<Row, Failure> {
-        let subject = format!("{prefix}.{tag}.{run_id}");
+        let durable = format!("conformance-{tag}-{run_id}");
+        // Where a subject names a queue (SQS), the subscription's pattern is its queue's name.
+        let subject = if backend.capabilities().subject_names_queue {
+            durable.clone()
+        } else {
+            format!("{prefix}.{tag}.{run_id}")
+        };
         let mut policy = DeliveryPolicy {
             pattern: subject.clone(),
             mode: Mode::AtLeastOnce,
-            durable_name: Some(format!("conformance-{tag}-{run_id}")),
+            durable_name: Some(durable),
             max_deliver: Some(10),
             ack_wait: Some(api::Duration::from_secs(30)),
             ..DeliveryPolicy::default()

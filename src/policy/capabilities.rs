@@ -1,7 +1,7 @@
-//! The capability table: what each backend kind can honour (docs/semantics.md K1–K5).
+//! The capability table: what each backend kind can honour (docs/semantics.md K1–K6).
 //!
-//! Settle drives `nats` and `memory`; `sqs` and `rabbitmq` are listed so that `settle check
-//! --backend-kind` can say what a spec would need on those brokers.
+//! Settle drives `nats`, `memory` and `sqs`; `rabbitmq` is listed so that `settle check
+//! --backend-kind` can say what a spec would need on that broker.
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,7 +16,8 @@ pub enum BackendKind {
     Nats,
     /// The in-memory runtime backend: delays in process, never loses an unseen attempt.
     Memory,
-    /// Amazon SQS (not driven yet): delays by visibility timeout, at most 12 h from first receive.
+    /// Amazon SQS: delays by visibility timeout, at most 12 h from first receive; a subject is a
+    /// queue's name.
     Sqs,
     /// RabbitMQ without plugins (not driven yet): no delayed redelivery.
     Rabbitmq,
@@ -41,16 +42,20 @@ impl BackendKind {
 
     /// The kind a Backend spec names, if exactly one is set (the API server enforces that).
     pub fn of(spec: &BackendSpec) -> Option<BackendKind> {
-        match (&spec.nats, &spec.memory) {
-            (Some(_), None) => Some(BackendKind::Nats),
-            (None, Some(_)) => Some(BackendKind::Memory),
+        match (&spec.nats, &spec.memory, &spec.sqs) {
+            (Some(_), None, None) => Some(BackendKind::Nats),
+            (None, Some(_), None) => Some(BackendKind::Memory),
+            (None, None, Some(_)) => Some(BackendKind::Sqs),
             _ => None,
         }
     }
 
     /// Whether Settle can run a consumer on this kind today.
     pub fn driven(self) -> bool {
-        matches!(self, BackendKind::Nats | BackendKind::Memory)
+        matches!(
+            self,
+            BackendKind::Nats | BackendKind::Memory | BackendKind::Sqs
+        )
     }
 }
 
@@ -79,21 +84,25 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: true,
+            subject_names_queue: false,
         },
         BackendKind::Memory => Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: false,
+            subject_names_queue: false,
         },
         BackendKind::Sqs => Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: Some(Duration::from_secs(12 * 3600)),
             restart_can_spend_unseen_attempt: true,
+            subject_names_queue: true,
         },
         BackendKind::Rabbitmq => Capabilities {
             delays_redelivery: false,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: true,
+            subject_names_queue: false,
         },
     }
 }

@@ -72,7 +72,7 @@ pub enum BackendView<'a> {
     Missing { name: &'a str },
 }
 
-/// The admission rules (docs/semantics.md A1–A9) for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A10) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -144,6 +144,14 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
                 format!("{} is below 1: a multiplier of at least 1 keeps waits from shrinking; use 2 to double each wait", b.multiplier),
             );
         }
+    }
+
+    // A10: where a subject names one queue (SQS), a pattern must be a name the queue can carry,
+    // and the subscription's own queue, so that what is published to it reaches it.
+    if let Some(caps) = caps
+        && caps.subject_names_queue
+    {
+        queue_pattern_rules(v, p);
     }
 
     if !at_least_once {
@@ -261,6 +269,53 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
                 "{} is shorter than spec.ackWait {ack_wait}: under ExtendLease the lease is never extended; \
                  raise maxProcessingTime or lower ackWait",
                 Duration(max_processing)
+            ),
+        );
+    }
+}
+
+/// The longest queue name SQS accepts.
+const QUEUE_NAME_MAX: usize = 80;
+
+/// A10: on a backend whose subjects name queues, the pattern is one literal queue name (after
+/// the Backend's queue prefix), and it is the durableName when there is one.
+fn queue_pattern_rules(v: &mut Verdict, p: &DeliveryPolicy) {
+    let pattern = p.pattern.as_str();
+    let bad: Vec<char> = pattern
+        .chars()
+        .filter(|c| !(c.is_ascii_alphanumeric() || *c == '-' || *c == '_'))
+        .collect();
+    if !bad.is_empty() {
+        let what = if bad.iter().any(|c| *c == '*' || *c == '>') {
+            "a wildcard".to_string()
+        } else {
+            format!("{:?}", bad.iter().collect::<String>())
+        };
+        v.error(
+            "spec.pattern",
+            format!(
+                "{pattern:?} has {what}, and on this backend a subject is the name of one queue (it has no subjects to match): set spec.pattern to one literal name of letters, digits, '-' and '_', the same as spec.durableName"
+            ),
+        );
+        return;
+    }
+    if pattern.len() > QUEUE_NAME_MAX {
+        v.error(
+            "spec.pattern",
+            format!(
+                "is {} characters long, and a queue name has at most {QUEUE_NAME_MAX}: set a shorter name",
+                pattern.len()
+            ),
+        );
+        return;
+    }
+    if let Some(durable) = p.durable_name.as_deref().filter(|d| !d.is_empty())
+        && durable != pattern
+    {
+        v.error(
+            "spec.pattern",
+            format!(
+                "{pattern:?} differs from spec.durableName {durable:?}: on this backend the durableName names the subscription's queue and a subject is a queue's name, so messages published to {pattern:?} would never reach it; set spec.pattern to {durable:?}"
             ),
         );
     }
