@@ -158,6 +158,37 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
+        // --- A10: on a backend that never hands a message on (RabbitMQ), the fields that govern
+        // handing it on have no effect; A7 does not apply there
+        Row {
+            name: "A10: ackWait, slowHandler and maxProcessingTime on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: o\nslowHandler: Redeliver\nackWait: 1m\nmaxProcessingTime: 10s\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[
+                ("spec.ackWait", "consumer_timeout"),
+                ("spec.slowHandler", "never hands a message on"),
+                ("spec.maxProcessingTime", "has no effect on this backend"),
+            ],
+        },
+        // --- A11: more in flight than the backend can hold per consumer cannot be mapped
+        Row {
+            name: "A11: maxInFlight above RabbitMQ's 16-bit prefetch",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxInFlight: 65536\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.maxInFlight", "set it to 65535 or less")],
+            warnings: &[],
+        },
+        Row {
+            name: "A11: maxInFlight at RabbitMQ's limit is fine",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxInFlight: 65535\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
         // --- A4: not longer than the backend can hold
         Row {
             name: "A4: backoff.max above SQS's 12h",
@@ -442,6 +473,7 @@ fn capabilities_from_status_override_the_kind() {
         delays_redelivery: true,
         max_redelivery_delay: Some(Duration::from_secs(60)),
         restart_can_spend_unseen_attempt: true,
+        ..Capabilities::default()
     };
     let s = spec("mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 2m}\n");
     let v = validate(

@@ -842,7 +842,7 @@ proptest! {
         let (status, reply) = runtime().block_on(review(&serde_json::to_vec(&request(op, Some(new), old)).unwrap(), &lookup()));
         let a = check_answer(status, &reply)?.expect("an AdmissionReview answer");
 
-        let cannot_delay = settle::api::Capabilities { delays_redelivery: false, max_redelivery_delay: None, restart_can_spend_unseen_attempt: true };
+        let cannot_delay = settle::api::Capabilities { delays_redelivery: false, max_redelivery_delay: None, restart_can_spend_unseen_attempt: true, ..Default::default() };
         let nats = capabilities_of(BackendKind::Nats);
         let memory = capabilities_of(BackendKind::Memory);
         let view = match backend {

@@ -180,7 +180,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                             source,
                             object: object_name("Backend", &b.metadata),
                             errors: vec![
-                                "spec: exactly one backend kind must be set: nats or memory".into(),
+                                "spec: exactly one backend kind must be set: nats, rabbitmq or memory".into(),
                             ],
                             warnings: vec![],
                             backend: None,

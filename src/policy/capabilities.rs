@@ -1,12 +1,12 @@
 //! The capability table: what each backend kind can honour (docs/semantics.md K1–K5).
 //!
-//! Settle drives `nats` and `memory`; `sqs` and `rabbitmq` are listed so that `settle check
-//! --backend-kind` can say what a spec would need on those brokers.
+//! Settle drives `nats`, `rabbitmq` and `memory`; `sqs` is listed so that `settle check
+//! --backend-kind` can say what a spec would need on that broker.
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::api::{Backend, BackendSpec, Capabilities, Duration};
+use crate::api::{AckTimeout, Backend, BackendSpec, Capabilities, Duration};
 
 /// A kind of backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -18,7 +18,8 @@ pub enum BackendKind {
     Memory,
     /// Amazon SQS (not driven yet): delays by visibility timeout, at most 12 h from first receive.
     Sqs,
-    /// RabbitMQ without plugins (not driven yet): no delayed redelivery.
+    /// RabbitMQ without plugins: no delayed redelivery; never hands a message on while the
+    /// channel that received it lives; prefetch is a 16-bit count.
     Rabbitmq,
 }
 
@@ -41,16 +42,20 @@ impl BackendKind {
 
     /// The kind a Backend spec names, if exactly one is set (the API server enforces that).
     pub fn of(spec: &BackendSpec) -> Option<BackendKind> {
-        match (&spec.nats, &spec.memory) {
-            (Some(_), None) => Some(BackendKind::Nats),
-            (None, Some(_)) => Some(BackendKind::Memory),
+        match (&spec.nats, &spec.rabbitmq, &spec.memory) {
+            (Some(_), None, None) => Some(BackendKind::Nats),
+            (None, Some(_), None) => Some(BackendKind::Rabbitmq),
+            (None, None, Some(_)) => Some(BackendKind::Memory),
             _ => None,
         }
     }
 
     /// Whether Settle can run a consumer on this kind today.
     pub fn driven(self) -> bool {
-        matches!(self, BackendKind::Nats | BackendKind::Memory)
+        matches!(
+            self,
+            BackendKind::Nats | BackendKind::Rabbitmq | BackendKind::Memory
+        )
     }
 }
 
@@ -72,6 +77,9 @@ impl FromStr for BackendKind {
     }
 }
 
+/// The largest `basic.qos` prefetch-count AMQP 0-9-1 can carry (a 16-bit field).
+pub const RABBITMQ_MAX_PREFETCH: u32 = 65_535;
+
 /// What a backend of this kind can honour.
 pub fn capabilities_of(kind: BackendKind) -> Capabilities {
     match kind {
@@ -79,21 +87,33 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: true,
+            ack_timeout: AckTimeout::PerSubscription,
+            max_in_flight: None,
         },
         BackendKind::Memory => Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: false,
+            ack_timeout: AckTimeout::Never,
+            max_in_flight: None,
         },
         BackendKind::Sqs => Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: Some(Duration::from_secs(12 * 3600)),
             restart_can_spend_unseen_attempt: true,
+            ack_timeout: AckTimeout::PerSubscription,
+            max_in_flight: None,
         },
+        // Without plugins a nack requeues at once (no delay); the broker hands a message on only
+        // when the channel that holds it closes (after its broker-wide consumer_timeout, 30 min
+        // by default in 3.10); a quorum queue counts every return, the channel's close included,
+        // so a restart can spend an unseen attempt; basic.qos prefetch-count is 16 bits.
         BackendKind::Rabbitmq => Capabilities {
             delays_redelivery: false,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: true,
+            ack_timeout: AckTimeout::BrokerWide,
+            max_in_flight: Some(RABBITMQ_MAX_PREFETCH),
         },
     }
 }

@@ -7,7 +7,9 @@
 use std::fmt;
 
 use super::{DEFAULT_MAX_PROCESSING_TIME, Schedule};
-use crate::api::{Capabilities, DeliveryPolicy, Duration, Mode, SlowHandler, SubscriptionSpec};
+use crate::api::{
+    AckTimeout, Capabilities, DeliveryPolicy, Duration, Mode, SlowHandler, SubscriptionSpec,
+};
 
 /// What admission concluded: errors refuse the spec; warnings admit it and are shown to the user.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -72,7 +74,7 @@ pub enum BackendView<'a> {
     Missing { name: &'a str },
 }
 
-/// The admission rules (docs/semantics.md A1–A9) for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A11) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -236,6 +238,42 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
                 format!("{text}: later declines come back sooner than asked and are counted DelayShortened; set maxDeliver or shorten the schedule"),
             );
         }
+    }
+
+    // A11: more unsettled deliveries than the backend can hold per consumer cannot be mapped
+    // (RabbitMQ's prefetch-count is 16 bits): refused, never silently capped (semantics K7).
+    if let Some(caps) = caps
+        && let Some(limit) = caps.max_in_flight
+        && let Some(n) = p.max_in_flight
+        && i64::from(n) > i64::from(limit)
+    {
+        v.error(
+            "spec.maxInFlight",
+            format!(
+                "{n} is more than this backend can hold unsettled per consumer ({limit}): set it to {limit} or less"
+            ),
+        );
+    }
+
+    // A10: on a backend that never hands a message on while its channel lives, the fields that
+    // govern handing it on do nothing; A7 and A9's lease rule do not apply there (semantics K6).
+    if caps.is_some_and(|c| c.ack_timeout == AckTimeout::BrokerWide) {
+        let no_effect = [
+            ("spec.ackWait", p.ack_wait.is_some()),
+            ("spec.slowHandler", p.slow_handler.is_some()),
+            ("spec.maxProcessingTime", p.max_processing_time.is_some()),
+        ];
+        for (field, set) in no_effect {
+            if set {
+                v.warn(
+                    field,
+                    "has no effect on this backend: it never hands a message on while the channel that received it lives; \
+                     a handler that runs past the broker's own consumer_timeout (RabbitMQ: 30m unless the broker sets it) \
+                     gets its channel closed, and every unsettled message on it is redelivered. Remove the field",
+                );
+            }
+        }
+        return;
     }
 
     // A7: under Redeliver, ackWait is a correctness setting (semantics H3).
