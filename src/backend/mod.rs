@@ -1,8 +1,10 @@
 //! Backends: the brokers the runtime drives, each behind the `bus::Broker` seam.
 //!
-//! `memory` (in process, for tests and local development) and `nats` (JetStream). Anything that
+//! `memory` (in process, for tests and local development), `nats` (JetStream) and `rabbitmq`
+//! (AMQP 0-9-1). Anything that
 //! names a broker's subject, header or config field lives under its folder here. This module must
 //! not decide policy (that is `policy`) nor talk to Kubernetes.
 
 pub mod memory;
 pub mod nats;
+pub mod rabbitmq;
