@@ -489,7 +489,8 @@ mod tests {
             &policy(|p| p.max_deliver = Some(5)),
             &Exchanges::default(),
         );
-        let cases: Vec<(&str, Box<dyn Fn(&mut LiveQueue)>, &str)> = vec![
+        type Change = Box<dyn Fn(&mut LiveQueue)>;
+        let cases: Vec<(&str, Change, &str)> = vec![
             (
                 "another limit",
                 Box::new(|l| {
