@@ -202,8 +202,7 @@ impl RabbitBroker {
         }
         let want = match b.owner {
             ConsumerOwner::Runtime => {
-                let want =
-                    queue::desired_by_runtime(&b.namespace, ctx.name(), p, &self.exchanges);
+                let want = queue::desired_by_runtime(&b.namespace, ctx.name(), p, &self.exchanges);
                 self.declare(&want).await?;
                 want
             }
@@ -600,8 +599,7 @@ impl RabbitSettler {
         }
         if !self.acks {
             return Err(Refusal {
-                reason: "the consumer takes no acknowledgements (automatic acknowledgement)"
-                    .into(),
+                reason: "the consumer takes no acknowledgements (automatic acknowledgement)".into(),
                 stranded: false,
             });
         }
@@ -620,7 +618,9 @@ impl RabbitSettler {
                 stranded: false,
             }),
             Err(e) => Err(Refusal {
-                reason: format!("{what} failed: {e} (the broker requeues the message when the channel closes)"),
+                reason: format!(
+                    "{what} failed: {e} (the broker requeues the message when the channel closes)"
+                ),
                 stranded: false,
             }),
         }
@@ -644,7 +644,10 @@ impl OnSettle for RabbitSettler {
             self.check()?;
             match action {
                 BrokerAction::Ack => {
-                    Self::done("basic.ack", self.acker.ack(BasicAckOptions::default()).await)?;
+                    Self::done(
+                        "basic.ack",
+                        self.acker.ack(BasicAckOptions::default()).await,
+                    )?;
                     Ok(Performed::AsAsked)
                 }
                 BrokerAction::Decline(delay) => {
