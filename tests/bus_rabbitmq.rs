@@ -750,3 +750,68 @@ async fn a_runtime_built_from_the_resource_waits_for_the_operators_queue_and_nev
     bus.close().await;
     scope.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_exhausted_message_goes_to_the_dead_letter_exchange_when_one_is_set() {
+    // semantics R3: the last declined attempt is rejected without requeue; the queue's
+    // x-dead-letter-exchange (the Backend's deadLetterExchange) receives it.
+    let scope = Scope::new("dlx").await;
+    let dlx = format!("{}.dead", scope.exchange);
+    let dead = scope.durable("dead");
+    let ch = scope.conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        dlx.as_str().into(),
+        ExchangeKind::Fanout,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(
+        dead.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        dead.as_str().into(),
+        dlx.as_str().into(),
+        "".into(),
+        lapin::options::QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let bus = Bus::builder(scope.backend().await.with_dead_letter_exchange(dlx.clone()))
+        .without_reports()
+        .build();
+    let mut p = scope.alo("dl");
+    p.max_deliver = Some(2);
+    bus.subscribe(sub("dl", p, |d| async move {
+        d.nack().await?;
+        Ok(())
+    }))
+    .await
+    .unwrap();
+    assert_eq!(
+        queue_info(&scope.durable("dl"))["arguments"]["x-dead-letter-exchange"],
+        dlx.as_str()
+    );
+    scope.publish(&bus, "orders.1", "a").await;
+    until("exhausted", || stats(&bus, "dl").exhausted == 1).await;
+    until_queue(&dead, "the exhausted message dead-lettered", |q| {
+        q["messages"] == 1
+    })
+    .await;
+    assert_eq!(stats(&bus, "dl").settlement.nacked, 2);
+    bus.close().await;
+    mgmt_status("DELETE", &format!("/api/queues/%2f/{}", encode(&dead)));
+    let _ = ch
+        .exchange_delete(dlx.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    scope.cleanup().await;
+}
