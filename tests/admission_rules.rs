@@ -164,6 +164,37 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
+        // --- A10: on a backend that never hands a message on (RabbitMQ), the fields that govern
+        // handing it on have no effect; A7 does not apply there
+        Row {
+            name: "A10: ackWait, slowHandler and maxProcessingTime on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: o\nslowHandler: Redeliver\nackWait: 1m\nmaxProcessingTime: 10s\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[
+                ("spec.ackWait", "consumer_timeout"),
+                ("spec.slowHandler", "never hands a message on"),
+                ("spec.maxProcessingTime", "has no effect on this backend"),
+            ],
+        },
+        // --- A11: more in flight than the backend can hold per consumer cannot be mapped
+        Row {
+            name: "A11: maxInFlight above RabbitMQ's 16-bit prefetch",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxInFlight: 65536\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.maxInFlight", "set it to 65535 or less")],
+            warnings: &[],
+        },
+        Row {
+            name: "A11: maxInFlight at RabbitMQ's limit is fine",
+            spec: "mode: AtLeastOnce\ndurableName: o\nmaxInFlight: 65535\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
         // --- A4: not longer than the backend can hold
         Row {
             name: "A4: backoff.max above SQS's 12h",
@@ -233,9 +264,9 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
-        // --- A10: on SQS a subject is a queue's name, and the durableName names the queue
+        // --- A12: on SQS a subject is a queue's name, and the durableName names the queue
         Row {
-            name: "A10: a literal pattern equal to durableName on SQS",
+            name: "A12: a literal pattern equal to durableName on SQS",
             spec: "pattern: orders_v2\nmode: AtLeastOnce\ndurableName: orders_v2\nmaxDeliver: 5\n",
             old: None,
             backend: Kind(Sqs),
@@ -243,7 +274,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "A10: a wildcard on SQS",
+            name: "A12: a wildcard on SQS",
             spec: ALO,
             old: None,
             backend: Kind(Sqs),
@@ -254,7 +285,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "A10: a dotted subject on SQS (AtMostOnce too)",
+            name: "A12: a dotted subject on SQS (AtMostOnce too)",
             spec: "pattern: orders.created\n",
             old: None,
             backend: Kind(Sqs),
@@ -262,7 +293,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "A10: a pattern other than the durableName on SQS",
+            name: "A12: a pattern other than the durableName on SQS",
             spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: billing\n",
             old: None,
             backend: Kind(Sqs),
@@ -273,7 +304,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "A10: a queue name longer than SQS takes",
+            name: "A12: a queue name longer than SQS takes",
             spec: "pattern: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\n",
             old: None,
             backend: Kind(Sqs),
@@ -281,7 +312,7 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
-            name: "A10: patterns are free on nats",
+            name: "A12: patterns are free on nats",
             spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: billing\n",
             old: None,
             backend: Kind(Nats),
@@ -503,7 +534,7 @@ fn capabilities_from_status_override_the_kind() {
         delays_redelivery: true,
         max_redelivery_delay: Some(Duration::from_secs(60)),
         restart_can_spend_unseen_attempt: true,
-        subject_names_queue: false,
+        ..Capabilities::default()
     };
     let s = spec("mode: AtLeastOnce\ndurableName: o\nbackoff: {initial: 1s, max: 2m}\n");
     let v = validate(

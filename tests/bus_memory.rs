@@ -716,7 +716,7 @@ async fn delays_are_refused_when_the_bus_is_built_on_a_backend_that_cannot_hold_
             delays_redelivery: true,
             max_redelivery_delay: Some(api::Duration::from_secs(60)),
             restart_can_spend_unseen_attempt: false,
-            subject_names_queue: false,
+            ..Capabilities::default()
         },
     );
     let mut p2 = alo("o.>");

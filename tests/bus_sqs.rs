@@ -79,7 +79,7 @@ impl Scope {
     }
 }
 
-/// An AtLeastOnce policy whose pattern is its durable name (a queue's name, semantics A10).
+/// An AtLeastOnce policy whose pattern is its durable name (a queue's name, semantics A12).
 fn alo(name: &str) -> DeliveryPolicy {
     DeliveryPolicy {
         pattern: name.into(),
@@ -208,7 +208,7 @@ async fn publishing_to_a_subject_without_a_queue_says_what_a_subject_is() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_wildcard_pattern_is_refused_when_the_bus_is_built() {
-    // semantics A10: the same rule as admission.
+    // semantics A12: the same rule as admission.
     let scope = Scope::new("wild");
     let bus = scope.bus().await;
     let mut p = alo("orders");

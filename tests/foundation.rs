@@ -150,7 +150,8 @@ fn api_server_refuses_bad_subscriptions_naming_the_field() {
 fn api_server_refuses_backends_without_exactly_one_kind() {
     install_crds();
     let ns = namespace("backendkinds");
-    let want = "spec: Invalid value: exactly one backend kind must be set: nats, memory or sqs";
+    let want =
+        "spec: Invalid value: exactly one backend kind must be set: nats, rabbitmq, sqs or memory";
     let two = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: two}\nspec:\n  nats: {servers: [\"nats://x:4222\"]}\n  memory: {}\n";
     let zero = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: zero}\nspec: {}\n";
     let sqs_too = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: sqs-too}\nspec:\n  memory: {}\n  sqs: {region: eu-west-1}\n";

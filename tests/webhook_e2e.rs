@@ -191,6 +191,24 @@ fn rows() -> Vec<Row> {
             ]),
         },
         Row {
+            name: "backoff-rabbitmq",
+            spec: "  backendRef: {name: rabbit}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m}\n",
+            before: None,
+            want: Denied(
+                "spec.backoff: this backend cannot delay a redelivery (it does not declare delaysRedelivery): remove the field, or use a backend that can, such as nats",
+                &[],
+            ),
+        },
+        Row {
+            name: "maxinflight-rabbitmq",
+            spec: "  backendRef: {name: rabbit}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  maxInFlight: 70000\n",
+            before: None,
+            want: Denied(
+                "spec.maxInFlight: 70000 is more than this backend can hold unsettled per consumer (65535): set it to 65535 or less",
+                &[],
+            ),
+        },
+        Row {
             name: "backoff-nodelay",
             spec: "  backendRef: {name: nodelay}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m}\n",
             before: None,
@@ -437,9 +455,10 @@ fn admission_through_the_real_api_server() {
         &serde_json::from_str(&stored).expect("json"),
     );
 
-    // Backends: nats and memory by kind; two whose status narrows their capabilities.
+    // Backends: nats, memory and rabbitmq by kind; two whose status narrows their capabilities.
     let backends = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nats}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: memory}\nspec: {memory: {}}\n---\n\
+                    apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: rabbit}\nspec: {rabbitmq: {urls: [\"amqp://127.0.0.1:5672\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nodelay}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: limited}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n";
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(backends));

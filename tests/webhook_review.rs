@@ -883,7 +883,7 @@ fn verdict_matches_validate() {
                 delays_redelivery: false,
                 max_redelivery_delay: None,
                 restart_can_spend_unseen_attempt: true,
-                subject_names_queue: false,
+                ..Default::default()
             };
             let nats = capabilities_of(BackendKind::Nats);
             let memory = capabilities_of(BackendKind::Memory);

@@ -184,8 +184,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                             source,
                             object: object_name("Backend", &b.metadata),
                             errors: vec![
-                                "spec: exactly one backend kind must be set: nats, memory or sqs"
-                                    .into(),
+                                "spec: exactly one backend kind must be set: nats, rabbitmq, sqs or memory".into(),
                             ],
                             warnings: vec![],
                             backend: None,

@@ -24,14 +24,18 @@ use super::Duration;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[schemars(extend("x-kubernetes-validations" = [{
-    "rule": "(has(self.nats) ? 1 : 0) + (has(self.memory) ? 1 : 0) + (has(self.sqs) ? 1 : 0) == 1",
-    "message": "exactly one backend kind must be set: nats, memory or sqs"
+    "rule": "(has(self.nats) ? 1 : 0) + (has(self.rabbitmq) ? 1 : 0) + (has(self.sqs) ? 1 : 0) + (has(self.memory) ? 1 : 0) == 1",
+    "message": "exactly one backend kind must be set: nats, rabbitmq, sqs or memory"
 }]))]
 #[serde(rename_all = "camelCase")]
 pub struct BackendSpec {
     /// A NATS JetStream server or cluster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nats: Option<NatsBackendSpec>,
+    /// A RabbitMQ broker (AMQP 0-9-1, no plugins needed): each Subscription becomes a quorum
+    /// queue bound to a topic exchange.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rabbitmq: Option<RabbitmqBackendSpec>,
     /// The in-memory backend of the handler runtime: for tests and local development only;
     /// nothing survives a restart.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -62,6 +66,46 @@ pub struct NatsBackendSpec {
 #[serde(rename_all = "camelCase")]
 pub struct NatsTlsSpec {
     /// A Secret with key `ca.crt`: the CA that signed the server's certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_secret_ref: Option<SecretRef>,
+}
+
+/// How to reach RabbitMQ.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RabbitmqBackendSpec {
+    /// AMQP URLs, e.g. amqp://rabbitmq.messaging:5672 (amqps:// for TLS), tried in order. At
+    /// least one. Keep credentials out of them: use credentialsSecretRef.
+    #[schemars(length(min = 1))]
+    pub urls: Vec<String>,
+    /// The virtual host. `/` unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub vhost: Option<String>,
+    /// The topic exchange messages are published to and queues are bound to, by the
+    /// Subscription's pattern (`*` stays `*`, `>` becomes `#`). `amq.topic` unless set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub exchange: Option<String>,
+    /// Where a message declined on its last attempt (counted Exhausted) goes: the queues get
+    /// this `x-dead-letter-exchange`. Unset: it is dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub dead_letter_exchange: Option<String>,
+    /// A Secret in the Backend's namespace with keys `username` and `password`. Optional:
+    /// without it, the URL's user (RabbitMQ's default is guest, which only connects locally).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret_ref: Option<SecretRef>,
+    /// TLS settings. Optional; without them the connection follows the URL scheme.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<RabbitmqTlsSpec>,
+}
+
+/// TLS settings for RabbitMQ.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RabbitmqTlsSpec {
+    /// A Secret with key `ca.crt`: the CA that signed the broker's certificate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_secret_ref: Option<SecretRef>,
 }
@@ -103,7 +147,7 @@ pub struct SecretRef {
     pub name: String,
 }
 
-/// What a backend can honour (docs/semantics.md K1–K3). Shown in Backend status,
+/// What a backend can honour (docs/semantics.md K1–K3, K6–K8). Shown in Backend status,
 /// used by admission to refuse specs the backend cannot honour.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -116,9 +160,34 @@ pub struct Capabilities {
     /// A restart can spend a message's last attempt where no handler saw it, so Exhausted can undercount.
     pub restart_can_spend_unseen_attempt: bool,
     /// A subject names one queue (SQS, which has no subjects): a pattern is one literal subject,
-    /// the name of the subscription's own queue, so it must equal the durableName.
+    /// the name of the subscription's own queue, so it must equal the durableName (K8).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub subject_names_queue: bool,
+    /// What the broker does with a message whose handler has not settled it after a while:
+    /// PerSubscription (unless set) honours ackWait, slowHandler and maxProcessingTime.
+    #[serde(default)]
+    pub ack_timeout: AckTimeout,
+    /// The most unsettled deliveries one consumer can hold (the largest maxInFlight it can
+    /// honour); unset means no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<u32>,
+}
+
+/// What a broker does with a message whose handler has not settled it (docs/semantics.md K6).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum AckTimeout {
+    /// After the subscription's ackWait the broker hands the message on, unless the runtime
+    /// extends the lease (JetStream, SQS): ackWait, slowHandler and maxProcessingTime apply.
+    #[default]
+    PerSubscription,
+    /// The broker never hands a message on while the channel that received it lives; one
+    /// broker-wide timeout (RabbitMQ's `consumer_timeout`) closes the channel instead, and every
+    /// unsettled message on it goes back to the queue. ackWait, slowHandler and
+    /// maxProcessingTime have no effect.
+    BrokerWide,
+    /// Nothing ever hands the message on (the in-memory backend). The fields do nothing, and
+    /// admission says nothing, so a spec tested on memory runs unchanged on a broker.
+    Never,
 }
 
 /// What Settle observed of the backend.

@@ -11,8 +11,8 @@ mod stats;
 mod subscription;
 
 pub use backend::{
-    Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackendSpec, NatsBackendSpec,
-    NatsTlsSpec, SecretRef, SqsBackendSpec,
+    AckTimeout, Backend, BackendSpec, BackendStatus, Capabilities, MemoryBackendSpec,
+    NatsBackendSpec, NatsTlsSpec, RabbitmqBackendSpec, RabbitmqTlsSpec, SecretRef, SqsBackendSpec,
 };
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};

@@ -4,7 +4,8 @@
 //! - [`Subscriber`]: name + the CRD's `DeliveryPolicy` + a handler.
 //! - [`Delivery`]: one attempt; `ack`/`nack`/`nack_after`; exactly one settlement across clones.
 //! - [`settle`] / [`settle_with`]: the one settle path (handlers, the bus, the conformance suite).
-//! - [`Broker`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`).
+//! - [`Broker`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`,
+//!   `backend::rabbitmq`).
 //! - [`conformance::run`]: the conformance rows (semantics T1–T6) for any AtLeastOnce backend.
 //! - [`report`]: the versioned stats report for the operator.
 //!

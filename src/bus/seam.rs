@@ -1,8 +1,8 @@
 //! The backend seam: what a broker must provide for the runtime to drive it (open a consumer,
 //! hand over deliveries, publish, keep stats reports).
 //!
-//! Traits and the error type only. Implementations live in `backend/memory.rs` and `backend/nats/`;
-//! nothing here may know a particular broker.
+//! Traits and the error type only. Implementations live in `backend/memory.rs`,
+//! `backend/nats/`, `backend/rabbitmq/` and `backend/sqs/`; nothing here may know a particular broker.
 
 use std::sync::Arc;
 

@@ -1,12 +1,12 @@
-//! The capability table: what each backend kind can honour (docs/semantics.md K1–K6).
+//! The capability table: what each backend kind can honour (docs/semantics.md K1–K8).
 //!
-//! Settle drives `nats`, `memory` and `sqs`; `rabbitmq` is listed so that `settle check
+//! Settle drives every kind in the table: `nats`, `rabbitmq`, `sqs` and `memory`; `settle check
 //! --backend-kind` can say what a spec would need on that broker.
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::api::{Backend, BackendSpec, Capabilities, Duration};
+use crate::api::{AckTimeout, Backend, BackendSpec, Capabilities, Duration};
 
 /// A kind of backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -19,7 +19,8 @@ pub enum BackendKind {
     /// Amazon SQS: delays by visibility timeout, at most 12 h from first receive; a subject is a
     /// queue's name.
     Sqs,
-    /// RabbitMQ without plugins (not driven yet): no delayed redelivery.
+    /// RabbitMQ without plugins: no delayed redelivery; never hands a message on while the
+    /// channel that received it lives; prefetch is a 16-bit count.
     Rabbitmq,
 }
 
@@ -42,10 +43,11 @@ impl BackendKind {
 
     /// The kind a Backend spec names, if exactly one is set (the API server enforces that).
     pub fn of(spec: &BackendSpec) -> Option<BackendKind> {
-        match (&spec.nats, &spec.memory, &spec.sqs) {
-            (Some(_), None, None) => Some(BackendKind::Nats),
-            (None, Some(_), None) => Some(BackendKind::Memory),
-            (None, None, Some(_)) => Some(BackendKind::Sqs),
+        match (&spec.nats, &spec.rabbitmq, &spec.sqs, &spec.memory) {
+            (Some(_), None, None, None) => Some(BackendKind::Nats),
+            (None, Some(_), None, None) => Some(BackendKind::Rabbitmq),
+            (None, None, Some(_), None) => Some(BackendKind::Sqs),
+            (None, None, None, Some(_)) => Some(BackendKind::Memory),
             _ => None,
         }
     }
@@ -54,7 +56,7 @@ impl BackendKind {
     pub fn driven(self) -> bool {
         matches!(
             self,
-            BackendKind::Nats | BackendKind::Memory | BackendKind::Sqs
+            BackendKind::Nats | BackendKind::Rabbitmq | BackendKind::Sqs | BackendKind::Memory
         )
     }
 }
@@ -77,6 +79,9 @@ impl FromStr for BackendKind {
     }
 }
 
+/// The largest `basic.qos` prefetch-count AMQP 0-9-1 can carry (a 16-bit field).
+pub const RABBITMQ_MAX_PREFETCH: u32 = 65_535;
+
 /// What a backend of this kind can honour.
 pub fn capabilities_of(kind: BackendKind) -> Capabilities {
     match kind {
@@ -85,24 +90,36 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: true,
             subject_names_queue: false,
+            ack_timeout: AckTimeout::PerSubscription,
+            max_in_flight: None,
         },
         BackendKind::Memory => Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: false,
             subject_names_queue: false,
+            ack_timeout: AckTimeout::Never,
+            max_in_flight: None,
         },
         BackendKind::Sqs => Capabilities {
             delays_redelivery: true,
             max_redelivery_delay: Some(Duration::from_secs(12 * 3600)),
             restart_can_spend_unseen_attempt: true,
             subject_names_queue: true,
+            ack_timeout: AckTimeout::PerSubscription,
+            max_in_flight: None,
         },
+        // Without plugins a nack requeues at once (no delay); the broker hands a message on only
+        // when the channel that holds it closes (after its broker-wide consumer_timeout, 30 min
+        // by default in 3.10); a quorum queue counts every return, the channel's close included,
+        // so a restart can spend an unseen attempt; basic.qos prefetch-count is 16 bits.
         BackendKind::Rabbitmq => Capabilities {
             delays_redelivery: false,
             max_redelivery_delay: None,
             restart_can_spend_unseen_attempt: true,
             subject_names_queue: false,
+            ack_timeout: AckTimeout::BrokerWide,
+            max_in_flight: Some(RABBITMQ_MAX_PREFETCH),
         },
     }
 }

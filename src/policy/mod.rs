@@ -12,7 +12,9 @@ mod capabilities;
 mod resolved;
 mod rules;
 
-pub use capabilities::{BackendKind, capabilities_of, effective_capabilities};
+pub use capabilities::{
+    BackendKind, RABBITMQ_MAX_PREFETCH, capabilities_of, effective_capabilities,
+};
 pub use resolved::{
     DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, ResolvedPolicy, Schedule,
     schedule_delay,

@@ -7,7 +7,9 @@
 use std::fmt;
 
 use super::{DEFAULT_MAX_PROCESSING_TIME, Schedule};
-use crate::api::{Capabilities, DeliveryPolicy, Duration, Mode, SlowHandler, SubscriptionSpec};
+use crate::api::{
+    AckTimeout, Capabilities, DeliveryPolicy, Duration, Mode, SlowHandler, SubscriptionSpec,
+};
 
 /// What admission concluded: errors refuse the spec; warnings admit it and are shown to the user.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -72,7 +74,7 @@ pub enum BackendView<'a> {
     Missing { name: &'a str },
 }
 
-/// The admission rules (docs/semantics.md A1–A10) for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A12) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -146,7 +148,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         }
     }
 
-    // A10: where a subject names one queue (SQS), a pattern must be a name the queue can carry,
+    // A12: where a subject names one queue (SQS), a pattern must be a name the queue can carry,
     // and the subscription's own queue, so that what is published to it reaches it.
     if let Some(caps) = caps
         && caps.subject_names_queue
@@ -246,6 +248,42 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
         }
     }
 
+    // A11: more unsettled deliveries than the backend can hold per consumer cannot be mapped
+    // (RabbitMQ's prefetch-count is 16 bits): refused, never silently capped (semantics K7).
+    if let Some(caps) = caps
+        && let Some(limit) = caps.max_in_flight
+        && let Some(n) = p.max_in_flight
+        && i64::from(n) > i64::from(limit)
+    {
+        v.error(
+            "spec.maxInFlight",
+            format!(
+                "{n} is more than this backend can hold unsettled per consumer ({limit}): set it to {limit} or less"
+            ),
+        );
+    }
+
+    // A10: on a backend that never hands a message on while its channel lives, the fields that
+    // govern handing it on do nothing; A7 and A9's lease rule do not apply there (semantics K6).
+    if caps.is_some_and(|c| c.ack_timeout == AckTimeout::BrokerWide) {
+        let no_effect = [
+            ("spec.ackWait", p.ack_wait.is_some()),
+            ("spec.slowHandler", p.slow_handler.is_some()),
+            ("spec.maxProcessingTime", p.max_processing_time.is_some()),
+        ];
+        for (field, set) in no_effect {
+            if set {
+                v.warn(
+                    field,
+                    "has no effect on this backend: it never hands a message on while the channel that received it lives; \
+                     a handler that runs past the broker's own consumer_timeout (RabbitMQ: 30m unless the broker sets it) \
+                     gets its channel closed, and every unsettled message on it is redelivered. Remove the field",
+                );
+            }
+        }
+        return;
+    }
+
     // A7: under Redeliver, ackWait is a correctness setting (semantics H3).
     if p.slow_handler == Some(SlowHandler::Redeliver) && p.ack_wait.is_none() {
         v.warn(
@@ -277,7 +315,7 @@ fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>
 /// The longest queue name SQS accepts.
 const QUEUE_NAME_MAX: usize = 80;
 
-/// A10: on a backend whose subjects name queues, the pattern is one literal queue name (after
+/// A12: on a backend whose subjects name queues, the pattern is one literal queue name (after
 /// the Backend's queue prefix), and it is the durableName when there is one.
 fn queue_pattern_rules(v: &mut Verdict, p: &DeliveryPolicy) {
     let pattern = p.pattern.as_str();
