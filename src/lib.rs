@@ -12,8 +12,8 @@
 //! - [`bus`]: the handler runtime (settlement, modes, backoff, counters, conformance).
 //! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream).
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
-//! - [`operator`]: the `settle operator` process (webhook, metrics, leader election;
-//!   controllers to come).
+//! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
+//! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
 
 pub mod admission;
 pub mod api;
@@ -22,3 +22,5 @@ pub mod bus;
 #[cfg(feature = "operator")]
 pub mod operator;
 pub mod policy;
+#[cfg(feature = "operator")]
+pub mod reconcile;
