@@ -6,6 +6,7 @@
 
 pub mod controlplane;
 pub mod install;
+pub mod operator;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
