@@ -7,6 +7,7 @@
 pub mod controlplane;
 pub mod install;
 pub mod operator;
+pub mod subs;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
