@@ -12,7 +12,10 @@ use common::{install_crds, kubectl_ok, namespace};
 use kube::Api;
 use settle::api::Backend;
 
-async fn ready_of(api: &Api<Backend>, name: &str) -> Result<(String, String, String, Backend), String> {
+async fn ready_of(
+    api: &Api<Backend>,
+    name: &str,
+) -> Result<(String, String, String, Backend), String> {
     let b = api
         .get_opt(name)
         .await
@@ -58,20 +61,28 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     let env = common::env();
 
     // Reachable: Ready, with the server's version and the capabilities of its kind.
-    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&backend_yaml("good", &env.nats_url, None)));
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("good", &env.nats_url, None)),
+    );
     let good = wait_ready(&api, "good", "True", "Connected").await;
     let st = good.status.expect("status");
     let version = st.server_version.expect("serverVersion");
     assert!(version.starts_with("2."), "serverVersion {version}");
     assert_eq!(
         st.capabilities,
-        Some(settle::policy::capabilities_of(settle::policy::BackendKind::Nats))
+        Some(settle::policy::capabilities_of(
+            settle::policy::BackendKind::Nats
+        ))
     );
     assert_eq!(st.observed_generation, good.metadata.generation);
 
     // A closed port: Unreachable, and the message says what to check.
     let closed = format!("nats://127.0.0.1:{}", free_port());
-    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&backend_yaml("closed", &closed, None)));
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("closed", &closed, None)),
+    );
     let b = wait_ready(&api, "closed", "False", "Unreachable").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert!(m.contains("spec.nats.servers"), "{m}");
@@ -79,24 +90,51 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     // A server with a user and password, and a Secret with the wrong password: AuthFailed.
     let server = NatsServer::start(&["--user", "app", "--pass", "right"]);
     kubectl_ok(
-        &["create", "secret", "generic", "creds", "-n", &ns, "--from-literal=user=app", "--from-literal=password=wrong"],
+        &[
+            "create",
+            "secret",
+            "generic",
+            "creds",
+            "-n",
+            &ns,
+            "--from-literal=user=app",
+            "--from-literal=password=wrong",
+        ],
         None,
     );
-    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&backend_yaml("auth", &server.url(), Some("creds"))));
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("auth", &server.url(), Some("creds"))),
+    );
     let b = wait_ready(&api, "auth", "False", "AuthFailed").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert!(m.contains("credentialsSecretRef"), "{m}");
 
     // The Secret fixed: Ready, with nothing restarted.
     let fixed = kubectl_ok(
-        &["create", "secret", "generic", "creds", "-n", &ns, "--from-literal=user=app", "--from-literal=password=right", "--dry-run=client", "-o", "yaml"],
+        &[
+            "create",
+            "secret",
+            "generic",
+            "creds",
+            "-n",
+            &ns,
+            "--from-literal=user=app",
+            "--from-literal=password=right",
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ],
         None,
     );
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&fixed));
     wait_ready(&api, "auth", "True", "Connected").await;
 
     // A Secret that does not exist: SecretMissing, naming it.
-    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&backend_yaml("nosecret", &env.nats_url, Some("absent"))));
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("nosecret", &env.nats_url, Some("absent"))),
+    );
     let b = wait_ready(&api, "nosecret", "False", "SecretMissing").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert!(m.contains("\"absent\""), "{m}");
@@ -104,14 +142,18 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     // The memory backend: Ready in process, its capabilities from its kind, no version.
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some("apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: mem}\nspec:\n  memory: {}\n"),
+        Some(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: mem}\nspec:\n  memory: {}\n",
+        ),
     );
     let b = wait_ready(&api, "mem", "True", "InProcess").await;
     let st = b.status.expect("status");
     assert_eq!(st.server_version, None);
     assert_eq!(
         st.capabilities,
-        Some(settle::policy::capabilities_of(settle::policy::BackendKind::Memory))
+        Some(settle::policy::capabilities_of(
+            settle::policy::BackendKind::Memory
+        ))
     );
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }

@@ -64,7 +64,10 @@ async fn a_subscription_becomes_exactly_the_mapped_consumer_and_edits_apply_in_p
     );
 
     // Every field over the NATS API: the mapping's config, after the server's defaults.
-    let info = stream.consumer("orders").await.expect("the consumer exists");
+    let info = stream
+        .consumer("orders")
+        .await
+        .expect("the consumer exists");
     let want = consumer::desired(
         &ns,
         "orders",
@@ -115,7 +118,10 @@ async fn a_subscription_becomes_exactly_the_mapped_consumer_and_edits_apply_in_p
     // AtMostOnce without a durable name: a stable derived name, no acks.
     apply(
         &ns,
-        &sub_yaml("metrics", &format!("  pattern: \"{}.metrics.>\"\n", stream.prefix)),
+        &sub_yaml(
+            "metrics",
+            &format!("  pattern: \"{}.metrics.>\"\n", stream.prefix),
+        ),
     );
     let sub = wait_ready(&api, "metrics").await;
     let name = format!("settle_{ns}_metrics");
@@ -145,11 +151,23 @@ async fn an_unresolvable_stream_and_a_spec_that_slipped_past_admission_make_no_c
     let long = Duration::from_secs(60);
 
     // A named stream that does not exist, and a pattern no stream carries.
-    apply(&ns, &sub_yaml("named", "  pattern: nothing.here.>\n  stream: NO_SUCH_STREAM\n"));
+    apply(
+        &ns,
+        &sub_yaml(
+            "named",
+            "  pattern: nothing.here.>\n  stream: NO_SUCH_STREAM\n",
+        ),
+    );
     let s = wait_condition(&api, "named", "Ready", "False", "StreamNotFound", long).await;
     let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
-    assert!(m.contains("NO_SUCH_STREAM") && m.contains("spec.stream"), "{m}");
-    apply(&ns, &sub_yaml("unowned", "  pattern: nothing.carries.this.>\n"));
+    assert!(
+        m.contains("NO_SUCH_STREAM") && m.contains("spec.stream"),
+        "{m}"
+    );
+    apply(
+        &ns,
+        &sub_yaml("unowned", "  pattern: nothing.carries.this.>\n"),
+    );
     wait_condition(&api, "unowned", "Ready", "False", "StreamNotFound", long).await;
     wait_event(&ns, "named", "StreamNotFound").await;
 
@@ -183,7 +201,10 @@ async fn an_unresolvable_stream_and_a_spec_that_slipped_past_admission_make_no_c
     );
 
     // Fixing the spec makes the consumer.
-    apply(&ns, &sub_yaml("slipped", &format!("  pattern: \"{}.>\"\n", stream.prefix)));
+    apply(
+        &ns,
+        &sub_yaml("slipped", &format!("  pattern: \"{}.>\"\n", stream.prefix)),
+    );
     wait_ready(&api, "slipped").await;
     assert_eq!(
         stream.consumer_names().await,
@@ -210,20 +231,30 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
         )
     };
     apply(&ns, &sub_yaml("gone", &alo("gone", "")));
-    apply(&ns, &sub_yaml("kept", &alo("kept", "  deletionPolicy: Retain\n")));
+    apply(
+        &ns,
+        &sub_yaml("kept", &alo("kept", "  deletionPolicy: Retain\n")),
+    );
     wait_ready(&api, "gone").await;
     wait_ready(&api, "kept").await;
     assert_eq!(stream.consumer_names().await, vec!["gone", "kept"]);
 
     // Delete: the consumer goes first, then the finalizer, then the object.
-    api.delete("gone", &DeleteParams::default()).await.expect("delete");
+    api.delete("gone", &DeleteParams::default())
+        .await
+        .expect("delete");
     wait_gone(&api, "gone", Duration::from_secs(30)).await;
     assert_eq!(stream.consumer("gone").await.map(|i| i.name), None);
 
     // Retain: the object goes, the consumer stays.
-    api.delete("kept", &DeleteParams::default()).await.expect("delete");
+    api.delete("kept", &DeleteParams::default())
+        .await
+        .expect("delete");
     wait_gone(&api, "kept", Duration::from_secs(30)).await;
-    assert!(stream.consumer("kept").await.is_some(), "a retained consumer stays");
+    assert!(
+        stream.consumer("kept").await.is_some(),
+        "a retained consumer stays"
+    );
 
     // The Backend deleted first: the Subscription still deletes.
     apply(&ns, &sub_yaml("orphan", &alo("orphan", "")));
@@ -233,14 +264,20 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
         .delete("nats", &DeleteParams::default())
         .await
         .expect("delete the Backend");
-    common::operator::poll("the Backend to be gone", Duration::from_secs(30), || async {
-        match backends(&ns).await.get_opt("nats").await {
-            Ok(None) => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    common::operator::poll(
+        "the Backend to be gone",
+        Duration::from_secs(30),
+        || async {
+            match backends(&ns).await.get_opt("nats").await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
     .await;
-    api.delete("orphan", &DeleteParams::default()).await.expect("delete");
+    api.delete("orphan", &DeleteParams::default())
+        .await
+        .expect("delete");
     wait_gone(&api, "orphan", Duration::from_secs(30)).await;
 
     stream.delete().await;

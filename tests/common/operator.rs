@@ -83,7 +83,12 @@ impl Operator {
         cmd.args(["operator", "--log-format", "text"])
             .args(["--webhook-addr", &format!("127.0.0.1:{}", free_port())])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .args(["--namespace", home, "--webhook-secret", "settle-reconcile-tls"])
+            .args([
+                "--namespace",
+                home,
+                "--webhook-secret",
+                "settle-reconcile-tls",
+            ])
             .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])
             .args(["--watch-namespaces", watch])
             .args(extra)

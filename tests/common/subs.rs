@@ -76,7 +76,15 @@ pub async fn wait_condition(
 }
 
 pub async fn wait_ready(api: &Api<Subscription>, name: &str) -> Subscription {
-    wait_condition(api, name, "Ready", "True", "ConsumerReady", Duration::from_secs(60)).await
+    wait_condition(
+        api,
+        name,
+        "Ready",
+        "True",
+        "ConsumerReady",
+        Duration::from_secs(60),
+    )
+    .await
 }
 
 /// Waits until Subscription `name` no longer exists.
