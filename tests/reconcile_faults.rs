@@ -121,7 +121,6 @@ async fn a_broker_stopped_for_ten_seconds_is_reconverged_and_a_deletion_waits_fo
         );
         wait_ready(&api, name).await;
     }
-    drop(stream);
 
     // Down for 10 s: Ready goes False (Unreachable); a deletion waits.
     server.stop();
@@ -154,22 +153,14 @@ async fn a_broker_stopped_for_ten_seconds_is_reconverged_and_a_deletion_waits_fo
         back.elapsed()
     );
     wait_gone(&api, "doomed", Duration::from_secs(60)).await;
-    let stream_now = TestStream {
+    // A fresh client: the test's own one may still be reconnecting.
+    let again = TestStream {
         js: async_nats::jetstream::new(async_nats::connect(server.url()).await.expect("connect")),
-        name: format!(
-            "{}",
-            api.get("orders")
-                .await
-                .expect("orders")
-                .status
-                .and_then(|s| s.consumer)
-                .map(|c| c.stream)
-                .expect("stream")
-        ),
+        name: stream.name.clone(),
         prefix: String::new(),
     };
     assert_eq!(
-        stream_now.consumer_names().await,
+        again.consumer_names().await,
         vec!["orders"],
         "the deleted one's consumer is gone"
     );

@@ -26,6 +26,9 @@ use crate::backend::nats::connect::{self, ConnectFailure, ConnectSpec};
 /// A Backend, by namespace and name.
 pub type Key = (String, String);
 
+/// The operator's own consumer changes, each waiting for the one advisory it causes.
+type OwnMarks = Arc<Mutex<HashMap<(ChangeKind, String, String), Instant>>>;
+
 /// How long a mark of the operator's own consumer change waits for its advisory.
 const OWN_MARK_TTL: Duration = Duration::from_secs(10);
 
@@ -35,7 +38,7 @@ pub struct Conn {
     pub js: jetstream::Context,
     fingerprint: u64,
     /// Consumer changes the operator made itself, each waiting for the one advisory it causes.
-    own: Arc<Mutex<HashMap<(ChangeKind, String, String), Instant>>>,
+    own: OwnMarks,
     listener: JoinHandle<()>,
 }
 
@@ -178,7 +181,7 @@ impl Connections {
                 return Err(e);
             }
         };
-        let own: Arc<Mutex<HashMap<(ChangeKind, String, String), Instant>>> = Arc::default();
+        let own: OwnMarks = Arc::default();
         let listener = tokio::spawn(listen(
             Arc::downgrade(self),
             key.clone(),
@@ -253,7 +256,7 @@ async fn listen(
     conns: std::sync::Weak<Connections>,
     key: Key,
     client: async_nats::Client,
-    own: Arc<Mutex<HashMap<(ChangeKind, String, String), Instant>>>,
+    own: OwnMarks,
 ) {
     let mut subs = Vec::new();
     for subject in [

@@ -214,6 +214,9 @@ fn subscription_predicate(s: &Subscription) -> Option<u64> {
     Some(h.finish())
 }
 
+/// What of a Backend its Subscriptions depend on: its generation and its Ready status.
+type BackendSeen = (Option<i64>, Option<String>);
+
 /// One leadership term: both controllers, the Secret watch, until `stop`.
 async fn run_term(
     client: Client,
@@ -252,7 +255,7 @@ async fn run_term(
 
     // Backends: a deleted one's connection is dropped; a change of its spec or of its Ready
     // status reconciles its Subscriptions.
-    let seen: Arc<Mutex<HashMap<(String, String), (Option<i64>, Option<String>)>>> = Arc::default();
+    let seen: Arc<Mutex<HashMap<connections::Key, BackendSeen>>> = Arc::default();
     let backend_events = {
         let conns = conns.clone();
         watch::<Backend>(&client, namespaces)
