@@ -109,11 +109,17 @@ async fn main() {
         stream.prefix
     );
     let start = Instant::now();
-    while !common::kubectl(&["apply", "-n", &ns, "--dry-run=server", "-f", "-"], Some(&probe))
-        .status
-        .success()
+    while !common::kubectl(
+        &["apply", "-n", &ns, "--dry-run=server", "-f", "-"],
+        Some(&probe),
+    )
+    .status
+    .success()
     {
-        assert!(start.elapsed() < Duration::from_secs(60), "the webhook never answered");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the webhook never answered"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     apply(&ns, &backend_yaml("nats", &env.nats_url));
@@ -130,7 +136,10 @@ async fn main() {
         if up {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the Backend never got Ready");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the Backend never got Ready"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -165,7 +174,10 @@ async fn main() {
             stream.prefix
         ));
     }
-    let file = common::root().join(format!("target/bench-reconcile-{}.yaml", std::process::id()));
+    let file = common::root().join(format!(
+        "target/bench-reconcile-{}.yaml",
+        std::process::id()
+    ));
     std::fs::write(&file, all).expect("manifests");
 
     let kube_before = op.metric("settle_kube_requests_total", &[]);
@@ -173,12 +185,19 @@ async fn main() {
     let t0 = Instant::now();
     let out = common::kubectl(&["apply", "-n", &ns, "-f", common::path_str(&file)], None);
     let applied = t0.elapsed();
-    assert!(out.status.success(), "kubectl apply: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     loop {
         if seen.lock().expect("seen").ready.len() >= N {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(600), "not all Ready after 600 s");
+        assert!(
+            t0.elapsed() < Duration::from_secs(600),
+            "not all Ready after 600 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let all_ready = t0.elapsed();
@@ -211,14 +230,21 @@ async fn main() {
     loop {
         let mut done = 0;
         for (name, created) in &before {
-            if stream.consumer(name).await.is_some_and(|i| i.created != *created) {
+            if stream
+                .consumer(name)
+                .await
+                .is_some_and(|i| i.created != *created)
+            {
                 done += 1;
             }
         }
         if done == REPAIRS {
             break;
         }
-        assert!(t1.elapsed() < Duration::from_secs(600), "not repaired after 600 s");
+        assert!(
+            t1.elapsed() < Duration::from_secs(600),
+            "not repaired after 600 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let repaired = t1.elapsed();
@@ -233,8 +259,14 @@ async fn main() {
     let rss = peak_rss_mib(op.pid());
 
     println!("reconcile benchmark: {N} Subscriptions in one kubectl apply -f (webhook registered)");
-    println!("  kubectl apply took                 {:.2} s", applied.as_secs_f64());
-    println!("  all Ready after the apply started  {:.2} s", all_ready.as_secs_f64());
+    println!(
+        "  kubectl apply took                 {:.2} s",
+        applied.as_secs_f64()
+    );
+    println!(
+        "  all Ready after the apply started  {:.2} s",
+        all_ready.as_secs_f64()
+    );
     println!(
         "  lag creation -> Ready (watch)      p50 {:.3} s, p95 {:.3} s, max {:.3} s ({} objects)",
         pct(&lags, 0.50).as_secs_f64(),
@@ -242,7 +274,10 @@ async fn main() {
         lags.last().copied().unwrap_or_default().as_secs_f64(),
         lags.len()
     );
-    println!("  repair of {REPAIRS} consumers deleted on the broker  {:.3} s", repaired.as_secs_f64());
+    println!(
+        "  repair of {REPAIRS} consumers deleted on the broker  {:.3} s",
+        repaired.as_secs_f64()
+    );
     println!(
         "  per Subscription: {:.2} API requests, {:.2} consumer-API calls",
         kube_calls / N as f64,
@@ -256,8 +291,21 @@ async fn main() {
 
     watch.abort();
     stream.delete().await;
-    common::kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns, "--timeout=300s"], None);
-    common::kubectl_ok(&["delete", "validatingwebhookconfiguration", &configuration], None);
+    common::kubectl_ok(
+        &[
+            "delete",
+            "subscriptions",
+            "--all",
+            "-n",
+            &ns,
+            "--timeout=300s",
+        ],
+        None,
+    );
+    common::kubectl_ok(
+        &["delete", "validatingwebhookconfiguration", &configuration],
+        None,
+    );
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
     let _ = std::fs::remove_file(&file);
     drop(op);

@@ -89,8 +89,7 @@ impl Ctx {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let n = f.entry(key.to_string()).or_insert(0);
         *n = n.saturating_add(1);
-        let delay = Duration::from_millis(250).saturating_mul(1u32 << (*n).min(12));
-        delay.min(max)
+        retry_delay(*n, max)
     }
 
     /// `key` is healthy again: its next failure starts over.
@@ -100,6 +99,13 @@ impl Ctx {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(key);
     }
+}
+
+/// The delay before try `failures + 1`: 0.5 s after the first failure, doubling, at most `max`.
+pub fn retry_delay(failures: u32, max: Duration) -> Duration {
+    Duration::from_millis(250)
+        .saturating_mul(1u32 << failures.clamp(1, 16))
+        .min(max)
 }
 
 /// Whether the controllers' caches have synced: true while this replica does not lead (it has
@@ -407,4 +413,62 @@ fn backend_error_policy(b: Arc<Backend>, error: &Error, ctx: Arc<Ctx>) -> Action
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_start_at_half_a_second_and_double_up_to_the_cap() {
+        let max = Duration::from_secs(60);
+        let got: Vec<u64> = (1..=10)
+            .map(|n| retry_delay(n, max).as_millis() as u64)
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000, 60000
+            ]
+        );
+        assert_eq!(retry_delay(0, max), Duration::from_millis(500));
+        assert_eq!(retry_delay(u32::MAX, max), max, "no overflow");
+        assert_eq!(
+            retry_delay(3, Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
+    }
+
+    fn sub(generation: i64, deleting: bool, finalizers: &[&str], ready: bool) -> Subscription {
+        let mut s: Subscription = serde_json::from_value(serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": "a", "namespace": "shop", "generation": generation,
+                         "finalizers": finalizers},
+            "spec": {"backendRef": {"name": "nats"}, "pattern": "a.>"},
+        }))
+        .expect("a Subscription");
+        if deleting {
+            s.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::from_second(1).expect("time"),
+                ));
+        }
+        if ready {
+            s.status = Some(Default::default());
+        }
+        s
+    }
+
+    #[test]
+    fn only_spec_changes_and_deletion_trigger_a_subscription_reconcile() {
+        let base = subscription_predicate(&sub(1, false, &[], false));
+        assert_eq!(
+            subscription_predicate(&sub(1, false, &["messaging.settle.dev/consumer"], true)),
+            base,
+            "the controller's own finalizer and status writes do not trigger it again"
+        );
+        assert_ne!(subscription_predicate(&sub(2, false, &[], false)), base);
+        assert_ne!(subscription_predicate(&sub(1, true, &[], false)), base);
+    }
 }

@@ -80,18 +80,25 @@ impl Operator {
         ));
         let home = watch.split(',').next().unwrap_or("default");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_settle"));
-        cmd.args(["operator", "--log-format", "text"])
-            .args(["--webhook-addr", &format!("127.0.0.1:{}", free_port())])
-            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .args([
-                "--namespace",
-                home,
-                "--webhook-secret",
-                "settle-reconcile-tls",
-            ])
-            .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])
-            .args(["--watch-namespaces", watch])
-            .args(extra)
+        cmd.args(["operator", "--log-format", "text"]);
+        // The defaults, each unless `extra` sets it.
+        let webhook_addr = format!("127.0.0.1:{}", free_port());
+        let metrics_addr = format!("127.0.0.1:{metrics_port}");
+        let defaults = [
+            ("--webhook-addr", webhook_addr.as_str()),
+            ("--metrics-addr", metrics_addr.as_str()),
+            ("--namespace", home),
+            ("--webhook-secret", "settle-reconcile-tls"),
+            ("--webhook-configuration", ""),
+            ("--webhook-ips", "127.0.0.1"),
+            ("--watch-namespaces", watch),
+        ];
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                cmd.args([flag, value]);
+            }
+        }
+        cmd.args(extra)
             .env("KUBECONFIG", &e.kubeconfig)
             .env("RUST_LOG", "info,settle=debug")
             .stdout(Stdio::null())
