@@ -14,7 +14,6 @@
 //! Run with `make bench` (or `make env-up && cargo bench --bench reconcile`).
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 use std::collections::HashMap;
