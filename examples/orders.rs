@@ -2,9 +2,17 @@
 //! backoff, a handler that decodes, acks good orders, nacks malformed ones and asks for a later
 //! retry when "throttled"; then prints the account.
 //!
-//! Runs on the in-memory backend, or on NATS JetStream when SETTLE_NATS_URL is set (it then
-//! creates a stream `EXAMPLE_ORDERS` for `example.orders.>` if missing).
-//! Run: `cargo run --example orders`.
+//! Three ways to run it:
+//! - `cargo run --example orders`: on the in-memory backend.
+//! - with `SETTLE_NATS_URL`: on NATS JetStream, a code-defined subscription that makes its own
+//!   consumer (and a stream `EXAMPLE_ORDERS` for `example.orders.>` if missing).
+//! - with `SETTLE_NATS_URL` and `SETTLE_SUBSCRIPTION_FILE` (a Subscription manifest with its
+//!   namespace, as applied to the cluster): the policy comes from the resource, and the runtime
+//!   binds to the consumer `settle operator` made for it (waiting until it exists, never making
+//!   one). It publishes three orders under the resource's pattern.
+//!
+//! `SETTLE_RUN_FOR` (a duration such as `2s` or `1m`; default 2s) is how long it consumes before
+//! it prints the account.
 
 use std::time::Duration;
 
@@ -50,10 +58,49 @@ fn policy(pattern: &str) -> DeliveryPolicy {
     }
 }
 
+/// The Subscription resource named by SETTLE_SUBSCRIPTION_FILE, if any.
+fn resource() -> Result<Option<api::Subscription>, Box<dyn std::error::Error>> {
+    let Ok(path) = std::env::var("SETTLE_SUBSCRIPTION_FILE") else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    let sub: api::Subscription = serde_yaml::from_str(&text).map_err(|e| format!("{path}: {e}"))?;
+    Ok(Some(sub))
+}
+
+/// A subject the pattern covers, for order `id` (`orders.>` gives `orders.<id>`).
+fn subject(pattern: &str, id: u32) -> String {
+    let base = pattern.trim_end_matches(".>").trim_end_matches(".*");
+    format!("{base}.{id}")
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let bus = match std::env::var("SETTLE_NATS_URL") {
-        Ok(url) => {
+    let run_for: api::Duration = std::env::var("SETTLE_RUN_FOR")
+        .unwrap_or_else(|_| "2s".into())
+        .parse()?;
+    let (bus, name, pattern) = match (std::env::var("SETTLE_NATS_URL"), resource()?) {
+        (Ok(url), Some(sub)) => {
+            let name = sub
+                .metadata
+                .name
+                .clone()
+                .ok_or("the manifest has no metadata.name")?;
+            let ns = sub
+                .metadata
+                .namespace
+                .clone()
+                .ok_or("the manifest has no metadata.namespace")?;
+            let bus = Bus::builder(NatsBroker::connect(&url).await?)
+                .namespace(ns)
+                .build();
+            println!("binding to the operator's consumer for Subscription {name}");
+            let pattern = sub.spec.policy.pattern.clone();
+            bus.subscribe(Subscriber::from_resource(&name, &sub.spec, handler(handle)))
+                .await?;
+            (bus, name, pattern)
+        }
+        (Ok(url), None) => {
             let backend = NatsBroker::connect(&url).await?;
             let js = backend.jetstream().clone();
             js.get_or_create_stream(async_nats::jetstream::stream::Config {
@@ -62,23 +109,33 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ..Default::default()
             })
             .await?;
-            Bus::new(backend)
+            let bus = Bus::new(backend);
+            bus.subscribe(Subscriber::new(
+                "orders",
+                policy("example.orders.>"),
+                handler(handle),
+            ))
+            .await?;
+            (bus, "orders".to_string(), "example.orders.>".to_string())
         }
-        Err(_) => Bus::new(MemoryBroker::new()),
+        (Err(_), _) => {
+            let bus = Bus::new(MemoryBroker::new());
+            bus.subscribe(Subscriber::new(
+                "orders",
+                policy("example.orders.>"),
+                handler(handle),
+            ))
+            .await?;
+            (bus, "orders".to_string(), "example.orders.>".to_string())
+        }
     };
-    bus.subscribe(Subscriber::new(
-        "orders",
-        policy("example.orders.>"),
-        handler(handle),
-    ))
-    .await?;
-    bus.publish("example.orders.1", r#"{"id": 1}"#).await?;
-    bus.publish("example.orders.2", r#"{"id": 2, "throttled": true}"#)
+    bus.publish(&subject(&pattern, 1), r#"{"id": 1}"#).await?;
+    bus.publish(&subject(&pattern, 2), r#"{"id": 2, "throttled": true}"#)
         .await?;
-    bus.publish("example.orders.3", "not json").await?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    bus.publish(&subject(&pattern, 3), "not json").await?;
+    tokio::time::sleep(run_for.get()).await;
     bus.close().await;
-    let st = bus.stats("orders").unwrap_or_default();
+    let st = bus.stats(&name).unwrap_or_default();
     println!("{}", serde_json::to_string_pretty(&st)?);
     Ok(())
 }

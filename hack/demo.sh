@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make demo`: the main job, locally, on real parts. Starts the environment (kube-apiserver+etcd,
 # nats-server, RabbitMQ, ElasticMQ) on 127.0.0.1, installs Settle's CRDs, runs `settle operator`
-# as a local process with its webhook registered by url:, and shows what is admitted, refused
-# and warned about.
+# as a local process with its webhook registered by url:, shows what is admitted, refused and
+# warned about, and the JetStream consumers the operator makes from the Subscriptions (and makes
+# again when one is deleted on the broker).
 # Leaves everything running so you can keep going; `make env-down` stops it all.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -18,6 +19,43 @@ NS=settle-demo
 SETTLE="$ROOT/target/debug/settle"
 [ -n "${CARGO_TARGET_DIR:-}" ] && SETTLE="$CARGO_TARGET_DIR/debug/settle"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# js_api SUBJECT JSON: one JetStream API request over the plain NATS protocol (no CLI needed).
+js_api() {
+  python3 - "$SETTLE_NATS_URL" "$1" "$2" <<'PY'
+import json, socket, sys
+url, subject, body = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+host, port = url.split("//")[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=5)
+f = s.makefile("rb")
+f.readline()  # INFO
+s.sendall(b'CONNECT {"verbose":false}\r\nSUB _INBOX.demo 1\r\nPUB $JS.API.' + subject.encode()
+          + b" _INBOX.demo %d\r\n" % len(body) + body + b"\r\n")
+while True:
+    line = f.readline()
+    if line.startswith(b"PING"):
+        s.sendall(b"PONG\r\n")
+    elif line.startswith(b"MSG"):
+        reply = json.loads(f.read(int(line.split()[-1]) + 2))
+        err = reply.get("error")
+        print(f"  {subject}: " + (f"error {err.get('description')}" if err else "ok"))
+        break
+PY
+}
+# consumers: the consumers nats-server holds, from its monitoring endpoint.
+consumers() {
+  python3 - "$SETTLE_NATS_MONITOR_URL" <<'PY'
+import json, sys, urllib.request
+jsz = json.load(urllib.request.urlopen(sys.argv[1] + "/jsz?consumers=true&config=true"))
+print("  %-10s %-28s %-9s %-11s %s" % ("STREAM", "CONSUMER", "ACK", "MAXDELIVER", "CREATED"))
+for acc in jsz.get("account_details", []):
+    for st in acc.get("stream_detail", []):
+        if st["name"] != "DEMO":
+            continue
+        for c in st.get("consumer_detail", []):
+            cfg = c.get("config", {})
+            print("  %-10s %-28s %-9s %-11s %s" % (st["name"], c["name"], cfg.get("ack_policy"), cfg.get("max_deliver"), c["created"][:23]))
+PY
+}
 
 step "Install the CRDs (generated from the Rust types)"
 "$SETTLE" crds | kubectl apply --server-side --force-conflicts -f -
@@ -44,7 +82,7 @@ webhooks:
     rules: [{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}]
     clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate"}
 YAML
-  spawn operator "$SETTLE" operator --log-format text --namespace "$NS" --webhook-configuration settle \
+  spawn operator "$SETTLE" operator --log-format text --namespace "$NS" --watch-namespaces "$NS" --webhook-configuration settle \
     --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT"
 }
 operator_ready() { http_ok "http://127.0.0.1:$METRICS_PORT/readyz"; }
@@ -52,9 +90,24 @@ operator_ports() { echo "$WEBHOOK_PORT $METRICS_PORT"; }
 start_retrying operator 60 launch_operator operator_ready operator_ports
 echo "operator ready: webhook https://127.0.0.1:$WEBHOOK_PORT/validate, metrics http://127.0.0.1:$METRICS_PORT/metrics (log: $ENV_DIR/operator.log)"
 
-step "Apply the samples: all admitted"
+step "A stream for the samples' subjects (the platform's job; Settle makes consumers, never streams)"
+js_api STREAM.CREATE.DEMO '{"name":"DEMO","subjects":["orders.>","metrics.*","reports.generate","images.uploaded"],"storage":"file"}'
+
+step "Apply the samples: all admitted; the nats Backend pointed at the local nats-server"
 kubectl apply -n "$NS" -k config/samples/
+kubectl patch backend nats -n "$NS" --type=merge -p "{\"spec\":{\"nats\":{\"servers\":[\"$SETTLE_NATS_URL\"]}}}"
+
+step "The operator connects to the Backend and makes a consumer for each Subscription"
+kubectl wait -n "$NS" --for=condition=Ready --timeout=60s backend/nats subscription/orders subscription/metrics subscription/reports
 kubectl get backends,subscriptions -n "$NS"
+echo "The consumers, listed from NATS:"
+consumers
+
+step "A consumer deleted on the broker is made again within about a second"
+js_api CONSUMER.DELETE.DEMO.orders '{}'
+sleep 1
+consumers
+kubectl get events -n "$NS" --field-selector involvedObject.name=orders -o custom-columns=REASON:.reason,MESSAGE:.message | tail -n 3
 
 step "AtLeastOnce without durableName: refused, naming the field and the fix"
 kubectl apply -n "$NS" -f - <<'YAML' || true
@@ -99,11 +152,13 @@ YAML
 step "The same rules offline, for CI: settle check (against RabbitMQ, which cannot delay a redelivery)"
 "$SETTLE" check -f config/samples --backend-kind rabbitmq || true
 
-step "The handler runtime on the real JetStream: an orders app acks, nacks, waits out a backoff, and exhausts a malformed order"
-SETTLE_NATS_URL="$SETTLE_NATS_URL" cargo run --quiet --example orders
+step "The handler runtime on the real JetStream, from the orders Subscription: bound to the operator's consumer, it acks, nacks, waits out a backoff, and declines a malformed order"
+kubectl get subscription orders -n "$NS" -o yaml >"$ENV_DIR/demo-orders.yaml"
+SETTLE_NATS_URL="$SETTLE_NATS_URL" SETTLE_SUBSCRIPTION_FILE="$ENV_DIR/demo-orders.yaml" SETTLE_RUN_FOR=3s \
+  cargo run --quiet --example orders
 
-step "Admission metrics"
-python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith('settle_admission_requests_total')))"
+step "Admission and reconcile metrics"
+python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith(('settle_admission_requests_total', 'settle_reconcile_total', 'settle_consumer_operations_total', 'settle_status_writes_total'))))"
 
 step "Done. Everything is still running:"
 echo "  source $ENV_DIR/settle.env && kubectl get subscriptions -A"

@@ -13,8 +13,8 @@
 //! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream).
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
 //! - [`account`]: the delivery account that fills `status.stats` (its pure ledger so far).
-//! - [`operator`]: the `settle operator` process (webhook, metrics, leader election;
-//!   controllers to come).
+//! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
+//! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
 
 // No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
 #![warn(clippy::unwrap_used)]
@@ -27,3 +27,5 @@ pub mod bus;
 #[cfg(feature = "operator")]
 pub mod operator;
 pub mod policy;
+#[cfg(feature = "operator")]
+pub mod reconcile;

@@ -679,6 +679,7 @@ async fn a_runtime_built_from_the_resource_waits_for_the_operators_queue_and_nev
         },
         stream: None,
         policy: policy.clone(),
+        deletion_policy: Default::default(),
     };
     let seen = Seen::default();
     let s = seen.clone();

@@ -533,6 +533,7 @@ async fn a_subscription_from_a_resource_waits_for_the_operators_queue_and_never_
         backend_ref: api::BackendRef { name: "sqs".into() },
         stream: None,
         policy: alo("billing"),
+        deletion_policy: Default::default(),
     };
     let seen = Seen::default();
     let s = seen.clone();

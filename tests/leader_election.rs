@@ -574,6 +574,8 @@ impl Operator {
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--namespace", ns, "--webhook-secret", "settle-leader-tls"])
             .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])
+            // Its controllers reconcile only its own namespace, never another test's objects.
+            .args(["--watch-namespaces", ns])
             .args(extra)
             .env("KUBECONFIG", &test_env.kubeconfig)
             .env("POD_NAME", name)

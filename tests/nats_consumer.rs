@@ -303,6 +303,7 @@ async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_ne
             name: "nats".into(),
         },
         stream: Some(s.name.clone()),
+        deletion_policy: Default::default(),
         policy: s.policy(|_| {}),
     };
     let seen = Arc::new(AtomicUsize::new(0));

@@ -51,6 +51,10 @@ impl Operator {
                 "--webhook-ips",
                 "127.0.0.1",
             ])
+            // Admission only: its controllers watch a namespace that does not exist, so the
+            // Backend status this test writes by hand stays as written and no other test's
+            // objects are touched.
+            .args(["--watch-namespaces", &format!("{secret_ns}-no-controllers")])
             .env("KUBECONFIG", &env.kubeconfig)
             .stdout(Stdio::null())
             .stderr(log)

@@ -38,6 +38,11 @@ pub struct SubscriptionSpec {
     /// cover `pattern`. Cannot change after creation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<String>,
+    /// What happens to the broker consumer when this Subscription is deleted. Delete (the
+    /// default) removes it; Retain leaves it on the broker (its stored position and unsettled
+    /// messages with it), for a consumer that must outlive the resource.
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
     /// The delivery policy.
     #[serde(flatten)]
     pub policy: DeliveryPolicy,
@@ -124,6 +129,16 @@ pub struct Backoff {
 
 fn default_multiplier() -> f64 {
     2.0
+}
+
+/// What happens to a Subscription's consumer when the Subscription is deleted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum DeletionPolicy {
+    /// The consumer is deleted with the Subscription.
+    #[default]
+    Delete,
+    /// The consumer stays on the broker.
+    Retain,
 }
 
 /// How deliveries are shared between subscriptions.

@@ -1,6 +1,6 @@
 //! The operator's plain-HTTP endpoint: `/metrics` (Prometheus text, every `settle_*` metric),
 //! `/healthz` (the process answers) and `/readyz` (the Backend cache has synced, so admission
-//! answers with real capabilities).
+//! answers with real capabilities; and, on the leader, the controllers' caches have synced).
 //!
 //! It must not serve anything that changes state.
 
@@ -20,6 +20,7 @@ use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
 
 use crate::api::Backend;
+use crate::reconcile::Readiness;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
@@ -36,6 +37,7 @@ pub struct Server {
     listener: TcpListener,
     registry: Registry,
     backends: Store<Backend>,
+    controllers: Readiness,
 }
 
 impl Server {
@@ -43,6 +45,7 @@ impl Server {
         addr: SocketAddr,
         registry: Registry,
         backends: Store<Backend>,
+        controllers: Readiness,
     ) -> Result<Self, HealthError> {
         let listener = TcpListener::bind(addr)
             .await
@@ -52,6 +55,7 @@ impl Server {
             listener,
             registry,
             backends,
+            controllers,
         })
     }
 
@@ -71,9 +75,10 @@ impl Server {
             };
             let registry = self.registry.clone();
             let backends = self.backends.clone();
+            let controllers = self.controllers.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let response = answer(&req, &registry, &backends);
+                    let response = answer(&req, &registry, &backends, &controllers);
                     async move { Ok::<_, Infallible>(response) }
                 });
                 let _ = auto::Builder::new(TokioExecutor::new())
@@ -102,6 +107,7 @@ fn answer(
     req: &Request<Incoming>,
     registry: &Registry,
     backends: &Store<Backend>,
+    controllers: &Readiness,
 ) -> Response<Full<Bytes>> {
     const PLAIN: &str = "text/plain; charset=utf-8";
     if req.method() != Method::GET {
@@ -115,14 +121,20 @@ fn answer(
         "/healthz" => text(StatusCode::OK, "ok\n", PLAIN),
         "/readyz" => {
             // A Store is ready once its first list has arrived.
-            if matches!(backends.wait_until_ready().now_or_never(), Some(Ok(()))) {
-                text(StatusCode::OK, "ok\n", PLAIN)
-            } else {
+            if !matches!(backends.wait_until_ready().now_or_never(), Some(Ok(()))) {
                 text(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "the Backend cache has not synced yet\n",
                     PLAIN,
                 )
+            } else if !controllers.ready() {
+                text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "leading, and the controllers' caches have not synced yet\n",
+                    PLAIN,
+                )
+            } else {
+                text(StatusCode::OK, "ok\n", PLAIN)
             }
         }
         "/metrics" => {

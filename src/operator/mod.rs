@@ -1,6 +1,7 @@
-//! `settle operator`: the long-running process. Today it serves the admission webhook (with its
-//! certificates and a Backend cache behind it) and a metrics/health endpoint, and contends for the
-//! leader Lease; the controllers join here, gated on [`leader::LeaderGate`].
+//! `settle operator`: the long-running process. Every replica serves the admission webhook (with
+//! its certificates and a Backend cache behind it) and a metrics/health endpoint, and contends for
+//! the leader Lease; only the leader runs the controllers (`reconcile`), gated on
+//! [`leader::LeaderGate`].
 //!
 //! This module wires parts together and owns process concerns (flags, logging, signals). It must
 //! not hold admission rules or broker logic: those live in `admission/` and `backend/`.
@@ -22,6 +23,7 @@ use tokio::sync::watch;
 use crate::admission::certs::{self, CertSource, FileCertConfig, Sans, SelfManagedConfig};
 use crate::admission::webhook::{self, StoreLookup, WebhookConfig};
 use crate::api::Backend;
+use crate::reconcile;
 
 /// How `settle operator` runs. Every flag has an environment fallback (the chart sets those).
 #[derive(clap::Args, Clone, Debug)]
@@ -79,6 +81,17 @@ pub struct OperatorArgs {
     /// <hostname>-<pid>.
     #[arg(long, env = "SETTLE_LEASE_NAME", default_value = "settle-operator")]
     pub lease_name: String,
+    /// Namespaces whose Backends and Subscriptions are reconciled (comma-separated); empty: all.
+    /// Secrets are read only there (the chart grants that access per namespace).
+    #[arg(long, env = "SETTLE_WATCH_NAMESPACES", value_delimiter = ',')]
+    pub watch_namespaces: Vec<String>,
+    /// How often every consumer and connection is re-checked against its resource, besides the
+    /// broker's advisories (a Kubernetes duration: 30s, 5m, 1h).
+    #[arg(long, env = "SETTLE_RESYNC_INTERVAL", default_value = "5m")]
+    pub resync_interval: crate::api::Duration,
+    /// Subscriptions reconciled at once.
+    #[arg(long, env = "SETTLE_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrency: u16,
     /// Log format: json (in a cluster), text (a terminal), or auto (json when running in a pod).
     #[arg(long, env = "SETTLE_LOG_FORMAT", default_value = "auto")]
     pub log_format: LogFormat,
@@ -104,6 +117,8 @@ pub enum OperatorError {
     Health(#[from] health::HealthError),
     #[error("leader election: {0}")]
     Leader(#[from] leader::LeaderError),
+    #[error("controller metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
 }
 
 /// Sets up logging: JSON lines in a cluster (or when asked), human text otherwise. RUST_LOG
@@ -205,7 +220,33 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     )
     .await?;
     tracing::info!(addr = %webhook.local_addr()?, "admission webhook bound");
-    let health = health::Server::bind(args.metrics_addr, registry.clone(), store.clone()).await?;
+    // The controllers run while this replica leads; /readyz waits for their caches too.
+    let readiness = reconcile::Readiness::default();
+    let health = health::Server::bind(
+        args.metrics_addr,
+        registry.clone(),
+        store.clone(),
+        readiness.clone(),
+    )
+    .await?;
+    let controllers = reconcile::run(
+        client.clone(),
+        reconcile::Config {
+            watch_namespaces: args
+                .watch_namespaces
+                .iter()
+                .filter(|n| !n.is_empty())
+                .cloned()
+                .collect(),
+            resync: args.resync_interval.get(),
+            concurrency: args.concurrency,
+            identity: leader::identity(),
+        },
+        leadership.gate().receiver(),
+        reconcile::Metrics::new(&registry)?,
+        readiness,
+        stopped(),
+    );
 
     // On SIGTERM the Lease is released at once, so a standby leads while this replica's webhook
     // drains; if leader election stops by itself, the process ends with its error.
@@ -225,6 +266,10 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let result = tokio::try_join!(
         async { webhook.run(stopped()).await.map_err(OperatorError::from) },
         async { health.run(stopped()).await.map_err(OperatorError::from) },
+        async {
+            controllers.await;
+            Ok(())
+        },
         lease,
     );
     serving.task.abort();

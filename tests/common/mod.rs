@@ -6,7 +6,11 @@
 
 pub mod controlplane;
 pub mod install;
+#[cfg(feature = "operator")]
+pub mod operator;
 pub mod process;
+#[cfg(feature = "operator")]
+pub mod subs;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

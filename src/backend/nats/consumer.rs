@@ -598,6 +598,7 @@ mod tests {
                 name: "nats".into(),
             },
             stream: None,
+            deletion_policy: Default::default(),
             policy: DeliveryPolicy {
                 pattern: "orders.>".into(),
                 mode,

@@ -224,3 +224,12 @@ pub async fn delete_consumer(
         Err(e) => Err(refused(&e)),
     }
 }
+
+/// Whether JetStream answers for this connection's account: `Err(JetStreamDisabled)` when the
+/// server runs without it, `Err(Unreachable)` when nothing answers in time.
+pub async fn account_info(js: &jetstream::Context) -> Result<(), NatsError> {
+    call::<serde_json::Value>(js, "INFO".to_string(), &serde_json::json!({}))
+        .await?
+        .map(|_| ())
+        .map_err(|e| refused(&e))
+}

@@ -32,6 +32,8 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use tokio::sync::OnceCell;
 
+pub mod advisory;
+pub mod connect;
 pub mod consumer;
 pub mod jsapi;
 

@@ -1,0 +1,259 @@
+//! Connecting to NATS from plain data: server URLs, the credential forms a Backend documents
+//! (`creds`, `nkey`, `token`, or `user` + `password`) and an optional CA. The operator reads the
+//! Secrets and hands their bytes here; this module knows NATS, not Kubernetes.
+//!
+//! It must not read Kubernetes objects nor decide what a failure means for a resource's status
+//! (it only classifies it as a [`ConnectFailure`]).
+
+use std::collections::BTreeMap;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_nats::{ConnectErrorKind, ConnectOptions};
+
+/// Credentials, as the Secret's keys spell them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Credentials {
+    /// A `.creds` file (user JWT and nkey seed).
+    Creds(String),
+    /// An nkey seed.
+    Nkey(String),
+    Token(String),
+    UserPassword {
+        user: String,
+        password: String,
+    },
+}
+
+/// The Secret keys that hold credentials, in the order they are looked for.
+pub const CREDENTIAL_KEYS: &[&str] = &["creds", "nkey", "token", "user", "password"];
+/// The Secret key holding the CA certificate (PEM).
+pub const CA_KEY: &str = "ca.crt";
+
+impl Credentials {
+    /// The credentials in a Secret's data, or the reason there are none usable: a message naming
+    /// the keys it expects.
+    pub fn from_secret_data(data: &BTreeMap<String, Vec<u8>>) -> Result<Credentials, String> {
+        let text = |k: &str| -> Result<Option<String>, String> {
+            match data.get(k) {
+                None => Ok(None),
+                Some(b) => String::from_utf8(b.clone())
+                    .map(|s| Some(s.trim_end_matches(['\n', '\r']).to_string()))
+                    .map_err(|_| format!("key {k:?} is not UTF-8 text")),
+            }
+        };
+        if let Some(c) = data.get("creds") {
+            return String::from_utf8(c.clone())
+                .map(Credentials::Creds)
+                .map_err(|_| "key \"creds\" is not UTF-8 text".to_string());
+        }
+        if let Some(n) = text("nkey")? {
+            return Ok(Credentials::Nkey(n));
+        }
+        if let Some(t) = text("token")? {
+            return Ok(Credentials::Token(t));
+        }
+        match (text("user")?, text("password")?) {
+            (Some(user), Some(password)) => Ok(Credentials::UserPassword { user, password }),
+            (Some(_), None) => Err("key \"user\" is set but \"password\" is missing".into()),
+            (None, Some(_)) => Err("key \"password\" is set but \"user\" is missing".into()),
+            (None, None) => {
+                Err("it has none of the keys creds, nkey, token, or user and password".to_string())
+            }
+        }
+    }
+}
+
+/// Everything a connection is made from. Two equal `ConnectSpec`s make the same connection, so a
+/// caller keeps one connection per spec and reconnects when the spec changes (a rotated Secret).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ConnectSpec {
+    pub servers: Vec<String>,
+    pub credentials: Option<Credentials>,
+    /// The CA that signed the server's certificate (PEM); TLS is then required.
+    pub ca_pem: Option<String>,
+    /// The connection's name, as the server shows it (and in its advisories).
+    pub name: String,
+}
+
+impl ConnectSpec {
+    /// A fingerprint of the spec (credentials included), to tell a changed one apart.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.hash(&mut h);
+        h.finish()
+    }
+}
+
+/// Why a connection could not be made.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectFailure {
+    /// No server answered (refused, timed out, unresolvable).
+    #[error("no NATS server answered at {servers}: {detail}")]
+    Unreachable { servers: String, detail: String },
+    /// The server refused the credentials.
+    #[error("the NATS server refused the credentials: {0}")]
+    AuthFailed(String),
+    /// The credentials or the CA could not be used at all.
+    #[error("{0}")]
+    BadConfig(String),
+}
+
+/// How long one connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long one request (a JetStream API call) waits for its answer.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connects once (the first attempt fails fast, so the caller can report why); once connected, the
+/// client reconnects by itself, trying again every 250 ms to 2 s, for ever. `on_event` hears of
+/// every disconnect and reconnect.
+pub async fn connect<F>(
+    spec: &ConnectSpec,
+    on_event: F,
+) -> Result<async_nats::Client, ConnectFailure>
+where
+    F: Fn(async_nats::Event) + Send + Sync + 'static,
+{
+    let servers_text = spec.servers.join(",");
+    let mut opts = ConnectOptions::new()
+        .name(&spec.name)
+        .connection_timeout(CONNECT_TIMEOUT)
+        .request_timeout(Some(REQUEST_TIMEOUT))
+        .max_reconnects(None)
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis((250 * attempts as u64).clamp(250, 2000))
+        })
+        .event_callback(move |event| {
+            on_event(event);
+            async {}
+        });
+    match &spec.credentials {
+        None => {}
+        Some(Credentials::Creds(c)) => {
+            opts = opts.credentials(c).map_err(|e| {
+                ConnectFailure::BadConfig(format!("the creds file cannot be read: {e}"))
+            })?;
+        }
+        Some(Credentials::Nkey(seed)) => opts = opts.nkey(seed.clone()),
+        Some(Credentials::Token(t)) => opts = opts.token(t.clone()),
+        Some(Credentials::UserPassword { user, password }) => {
+            opts = opts.user_and_password(user.clone(), password.clone())
+        }
+    }
+    if let Some(ca) = &spec.ca_pem {
+        opts = opts.add_root_certificates(ca_file(ca)?).require_tls(true);
+    }
+    let addrs: Vec<async_nats::ServerAddr> = spec
+        .servers
+        .iter()
+        .map(|s| {
+            s.parse().map_err(|e| {
+                ConnectFailure::BadConfig(format!("server URL {s:?} cannot be parsed: {e}"))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    opts.connect(addrs.as_slice())
+        .await
+        .map_err(|e| classify(&servers_text, e))
+}
+
+fn classify(servers: &str, e: async_nats::ConnectError) -> ConnectFailure {
+    match e.kind() {
+        ConnectErrorKind::Authentication | ConnectErrorKind::AuthorizationViolation => {
+            ConnectFailure::AuthFailed(e.to_string())
+        }
+        ConnectErrorKind::ServerParse => ConnectFailure::BadConfig(e.to_string()),
+        ConnectErrorKind::Tls => ConnectFailure::BadConfig(format!("TLS: {e}")),
+        _ => ConnectFailure::Unreachable {
+            servers: servers.to_string(),
+            detail: e.to_string(),
+        },
+    }
+}
+
+/// The client library reads root certificates from a file: write the PEM once, named by its hash.
+fn ca_file(pem: &str) -> Result<PathBuf, ConnectFailure> {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    pem.hash(&mut h);
+    let path = std::env::temp_dir().join(format!("settle-nats-ca-{:016x}.pem", h.finish()));
+    if !path.exists() {
+        std::fs::write(&path, pem).map_err(|e| {
+            ConnectFailure::BadConfig(format!("cannot write the CA to {}: {e}", path.display()))
+        })?;
+    }
+    Ok(path)
+}
+
+/// The server's version as it announced it, once connected.
+pub fn server_version(client: &async_nats::Client) -> Option<String> {
+    client
+        .try_server_info()
+        .map(|i| i.version)
+        .filter(|v| !v.is_empty())
+}
+
+/// Whether the client is connected now (not reconnecting).
+pub fn is_connected(client: &async_nats::Client) -> bool {
+    client.connection_state() == async_nats::connection::State::Connected
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<u8>> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn each_documented_credential_form_is_read() {
+        assert_eq!(
+            Credentials::from_secret_data(&data(&[("token", "s3cret\n")])),
+            Ok(Credentials::Token("s3cret".into()))
+        );
+        assert_eq!(
+            Credentials::from_secret_data(&data(&[("user", "a"), ("password", "b")])),
+            Ok(Credentials::UserPassword {
+                user: "a".into(),
+                password: "b".into()
+            })
+        );
+        assert_eq!(
+            Credentials::from_secret_data(&data(&[("nkey", "SUAX")])),
+            Ok(Credentials::Nkey("SUAX".into()))
+        );
+        assert!(matches!(
+            Credentials::from_secret_data(&data(&[("creds", "-----BEGIN")])),
+            Ok(Credentials::Creds(_))
+        ));
+    }
+
+    #[test]
+    fn a_secret_without_usable_keys_says_which_keys_it_needs() {
+        let e = Credentials::from_secret_data(&data(&[("pass", "x")])).unwrap_err();
+        assert!(
+            e.contains("creds, nkey, token, or user and password"),
+            "{e}"
+        );
+        let e = Credentials::from_secret_data(&data(&[("user", "x")])).unwrap_err();
+        assert!(e.contains("\"password\" is missing"), "{e}");
+    }
+
+    #[test]
+    fn a_changed_secret_changes_the_fingerprint() {
+        let a = ConnectSpec {
+            servers: vec!["nats://127.0.0.1:4222".into()],
+            credentials: Some(Credentials::Token("a".into())),
+            ca_pem: None,
+            name: "settle".into(),
+        };
+        let mut b = a.clone();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        b.credentials = Some(Credentials::Token("b".into()));
+        assert_ne!(a.fingerprint(), b.fingerprint());
+    }
+}

@@ -1,0 +1,278 @@
+//! The conditions this writer owns (`Accepted`, `Ready`), their reasons as constants in one place
+//! (code, tests, README and the alerts read these), and the pure status arithmetic: build the
+//! whole status as a value, keep `lastTransitionTime` when a condition did not change, and
+//! compare ignoring times, so a status is written only when something changed.
+//!
+//! Pure: no I/O and no clock (callers pass `now`). It must not decide when to reconcile.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// Condition types.
+pub mod types {
+    /// The spec is valid for its backend (the admission rules, checked again by the controller).
+    pub const ACCEPTED: &str = "Accepted";
+    /// The broker holds what the spec asks for (a Subscription's consumer; a Backend's connection).
+    pub const READY: &str = "Ready";
+}
+
+/// Reasons, each one a person can act on (the README's table says what to do for each).
+pub mod reasons {
+    // Accepted
+    /// The spec passes the admission rules for its backend.
+    pub const VALID: &str = "Valid";
+    /// The spec breaks an admission rule (it got in while the webhook was not running).
+    pub const INVALID: &str = "Invalid";
+
+    // Ready, Subscription
+    /// The consumer exists and matches the spec.
+    pub const CONSUMER_READY: &str = "ConsumerReady";
+    /// The spec is not accepted, so no consumer is made.
+    pub const NOT_ACCEPTED: &str = "NotAccepted";
+    /// The Backend named by spec.backendRef does not exist.
+    pub const BACKEND_NOT_FOUND: &str = "BackendNotFound";
+    /// The Backend exists but Settle has no working connection to it.
+    pub const BACKEND_NOT_READY: &str = "BackendNotReady";
+    /// The named stream does not exist, or no stream carries the pattern.
+    pub const STREAM_NOT_FOUND: &str = "StreamNotFound";
+    /// More than one stream carries the pattern.
+    pub const STREAM_AMBIGUOUS: &str = "StreamAmbiguous";
+    /// The live consumer differs in a field the broker cannot change in place.
+    pub const IMMUTABLE_FIELD: &str = "ImmutableField";
+    /// A consumer of that name exists and belongs to something else.
+    pub const CONSUMER_CONFLICT: &str = "ConsumerConflict";
+    /// The broker refused a call for a reason not listed here (the message carries its words).
+    pub const BROKER_REFUSED: &str = "BrokerRefused";
+    /// The Backend's kind runs its consumers inside the application (memory).
+    pub const IN_PROCESS: &str = "InProcess";
+    /// The runtime drives this kind (rabbitmq, sqs), but the operator does not connect to it or
+    /// make its queues yet: code-defined subscriptions declare their own.
+    pub const NOT_MANAGED_YET: &str = "NotManagedYet";
+
+    // Ready, Backend (and Subscription, when the broker is the problem)
+    /// Connected, and JetStream answers.
+    pub const CONNECTED: &str = "Connected";
+    /// No server answered.
+    pub const UNREACHABLE: &str = "Unreachable";
+    /// The server refused the credentials.
+    pub const AUTH_FAILED: &str = "AuthFailed";
+    /// The server answers but runs without JetStream.
+    pub const JETSTREAM_DISABLED: &str = "JetStreamDisabled";
+    /// A Secret the Backend names does not exist, cannot be read, or lacks the keys it needs.
+    pub const SECRET_MISSING: &str = "SecretMissing";
+}
+
+/// Kubernetes Event reasons.
+pub mod events {
+    pub const CREATED: &str = "Created";
+    pub const UPDATED: &str = "Updated";
+    pub const DELETED: &str = "Deleted";
+    /// The consumer was gone from the broker (deleted there, or lost) and was made again.
+    pub const RECREATED: &str = "Recreated";
+    pub const RETAINED: &str = "Retained";
+    pub const INVALID: &str = "InvalidSpec";
+    pub const FAILED: &str = "ReconcileFailed";
+}
+
+/// The statuses a condition takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    True,
+    False,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::True => "True",
+            Status::False => "False",
+        }
+    }
+}
+
+/// One condition as a writer wants it, before times are settled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Want {
+    pub type_: &'static str,
+    pub status: Status,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Want {
+    pub fn new(
+        type_: &'static str,
+        status: Status,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Want {
+        Want {
+            type_,
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// The condition to write for `want`, given the conditions the object has now: its
+/// `lastTransitionTime` moves only when its status changes (not its reason or message).
+pub fn settle(
+    existing: &[Condition],
+    want: &Want,
+    observed_generation: Option<i64>,
+    now: &Time,
+) -> Condition {
+    let old = existing.iter().find(|c| c.type_ == want.type_);
+    let last_transition_time = match old {
+        Some(c) if c.status == want.status.as_str() => c.last_transition_time.clone(),
+        _ => now.clone(),
+    };
+    Condition {
+        type_: want.type_.to_string(),
+        status: want.status.as_str().to_string(),
+        reason: want.reason.to_string(),
+        message: want.message.clone(),
+        observed_generation,
+        last_transition_time,
+    }
+}
+
+/// Whether the conditions in `ours` are already on the object, as they are, ignoring
+/// `lastTransitionTime` (only a status change moves it, and `settle` keeps it then).
+pub fn conditions_current(existing: &[Condition], ours: &[Condition]) -> bool {
+    ours.iter().all(|c| {
+        existing.iter().any(|e| {
+            e.type_ == c.type_
+                && e.status == c.status
+                && e.reason == c.reason
+                && e.message == c.message
+                && e.observed_generation == c.observed_generation
+        })
+    })
+}
+
+/// The condition of `type_` in `conditions`, if any.
+pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn at(secs: i64) -> Time {
+        Time(Timestamp::from_second(secs).expect("a valid time"))
+    }
+
+    fn cond(type_: &str, status: &str, reason: &str, message: &str, t: i64) -> Condition {
+        Condition {
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+            message: message.into(),
+            observed_generation: Some(1),
+            last_transition_time: at(t),
+        }
+    }
+
+    #[test]
+    fn a_new_condition_transitions_now() {
+        let w = Want::new(types::READY, Status::True, reasons::CONSUMER_READY, "ok");
+        let c = settle(&[], &w, Some(1), &at(100));
+        assert_eq!(c.last_transition_time, at(100));
+        assert_eq!(c.status, "True");
+        assert_eq!(c.reason, "ConsumerReady");
+    }
+
+    #[test]
+    fn the_transition_time_moves_only_when_the_status_changes() {
+        let existing = vec![cond("Ready", "False", "Unreachable", "down", 50)];
+        let cases = [
+            // (status, reason, keeps the old time)
+            (Status::False, reasons::UNREACHABLE, true),
+            (Status::False, reasons::STREAM_NOT_FOUND, true),
+            (Status::True, reasons::CONSUMER_READY, false),
+        ];
+        for (status, reason, keeps) in cases {
+            let w = Want::new(types::READY, status, reason, "m");
+            let c = settle(&existing, &w, Some(2), &at(100));
+            let want = if keeps { at(50) } else { at(100) };
+            assert_eq!(c.last_transition_time, want, "{status:?} {reason}");
+            assert_eq!(c.observed_generation, Some(2));
+        }
+    }
+
+    #[test]
+    fn another_writers_condition_does_not_count() {
+        let existing = vec![cond("Exhausting", "False", "NoLoss", "", 50)];
+        let w = Want::new(types::READY, Status::False, reasons::UNREACHABLE, "");
+        assert_eq!(
+            settle(&existing, &w, Some(1), &at(100)).last_transition_time,
+            at(100)
+        );
+    }
+
+    #[test]
+    fn current_conditions_compare_equal_whatever_their_time() {
+        let existing = vec![
+            cond("Accepted", "True", "Valid", "", 10),
+            cond("Ready", "True", "ConsumerReady", "ok", 20),
+            cond("Stranding", "False", "None", "", 30),
+        ];
+        let ours = vec![
+            cond("Accepted", "True", "Valid", "", 99),
+            cond("Ready", "True", "ConsumerReady", "ok", 99),
+        ];
+        assert!(conditions_current(&existing, &ours));
+        for (i, field) in ["status", "reason", "message", "generation"]
+            .iter()
+            .enumerate()
+        {
+            let mut changed = ours.clone();
+            match i {
+                0 => changed[1].status = "False".into(),
+                1 => changed[1].reason = "Other".into(),
+                2 => changed[1].message = "other".into(),
+                _ => changed[1].observed_generation = Some(2),
+            }
+            assert!(!conditions_current(&existing, &changed), "{field}");
+        }
+        assert!(
+            !conditions_current(&existing[..1], &ours),
+            "a missing condition is not current"
+        );
+    }
+
+    #[test]
+    fn reasons_are_pascal_case_and_distinct() {
+        let all = [
+            reasons::VALID,
+            reasons::INVALID,
+            reasons::CONSUMER_READY,
+            reasons::NOT_ACCEPTED,
+            reasons::BACKEND_NOT_FOUND,
+            reasons::BACKEND_NOT_READY,
+            reasons::STREAM_NOT_FOUND,
+            reasons::STREAM_AMBIGUOUS,
+            reasons::IMMUTABLE_FIELD,
+            reasons::CONSUMER_CONFLICT,
+            reasons::BROKER_REFUSED,
+            reasons::IN_PROCESS,
+            reasons::CONNECTED,
+            reasons::UNREACHABLE,
+            reasons::AUTH_FAILED,
+            reasons::JETSTREAM_DISABLED,
+            reasons::SECRET_MISSING,
+        ];
+        let mut seen = std::collections::BTreeSet::new();
+        for r in all {
+            assert!(
+                r.chars().next().is_some_and(|c| c.is_ascii_uppercase()),
+                "{r}"
+            );
+            assert!(r.chars().all(|c| c.is_ascii_alphanumeric()), "{r}");
+            assert!(seen.insert(r), "{r} twice");
+        }
+    }
+}

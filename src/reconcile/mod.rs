@@ -1,0 +1,474 @@
+//! The controllers: every Backend gets one live connection and an honest `Ready`; every
+//! Subscription becomes a JetStream consumer and stays one through faults (deleted or edited on
+//! the broker, a broker restart, an operator restart or a change of leader).
+//!
+//! - [`backend`]: the Backend controller (Secrets → connection → status).
+//! - [`subscription`]: the Subscription controller (validate → stream → consumer → status).
+//! - [`connections`]: one shared connection per Backend, and the broker events that trigger reconciles.
+//! - [`status`], [`conditions`], [`index`]: the pure parts (status values, reasons, which object a change concerns).
+//!
+//! [`run`] runs both controllers while this replica leads, and stops them when it does not.
+//! This module imports `backend`, `bus`, `policy` and `api` only, never `admission` or
+//! `operator`: the operator hands it the leader's gate as a plain channel.
+
+pub mod backend;
+pub mod conditions;
+pub mod connections;
+pub mod index;
+pub mod metrics;
+pub mod status;
+pub mod subscription;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::channel::{mpsc, oneshot};
+use futures::{FutureExt, StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Secret;
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, predicates, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use tokio::sync::watch;
+
+use crate::api::{Backend, Subscription};
+use crate::backend::nats::jsapi::NatsError;
+use connections::Connections;
+pub use metrics::Metrics;
+
+/// The field manager of every status write the controllers make.
+pub const FIELD_MANAGER: &str = "settle-reconcile";
+
+/// How the controllers run (the operator's flags).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Namespaces whose Backends and Subscriptions are reconciled; empty: all.
+    pub watch_namespaces: Vec<String>,
+    /// Every consumer and connection is re-checked this often (the safety net under the advisories).
+    pub resync: Duration,
+    /// Subscriptions reconciled at once.
+    pub concurrency: u16,
+    /// This replica's name (Events' reporting instance, and the NATS connection name).
+    pub identity: String,
+}
+
+/// Why one reconcile failed (it is tried again with a growing delay).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("the broker refused: {0}")]
+    Broker(NatsError),
+    #[error("waiting for the broker: {0}")]
+    Waiting(String),
+}
+
+/// What every reconcile shares.
+pub struct Ctx {
+    pub client: Client,
+    pub conns: Arc<Connections>,
+    pub backends: Store<Backend>,
+    pub metrics: Metrics,
+    pub recorder: Recorder,
+    pub resync: Duration,
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Ctx {
+    /// One more failure for `key`: the delay before the next try (0.5 s, doubling, up to `max`).
+    pub fn failed(&self, key: &str, max: Duration) -> Duration {
+        let mut f = self
+            .failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = f.entry(key.to_string()).or_insert(0);
+        *n = n.saturating_add(1);
+        retry_delay(*n, max)
+    }
+
+    /// `key` is healthy again: its next failure starts over.
+    pub fn succeeded(&self, key: &str) {
+        self.failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(key);
+    }
+}
+
+/// The delay before try `failures + 1`: 0.5 s after the first failure, doubling, at most `max`.
+pub fn retry_delay(failures: u32, max: Duration) -> Duration {
+    Duration::from_millis(250)
+        .saturating_mul(1u32 << failures.clamp(1, 16))
+        .min(max)
+}
+
+/// Whether the controllers' caches have synced: true while this replica does not lead (it has
+/// nothing to sync), false from the moment it leads until its caches have their first list.
+#[derive(Clone, Debug)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Readiness(Arc::new(AtomicBool::new(true)))
+    }
+}
+
+impl Readiness {
+    pub fn ready(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+    fn set(&self, v: bool) {
+        self.0.store(v, Ordering::SeqCst)
+    }
+}
+
+/// Runs the controllers whenever `leader` says this replica leads, until `shutdown` resolves (then
+/// in-flight reconciles finish first).
+pub async fn run(
+    client: Client,
+    config: Config,
+    mut leader: watch::Receiver<bool>,
+    metrics: Metrics,
+    readiness: Readiness,
+    shutdown: impl Future<Output = ()>,
+) {
+    let shutdown = shutdown.shared();
+    loop {
+        tokio::select! {
+            () = shutdown.clone() => return,
+            r = leader.wait_for(|l| *l) => if r.is_err() { return },
+        }
+        tracing::info!(namespaces = ?config.watch_namespaces, "leading: starting the controllers");
+        readiness.set(false);
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let term = run_term(
+            client.clone(),
+            &config,
+            metrics.clone(),
+            readiness.clone(),
+            stop_rx,
+        );
+        tokio::pin!(term);
+        let mut stopping = false;
+        tokio::select! {
+            () = &mut term => {},
+            () = shutdown.clone() => stopping = true,
+            _ = leader.wait_for(|l| !*l) => {
+                tracing::warn!("no longer leading: stopping the controllers");
+            },
+        }
+        let _ = stop_tx.send(());
+        // In-flight reconciles finish; a stuck one does not hold the process.
+        let _ = tokio::time::timeout(Duration::from_secs(10), term).await;
+        readiness.set(true);
+        if stopping {
+            return;
+        }
+    }
+}
+
+/// A watch of `K` in the watched namespaces: one namespaced watch for one namespace, else one
+/// cluster-wide watch filtered to them.
+fn watch<K>(
+    client: &Client,
+    namespaces: &[String],
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let api: Api<K> = match namespaces {
+        [one] => Api::namespaced(client.clone(), one),
+        _ => Api::all(client.clone()),
+    };
+    let namespaces = namespaces.to_vec();
+    watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .try_filter(move |ev| {
+            let keep = match ev {
+                watcher::Event::Apply(o)
+                | watcher::Event::Delete(o)
+                | watcher::Event::InitApply(o) => {
+                    index::watched(&namespaces, o.meta().namespace.as_deref())
+                }
+                watcher::Event::Init | watcher::Event::InitDone => true,
+            };
+            futures::future::ready(keep)
+        })
+}
+
+/// What makes a Subscription worth reconciling again: its spec (generation) and its deletion. Not
+/// its status (this controller's own writes) nor its finalizers (its own too).
+fn subscription_predicate(s: &Subscription) -> Option<u64> {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (
+        s.metadata.generation,
+        s.metadata.deletion_timestamp.is_some(),
+    )
+        .hash(&mut h);
+    Some(h.finish())
+}
+
+/// What of a Backend its Subscriptions depend on: its generation and its Ready status.
+type BackendSeen = (Option<i64>, Option<String>);
+
+/// One leadership term: both controllers, the Secret watch, until `stop`.
+async fn run_term(
+    client: Client,
+    config: &Config,
+    metrics: Metrics,
+    readiness: Readiness,
+    stop: oneshot::Receiver<()>,
+) {
+    let namespaces = &config.watch_namespaces;
+    let (sub_store, sub_writer) = reflector::store::<Subscription>();
+    let (backend_store, backend_writer) = reflector::store::<Backend>();
+    let (sub_tx, sub_rx) = mpsc::unbounded::<ObjectRef<Subscription>>();
+    let (backend_tx, backend_rx) = mpsc::unbounded::<ObjectRef<Backend>>();
+    let conns = Connections::new(
+        format!("settle-operator {}", config.identity),
+        sub_store.clone(),
+        sub_tx.clone(),
+        backend_tx.clone(),
+        metrics.clone(),
+    );
+    let ctx = Arc::new(Ctx {
+        client: client.clone(),
+        conns: conns.clone(),
+        backends: backend_store.clone(),
+        metrics: metrics.clone(),
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "settle-operator".into(),
+                instance: Some(config.identity.clone()),
+            },
+        ),
+        resync: config.resync,
+        failures: Mutex::default(),
+    });
+
+    // Backends: a deleted one's connection is dropped; a change of its spec or of its Ready
+    // status reconciles its Subscriptions.
+    let seen: Arc<Mutex<HashMap<connections::Key, BackendSeen>>> = Arc::default();
+    let backend_events = {
+        let conns = conns.clone();
+        watch::<Backend>(&client, namespaces)
+            .reflect(backend_writer)
+            .inspect_ok(move |ev| match ev {
+                watcher::Event::Delete(b) => {
+                    let key = (b.namespace().unwrap_or_default(), b.name_any());
+                    conns.remove(&key);
+                    lock(&seen).remove(&key);
+                    conns.trigger_all(&key);
+                }
+                watcher::Event::Apply(b) | watcher::Event::InitApply(b) => {
+                    let key = (b.namespace().unwrap_or_default(), b.name_any());
+                    let ready = b
+                        .status
+                        .as_ref()
+                        .and_then(|s| conditions::find(&s.conditions, conditions::types::READY))
+                        .map(|c| c.status.clone());
+                    let now = (b.metadata.generation, ready);
+                    let changed = lock(&seen).insert(key.clone(), now.clone()) != Some(now);
+                    if changed {
+                        conns.trigger_all(&key);
+                    }
+                }
+                _ => {}
+            })
+            .applied_objects()
+            .predicate_filter(predicates::generation, Default::default())
+    };
+
+    // Secrets: a change reconciles the Backends that name it (a rotated credential is picked up).
+    let secret_task = {
+        let backends = backend_store.clone();
+        let tx = backend_tx.clone();
+        let apis: Vec<Api<PartialObjectMeta<Secret>>> = if namespaces.is_empty() {
+            vec![Api::all(client.clone())]
+        } else {
+            namespaces
+                .iter()
+                .map(|ns| Api::namespaced(client.clone(), ns))
+                .collect()
+        };
+        let streams = apis.into_iter().map(|api| {
+            watcher(api, watcher::Config::default().any_semantic())
+                .default_backoff()
+                .touched_objects()
+                .boxed()
+        });
+        let mut all = futures::stream::select_all(streams);
+        tokio::spawn(async move {
+            while let Some(item) = all.next().await {
+                match item {
+                    Ok(secret) => {
+                        let ns = secret.namespace().unwrap_or_default();
+                        let state = backends.state();
+                        for b in index::backends_naming_secret(
+                            state.iter().map(AsRef::as_ref),
+                            &ns,
+                            &secret.name_any(),
+                        ) {
+                            let _ = tx.unbounded_send(ObjectRef::from_obj(b));
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "Secret watch failed (a changed Secret is then picked up at the next resync); retrying")
+                    }
+                }
+            }
+        })
+    };
+
+    let (stop_backends, stop_subs) = {
+        let shared = stop.map(|_| ()).shared();
+        (shared.clone(), shared)
+    };
+
+    let backends = Controller::for_stream(backend_events, backend_store.clone())
+        .reconcile_on(backend_rx)
+        .with_config(ControllerConfig::default().concurrency(4))
+        .graceful_shutdown_on(stop_backends)
+        .run(backend::reconcile, backend_error_policy, ctx.clone())
+        .for_each(|r| count(&metrics, metrics::BACKEND, r));
+
+    let sub_events = watch::<Subscription>(&client, namespaces)
+        .reflect(sub_writer)
+        .applied_objects()
+        .predicate_filter(subscription_predicate, Default::default());
+    let subscriptions = Controller::for_stream(sub_events, sub_store.clone())
+        .reconcile_on(sub_rx)
+        .with_config(ControllerConfig::default().concurrency(config.concurrency.max(1)))
+        .graceful_shutdown_on(stop_subs)
+        .run(
+            subscription::reconcile,
+            subscription::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|r| count(&metrics, metrics::SUBSCRIPTION, r));
+
+    let synced = {
+        let (b, s) = (backend_store.clone(), sub_store.clone());
+        let readiness = readiness.clone();
+        async move {
+            let _ = b.wait_until_ready().await;
+            let _ = s.wait_until_ready().await;
+            tracing::info!("controller caches synced");
+            readiness.set(true);
+            futures::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        _ = futures::future::join(backends, subscriptions) => {},
+        () = synced => {},
+    }
+    secret_task.abort();
+    drop(sub_tx);
+    drop(backend_tx);
+}
+
+/// Counts one reconcile's result (`settle_reconcile_total`).
+fn count<K: Resource, E: std::fmt::Display>(
+    metrics: &Metrics,
+    controller: &str,
+    r: Result<(ObjectRef<K>, Action), E>,
+) -> futures::future::Ready<()> {
+    let result = match &r {
+        Ok(_) => "ok",
+        Err(e) => {
+            tracing::debug!(%controller, error = %e, "reconcile error");
+            "error"
+        }
+    };
+    metrics
+        .reconciles
+        .with_label_values(&[controller, result])
+        .inc();
+    futures::future::ready(())
+}
+
+fn backend_error_policy(b: Arc<Backend>, error: &Error, ctx: Arc<Ctx>) -> Action {
+    let key = format!(
+        "backend/{}/{}",
+        b.namespace().unwrap_or_default(),
+        b.name_any()
+    );
+    let delay = ctx.failed(&key, Duration::from_secs(30));
+    tracing::warn!(backend = %key, error = %error, retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_start_at_half_a_second_and_double_up_to_the_cap() {
+        let max = Duration::from_secs(60);
+        let got: Vec<u64> = (1..=10)
+            .map(|n| retry_delay(n, max).as_millis() as u64)
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000, 60000
+            ]
+        );
+        assert_eq!(retry_delay(0, max), Duration::from_millis(500));
+        assert_eq!(retry_delay(u32::MAX, max), max, "no overflow");
+        assert_eq!(
+            retry_delay(3, Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
+    }
+
+    fn sub(generation: i64, deleting: bool, finalizers: &[&str], ready: bool) -> Subscription {
+        let mut s: Subscription = serde_json::from_value(serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": "a", "namespace": "shop", "generation": generation,
+                         "finalizers": finalizers},
+            "spec": {"backendRef": {"name": "nats"}, "pattern": "a.>"},
+        }))
+        .expect("a Subscription");
+        if deleting {
+            s.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::from_second(1).expect("time"),
+                ));
+        }
+        if ready {
+            s.status = Some(Default::default());
+        }
+        s
+    }
+
+    #[test]
+    fn only_spec_changes_and_deletion_trigger_a_subscription_reconcile() {
+        let base = subscription_predicate(&sub(1, false, &[], false));
+        assert_eq!(
+            subscription_predicate(&sub(1, false, &["messaging.settle.dev/consumer"], true)),
+            base,
+            "the controller's own finalizer and status writes do not trigger it again"
+        );
+        assert_ne!(subscription_predicate(&sub(2, false, &[], false)), base);
+        assert_ne!(subscription_predicate(&sub(1, true, &[], false)), base);
+    }
+}

@@ -1,0 +1,326 @@
+//! For the controller tests: `settle operator` as a real process against the environment's API
+//! server, a nats-server of a test's own (for faults: stopped, restarted, with credentials), a
+//! private stream on the shared nats-server, metrics scraped from the operator, and one `poll`
+//! with a deadline and a message. Every process is killed on drop.
+
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// Polls `f` every 100 ms until it returns `Some`; panics after `limit` saying what it waited for
+/// and what it saw last (`f`'s `Err`).
+pub async fn poll<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    let start = Instant::now();
+    let mut last: String;
+    loop {
+        match f().await {
+            Ok(v) => return v,
+            Err(seen) => last = seen,
+        }
+        assert!(
+            start.elapsed() < limit,
+            "waited {limit:?} for {what}, in vain; last seen: {last}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `settle operator` running as a process; killed when dropped.
+pub struct Operator {
+    child: Child,
+    pub metrics_port: u16,
+    pub log: PathBuf,
+}
+
+static OPERATORS: AtomicUsize = AtomicUsize::new(0);
+
+impl Operator {
+    /// An operator reconciling only `watch` (comma-separated), without leader election, webhook
+    /// certificate kept in `watch`'s first namespace, no webhook configuration to patch.
+    pub fn start(test: &str, watch: &str) -> Operator {
+        Operator::start_with(test, watch, &["--leader-election=false"])
+    }
+
+    /// As [`Operator::start`], with `extra` flags (which may turn leader election back on).
+    pub fn start_with(test: &str, watch: &str, extra: &[&str]) -> Operator {
+        let op = Operator::spawn(test, watch, extra);
+        op.wait_ready();
+        op
+    }
+
+    /// Starts the process without waiting for it to be ready.
+    pub fn spawn(test: &str, watch: &str, extra: &[&str]) -> Operator {
+        Operator::spawn_env(test, watch, extra, &[])
+    }
+
+    pub fn spawn_env(test: &str, watch: &str, extra: &[&str], env: &[(&str, &str)]) -> Operator {
+        let e = super::env();
+        let metrics_port = free_port();
+        let n = OPERATORS.fetch_add(1, Ordering::Relaxed);
+        let log = super::root().join(format!(
+            "target/reconcile-{test}-{}-{n}.log",
+            std::process::id()
+        ));
+        let home = watch.split(',').next().unwrap_or("default");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_settle"));
+        cmd.args(["operator", "--log-format", "text"]);
+        // The defaults, each unless `extra` sets it.
+        let webhook_addr = format!("127.0.0.1:{}", free_port());
+        let metrics_addr = format!("127.0.0.1:{metrics_port}");
+        let defaults = [
+            ("--webhook-addr", webhook_addr.as_str()),
+            ("--metrics-addr", metrics_addr.as_str()),
+            ("--namespace", home),
+            ("--webhook-secret", "settle-reconcile-tls"),
+            ("--webhook-configuration", ""),
+            ("--webhook-ips", "127.0.0.1"),
+            ("--watch-namespaces", watch),
+        ];
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                cmd.args([flag, value]);
+            }
+        }
+        cmd.args(extra)
+            .env("KUBECONFIG", &e.kubeconfig)
+            .env("RUST_LOG", "info,settle=debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start settle operator");
+        Operator {
+            child,
+            metrics_port,
+            log,
+        }
+    }
+
+    pub fn get(&self, path: &str) -> Option<String> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    }
+
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if self
+                .get("/readyz")
+                .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "settle operator not ready after 60s; see {}",
+            self.log.display()
+        );
+    }
+
+    /// The sum of every series of metric `name` whose labels include `labels`.
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        let text = self.get("/metrics").unwrap_or_default();
+        metric_sum(&text, name, labels)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process still runs.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// SIGKILL: no chance to release anything.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// The sum of every series of `name` in Prometheus text whose labels include `labels`.
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (metric, rest) = match series.split_once('{') {
+                Some((m, r)) => (m, r.trim_end_matches('}')),
+                None => (series, ""),
+            };
+            if metric != name {
+                return None;
+            }
+            let ok = labels
+                .iter()
+                .all(|(k, v)| rest.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+            ok.then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+/// A nats-server of a test's own, on a free port, with a store that survives a restart;
+/// killed when dropped.
+pub struct NatsServer {
+    child: Option<Child>,
+    pub port: u16,
+    store: tempfile::TempDir,
+    args: Vec<String>,
+}
+
+impl NatsServer {
+    pub fn start(extra: &[&str]) -> NatsServer {
+        let mut s = NatsServer {
+            child: None,
+            port: free_port(),
+            store: tempfile::tempdir().expect("store dir"),
+            args: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        s.resume();
+        s
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server (SIGKILL: its store is kept).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again: same port, same store.
+    pub fn resume(&mut self) {
+        let bin = super::env().nats_server;
+        let child = Command::new(&bin)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js"])
+            .arg("-sd")
+            .arg(self.store.path())
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server on port {} did not listen within 20s",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+static STREAMS: AtomicUsize = AtomicUsize::new(0);
+
+/// A stream of a test's own (memory storage) on a server, for subjects `<prefix>.>`.
+pub struct TestStream {
+    pub js: async_nats::jetstream::Context,
+    pub name: String,
+    pub prefix: String,
+}
+
+impl TestStream {
+    pub async fn new(url: &str, test: &str) -> TestStream {
+        let client = async_nats::connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
+        let js = async_nats::jetstream::new(client);
+        let tag = format!(
+            "{}_{}_{}",
+            test.replace('-', "_"),
+            std::process::id(),
+            STREAMS.fetch_add(1, Ordering::Relaxed)
+        );
+        let name = format!("REC_{}", tag.to_uppercase());
+        let prefix = format!("rec.{tag}");
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            storage: async_nats::jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .expect("create stream");
+        TestStream { js, name, prefix }
+    }
+
+    /// The consumer's info, `None` when it does not exist.
+    pub async fn consumer(&self, name: &str) -> Option<async_nats::jetstream::consumer::Info> {
+        settle::backend::nats::jsapi::consumer_info(&self.js, &self.name, name)
+            .await
+            .expect("consumer info")
+    }
+
+    /// Every consumer's name on the stream.
+    pub async fn consumer_names(&self) -> Vec<String> {
+        use futures::TryStreamExt;
+        let stream = self.js.get_stream(&self.name).await.expect("stream");
+        let mut names: Vec<String> = stream
+            .consumer_names()
+            .try_collect()
+            .await
+            .expect("consumer names");
+        names.sort();
+        names
+    }
+
+    pub async fn delete(self) {
+        let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+/// The condition of `type_`, as `(status, reason, message)`.
+pub fn condition(conditions: &[Condition], type_: &str) -> Option<(String, String, String)> {
+    conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+}

@@ -1,0 +1,135 @@
+//! Subscriptions and Backends for the controller tests: manifests applied with real kubectl,
+//! status read through the API, waits on conditions, and the Events recorded on an object.
+
+use std::time::Duration;
+
+use k8s_openapi::api::events::v1::Event;
+use kube::Api;
+use kube::api::ListParams;
+use settle::api::{Backend, Subscription};
+
+use super::kubectl_ok;
+use super::operator::{condition, poll};
+
+/// Applies `yaml` in `ns` with real kubectl.
+pub fn apply(ns: &str, yaml: &str) {
+    kubectl_ok(&["apply", "-n", ns, "-f", "-"], Some(yaml));
+}
+
+pub fn backend_yaml(name: &str, servers: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]\n"
+    )
+}
+
+/// A Subscription `name` on Backend `nats` with `spec` (indented two spaces, after backendRef).
+pub fn sub_yaml(name: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n  backendRef: {{name: nats}}\n{spec}"
+    )
+}
+
+pub async fn subs(ns: &str) -> Api<Subscription> {
+    Api::namespaced(super::kube_client().await, ns)
+}
+
+pub async fn backends(ns: &str) -> Api<Backend> {
+    Api::namespaced(super::kube_client().await, ns)
+}
+
+/// Waits until Subscription `name` shows condition `type_` with `status` and `reason`, for its
+/// current generation; returns it.
+pub async fn wait_condition(
+    api: &Api<Subscription>,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: &str,
+    limit: Duration,
+) -> Subscription {
+    poll(
+        &format!("Subscription {name} to show {type_}={status} ({reason})"),
+        limit,
+        || async {
+            let s = api
+                .get_opt(name)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or("no such Subscription")?;
+            let st = s.status.clone().unwrap_or_default();
+            if st.observed_generation != s.metadata.generation {
+                return Err(format!(
+                    "observedGeneration {:?}, generation {:?}",
+                    st.observed_generation, s.metadata.generation
+                ));
+            }
+            let (cs, cr, m) =
+                condition(&st.conditions, type_).ok_or(format!("no {type_} condition yet"))?;
+            if cs == status && cr == reason {
+                Ok(s)
+            } else {
+                Err(format!("{type_}={cs} {cr}: {m}"))
+            }
+        },
+    )
+    .await
+}
+
+pub async fn wait_ready(api: &Api<Subscription>, name: &str) -> Subscription {
+    wait_condition(
+        api,
+        name,
+        "Ready",
+        "True",
+        "ConsumerReady",
+        Duration::from_secs(60),
+    )
+    .await
+}
+
+/// Waits until Subscription `name` no longer exists.
+pub async fn wait_gone(api: &Api<Subscription>, name: &str, limit: Duration) {
+    poll(
+        &format!("Subscription {name} to be gone"),
+        limit,
+        || async {
+            match api.get_opt(name).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(s) => Err(format!(
+                    "still there, finalizers {:?}, deletionTimestamp {:?}",
+                    s.metadata.finalizers, s.metadata.deletion_timestamp
+                )),
+            }
+        },
+    )
+    .await
+}
+
+/// The Events recorded on object `name` in `ns`, as `(reason, note)`.
+pub async fn events(ns: &str, name: &str) -> Vec<(String, String)> {
+    let api: Api<Event> = Api::namespaced(super::kube_client().await, ns);
+    api.list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+        .collect()
+}
+
+/// Waits until an Event with `reason` is recorded on `name`; returns its note.
+pub async fn wait_event(ns: &str, name: &str, reason: &str) -> String {
+    poll(
+        &format!("an Event {reason} on {name}"),
+        Duration::from_secs(30),
+        || async {
+            let all = events(ns, name).await;
+            all.iter()
+                .find(|(r, _)| r == reason)
+                .map(|(_, n)| n.clone())
+                .ok_or(format!("events: {all:?}"))
+        },
+    )
+    .await
+}

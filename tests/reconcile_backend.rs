@@ -1,0 +1,159 @@
+//! The Backend controller against the real API server and real nats-servers, `settle operator`
+//! running as a process: a reachable Backend is Ready with its version and capabilities; a closed
+//! port is Unreachable; wrong credentials are AuthFailed and a fixed Secret makes it Ready with no
+//! restart; a missing Secret says so; the memory backend is Ready in process.
+
+mod common;
+
+use std::time::Duration;
+
+use common::operator::{NatsServer, Operator, condition, free_port, poll};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::Api;
+use settle::api::Backend;
+
+async fn ready_of(
+    api: &Api<Backend>,
+    name: &str,
+) -> Result<(String, String, String, Backend), String> {
+    let b = api
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no such Backend")?;
+    let st = b.status.clone().unwrap_or_default();
+    let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
+    Ok((s, r, m, b))
+}
+
+/// Waits until Backend `name`'s Ready condition has `status` and `reason`.
+async fn wait_ready(api: &Api<Backend>, name: &str, status: &str, reason: &str) -> Backend {
+    poll(
+        &format!("Backend {name} to be Ready={status} ({reason})"),
+        Duration::from_secs(60),
+        || async {
+            let (s, r, m, b) = ready_of(api, name).await?;
+            if s == status && r == reason {
+                Ok(b)
+            } else {
+                Err(format!("Ready={s} {r}: {m}"))
+            }
+        },
+    )
+    .await
+}
+
+fn backend_yaml(name: &str, servers: &str, secret: Option<&str>) -> String {
+    let creds = secret
+        .map(|s| format!("\n    credentialsSecretRef: {{name: {s}}}"))
+        .unwrap_or_default();
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]{creds}\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_secret() {
+    install_crds();
+    let ns = namespace("rec-backend");
+    let _op = Operator::start("backend", &ns);
+    let api: Api<Backend> = Api::namespaced(common::kube_client().await, &ns);
+    let env = common::env();
+
+    // Reachable: Ready, with the server's version and the capabilities of its kind.
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("good", &env.nats_url, None)),
+    );
+    let good = wait_ready(&api, "good", "True", "Connected").await;
+    let st = good.status.expect("status");
+    let version = st.server_version.expect("serverVersion");
+    assert!(version.starts_with("2."), "serverVersion {version}");
+    assert_eq!(
+        st.capabilities,
+        Some(settle::policy::capabilities_of(
+            settle::policy::BackendKind::Nats
+        ))
+    );
+    assert_eq!(st.observed_generation, good.metadata.generation);
+
+    // A closed port: Unreachable, and the message says what to check.
+    let closed = format!("nats://127.0.0.1:{}", free_port());
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("closed", &closed, None)),
+    );
+    let b = wait_ready(&api, "closed", "False", "Unreachable").await;
+    let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains("spec.nats.servers"), "{m}");
+
+    // A server with a user and password, and a Secret with the wrong password: AuthFailed.
+    let server = NatsServer::start(&["--user", "app", "--pass", "right"]);
+    kubectl_ok(
+        &[
+            "create",
+            "secret",
+            "generic",
+            "creds",
+            "-n",
+            &ns,
+            "--from-literal=user=app",
+            "--from-literal=password=wrong",
+        ],
+        None,
+    );
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("auth", &server.url(), Some("creds"))),
+    );
+    let b = wait_ready(&api, "auth", "False", "AuthFailed").await;
+    let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains("credentialsSecretRef"), "{m}");
+
+    // The Secret fixed: Ready, with nothing restarted.
+    let fixed = kubectl_ok(
+        &[
+            "create",
+            "secret",
+            "generic",
+            "creds",
+            "-n",
+            &ns,
+            "--from-literal=user=app",
+            "--from-literal=password=right",
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ],
+        None,
+    );
+    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&fixed));
+    wait_ready(&api, "auth", "True", "Connected").await;
+
+    // A Secret that does not exist: SecretMissing, naming it.
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend_yaml("nosecret", &env.nats_url, Some("absent"))),
+    );
+    let b = wait_ready(&api, "nosecret", "False", "SecretMissing").await;
+    let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains("\"absent\""), "{m}");
+
+    // The memory backend: Ready in process, its capabilities from its kind, no version.
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: mem}\nspec:\n  memory: {}\n",
+        ),
+    );
+    let b = wait_ready(&api, "mem", "True", "InProcess").await;
+    let st = b.status.expect("status");
+    assert_eq!(st.server_version, None);
+    assert_eq!(
+        st.capabilities,
+        Some(settle::policy::capabilities_of(
+            settle::policy::BackendKind::Memory
+        ))
+    );
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

@@ -1,0 +1,285 @@
+//! The Subscription controller against the real API server and a real nats-server, `settle
+//! operator` running as a process: a Subscription becomes exactly the mapped consumer (every
+//! field read back over the NATS API), edits apply in place to the same consumer, an
+//! unresolvable stream and a spec that slipped past admission are reported and make no consumer,
+//! and deletion removes the consumer (or keeps it, with `deletionPolicy: Retain`, or when the
+//! Backend went first) without ever blocking.
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
+use common::operator::{Operator, TestStream, condition};
+use common::subs::{
+    apply, backend_yaml, backends, sub_yaml, subs, wait_condition, wait_event, wait_gone,
+    wait_ready,
+};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::api::{DeleteParams, Patch, PatchParams};
+use settle::api::ConsumerRef;
+use settle::backend::nats::consumer;
+use settle::policy::{BackendKind, BackendView, ResolvedPolicy, capabilities_of, validate};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_becomes_exactly_the_mapped_consumer_and_edits_apply_in_place() {
+    install_crds();
+    let ns = namespace("rec-map");
+    let env = common::env();
+    let stream = TestStream::new(&env.nats_url, "map").await;
+    let _op = Operator::start("map", &ns);
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let api = subs(&ns).await;
+
+    apply(
+        &ns,
+        &sub_yaml(
+            "orders",
+            &format!(
+                "  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 5\n  ackWait: 10s\n  maxInFlight: 7\n",
+                stream.prefix
+            ),
+        ),
+    );
+    let sub = wait_ready(&api, "orders").await;
+    let st = sub.status.clone().expect("status");
+    assert_eq!(
+        st.consumer,
+        Some(ConsumerRef {
+            stream: stream.name.clone(),
+            name: "orders".into()
+        })
+    );
+    assert_eq!(
+        condition(&st.conditions, "Accepted").map(|c| (c.0, c.1)),
+        Some(("True".into(), "Valid".into()))
+    );
+    assert!(
+        sub.metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|f| f == "messaging.settle.dev/consumer")),
+        "the finalizer guards the consumer: {:?}",
+        sub.metadata.finalizers
+    );
+
+    // Every field over the NATS API: the mapping's config, after the server's defaults.
+    let info = stream
+        .consumer("orders")
+        .await
+        .expect("the consumer exists");
+    let want = consumer::desired(
+        &ns,
+        "orders",
+        &stream.name,
+        &ResolvedPolicy::resolve(&sub.spec.policy),
+    );
+    let live = consumer::normalise(&stream.name, "orders", &info.config);
+    assert_eq!(live, want, "the live consumer is exactly the mapped one");
+    let c = &info.config;
+    assert_eq!(c.durable_name.as_deref(), Some("orders"));
+    assert_eq!(c.ack_policy, AckPolicy::Explicit);
+    assert_eq!(c.deliver_policy, DeliverPolicy::All);
+    assert_eq!(c.ack_wait, Duration::from_secs(10));
+    assert_eq!(c.max_deliver, 5);
+    assert_eq!(c.max_ack_pending, 7);
+    assert_eq!(c.filter_subject, format!("{}.>", stream.prefix));
+    assert!(c.backoff.is_empty(), "never a backoff list");
+    assert_eq!(
+        c.metadata.get(consumer::OWNER_KEY).map(String::as_str),
+        Some(format!("{ns}/orders").as_str())
+    );
+    let created = info.created;
+    let note = wait_event(&ns, "orders", "Created").await;
+    assert!(note.contains("orders"), "{note}");
+
+    // Edits change the same consumer in place.
+    let patch = serde_json::json!({"spec": {
+        "maxDeliver": 9, "ackWait": "20s", "maxInFlight": 3,
+        "backoff": {"initial": "1s", "max": "10s"},
+    }});
+    api.patch("orders", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("edit");
+    let sub = wait_ready(&api, "orders").await;
+    assert_eq!(sub.metadata.generation, Some(2));
+    let info = stream.consumer("orders").await.expect("still there");
+    assert_eq!(info.config.max_deliver, 9);
+    assert_eq!(info.config.ack_wait, Duration::from_secs(20));
+    assert_eq!(info.config.max_ack_pending, 3);
+    assert!(
+        info.config.backoff.is_empty(),
+        "the backoff schedule is paced by the runtime's delayed naks, never a consumer backoff list"
+    );
+    assert_eq!(info.created, created, "the same consumer, changed in place");
+    let note = wait_event(&ns, "orders", "Updated").await;
+    assert!(note.contains("max_deliver"), "{note}");
+
+    // AtMostOnce without a durable name: a stable derived name, no acks.
+    apply(
+        &ns,
+        &sub_yaml(
+            "metrics",
+            &format!("  pattern: \"{}.metrics.>\"\n", stream.prefix),
+        ),
+    );
+    let sub = wait_ready(&api, "metrics").await;
+    let name = format!("settle_{ns}_metrics");
+    assert_eq!(
+        sub.status.and_then(|s| s.consumer).map(|c| c.name),
+        Some(name.clone())
+    );
+    let info = stream.consumer(&name).await.expect("the derived consumer");
+    assert_eq!(info.config.ack_policy, AckPolicy::None);
+    assert_eq!(info.config.deliver_policy, DeliverPolicy::New);
+
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    assert_eq!(stream.consumer_names().await, Vec::<String>::new());
+    stream.delete().await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unresolvable_stream_and_a_spec_that_slipped_past_admission_make_no_consumer() {
+    install_crds();
+    let ns = namespace("rec-refuse");
+    let env = common::env();
+    let stream = TestStream::new(&env.nats_url, "refuse").await;
+    let _op = Operator::start("refuse", &ns);
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let api = subs(&ns).await;
+    let long = Duration::from_secs(60);
+
+    // A named stream that does not exist, and a pattern no stream carries.
+    apply(
+        &ns,
+        &sub_yaml(
+            "named",
+            "  pattern: nothing.here.>\n  stream: NO_SUCH_STREAM\n",
+        ),
+    );
+    let s = wait_condition(&api, "named", "Ready", "False", "StreamNotFound", long).await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(
+        m.contains("NO_SUCH_STREAM") && m.contains("spec.stream"),
+        "{m}"
+    );
+    apply(
+        &ns,
+        &sub_yaml("unowned", "  pattern: nothing.carries.this.>\n"),
+    );
+    wait_condition(&api, "unowned", "Ready", "False", "StreamNotFound", long).await;
+    wait_event(&ns, "named", "StreamNotFound").await;
+
+    // No webhook is registered for this namespace: a spec admission refuses gets in, and the
+    // controller refuses it the same way, before touching the broker.
+    let spec = format!(
+        "  pattern: \"{}.>\"\n  backoff: {{initial: 1s, max: 1m}}\n",
+        stream.prefix
+    );
+    apply(&ns, &sub_yaml("slipped", &spec));
+    let s = wait_condition(&api, "slipped", "Accepted", "False", "Invalid", long).await;
+    let verdict = validate(
+        &s.spec,
+        None,
+        BackendView::Known {
+            name: "nats",
+            capabilities: &capabilities_of(BackendKind::Nats),
+        },
+    );
+    let st = s.status.expect("status");
+    let (_, _, m) = condition(&st.conditions, "Accepted").expect("Accepted");
+    assert_eq!(m, verdict.error_text(), "the same message as admission");
+    let (rs, rr, _) = condition(&st.conditions, "Ready").expect("Ready");
+    assert_eq!((rs.as_str(), rr.as_str()), ("False", "NotAccepted"));
+    assert_eq!(st.consumer, None);
+    wait_event(&ns, "slipped", "InvalidSpec").await;
+    assert_eq!(
+        stream.consumer_names().await,
+        Vec::<String>::new(),
+        "no consumer for a refused spec"
+    );
+
+    // Fixing the spec makes the consumer.
+    apply(
+        &ns,
+        &sub_yaml("slipped", &format!("  pattern: \"{}.>\"\n", stream.prefix)),
+    );
+    wait_ready(&api, "slipped").await;
+    assert_eq!(
+        stream.consumer_names().await,
+        vec![format!("settle_{ns}_slipped")]
+    );
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    stream.delete().await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_blocks() {
+    install_crds();
+    let ns = namespace("rec-delete");
+    let env = common::env();
+    let stream = TestStream::new(&env.nats_url, "delete").await;
+    let _op = Operator::start("delete", &ns);
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let api = subs(&ns).await;
+    let alo = |durable: &str, extra: &str| {
+        format!(
+            "  pattern: \"{}.{durable}.>\"\n  mode: AtLeastOnce\n  durableName: {durable}\n{extra}",
+            stream.prefix
+        )
+    };
+    apply(&ns, &sub_yaml("gone", &alo("gone", "")));
+    apply(
+        &ns,
+        &sub_yaml("kept", &alo("kept", "  deletionPolicy: Retain\n")),
+    );
+    wait_ready(&api, "gone").await;
+    wait_ready(&api, "kept").await;
+    assert_eq!(stream.consumer_names().await, vec!["gone", "kept"]);
+
+    // Delete: the consumer goes first, then the finalizer, then the object.
+    api.delete("gone", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "gone", Duration::from_secs(30)).await;
+    assert_eq!(stream.consumer("gone").await.map(|i| i.name), None);
+
+    // Retain: the object goes, the consumer stays.
+    api.delete("kept", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "kept", Duration::from_secs(30)).await;
+    assert!(
+        stream.consumer("kept").await.is_some(),
+        "a retained consumer stays"
+    );
+
+    // The Backend deleted first: the Subscription still deletes.
+    apply(&ns, &sub_yaml("orphan", &alo("orphan", "")));
+    wait_ready(&api, "orphan").await;
+    backends(&ns)
+        .await
+        .delete("nats", &DeleteParams::default())
+        .await
+        .expect("delete the Backend");
+    common::operator::poll(
+        "the Backend to be gone",
+        Duration::from_secs(30),
+        || async {
+            match backends(&ns).await.get_opt("nats").await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    api.delete("orphan", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "orphan", Duration::from_secs(30)).await;
+
+    stream.delete().await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
