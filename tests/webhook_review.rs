@@ -24,7 +24,7 @@ use settle::admission::certs::{self, CertBundle, CertResolver, Sans};
 use settle::admission::webhook::{
     BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review,
 };
-use settle::admission::{BackendView, validate};
+use settle::admission::{BackendView, read_subscription, read_subscription_under_review, validate};
 use settle::api::{Backend, Subscription};
 use settle::backend::{BackendKind, capabilities_of};
 
@@ -401,6 +401,37 @@ async fn unreadable_object_is_denied_saying_which_field() {
     assert_eq!(
         a.message.as_deref(),
         Some("the admission request carries no object to validate")
+    );
+}
+
+#[tokio::test]
+async fn only_name_namespace_and_spec_are_read_so_odd_metadata_elsewhere_does_not_matter() {
+    // The API server has checked metadata long before; the webhook reads name, namespace and
+    // spec and skips the rest unparsed (a full ObjectMeta would refuse these annotations).
+    let mut object = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}));
+    object["metadata"]["annotations"] = json!([1, {"deep": [null, 2.5]}, "x"]);
+    object["metadata"]["managedFields"] = json!("not a list");
+    object["status"] = json!({"stats": "not stats"});
+    let a = ask(&request("CREATE", Some(object.clone()), None)).await;
+    assert!(a.allowed, "{a:?}");
+    // The spec is still read field by field, naming the field, as read_subscription does.
+    object["spec"]["maxDeliver"] = json!("five");
+    let a = ask(&request("CREATE", Some(object), None)).await;
+    assert_eq!(
+        a.message.as_deref(),
+        Some(
+            "the Subscription could not be read: spec.maxDeliver: invalid type: string \"five\", expected i64"
+        )
+    );
+    // And the name and namespace are read: a wrong type there is named too.
+    let mut object = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}));
+    object["metadata"]["namespace"] = json!(7);
+    let a = ask(&request("CREATE", Some(object), None)).await;
+    assert_eq!(
+        a.message.as_deref(),
+        Some(
+            "the Subscription could not be read: metadata.namespace: invalid type: integer `7`, expected a string"
+        )
     );
 }
 
@@ -814,6 +845,49 @@ proptest! {
         if serde_json::from_value::<Subscription>(subscription(spec)).is_err() {
             prop_assert!(!a.allowed);
             prop_assert!(a.message.unwrap_or_default().starts_with("the Subscription could not be read: "));
+        }
+    }
+
+    /// The webhook's lean reader (name, namespace, spec; the rest skipped unparsed) accepts
+    /// exactly what `read_subscription` accepts there, and fails naming the same field, with the
+    /// same text but for one wording of serde_json's.
+    #[test]
+    fn the_lean_reader_reads_and_fails_like_read_subscription(
+        fields in prop::collection::vec(spec_field(), 0..6),
+        garbled in prop::option::of(prop_oneof![Just("backendRef"), Just("pattern"), Just("mode"), Just("backoff"), Just("ackWait"), Just("maxDeliver"), Just("stream")]),
+        junk in json_value(),
+        whole in prop::option::of(json_value()),
+    ) {
+        let mut spec = json!({"backendRef": {"name": "nats"}, "pattern": "orders.>"});
+        for (k, v) in fields { spec[k] = v; }
+        if let Some(field) = garbled { spec[field] = junk; }
+        // Sometimes not even an object with a spec.
+        let object = whole.unwrap_or_else(|| subscription(spec));
+        let text = serde_json::to_string(&object).unwrap();
+        let full = read_subscription(&serde_json::from_str(&text).unwrap());
+        let lean = read_subscription_under_review(&text);
+        match (full, lean) {
+            (Ok(full), Ok(lean)) => {
+                prop_assert_eq!(full.spec, lean.spec);
+                prop_assert_eq!(full.metadata.name, lean.metadata.name);
+                prop_assert_eq!(full.metadata.namespace, lean.metadata.namespace);
+            }
+            // The lean reader does not read status (the API server ignores it on this call).
+            (Err(full), Ok(_)) if full.starts_with("status") => {}
+            (Err(full), Err(lean)) if full != lean => {
+                // Same field; serde_json words a few type errors differently when it reads text
+                // than when it reads a parsed value: an enum field (mode, shape, slowHandler)
+                // holding neither a string nor a one-key object, a struct field holding a list
+                // of the wrong length. The API server's schema refuses those values first.
+                let field = |m: &str| m.split_once(": ").map(|(f, _)| f.to_string());
+                prop_assert_eq!(field(&full), field(&lean), "{} vs {}", full, lean);
+                let text_wording = lean.ends_with(": expected value")
+                    || lean.ends_with(": trailing characters")
+                    || (full.ends_with("expected map with a single key") && lean.contains("unknown variant"));
+                prop_assert!(text_wording, "{} vs {}", full, lean);
+            }
+            (Err(_), Err(_)) => {}
+            (full, lean) => prop_assert!(false, "the readers disagree: {:?} vs {:?}", full.err(), lean.err()),
         }
     }
 

@@ -12,5 +12,7 @@ mod rules;
 #[cfg(feature = "operator")]
 pub mod webhook;
 
-pub use read::read_subscription;
+pub use read::{
+    NameAndNamespace, SubscriptionUnderReview, read_subscription, read_subscription_under_review,
+};
 pub use rules::{BackendView, FieldIssue, Verdict, validate, validate_policy};

@@ -22,7 +22,7 @@ use tokio_rustls::TlsAcceptor;
 use super::LOOKUP_TIMEOUT;
 use super::lookup::BackendLookup;
 use super::metrics::WebhookMetrics;
-use super::review::answer;
+use super::review;
 use crate::admission::certs::{CertResolver, crypto_provider};
 
 /// How the webhook server listens.
@@ -229,7 +229,12 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
                         );
                     }
                 };
-            let answer = answer(&body, shared.backends.as_ref()).await;
+            let read = review::read(&body);
+            drop(body);
+            let answer = match read {
+                Ok(review) => review::answer(review, shared.backends.as_ref()).await,
+                Err(bad_request) => bad_request,
+            };
             shared.metrics.observe(&answer, started.elapsed());
             let content_type = if answer.status == StatusCode::OK {
                 "application/json"
