@@ -1,9 +1,10 @@
 //! The admission webhook's wiring, in process: what `review` answers for each kind of request
 //! (allowed, denied with the exact message, warnings, immutable updates, missing or unreadable
 //! Backends, Backend status over kind defaults, dryRun, DELETE), one HTTPS round trip through the
-//! real server (with a certificate swap that needs no restart, and the metrics), and property
-//! tests that throw garbage at `review`: it never panics, always answers, and answers malformed
-//! input with a 400 or a denial that says why.
+//! real server (with a certificate swap that needs no restart, and the metrics), the body limit
+//! and the turns in which bodies are read, and property tests that throw garbage at `review`: it
+//! never panics, always answers, and answers malformed input with a 400 or a denial that says
+//! why; and that the webhook's lean reader of objects reads as `read_subscription` does.
 //!
 //! The rules themselves are pinned by `tests/admission_rules.rs`; this file must not re-test them.
 #![cfg(feature = "operator")]
@@ -685,6 +686,153 @@ async fn https_round_trip_rotation_without_restart_and_metrics() {
         "{text}"
     );
 
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("stops")
+        .expect("joins")
+        .expect("runs cleanly");
+}
+
+/// The text of every metric in `registry`.
+fn metrics_text(registry: &prometheus::Registry) -> String {
+    let mut buf = Vec::new();
+    prometheus::Encoder::encode(
+        &prometheus::TextEncoder::new(),
+        &registry.gather(),
+        &mut buf,
+    )
+    .unwrap();
+    String::from_utf8(buf).unwrap()
+}
+
+/// POSTs `review` over HTTP/1.1 but sends only half of its body; returns the raw answer.
+async fn half_a_body(addr: SocketAddr, ca_pem: String, review: Vec<u8>) -> String {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA")).expect("root");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(tls))
+        .connect(name, tcp)
+        .await
+        .expect("TLS");
+    let head = format!(
+        "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        review.len()
+    );
+    tls.write_all(head.as_bytes()).await.expect("head");
+    tls.write_all(&review[..review.len() / 2])
+        .await
+        .expect("half");
+    tls.flush().await.expect("flush");
+    let mut answer = Vec::new();
+    let _ = tls.read_to_end(&mut answer).await;
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn bodies_are_read_one_turn_at_a_time_and_too_large_ones_refused_unread() {
+    let bundle = certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
+    let resolver = Arc::new(
+        CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+            .expect("resolver"),
+    );
+    let registry = prometheus::Registry::new();
+    let mut config = WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+    config.max_concurrent_reviews = 1;
+    config.max_body_bytes = 64 << 10;
+    config.body_timeout = Duration::from_secs(1);
+    let server = Server::bind(config, Arc::new(lookup()), resolver, &registry)
+        .await
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    let client = client_trusting(&bundle.ca_pem);
+    let review = serde_json::to_vec(&request(
+        "CREATE",
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "a"}),
+        )),
+        None,
+    ))
+    .unwrap();
+
+    // Too large by its Content-Length: refused before any of it is read.
+    let (status, body) = post(&client, addr, "/validate", vec![b' '; (64 << 10) + 1])
+        .await
+        .expect("POST a large body");
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(body, b"the body is larger than 65536 bytes\n");
+
+    // A client that sends half its body holds the only turn until its body timeout; a review
+    // sent meanwhile waits for the turn, and is answered once the turn is given back.
+    let wait_for = |sample: &'static str| {
+        let registry = registry.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !metrics_text(&registry).contains(sample) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "waited 10s for {sample}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let slow = tokio::spawn(half_a_body(addr, bundle.ca_pem.clone(), review.clone()));
+    wait_for("settle_webhook_reviews_reading 1").await;
+    let queued = {
+        let (client, review) = (client.clone(), review.clone());
+        tokio::spawn(async move { post(&client, addr, "/validate", review).await })
+    };
+    wait_for("settle_webhook_reviews_waiting 1").await;
+    assert!(
+        !queued.is_finished(),
+        "a review must wait while the only turn is held"
+    );
+    let slow = slow.await.expect("the slow client");
+    assert!(slow.starts_with("HTTP/1.1 408"), "{slow}");
+    assert!(
+        slow.ends_with("the body did not arrive in time\n"),
+        "{slow}"
+    );
+    let (status, body) = queued
+        .await
+        .expect("the queued review")
+        .expect("POST while the turn was held");
+    assert_eq!(status, StatusCode::OK);
+    assert!(parse_answer(&body).allowed);
+
+    // The turn is back: the next review is answered.
+    let (status, body) = post(&client, addr, "/validate", review)
+        .await
+        .expect("POST after");
+    assert_eq!(status, StatusCode::OK);
+    assert!(parse_answer(&body).allowed);
+
+    let text = metrics_text(&registry);
+    for line in [
+        r#"settle_webhook_requests_rejected_total{reason="too_large"} 1"#,
+        r#"settle_webhook_requests_rejected_total{reason="busy"} 0"#,
+        r#"settle_webhook_requests_rejected_total{reason="slow_body"} 1"#,
+        r#"settle_admission_requests_total{allowed="true",operation="CREATE"} 2"#,
+        "settle_webhook_reviews_reading 0",
+        "settle_webhook_reviews_waiting 0",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(15), running)
         .await

@@ -12,8 +12,10 @@
 //! input gets a 400 or a denial that says why, and a Backend it cannot read fails closed.
 //!
 //! The parts: `lookup` (finding Backends), `review` (one body, one answer), `metrics`, `server`
-//! (HTTPS).
+//! (HTTPS: the connection cap, body limit and reading turns) and `connection` (one connection's
+//! deadlines).
 
+mod connection;
 mod lookup;
 mod metrics;
 mod review;
@@ -21,10 +23,11 @@ mod server;
 
 use std::time::Duration;
 
+pub use connection::CLOSE_GRACE;
 pub use lookup::{BackendLookup, LookupError, StaticLookup, StoreLookup};
 pub use metrics::WebhookMetrics;
 pub use review::review;
-pub use server::{Server, WebhookConfig, WebhookError};
+pub use server::{DEFAULT_MAX_BODY_BYTES, Server, WebhookConfig, WebhookError};
 
 /// How long a Backend lookup may take before the webhook gives up and denies (fail closed);
 /// well inside the API server's 10 s webhook timeout.
