@@ -538,6 +538,29 @@ fn client_trusting(ca_pem: &str) -> HttpsClient {
     Client::builder(TokioExecutor::new()).build(https)
 }
 
+/// A client that sends every request over one HTTP/2 connection, as the API server does.
+fn h2_client_trusting(ca_pem: &str) -> HttpsClient {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA PEM")).expect("CA added");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http2()
+        .build();
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(https)
+}
+
 async fn post(
     client: &HttpsClient,
     addr: SocketAddr,
@@ -833,6 +856,55 @@ async fn bodies_are_read_one_turn_at_a_time_and_too_large_ones_refused_unread() 
     ] {
         assert!(text.contains(line), "{line} in\n{text}");
     }
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("stops")
+        .expect("joins")
+        .expect("runs cleanly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_bodies_waiting_on_one_http2_connection_do_not_starve_the_one_being_read() {
+    // One turn, four 1.5 MiB reviews at once on one connection: the three waiting must not fill
+    // the connection's flow-control window and leave the one being read without data.
+    let bundle = certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
+    let resolver = Arc::new(
+        CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+            .expect("resolver"),
+    );
+    let registry = prometheus::Registry::new();
+    let mut config = WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+    config.max_concurrent_reviews = 1;
+    config.body_timeout = Duration::from_secs(30);
+    let server = Server::bind(config, Arc::new(lookup()), resolver, &registry)
+        .await
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    let client = h2_client_trusting(&bundle.ca_pem);
+    let mut object = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}));
+    object["metadata"]["annotations"] = json!({"big": "x".repeat(3 << 19)});
+    let review = serde_json::to_vec(&request("CREATE", Some(object), None)).unwrap();
+    let answers: Vec<_> = (0..4)
+        .map(|_| {
+            let (client, review) = (client.clone(), review.clone());
+            tokio::spawn(async move { post(&client, addr, "/validate", review).await })
+        })
+        .collect();
+    for answer in answers {
+        let (status, body) = tokio::time::timeout(Duration::from_secs(60), answer)
+            .await
+            .expect("answered within 60s")
+            .expect("joins")
+            .expect("POST");
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+        assert!(parse_answer(&body).allowed);
+    }
+    assert!(metrics_text(&registry).contains("settle_webhook_connections_open 1"));
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(15), running)
         .await

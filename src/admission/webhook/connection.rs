@@ -73,6 +73,14 @@ impl Closed {
     }
 }
 
+/// HTTP/2 flow control: how much of a body may be in flight before the server reads it ...
+const H2_STREAM_WINDOW: u32 = 64 << 10;
+/// ... and how many requests may be open on one connection. The connection's window holds a
+/// full window for every stream (16 × 64 KiB: 1 MiB, hyper's own default), so bodies waiting for
+/// their turn to be read can never fill it and starve the one being read. A client wanting more
+/// at once opens another connection (Go's HTTP/2 client, the API server's, does).
+const H2_MAX_STREAMS: u32 = 16;
+
 /// The HTTP/1.1 and HTTP/2 settings every connection is served with.
 pub(super) fn http_builder(config: &WebhookConfig) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -84,7 +92,10 @@ pub(super) fn http_builder(config: &WebhookConfig) -> auto::Builder<TokioExecuto
         .http2()
         .timer(TokioTimer::new())
         .keep_alive_interval(config.h2_keepalive_interval)
-        .keep_alive_timeout(config.h2_keepalive_timeout);
+        .keep_alive_timeout(config.h2_keepalive_timeout)
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_MAX_STREAMS * H2_STREAM_WINDOW);
     builder
 }
 
