@@ -1,9 +1,10 @@
 //! The admission webhook's wiring, in process: what `review` answers for each kind of request
 //! (allowed, denied with the exact message, warnings, immutable updates, missing or unreadable
 //! Backends, Backend status over kind defaults, dryRun, DELETE), one HTTPS round trip through the
-//! real server (with a certificate swap that needs no restart, and the metrics), and property
-//! tests that throw garbage at `review`: it never panics, always answers, and answers malformed
-//! input with a 400 or a denial that says why.
+//! real server (with a certificate swap that needs no restart, and the metrics), the body limit
+//! and the turns in which bodies are read, and property tests that throw garbage at `review`: it
+//! never panics, always answers, and answers malformed input with a 400 or a denial that says
+//! why; and that the webhook's lean reader of objects reads as `read_subscription` does.
 //!
 //! The rules themselves are pinned by `tests/admission_rules.rs`; this file must not re-test them.
 #![cfg(feature = "operator")]
@@ -24,6 +25,7 @@ use settle::admission::certs::{self, CertBundle, CertResolver, Sans};
 use settle::admission::webhook::{
     BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review,
 };
+use settle::admission::{read_subscription, read_subscription_under_review};
 use settle::api::{Backend, Subscription};
 use settle::policy::{BackendKind, capabilities_of};
 use settle::policy::{BackendView, validate};
@@ -405,6 +407,37 @@ async fn unreadable_object_is_denied_saying_which_field() {
 }
 
 #[tokio::test]
+async fn only_name_namespace_and_spec_are_read_so_odd_metadata_elsewhere_does_not_matter() {
+    // The API server has checked metadata long before; the webhook reads name, namespace and
+    // spec and skips the rest unparsed (a full ObjectMeta would refuse these annotations).
+    let mut object = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}));
+    object["metadata"]["annotations"] = json!([1, {"deep": [null, 2.5]}, "x"]);
+    object["metadata"]["managedFields"] = json!("not a list");
+    object["status"] = json!({"stats": "not stats"});
+    let a = ask(&request("CREATE", Some(object.clone()), None)).await;
+    assert!(a.allowed, "{a:?}");
+    // The spec is still read field by field, naming the field, as read_subscription does.
+    object["spec"]["maxDeliver"] = json!("five");
+    let a = ask(&request("CREATE", Some(object), None)).await;
+    assert_eq!(
+        a.message.as_deref(),
+        Some(
+            "the Subscription could not be read: spec.maxDeliver: invalid type: string \"five\", expected i64"
+        )
+    );
+    // And the name and namespace are read: a wrong type there is named too.
+    let mut object = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}));
+    object["metadata"]["namespace"] = json!(7);
+    let a = ask(&request("CREATE", Some(object), None)).await;
+    assert_eq!(
+        a.message.as_deref(),
+        Some(
+            "the Subscription could not be read: metadata.namespace: invalid type: integer `7`, expected a string"
+        )
+    );
+}
+
+#[tokio::test]
 async fn not_an_admission_review_is_a_400_with_a_reason() {
     for (body, phrase) in [
         (&b"hello"[..], "the body is not an AdmissionReview"),
@@ -504,6 +537,29 @@ fn client_trusting(ca_pem: &str) -> HttpsClient {
         .enable_http2()
         .build();
     Client::builder(TokioExecutor::new()).build(https)
+}
+
+/// A client that sends every request over one HTTP/2 connection, as the API server does.
+fn h2_client_trusting(ca_pem: &str) -> HttpsClient {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA PEM")).expect("CA added");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http2()
+        .build();
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(https)
 }
 
 async fn post(
@@ -654,6 +710,202 @@ async fn https_round_trip_rotation_without_restart_and_metrics() {
         "{text}"
     );
 
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("stops")
+        .expect("joins")
+        .expect("runs cleanly");
+}
+
+/// The text of every metric in `registry`.
+fn metrics_text(registry: &prometheus::Registry) -> String {
+    let mut buf = Vec::new();
+    prometheus::Encoder::encode(
+        &prometheus::TextEncoder::new(),
+        &registry.gather(),
+        &mut buf,
+    )
+    .unwrap();
+    String::from_utf8(buf).unwrap()
+}
+
+/// POSTs `review` over HTTP/1.1 but sends only half of its body; returns the raw answer.
+async fn half_a_body(addr: SocketAddr, ca_pem: String, review: Vec<u8>) -> String {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA")).expect("root");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(tls))
+        .connect(name, tcp)
+        .await
+        .expect("TLS");
+    let head = format!(
+        "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        review.len()
+    );
+    tls.write_all(head.as_bytes()).await.expect("head");
+    tls.write_all(&review[..review.len() / 2])
+        .await
+        .expect("half");
+    tls.flush().await.expect("flush");
+    let mut answer = Vec::new();
+    let _ = tls.read_to_end(&mut answer).await;
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[tokio::test]
+async fn bodies_are_read_one_turn_at_a_time_and_too_large_ones_refused_unread() {
+    let bundle = certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
+    let resolver = Arc::new(
+        CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+            .expect("resolver"),
+    );
+    let registry = prometheus::Registry::new();
+    let mut config = WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+    config.max_concurrent_reviews = 1;
+    config.max_body_bytes = 64 << 10;
+    config.body_timeout = Duration::from_secs(1);
+    let server = Server::bind(config, Arc::new(lookup()), resolver, &registry)
+        .await
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    let client = client_trusting(&bundle.ca_pem);
+    let review = serde_json::to_vec(&request(
+        "CREATE",
+        Some(subscription(
+            json!({"backendRef": {"name": "nats"}, "pattern": "a"}),
+        )),
+        None,
+    ))
+    .unwrap();
+
+    // Too large by its Content-Length: refused before any of it is read.
+    let (status, body) = post(&client, addr, "/validate", vec![b' '; (64 << 10) + 1])
+        .await
+        .expect("POST a large body");
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(body, b"the body is larger than 65536 bytes\n");
+
+    // A client that sends half its body holds the only turn until its body timeout; a review
+    // sent meanwhile waits for the turn, and is answered once the turn is given back.
+    let wait_for = |sample: &'static str| {
+        let registry = registry.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !metrics_text(&registry).contains(sample) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "waited 10s for {sample}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let slow = tokio::spawn(half_a_body(addr, bundle.ca_pem.clone(), review.clone()));
+    wait_for("settle_webhook_reviews_reading 1").await;
+    let queued = {
+        let (client, review) = (client.clone(), review.clone());
+        tokio::spawn(async move { post(&client, addr, "/validate", review).await })
+    };
+    wait_for("settle_webhook_reviews_waiting 1").await;
+    assert!(
+        !queued.is_finished(),
+        "a review must wait while the only turn is held"
+    );
+    let slow = slow.await.expect("the slow client");
+    assert!(slow.starts_with("HTTP/1.1 408"), "{slow}");
+    assert!(
+        slow.ends_with("the body did not arrive in time\n"),
+        "{slow}"
+    );
+    let (status, body) = queued
+        .await
+        .expect("the queued review")
+        .expect("POST while the turn was held");
+    assert_eq!(status, StatusCode::OK);
+    assert!(parse_answer(&body).allowed);
+
+    // The turn is back: the next review is answered.
+    let (status, body) = post(&client, addr, "/validate", review)
+        .await
+        .expect("POST after");
+    assert_eq!(status, StatusCode::OK);
+    assert!(parse_answer(&body).allowed);
+
+    let text = metrics_text(&registry);
+    for line in [
+        r#"settle_webhook_requests_rejected_total{reason="too_large"} 1"#,
+        r#"settle_webhook_requests_rejected_total{reason="busy"} 0"#,
+        r#"settle_webhook_requests_rejected_total{reason="slow_body"} 1"#,
+        r#"settle_admission_requests_total{allowed="true",operation="CREATE"} 2"#,
+        "settle_webhook_reviews_reading 0",
+        "settle_webhook_reviews_waiting 0",
+    ] {
+        assert!(text.contains(line), "{line} in\n{text}");
+    }
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(15), running)
+        .await
+        .expect("stops")
+        .expect("joins")
+        .expect("runs cleanly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn big_bodies_waiting_on_one_http2_connection_do_not_starve_the_one_being_read() {
+    // One turn, four 1.5 MiB reviews at once on one connection: the three waiting must not fill
+    // the connection's flow-control window and leave the one being read without data.
+    let bundle = certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
+    let resolver = Arc::new(
+        CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+            .expect("resolver"),
+    );
+    let registry = prometheus::Registry::new();
+    let mut config = WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+    config.max_concurrent_reviews = 1;
+    config.body_timeout = Duration::from_secs(30);
+    let server = Server::bind(config, Arc::new(lookup()), resolver, &registry)
+        .await
+        .expect("bind");
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    let client = h2_client_trusting(&bundle.ca_pem);
+    let mut object = subscription(json!({"backendRef": {"name": "nats"}, "pattern": "a"}));
+    object["metadata"]["annotations"] = json!({"big": "x".repeat(3 << 19)});
+    let review = serde_json::to_vec(&request("CREATE", Some(object), None)).unwrap();
+    let answers: Vec<_> = (0..4)
+        .map(|_| {
+            let (client, review) = (client.clone(), review.clone());
+            tokio::spawn(async move { post(&client, addr, "/validate", review).await })
+        })
+        .collect();
+    for answer in answers {
+        let (status, body) = tokio::time::timeout(Duration::from_secs(60), answer)
+            .await
+            .expect("answered within 60s")
+            .expect("joins")
+            .expect("POST");
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&body));
+        assert!(parse_answer(&body).allowed);
+    }
+    assert!(metrics_text(&registry).contains("settle_webhook_connections_open 1"));
     let _ = stop.send(());
     tokio::time::timeout(Duration::from_secs(15), running)
         .await
@@ -817,6 +1069,48 @@ proptest! {
         }
     }
 
+    /// The webhook's lean reader (name, namespace, spec; the rest skipped unparsed) accepts
+    /// exactly what `read_subscription` accepts there, and fails naming the same field, with the
+    /// same text but for one wording of serde_json's.
+    #[test]
+    fn the_lean_reader_reads_and_fails_like_read_subscription(
+        fields in prop::collection::vec(spec_field(), 0..6),
+        garbled in prop::option::of(prop_oneof![Just("backendRef"), Just("pattern"), Just("mode"), Just("backoff"), Just("ackWait"), Just("maxDeliver"), Just("stream")]),
+        junk in json_value(),
+        whole in prop::option::of(json_value()),
+    ) {
+        let mut spec = json!({"backendRef": {"name": "nats"}, "pattern": "orders.>"});
+        for (k, v) in fields { spec[k] = v; }
+        if let Some(field) = garbled { spec[field] = junk; }
+        // Sometimes not even an object with a spec.
+        let object = whole.unwrap_or_else(|| subscription(spec));
+        let text = serde_json::to_string(&object).unwrap();
+        let full = read_subscription(&serde_json::from_str(&text).unwrap());
+        let lean = read_subscription_under_review(&text);
+        match (full, lean) {
+            (Ok(full), Ok(lean)) => {
+                prop_assert_eq!(full.spec, lean.spec);
+                prop_assert_eq!(full.metadata.name, lean.metadata.name);
+                prop_assert_eq!(full.metadata.namespace, lean.metadata.namespace);
+            }
+            // The lean reader does not read status (the API server ignores it on this call).
+            (Err(full), Ok(_)) if full.starts_with("status") => {}
+            (Err(full), Err(lean)) if full != lean => {
+                // Same field; serde_json words a few type errors differently when it reads text
+                // than when it reads a parsed value: an enum field (mode, shape, slowHandler)
+                // holding neither a string nor a one-key object, a struct field holding a list
+                // of the wrong length. The API server's schema refuses those values first.
+                let field = |m: &str| m.split_once(": ").map(|(f, _)| f.to_string());
+                prop_assert_eq!(field(&full), field(&lean), "{} vs {}", full, lean);
+                let text_wording = lean.ends_with(": expected value")
+                    || lean.ends_with(": trailing characters")
+                    || (full.ends_with("expected map with a single key") && lean.contains("unknown variant"));
+                prop_assert!(text_wording, "{} vs {}", full, lean);
+            }
+            (Err(_), Err(_)) => {}
+            (full, lean) => prop_assert!(false, "the readers disagree: {:?} vs {:?}", full.err(), lean.err()),
+        }
+    }
 }
 
 /// How many cases of `verdict_matches_validate` got as far as comparing, by kind.

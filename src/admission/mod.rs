@@ -12,4 +12,6 @@ mod read;
 #[cfg(feature = "operator")]
 pub mod webhook;
 
-pub use read::read_subscription;
+pub use read::{
+    NameAndNamespace, SubscriptionUnderReview, read_subscription, read_subscription_under_review,
+};

@@ -10,6 +10,7 @@ mod health;
 pub mod leader;
 
 use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,6 +96,75 @@ pub struct OperatorArgs {
     /// Log format: json (in a cluster), text (a terminal), or auto (json when running in a pod).
     #[arg(long, env = "SETTLE_LOG_FORMAT", default_value = "auto")]
     pub log_format: LogFormat,
+    /// Webhook connections open at most; one more is closed as soon as it is accepted (and
+    /// counted in settle_webhook_connections_refused_total).
+    #[arg(long, env = "SETTLE_WEBHOOK_MAX_CONNECTIONS", default_value = "512")]
+    pub webhook_max_connections: NonZeroUsize,
+    /// Review bodies read and parsed at once; the others wait their turn (within
+    /// --webhook-body-timeout). Peak memory for bodies is about this times
+    /// --webhook-max-body-bytes.
+    #[arg(
+        long,
+        env = "SETTLE_WEBHOOK_MAX_CONCURRENT_REVIEWS",
+        default_value = "4"
+    )]
+    pub webhook_max_concurrent_reviews: NonZeroUsize,
+    /// The largest review body accepted, in bytes. 7 MiB: an UPDATE carries two objects, each at
+    /// most the API server's 3 MiB request limit, plus the envelope.
+    #[arg(long, env = "SETTLE_WEBHOOK_MAX_BODY_BYTES", default_value = "7340032")]
+    pub webhook_max_body_bytes: NonZeroUsize,
+    /// Deadline of the TLS handshake.
+    #[arg(long, env = "SETTLE_WEBHOOK_TLS_HANDSHAKE_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
+    pub webhook_tls_handshake_timeout: Duration,
+    /// Deadline from the end of the TLS handshake to the first request's headers (protocol
+    /// detection, the HTTP/2 preface, HTTP/1.1 headers).
+    #[arg(long, env = "SETTLE_WEBHOOK_FIRST_REQUEST_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
+    pub webhook_first_request_timeout: Duration,
+    /// Deadline of each later HTTP/1.1 request's headers.
+    #[arg(long, env = "SETTLE_WEBHOOK_HEADER_READ_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
+    pub webhook_header_read_timeout: Duration,
+    /// Deadline of waiting for a turn to read a body and reading it.
+    #[arg(long, env = "SETTLE_WEBHOOK_BODY_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
+    pub webhook_body_timeout: Duration,
+    /// An HTTP/2 connection silent for this long is pinged.
+    #[arg(long, env = "SETTLE_WEBHOOK_H2_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = positive_duration)]
+    pub webhook_h2_keepalive_interval: Duration,
+    /// An unanswered HTTP/2 ping closes the connection after this long.
+    #[arg(long, env = "SETTLE_WEBHOOK_H2_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    pub webhook_h2_keepalive_timeout: Duration,
+    /// A connection with no request in flight for this long is closed (HTTP/2 with a GOAWAY).
+    #[arg(long, env = "SETTLE_WEBHOOK_IDLE_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
+    pub webhook_idle_timeout: Duration,
+}
+
+impl OperatorArgs {
+    /// The webhook server's settings from these flags.
+    pub fn webhook_config(&self) -> WebhookConfig {
+        WebhookConfig {
+            addr: self.webhook_addr,
+            max_body_bytes: self.webhook_max_body_bytes.get(),
+            max_concurrent_reviews: self.webhook_max_concurrent_reviews.get(),
+            max_connections: self.webhook_max_connections.get(),
+            tls_handshake_timeout: self.webhook_tls_handshake_timeout,
+            first_request_timeout: self.webhook_first_request_timeout,
+            header_read_timeout: self.webhook_header_read_timeout,
+            body_timeout: self.webhook_body_timeout,
+            h2_keepalive_interval: self.webhook_h2_keepalive_interval,
+            h2_keepalive_timeout: self.webhook_h2_keepalive_timeout,
+            idle_timeout: self.webhook_idle_timeout,
+        }
+    }
+}
+
+/// A duration flag (`500ms`, `5s`, `1m`), above zero.
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    let d: crate::api::Duration = text.parse().map_err(|e| format!("{e}"))?;
+    if d.is_zero() {
+        return Err(format!(
+            "{text:?} is zero: give a duration above zero, e.g. 5s"
+        ));
+    }
+    Ok(d.get())
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -213,7 +283,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
 
     let lookup = Arc::new(StoreLookup::new(store.clone(), client.clone()));
     let webhook = webhook::Server::bind(
-        WebhookConfig::new(args.webhook_addr),
+        args.webhook_config(),
         lookup,
         serving.resolver.clone(),
         &registry,
@@ -303,5 +373,66 @@ async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: OperatorArgs,
+    }
+
+    fn parse(flags: &[&str]) -> Result<OperatorArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("settle").chain(flags.iter().copied())).map(|c| c.args)
+    }
+
+    #[test]
+    fn webhook_flag_defaults_are_the_webhook_defaults() {
+        let args = parse(&[]).expect("no flags parse");
+        assert_eq!(
+            args.webhook_config(),
+            WebhookConfig::new(args.webhook_addr),
+            "the flags' defaults (and so the README's) must be WebhookConfig::new's"
+        );
+    }
+
+    #[test]
+    fn webhook_deadline_flags_take_durations_above_zero() {
+        let args = parse(&[
+            "--webhook-idle-timeout",
+            "1m30s",
+            "--webhook-first-request-timeout",
+            "500ms",
+            "--webhook-max-connections",
+            "7",
+        ])
+        .expect("parses");
+        let config = args.webhook_config();
+        assert_eq!(config.idle_timeout, Duration::from_secs(90));
+        assert_eq!(config.first_request_timeout, Duration::from_millis(500));
+        assert_eq!(config.max_connections, 7);
+
+        for (flag, value, says) in [
+            ("--webhook-idle-timeout", "0", "is zero"),
+            ("--webhook-body-timeout", "5", "is not a duration"),
+            ("--webhook-tls-handshake-timeout", "-1s", "is negative"),
+            ("--webhook-max-connections", "0", "zero"),
+            ("--webhook-max-concurrent-reviews", "lots", "invalid digit"),
+        ] {
+            let err = parse(&[&format!("{flag}={value}")])
+                .err()
+                .map(|e| e.to_string());
+            assert!(
+                err.as_deref()
+                    .is_some_and(|e| e.contains(says) && e.contains(flag)),
+                "{flag} {value}: {err:?}"
+            );
+        }
     }
 }

@@ -1,0 +1,34 @@
+//! The validating admission webhook: `POST /validate` (and `GET /healthz`) over HTTPS.
+//!
+//! [`review`] turns one AdmissionReview body into one answer without a network: it reads the
+//! Subscription (and the stored one on UPDATE), looks up the Backend it names through a
+//! [`BackendLookup`], and asks the one `policy::validate` for the verdict. [`Server`] serves
+//! it over rustls with a certificate from `admission::certs`, with metrics and a log line per
+//! decision.
+//!
+//! This module must not write admission rules (they live in `rules.rs`), must not change
+//! anything anywhere (the webhook declares `sideEffects: None`; `dryRun` requests are handled
+//! exactly like the others), and must never panic or hang on what a client sends: malformed
+//! input gets a 400 or a denial that says why, and a Backend it cannot read fails closed.
+//!
+//! The parts: `lookup` (finding Backends), `review` (one body, one answer), `metrics`, `server`
+//! (HTTPS: the connection cap, body limit and reading turns) and `connection` (one connection's
+//! deadlines).
+
+mod connection;
+mod lookup;
+mod metrics;
+mod review;
+mod server;
+
+use std::time::Duration;
+
+pub use connection::CLOSE_GRACE;
+pub use lookup::{BackendLookup, LookupError, StaticLookup, StoreLookup};
+pub use metrics::WebhookMetrics;
+pub use review::review;
+pub use server::{DEFAULT_MAX_BODY_BYTES, Server, WebhookConfig, WebhookError};
+
+/// How long a Backend lookup may take before the webhook gives up and denies (fail closed);
+/// well inside the API server's 10 s webhook timeout.
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_secs(3);

@@ -1,0 +1,731 @@
+//! The webhook's deadlines and limits, against the running `settle operator` process (started
+//! with short deadlines so this runs in seconds) and the real API server:
+//!
+//! - 20 TCP connections that never start TLS, 200 idle TLS connections, 50 idle HTTP/2
+//!   connections (each answered one review first, and answers the server's pings) and 50
+//!   HTTP/2 prefaces sent a byte a second are each closed by the server, no sooner than their
+//!   deadline and not long after it, for the reason the metrics give;
+//! - with all of them open, a review sent directly and one through `kubectl apply` are answered;
+//! - past `--webhook-max-connections`, a new connection is refused at once and counted, and
+//!   once a connection closes a new one is served again.
+//!
+//! Every wait is a poll with a deadline; the operator is killed when its handle is dropped.
+#![cfg(feature = "operator")]
+
+mod common;
+
+use std::io::{BufRead, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use k8s_openapi::api::core::v1::Secret;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::{Value, json};
+use settle::admission::certs;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
+
+const WEBHOOK: &str = "subscriptions.messaging.settle.dev";
+
+/// The operator process; killed when dropped, so a failed assertion leaves nothing running.
+struct Operator {
+    child: Child,
+    log: PathBuf,
+    webhook_port: u16,
+    metrics_port: u16,
+}
+
+impl Operator {
+    /// Starts `settle operator` on ports it picks itself (read back from its log, so two tests
+    /// never race for a port), with the self-managed certificate in `ns` and `flags` added.
+    fn start(name: &str, ns: &str, configuration: &str, flags: &[&str]) -> Operator {
+        let env = common::env();
+        let log = common::root().join(format!(
+            "target/webhook-hardening-{name}-{}.log",
+            std::process::id()
+        ));
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_settle"))
+            .args(["operator", "--log-format", "json"])
+            .args(["--webhook-addr", "127.0.0.1:0"])
+            .args(["--metrics-addr", "127.0.0.1:0"])
+            .args([
+                "--namespace",
+                ns,
+                "--webhook-secret",
+                "settle-hardening-tls",
+            ])
+            .args(["--webhook-configuration", configuration])
+            .args(["--webhook-ips", "127.0.0.1"])
+            .args(flags)
+            .env("KUBECONFIG", &env.kubeconfig)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("start settle operator");
+        let mut op = Operator {
+            child,
+            log,
+            webhook_port: 0,
+            metrics_port: 0,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            op.webhook_port = op.logged_port("admission webhook bound").unwrap_or(0);
+            op.metrics_port = op.logged_port("metrics and health listening").unwrap_or(0);
+            if op.webhook_port != 0 && op.metrics_port != 0 {
+                break;
+            }
+            if let Ok(Some(status)) = op.child.try_wait() {
+                panic!(
+                    "settle operator exited ({status}); see {}",
+                    op.log.display()
+                );
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "settle operator did not report its ports within 60s; see {}",
+                op.log.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        while op
+            .get("/readyz")
+            .is_none_or(|r| !r.starts_with("HTTP/1.1 200"))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "settle operator not ready within 60s; see {}",
+                op.log.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        op
+    }
+
+    /// The port in the `addr` field of the JSON log line with this message.
+    fn logged_port(&self, message: &str) -> Option<u16> {
+        let file = std::fs::File::open(&self.log).ok()?;
+        std::io::BufReader::new(file)
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| serde_json::from_str::<Value>(&l).ok())
+            .find(|v| v["message"] == message)
+            .and_then(|v| v["addr"].as_str()?.rsplit(':').next()?.parse().ok())
+    }
+
+    fn get(&self, path: &str) -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    }
+
+    /// The value of one sample, e.g. `settle_webhook_connections_open` or
+    /// `settle_webhook_connections_closed_total{reason="idle_timeout"}`.
+    fn metric(&self, sample: &str) -> Option<f64> {
+        let text = self.get("/metrics")?;
+        text.lines().find_map(|l| {
+            l.strip_prefix(sample)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+    }
+
+    /// Polls until `sample` satisfies `want`, or fails saying what it waited for.
+    async fn wait_metric(&self, sample: &str, what: &str, want: impl Fn(f64) -> bool) -> f64 {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got = self.metric(sample);
+            if let Some(v) = got.filter(|v| want(*v)) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "waited 60s for {sample} to be {what}; last value {got:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The webhook CA the operator stored in its Secret.
+async fn webhook_ca(ns: &str) -> Vec<u8> {
+    let client = common::kube_client().await;
+    let secrets: kube::Api<Secret> = kube::Api::namespaced(client, ns);
+    let secret = secrets
+        .get("settle-hardening-tls")
+        .await
+        .expect("the operator made its Secret");
+    secret
+        .data
+        .and_then(|d| d.get("ca.crt").cloned())
+        .expect("ca.crt in the Secret")
+        .0
+}
+
+fn tls_config(ca_pem: &[u8], alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem) {
+        roots.add(cert.expect("CA PEM")).expect("CA added");
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Arc::new(config)
+}
+
+async fn tls_connect(port: u16, config: Arc<rustls::ClientConfig>) -> TlsStream<TcpStream> {
+    let tcp = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("TCP connect");
+    let name = ServerName::try_from("127.0.0.1").expect("IP name");
+    TlsConnector::from(config)
+        .connect(name, tcp)
+        .await
+        .expect("TLS handshake")
+}
+
+fn review_body(uid: &str, ns: &str, spec: Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "messaging.settle.dev", "version": "v1alpha1", "kind": "Subscription"},
+            "resource": {"group": "messaging.settle.dev", "version": "v1alpha1", "resource": "subscriptions"},
+            "name": "orders", "namespace": ns, "operation": "CREATE",
+            "userInfo": {"username": "hardening"},
+            "object": {
+                "apiVersion": "messaging.settle.dev/v1alpha1", "kind": "Subscription",
+                "metadata": {"name": "orders", "namespace": ns},
+                "spec": spec,
+            },
+        }
+    }))
+    .expect("encode")
+}
+
+/// Sends one review over an HTTP/2 connection and returns the parsed answer.
+async fn post_h2(
+    sender: &mut hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    port: u16,
+    body: Vec<u8>,
+) -> Value {
+    let req = http::Request::post(format!("https://127.0.0.1:{port}/validate"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("request");
+    let resp = sender.send_request(req).await.expect("an answer");
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("the body")
+        .to_bytes();
+    serde_json::from_slice(&bytes).expect("an AdmissionReview")
+}
+
+/// A fresh HTTP/2 connection: TLS with ALPN h2, the preface, SETTINGS. The returned task ends
+/// when the server closes the connection.
+async fn h2_connect(
+    port: u16,
+    config: Arc<rustls::ClientConfig>,
+) -> (
+    hyper::client::conn::http2::SendRequest<Full<Bytes>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let tls = tls_connect(port, config).await;
+    let (sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .expect("HTTP/2 handshake");
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    (sender, conn)
+}
+
+/// Reads until the server closes the connection (end of stream or an error).
+async fn until_closed<R: tokio::io::AsyncRead + Unpin>(mut r: R) {
+    let mut buf = [0u8; 512];
+    while let Ok(n) = r.read(&mut buf).await {
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+/// One attacking connection: how long it was left alone before the server closed it.
+struct Held {
+    kind: &'static str,
+    deadline: Duration,
+    ready: Instant,
+    closed: Instant,
+}
+
+async fn kubectl(args: Vec<String>, stdin: Option<String>) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::kubectl(&args, stdin.as_deref())
+    })
+    .await
+    .expect("kubectl ran")
+}
+
+async fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl(
+        args.iter().map(|s| s.to_string()).collect(),
+        stdin.map(str::to_string),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A ValidatingWebhookConfiguration for Subscriptions in the namespaces labelled `label=value`,
+/// pointing nowhere until [`point_webhook_at`] is called.
+async fn register_webhook(configuration: &str, label: &str, value: &str) {
+    let vwc = format!(
+        "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\nmetadata: {{name: {configuration}}}\nwebhooks:\n\
+         - name: {WEBHOOK}\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 10\n\
+         \x20 namespaceSelector: {{matchLabels: {{{label}: \"{value}\"}}}}\n\
+         \x20 rules: [{{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}}]\n\
+         \x20 clientConfig: {{url: \"https://127.0.0.1:1/validate\"}}\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&vwc)).await;
+}
+
+async fn point_webhook_at(configuration: &str, port: u16) {
+    let patch = format!(
+        r#"[{{"op":"replace","path":"/webhooks/0/clientConfig/url","value":"https://127.0.0.1:{port}/validate"}}]"#
+    );
+    kubectl_ok(
+        &[
+            "patch",
+            "validatingwebhookconfiguration",
+            configuration,
+            "--type=json",
+            "-p",
+            &patch,
+        ],
+        None,
+    )
+    .await;
+}
+
+// The deadlines this test gives the operator: long enough that opening 320 connections on a
+// loaded 2-core machine stays well inside them, short enough to run in seconds.
+const HANDSHAKE: Duration = Duration::from_secs(4);
+const FIRST_REQUEST: Duration = Duration::from_secs(10);
+const IDLE: Duration = Duration::from_secs(10);
+/// How late after its deadline a connection may be seen closed (scheduling on a loaded
+/// machine, and the graceful close of an HTTP/2 connection).
+const LATE: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_trickling_connections_are_closed_within_their_deadlines() {
+    common::install_crds();
+    let ns = common::namespace("webhook-hardening");
+    let label = format!("settle.dev/webhook-hardening={}", std::process::id());
+    kubectl_ok(&["label", "namespace", &ns, &label], None).await;
+    let configuration = format!("settle-hardening-{}", std::process::id());
+    register_webhook(
+        &configuration,
+        "settle.dev/webhook-hardening",
+        &std::process::id().to_string(),
+    )
+    .await;
+
+    let op = Operator::start(
+        "deadlines",
+        &ns,
+        &configuration,
+        &[
+            "--webhook-tls-handshake-timeout=4s",
+            "--webhook-first-request-timeout=10s",
+            "--webhook-idle-timeout=10s",
+            "--webhook-h2-keepalive-interval=1s",
+            "--webhook-h2-keepalive-timeout=2s",
+            "--webhook-max-connections=400",
+        ],
+    );
+    point_webhook_at(&configuration, op.webhook_port).await;
+    let port = op.webhook_port;
+    let ca = webhook_ca(&ns).await;
+    let plain = tls_config(&ca, &[]);
+    let h2 = tls_config(&ca, &[b"h2"]);
+
+    let mut tasks = Vec::new();
+    // Each connection says when it is open and left alone.
+    let (up_tx, mut up_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    // A few TLS handshakes at a time, as a client pool would open them: 320 at once on a loaded
+    // 2-core machine (both sides debug builds) can take the server longer than its deadline.
+    let opening = Arc::new(tokio::sync::Semaphore::new(8));
+    // TCP only: no TLS handshake ever starts.
+    for _ in 0..20 {
+        let up = up_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let tcp = TcpStream::connect(("127.0.0.1", port))
+                .await
+                .expect("connect");
+            let ready = Instant::now();
+            let _ = up.send(());
+            until_closed(tcp).await;
+            Held {
+                kind: "TCP without TLS",
+                deadline: HANDSHAKE,
+                ready,
+                closed: Instant::now(),
+            }
+        }));
+    }
+    // TLS done, then nothing.
+    for _ in 0..200 {
+        let (config, up, opening) = (plain.clone(), up_tx.clone(), opening.clone());
+        tasks.push(tokio::spawn(async move {
+            let turn = opening.acquire_owned().await.expect("open");
+            let tls = tls_connect(port, config).await;
+            drop(turn);
+            let ready = Instant::now();
+            let _ = up.send(());
+            until_closed(tls).await;
+            Held {
+                kind: "idle TLS",
+                deadline: FIRST_REQUEST,
+                ready,
+                closed: Instant::now(),
+            }
+        }));
+    }
+    // HTTP/2: one review answered, then idle (the client answers the server's pings).
+    let ns_for_h2 = ns.clone();
+    for i in 0..50 {
+        let (config, ns, up) = (h2.clone(), ns_for_h2.clone(), up_tx.clone());
+        let opening = opening.clone();
+        tasks.push(tokio::spawn(async move {
+            let turn = opening.acquire_owned().await.expect("open");
+            let (mut sender, conn) = h2_connect(port, config).await;
+            let answer = post_h2(
+                &mut sender,
+                port,
+                review_body(
+                    &format!("h2-{i}"),
+                    &ns,
+                    json!({"backendRef": {"name": "nats"}, "pattern": "a.>"}),
+                ),
+            )
+            .await;
+            assert_eq!(answer["response"]["allowed"], true, "{answer}");
+            drop(turn);
+            let ready = Instant::now();
+            let _ = up.send(());
+            let _ = conn.await;
+            drop(sender);
+            Held {
+                kind: "idle HTTP/2",
+                deadline: IDLE,
+                ready,
+                closed: Instant::now(),
+            }
+        }));
+    }
+    // HTTP/2 negotiated, its preface sent one byte a second.
+    for _ in 0..50 {
+        let (config, up, opening) = (h2.clone(), up_tx.clone(), opening.clone());
+        tasks.push(tokio::spawn(async move {
+            let turn = opening.acquire_owned().await.expect("open");
+            let tls = tls_connect(port, config).await;
+            drop(turn);
+            let ready = Instant::now();
+            let _ = up.send(());
+            let (r, mut w) = tokio::io::split(tls);
+            let trickle = async move {
+                for byte in b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" {
+                    if w.write_all(&[*byte]).await.is_err() || w.flush().await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                // The whole preface went out: the server did not close in time. Wait anyway;
+                // the assertion below says how late it was.
+                std::future::pending::<()>().await;
+            };
+            tokio::select! {
+                () = until_closed(r) => {},
+                () = trickle => {},
+            }
+            Held {
+                kind: "byte-a-second HTTP/2 preface",
+                deadline: FIRST_REQUEST,
+                ready,
+                closed: Instant::now(),
+            }
+        }));
+    }
+
+    // With all of them open: the server still answers, directly and through the API server.
+    drop(up_tx);
+    let all_open_by = Instant::now() + Duration::from_secs(60);
+    for n in 0..320 {
+        match tokio::time::timeout_at(all_open_by, up_rx.recv()).await {
+            Ok(Some(())) => {}
+            _ => panic!("only {n} of 320 connections opened within 60s"),
+        }
+    }
+    let open = op
+        .metric("settle_webhook_connections_open")
+        .unwrap_or_default();
+    let asked = Instant::now();
+    let (mut sender, _conn) = h2_connect(port, h2.clone()).await;
+    let answer = post_h2(
+        &mut sender,
+        port,
+        review_body(
+            "while-open",
+            &ns,
+            json!({"backendRef": {"name": "nats"}, "pattern": "a.>", "mode": "AtLeastOnce"}),
+        ),
+    )
+    .await;
+    assert_eq!(answer["response"]["allowed"], false, "{answer}");
+    assert!(
+        answer["response"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("spec.durableName: required under mode AtLeastOnce")),
+        "{answer}"
+    );
+    let direct = Instant::now();
+    let manifest = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: while-open}\nspec:\n  backendRef: {name: later}\n  pattern: a.>\n";
+    let applied = kubectl(
+        ["apply", "-n", &ns, "-f", "-"].map(String::from).to_vec(),
+        Some(manifest.to_string()),
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&applied.stderr);
+    assert!(
+        applied.status.success(),
+        "kubectl apply through the webhook: {stderr}"
+    );
+    assert!(
+        stderr.contains("Warning: spec.backendRef.name: Backend \"later\" does not exist"),
+        "the webhook answered the API server (its warning is shown): {stderr}"
+    );
+    let answered = Instant::now();
+
+    // Every one is closed by the server, no sooner than its deadline and not long after.
+    let mut held = Vec::new();
+    let all = futures::future::join_all(tasks);
+    match tokio::time::timeout(FIRST_REQUEST + LATE + Duration::from_secs(30), all).await {
+        Ok(results) => {
+            for r in results {
+                held.push(r.expect("a connection task"));
+            }
+        }
+        Err(_) => panic!("some connections were still open long after their deadlines"),
+    }
+    let closed_by_server = op
+        .get("/metrics")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("settle_webhook_connections_closed_total{"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut open_while_asked = 0;
+    for h in &held {
+        let lived = h.closed - h.ready;
+        assert!(
+            lived + Duration::from_secs(1) >= h.deadline && lived <= h.deadline + LATE,
+            "{} closed after {lived:?}; its deadline is {:?} (the server's count: {closed_by_server})",
+            h.kind,
+            h.deadline
+        );
+        if h.closed >= direct {
+            open_while_asked += 1;
+        }
+    }
+    let slowest = held
+        .iter()
+        .map(|h| h.closed - h.ready)
+        .max()
+        .unwrap_or_default();
+    for kind in [
+        "TCP without TLS",
+        "idle TLS",
+        "idle HTTP/2",
+        "byte-a-second HTTP/2 preface",
+    ] {
+        let lived: Vec<Duration> = held
+            .iter()
+            .filter(|h| h.kind == kind)
+            .map(|h| h.closed - h.ready)
+            .collect();
+        println!(
+            "{:>4} × {kind:<30} closed after {:.2?} to {:.2?}",
+            lived.len(),
+            lived.iter().min().copied().unwrap_or_default(),
+            lived.iter().max().copied().unwrap_or_default(),
+        );
+    }
+    let first = held.iter().map(|h| h.ready).min().unwrap_or(asked);
+    let last = held.iter().map(|h| h.ready).max().unwrap_or(asked);
+    println!(
+        "{} connections opened in {:?}, closed by the server (slowest after {slowest:?}); {open} open when the reviews were asked {:?} later; direct answer in {:?} ({open_while_asked} open then), kubectl apply in {:?}",
+        held.len(),
+        last - first,
+        asked - last,
+        direct - asked,
+        answered - direct,
+    );
+    assert!(
+        open_while_asked >= 300,
+        "the review must be answered with the 300 idle TLS and HTTP/2 connections open: only {open_while_asked} were"
+    );
+
+    // And the server says why it closed them.
+    for (reason, want) in [
+        ("tls_handshake_timeout", 20.0),
+        ("first_request_timeout", 250.0),
+    ] {
+        op.wait_metric(
+            &format!("settle_webhook_connections_closed_total{{reason=\"{reason}\"}}"),
+            &format!("{want}"),
+            |v| v == want,
+        )
+        .await;
+    }
+    op.wait_metric(
+        "settle_webhook_connections_closed_total{reason=\"idle_timeout\"}",
+        "at least 50",
+        |v| v >= 50.0,
+    )
+    .await;
+    assert_eq!(
+        op.metric("settle_webhook_connections_refused_total"),
+        Some(0.0)
+    );
+
+    drop(op);
+    kubectl_ok(
+        &["delete", "validatingwebhookconfiguration", &configuration],
+        None,
+    )
+    .await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_connection_cap_a_new_connection_is_refused_at_once_and_counted() {
+    common::install_crds();
+    let ns = common::namespace("webhook-cap");
+    const CAP: usize = 20;
+    // Long deadlines: only the cap can close anything here.
+    let op = Operator::start(
+        "cap",
+        &ns,
+        "",
+        &[
+            "--webhook-max-connections=20",
+            "--webhook-first-request-timeout=5m",
+            "--webhook-idle-timeout=5m",
+        ],
+    );
+    let port = op.webhook_port;
+    let ca = webhook_ca(&ns).await;
+    let h2 = tls_config(&ca, &[b"h2"]);
+
+    let mut held = Vec::new();
+    for _ in 0..CAP {
+        held.push(tls_connect(port, tls_config(&ca, &[])).await);
+    }
+    op.wait_metric("settle_webhook_connections_open", "20", |v| v == CAP as f64)
+        .await;
+
+    // One more: closed as soon as it is accepted, long before any deadline.
+    let refused_at = Instant::now();
+    let tcp = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("the kernel accepts the TCP connection");
+    let name = ServerName::try_from("127.0.0.1").expect("IP name");
+    let handshake = tokio::time::timeout(
+        Duration::from_secs(30),
+        TlsConnector::from(tls_config(&ca, &[])).connect(name, tcp),
+    )
+    .await
+    .expect("the refused connection is closed, not left waiting");
+    assert!(
+        handshake.is_err(),
+        "a connection past the cap must be refused, not served"
+    );
+    println!("refused after {:?}", refused_at.elapsed());
+    op.wait_metric("settle_webhook_connections_refused_total", "1", |v| {
+        v == 1.0
+    })
+    .await;
+    assert_eq!(
+        op.metric("settle_webhook_connections_open"),
+        Some(CAP as f64)
+    );
+
+    // One closes; a new connection is served again.
+    drop(held.pop());
+    op.wait_metric("settle_webhook_connections_open", "19", |v| {
+        v == (CAP - 1) as f64
+    })
+    .await;
+    let (mut sender, _conn) = h2_connect(port, h2).await;
+    let answer = post_h2(
+        &mut sender,
+        port,
+        review_body(
+            "after-cap",
+            &ns,
+            json!({"backendRef": {"name": "nats"}, "pattern": "a.>"}),
+        ),
+    )
+    .await;
+    assert_eq!(answer["response"]["uid"], "after-cap");
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert_eq!(
+        op.metric("settle_webhook_connections_refused_total"),
+        Some(1.0)
+    );
+
+    drop(held);
+    drop(op);
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
+}
