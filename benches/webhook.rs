@@ -1,10 +1,17 @@
-//! Benchmark of the admission webhook endpoint: the real HTTPS server on 127.0.0.1, a
-//! self-made certificate, a map-backed Backend lookup, and concurrent AdmissionReview requests
-//! (a mix of allowed, denied and warned). Prints p50/p99/max latency and throughput for
-//! (1) `review` in process, (2) a paced run at 1,000 requests/s for 10 s, (3) an unthrottled run.
+//! Benchmark of the admission webhook endpoint. Prints figures; asserts nothing about timing or
+//! memory (only that every answer is a 200 with the expected verdict).
 //!
-//! Bounded in count and time; asserts nothing about timing (only that every answer is a 200
-//! with the expected verdict). Run with `cargo bench --bench webhook`.
+//! In process (the real HTTPS server on 127.0.0.1, a self-made certificate, a map-backed
+//! Backend lookup; a mix of allowed, denied and warned reviews): p50/p99/max latency and
+//! throughput for (1) `review` without a network, (2) a paced run at 1,000 requests/s for 10 s,
+//! (3) an unthrottled run.
+//!
+//! Burst (needs the environment, `make env-up`: it runs `settle operator` as a process against
+//! the API server): eight 3 MiB reviews holding about 200,000 annotations each, sent at once,
+//! then 1,000 normal ones; prints the operator's RSS before, at its peak (VmHWM) and after, from
+//! /proc/<pid>/status, and the latencies.
+//!
+//! `cargo bench --bench webhook` runs both; `-- paced` or `-- burst` runs one.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -303,6 +310,14 @@ fn summarize(results: Vec<Result<Duration, String>>, wall: Duration) -> Stats {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let only = |mode: &str| {
+        let picked: Vec<&String> = args
+            .iter()
+            .filter(|a| ["paced", "burst"].contains(&a.as_str()))
+            .collect();
+        picked.is_empty() || picked.iter().any(|a| *a == mode)
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -313,8 +328,16 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = runtime.block_on(run()) {
+    if only("paced")
+        && let Err(e) = runtime.block_on(run())
+    {
         eprintln!("benchmark failed: {e}");
+        std::process::exit(1);
+    }
+    if only("burst")
+        && let Err(e) = runtime.block_on(burst::run())
+    {
+        eprintln!("burst benchmark failed: {e}");
         std::process::exit(1);
     }
 }
@@ -385,4 +408,342 @@ async fn unthrottled_warmup(
         out.push(one(client, url, body, expect).await);
     }
     out
+}
+
+/// Eight 3 MiB reviews at once against `settle operator`, then 1,000 normal ones; the
+/// operator's memory from /proc.
+mod burst {
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use hyper::body::Bytes;
+    use serde_json::{Value, json};
+
+    use super::{Expect, HttpsClient, Stats, client, one, print, summarize};
+
+    /// Reviews of about 3 MiB: the API server's request limit.
+    const BIG_BYTES: usize = 3 << 20;
+    const BIG: usize = 8;
+    const NORMAL: usize = 1_000;
+    /// Normal reviews in flight at once.
+    const NORMAL_CONCURRENCY: usize = 8;
+
+    type Error = Box<dyn std::error::Error>;
+
+    /// The operator process, killed when dropped.
+    struct Operator {
+        child: Child,
+        log: PathBuf,
+    }
+
+    impl Drop for Operator {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    impl Operator {
+        fn logged_addr(&self, message: &str) -> Option<String> {
+            std::fs::read_to_string(&self.log)
+                .ok()?
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|v| v["message"] == message)
+                .and_then(|v| v["addr"].as_str().map(str::to_string))
+        }
+
+        /// (VmRSS, VmHWM) in KiB.
+        fn memory(&self) -> Result<(u64, u64), Error> {
+            let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+            let field = |name: &str| -> Result<u64, Error> {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(name))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                    .ok_or_else(|| format!("no {name} in /proc/{}/status", self.child.id()).into())
+            };
+            Ok((field("VmRSS:")?, field("VmHWM:")?))
+        }
+    }
+
+    fn mib(kib: u64) -> f64 {
+        kib as f64 / 1024.0
+    }
+
+    /// KUBECONFIG from the environment, or from the env file `make env-up` writes.
+    fn kubeconfig() -> Result<PathBuf, Error> {
+        if let Some(k) = std::env::var_os("KUBECONFIG") {
+            return Ok(PathBuf::from(k));
+        }
+        let dir = std::env::var_os("SETTLE_ENV_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/env"));
+        let file = dir.join("settle.env");
+        let text = std::fs::read_to_string(&file).map_err(|e| {
+            format!(
+                "the burst benchmark runs settle operator against the API server: start the environment with `make env-up` ({}: {e})",
+                file.display()
+            )
+        })?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("export KUBECONFIG="))
+            .map(PathBuf::from)
+            .ok_or_else(|| format!("{} sets no KUBECONFIG", file.display()).into())
+    }
+
+    fn kubectl(kubeconfig: &PathBuf, args: &[&str]) -> Result<String, Error> {
+        let out = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(args)
+            .output()?;
+        if !out.status.success() {
+            return Err(
+                format!("kubectl {args:?}: {}", String::from_utf8_lossy(&out.stderr)).into(),
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// A CREATE review of a valid Subscription (allowed, no warnings) carrying `annotations`
+    /// tiny annotations.
+    fn review(uid: &str, ns: &str, annotations: usize) -> Vec<u8> {
+        let annotations: serde_json::Map<String, Value> = (0..annotations)
+            .map(|i| (format!("a{i:07}"), json!("v")))
+            .collect();
+        serde_json::to_vec(&json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": uid,
+                "kind": {"group": "messaging.settle.dev", "version": "v1alpha1", "kind": "Subscription"},
+                "resource": {"group": "messaging.settle.dev", "version": "v1alpha1", "resource": "subscriptions"},
+                "name": "orders", "namespace": ns, "operation": "CREATE",
+                "userInfo": {"username": "bench"},
+                "object": {
+                    "apiVersion": "messaging.settle.dev/v1alpha1", "kind": "Subscription",
+                    "metadata": {"name": "orders", "namespace": ns, "annotations": annotations},
+                    "spec": {"backendRef": {"name": "nats"}, "pattern": "orders.>", "mode": "AtLeastOnce",
+                             "durableName": "orders", "ackWait": "30s"},
+                },
+                "dryRun": false,
+            }
+        }))
+        .expect("encode")
+    }
+
+    /// A big review: as many annotations as fit in [`BIG_BYTES`].
+    fn big_review(uid: &str, ns: &str) -> Vec<u8> {
+        // Each annotation `"a0000000":"v",` is 15 bytes.
+        let base = review(uid, ns, 0).len();
+        review(uid, ns, (BIG_BYTES - base) / 15)
+    }
+
+    pub async fn run() -> Result<(), Error> {
+        let kubeconfig = kubeconfig()?;
+        let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("crds/settle.yaml");
+        kubectl(
+            &kubeconfig,
+            &[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "-f",
+                &crds.display().to_string(),
+            ],
+        )?;
+        kubectl(
+            &kubeconfig,
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/backends.messaging.settle.dev",
+                "crd/subscriptions.messaging.settle.dev",
+            ],
+        )?;
+        let ns = format!("settle-bench-{}", std::process::id());
+        kubectl(&kubeconfig, &["create", "namespace", &ns])?;
+        // The Backend the reviews name, so each lookup is answered from the operator's cache.
+        let backend = std::env::temp_dir().join(format!("{ns}-backend.yaml"));
+        std::fs::write(
+            &backend,
+            format!(
+                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: nats, namespace: {ns}}}\nspec: {{nats: {{servers: [\"nats://127.0.0.1:4222\"]}}}}\n"
+            ),
+        )?;
+        let applied = kubectl(
+            &kubeconfig,
+            &["apply", "-f", &backend.display().to_string()],
+        );
+        let _ = std::fs::remove_file(&backend);
+        applied?;
+        let result = measure(&kubeconfig, &ns).await;
+        let _ = kubectl(&kubeconfig, &["delete", "namespace", &ns, "--wait=false"]);
+        result
+    }
+
+    async fn measure(kubeconfig: &PathBuf, ns: &str) -> Result<(), Error> {
+        let log = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!(
+            "target/bench-webhook-operator-{}.log",
+            std::process::id()
+        ));
+        let child = Command::new(env!("CARGO_BIN_EXE_settle"))
+            .args(["operator", "--log-format", "json"])
+            .args([
+                "--webhook-addr",
+                "127.0.0.1:0",
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ])
+            .args(["--namespace", ns, "--webhook-secret", "settle-bench-tls"])
+            .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])
+            .env("KUBECONFIG", kubeconfig)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()?;
+        let operator = Operator { child, log };
+        let started = Instant::now();
+        let addr = loop {
+            if let Some(addr) = operator.logged_addr("admission webhook listening") {
+                break addr;
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "settle operator did not start listening within 60s; see {}",
+                    operator.log.display()
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let ca = kubectl(
+            kubeconfig,
+            &[
+                "get",
+                "secret",
+                "settle-bench-tls",
+                "-n",
+                ns,
+                "-o",
+                "jsonpath={.data.ca\\.crt}",
+            ],
+        )?;
+        let ca = String::from_utf8(base64_decode(ca.trim())?)?;
+        let client = client(&ca);
+        let url = format!("https://{addr}/validate");
+
+        // Warm up: connections, and the Backend in the operator's cache (a review naming a
+        // Backend the cache lacks is still answered, after a GET; poll until it is cached).
+        let normal = Bytes::from(review("warm", ns, 3));
+        let warm_until = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = one(&client, &url, normal.clone(), Expect::Allowed).await {
+            if Instant::now() > warm_until {
+                return Err(format!("the warm-up review never came back allowed: {e}").into());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for _ in 0..50 {
+            one(&client, &url, normal.clone(), Expect::Allowed).await?;
+        }
+        let (start_rss, start_hwm) = operator.memory()?;
+
+        let bodies: Vec<Bytes> = (0..BIG)
+            .map(|i| Bytes::from(big_review(&format!("big-{i}"), ns)))
+            .collect();
+        println!(
+            "burst against settle operator (pid {}): {BIG} reviews of {:.2} MiB ({} annotations each) at once, then {NORMAL} normal ones, {NORMAL_CONCURRENCY} at a time",
+            operator.child.id(),
+            bodies[0].len() as f64 / (1024.0 * 1024.0),
+            (bodies[0].len() - review("x", ns, 0).len()) / 15,
+        );
+        let burst_started = Instant::now();
+        let tasks: Vec<_> = bodies
+            .into_iter()
+            .map(|body| {
+                let (client, url) = (client.clone(), url.clone());
+                tokio::spawn(async move { one(&client, &url, body, Expect::Allowed).await })
+            })
+            .collect();
+        let mut results = Vec::new();
+        for t in tasks {
+            results.push(t.await.unwrap_or_else(|e| Err(format!("task failed: {e}"))));
+        }
+        let burst = summarize(results, burst_started.elapsed());
+        let (after_burst_rss, peak) = operator.memory()?;
+
+        let normal_started = Instant::now();
+        let normal = normal_run(&client, &url, ns).await;
+        let normal_wall = normal_started.elapsed();
+        // Let the allocator give back what it will.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (final_rss, final_hwm) = operator.memory()?;
+
+        print(&format!("{BIG} × 3 MiB at once"), burst);
+        print(
+            &format!("then {NORMAL} normal reviews"),
+            Stats {
+                wall: normal_wall,
+                ..normal
+            },
+        );
+        println!(
+            "operator RSS: start {:.1} MiB (high-water {:.1} MiB before the burst), peak {:.1} MiB (VmHWM), after the burst {:.1} MiB, final {:.1} MiB ({:+.1} MiB from the start; VmHWM {:.1} MiB)",
+            mib(start_rss),
+            mib(start_hwm),
+            mib(peak),
+            mib(after_burst_rss),
+            mib(final_rss),
+            mib(final_rss) - mib(start_rss),
+            mib(final_hwm),
+        );
+        println!("    goals: peak under 100 MiB, final within 20 MiB of the start");
+        Ok(())
+    }
+
+    async fn normal_run(client: &HttpsClient, url: &str, ns: &str) -> Stats {
+        let body = Bytes::from(review("normal", ns, 3));
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..NORMAL_CONCURRENCY {
+            let (client, url, body, next) =
+                (client.clone(), url.to_string(), body.clone(), next.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut out = Vec::new();
+                while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < NORMAL {
+                    out.push(one(&client, &url, body.clone(), Expect::Allowed).await);
+                }
+                out
+            }));
+        }
+        let mut results = Vec::new();
+        for t in tasks {
+            results.extend(t.await.unwrap_or_default());
+        }
+        summarize(results, Duration::ZERO)
+    }
+
+    /// Standard base64, as kubectl prints Secret data.
+    fn base64_decode(text: &str) -> Result<Vec<u8>, Error> {
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = Vec::with_capacity(text.len() * 3 / 4);
+        let (mut acc, mut bits) = (0u32, 0u32);
+        for c in text.bytes().filter(|c| *c != b'=') {
+            let v = ALPHABET
+                .iter()
+                .position(|a| *a == c)
+                .ok_or("the Secret's ca.crt is not base64")? as u32;
+            acc = (acc << 6) | v;
+            bits += 6;
+            if bits >= 8 {
+                bits -= 8;
+                out.push((acc >> bits) as u8);
+                acc &= (1 << bits) - 1;
+            }
+        }
+        Ok(out)
+    }
 }
