@@ -226,13 +226,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                 capabilities: &caps,
             },
         );
-        let mut warnings: Vec<String> =
-            verdict.warnings.iter().map(FieldIssue::to_string).collect();
-        if !kind.driven() {
-            warnings.push(format!(
-                "backend kind {kind} is in the capability table but Settle does not drive it yet"
-            ));
-        }
+        let warnings: Vec<String> = verdict.warnings.iter().map(FieldIssue::to_string).collect();
         report.findings.push(Finding {
             source,
             object: object_name("Subscription", &sub.metadata),

@@ -51,14 +51,6 @@ impl BackendKind {
             _ => None,
         }
     }
-
-    /// Whether Settle can run a consumer on this kind today.
-    pub fn driven(self) -> bool {
-        matches!(
-            self,
-            BackendKind::Nats | BackendKind::Rabbitmq | BackendKind::Sqs | BackendKind::Memory
-        )
-    }
 }
 
 impl fmt::Display for BackendKind {
