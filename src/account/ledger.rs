@@ -16,16 +16,22 @@
 //!   folded instance that reports again has only its growth since the fold added.
 //! - **Exhausted**: the broker's count (every message whose attempts ran out, including a last
 //!   attempt no handler saw) and the runtime's count describe the same messages; the account
-//!   takes the larger, never the sum, so nothing is counted twice.
+//!   takes the larger, never the sum, so nothing is counted twice. The broker's count is itself
+//!   deduplicated: one advisory applied twice (redelivered from the capture after a restart) is
+//!   skipped by its capture sequence, and one message reported twice (its attempts ran out, then
+//!   a late terminate arrived) is counted once by its stream sequence.
 //! - **Never backwards**: every counter is at least what was last published (the floor), so a
 //!   lost bucket or a restart of anything cannot lower status.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
 use crate::api::{ConsumerStats, Settlement};
 use crate::bus::report::{REPORT_VERSION, StatsReport};
+
+/// How many exhausted messages (stream sequences) are remembered to count each once.
+pub const REMEMBERED_EXHAUSTED: usize = 1024;
 
 /// How many folded instances are remembered (for growth after a fold); older ones are dropped,
 /// their totals stay in `retired`.
@@ -59,6 +65,33 @@ pub struct Persisted {
     pub retired: ConsumerStats,
     /// The most recently folded instances and what was counted of them.
     pub folded: BTreeMap<String, Seen>,
+    /// What the broker's advisories counted.
+    #[serde(default)]
+    pub broker: BrokerTally,
+}
+
+/// The broker's count of exhausted messages, from the advisories the operator captures.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BrokerTally {
+    /// Messages whose attempts ran out, each counted once.
+    pub exhausted: u64,
+    /// The capture's sequence of the last advisory applied: an advisory at or below it is one
+    /// already counted (redelivered after a restart) and is skipped.
+    pub applied: u64,
+    /// The most recently counted messages by stream sequence (newest last).
+    pub recent: VecDeque<u64>,
+}
+
+/// What became of one broker observation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokerOutcome {
+    /// A message newly counted Exhausted.
+    Counted,
+    /// The advisory was applied before (a redelivery from the capture).
+    Replayed,
+    /// The message was already counted (by another advisory).
+    Duplicate,
 }
 
 /// One Subscription's account.
@@ -66,7 +99,6 @@ pub struct Persisted {
 pub struct Account {
     live: BTreeMap<String, Seen>,
     persisted: Persisted,
-    broker_exhausted: u64,
     floor: ConsumerStats,
 }
 
@@ -119,7 +151,33 @@ impl Account {
 
     /// The broker's count of this Subscription's exhausted messages (it only rises).
     pub fn broker_exhausted(&mut self, count: u64) {
-        self.broker_exhausted = self.broker_exhausted.max(count);
+        let b = &mut self.persisted.broker;
+        b.exhausted = b.exhausted.max(count);
+    }
+
+    /// One message whose attempts ran out, as a broker advisory says: `capture_seq` is the
+    /// advisory's sequence in the operator's capture, `stream_seq` the message's.
+    pub fn broker_exhausted_message(&mut self, capture_seq: u64, stream_seq: u64) -> BrokerOutcome {
+        let b = &mut self.persisted.broker;
+        if capture_seq <= b.applied {
+            return BrokerOutcome::Replayed;
+        }
+        b.applied = capture_seq;
+        if b.recent.contains(&stream_seq) {
+            return BrokerOutcome::Duplicate;
+        }
+        b.recent.push_back(stream_seq);
+        while b.recent.len() > REMEMBERED_EXHAUSTED {
+            b.recent.pop_front();
+        }
+        b.exhausted += 1;
+        BrokerOutcome::Counted
+    }
+
+    /// The consumer was made again: its messages may be delivered and run out afresh, so a
+    /// stream sequence seen before is a new loss, not a duplicate.
+    pub fn consumer_recreated(&mut self) {
+        self.persisted.broker.recent.clear();
     }
 
     /// Folds instances that have not reported for `idle_ms` (as of `now_ms`) into the retired
@@ -170,7 +228,7 @@ impl Account {
         for seen in self.live.values() {
             sum = add(&sum, &seen.stats);
         }
-        sum.exhausted = sum.exhausted.max(self.broker_exhausted);
+        sum.exhausted = sum.exhausted.max(self.persisted.broker.exhausted);
         let t = max(&sum, &self.floor);
         self.floor = t;
         t
@@ -392,6 +450,50 @@ mod tests {
         let mut a = Account::resume(Persisted::default(), floor);
         a.report(&report("new", 1, 10, stats(1, 0, 0)));
         assert!(dominates(&a.totals(), &floor));
+    }
+
+    #[test]
+    fn each_exhausted_message_is_counted_once_from_the_broker() {
+        let mut a = Account::default();
+        assert_eq!(a.broker_exhausted_message(1, 40), BrokerOutcome::Counted);
+        assert_eq!(a.broker_exhausted_message(2, 41), BrokerOutcome::Counted);
+        // The capture redelivers what was applied before the operator's restart.
+        assert_eq!(a.broker_exhausted_message(2, 41), BrokerOutcome::Replayed);
+        assert_eq!(a.broker_exhausted_message(1, 40), BrokerOutcome::Replayed);
+        // The same message, reported again by a late terminate after its attempts ran out.
+        assert_eq!(a.broker_exhausted_message(3, 40), BrokerOutcome::Duplicate);
+        assert_eq!(a.totals().exhausted, 2);
+        // A consumer made again may lose the same stream sequence again: a new loss.
+        a.consumer_recreated();
+        assert_eq!(a.broker_exhausted_message(4, 40), BrokerOutcome::Counted);
+        assert_eq!(a.totals().exhausted, 3);
+    }
+
+    #[test]
+    fn the_broker_tally_survives_a_restart_through_what_is_persisted() {
+        let mut a = Account::default();
+        for (capture, seq) in [(10, 1), (11, 2), (12, 3)] {
+            a.broker_exhausted_message(capture, seq);
+        }
+        let saved = serde_json::to_string(a.persisted()).expect("serialises");
+        let back: Persisted = serde_json::from_str(&saved).expect("parses");
+        let mut b = Account::resume(back, a.totals());
+        assert_eq!(b.broker_exhausted_message(12, 3), BrokerOutcome::Replayed);
+        assert_eq!(b.broker_exhausted_message(13, 4), BrokerOutcome::Counted);
+        assert_eq!(b.totals().exhausted, 4);
+        // What an older operator persisted (no broker tally) still reads.
+        let old: Persisted = serde_json::from_str(r#"{"retired":{},"folded":{}}"#).expect("old form");
+        assert_eq!(old.broker, BrokerTally::default());
+    }
+
+    #[test]
+    fn remembered_messages_stay_bounded() {
+        let mut a = Account::default();
+        for i in 1..=(REMEMBERED_EXHAUSTED as u64 + 500) {
+            a.broker_exhausted_message(i, i);
+        }
+        assert_eq!(a.persisted().broker.recent.len(), REMEMBERED_EXHAUSTED);
+        assert_eq!(a.totals().exhausted, REMEMBERED_EXHAUSTED as u64 + 500);
     }
 
     fn arb_stats() -> impl Strategy<Value = ConsumerStats> {

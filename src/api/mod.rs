@@ -6,6 +6,7 @@
 //! checks) and nothing else: no I/O, no policy decisions.
 
 mod backend;
+pub mod condition;
 mod duration;
 mod stats;
 mod subscription;

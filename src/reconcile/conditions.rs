@@ -1,11 +1,10 @@
-//! The conditions this writer owns (`Accepted`, `Ready`), their reasons as constants in one place
-//! (code, tests, README and the alerts read these), and the pure status arithmetic: build the
-//! whole status as a value, keep `lastTransitionTime` when a condition did not change, and
-//! compare ignoring times, so a status is written only when something changed.
+//! The conditions this writer owns (`Accepted`, `Ready`) and their reasons as constants in one
+//! place (code, tests, README and the alerts read these). The arithmetic (keep
+//! `lastTransitionTime` when a condition did not change, compare ignoring times) is
+//! `api::condition`'s, shared with the account's writer.
 //!
 //! Pure: no I/O and no clock (callers pass `now`). It must not decide when to reconcile.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 /// Condition types.
 pub mod types {
@@ -73,92 +72,12 @@ pub mod events {
     pub const FAILED: &str = "ReconcileFailed";
 }
 
-/// The statuses a condition takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Status {
-    True,
-    False,
-}
-
-impl Status {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Status::True => "True",
-            Status::False => "False",
-        }
-    }
-}
-
-/// One condition as a writer wants it, before times are settled.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Want {
-    pub type_: &'static str,
-    pub status: Status,
-    pub reason: &'static str,
-    pub message: String,
-}
-
-impl Want {
-    pub fn new(
-        type_: &'static str,
-        status: Status,
-        reason: &'static str,
-        message: impl Into<String>,
-    ) -> Want {
-        Want {
-            type_,
-            status,
-            reason,
-            message: message.into(),
-        }
-    }
-}
-
-/// The condition to write for `want`, given the conditions the object has now: its
-/// `lastTransitionTime` moves only when its status changes (not its reason or message).
-pub fn settle(
-    existing: &[Condition],
-    want: &Want,
-    observed_generation: Option<i64>,
-    now: &Time,
-) -> Condition {
-    let old = existing.iter().find(|c| c.type_ == want.type_);
-    let last_transition_time = match old {
-        Some(c) if c.status == want.status.as_str() => c.last_transition_time.clone(),
-        _ => now.clone(),
-    };
-    Condition {
-        type_: want.type_.to_string(),
-        status: want.status.as_str().to_string(),
-        reason: want.reason.to_string(),
-        message: want.message.clone(),
-        observed_generation,
-        last_transition_time,
-    }
-}
-
-/// Whether the conditions in `ours` are already on the object, as they are, ignoring
-/// `lastTransitionTime` (only a status change moves it, and `settle` keeps it then).
-pub fn conditions_current(existing: &[Condition], ours: &[Condition]) -> bool {
-    ours.iter().all(|c| {
-        existing.iter().any(|e| {
-            e.type_ == c.type_
-                && e.status == c.status
-                && e.reason == c.reason
-                && e.message == c.message
-                && e.observed_generation == c.observed_generation
-        })
-    })
-}
-
-/// The condition of `type_` in `conditions`, if any.
-pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
-    conditions.iter().find(|c| c.type_ == type_)
-}
+pub use crate::api::condition::{Status, Want, conditions_current, find, settle};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
     use k8s_openapi::jiff::Timestamp;
 
     fn at(secs: i64) -> Time {

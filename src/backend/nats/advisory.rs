@@ -1,6 +1,7 @@
-//! The JetStream advisories that say a consumer changed on the broker: deleted, created, or
-//! created/updated through the API (the API audit advisory). The operator listens to them on
-//! each Backend's connection to repair drift within about a second.
+//! The JetStream advisories the operator reads: those that say a consumer changed on the broker
+//! (deleted, created, or created/updated through the API: the audit advisory), which repair drift
+//! within about a second, and those that say what became of a delivery (its attempts ran out, it
+//! was terminated, it was nacked), which the account captures into a stream it owns.
 //!
 //! Pure: subjects and parsing only. It must not decide what to do about a change.
 
@@ -82,9 +83,118 @@ pub fn parse(subject: &str, payload: &[u8]) -> Option<ConsumerChange> {
     None
 }
 
+/// A message's attempts ran out: `…MAX_DELIVERIES.<stream>.<consumer>`.
+pub const MAX_DELIVERIES: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.>";
+/// A delivery was terminated (`+TERM`): `…MSG_TERMINATED.<stream>.<consumer>`.
+pub const MSG_TERMINATED: &str = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>";
+/// A delivery was nacked (`-NAK`): `…MSG_NAKED.<stream>.<consumer>`.
+pub const MSG_NAKED: &str = "$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.>";
+
+/// Every advisory the account captures: what became of deliveries, and consumers made or removed
+/// (a consumer made again starts its delivery counts afresh).
+pub const DELIVERY_SUBJECTS: [&str; 5] = [
+    MAX_DELIVERIES,
+    MSG_TERMINATED,
+    MSG_NAKED,
+    CONSUMER_CREATED,
+    CONSUMER_DELETED,
+];
+
+/// What became of one delivery, as the broker saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeliveryKind {
+    /// Its last attempt went unsettled past ack wait, or was nacked: the broker dropped it.
+    MaxDeliveries,
+    /// A client terminated it.
+    Terminated,
+    /// A client nacked it.
+    Naked,
+}
+
+/// One delivery advisory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeliveryEvent {
+    pub kind: DeliveryKind,
+    pub stream: String,
+    pub consumer: String,
+    /// The message, by its stream sequence.
+    pub stream_seq: u64,
+    /// Deliveries of the message so far (the attempt the event concerns).
+    pub deliveries: u64,
+}
+
+#[derive(Deserialize)]
+struct Delivery {
+    stream: String,
+    consumer: String,
+    stream_seq: u64,
+    #[serde(default)]
+    deliveries: u64,
+}
+
+/// The delivery event an advisory message reports, if it reports one.
+pub fn parse_delivery(subject: &str, payload: &[u8]) -> Option<DeliveryEvent> {
+    let kind = if subject.starts_with("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.") {
+        DeliveryKind::MaxDeliveries
+    } else if subject.starts_with("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.") {
+        DeliveryKind::Terminated
+    } else if subject.starts_with("$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.") {
+        DeliveryKind::Naked
+    } else {
+        return None;
+    };
+    let d: Delivery = serde_json::from_slice(payload).ok()?;
+    Some(DeliveryEvent {
+        kind,
+        stream: d.stream,
+        consumer: d.consumer,
+        stream_seq: d.stream_seq,
+        deliveries: d.deliveries,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn delivery_advisories_name_the_message_and_its_attempt() {
+        // As nats-server writes them (io.nats.jetstream.advisory.v1.max_deliver / terminated / nak).
+        let payload = br#"{"type":"io.nats.jetstream.advisory.v1.max_deliver","id":"x","timestamp":"2026-11-30T10:00:00Z","stream":"ORDERS","consumer":"orders","stream_seq":42,"deliveries":3}"#;
+        assert_eq!(
+            parse_delivery(
+                "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.ORDERS.orders",
+                payload
+            ),
+            Some(DeliveryEvent {
+                kind: DeliveryKind::MaxDeliveries,
+                stream: "ORDERS".into(),
+                consumer: "orders".into(),
+                stream_seq: 42,
+                deliveries: 3,
+            })
+        );
+        let term = br#"{"stream":"S","consumer":"c","consumer_seq":9,"stream_seq":7,"deliveries":5,"reason":""}"#;
+        assert_eq!(
+            parse_delivery("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.S.c", term)
+                .map(|e| (e.kind, e.stream_seq, e.deliveries)),
+            Some((DeliveryKind::Terminated, 7, 5))
+        );
+        assert_eq!(
+            parse_delivery("$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.S.c", term).map(|e| e.kind),
+            Some(DeliveryKind::Naked)
+        );
+        assert_eq!(
+            parse_delivery("$JS.EVENT.ADVISORY.CONSUMER.DELETED.S.c", term),
+            None,
+            "not a delivery advisory"
+        );
+        assert_eq!(
+            parse_delivery("$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.S.c", b"{}"),
+            None,
+            "no message named"
+        );
+    }
 
     #[test]
     fn deleted_and_created_advisories_name_stream_and_consumer() {
