@@ -482,7 +482,8 @@ mod tests {
         assert_eq!(b.broker_exhausted_message(13, 4), BrokerOutcome::Counted);
         assert_eq!(b.totals().exhausted, 4);
         // What an older operator persisted (no broker tally) still reads.
-        let old: Persisted = serde_json::from_str(r#"{"retired":{},"folded":{}}"#).expect("old form");
+        let old: Persisted =
+            serde_json::from_str(r#"{"retired":{},"folded":{}}"#).expect("old form");
         assert_eq!(old.broker, BrokerTally::default());
     }
 

@@ -89,4 +89,3 @@ pub fn conditions_current(existing: &[Condition], ours: &[Condition]) -> bool {
 pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
     conditions.iter().find(|c| c.type_ == type_)
 }
-

@@ -23,6 +23,9 @@ pub const REPORT_VERSION: u32 = 1;
 pub const REPORT_BUCKET: &str = "settle-stats";
 /// The default interval between two reports of one subscription.
 pub const DEFAULT_REPORT_INTERVAL: Duration = Duration::from_secs(5);
+/// An unchanged subscription is reported again this often, so the operator can tell an idle
+/// instance from one that is gone (it folds instances silent for an hour).
+pub const KEEPALIVE: Duration = Duration::from_secs(300);
 
 /// One report: the cumulative account of one subscription in one running instance.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -109,7 +112,7 @@ pub(crate) struct ReportTarget {
 /// Per-subscription state of the publishing loop.
 #[derive(Default)]
 pub(crate) struct StatsReporter {
-    last: HashMap<String, (ConsumerStats, RuntimeStats, u64)>,
+    last: HashMap<String, (ConsumerStats, RuntimeStats, u64, std::time::Instant)>,
 }
 
 impl StatsReporter {
@@ -128,8 +131,10 @@ impl StatsReporter {
                 ConsumerStats::default(),
                 RuntimeStats::default(),
                 0,
+                std::time::Instant::now(),
             ));
-            if !force && entry.2 > 0 && entry.0 == stats && entry.1 == runtime {
+            let fresh = entry.3.elapsed() < KEEPALIVE;
+            if !force && entry.2 > 0 && entry.0 == stats && entry.1 == runtime && fresh {
                 continue;
             }
             let report = StatsReport {
@@ -154,7 +159,7 @@ impl StatsReporter {
                 }
             };
             match target.sink.put(report.key(), body).await {
-                Ok(()) => *entry = (stats, runtime, report.sequence),
+                Ok(()) => *entry = (stats, runtime, report.sequence, std::time::Instant::now()),
                 Err(e) => {
                     tracing::warn!(subscription = %ctx.name(), error = %e, "stats report not published; retrying at the next interval")
                 }

@@ -21,6 +21,7 @@ use kube::{Api, Client};
 use prometheus::Registry;
 use tokio::sync::watch;
 
+use crate::account;
 use crate::admission::certs::{self, CertSource, FileCertConfig, Sans, SelfManagedConfig};
 use crate::admission::webhook::{self, StoreLookup, WebhookConfig};
 use crate::api::Backend;
@@ -90,6 +91,13 @@ pub struct OperatorArgs {
     /// broker's advisories (a Kubernetes duration: 30s, 5m, 1h).
     #[arg(long, env = "SETTLE_RESYNC_INTERVAL", default_value = "5m")]
     pub resync_interval: crate::api::Duration,
+    /// At most one status write per Subscription this often, and only when its account changed
+    /// (Prometheus metrics carry the full resolution).
+    #[arg(long, env = "SETTLE_STATS_INTERVAL", default_value = "10s", value_parser = positive_duration)]
+    pub stats_interval: Duration,
+    /// The Exhausting condition is True while Exhausted grew within this window.
+    #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
+    pub loss_window: Duration,
     /// Subscriptions reconciled at once.
     #[arg(long, env = "SETTLE_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: u16,
@@ -187,7 +195,7 @@ pub enum OperatorError {
     Health(#[from] health::HealthError),
     #[error("leader election: {0}")]
     Leader(#[from] leader::LeaderError),
-    #[error("controller metrics: {0}")]
+    #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
 }
 
@@ -315,6 +323,14 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         leadership.gate().receiver(),
         reconcile::Metrics::new(&registry)?,
         readiness,
+        Some(account_hook(
+            account::Config {
+                stats_interval: args.stats_interval,
+                loss_window: args.loss_window,
+                fold_after: account::FOLD_AFTER,
+            },
+            account::Metrics::new(&registry)?,
+        )),
         stopped(),
     );
 
@@ -347,6 +363,19 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     // Give in-flight log lines a moment; nothing else is pending.
     tokio::time::sleep(Duration::from_millis(10)).await;
     result.map(|_| ())
+}
+
+/// The account runs beside the controllers, on their caches and connections, term by term.
+fn account_hook(config: account::Config, metrics: account::Metrics) -> reconcile::TermHook {
+    Arc::new(move |shared: reconcile::Shared| {
+        let term = account::Term {
+            client: shared.client,
+            subscriptions: shared.subscriptions,
+            backends: shared.backends,
+            nats: shared.nats,
+        };
+        Box::pin(account::run(term, config.clone(), metrics.clone()))
+    })
 }
 
 async fn shutdown_signal() {

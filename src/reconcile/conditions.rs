@@ -5,7 +5,6 @@
 //!
 //! Pure: no I/O and no clock (callers pass `now`). It must not decide when to reconcile.
 
-
 /// Condition types.
 pub mod types {
     /// The spec is valid for its backend (the admission rules, checked again by the controller).

@@ -128,14 +128,31 @@ impl Readiness {
     }
 }
 
+/// What a leadership term shares with the rest of the operator (the account): the controllers'
+/// caches, and each NATS Backend's live connection by namespace and name.
+#[derive(Clone)]
+pub struct Shared {
+    pub client: Client,
+    pub subscriptions: Store<Subscription>,
+    pub backends: Store<Backend>,
+    pub nats: NatsLookup,
+}
+
+/// A NATS Backend's live connection, by namespace and name.
+pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
+
+/// Work that runs beside the controllers for each leadership term, and stops with it.
+pub type TermHook = Arc<dyn Fn(Shared) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
 /// Runs the controllers whenever `leader` says this replica leads, until `shutdown` resolves (then
-/// in-flight reconciles finish first).
+/// in-flight reconciles finish first). `beside` runs with them, term by term.
 pub async fn run(
     client: Client,
     config: Config,
     mut leader: watch::Receiver<bool>,
     metrics: Metrics,
     readiness: Readiness,
+    beside: Option<TermHook>,
     shutdown: impl Future<Output = ()>,
 ) {
     let shutdown = shutdown.shared();
@@ -152,6 +169,7 @@ pub async fn run(
             &config,
             metrics.clone(),
             readiness.clone(),
+            beside.clone(),
             stop_rx,
         );
         tokio::pin!(term);
@@ -229,6 +247,7 @@ async fn run_term(
     config: &Config,
     metrics: Metrics,
     readiness: Readiness,
+    beside: Option<TermHook>,
     stop: oneshot::Receiver<()>,
 ) {
     let namespaces = &config.watch_namespaces;
@@ -371,9 +390,26 @@ async fn run_term(
             futures::future::pending::<()>().await;
         }
     };
+    let beside = beside.map(|hook| {
+        let lookup = conns.clone();
+        tokio::spawn(hook(Shared {
+            client: client.clone(),
+            subscriptions: sub_store.clone(),
+            backends: backend_store.clone(),
+            nats: Arc::new(move |ns: &str, name: &str| {
+                match lookup.get(&(ns.to_string(), name.to_string())) {
+                    connections::Lookup::Up(c) => Some(c.client.clone()),
+                    _ => None,
+                }
+            }),
+        }))
+    });
     tokio::select! {
         _ = futures::future::join(backends, subscriptions) => {},
         () = synced => {},
+    }
+    if let Some(task) = beside {
+        task.abort();
     }
     secret_task.abort();
     drop(sub_tx);

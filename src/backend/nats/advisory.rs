@@ -176,8 +176,11 @@ mod tests {
         );
         let term = br#"{"stream":"S","consumer":"c","consumer_seq":9,"stream_seq":7,"deliveries":5,"reason":""}"#;
         assert_eq!(
-            parse_delivery("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.S.c", term)
-                .map(|e| (e.kind, e.stream_seq, e.deliveries)),
+            parse_delivery("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.S.c", term).map(|e| (
+                e.kind,
+                e.stream_seq,
+                e.deliveries
+            )),
             Some((DeliveryKind::Terminated, 7, 5))
         );
         assert_eq!(

@@ -33,6 +33,7 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::OnceCell;
 
 pub mod advisory;
+pub mod capture;
 pub mod connect;
 pub mod consumer;
 pub mod jsapi;

@@ -1,0 +1,230 @@
+//! The account's Prometheus metrics: every Subscription's counters at full resolution
+//! (`settle_subscription_<counter>_total`, Prometheus counters because they never decrease), its
+//! broker gauges, whether it is losing messages now, and what the account itself does (status
+//! writes, advisories, reports).
+//!
+//! It must not decide anything; it mirrors what the keeper computed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+
+use crate::api::{ConsumerStats, SubscriptionStats};
+
+/// One counter: its metric name stem, its help, and how it is read from ConsumerStats.
+type Counter = (&'static str, &'static str, fn(&ConsumerStats) -> u64);
+
+/// The counters.
+const COUNTERS: [Counter; 13] = [
+    ("offered", "Attempts handed to the runtime.", |s| s.offered),
+    ("delivered", "Attempts whose handler returned.", |s| {
+        s.delivered
+    }),
+    (
+        "released",
+        "Attempts given up before a handler returned, owed back.",
+        |s| s.released,
+    ),
+    (
+        "lost",
+        "Attempts offered and never delivered nor released.",
+        |s| s.lost,
+    ),
+    ("acked", "Attempts settled Ack.", |s| s.settlement.acked),
+    ("nacked", "Attempts settled Nack.", |s| s.settlement.nacked),
+    (
+        "silent",
+        "Attempts whose handler returned without settling.",
+        |s| s.settlement.silent,
+    ),
+    ("refused", "Settlements the broker refused.", |s| {
+        s.settlement.refused
+    }),
+    (
+        "exhausted",
+        "Messages that ran out of attempts (data loss).",
+        |s| s.exhausted,
+    ),
+    (
+        "stranded",
+        "Messages declined where the broker could not take them back.",
+        |s| s.stranded,
+    ),
+    (
+        "lease_expired",
+        "Attempts handed on at maxProcessingTime.",
+        |s| s.lease_expired,
+    ),
+    (
+        "delay_shortened",
+        "Declines redelivered sooner than asked (hold limit).",
+        |s| s.delay_shortened,
+    ),
+    (
+        "foreign_conflicts",
+        "Attempts whose transport header contradicted the envelope.",
+        |s| s.foreign_conflicts,
+    ),
+];
+
+#[derive(Clone)]
+pub struct Metrics {
+    counters: Vec<IntCounterVec>,
+    pending: IntGaugeVec,
+    ack_pending: IntGaugeVec,
+    exhausting: IntGaugeVec,
+    /// `settle_status_writes_total{controller="account"}` is the controllers' metric; the
+    /// account counts its own writes here, by result.
+    pub writes: IntCounterVec,
+    /// `settle_account_advisories_total{kind}`: delivery advisories read from the capture.
+    pub advisories: IntCounterVec,
+    /// `settle_account_reports_total{outcome}`: runtime reports read (counted, stale, unknown version).
+    pub reports: IntCounterVec,
+    /// What was exported per Subscription, so counters are raised by exactly the growth.
+    exported: Arc<Mutex<HashMap<(String, String), ConsumerStats>>>,
+}
+
+impl Metrics {
+    pub fn new(registry: &Registry) -> Result<Metrics, prometheus::Error> {
+        let labels = ["namespace", "subscription"];
+        let mut counters = Vec::new();
+        for (stem, help, _) in COUNTERS {
+            let c = IntCounterVec::new(
+                Opts::new(format!("settle_subscription_{stem}_total"), help),
+                &labels,
+            )?;
+            registry.register(Box::new(c.clone()))?;
+            counters.push(c);
+        }
+        let gauge = |name: &str, help: &str| -> Result<IntGaugeVec, prometheus::Error> {
+            let g = IntGaugeVec::new(Opts::new(name, help), &labels)?;
+            registry.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let counter =
+            |name: &str, help: &str, l: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
+                let c = IntCounterVec::new(Opts::new(name, help), l)?;
+                registry.register(Box::new(c.clone()))?;
+                Ok(c)
+            };
+        Ok(Metrics {
+            counters,
+            pending: gauge(
+                "settle_subscription_pending",
+                "Messages on the broker not yet delivered to the Subscription's consumer.",
+            )?,
+            ack_pending: gauge(
+                "settle_subscription_ack_pending",
+                "Messages delivered and not yet settled.",
+            )?,
+            exhausting: gauge(
+                "settle_subscription_exhausting",
+                "1 while the Subscription's Exhausting condition is True (messages ran out of attempts within the loss window).",
+            )?,
+            writes: counter(
+                "settle_account_status_writes_total",
+                "Status writes of the account, by result (ok, error).",
+                &["result"],
+            )?,
+            advisories: counter(
+                "settle_account_advisories_total",
+                "Delivery advisories read from the operator's capture, by kind.",
+                &["kind"],
+            )?,
+            reports: counter(
+                "settle_account_reports_total",
+                "Runtime stats reports read, by outcome (counted, stale, unknown_version, unreadable).",
+                &["outcome"],
+            )?,
+            exported: Arc::default(),
+        })
+    }
+
+    /// Mirrors one Subscription's account: counters rise by their growth since the last call.
+    pub fn show(&self, namespace: &str, name: &str, stats: &SubscriptionStats, exhausting: bool) {
+        let labels = [namespace, name];
+        let mut exported = self
+            .exported
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = exported
+            .entry((namespace.to_string(), name.to_string()))
+            .or_default();
+        for ((_, _, read), counter) in COUNTERS.iter().zip(&self.counters) {
+            let grown = read(&stats.counters).saturating_sub(read(before));
+            if grown > 0 {
+                counter.with_label_values(&labels).inc_by(grown);
+            } else {
+                // Present from the start, so rate() sees the first increase.
+                counter.with_label_values(&labels);
+            }
+        }
+        *before = stats.counters;
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.pending
+            .with_label_values(&labels)
+            .set(gauge(stats.pending));
+        self.ack_pending
+            .with_label_values(&labels)
+            .set(gauge(stats.ack_pending));
+        self.exhausting
+            .with_label_values(&labels)
+            .set(i64::from(exhausting));
+    }
+
+    /// Forgets a deleted Subscription.
+    pub fn forget(&self, namespace: &str, name: &str) {
+        let labels = [namespace, name];
+        for c in &self.counters {
+            let _ = c.remove_label_values(&labels);
+        }
+        for g in [&self.pending, &self.ack_pending, &self.exhausting] {
+            let _ = g.remove_label_values(&labels);
+        }
+        self.exported
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&(namespace.to_string(), name.to_string()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus::Encoder;
+
+    fn text(r: &Registry) -> String {
+        let mut buf = Vec::new();
+        prometheus::TextEncoder::new()
+            .encode(&r.gather(), &mut buf)
+            .expect("encodes");
+        String::from_utf8(buf).expect("utf-8")
+    }
+
+    #[test]
+    fn counters_rise_by_growth_and_names_are_the_documented_ones() {
+        let r = Registry::new();
+        let m = Metrics::new(&r).expect("registers");
+        let mut s = SubscriptionStats::default();
+        s.counters.settlement.nacked = 30;
+        s.counters.exhausted = 10;
+        s.pending = 4;
+        m.show("shop", "orders", &s, true);
+        m.show("shop", "orders", &s, true);
+        s.counters.exhausted = 12;
+        m.show("shop", "orders", &s, true);
+        let t = text(&r);
+        for line in [
+            r#"settle_subscription_nacked_total{namespace="shop",subscription="orders"} 30"#,
+            r#"settle_subscription_exhausted_total{namespace="shop",subscription="orders"} 12"#,
+            r#"settle_subscription_acked_total{namespace="shop",subscription="orders"} 0"#,
+            r#"settle_subscription_pending{namespace="shop",subscription="orders"} 4"#,
+            r#"settle_subscription_exhausting{namespace="shop",subscription="orders"} 1"#,
+        ] {
+            assert!(t.contains(line), "missing {line} in\n{t}");
+        }
+        m.forget("shop", "orders");
+        assert!(!text(&r).contains(r#"subscription="orders""#));
+    }
+}

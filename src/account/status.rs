@@ -1,0 +1,332 @@
+//! What the account writes into a Subscription's status, and when: `status.stats` (the ledger's
+//! totals and the broker's gauges), `statsUpdatedAt`, and the conditions `Exhausting` (messages
+//! ran out of attempts within the loss window: data loss) and `Stranding` (messages were declined
+//! where the broker could not take them back).
+//!
+//! Pure: no I/O and no clock (times come in as arguments). It must not count (that is the
+//! ledger) nor send anything (that is the writer).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use serde::{Deserialize, Serialize};
+
+use crate::api::SubscriptionStats;
+use crate::api::condition::{self, Status, Want};
+
+/// The field manager of every status write the account makes.
+pub const FIELD_MANAGER: &str = "settle-account";
+
+/// Condition types this writer owns.
+pub mod types {
+    /// Exhausted grew within the loss window: messages were dropped or dead-lettered.
+    pub const EXHAUSTING: &str = "Exhausting";
+    /// Stranded is above zero: declined messages the broker could not take back.
+    pub const STRANDING: &str = "Stranding";
+}
+
+/// Their reasons.
+pub mod reasons {
+    pub const MESSAGES_EXHAUSTED: &str = "MessagesExhausted";
+    pub const NO_RECENT_LOSS: &str = "NoRecentLoss";
+    pub const MESSAGES_STRANDED: &str = "MessagesStranded";
+    pub const NONE_STRANDED: &str = "NoneStranded";
+}
+
+/// Exhausted totals over time: enough to say how many ran out within the loss window, kept
+/// with the ledger so an operator restart does not forget a recent loss.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LossLog {
+    /// `(unix ms, exhausted total from then on)`, oldest first; the first is the baseline.
+    samples: VecDeque<(u64, u64)>,
+}
+
+impl LossLog {
+    /// Notes the exhausted total at `now_ms` (kept only when it grew), and forgets what lies
+    /// before the window except the one sample that says what the total was when it began.
+    pub fn observe(&mut self, now_ms: u64, total: u64, window: Duration) {
+        match self.samples.back() {
+            Some(&(_, last)) if last >= total => {}
+            _ => self.samples.push_back((now_ms, total)),
+        }
+        let start = now_ms.saturating_sub(millis(window));
+        while self.samples.len() > 1 && self.samples[1].0 <= start {
+            self.samples.pop_front();
+        }
+    }
+
+    /// How many ran out within the window ending at `now_ms`.
+    pub fn lost_within(&self, now_ms: u64, window: Duration) -> u64 {
+        let start = now_ms.saturating_sub(millis(window));
+        let Some(&(_, now_total)) = self.samples.back() else {
+            return 0;
+        };
+        // The total when the window began: the latest sample at or before its start; when every
+        // sample is inside it, the first (the baseline when counting began).
+        let before = self
+            .samples
+            .iter()
+            .rev()
+            .find(|(t, _)| *t <= start)
+            .or(self.samples.front())
+            .map_or(now_total, |&(_, v)| v);
+        now_total.saturating_sub(before)
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A Kubernetes-style rendering of the window (`15m`, `1h`, `90s`).
+pub fn window_text(window: Duration) -> String {
+    let s = window.as_secs();
+    if s > 0 && s.is_multiple_of(3600) {
+        format!("{}h", s / 3600)
+    } else if s > 0 && s.is_multiple_of(60) {
+        format!("{}m", s / 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+/// The account's two conditions, as wanted now.
+pub fn wants(
+    stats: &SubscriptionStats,
+    lost_recently: u64,
+    window: Duration,
+    unseen_attempts: bool,
+) -> [Want; 2] {
+    let exhausted = stats.counters.exhausted;
+    let w = window_text(window);
+    let note = if unseen_attempts {
+        " On this backend a restart can spend a last attempt no handler saw: such messages are \
+         counted from the broker's advisories, which the operator captures from the moment it \
+         manages the Backend; a message that ran out before then is not counted, so Exhausted may \
+         undercount for that time."
+    } else {
+        ""
+    };
+    let exhausting = if lost_recently > 0 {
+        Want::new(
+            types::EXHAUSTING,
+            Status::True,
+            reasons::MESSAGES_EXHAUSTED,
+            format!(
+                "{lost_recently} message(s) ran out of attempts (maxDeliver) in the last {w} \
+                 ({exhausted} in all): they were dropped, or dead-lettered where the backend has a \
+                 dead-letter target. Find why the handler declines them (its logs), fix it, and \
+                 replay them from the stream if they matter.{note}"
+            ),
+        )
+    } else {
+        Want::new(
+            types::EXHAUSTING,
+            Status::False,
+            reasons::NO_RECENT_LOSS,
+            format!("no message ran out of attempts in the last {w} ({exhausted} in all).{note}"),
+        )
+    };
+    let stranded = stats.counters.stranded;
+    let stranding = if stranded > 0 {
+        Want::new(
+            types::STRANDING,
+            Status::True,
+            reasons::MESSAGES_STRANDED,
+            format!(
+                "{stranded} message(s) were declined while the broker could not take them back \
+                 (the consumer was gone): nothing will redeliver them. Check why the consumer \
+                 went away (kubectl get events), and republish them if they matter."
+            ),
+        )
+    } else {
+        Want::new(
+            types::STRANDING,
+            Status::False,
+            reasons::NONE_STRANDED,
+            "no message was stranded.",
+        )
+    };
+    [exhausting, stranding]
+}
+
+/// What the account last wrote (or found) for one Subscription: written again only when this
+/// changes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shown {
+    pub stats: SubscriptionStats,
+    pub conditions: [Want; 2],
+}
+
+/// The status a Subscription shows now, as far as the account owns it.
+pub fn shown(
+    status: Option<&crate::api::SubscriptionStatus>,
+) -> Option<(SubscriptionStats, Vec<Condition>)> {
+    let s = status?;
+    Some((s.stats.clone()?, s.conditions.clone()))
+}
+
+/// Whether `want` differs from what the conditions on the object say (ignoring times).
+pub fn conditions_differ(existing: &[Condition], want: &[Want; 2]) -> bool {
+    want.iter().any(|w| {
+        condition::find(existing, w.type_).is_none_or(|c| {
+            c.status != w.status.as_str() || c.reason != w.reason || c.message != w.message
+        })
+    })
+}
+
+/// The status patch (server-side apply body) for `stats` and the account's conditions.
+pub fn patch(
+    stats: &SubscriptionStats,
+    wants: &[Want; 2],
+    existing: &[Condition],
+    generation: Option<i64>,
+    now: &Time,
+) -> serde_json::Value {
+    let conditions: Vec<Condition> = wants
+        .iter()
+        .map(|w| condition::settle(existing, w, generation, now))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "messaging.settle.dev/v1alpha1",
+        "kind": "Subscription",
+        "status": {
+            "stats": stats,
+            "statsUpdatedAt": now,
+            "conditions": conditions,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ConsumerStats;
+    use k8s_openapi::jiff::Timestamp;
+
+    const MIN: u64 = 60_000;
+    const WINDOW: Duration = Duration::from_secs(15 * 60);
+
+    fn stats(exhausted: u64, stranded: u64) -> SubscriptionStats {
+        SubscriptionStats {
+            counters: ConsumerStats {
+                exhausted,
+                stranded,
+                ..ConsumerStats::default()
+            },
+            ..SubscriptionStats::default()
+        }
+    }
+
+    #[test]
+    fn loss_counts_only_growth_inside_the_window() {
+        let mut log = LossLog::default();
+        log.observe(0, 5, WINDOW); // baseline: 5 lost before counting began
+        assert_eq!(log.lost_within(0, WINDOW), 0);
+        log.observe(MIN, 8, WINDOW);
+        assert_eq!(log.lost_within(MIN, WINDOW), 3);
+        log.observe(10 * MIN, 10, WINDOW);
+        assert_eq!(log.lost_within(10 * MIN, WINDOW), 5);
+        // 16 minutes in, the growth at minute 1 has left the window; minute 10's is inside.
+        log.observe(16 * MIN, 10, WINDOW);
+        assert_eq!(log.lost_within(16 * MIN, WINDOW), 2);
+        // 26 minutes in, nothing grew within the window.
+        log.observe(26 * MIN, 10, WINDOW);
+        assert_eq!(log.lost_within(26 * MIN, WINDOW), 0);
+        assert!(log.samples.len() <= 2, "old samples are dropped: {log:?}");
+    }
+
+    #[test]
+    fn a_total_that_does_not_grow_adds_no_sample() {
+        let mut log = LossLog::default();
+        for t in 0..100 {
+            log.observe(t * 1000, 7, WINDOW);
+        }
+        assert_eq!(log.samples.len(), 1);
+        assert_eq!(log.lost_within(100_000, WINDOW), 0);
+    }
+
+    #[test]
+    fn the_log_survives_a_restart() {
+        let mut log = LossLog::default();
+        log.observe(0, 0, WINDOW);
+        log.observe(MIN, 4, WINDOW);
+        let back: LossLog =
+            serde_json::from_str(&serde_json::to_string(&log).expect("json")).expect("parses");
+        assert_eq!(back.lost_within(2 * MIN, WINDOW), 4);
+    }
+
+    #[test]
+    fn exhausting_says_how_many_within_the_window_and_stranding_says_how_many_in_all() {
+        let [e, s] = wants(&stats(12, 0), 3, WINDOW, false);
+        assert_eq!(
+            (e.status, e.reason),
+            (Status::True, reasons::MESSAGES_EXHAUSTED)
+        );
+        assert!(
+            e.message.starts_with(
+                "3 message(s) ran out of attempts (maxDeliver) in the last 15m (12 in all)"
+            ),
+            "{}",
+            e.message
+        );
+        assert_eq!(
+            (s.status, s.reason),
+            (Status::False, reasons::NONE_STRANDED)
+        );
+
+        let [e, s] = wants(&stats(12, 2), 0, WINDOW, true);
+        assert_eq!(
+            (e.status, e.reason),
+            (Status::False, reasons::NO_RECENT_LOSS)
+        );
+        assert!(
+            e.message.contains("may undercount"),
+            "the unseen-attempt note: {}",
+            e.message
+        );
+        assert_eq!(
+            (s.status, s.reason),
+            (Status::True, reasons::MESSAGES_STRANDED)
+        );
+        assert!(s.message.starts_with("2 message(s)"));
+    }
+
+    #[test]
+    fn windows_read_like_kubernetes_durations() {
+        assert_eq!(window_text(Duration::from_secs(900)), "15m");
+        assert_eq!(window_text(Duration::from_secs(7200)), "2h");
+        assert_eq!(window_text(Duration::from_secs(90)), "90s");
+    }
+
+    #[test]
+    fn the_patch_keeps_transition_times_of_unchanged_conditions() {
+        let t0 = Time(Timestamp::from_second(1_000).expect("time"));
+        let t1 = Time(Timestamp::from_second(2_000).expect("time"));
+        let w = wants(&stats(1, 0), 1, WINDOW, false);
+        let first = patch(&stats(1, 0), &w, &[], Some(1), &t0);
+        let existing: Vec<Condition> =
+            serde_json::from_value(first["status"]["conditions"].clone()).expect("conditions");
+        assert!(!conditions_differ(&existing, &w));
+        let again = patch(
+            &stats(2, 0),
+            &wants(&stats(2, 0), 2, WINDOW, false),
+            &existing,
+            Some(1),
+            &t1,
+        );
+        let conds: Vec<Condition> =
+            serde_json::from_value(again["status"]["conditions"].clone()).expect("conditions");
+        assert_eq!(
+            conds[0].last_transition_time, t0,
+            "still True: its time stays"
+        );
+        assert_eq!(again["status"]["stats"]["exhausted"], 2);
+        assert_eq!(again["status"]["statsUpdatedAt"], serde_json::json!(t1));
+        assert!(conditions_differ(
+            &existing,
+            &wants(&stats(1, 0), 0, WINDOW, false)
+        ));
+    }
+}

@@ -1,0 +1,105 @@
+//! The one status writer of the account: every keeper hands it patches; it applies them one at a
+//! time with server-side apply (field manager `settle-account`, owning `status.stats`,
+//! `statsUpdatedAt` and the `Exhausting`/`Stranding` conditions, never the controllers' fields),
+//! and when several patches for one Subscription wait, only the newest is sent.
+//!
+//! How often a Subscription is written is the keeper's decision (at most once per stats
+//! interval, only on change); this module must not compute status.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use tokio::sync::mpsc;
+
+use super::metrics::Metrics;
+use super::status::FIELD_MANAGER;
+use crate::api::Subscription;
+
+/// One status patch for one Subscription.
+pub struct Write {
+    pub namespace: String,
+    pub name: String,
+    pub body: serde_json::Value,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The handle keepers send patches to; the task ends when the last handle is dropped.
+#[derive(Clone)]
+pub struct Writer {
+    tx: mpsc::UnboundedSender<Write>,
+    _task: Arc<AbortOnDrop>,
+}
+
+impl Writer {
+    pub fn start(client: Client, metrics: Metrics) -> Writer {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(serve(client, metrics, rx));
+        Writer {
+            tx,
+            _task: Arc::new(AbortOnDrop(task)),
+        }
+    }
+
+    pub fn send(&self, w: Write) {
+        let _ = self.tx.send(w);
+    }
+}
+
+async fn serve(client: Client, metrics: Metrics, mut rx: mpsc::UnboundedReceiver<Write>) {
+    let mut order: VecDeque<(String, String)> = VecDeque::new();
+    let mut waiting: HashMap<(String, String), serde_json::Value> = HashMap::new();
+    loop {
+        if waiting.is_empty() {
+            match rx.recv().await {
+                Some(w) => take(&mut order, &mut waiting, w),
+                None => return,
+            }
+        }
+        while let Ok(w) = rx.try_recv() {
+            take(&mut order, &mut waiting, w);
+        }
+        let Some(key) = order.pop_front() else {
+            continue;
+        };
+        let Some(body) = waiting.remove(&key) else {
+            continue;
+        };
+        let api: Api<Subscription> = Api::namespaced(client.clone(), &key.0);
+        let result = api
+            .patch_status(
+                &key.1,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await;
+        match result {
+            Ok(_) => metrics.writes.with_label_values(&["ok"]).inc(),
+            // Deleted meanwhile: nothing to account for any more.
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => {
+                metrics.writes.with_label_values(&["error"]).inc();
+                tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not write the account to status; it is written again at the next interval");
+            }
+        }
+    }
+}
+
+fn take(
+    order: &mut VecDeque<(String, String)>,
+    waiting: &mut HashMap<(String, String), serde_json::Value>,
+    w: Write,
+) {
+    let key = (w.namespace, w.name);
+    if waiting.insert(key.clone(), w.body).is_none() {
+        order.push_back(key);
+    }
+}

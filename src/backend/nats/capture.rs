@@ -1,0 +1,141 @@
+//! Where the account reads and keeps its facts on a NATS server: the stream that captures the
+//! delivery advisories (the broker emits them once, to whoever listens at that instant, so a
+//! stream listens for the operator and keeps them while it is down or changing leader), a
+//! durable consumer per Backend that is the operator's checkpoint in it, the runtime's report
+//! bucket, and the bucket the account persists each Subscription's ledger in.
+//!
+//! Broker I/O only. It must not count anything (that is `account`).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, kv, stream};
+
+use super::advisory::DELIVERY_SUBJECTS;
+use super::jsapi::NatsError;
+use crate::bus::report::REPORT_BUCKET;
+
+/// The stream capturing delivery advisories for every Backend on this server.
+pub const CAPTURE_STREAM: &str = "SETTLE_ADVISORIES";
+/// How long a captured advisory is kept unread (an operator down longer than this loses them).
+pub const CAPTURE_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The bucket of persisted ledgers: `<namespace>.<subscription>` → JSON.
+pub const ACCOUNT_BUCKET: &str = "settle-account";
+
+fn unreachable(what: &str, e: impl std::fmt::Display) -> NatsError {
+    NatsError::Unreachable(format!("{what}: {e}"))
+}
+
+/// The capture stream (made or brought up to date) and this Backend's durable reader of it.
+/// `reader` must be unique per Backend: two Backends on one server each read every advisory.
+pub async fn open(
+    js: &jetstream::Context,
+    reader: &str,
+) -> Result<consumer::PullConsumer, NatsError> {
+    let config = stream::Config {
+        name: CAPTURE_STREAM.to_string(),
+        description: Some(
+            "Settle: delivery advisories (max deliveries, terminated, nacked, consumer created/deleted) kept for the operator's account".into(),
+        ),
+        subjects: DELIVERY_SUBJECTS.iter().map(|s| s.to_string()).collect(),
+        max_age: CAPTURE_MAX_AGE,
+        max_messages: 5_000_000,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    };
+    let stream = match js.get_stream(CAPTURE_STREAM).await {
+        Ok(mut s) => {
+            let info = s
+                .info()
+                .await
+                .map_err(|e| unreachable("reading the capture stream", e))?;
+            if info.config.subjects != config.subjects {
+                js.update_stream(&config)
+                    .await
+                    .map_err(|e| unreachable("updating the capture stream", e))?;
+            }
+            s
+        }
+        Err(_) => js
+            .get_or_create_stream(config)
+            .await
+            .map_err(|e| unreachable("creating the capture stream", e))?,
+    };
+    stream
+        .get_or_create_consumer(
+            reader,
+            consumer::pull::Config {
+                durable_name: Some(reader.to_string()),
+                description: Some(
+                    "Settle: the account's checkpoint in the advisory capture".into(),
+                ),
+                ack_policy: consumer::AckPolicy::Explicit,
+                deliver_policy: consumer::DeliverPolicy::All,
+                ack_wait: Duration::from_secs(120),
+                max_ack_pending: 50_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| unreachable("creating the account's reader of the capture stream", e))
+}
+
+/// A KV bucket, made if missing (history 1).
+pub async fn bucket(
+    js: &jetstream::Context,
+    name: &str,
+    description: &str,
+) -> Result<kv::Store, NatsError> {
+    if let Ok(s) = js.get_key_value(name).await {
+        return Ok(s);
+    }
+    match js
+        .create_key_value(kv::Config {
+            bucket: name.to_string(),
+            description: description.to_string(),
+            history: 1,
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(s) => Ok(s),
+        // Made meanwhile by someone else.
+        Err(e) => js
+            .get_key_value(name)
+            .await
+            .map_err(|_| unreachable(&format!("creating KV bucket {name}"), e)),
+    }
+}
+
+/// The runtime's report bucket.
+pub async fn reports(js: &jetstream::Context) -> Result<kv::Store, NatsError> {
+    bucket(
+        js,
+        REPORT_BUCKET,
+        "Settle runtime stats reports: <namespace>.<subscription>.<instance> -> JSON (docs/stats-report.md)",
+    )
+    .await
+}
+
+/// The account's ledger bucket.
+pub async fn ledgers(js: &jetstream::Context) -> Result<kv::Store, NatsError> {
+    bucket(
+        js,
+        ACCOUNT_BUCKET,
+        "Settle operator: each Subscription's persisted ledger (folded instances, the broker's tally)",
+    )
+    .await
+}
+
+/// Removes one stored report outright (no delete marker left behind), by its revision: a folded
+/// instance's report, whose counters the ledger now holds.
+pub async fn drop_report(js: &jetstream::Context, revision: u64) -> Result<(), NatsError> {
+    let stream = js
+        .get_stream(format!("KV_{REPORT_BUCKET}"))
+        .await
+        .map_err(|e| unreachable("opening the report bucket", e))?;
+    stream
+        .delete_message(revision)
+        .await
+        .map(|_| ())
+        .map_err(|e| unreachable("removing a folded report", e))
+}
