@@ -14,109 +14,17 @@
 //! `admission` (siblings); it reads the broker through `backend`, and is handed the controllers'
 //! caches and connections by the operator.
 
+#[cfg(feature = "operator")]
 pub mod keeper;
 pub mod ledger;
 pub mod metrics;
 pub mod status;
+#[cfg(feature = "operator")]
 pub mod writer;
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::Duration;
+#[cfg(feature = "operator")]
+mod run;
 
-use kube::Client;
-use kube::ResourceExt;
-use kube::runtime::reflector::Store;
-
-use crate::api::{Backend, Subscription};
-use crate::policy::effective_capabilities;
 pub use metrics::Metrics;
-
-/// An instance that has not reported for this long is folded (a live one re-reports at least
-/// every few minutes, see `bus::report::KEEPALIVE`).
-pub const FOLD_AFTER: Duration = Duration::from_secs(3600);
-
-/// How the account runs (the operator's flags).
-#[derive(Clone, Debug)]
-pub struct Config {
-    /// At most one status write per Subscription this often (and only on change).
-    pub stats_interval: Duration,
-    /// `Exhausting` is True while Exhausted grew within this window.
-    pub loss_window: Duration,
-    /// An instance that has not reported for this long is folded into the retired total.
-    pub fold_after: Duration,
-}
-
-/// A Backend's live NATS connection, by namespace and name, as the controllers hold it.
-pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
-
-/// What one leadership term hands the account: the controllers' caches and connections.
-#[derive(Clone)]
-pub struct Term {
-    pub client: Client,
-    pub subscriptions: Store<Subscription>,
-    pub backends: Store<Backend>,
-    pub nats: NatsLookup,
-}
-
-/// Keeps one keeper per NATS Backend until dropped (the end of the leadership term).
-pub async fn run(term: Term, config: Config, metrics: Metrics) {
-    let _ = term.subscriptions.wait_until_ready().await;
-    let _ = term.backends.wait_until_ready().await;
-    let writer = writer::Writer::start(term.client.clone(), metrics.clone());
-    let mut keepers = Tasks::default();
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let mut wanted = Vec::new();
-        let mut unseen = HashMap::new();
-        for b in term.backends.state() {
-            if b.spec.nats.is_some() {
-                let key = (b.namespace().unwrap_or_default(), b.name_any());
-                unseen.insert(
-                    key.clone(),
-                    effective_capabilities(&b).is_none_or(|c| c.restart_can_spend_unseen_attempt),
-                );
-                wanted.push(key);
-            }
-        }
-        keepers.0.retain(|key, task| {
-            let keep = wanted.contains(key) && !task.is_finished();
-            if !keep {
-                task.abort();
-            }
-            keep
-        });
-        for key in wanted {
-            if keepers.0.contains_key(&key) {
-                continue;
-            }
-            let Some(client) = (term.nats)(&key.0, &key.1) else {
-                continue;
-            };
-            let k = keeper::Keeper::new(
-                key.clone(),
-                client,
-                term.subscriptions.clone(),
-                writer.clone(),
-                config.clone(),
-                metrics.clone(),
-                unseen.get(&key).copied().unwrap_or(true),
-            );
-            keepers.0.insert(key, tokio::spawn(k.run()));
-        }
-    }
-}
-
-/// Tasks that end with the term: aborted when dropped.
-#[derive(Default)]
-pub struct Tasks(HashMap<(String, String), tokio::task::JoinHandle<()>>);
-
-impl Drop for Tasks {
-    fn drop(&mut self) {
-        for task in self.0.values() {
-            task.abort();
-        }
-    }
-}
+#[cfg(feature = "operator")]
+pub use run::*;

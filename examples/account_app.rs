@@ -1,0 +1,116 @@
+//! An application on the handler runtime whose handler behaves as told, for the account's tests
+//! and the demo: it binds to the consumer `settle operator` made for a Subscription and reports
+//! its counters to the operator, as any application built on `settle` does.
+//!
+//! - `SETTLE_NATS_URL`: the broker; `SETTLE_SUBSCRIPTION_FILE`: the Subscription manifest (with
+//!   its namespace), as applied to the cluster.
+//! - `SETTLE_APP_HANDLER`:
+//!   - `nack`: declines every attempt (the last one is Exhausted);
+//!   - `ack-even-silent-odd`: acks messages whose body is an even number, returns without
+//!     settling on odd ones (counted Silent; they come back under AtLeastOnce);
+//!   - `nack-then-hold`: declines every attempt but the last, which it holds without ever
+//!     returning (kill the process then: no handler saw that attempt end);
+//!   - `demo`: acks orders, declines a body containing `bad` (Exhausted at maxDeliver), returns
+//!     silently once on a body containing `slow`.
+//! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
+//! - `SETTLE_RUN_FOR` (default: until killed): how long to consume before closing.
+//!
+//! It prints `ready` once subscribed, and `held <body>` when it starts holding a last attempt.
+
+use settle::api;
+use settle::backend::nats::NatsBroker;
+use settle::bus::{Bus, Delivery, HandlerError, Subscriber, handler};
+
+#[derive(Clone, Copy)]
+enum Behaviour {
+    Nack,
+    AckEvenSilentOdd,
+    NackThenHold,
+    Demo,
+}
+
+async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), HandlerError> {
+    let body = String::from_utf8_lossy(d.payload()).to_string();
+    match how {
+        Behaviour::Nack => Ok(d.nack().await?),
+        Behaviour::AckEvenSilentOdd => {
+            let n: u64 = body.trim().parse().unwrap_or(1);
+            if n.is_multiple_of(2) {
+                d.ack().await?;
+            }
+            Ok(())
+        }
+        Behaviour::NackThenHold => {
+            if d.attempt() < max_deliver {
+                return Ok(d.nack().await?);
+            }
+            println!("held {body}");
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+        Behaviour::Demo => {
+            if body.contains("bad") {
+                Ok(d.nack().await?)
+            } else if body.contains("slow") && d.attempt() == 1 {
+                Ok(())
+            } else {
+                Ok(d.ack().await?)
+            }
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("SETTLE_NATS_URL").map_err(|_| "set SETTLE_NATS_URL")?;
+    let path = std::env::var("SETTLE_SUBSCRIPTION_FILE")
+        .map_err(|_| "set SETTLE_SUBSCRIPTION_FILE to a Subscription manifest")?;
+    let how = match std::env::var("SETTLE_APP_HANDLER").as_deref() {
+        Ok("nack") => Behaviour::Nack,
+        Ok("ack-even-silent-odd") => Behaviour::AckEvenSilentOdd,
+        Ok("nack-then-hold") => Behaviour::NackThenHold,
+        Ok("demo") => Behaviour::Demo,
+        other => {
+            return Err(format!(
+                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold or demo"
+            )
+            .into());
+        }
+    };
+    let report: api::Duration = std::env::var("SETTLE_REPORT_INTERVAL")
+        .unwrap_or_else(|_| "200ms".into())
+        .parse()?;
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    let sub: api::Subscription = serde_yaml::from_str(&text).map_err(|e| format!("{path}: {e}"))?;
+    let name = sub
+        .metadata
+        .name
+        .clone()
+        .ok_or("the manifest has no metadata.name")?;
+    let ns = sub
+        .metadata
+        .namespace
+        .clone()
+        .ok_or("the manifest has no metadata.namespace")?;
+    let max_deliver = settle::policy::ResolvedPolicy::resolve(&sub.spec.policy)
+        .max_deliver
+        .unwrap_or(u32::MAX);
+
+    let bus = Bus::builder(NatsBroker::connect(&url).await?)
+        .namespace(ns)
+        .report_interval(report.get())
+        .build();
+    bus.subscribe(Subscriber::from_resource(
+        &name,
+        &sub.spec,
+        handler(move |d| handle(d, how, max_deliver)),
+    ))
+    .await?;
+    println!("ready");
+    match std::env::var("SETTLE_RUN_FOR") {
+        Ok(t) => tokio::time::sleep(t.parse::<api::Duration>()?.get()).await,
+        Err(_) => std::future::pending::<()>().await,
+    }
+    bus.close().await;
+    Ok(())
+}

@@ -1,0 +1,461 @@
+//! The account end to end: `settle operator` as a process against the real API server and a real
+//! nats-server, an application built on the `settle` library (`examples/account_app.rs`) as
+//! another process, messages published to the broker, and `status.stats` read back through the
+//! API (and `kubectl describe`). Every counter is asserted exactly, and every status observed
+//! during a run is checked to never go down.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::operator::{Operator, TestStream, condition, poll};
+use common::subs::{apply, backend_yaml, subs, wait_ready};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::Api;
+use settle::account::ledger::dominates;
+use settle::api::{ConsumerStats, Subscription};
+
+/// The example binary `cargo test` built beside this test.
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>");
+    dir.join("examples").join(name)
+}
+
+/// The test application, killed when dropped; its stdout lines are collected.
+struct App {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl App {
+    fn start(nats_url: &str, manifest: &std::path::Path, handler: &str) -> App {
+        let bin = example("account_app");
+        let mut child = Command::new(&bin)
+            .env("SETTLE_NATS_URL", nats_url)
+            .env("SETTLE_SUBSCRIPTION_FILE", manifest)
+            .env("SETTLE_APP_HANDLER", handler)
+            .env("SETTLE_REPORT_INTERVAL", "100ms")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let out = child.stdout.take().expect("stdout");
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().expect("lines").push(l);
+            }
+        });
+        App { child, lines }
+    }
+
+    fn count(&self, prefix: &str) -> usize {
+        self.lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .count()
+    }
+
+    async fn wait_ready(&self) {
+        poll(
+            "the application to subscribe",
+            Duration::from_secs(30),
+            || async {
+                if self.count("ready") > 0 {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            },
+        )
+        .await;
+    }
+
+    /// SIGKILL: nothing is flushed, nothing is closed.
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Everything one scenario needs: a namespace, a stream, the operator, a Subscription.
+struct Scene {
+    ns: String,
+    stream: TestStream,
+    manifest: std::path::PathBuf,
+    api: Api<Subscription>,
+    nats_url: String,
+    op: Operator,
+    /// Every `status.stats` observed by the watcher task, in order.
+    seen: Arc<Mutex<Vec<ConsumerStats>>>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
+
+impl Scene {
+    async fn new(test: &str, spec: &str) -> Scene {
+        install_crds();
+        let ns = namespace(test);
+        let env = common::env();
+        let stream = TestStream::new(&env.nats_url, test).await;
+        let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
+        apply(&ns, &backend_yaml("nats", &env.nats_url));
+        let manifest_text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
+            stream.prefix
+        );
+        apply(&ns, &manifest_text);
+        let api = subs(&ns).await;
+        wait_ready(&api, "orders").await;
+        let manifest =
+            common::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
+        std::fs::write(&manifest, &manifest_text).expect("manifest");
+
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let watcher = {
+            let (api, seen) = (api.clone(), seen.clone());
+            tokio::spawn(async move {
+                loop {
+                    if let Ok(s) = api.get("orders").await
+                        && let Some(stats) = s.status.and_then(|st| st.stats)
+                    {
+                        seen.lock().expect("seen").push(stats.counters);
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        Scene {
+            ns,
+            stream,
+            manifest,
+            api,
+            nats_url: env.nats_url,
+            op,
+            seen,
+            watcher,
+        }
+    }
+
+    fn app(&self, handler: &str) -> App {
+        App::start(&self.nats_url, &self.manifest, handler)
+    }
+
+    async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
+        for (i, body) in bodies.into_iter().enumerate() {
+            self.stream
+                .js
+                .publish(format!("{}.m{i}", self.stream.prefix), body.into())
+                .await
+                .expect("publish")
+                .await
+                .expect("the stream stored it");
+        }
+    }
+
+    async fn stats(&self) -> ConsumerStats {
+        self.api
+            .get("orders")
+            .await
+            .ok()
+            .and_then(|s| s.status)
+            .and_then(|s| s.stats)
+            .map(|s| s.counters)
+            .unwrap_or_default()
+    }
+
+    /// Waits until status shows `want(stats)`.
+    async fn wait_stats(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        poll(what, limit, || async {
+            let s = self.stats().await;
+            if want(&s) {
+                Ok(s)
+            } else {
+                Err(format!("{s:?}"))
+            }
+        })
+        .await
+    }
+
+    /// The counters never went down in any status observed.
+    fn assert_never_decreased(&self) {
+        let seen = self.seen.lock().expect("seen");
+        assert!(!seen.is_empty(), "the watcher saw no status at all");
+        for pair in seen.windows(2) {
+            assert!(
+                dominates(&pair[1], &pair[0]),
+                "a counter went down in status: {:?} then {:?}",
+                pair[0],
+                pair[1]
+            );
+        }
+    }
+
+    async fn finish(self) {
+        self.watcher.abort();
+        let _ = std::fs::remove_file(&self.manifest);
+        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.stream.delete().await;
+    }
+}
+
+fn bodies(n: usize) -> Vec<String> {
+    (1..=n).map(|i| i.to_string()).collect()
+}
+
+const NACK_SPEC: &str = "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n";
+
+/// What may happen halfway through the always-nack scenario.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Halfway {
+    Nothing,
+    OperatorKilled,
+    AppRestarted,
+}
+
+/// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them: the final
+/// account is the same whatever happened.
+async fn always_nack(test: &str, halfway: Halfway) -> Scene {
+    let mut scene = Scene::new(test, NACK_SPEC).await;
+    let mut app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .wait_stats(
+            "the first five messages exhausted in status",
+            Duration::from_secs(40),
+            |s| s.exhausted == 5 && s.settlement.nacked == 15,
+        )
+        .await;
+    match halfway {
+        Halfway::Nothing => {}
+        Halfway::OperatorKilled => {
+            scene.op.kill9();
+            // Losses while the operator is down: the capture keeps their advisories.
+            scene.publish(bodies(5)).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            scene.op = Operator::start_with(test, &scene.ns, &OPERATOR_FLAGS);
+        }
+        Halfway::AppRestarted => {
+            app.kill9();
+            app = scene.app("nack");
+            app.wait_ready().await;
+        }
+    }
+    if halfway != Halfway::OperatorKilled {
+        scene.publish(bodies(5)).await;
+    }
+    let s = scene
+        .wait_stats(
+            "all ten messages exhausted in status",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
+        )
+        .await;
+    // Settle a little longer: nothing more may arrive.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s2 = scene.stats().await;
+    assert_eq!(s, s2, "the account kept moving after the work was done");
+    assert_eq!(s.exhausted, 10, "{halfway:?}: {s:?}");
+    assert_eq!(s.settlement.nacked, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.delivered, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.offered, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.settlement.acked, 0);
+    assert!(
+        s.balanced(),
+        "offered == delivered + released + lost: {s:?}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    scene
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_nack_exhausts_every_message_and_raises_exhausting() {
+    let scene = always_nack("acct-nack", Halfway::Nothing).await;
+    let sub = scene.api.get("orders").await.expect("get");
+    let st = sub.status.expect("status");
+    let (status, reason, message) =
+        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "MessagesExhausted"),
+        "{message}"
+    );
+    assert!(
+        message.starts_with("10 message(s) ran out of attempts"),
+        "{message}"
+    );
+    let (status, reason, _) =
+        condition(&st.conditions, "Stranding").expect("a Stranding condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("False", "NoneStranded")
+    );
+    assert!(st.stats_updated_at.is_some(), "statsUpdatedAt is set");
+    // The controllers' conditions are still there beside the account's.
+    assert_eq!(
+        condition(&st.conditions, "Ready").map(|c| c.0),
+        Some("True".into())
+    );
+
+    let described = kubectl_ok(
+        &["describe", "subscription", "orders", "-n", &scene.ns],
+        None,
+    );
+    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "Delivered: 30",
+        "Exhausted: 10",
+        "Nacked: 30",
+        "Type: Exhausting",
+        "Reason: MessagesExhausted",
+    ] {
+        assert!(
+            flat.contains(want),
+            "kubectl describe lacks {want:?}:\n{described}"
+        );
+    }
+    // The same numbers at full resolution on /metrics.
+    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
+    assert_eq!(
+        scene
+            .op
+            .metric("settle_subscription_exhausted_total", &labels),
+        10.0
+    );
+    assert_eq!(
+        scene.op.metric("settle_subscription_nacked_total", &labels),
+        30.0
+    );
+    assert_eq!(
+        scene.op.metric("settle_subscription_exhausting", &labels),
+        1.0
+    );
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_halfway_loses_and_doubles_nothing() {
+    always_nack("acct-opkill", Halfway::OperatorKilled)
+        .await
+        .finish()
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_restarted_halfway_loses_and_doubles_nothing() {
+    always_nack("acct-apprestart", Halfway::AppRestarted)
+        .await
+        .finish()
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acked_and_silent_are_exact() {
+    let scene = Scene::new(
+        "acct-silent",
+        "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 2\n",
+    )
+    .await;
+    let app = scene.app("ack-even-silent-odd");
+    app.wait_ready().await;
+    scene.publish(bodies(10)).await;
+    // Evens acked once; odds silent twice (silence declines, S4), then Exhausted.
+    let s = scene
+        .wait_stats(
+            "5 acked and 10 silent in status",
+            Duration::from_secs(60),
+            |s| s.settlement.acked >= 5 && s.settlement.silent >= 10 && s.exhausted >= 5,
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(scene.stats().await, s, "nothing more arrives");
+    assert_eq!(s.settlement.acked, 5, "{s:?}");
+    assert_eq!(s.settlement.silent, 10, "{s:?}");
+    assert_eq!(s.settlement.nacked, 0, "{s:?}");
+    assert_eq!(s.delivered, 15, "{s:?}");
+    assert_eq!(s.exhausted, 5, "{s:?}");
+    scene.assert_never_decreased();
+    drop(app);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_attempt_no_handler_finished_counts_exhausted_once_through_the_broker() {
+    let scene = Scene::new(
+        "acct-sigkill",
+        "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n  ackWait: 2s\n",
+    )
+    .await;
+    let mut app = scene.app("nack-then-hold");
+    app.wait_ready().await;
+    scene.publish(bodies(4)).await;
+    poll(
+        "the application to hold four last attempts",
+        Duration::from_secs(40),
+        || async {
+            match app.count("held") {
+                4 => Ok(()),
+                n => Err(format!("{n} held")),
+            }
+        },
+    )
+    .await;
+    scene
+        .wait_stats(
+            "the first two attempts' nacks in status",
+            Duration::from_secs(30),
+            |s| s.settlement.nacked == 8,
+        )
+        .await;
+    // The process dies holding four messages on their last attempt: the runtime never counts them.
+    // nats-server notices that their attempts ran out when the consumer is next pulled from (the
+    // instance that replaces this one, as a Deployment would start it), and says so once.
+    app.kill9();
+    let replacement = scene.app("nack-then-hold");
+    replacement.wait_ready().await;
+    let s = scene
+        .wait_stats(
+            "four messages exhausted, from the broker's advisories",
+            Duration::from_secs(40),
+            |s| s.exhausted >= 4,
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let later = scene.stats().await;
+    assert_eq!(
+        later.exhausted, 4,
+        "counted once each: {s:?} then {later:?}"
+    );
+    assert_eq!(later.settlement.nacked, 8);
+    assert_eq!(
+        later.delivered, 8,
+        "the held attempts never returned: {later:?}"
+    );
+    scene.assert_never_decreased();
+    scene.finish().await;
+}
