@@ -2,22 +2,25 @@
 # `make demo`: the main job, locally, on real parts. Starts the environment (kube-apiserver+etcd,
 # nats-server, RabbitMQ, ElasticMQ) on 127.0.0.1, installs Settle's CRDs, runs `settle operator`
 # as a local process with its webhook registered by url:, shows what is admitted, refused and
-# warned about, and the JetStream consumers the operator makes from the Subscriptions (and makes
-# again when one is deleted on the broker).
-# Leaves everything running so you can keep going; `make env-down` stops it all.
+# warned about, the JetStream consumers the operator makes from the Subscriptions (and makes
+# again when one is deleted on the broker), then an application on the runtime consuming a few
+# hundred orders (some declined until they run out of attempts) and the account in status:
+# `kubectl get subscriptions`, `kubectl describe subscription orders`, the Exhausting condition.
+# Exits non-zero on any failure. Leaves the environment and the operator running so you can keep
+# going; `make env-down` stops it all.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 # shellcheck source=hack/lib.sh
 . "$ROOT/hack/lib.sh"
-cargo build --quiet --bin settle
+cargo build --quiet --bin settle --example account_app
 hack/env.sh up >/dev/null
 ENV_DIR="${SETTLE_ENV_DIR:-$ROOT/target/env}"
 # shellcheck disable=SC1091
 source "$ENV_DIR/settle.env"
 NS=settle-demo
-SETTLE="$ROOT/target/debug/settle"
-[ -n "${CARGO_TARGET_DIR:-}" ] && SETTLE="$CARGO_TARGET_DIR/debug/settle"
+SETTLE="${CARGO_TARGET_DIR:-$ROOT/target}/debug/settle"
+APP="${CARGO_TARGET_DIR:-$ROOT/target}/debug/examples/account_app"
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 # js_api SUBJECT JSON: one JetStream API request over the plain NATS protocol (no CLI needed).
 js_api() {
@@ -82,8 +85,9 @@ webhooks:
     rules: [{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}]
     clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate"}
 YAML
+  # --stats-interval 2s: the account reaches status within seconds here (10s by default).
   spawn operator "$SETTLE" operator --log-format text --namespace "$NS" --watch-namespaces "$NS" --webhook-configuration settle \
-    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT"
+    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" --stats-interval 2s
 }
 operator_ready() { http_ok "http://127.0.0.1:$METRICS_PORT/readyz"; }
 operator_ports() { echo "$WEBHOOK_PORT $METRICS_PORT"; }
@@ -152,15 +156,54 @@ YAML
 step "The same rules offline, for CI: settle check (against RabbitMQ, which cannot delay a redelivery)"
 "$SETTLE" check -f config/samples --backend-kind rabbitmq || true
 
-step "The handler runtime on the real JetStream, from the orders Subscription: bound to the operator's consumer, it acks, nacks, waits out a backoff, and declines a malformed order"
+step "An application on the runtime consumes orders from the operator's consumer"
+# The handler acks orders, declines a body containing "bad" (back with the backoff, until
+# maxDeliver 5 is spent: Exhausted), and returns once without settling on "slow" (Silent).
+kubectl patch subscription orders -n "$NS" --type=merge \
+  -p '{"spec":{"backoff":{"initial":"200ms","max":"1s","multiplier":2}}}' >/dev/null
+kubectl wait -n "$NS" --for=condition=Ready --timeout=60s subscription/orders >/dev/null
 kubectl get subscription orders -n "$NS" -o yaml >"$ENV_DIR/demo-orders.yaml"
-SETTLE_NATS_URL="$SETTLE_NATS_URL" SETTLE_SUBSCRIPTION_FILE="$ENV_DIR/demo-orders.yaml" SETTLE_RUN_FOR=3s \
-  cargo run --quiet --example orders
+stop_one demo-app
+SETTLE_NATS_URL="$SETTLE_NATS_URL" SETTLE_SUBSCRIPTION_FILE="$ENV_DIR/demo-orders.yaml" \
+  SETTLE_APP_HANDLER=demo SETTLE_REPORT_INTERVAL=500ms spawn demo-app "$APP"
+wait_for demo-app 60 grep -q '^ready' "$ENV_DIR/demo-app.log"
+echo "application running (log: $ENV_DIR/demo-app.log)"
 
-step "Admission and reconcile metrics"
-python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith(('settle_admission_requests_total', 'settle_reconcile_total', 'settle_consumer_operations_total', 'settle_status_writes_total'))))"
+step "Publish 300 orders: 20 bad ones, 10 slow ones"
+python3 - "$SETTLE_NATS_URL" <<'PY'
+import socket, sys
+host, port = sys.argv[1].split("//")[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=5)
+f = s.makefile("rb")
+f.readline()  # INFO
+out = [b'CONNECT {"verbose":false}\r\n']
+for i in range(1, 301):
+    body = (b"bad order %d" % i) if i % 15 == 0 else (b"slow order %d" % i) if i % 30 == 1 else (b'{"id": %d}' % i)
+    out.append(b"PUB orders.%d %d\r\n%s\r\n" % (i, len(body), body))
+out.append(b"PING\r\n")
+s.sendall(b"".join(out))
+while not f.readline().startswith(b"PONG"):
+    pass
+print("  published 300 orders on orders.<n>")
+PY
 
-step "Done. Everything is still running:"
+step "The account reaches status (written at most every --stats-interval, only on change)"
+expect_exhausted=20
+for i in $(seq 1 120); do
+  got="$(kubectl get subscription orders -n "$NS" -o jsonpath='{.status.stats.exhausted}/{.status.stats.settlement.acked}/{.status.stats.settlement.silent}')"
+  printf '  %3ss exhausted/acked/silent: %s\n' "$i" "${got:-none yet}"
+  [ "$got" = "$expect_exhausted/280/10" ] && break
+  [ "$i" = 120 ] && { echo "error: the account did not reach 20 exhausted, 280 acked, 10 silent in 120 s (operator log: $ENV_DIR/operator.log)" >&2; exit 1; }
+  sleep 1
+done
+kubectl get subscriptions -n "$NS"
+kubectl describe subscription orders -n "$NS" | sed -n '/^Status:/,/^Events:/p'
+stop_one demo-app
+
+step "The same account at full resolution on /metrics, with admission and reconcile counters"
+python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith(('settle_admission_requests_total', 'settle_reconcile_total', 'settle_consumer_operations_total', 'settle_status_writes_total', 'settle_subscription_exhausted_total', 'settle_subscription_acked_total', 'settle_subscription_nacked_total', 'settle_subscription_exhausting', 'settle_account_status_writes_total'))))"
+
+step "Done. Still running: kube-apiserver+etcd, nats-server, RabbitMQ, ElasticMQ and settle operator (log: $ENV_DIR/operator.log)"
 echo "  source $ENV_DIR/settle.env && kubectl get subscriptions -A"
 echo "  RabbitMQ: $SETTLE_RABBITMQ_URL (management $SETTLE_RABBITMQ_MANAGEMENT_URL, guest/guest)"
 echo "  SQS (ElasticMQ): $SETTLE_SQS_ENDPOINT"

@@ -1,0 +1,66 @@
+//! `make demo` from start to end, as a newcomer runs it: in an environment of its own (its own
+//! kube-apiserver+etcd, nats-server, RabbitMQ and ElasticMQ, started by the demo itself), then
+//! stopped with `hack/env.sh down`, which must leave nothing behind.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Stops the demo's environment however the test ends.
+struct Down(PathBuf);
+
+impl Drop for Down {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .args(["hack/env.sh", "down"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("SETTLE_ENV_DIR", &self.0)
+            .output();
+    }
+}
+
+#[test]
+fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = root.join(format!("target/demo-test-{}", std::process::id()));
+    let down = Down(dir.clone());
+    let out = Command::new("make")
+        .arg("demo")
+        .current_dir(root)
+        .env("SETTLE_ENV_DIR", &dir)
+        // The demo writes and reads its own environment's kubeconfig.
+        .env_remove("KUBECONFIG")
+        .output()
+        .expect("run make demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "make demo failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let flat: String = stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    for (what, want) in [
+        ("the consumers listed from NATS", "DEMO orders explicit 5"),
+        ("an admission refusal naming the field", "denied the request"),
+        ("kubectl get subscriptions with the account's columns", "DELIVERED EXHAUSTED STRANDED"),
+        ("the account reached status", "exhausted/acked/silent: 20/280/10"),
+        ("kubectl describe: Exhausted", "Exhausted: 20"),
+        ("kubectl describe: Acked", "Acked: 280"),
+        ("kubectl describe: Nacked", "Nacked: 100"),
+        ("kubectl describe: Silent", "Silent: 10"),
+        ("kubectl describe: Delivered", "Delivered: 390"),
+        ("the Exhausting condition", "Type: Exhausting"),
+        ("its reason", "Reason: MessagesExhausted"),
+        ("the metrics", "settle_subscription_exhausted_total{namespace=\"settle-demo\",subscription=\"orders\"} 20"),
+        ("what is still running", "Still running"),
+        ("how to stop it", "make env-down"),
+    ] {
+        assert!(flat.contains(want), "the demo's output lacks {what} ({want:?}):\n{stdout}");
+    }
+
+    drop(down);
+    assert!(
+        !dir.exists(),
+        "hack/env.sh down removes the demo's environment directory"
+    );
+}
