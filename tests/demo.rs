@@ -38,12 +38,25 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
         "make demo failed ({}):\n{stdout}\n{stderr}",
         out.status
     );
-    let flat: String = stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    // kubectl writes refusals to stderr.
+    let flat: String = format!("{stdout}\n{stderr}")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
     for (what, want) in [
         ("the consumers listed from NATS", "DEMO orders explicit 5"),
-        ("an admission refusal naming the field", "denied the request"),
-        ("kubectl get subscriptions with the account's columns", "DELIVERED EXHAUSTED STRANDED"),
-        ("the account reached status", "exhausted/acked/silent: 20/280/10"),
+        (
+            "an admission refusal naming the field",
+            "denied the request",
+        ),
+        (
+            "kubectl get subscriptions with the account's columns",
+            "DELIVERED EXHAUSTED STRANDED",
+        ),
+        (
+            "the account reached status",
+            "exhausted/acked/silent: 20/280/10",
+        ),
         ("kubectl describe: Exhausted", "Exhausted: 20"),
         ("kubectl describe: Acked", "Acked: 280"),
         ("kubectl describe: Nacked", "Nacked: 100"),
@@ -51,11 +64,17 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
         ("kubectl describe: Delivered", "Delivered: 390"),
         ("the Exhausting condition", "Type: Exhausting"),
         ("its reason", "Reason: MessagesExhausted"),
-        ("the metrics", "settle_subscription_exhausted_total{namespace=\"settle-demo\",subscription=\"orders\"} 20"),
+        (
+            "the metrics",
+            "settle_subscription_exhausted_total{namespace=\"settle-demo\",subscription=\"orders\"} 20",
+        ),
         ("what is still running", "Still running"),
         ("how to stop it", "make env-down"),
     ] {
-        assert!(flat.contains(want), "the demo's output lacks {what} ({want:?}):\n{stdout}");
+        assert!(
+            flat.contains(want),
+            "the demo's output lacks {what} ({want:?}):\n{stdout}"
+        );
     }
 
     drop(down);
