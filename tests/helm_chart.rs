@@ -564,6 +564,88 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
         dry.contains("WARNING: the operator watches every namespace but may read no Secret"),
         "{dry}"
     );
+    assert!(!dry.contains("Monitoring:"), "{dry}");
+
+    // The alerts and the ServiceMonitor need the Prometheus Operator's CRDs: without them the
+    // install stops, naming the kind, rather than leaving the alerts out unseen.
+    let mut monitored = vec![
+        "install",
+        "other",
+        chart.as_str(),
+        "-n",
+        "settle-other",
+        "--dry-run=client",
+    ];
+    for set in MONITORING_ON {
+        monitored.extend(["--set", set]);
+    }
+    let out = helm_run(kubeconfig, &monitored);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("no matches for kind")
+            && (stderr.contains("PrometheusRule") || stderr.contains("ServiceMonitor")),
+        "install with the monitoring objects and without their CRDs: {stderr}"
+    );
+    // With them (stand-ins that accept any content: the rules are checked by promtool above),
+    // NOTES names what was installed.
+    for (kind, plural) in [
+        ("PrometheusRule", "prometheusrules"),
+        ("ServiceMonitor", "servicemonitors"),
+    ] {
+        let crd = json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": format!("{plural}.monitoring.coreos.com")},
+            "spec": {
+                "group": "monitoring.coreos.com",
+                "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural},
+                "versions": [{
+                    "name": "v1", "served": true, "storage": true,
+                    "schema": {"openAPIV3Schema": {
+                        "type": "object", "x-kubernetes-preserve-unknown-fields": true
+                    }}
+                }]
+            }
+        });
+        cp.kubectl_ok(&["apply", "-f", "-"], Some(&crd.to_string()));
+        cp.kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                &format!("crd/{plural}.monitoring.coreos.com"),
+            ],
+            None,
+        );
+    }
+    let dry = helm(kubeconfig, &monitored);
+    for line in [
+        "ServiceMonitor other: Prometheus scrapes /metrics on port 8080 of every replica.",
+        "PrometheusRule other: SettleMessagesExhausted, SettleMessagesStranded, SettleSubscriptionNotReady, SettleNoLeader.",
+        "Grafana dashboard \"Settle\": ConfigMap other-dashboard in settle-other.",
+    ] {
+        assert!(dry.contains(line), "NOTES lack {line:?}:\n{dry}");
+    }
+    assert!(!dry.contains("honor_labels"), "{dry}");
+    let dry = helm(
+        kubeconfig,
+        &[
+            "install",
+            "other",
+            &chart,
+            "-n",
+            "settle-other",
+            "--dry-run=client",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+        ],
+    );
+    assert!(
+        dry.contains("with honor_labels: true"),
+        "NOTES say how to scrape without the ServiceMonitor:\n{dry}"
+    );
 
     helm(kubeconfig, &["uninstall", "settle", "-n", "settle-system"]);
     for (args, what) in [
@@ -660,18 +742,10 @@ fn exported_metrics() -> BTreeSet<String> {
 /// of `by`, `without`, `on`, `ignoring` and `group_*` are skipped; an identifier that is followed
 /// by `(` is a function and a keyword is a keyword; every other identifier is a metric name.
 fn metric_names(expr: &str) -> BTreeSet<String> {
-    const WORDS: [&str; 19] = [
-        "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
-        "bottomk", "topk", "quantile", "and", "or", "unless", "bool", "offset", "inf", "nan",
-    ];
-    const LABEL_LISTS: [&str; 6] = [
-        "by",
-        "without",
-        "on",
-        "ignoring",
-        "group_left",
-        "group_right",
-    ];
+    const WORDS: &str = "sum min max avg group stddev stdvar count count_values bottomk topk \
+        quantile and or unless bool offset inf nan";
+    const LABEL_LISTS: &str = "by without on ignoring group_left group_right";
+    let is = |list: &str, word: &str| list.split_whitespace().any(|w| w == word);
     let chars: Vec<char> = expr.chars().collect();
     let n = chars.len();
     // The index just past the `close` that ends what starts at `i` (quotes inside respected).
@@ -731,8 +805,8 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
                 let word: String = chars[start..i].iter().collect();
                 let lower = word.to_ascii_lowercase();
                 let next = chars[i..].iter().find(|c| !c.is_whitespace());
-                label_list_next = LABEL_LISTS.contains(&lower.as_str());
-                if !label_list_next && next != Some(&'(') && !WORDS.contains(&lower.as_str()) {
+                label_list_next = is(LABEL_LISTS, &lower);
+                if !label_list_next && next != Some(&'(') && !is(WORDS, &lower) {
                     names.insert(word);
                 }
             }
@@ -806,7 +880,10 @@ fn write_rules(dir: &Path, spec: &Value) {
 fn monitoring_objects_are_off_by_default_and_render_when_enabled() {
     let defaults = docs(&render(&[]));
     for kind in ["PrometheusRule", "ServiceMonitor"] {
-        assert!(find_kind(&defaults, kind).is_none(), "{kind} rendered by default");
+        assert!(
+            find_kind(&defaults, kind).is_none(),
+            "{kind} rendered by default"
+        );
     }
     assert!(
         !defaults.iter().any(|d| d["kind"] == "ConfigMap"),
@@ -913,7 +990,10 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
         all.extend(sets);
         let spec = rendered_rules(&all);
         write_rules(dir.path(), &spec);
-        let (ok, out) = promtool(dir.path(), &["check", "rules", "--lint-fatal", "rules.yaml"]);
+        let (ok, out) = promtool(
+            dir.path(),
+            &["check", "rules", "--lint-fatal", "rules.yaml"],
+        );
         assert!(ok, "promtool check rules with {sets:?}:\n{out}");
         assert!(out.contains("SUCCESS: 4 rules found"), "{sets:?}:\n{out}");
         if !sets.is_empty() {
@@ -1045,11 +1125,7 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
         }
         for annotation in ["summary", "description"] {
             let text = rule["annotations"][annotation].as_str().unwrap_or("");
-            assert!(
-                text.len() > 20,
-                "alert {}: no {annotation}",
-                rule["alert"]
-            );
+            assert!(text.len() > 20, "alert {}: no {annotation}", rule["alert"]);
         }
         assert!(
             rule["labels"]["severity"].is_string(),
@@ -1119,7 +1195,10 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
         "settle_status_writes_total",
         "settle_leader",
     ] {
-        assert!(read.contains(name), "neither alerts nor dashboard read {name}");
+        assert!(
+            read.contains(name),
+            "neither alerts nor dashboard read {name}"
+        );
     }
 
     // Panels: unique ids, each in the 24-column grid, none overlapping another.
@@ -1129,7 +1208,11 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
         assert!(ids.insert(p["id"].as_i64().expect("id")), "id twice: {p}");
         let g = &p["gridPos"];
         let b = ["x", "y", "w", "h"].map(|k| g[k].as_i64().expect("gridPos"));
-        assert!(b[0] >= 0 && b[0] + b[2] <= 24, "{} is off the grid", p["title"]);
+        assert!(
+            b[0] >= 0 && b[0] + b[2] <= 24,
+            "{} is off the grid",
+            p["title"]
+        );
         for (other, o) in &boxes {
             let apart = b[0] + b[2] <= o[0]
                 || o[0] + o[2] <= b[0]
