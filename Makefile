@@ -15,7 +15,7 @@ crds:            ## regenerate crds/ and its copies (chart, kustomize) from the 
 	cp crds/settle.yaml charts/settle/crds/settle.yaml
 	cp crds/settle.yaml config/crd/settle.yaml
 
-tools:           ## install the pinned kube-apiserver+etcd, nats-server, helm, kube-score, ElasticMQ (target/tools) and RabbitMQ (apt)
+tools:           ## install the pinned kube-apiserver+etcd, nats-server, helm, kube-score, promtool, ElasticMQ (target/tools) and RabbitMQ (apt)
 	hack/tools.sh build
 
 env-up:          ## start kube-apiserver+etcd, nats-server, RabbitMQ, ElasticMQ on 127.0.0.1; writes target/env/settle.env

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs (once) and prints the paths of the real parts Settle's tests and demo run against,
-# each pinned: kube-apiserver+etcd (tests/controlplane), nats-server, helm and kube-score (the chart's lint), built from Go
-# modules and cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from Maven
-# Central into target/tools/elasticmq-<version>/; RabbitMQ and shellcheck, Debian packages
-# installed with apt-get when missing. Safe to run repeatedly; nothing finished is redone.
+# each pinned: kube-apiserver+etcd (tests/controlplane), nats-server, helm and kube-score (the
+# chart's lint), promtool (checks and unit-tests the chart's alerts), built from Go modules and
+# cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from Maven Central
+# into target/tools/elasticmq-<version>/; RabbitMQ and shellcheck, Debian packages installed with
+# apt-get when missing. Safe to run repeatedly; nothing finished is redone.
 #   hack/tools.sh build [NAMES]  install whatever is missing (default: everything the tests need)
 #   hack/tools.sh path NAME      print the program of NAME
-#                                (controlplane|nats-server|helm|kube-score|rabbitmq|elasticmq|shellcheck)
+#                                (controlplane|nats-server|helm|kube-score|promtool|rabbitmq|elasticmq|shellcheck)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=hack/lib.sh
@@ -15,6 +16,7 @@ CP_VERSION="$(cat "$ROOT/tests/controlplane/VERSION")"
 NATS_VERSION="v2.15.3"
 HELM_VERSION="v3.21.4"
 KUBE_SCORE_VERSION="v1.20.0"
+PROMTOOL_VERSION="v0.316.0"      # github.com/prometheus/prometheus (Prometheus 3.16)
 ELASTICMQ_VERSION="1.6.11"       # org.elasticmq:elasticmq-server_2.13
 RABBITMQ_SERIES="3.10"           # Debian bookworm's rabbitmq-server (3.10.8)
 MAVEN_DEPENDENCY_PLUGIN="3.6.1"
@@ -27,6 +29,7 @@ path_of() {
     nats-server)  echo "$TOOLS/nats-server-$NATS_VERSION/nats-server" ;;
     helm)         echo "$TOOLS/helm-$HELM_VERSION/helm" ;;
     kube-score)   echo "$TOOLS/kube-score-$KUBE_SCORE_VERSION/kube-score" ;;
+    promtool)     echo "$TOOLS/promtool-$PROMTOOL_VERSION/promtool" ;;
     elasticmq)    echo "$TOOLS/elasticmq-$ELASTICMQ_VERSION/elasticmq-server" ;;
     # The package's own server script, run as the calling user; /usr/sbin/rabbitmq-server would
     # switch to the rabbitmq user and the system's configuration.
@@ -181,6 +184,10 @@ build_one() {
       with_progress "helm $HELM_VERSION" env GOBIN="$tmp" go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" ;;
     kube-score)
       with_progress "kube-score $KUBE_SCORE_VERSION" env GOBIN="$tmp" go install "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION" ;;
+    promtool)
+      # remove_all_sd leaves out the cloud service discoveries (AWS, Azure, GCE, ...), about a
+      # fifth of the packages, which checking and unit-testing rules never use.
+      with_progress "promtool $PROMTOOL_VERSION" env GOBIN="$tmp" go install -tags remove_all_sd "github.com/prometheus/prometheus/cmd/promtool@$PROMTOOL_VERSION" ;;
   esac
   mv "$tmp/$(basename "$out")" "$out"
   rm -rf "$tmp"
@@ -189,7 +196,7 @@ build_one() {
 
 case "${1:-build}" in
   build)
-    names="${2:-rabbitmq elasticmq nats-server helm kube-score controlplane}"
+    names="${2:-rabbitmq elasticmq nats-server helm kube-score promtool controlplane}"
     for t in $names; do path_of "$t" >/dev/null; done   # unknown names fail here
     case " $names " in
       *" controlplane "*) need kubectl "the Kubernetes client; Debian: apt-get install kubectl, or see kubernetes.io" ;;
@@ -198,7 +205,7 @@ case "${1:-build}" in
     # The downloads (apt, Maven) wait on the network and the Go builds on the CPU: run the
     # downloads beside the builds. Each group runs its own tools in order.
     pids=()
-    for group in "rabbitmq" "elasticmq" "nats-server helm kube-score controlplane shellcheck"; do
+    for group in "rabbitmq" "elasticmq" "nats-server helm kube-score promtool controlplane shellcheck"; do
       mine=""
       for t in $names; do case " $group " in *" $t "*) mine="$mine $t" ;; esac; done
       [ -n "$mine" ] || continue

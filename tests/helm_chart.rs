@@ -7,11 +7,12 @@
 mod common;
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use common::controlplane::ControlPlane;
+use common::controlplane::{ControlPlane, tool};
 use common::install::{
     Operator, assert_no_rbac_wildcard, assert_operator_rbac, assert_settle_webhook, chart, docs,
     helm, helm_run, kube_score, render_chart, shipped_webhook_configuration, webhook_behaviour,
@@ -88,6 +89,30 @@ fn values_schema_refuses_bad_values_naming_them() {
             "networkPolicy.brokers.ports={0}",
             "at '/networkPolicy/brokers/ports/0': minimum",
         ),
+        (
+            "monitoring.prometheusRule.enabled=yes",
+            "at '/monitoring/prometheusRule/enabled': got string, want boolean",
+        ),
+        (
+            "monitoring.prometheusRule.notReadyFor=soon",
+            "at '/monitoring/prometheusRule/notReadyFor'",
+        ),
+        (
+            "monitoring.prometheusRule.leaderSelector={job=\"settle\"}",
+            "at '/monitoring/prometheusRule/leaderSelector'",
+        ),
+        (
+            "monitoring.prometheusRule.severity.exhausted=",
+            "at '/monitoring/prometheusRule/severity/exhausted'",
+        ),
+        (
+            "monitoring.grafanaDashboard.labels.grafana_dashboard=1",
+            "at '/monitoring/grafanaDashboard/labels/grafana_dashboard': got number, want string",
+        ),
+        (
+            "monitoring.serviceMonitor.interval=30",
+            "at '/monitoring/serviceMonitor/interval'",
+        ),
     ];
     let mut wrong = Vec::new();
     for (set, wanted) in cases {
@@ -120,7 +145,7 @@ fn values_schema_refuses_bad_values_naming_them() {
 #[test]
 fn kube_score_finds_nothing_critical_in_the_chart() {
     let values = std::fs::read_to_string(root().join("charts/settle/values.yaml")).expect("values");
-    let variants: [(&str, &[&str], &[&str]); 4] = [
+    let variants: [(&str, &[&str], &[&str]); 5] = [
         (
             "defaults",
             &[],
@@ -145,6 +170,11 @@ fn kube_score_finds_nothing_critical_in_the_chart() {
         (
             "one replica, Secrets cluster-wide",
             &["replicas=1", "rbac.secretsClusterWide=true"],
+            &["container-image-pull-policy", "pod-networkpolicy"],
+        ),
+        (
+            "ServiceMonitor, PrometheusRule and dashboard",
+            &MONITORING_ON,
             &["container-image-pull-policy", "pod-networkpolicy"],
         ),
     ];
@@ -534,6 +564,88 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
         dry.contains("WARNING: the operator watches every namespace but may read no Secret"),
         "{dry}"
     );
+    assert!(!dry.contains("Monitoring:"), "{dry}");
+
+    // The alerts and the ServiceMonitor need the Prometheus Operator's CRDs: without them the
+    // install stops, naming the kind, rather than leaving the alerts out unseen.
+    let mut monitored = vec![
+        "install",
+        "other",
+        chart.as_str(),
+        "-n",
+        "settle-other",
+        "--dry-run=client",
+    ];
+    for set in MONITORING_ON {
+        monitored.extend(["--set", set]);
+    }
+    let out = helm_run(kubeconfig, &monitored);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && stderr.contains("no matches for kind")
+            && (stderr.contains("PrometheusRule") || stderr.contains("ServiceMonitor")),
+        "install with the monitoring objects and without their CRDs: {stderr}"
+    );
+    // With them (stand-ins that accept any content: the rules are checked by promtool above),
+    // NOTES names what was installed.
+    for (kind, plural) in [
+        ("PrometheusRule", "prometheusrules"),
+        ("ServiceMonitor", "servicemonitors"),
+    ] {
+        let crd = json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": format!("{plural}.monitoring.coreos.com")},
+            "spec": {
+                "group": "monitoring.coreos.com",
+                "scope": "Namespaced",
+                "names": {"kind": kind, "plural": plural},
+                "versions": [{
+                    "name": "v1", "served": true, "storage": true,
+                    "schema": {"openAPIV3Schema": {
+                        "type": "object", "x-kubernetes-preserve-unknown-fields": true
+                    }}
+                }]
+            }
+        });
+        cp.kubectl_ok(&["apply", "-f", "-"], Some(&crd.to_string()));
+        cp.kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                &format!("crd/{plural}.monitoring.coreos.com"),
+            ],
+            None,
+        );
+    }
+    let dry = helm(kubeconfig, &monitored);
+    for line in [
+        "ServiceMonitor other: Prometheus scrapes /metrics on port 8080 of every replica.",
+        "PrometheusRule other: SettleMessagesExhausted, SettleMessagesStranded, SettleSubscriptionNotReady, SettleNoLeader.",
+        "Grafana dashboard \"Settle\": ConfigMap other-dashboard in settle-other.",
+    ] {
+        assert!(dry.contains(line), "NOTES lack {line:?}:\n{dry}");
+    }
+    assert!(!dry.contains("honor_labels"), "{dry}");
+    let dry = helm(
+        kubeconfig,
+        &[
+            "install",
+            "other",
+            &chart,
+            "-n",
+            "settle-other",
+            "--dry-run=client",
+            "--set",
+            "monitoring.prometheusRule.enabled=true",
+        ],
+    );
+    assert!(
+        dry.contains("with honor_labels: true"),
+        "NOTES say how to scrape without the ServiceMonitor:\n{dry}"
+    );
 
     helm(kubeconfig, &["uninstall", "settle", "-n", "settle-system"]);
     for (args, what) in [
@@ -556,4 +668,570 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
     // Helm keeps CRDs (and so everyone's Subscriptions) on uninstall.
     cp.kubectl_ok(&["get", "crd/subscriptions.messaging.settle.dev"], None);
     cp.kubectl_ok(&["get", "crd/backends.messaging.settle.dev"], None);
+}
+
+// ---- Alerts and dashboard ----------------------------------------------------------------------
+
+/// The monitoring objects, all enabled.
+const MONITORING_ON: [&str; 3] = [
+    "monitoring.serviceMonitor.enabled=true",
+    "monitoring.prometheusRule.enabled=true",
+    "monitoring.grafanaDashboard.enabled=true",
+];
+
+/// The delivery counters the account exports per Subscription, as
+/// `settle_subscription_<stem>_total{namespace,subscription}`.
+const SUBSCRIPTION_COUNTERS: [&str; 13] = [
+    "offered",
+    "delivered",
+    "released",
+    "lost",
+    "acked",
+    "nacked",
+    "silent",
+    "refused",
+    "exhausted",
+    "stranded",
+    "lease_expired",
+    "delay_shortened",
+    "foreign_conflicts",
+];
+
+/// Its gauges, `settle_subscription_<name>{namespace,subscription}`.
+const SUBSCRIPTION_GAUGES: [&str; 4] = ["pending", "ack_pending", "ready", "exhausting"];
+
+/// The account's own: its status writes, by result.
+const ACCOUNT_METRICS: [&str; 1] = ["settle_account_status_writes_total"];
+
+/// The operator's own metrics the chart may read, each registered under this exact name in src/
+/// (histograms with their `_bucket`, `_sum`, `_count` series).
+const OPERATOR_METRICS: [&str; 7] = [
+    "settle_reconcile_total",
+    "settle_consumer_operations_total",
+    "settle_status_writes_total",
+    "settle_leader",
+    "settle_admission_requests_total",
+    "settle_reconcile_duration_seconds",
+    "settle_admission_duration_seconds",
+];
+const HISTOGRAMS: [&str; 2] = [
+    "settle_reconcile_duration_seconds",
+    "settle_admission_duration_seconds",
+];
+
+/// Every series name `settle operator` exports that the chart's alerts and dashboard may read.
+fn exported_metrics() -> BTreeSet<String> {
+    let mut names: BTreeSet<String> = SUBSCRIPTION_COUNTERS
+        .iter()
+        .map(|c| format!("settle_subscription_{c}_total"))
+        .chain(
+            SUBSCRIPTION_GAUGES
+                .iter()
+                .map(|g| format!("settle_subscription_{g}")),
+        )
+        .chain(OPERATOR_METRICS.iter().map(|m| m.to_string()))
+        .chain(ACCOUNT_METRICS.iter().map(|m| m.to_string()))
+        .collect();
+    for h in HISTOGRAMS {
+        names.remove(h);
+        for suffix in ["bucket", "sum", "count"] {
+            names.insert(format!("{h}_{suffix}"));
+        }
+    }
+    names
+}
+
+/// The metric names a PromQL expression reads. A small scanner, not a parser (promtool checks
+/// the syntax): strings, label matchers, ranges, numbers, Grafana variables and the label lists
+/// of `by`, `without`, `on`, `ignoring` and `group_*` are skipped; an identifier that is followed
+/// by `(` is a function and a keyword is a keyword; every other identifier is a metric name.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    const WORDS: &str = "sum min max avg group stddev stdvar count count_values bottomk topk \
+        quantile and or unless bool offset inf nan";
+    const LABEL_LISTS: &str = "by without on ignoring group_left group_right";
+    let is = |list: &str, word: &str| list.split_whitespace().any(|w| w == word);
+    let chars: Vec<char> = expr.chars().collect();
+    let n = chars.len();
+    // The index just past the `close` that ends what starts at `i` (quotes inside respected).
+    let past = |mut i: usize, close: char| -> usize {
+        let mut quote: Option<char> = None;
+        while i < n {
+            match (quote, chars[i]) {
+                (Some(_), '\\') => i += 1,
+                (Some(q), c) if c == q => quote = None,
+                (None, c @ ('"' | '\'' | '`')) => quote = Some(c),
+                (None, c) if c == close => return i + 1,
+                _ => {}
+            }
+            i += 1;
+        }
+        n
+    };
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut names = BTreeSet::new();
+    let mut label_list_next = false;
+    let mut i = 0;
+    while i < n {
+        let c = chars[i];
+        match c {
+            '"' | '\'' | '`' => i = past(i, c).max(i + 1),
+            '{' => i = past(i + 1, '}'),
+            '[' => i = past(i + 1, ']'),
+            '(' if label_list_next => {
+                label_list_next = false;
+                i = past(i + 1, ')');
+            }
+            '$' => {
+                i += 1;
+                if chars.get(i) == Some(&'{') {
+                    i = past(i + 1, '}');
+                } else {
+                    while i < n && ident(chars[i]) {
+                        i += 1;
+                    }
+                }
+            }
+            c if c.is_ascii_digit() || c == '.' => {
+                // Numbers and durations: 0.99, 1e-3, 5m, 1h30m.
+                while i < n
+                    && (ident(chars[i])
+                        || chars[i] == '.'
+                        || (matches!(chars[i], '+' | '-') && matches!(chars[i - 1], 'e' | 'E')))
+                {
+                    i += 1;
+                }
+            }
+            c if c.is_ascii_alphabetic() || c == '_' || c == ':' => {
+                let start = i;
+                while i < n && ident(chars[i]) {
+                    i += 1;
+                }
+                let word: String = chars[start..i].iter().collect();
+                let lower = word.to_ascii_lowercase();
+                let next = chars[i..].iter().find(|c| !c.is_whitespace());
+                label_list_next = is(LABEL_LISTS, &lower);
+                if !label_list_next && next != Some(&'(') && !is(WORDS, &lower) {
+                    names.insert(word);
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    names
+}
+
+#[test]
+fn metric_names_finds_the_metrics_of_an_expression_and_nothing_else() {
+    let cases: [(&str, &[&str]); 7] = [
+        ("settle_leader", &["settle_leader"]),
+        (
+            r#"sum by (namespace, subscription) (rate(settle_subscription_delivered_total{namespace=~"$namespace", subscription="a,b(c)"}[$__rate_interval]))"#,
+            &["settle_subscription_delivered_total"],
+        ),
+        (
+            "histogram_quantile(0.99, sum by (le, controller) (rate(settle_reconcile_duration_seconds_bucket[5m])))",
+            &["settle_reconcile_duration_seconds_bucket"],
+        ),
+        (
+            "(sum(settle_leader{namespace=\"x\"}) or vector(0)) == 0",
+            &["settle_leader"],
+        ),
+        (
+            "increase(a_total[1h30m] offset 5m) > 1e-3\nor on (ns) group_left(team) b == 1 unless ignoring(x) c",
+            &["a_total", "b", "c"],
+        ),
+        ("count without(pod) (up) > bool 0", &["up"]),
+        ("sum(x) / count ( y{le=\"+Inf\"} )", &["x", "y"]),
+    ];
+    for (expr, wanted) in cases {
+        let wanted: BTreeSet<String> = wanted.iter().map(|s| s.to_string()).collect();
+        assert_eq!(metric_names(expr), wanted, "{expr}");
+    }
+}
+
+fn find_kind<'a>(docs: &'a [Value], kind: &str) -> Option<&'a Value> {
+    docs.iter().find(|d| d["kind"] == kind)
+}
+
+/// The alerting rules of the PrometheusRule the chart renders with `sets`.
+fn rendered_rules(sets: &[&str]) -> Value {
+    let docs = docs(&render(sets));
+    find_kind(&docs, "PrometheusRule")
+        .unwrap_or_else(|| panic!("no PrometheusRule rendered with {sets:?}"))["spec"]
+        .clone()
+}
+
+/// Runs the pinned promtool in `dir`; returns whether it succeeded and what it printed.
+fn promtool(dir: &Path, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(tool("promtool"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run promtool");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// Writes `spec` (a PrometheusRule's spec: a rule file) to `dir/rules.yaml`.
+fn write_rules(dir: &Path, spec: &Value) {
+    let yaml = serde_yaml::to_string(spec).expect("rules as YAML");
+    std::fs::write(dir.join("rules.yaml"), yaml).expect("write rules.yaml");
+}
+
+#[test]
+fn monitoring_objects_are_off_by_default_and_render_when_enabled() {
+    let defaults = docs(&render(&[]));
+    for kind in ["PrometheusRule", "ServiceMonitor"] {
+        assert!(
+            find_kind(&defaults, kind).is_none(),
+            "{kind} rendered by default"
+        );
+    }
+    assert!(
+        !defaults.iter().any(|d| d["kind"] == "ConfigMap"),
+        "a dashboard ConfigMap rendered by default"
+    );
+
+    let mut sets = MONITORING_ON.to_vec();
+    sets.extend([
+        "monitoring.serviceMonitor.labels.release=prometheus",
+        "monitoring.prometheusRule.labels.release=prometheus",
+        "monitoring.prometheusRule.annotations.owner=platform",
+        "monitoring.grafanaDashboard.namespace=grafana",
+        "monitoring.grafanaDashboard.annotations.grafana_folder=Messaging",
+    ]);
+    let on = docs(&render(&sets));
+
+    let monitor = find_kind(&on, "ServiceMonitor").expect("ServiceMonitor");
+    assert_eq!(monitor["metadata"]["labels"]["release"], "prometheus");
+    let service = on
+        .iter()
+        .find(|d| d["kind"] == "Service")
+        .expect("the operator's Service");
+    let selector = monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .expect("matchLabels");
+    for (k, v) in selector {
+        assert_eq!(
+            &service["metadata"]["labels"][k], v,
+            "the ServiceMonitor selects the operator's Service"
+        );
+    }
+    let port = &monitor["spec"]["endpoints"][0];
+    assert_eq!(port["port"], "metrics");
+    assert!(
+        service["spec"]["ports"]
+            .as_array()
+            .expect("ports")
+            .iter()
+            .any(|p| p["name"] == "metrics"),
+        "the Service has a port named metrics: {service}"
+    );
+    assert_eq!(port["path"], "/metrics");
+    assert_eq!(
+        port["honorLabels"], true,
+        "the Subscription's namespace label must survive the scrape"
+    );
+
+    let rule = find_kind(&on, "PrometheusRule").expect("PrometheusRule");
+    assert_eq!(rule["metadata"]["labels"]["release"], "prometheus");
+    assert_eq!(rule["metadata"]["annotations"]["owner"], "platform");
+    let alerts: Vec<&str> = rule["spec"]["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .flat_map(|g| g["rules"].as_array().expect("rules"))
+        .map(|r| r["alert"].as_str().expect("alert"))
+        .collect();
+    assert_eq!(
+        alerts,
+        [
+            "SettleMessagesExhausted",
+            "SettleMessagesStranded",
+            "SettleSubscriptionNotReady",
+            "SettleNoLeader"
+        ]
+    );
+
+    let dashboard = find_kind(&on, "ConfigMap").expect("dashboard ConfigMap");
+    assert_eq!(dashboard["metadata"]["namespace"], "grafana");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    assert_eq!(
+        dashboard["metadata"]["annotations"]["grafana_folder"],
+        "Messaging"
+    );
+    let shipped = std::fs::read_to_string(root().join("charts/settle/dashboards/settle.json"))
+        .expect("charts/settle/dashboards/settle.json");
+    assert_eq!(
+        dashboard["data"]["settle.json"].as_str().map(str::trim_end),
+        Some(shipped.trim_end()),
+        "the ConfigMap carries dashboards/settle.json as it is"
+    );
+}
+
+/// The PrometheusRule's rules, as a rule file, pass `promtool check rules`, with the defaults
+/// and with every alert setting changed; a broken copy fails it (so the check is real); and
+/// `promtool test rules` runs tests/promtool/alerts.test.yaml: series in, the alerts that must
+/// fire (labels and annotations as written) and those that must not.
+#[test]
+fn alert_rules_pass_promtool_check_and_their_unit_tests() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let variants: [&[&str]; 2] = [
+        &[],
+        &[
+            "controller.lossWindow=1h30m",
+            "monitoring.prometheusRule.notReadyFor=30m",
+            "monitoring.prometheusRule.noLeaderFor=2m",
+            "monitoring.prometheusRule.leaderSelector=job=\"settle\"\\,cluster=\"eu\"",
+            "monitoring.prometheusRule.alertLabels.team=platform",
+            "monitoring.prometheusRule.severity.exhausted=page",
+        ],
+    ];
+    for sets in variants {
+        let mut all = vec!["monitoring.prometheusRule.enabled=true"];
+        all.extend(sets);
+        let spec = rendered_rules(&all);
+        write_rules(dir.path(), &spec);
+        let (ok, out) = promtool(
+            dir.path(),
+            &["check", "rules", "--lint-fatal", "rules.yaml"],
+        );
+        assert!(ok, "promtool check rules with {sets:?}:\n{out}");
+        assert!(out.contains("SUCCESS: 4 rules found"), "{sets:?}:\n{out}");
+        if !sets.is_empty() {
+            let text = serde_json::to_string(&spec).expect("json");
+            for part in [
+                "[1h30m]",
+                "settle_leader{job=\\\"settle\\\",cluster=\\\"eu\\\"}",
+                "\"for\":\"30m\"",
+                "\"for\":\"2m\"",
+                "\"team\":\"platform\"",
+                "\"severity\":\"page\"",
+            ] {
+                assert!(text.contains(part), "{part} missing from {text}");
+            }
+        }
+    }
+
+    // A rule that does not parse fails the check, naming it.
+    let mut broken = rendered_rules(&["monitoring.prometheusRule.enabled=true"]);
+    broken["groups"][0]["rules"][0]["expr"] =
+        json!("increase(settle_subscription_exhausted_total[15m] > 0");
+    write_rules(dir.path(), &broken);
+    let (ok, out) = promtool(dir.path(), &["check", "rules", "rules.yaml"]);
+    assert!(
+        !ok && out.contains("SettleMessagesExhausted"),
+        "a broken expression passed promtool check rules:\n{out}"
+    );
+
+    // The unit tests, against the rules of the default values.
+    write_rules(
+        dir.path(),
+        &rendered_rules(&["monitoring.prometheusRule.enabled=true"]),
+    );
+    std::fs::copy(
+        root().join("tests/promtool/alerts.test.yaml"),
+        dir.path().join("alerts.test.yaml"),
+    )
+    .expect("copy tests/promtool/alerts.test.yaml");
+    let (ok, out) = promtool(dir.path(), &["test", "rules", "alerts.test.yaml"]);
+    assert!(ok && out.contains("SUCCESS"), "promtool test rules:\n{out}");
+}
+
+/// Every PromQL expression of the dashboard: its panels' targets (rows' panels too) and its
+/// template variables' queries (`label_values(SELECTOR, LABEL)` reads SELECTOR).
+fn dashboard_queries(dashboard: &Value) -> Vec<(String, String)> {
+    fn panels<'a>(list: &'a Value, out: &mut Vec<&'a Value>) {
+        for p in list.as_array().into_iter().flatten() {
+            out.push(p);
+            panels(&p["panels"], out);
+        }
+    }
+    let mut all = Vec::new();
+    panels(&dashboard["panels"], &mut all);
+    let mut queries = Vec::new();
+    for p in all {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().expect("every target has an expr");
+            queries.push((format!("panel {:?}", p["title"]), expr.to_string()));
+        }
+    }
+    for v in dashboard["templating"]["list"]
+        .as_array()
+        .expect("templating")
+    {
+        if v["type"] != "query" {
+            continue;
+        }
+        let q = v["query"]["query"].as_str().expect("variable query");
+        let inner = q
+            .strip_prefix("label_values(")
+            .and_then(|r| r.strip_suffix(')'))
+            .unwrap_or_else(|| panic!("variable {}: not label_values(...): {q}", v["name"]));
+        let selector = inner.rsplit_once(',').map_or(inner, |(s, _)| s);
+        queries.push((format!("variable {}", v["name"]), selector.to_string()));
+    }
+    queries
+}
+
+/// The alerts and the dashboard read only metrics the operator exports: a metric renamed in src/
+/// or misspelt in the chart fails here, instead of an alert that can never fire.
+#[test]
+fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
+    let exported = exported_metrics();
+
+    // The controllers' metrics are registered under these literal names in src/. The account's
+    // per-Subscription names are built from their stems, so they are listed above as it defines
+    // them (and in the README's metrics table).
+    let mut src = String::new();
+    let mut dirs = vec![root().join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read src") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                src += &std::fs::read_to_string(&path).expect("read source");
+            }
+        }
+    }
+    for name in OPERATOR_METRICS {
+        assert!(
+            src.contains(&format!("\"{name}\"")),
+            "{name} is not registered anywhere in src/"
+        );
+    }
+
+    let mut sets = MONITORING_ON.to_vec();
+    sets.push("monitoring.prometheusRule.leaderSelector=job=\"settle\"");
+    let docs = docs(&render(&sets));
+    let mut read = BTreeSet::new();
+    let mut wrong = Vec::new();
+
+    let rules = &find_kind(&docs, "PrometheusRule").expect("PrometheusRule")["spec"];
+    for rule in rules["groups"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .flat_map(|g| g["rules"].as_array().expect("rules"))
+    {
+        let expr = rule["expr"].as_str().expect("expr");
+        let names = metric_names(expr);
+        if names.is_empty() {
+            wrong.push(format!("alert {}: reads no metric: {expr}", rule["alert"]));
+        }
+        for name in names {
+            if !exported.contains(&name) {
+                wrong.push(format!("alert {}: {name} is not exported", rule["alert"]));
+            }
+            read.insert(name);
+        }
+        for annotation in ["summary", "description"] {
+            let text = rule["annotations"][annotation].as_str().unwrap_or("");
+            assert!(text.len() > 20, "alert {}: no {annotation}", rule["alert"]);
+        }
+        assert!(
+            rule["labels"]["severity"].is_string(),
+            "alert {}: no severity",
+            rule["alert"]
+        );
+    }
+    let description = |alert: &str| -> String {
+        rules["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+            .find(|r| r["alert"] == alert)
+            .map(|r| r["annotations"]["description"].to_string())
+            .unwrap_or_default()
+    };
+    for alert in [
+        "SettleMessagesExhausted",
+        "SettleMessagesStranded",
+        "SettleSubscriptionNotReady",
+    ] {
+        assert!(
+            description(alert).contains(
+                "kubectl describe subscription {{ $labels.subscription }} -n {{ $labels.namespace }}"
+            ),
+            "{alert} does not say what to run: {}",
+            description(alert)
+        );
+    }
+
+    let text = find_kind(&docs, "ConfigMap").expect("dashboard")["data"]["settle.json"]
+        .as_str()
+        .expect("settle.json")
+        .to_string();
+    let dashboard: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    assert_eq!(dashboard["uid"], "settle-subscriptions");
+    let queries = dashboard_queries(&dashboard);
+    assert!(queries.len() > 20, "{queries:?}");
+    for (whose, expr) in &queries {
+        let names = metric_names(expr);
+        if names.is_empty() {
+            wrong.push(format!("dashboard {whose}: reads no metric: {expr}"));
+        }
+        for name in names {
+            if !exported.contains(&name) {
+                wrong.push(format!("dashboard {whose}: {name} is not exported"));
+            }
+            read.insert(name);
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+
+    // What the alerts and the dashboard are for is all there.
+    for name in [
+        "settle_subscription_delivered_total",
+        "settle_subscription_acked_total",
+        "settle_subscription_nacked_total",
+        "settle_subscription_silent_total",
+        "settle_subscription_exhausted_total",
+        "settle_subscription_stranded_total",
+        "settle_subscription_pending",
+        "settle_subscription_ack_pending",
+        "settle_subscription_ready",
+        "settle_subscription_exhausting",
+        "settle_reconcile_total",
+        "settle_status_writes_total",
+        "settle_leader",
+    ] {
+        assert!(
+            read.contains(name),
+            "neither alerts nor dashboard read {name}"
+        );
+    }
+
+    // Panels: unique ids, each in the 24-column grid, none overlapping another.
+    let mut ids = BTreeSet::new();
+    let mut boxes: Vec<(String, [i64; 4])> = Vec::new();
+    for p in dashboard["panels"].as_array().expect("panels") {
+        assert!(ids.insert(p["id"].as_i64().expect("id")), "id twice: {p}");
+        let g = &p["gridPos"];
+        let b = ["x", "y", "w", "h"].map(|k| g[k].as_i64().expect("gridPos"));
+        assert!(
+            b[0] >= 0 && b[0] + b[2] <= 24,
+            "{} is off the grid",
+            p["title"]
+        );
+        for (other, o) in &boxes {
+            let apart = b[0] + b[2] <= o[0]
+                || o[0] + o[2] <= b[0]
+                || b[1] + b[3] <= o[1]
+                || o[1] + o[3] <= b[1];
+            assert!(apart, "panels {} and {other} overlap", p["title"]);
+        }
+        boxes.push((p["title"].to_string(), b));
+        if p["type"] != "row" {
+            assert_eq!(
+                p["datasource"]["uid"], "${datasource}",
+                "{} uses the dashboard's data source variable",
+                p["title"]
+            );
+        }
+    }
 }
