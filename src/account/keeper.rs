@@ -39,6 +39,9 @@ use crate::backend::nats::jsapi::{self, NatsError};
 use crate::bus::report::{StatsReport, report_key};
 use crate::policy::ResolvedPolicy;
 
+/// Reports held back for a Subscription not in the cache yet, at most.
+const EARLY_REPORTS: usize = 10_000;
+
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
 
@@ -169,6 +172,8 @@ impl Keeper {
 
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut members = self.members();
+        // Reports of Subscriptions not in the cache yet (applied and the app reported first).
+        let mut early: HashMap<String, kv::Entry> = HashMap::new();
         let mut acks: Vec<jetstream::Message> = Vec::new();
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -178,7 +183,11 @@ impl Keeper {
                     let entry = entry
                         .ok_or_else(|| broken("the report watch", "ended"))?
                         .map_err(|e| broken("the report watch", e))?;
-                    self.on_report(&ledgers, &members, &mut books, entry).await?;
+                    if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await?
+                        && early.len() < EARLY_REPORTS
+                    {
+                        early.insert(entry.key.clone(), entry);
+                    }
                 }
                 msg = advisories.next() => {
                     let msg = msg
@@ -189,6 +198,11 @@ impl Keeper {
                 }
                 _ = tick.tick() => {
                     members = self.members();
+                    for (_, entry) in std::mem::take(&mut early) {
+                        if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
+                            early.insert(entry.key.clone(), entry);
+                        }
+                    }
                     self.settle(&js, &ledgers, &members, &mut books, &mut acks).await?;
                 }
             }
@@ -241,15 +255,17 @@ impl Keeper {
             .ok_or_else(|| broken("a ledger", "missing after loading"))
     }
 
+    /// Counts one report. Returns it when its Subscription is not (yet) one of this Backend's,
+    /// to be tried again.
     async fn on_report(
         &self,
         ledgers: &kv::Store,
         members: &HashMap<SubKey, Member>,
         books: &mut HashMap<SubKey, Book>,
         entry: kv::Entry,
-    ) -> Result<(), NatsError> {
+    ) -> Result<Option<kv::Entry>, NatsError> {
         if entry.operation != kv::Operation::Put {
-            return Ok(());
+            return Ok(None);
         }
         let report: StatsReport = match serde_json::from_slice(&entry.value) {
             Ok(r) => r,
@@ -259,13 +275,14 @@ impl Keeper {
                     .with_label_values(&["unreadable"])
                     .inc();
                 tracing::warn!(key = %entry.key, error = %e, "a stats report is unreadable: skipped");
-                return Ok(());
+                return Ok(None);
             }
         };
         let key = (report.namespace.clone(), report.subscription.clone());
-        // Another Backend's Subscription, or a subscription defined in code only.
+        // Another Backend's Subscription, a subscription defined in code only, or one the cache
+        // has not seen yet: kept to be tried again while it is in this Backend's namespace.
         let Some(member) = members.get(&key) else {
-            return Ok(());
+            return Ok((report.namespace == self.backend.0).then_some(entry));
         };
         let book = self.book(ledgers, books, &key, &member.sub).await?;
         let label = match book.account.report(&report) {
@@ -281,7 +298,7 @@ impl Keeper {
             }
         };
         self.metrics.reports.with_label_values(&[label]).inc();
-        Ok(())
+        Ok(None)
     }
 
     async fn on_advisory(

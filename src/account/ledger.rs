@@ -17,8 +17,8 @@
 //! - **Exhausted**: the broker's count (every message whose attempts ran out, including a last
 //!   attempt no handler saw) and the runtime's count describe the same messages; the account
 //!   takes the larger, never the sum, so nothing is counted twice. The broker's count is itself
-//!   deduplicated: one advisory applied twice (redelivered from the capture after a restart) is
-//!   skipped by its capture sequence, and one message reported twice (its attempts ran out, then
+//!   deduplicated: one advisory applied twice (redelivered from the capture after a restart, in
+//!   any order) is skipped by its capture sequence, and one message reported twice (its attempts ran out, then
 //!   a late terminate arrived) is counted once by its stream sequence.
 //! - **Never backwards**: every counter is at least what was last published (the floor), so a
 //!   lost bucket or a restart of anything cannot lower status.
@@ -76,9 +76,9 @@ pub struct Persisted {
 pub struct BrokerTally {
     /// Messages whose attempts ran out, each counted once.
     pub exhausted: u64,
-    /// The capture's sequence of the last advisory applied: an advisory at or below it is one
-    /// already counted (redelivered after a restart) and is skipped.
-    pub applied: u64,
+    /// The capture sequences of the advisories applied most recently: one of them coming again
+    /// (redelivered after a restart, in any order) is skipped.
+    pub applied: VecDeque<u64>,
     /// The most recently counted messages by stream sequence (newest last).
     pub recent: VecDeque<u64>,
 }
@@ -159,10 +159,13 @@ impl Account {
     /// advisory's sequence in the operator's capture, `stream_seq` the message's.
     pub fn broker_exhausted_message(&mut self, capture_seq: u64, stream_seq: u64) -> BrokerOutcome {
         let b = &mut self.persisted.broker;
-        if capture_seq <= b.applied {
+        if b.applied.contains(&capture_seq) {
             return BrokerOutcome::Replayed;
         }
-        b.applied = capture_seq;
+        b.applied.push_back(capture_seq);
+        while b.applied.len() > REMEMBERED_EXHAUSTED {
+            b.applied.pop_front();
+        }
         if b.recent.contains(&stream_seq) {
             return BrokerOutcome::Duplicate;
         }
@@ -460,6 +463,11 @@ mod tests {
         // The capture redelivers what was applied before the operator's restart.
         assert_eq!(a.broker_exhausted_message(2, 41), BrokerOutcome::Replayed);
         assert_eq!(a.broker_exhausted_message(1, 40), BrokerOutcome::Replayed);
+        // An advisory applied out of order (one redelivered after later ones) still counts.
+        let mut b = Account::default();
+        assert_eq!(b.broker_exhausted_message(9, 90), BrokerOutcome::Counted);
+        assert_eq!(b.broker_exhausted_message(7, 70), BrokerOutcome::Counted);
+        assert_eq!(b.totals().exhausted, 2);
         // The same message, reported again by a late terminate after its attempts ran out.
         assert_eq!(a.broker_exhausted_message(3, 40), BrokerOutcome::Duplicate);
         assert_eq!(a.totals().exhausted, 2);
@@ -494,6 +502,7 @@ mod tests {
             a.broker_exhausted_message(i, i);
         }
         assert_eq!(a.persisted().broker.recent.len(), REMEMBERED_EXHAUSTED);
+        assert_eq!(a.persisted().broker.applied.len(), REMEMBERED_EXHAUSTED);
         assert_eq!(a.totals().exhausted, REMEMBERED_EXHAUSTED as u64 + 500);
     }
 
