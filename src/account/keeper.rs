@@ -431,9 +431,13 @@ impl Keeper {
 
         let interval = self.config.stats_interval;
         let stamp = Time(Timestamp::now());
+        // Gauges: each Subscription's once per interval, spread over the interval's ticks so a
+        // thousand consumers are not asked in the same second.
+        let mut budget = books.len() / usize::try_from(interval.as_secs().max(1)).unwrap_or(1) + 1;
         for (key, book) in books.iter_mut() {
             let Some(m) = members.get(key) else { continue };
-            if book.gauges_at.is_none_or(|t| t.elapsed() >= interval) {
+            if budget > 0 && book.gauges_at.is_none_or(|t| t.elapsed() >= interval) {
+                budget -= 1;
                 book.gauges_at = Some(Instant::now());
                 if let (Some(stream), Some(_)) = (&m.stream, m.sub.status.as_ref()) {
                     match jsapi::consumer_info(js, stream, &m.consumer).await {

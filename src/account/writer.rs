@@ -1,14 +1,17 @@
-//! The one status writer of the account: every keeper hands it patches; it applies them one at a
-//! time with server-side apply (field manager `settle-account`, owning `status.stats`,
+//! The one status writer of the account: every keeper hands it patches; it applies them with
+//! server-side apply (field manager `settle-account`, owning `status.stats`,
 //! `statsUpdatedAt` and the `Exhausting`/`Stranding` conditions, never the controllers' fields),
-//! and when several patches for one Subscription wait, only the newest is sent.
+//! a few at once but one at a time per Subscription, and when several patches for one
+//! Subscription wait, only the newest is sent.
 //!
 //! How often a Subscription is written is the keeper's decision (at most once per stats
 //! interval, only on change); this module must not compute status.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use tokio::sync::mpsc;
@@ -54,43 +57,68 @@ impl Writer {
     }
 }
 
+/// Status patches in flight at once: enough that a burst of Subscriptions due together is
+/// written within a second or two, few enough to be gentle on the API server.
+const CONCURRENCY: usize = 8;
+
 async fn serve(client: Client, metrics: Metrics, mut rx: mpsc::UnboundedReceiver<Write>) {
     let mut order: VecDeque<(String, String)> = VecDeque::new();
     let mut waiting: HashMap<(String, String), serde_json::Value> = HashMap::new();
+    let mut busy: HashSet<(String, String)> = HashSet::new();
+    let mut inflight = FuturesUnordered::new();
+    let mut open = true;
     loop {
-        if waiting.is_empty() {
-            match rx.recv().await {
+        // Start what may start: one patch per Subscription at a time, the newest one.
+        while inflight.len() < CONCURRENCY {
+            let Some(i) = order.iter().position(|k| !busy.contains(k)) else {
+                break;
+            };
+            let Some(key) = order.remove(i) else { break };
+            let Some(body) = waiting.remove(&key) else {
+                continue;
+            };
+            busy.insert(key.clone());
+            inflight.push(write(client.clone(), metrics.clone(), key, body));
+        }
+        if !open && inflight.is_empty() {
+            return;
+        }
+        tokio::select! {
+            w = rx.recv(), if open => match w {
                 Some(w) => take(&mut order, &mut waiting, w),
-                None => return,
-            }
-        }
-        while let Ok(w) = rx.try_recv() {
-            take(&mut order, &mut waiting, w);
-        }
-        let Some(key) = order.pop_front() else {
-            continue;
-        };
-        let Some(body) = waiting.remove(&key) else {
-            continue;
-        };
-        let api: Api<Subscription> = Api::namespaced(client.clone(), &key.0);
-        let result = api
-            .patch_status(
-                &key.1,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await;
-        match result {
-            Ok(_) => metrics.writes.with_label_values(&["ok"]).inc(),
-            // Deleted meanwhile: nothing to account for any more.
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => {
-                metrics.writes.with_label_values(&["error"]).inc();
-                tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not write the account to status; it is written again at the next interval");
+                None => open = false,
+            },
+            Some(key) = inflight.next(), if !inflight.is_empty() => {
+                busy.remove(&key);
             }
         }
     }
+}
+
+async fn write(
+    client: Client,
+    metrics: Metrics,
+    key: (String, String),
+    body: serde_json::Value,
+) -> (String, String) {
+    let api: Api<Subscription> = Api::namespaced(client, &key.0);
+    let result = api
+        .patch_status(
+            &key.1,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await;
+    match result {
+        Ok(_) => metrics.writes.with_label_values(&["ok"]).inc(),
+        // Deleted meanwhile: nothing to account for any more.
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => {
+            metrics.writes.with_label_values(&["error"]).inc();
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not write the account to status; it is written again at the next interval");
+        }
+    }
+    key
 }
 
 fn take(
