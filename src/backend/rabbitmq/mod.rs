@@ -39,6 +39,10 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
+pub mod admin;
+pub mod connect;
+#[cfg(feature = "operator")]
+pub mod management;
 pub mod queue;
 
 use crate::bus::{
