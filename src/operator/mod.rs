@@ -90,6 +90,10 @@ pub struct OperatorArgs {
     /// broker's advisories (a Kubernetes duration: 30s, 5m, 1h).
     #[arg(long, env = "SETTLE_RESYNC_INTERVAL", default_value = "5m")]
     pub resync_interval: crate::api::Duration,
+    /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
+    /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
+    #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
+    pub drift_interval: Duration,
     /// Subscriptions reconciled at once.
     #[arg(long, env = "SETTLE_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: u16,
@@ -309,6 +313,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 .cloned()
                 .collect(),
             resync: args.resync_interval.get(),
+            drift: args.drift_interval,
             concurrency: args.concurrency,
             identity: leader::identity(),
         },

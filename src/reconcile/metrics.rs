@@ -1,10 +1,10 @@
 //! The controllers' Prometheus metrics: how many reconciles and how long, what they did to
-//! consumers, how often they wrote status, and the API and broker calls they made (so a steady
+//! consumers and queues, which Subscriptions are Ready, how often they wrote status, and the API and broker calls they made (so a steady
 //! state can be shown to cost nothing).
 //!
 //! It must not decide anything; it counts.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 /// The controllers, as the `controller` label names them.
 pub const BACKEND: &str = "backend";
@@ -26,6 +26,9 @@ pub struct Metrics {
     pub js_calls: IntCounterVec,
     /// `settle_drift_triggers_total{source}`: reconciles asked for by advisories or reconnects.
     pub triggers: IntCounterVec,
+    /// `settle_subscription_ready{namespace,subscription}`: 1 while Ready=True, else 0; gone
+    /// with the Subscription.
+    pub ready: IntGaugeVec,
 }
 
 impl Metrics {
@@ -83,7 +86,15 @@ impl Metrics {
                 ),
                 &["source"],
             )?,
+            ready: IntGaugeVec::new(
+                Opts::new(
+                    "settle_subscription_ready",
+                    "1 while the Subscription's Ready condition is True, else 0.",
+                ),
+                &["namespace", "subscription"],
+            )?,
         };
+        registry.register(Box::new(m.ready.clone()))?;
         registry.register(Box::new(m.reconciles.clone()))?;
         registry.register(Box::new(m.duration.clone()))?;
         registry.register(Box::new(m.consumer_ops.clone()))?;
@@ -102,6 +113,17 @@ impl Metrics {
 
     pub fn js(&self, call: &str) {
         self.js_calls.with_label_values(&[call]).inc();
+    }
+
+    pub fn subscription_ready(&self, namespace: &str, subscription: &str, ready: bool) {
+        self.ready
+            .with_label_values(&[namespace, subscription])
+            .set(i64::from(ready));
+    }
+
+    /// The Subscription is gone: its series go too.
+    pub fn forget_subscription(&self, namespace: &str, subscription: &str) {
+        let _ = self.ready.remove_label_values(&[namespace, subscription]);
     }
 
     pub fn op(&self, op: &str) {
