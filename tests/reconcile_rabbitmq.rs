@@ -1,0 +1,308 @@
+//! The controllers on a real RabbitMQ (3.10, management plugin on), `settle operator` running as
+//! a process against the real API server: a rabbitmq Backend is Ready with the broker's version
+//! and its kind's capabilities (wrong credentials: AuthFailed); a Subscription becomes exactly
+//! the mapped quorum queue and binding (read back over the management API, not through Settle);
+//! a queue deleted on the broker comes back (Event Recreated), a changed pattern re-binds the
+//! same queue in place, a changed maxDeliver is reported ImmutableField with the field named; a
+//! queue of another Subscription is a conflict and left alone; deleting the Subscription deletes
+//! its queue, unless it is retained.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::operator::{Operator, condition, poll};
+use common::subs::{
+    apply, backends, sub_yaml_on, subs, wait_backend, wait_condition, wait_event, wait_gone,
+    wait_ready,
+};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::api::DeleteParams;
+use serde_json::Value;
+use settle::api::ConsumerRef;
+use settle::policy::{BackendKind, capabilities_of};
+
+/// One management API call (HTTP/1.0, user guest): (status, body).
+fn mgmt_raw(method: &str, path: &str) -> (u16, String) {
+    let base = common::env().rabbitmq_management_url;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// Queue `name` on the default vhost, `None` when it does not exist.
+fn queue(name: &str) -> Option<Value> {
+    let (status, body) = mgmt_raw("GET", &format!("/api/queues/%2f/{name}"));
+    match status {
+        200 => Some(serde_json::from_str(&body).expect("JSON")),
+        404 => None,
+        other => panic!("GET queue {name}: {other} {body}"),
+    }
+}
+
+/// Queue `name`'s bindings other than the default exchange's, as (exchange, routing key).
+fn bindings(name: &str) -> Vec<(String, String)> {
+    let (status, body) = mgmt_raw("GET", &format!("/api/queues/%2f/{name}/bindings"));
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("JSON");
+    let mut out: Vec<(String, String)> = v
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|b| b["source"] != "")
+        .map(|b| {
+            (
+                b["source"].as_str().unwrap_or_default().to_string(),
+                b["routing_key"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn delete_queue(name: &str) {
+    let (status, body) = mgmt_raw("DELETE", &format!("/api/queues/%2f/{name}"));
+    assert!(
+        status == 204 || status == 404,
+        "DELETE queue {name}: {status} {body}"
+    );
+}
+
+fn backend_yaml(name: &str, url: &str, management: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  rabbitmq:\n    urls: [\"{url}\"]\n    managementUrl: \"{management}\"\n"
+    )
+}
+
+async fn wait_queue(name: &str, what: &str, f: impl Fn(&Option<Value>) -> bool) -> Option<Value> {
+    poll(what, Duration::from_secs(30), || async {
+        let q = queue(name);
+        if f(&q) { Ok(q) } else { Err(format!("{q:?}")) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired_and_deleted() {
+    install_crds();
+    let ns = namespace("rec-rabbit");
+    let env = common::env();
+    let _op = Operator::start_with(
+        "rabbitmq",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let tag = format!("rec{}", std::process::id());
+
+    // The Backend: Ready with the broker's version and the kind's capabilities.
+    apply(
+        &ns,
+        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
+    );
+    let b = wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
+    let st = b.status.expect("status");
+    let version = st.server_version.clone().expect("a version");
+    assert!(version.starts_with("3."), "{version}");
+    assert_eq!(
+        st.capabilities,
+        Some(capabilities_of(BackendKind::Rabbitmq))
+    );
+    // Wrong credentials are told apart.
+    let bad = env.rabbitmq_url.replace("guest:guest@", "guest:wrong@");
+    assert_ne!(bad, env.rabbitmq_url, "the URL carries guest:guest");
+    apply(
+        &ns,
+        &backend_yaml("refused", &bad, &env.rabbitmq_management_url),
+    );
+    wait_backend(&backends(&ns).await, "refused", "False", "AuthFailed").await;
+
+    // A Subscription: exactly the mapped quorum queue and binding.
+    let api = subs(&ns).await;
+    let durable = format!("{tag}-orders");
+    let spec = |pattern: &str, max: u32, extra: &str| {
+        format!(
+            "  pattern: \"{pattern}\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: {max}\n{extra}"
+        )
+    };
+    apply(
+        &ns,
+        &sub_yaml_on("rabbit", "orders", &spec(&format!("{tag}.orders.>"), 3, "")),
+    );
+    let sub = wait_ready(&api, "orders").await;
+    assert_eq!(
+        sub.status.clone().and_then(|s| s.consumer),
+        Some(ConsumerRef {
+            stream: "amq.topic".into(),
+            name: durable.clone()
+        }),
+        "status.consumer: the exchange and the queue"
+    );
+    let q = queue(&durable).expect("the queue exists");
+    assert_eq!(q["durable"], true);
+    assert_eq!(q["type"], "quorum");
+    let args = &q["arguments"];
+    assert_eq!(args["x-queue-type"], "quorum");
+    assert_eq!(args["x-delivery-limit"], 2, "maxDeliver 3 is a limit of 2");
+    assert_eq!(args["x-settle-subscription"], format!("{ns}/orders"));
+    assert_eq!(
+        bindings(&durable),
+        vec![("amq.topic".to_string(), format!("{tag}.orders.#"))]
+    );
+    let note = wait_event(&ns, "orders", "Created").await;
+    assert!(note.contains(&durable), "{note}");
+
+    // Deleted on the broker: made again, and said so.
+    delete_queue(&durable);
+    wait_queue(&durable, "the queue to be made again", |q| q.is_some()).await;
+    let note = wait_event(&ns, "orders", "Recreated").await;
+    assert!(note.contains(&durable), "{note}");
+    assert_eq!(bindings(&durable).len(), 1, "bound again too");
+
+    // A changed pattern: the same queue, re-bound in place.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "orders",
+            &spec(&format!("{tag}.*.created"), 3, ""),
+        ),
+    );
+    poll(
+        "the binding to follow the pattern",
+        Duration::from_secs(30),
+        || async {
+            let b = bindings(&durable);
+            if b == vec![("amq.topic".to_string(), format!("{tag}.*.created"))] {
+                Ok(())
+            } else {
+                Err(format!("{b:?}"))
+            }
+        },
+    )
+    .await;
+    wait_event(&ns, "orders", "Updated").await;
+
+    // A changed maxDeliver: RabbitMQ cannot change x-delivery-limit in place; said, not ignored.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "orders",
+            &spec(&format!("{tag}.*.created"), 5, ""),
+        ),
+    );
+    let s = wait_condition(
+        &api,
+        "orders",
+        "Ready",
+        "False",
+        "ImmutableField",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains("x-delivery-limit (spec.maxDeliver)"), "{m}");
+    assert_eq!(
+        queue(&durable).expect("kept")["arguments"]["x-delivery-limit"],
+        2
+    );
+    // Deleting the queue on the broker lets Settle make it with the new limit.
+    delete_queue(&durable);
+    wait_ready(&api, "orders").await;
+    assert_eq!(
+        queue(&durable).expect("made")["arguments"]["x-delivery-limit"],
+        4
+    );
+
+    // A second Subscription naming the same queue: a conflict, the queue left alone.
+    apply(
+        &ns,
+        &sub_yaml_on("rabbit", "thief", &spec(&format!("{tag}.*.created"), 5, "")),
+    );
+    let s = wait_condition(
+        &api,
+        "thief",
+        "Ready",
+        "False",
+        "ConsumerConflict",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains(&format!("{ns}/orders")), "{m}");
+    api.delete("thief", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "thief", Duration::from_secs(30)).await;
+    assert!(
+        queue(&durable).is_some(),
+        "another's queue is never deleted"
+    );
+
+    // Deleting the Subscription deletes its queue.
+    api.delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "orders", Duration::from_secs(30)).await;
+    assert!(
+        queue(&durable).is_none(),
+        "the queue went with the Subscription"
+    );
+
+    // Retain keeps it.
+    let kept = format!("{tag}-kept");
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "kept",
+            &format!(
+                "  pattern: \"{tag}.kept.>\"\n  mode: AtLeastOnce\n  durableName: {kept}\n  deletionPolicy: Retain\n"
+            ),
+        ),
+    );
+    wait_ready(&api, "kept").await;
+    api.delete("kept", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "kept", Duration::from_secs(30)).await;
+    assert!(queue(&kept).is_some(), "a retained queue stays");
+    delete_queue(&kept);
+
+    // The derived name under AtMostOnce.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "audit",
+            &format!("  pattern: \"{tag}.audit.>\"\n"),
+        ),
+    );
+    let sub = wait_ready(&api, "audit").await;
+    let derived = format!("settle_{ns}_audit");
+    assert_eq!(
+        sub.status.and_then(|s| s.consumer).map(|c| c.name),
+        Some(derived.clone())
+    );
+    assert!(queue(&derived).is_some());
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    assert!(queue(&derived).is_none(), "deleted with its Subscription");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

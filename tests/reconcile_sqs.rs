@@ -1,0 +1,257 @@
+//! The controllers on a real SQS-compatible server (ElasticMQ), `settle operator` running as a
+//! process against the real API server: an sqs Backend with its credentials in a Secret is Ready
+//! with its kind's capabilities (maxRedeliveryDelay 12h); a Subscription becomes exactly the
+//! mapped queue and dead-letter queue (read back with the AWS SDK, not through Settle), tagged
+//! with their owner; a queue deleted on the server comes back (Event Recreated); attribute drift
+//! is repaired in place; deleting the Subscription deletes its queue and its empty dead-letter
+//! queue, and keeps a dead-letter queue that holds messages.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::QueueAttributeName;
+use common::operator::poll;
+use common::subs::{
+    apply, backends, sub_yaml_on, subs, wait_backend, wait_event, wait_gone, wait_ready,
+};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::api::DeleteParams;
+use settle::api::ConsumerRef;
+use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
+use settle::policy::{BackendKind, capabilities_of};
+
+async fn client() -> Client {
+    let env = common::env();
+    SqsBroker::connect(SqsSettings {
+        region: Some("elasticmq".into()),
+        endpoint: Some(env.sqs_endpoint.clone()),
+        credentials: SqsCredentials::Static {
+            access_key_id: "test".into(),
+            secret_access_key: "test".into(),
+        },
+        queue_prefix: String::new(),
+    })
+    .await
+    .expect("an SQS client")
+    .client()
+    .clone()
+}
+
+async fn url(c: &Client, name: &str) -> Option<String> {
+    c.get_queue_url()
+        .queue_name(name)
+        .send()
+        .await
+        .ok()
+        .and_then(|o| o.queue_url)
+}
+
+async fn attributes(c: &Client, name: &str) -> BTreeMap<String, String> {
+    let u = url(c, name)
+        .await
+        .unwrap_or_else(|| panic!("queue {name} exists"));
+    c.get_queue_attributes()
+        .queue_url(u)
+        .attribute_names(QueueAttributeName::All)
+        .send()
+        .await
+        .expect("attributes")
+        .attributes
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k.as_str().to_string(), v))
+        .collect()
+}
+
+async fn tags(c: &Client, name: &str) -> BTreeMap<String, String> {
+    let u = url(c, name).await.expect("queue exists");
+    c.list_queue_tags()
+        .queue_url(u)
+        .send()
+        .await
+        .expect("tags")
+        .tags
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+async fn wait_exists(c: &Client, name: &str, exists: bool) {
+    poll(
+        &format!(
+            "queue {name} to {}",
+            if exists { "exist" } else { "be gone" }
+        ),
+        Duration::from_secs(30),
+        || async {
+            if url(c, name).await.is_some() == exists {
+                Ok(())
+            } else {
+                Err(format!("exists: {}", !exists))
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_is_repaired_and_deleted()
+ {
+    install_crds();
+    let ns = namespace("rec-sqs");
+    let env = common::env();
+    let _op = common::operator::Operator::start_with(
+        "sqs",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let c = client().await;
+    let prefix = format!("rec{}-", std::process::id());
+
+    kubectl_ok(
+        &[
+            "create",
+            "secret",
+            "generic",
+            "aws",
+            "-n",
+            &ns,
+            "--from-literal=accessKeyId=test",
+            "--from-literal=secretAccessKey=test",
+        ],
+        None,
+    );
+    apply(
+        &ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
+            env.sqs_endpoint
+        ),
+    );
+    let b = wait_backend(&backends(&ns).await, "sqs", "True", "Connected").await;
+    let caps = b.status.and_then(|s| s.capabilities).expect("capabilities");
+    assert_eq!(caps, capabilities_of(BackendKind::Sqs));
+    assert_eq!(
+        caps.max_redelivery_delay.map(|d| d.get()),
+        Some(Duration::from_secs(12 * 3600))
+    );
+
+    // The queue and its dead-letter queue, with the mapped attributes and the owner tag.
+    let api = subs(&ns).await;
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "sqs",
+            "orders",
+            "  pattern: orders\n  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 4\n  ackWait: 45s\n",
+        ),
+    );
+    let sub = wait_ready(&api, "orders").await;
+    let name = format!("{prefix}orders");
+    let dlq = format!("{name}-dlq");
+    assert_eq!(
+        sub.status.and_then(|s| s.consumer),
+        Some(ConsumerRef {
+            stream: "sqs".into(),
+            name: name.clone()
+        })
+    );
+    let a = attributes(&c, &name).await;
+    assert_eq!(a["VisibilityTimeout"], "45", "ackWait");
+    let redrive: serde_json::Value = serde_json::from_str(&a["RedrivePolicy"]).expect("JSON");
+    assert_eq!(
+        redrive["maxReceiveCount"].to_string().trim_matches('"'),
+        "4",
+        "maxDeliver"
+    );
+    assert!(
+        redrive["deadLetterTargetArn"]
+            .as_str()
+            .is_some_and(|arn| arn.ends_with(&dlq)),
+        "{redrive}"
+    );
+    let owner = format!("{ns}/orders");
+    assert_eq!(
+        tags(&c, &name).await.get("settle-subscription"),
+        Some(&owner)
+    );
+    assert_eq!(
+        tags(&c, &dlq).await.get("settle-subscription"),
+        Some(&owner)
+    );
+    wait_event(&ns, "orders", "Created").await;
+
+    // Deleted on the server: made again.
+    let u = url(&c, &name).await.expect("url");
+    c.delete_queue().queue_url(u).send().await.expect("delete");
+    let note = wait_event(&ns, "orders", "Recreated").await;
+    assert!(note.contains(&name), "{note}");
+    wait_exists(&c, &name, true).await;
+    assert_eq!(attributes(&c, &name).await["VisibilityTimeout"], "45");
+
+    // Attribute drift: repaired in place.
+    let u = url(&c, &name).await.expect("url");
+    c.set_queue_attributes()
+        .queue_url(&u)
+        .attributes(QueueAttributeName::VisibilityTimeout, "5")
+        .send()
+        .await
+        .expect("set");
+    poll(
+        "VisibilityTimeout back to 45",
+        Duration::from_secs(30),
+        || async {
+            let v = attributes(&c, &name).await["VisibilityTimeout"].clone();
+            if v == "45" { Ok(()) } else { Err(v) }
+        },
+    )
+    .await;
+    wait_event(&ns, "orders", "Updated").await;
+
+    // Delete: the queue and its empty dead-letter queue go.
+    api.delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "orders", Duration::from_secs(30)).await;
+    wait_exists(&c, &name, false).await;
+    wait_exists(&c, &dlq, false).await;
+
+    // A dead-letter queue holding messages is kept.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "sqs",
+            "jobs",
+            "  pattern: jobs\n  mode: AtLeastOnce\n  durableName: jobs\n  maxDeliver: 2\n",
+        ),
+    );
+    wait_ready(&api, "jobs").await;
+    let jobs_dlq = format!("{prefix}jobs-dlq");
+    let u = url(&c, &jobs_dlq).await.expect("the dead-letter queue");
+    c.send_message()
+        .queue_url(&u)
+        .message_body("exhausted")
+        .send()
+        .await
+        .expect("send");
+    api.delete("jobs", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "jobs", Duration::from_secs(30)).await;
+    wait_exists(&c, &format!("{prefix}jobs"), false).await;
+    assert!(
+        url(&c, &jobs_dlq).await.is_some(),
+        "a dead-letter queue holding messages is kept"
+    );
+    let note = wait_event(&ns, "jobs", "Deleted").await;
+    assert!(note.contains("kept its dead-letter queue"), "{note}");
+    c.delete_queue()
+        .queue_url(u)
+        .send()
+        .await
+        .expect("clean up");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
