@@ -1,6 +1,7 @@
 //! The controllers on a real RabbitMQ (3.10, management plugin on), `settle operator` running as
 //! a process against the real API server: a rabbitmq Backend is Ready with the broker's version
-//! and its kind's capabilities (wrong credentials: AuthFailed); a Subscription becomes exactly
+//! and its kind's capabilities (wrong credentials in its Secret: AuthFailed, until the Secret is
+//! fixed, with no restart); a Subscription becomes exactly
 //! the mapped quorum queue and binding (read back over the management API, not through Settle);
 //! a queue deleted on the broker comes back (Event Recreated), a changed pattern re-binds the
 //! same queue in place, a changed maxDeliver is reported ImmutableField with the field named; a
@@ -104,7 +105,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     install_crds();
     let ns = namespace("rec-rabbit");
     let env = common::env();
-    let _op = Operator::start_with(
+    let op = Operator::start_with(
         "rabbitmq",
         &ns,
         &["--leader-election=false", "--drift-interval", "1s"],
@@ -124,14 +125,25 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
         st.capabilities,
         Some(capabilities_of(BackendKind::Rabbitmq))
     );
-    // Wrong credentials are told apart.
-    let bad = env.rabbitmq_url.replace("guest:guest@", "guest:wrong@");
-    assert_ne!(bad, env.rabbitmq_url, "the URL carries guest:guest");
+    // Wrong credentials in the Secret are told apart; the fixed Secret is picked up.
+    let bare = env.rabbitmq_url.replace("guest:guest@", "");
+    assert_ne!(bare, env.rabbitmq_url, "the URL carries guest:guest");
+    let secret = |password: &str| {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbit-creds}}\nstringData: {{username: guest, password: {password}}}\n"
+        )
+    };
+    apply(&ns, &secret("wrong"));
     apply(
         &ns,
-        &backend_yaml("refused", &bad, &env.rabbitmq_management_url),
+        &format!(
+            "{}    credentialsSecretRef: {{name: rabbit-creds}}\n",
+            backend_yaml("secured", &bare, &env.rabbitmq_management_url)
+        ),
     );
-    wait_backend(&backends(&ns).await, "refused", "False", "AuthFailed").await;
+    wait_backend(&backends(&ns).await, "secured", "False", "AuthFailed").await;
+    apply(&ns, &secret("guest"));
+    wait_backend(&backends(&ns).await, "secured", "True", "Connected").await;
 
     // A Subscription: exactly the mapped quorum queue and binding.
     let api = subs(&ns).await;
@@ -167,6 +179,11 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     );
     let note = wait_event(&ns, "orders", "Created").await;
     assert!(note.contains(&durable), "{note}");
+    let ready = [("namespace", ns.as_str()), ("subscription", "orders")];
+    assert_eq!(op.metric("settle_subscription_ready", &ready), 1.0);
+    let series =
+        format!("settle_subscription_ready{{namespace=\"{ns}\",subscription=\"orders\"}} 1");
+    assert!(op.get("/metrics").unwrap_or_default().contains(&series));
 
     // Deleted on the broker: made again, and said so.
     delete_queue(&durable);
@@ -264,6 +281,10 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     assert!(
         queue(&durable).is_none(),
         "the queue went with the Subscription"
+    );
+    assert!(
+        !op.get("/metrics").unwrap_or_default().contains(&series),
+        "the ready gauge goes with the Subscription"
     );
 
     // Retain keeps it.

@@ -314,6 +314,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 .collect(),
             resync: args.resync_interval.get(),
             drift: args.drift_interval,
+            connections: Default::default(),
             concurrency: args.concurrency,
             identity: leader::identity(),
         },

@@ -22,7 +22,9 @@ pub struct Metrics {
     pub status_writes: IntCounterVec,
     /// `settle_kube_requests_total{controller,verb}`: requests to the API server (watches aside).
     pub kube_requests: IntCounterVec,
-    /// `settle_consumer_api_calls_total{call}`: JetStream API calls (info, create, update, delete, stream).
+    /// `settle_consumer_api_calls_total{call}`: broker calls: JetStream's (info, create, update,
+    /// delete, stream), RabbitMQ's (`queue.*`, `amqp.connect`, `management.overview`) and SQS's
+    /// (`sqs.*`).
     pub js_calls: IntCounterVec,
     /// `settle_drift_triggers_total{source}`: reconciles asked for by advisories or reconnects.
     pub triggers: IntCounterVec,
@@ -75,7 +77,7 @@ impl Metrics {
             js_calls: IntCounterVec::new(
                 Opts::new(
                     "settle_consumer_api_calls_total",
-                    "JetStream API calls the controllers made, by call.",
+                    "Broker API calls the controllers made (JetStream, RabbitMQ, SQS), by call.",
                 ),
                 &["call"],
             )?,

@@ -63,6 +63,34 @@ pub struct Config {
     pub concurrency: u16,
     /// This replica's name (Events' reporting instance, and the NATS connection name).
     pub identity: String,
+    /// Where the current leadership term's connection registry is published (for the account,
+    /// which reads queue gauges through the Backends' connections).
+    pub connections: ConnectionsHandle,
+}
+
+/// The connection registry of the current leadership term: `None` while this replica does not
+/// lead. Clones share it.
+#[derive(Clone, Default)]
+pub struct ConnectionsHandle(Arc<Mutex<Option<Arc<Connections>>>>);
+
+impl std::fmt::Debug for ConnectionsHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConnectionsHandle")
+    }
+}
+
+impl ConnectionsHandle {
+    /// The registry, while this replica leads: `get((namespace, backend))` gives a Backend's
+    /// connection (`Conn::Rabbitmq` holds the management API client and vhost, `Conn::Sqs` the
+    /// SQS client), for `backend::rabbitmq::management::queue_gauges` and
+    /// `backend::sqs::admin::queue_gauges`.
+    pub fn get(&self) -> Option<Arc<Connections>> {
+        lock(&self.0).clone()
+    }
+
+    fn set(&self, c: Option<Arc<Connections>>) {
+        *lock(&self.0) = c;
+    }
 }
 
 /// Why one reconcile failed (it is tried again with a growing delay).
@@ -251,6 +279,7 @@ async fn run_term(
         backend_tx.clone(),
         metrics.clone(),
     );
+    config.connections.set(Some(conns.clone()));
     let ctx = Arc::new(Ctx {
         client: client.clone(),
         conns: conns.clone(),
@@ -385,6 +414,7 @@ async fn run_term(
         () = synced => {},
     }
     secret_task.abort();
+    config.connections.set(None);
     drop(sub_tx);
     drop(backend_tx);
 }
