@@ -6,7 +6,8 @@
 //! a queue deleted on the broker comes back (Event Recreated), a changed pattern re-binds the
 //! same queue in place, a changed maxDeliver is reported ImmutableField with the field named; a
 //! queue of another Subscription is a conflict and left alone; deleting the Subscription deletes
-//! its queue, unless it is retained.
+//! its queue, unless it is retained. The runtime built from the same resource consumes from the
+//! operator's queue, and again once the operator has made a deleted queue again.
 
 mod common;
 
@@ -325,5 +326,111 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     assert!(queue(&derived).is_some());
     kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
     assert!(queue(&derived).is_none(), "deleted with its Subscription");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_runtime_consumes_from_the_operators_queue_and_again_after_it_is_made_again() {
+    use std::sync::{Arc, Mutex};
+
+    use settle::api::Subscription;
+    use settle::backend::rabbitmq::RabbitBroker;
+    use settle::bus::{Bus, Delivery, HandlerError, Subscriber, handler};
+
+    install_crds();
+    let ns = namespace("rec-rabbit-rt");
+    let env = common::env();
+    let _op = Operator::start_with(
+        "rabbitmq-runtime",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let tag = format!("rt{}", std::process::id());
+    apply(
+        &ns,
+        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
+    );
+    let durable = format!("{tag}-jobs");
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "jobs",
+            &format!(
+                "  pattern: \"{tag}.jobs.*\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 3\n"
+            ),
+        ),
+    );
+    let api = subs(&ns).await;
+    let sub: Subscription = wait_ready(&api, "jobs").await;
+
+    // The runtime from the same resource: it binds to the operator's queue, declaring nothing.
+    let bus = Bus::builder(
+        RabbitBroker::connect(&env.rabbitmq_url)
+            .await
+            .expect("connect"),
+    )
+    .without_reports()
+    .namespace(&ns)
+    .build();
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let s = seen.clone();
+    bus.subscribe(Subscriber::from_resource(
+        "jobs",
+        &sub.spec,
+        handler(move |d: Delivery| {
+            let s = s.clone();
+            async move {
+                s.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(d.payload()).into_owned());
+                d.ack().await?;
+                Ok::<(), HandlerError>(())
+            }
+        }),
+    ))
+    .await
+    .expect("bound to the operator's queue");
+    bus.publish(&format!("{tag}.jobs.a"), "one".to_string())
+        .await
+        .expect("publish");
+    poll(
+        "the first message handled",
+        Duration::from_secs(30),
+        || async {
+            let v = seen.lock().unwrap().clone();
+            if v == ["one"] {
+                Ok(())
+            } else {
+                Err(format!("{v:?}"))
+            }
+        },
+    )
+    .await;
+
+    // Deleted on the broker: the operator makes it again, the runtime consumes from it again.
+    delete_queue(&durable);
+    wait_event(&ns, "jobs", "Recreated").await;
+    poll(
+        "a message on the queue made again to be handled",
+        Duration::from_secs(60),
+        || async {
+            // Published until handled: one sent before the runtime is back is lost with nothing bound.
+            bus.publish(&format!("{tag}.jobs.b"), "two".to_string())
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let v = seen.lock().unwrap().clone();
+            if v.iter().any(|m| m == "two") {
+                Ok(())
+            } else {
+                Err(format!("{v:?}"))
+            }
+        },
+    )
+    .await;
+    bus.close().await;
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    assert!(queue(&durable).is_none());
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
