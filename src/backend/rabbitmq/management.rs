@@ -135,6 +135,11 @@ impl Management {
                         ))
                     })?;
                 }
+                if roots.is_empty() {
+                    return Err(ManagementError::BadConfig(
+                        "the CA (spec.rabbitmq.tls.caSecretRef) holds no PEM certificate".into(),
+                    ));
+                }
                 let config = rustls::ClientConfig::builder_with_provider(provider)
                     .with_safe_default_protocol_versions()
                     .map_err(|e| ManagementError::BadConfig(e.to_string()))?
@@ -142,11 +147,21 @@ impl Management {
                     .with_no_client_auth();
                 builder.with_tls_config(config)
             }
-            None => builder
+            None if base.starts_with("https://") => builder
                 .with_provider_and_native_roots(provider)
                 .map_err(|e| {
-                    ManagementError::BadConfig(format!("no system CA certificates: {e}"))
+                    ManagementError::BadConfig(format!(
+                        "no system CA certificates to check {base}: {e}; name the CA in spec.rabbitmq.tls.caSecretRef"
+                    ))
                 })?,
+            // Plain HTTP: no certificate is ever checked (an image without system roots works).
+            None => builder.with_tls_config(
+                rustls::ClientConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()
+                    .map_err(|e| ManagementError::BadConfig(e.to_string()))?
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth(),
+            ),
         };
         let connector = builder.https_or_http().enable_http1().build();
         let client = Client::builder(TokioExecutor::new()).build(connector);
@@ -308,6 +323,15 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn plain_http_needs_no_certificates_and_a_ca_without_one_is_refused() {
+        assert!(Management::new("http://127.0.0.1:1/", "u", "p", None).is_ok());
+        let e = Management::new("https://x", "u", "p", Some("not a certificate"))
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("caSecretRef"), "{e}");
     }
 
     #[test]
