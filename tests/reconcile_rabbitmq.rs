@@ -1,7 +1,7 @@
 //! The controllers on a real RabbitMQ (3.10, management plugin on), `settle operator` running as
 //! a process against the real API server: a rabbitmq Backend is Ready with the broker's version
 //! and its kind's capabilities (wrong credentials in its Secret: AuthFailed, until the Secret is
-//! fixed, with no restart); a Subscription becomes exactly
+//! fixed, with no restart; a closed port: Unreachable); a Subscription becomes exactly
 //! the mapped quorum queue and binding (read back over the management API, not through Settle);
 //! a queue deleted on the broker comes back (Event Recreated), a changed pattern re-binds the
 //! same queue in place, a changed maxDeliver is reported ImmutableField with the field named; a
@@ -145,6 +145,21 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     wait_backend(&backends(&ns).await, "secured", "False", "AuthFailed").await;
     apply(&ns, &secret("guest"));
     wait_backend(&backends(&ns).await, "secured", "True", "Connected").await;
+    // A closed port is Unreachable, and names the field to check.
+    let closed = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        common::operator::free_port()
+    );
+    apply(
+        &ns,
+        &backend_yaml("closed", &closed, &env.rabbitmq_management_url),
+    );
+    let b = wait_backend(&backends(&ns).await, "closed", "False", "Unreachable").await;
+    let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(
+        m.contains("spec.rabbitmq.urls") && !m.contains("guest:guest"),
+        "{m}"
+    );
 
     // A Subscription: exactly the mapped quorum queue and binding.
     let api = subs(&ns).await;

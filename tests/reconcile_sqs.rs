@@ -3,8 +3,9 @@
 //! with its kind's capabilities (maxRedeliveryDelay 12h); a Subscription becomes exactly the
 //! mapped queue and dead-letter queue (read back with the AWS SDK, not through Settle), tagged
 //! with their owner; a queue deleted on the server comes back (Event Recreated); attribute drift
-//! is repaired in place; deleting the Subscription deletes its queue and its empty dead-letter
-//! queue, and keeps a dead-letter queue that holds messages.
+//! is repaired in place; a queue of that name Settle did not make is a conflict and left alone;
+//! deleting the Subscription deletes its queue and its empty dead-letter queue, and keeps a
+//! dead-letter queue that holds messages.
 
 mod common;
 
@@ -218,6 +219,51 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
     wait_gone(&api, "orders", Duration::from_secs(30)).await;
     wait_exists(&c, &name, false).await;
     wait_exists(&c, &dlq, false).await;
+
+    // A queue of that name Settle did not make: a conflict, left alone, kept at deletion.
+    let taken = format!("{prefix}taken");
+    let u = c
+        .create_queue()
+        .queue_name(&taken)
+        .send()
+        .await
+        .expect("create")
+        .queue_url
+        .expect("url");
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "sqs",
+            "taken",
+            "  pattern: taken\n  mode: AtLeastOnce\n  durableName: taken\n",
+        ),
+    );
+    let s = common::subs::wait_condition(
+        &api,
+        "taken",
+        "Ready",
+        "False",
+        "ConsumerConflict",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) =
+        common::operator::condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains("Settle did not make it"), "{m}");
+    assert!(tags(&c, &taken).await.is_empty(), "not tagged by Settle");
+    api.delete("taken", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "taken", Duration::from_secs(30)).await;
+    assert!(
+        url(&c, &taken).await.is_some(),
+        "another's queue is never deleted"
+    );
+    c.delete_queue()
+        .queue_url(u)
+        .send()
+        .await
+        .expect("clean up");
 
     // A dead-letter queue holding messages is kept.
     apply(
