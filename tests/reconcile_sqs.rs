@@ -5,7 +5,9 @@
 //! with their owner; a queue deleted on the server comes back (Event Recreated); attribute drift
 //! is repaired in place; a queue of that name Settle did not make is a conflict and left alone;
 //! deleting the Subscription deletes its queue and its empty dead-letter queue, and keeps a
-//! dead-letter queue that holds messages.
+//! dead-letter queue that holds messages. The runtime built from the same resource consumes from
+//! the operator's queue, and a message it declines maxDeliver times reaches the operator's
+//! dead-letter queue.
 
 mod common;
 
@@ -294,6 +296,144 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
     );
     let note = wait_event(&ns, "jobs", "Deleted").await;
     assert!(note.contains("kept its dead-letter queue"), "{note}");
+    c.delete_queue()
+        .queue_url(u)
+        .send()
+        .await
+        .expect("clean up");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_runtime_consumes_from_the_operators_queue_and_an_exhausted_message_reaches_its_dead_letter_queue()
+ {
+    use std::sync::{Arc, Mutex};
+
+    use settle::bus::{Bus, Delivery, HandlerError, Subscriber, handler};
+
+    install_crds();
+    let ns = namespace("rec-sqs-rt");
+    let env = common::env();
+    let _op = common::operator::Operator::start_with(
+        "sqs-runtime",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let prefix = format!("rt{}-", std::process::id());
+    kubectl_ok(
+        &[
+            "create",
+            "secret",
+            "generic",
+            "aws",
+            "-n",
+            &ns,
+            "--from-literal=accessKeyId=test",
+            "--from-literal=secretAccessKey=test",
+        ],
+        None,
+    );
+    apply(
+        &ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
+            env.sqs_endpoint
+        ),
+    );
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "sqs",
+            "billing",
+            "  pattern: billing\n  mode: AtLeastOnce\n  durableName: billing\n  maxDeliver: 2\n  ackWait: 1s\n",
+        ),
+    );
+    let api = subs(&ns).await;
+    let sub = wait_ready(&api, "billing").await;
+
+    // The runtime from the same resource binds to the operator's queue.
+    let c = client().await;
+    let broker = SqsBroker::connect(SqsSettings {
+        region: Some("elasticmq".into()),
+        endpoint: Some(env.sqs_endpoint.clone()),
+        credentials: SqsCredentials::Static {
+            access_key_id: "test".into(),
+            secret_access_key: "test".into(),
+        },
+        queue_prefix: prefix.clone(),
+    })
+    .await
+    .expect("an SQS client")
+    .with_long_poll(Duration::from_secs(1));
+    let bus = Bus::builder(broker).without_reports().build();
+    let seen = Arc::new(Mutex::new(Vec::<(String, u32)>::new()));
+    let s = seen.clone();
+    bus.subscribe(Subscriber::from_resource(
+        "billing",
+        &sub.spec,
+        handler(move |d: Delivery| {
+            let s = s.clone();
+            async move {
+                let body = String::from_utf8_lossy(d.payload()).into_owned();
+                s.lock().unwrap().push((body.clone(), d.attempt()));
+                if body == "bad" {
+                    d.nack().await?;
+                } else {
+                    d.ack().await?;
+                }
+                Ok::<(), HandlerError>(())
+            }
+        }),
+    ))
+    .await
+    .expect("bound to the operator's queue");
+    bus.publish("billing", "good".to_string())
+        .await
+        .expect("publish");
+    bus.publish("billing", "bad".to_string())
+        .await
+        .expect("publish");
+
+    // maxDeliver 2: the bad one is tried twice, then the redrive moves it to the dead-letter
+    // queue the operator made.
+    let dlq = format!("{prefix}billing-dlq");
+    poll(
+        "the declined message in the dead-letter queue",
+        Duration::from_secs(60),
+        || async {
+            let a = attributes(&c, &dlq).await;
+            let n = a
+                .get("ApproximateNumberOfMessages")
+                .cloned()
+                .unwrap_or_default();
+            if n == "1" {
+                Ok(())
+            } else {
+                Err(format!(
+                    "dead-letter queue holds {n}; handled {:?}",
+                    seen.lock().unwrap()
+                ))
+            }
+        },
+    )
+    .await;
+    let handled = seen.lock().unwrap().clone();
+    assert!(handled.contains(&("good".to_string(), 1)), "{handled:?}");
+    let bad: Vec<u32> = handled
+        .iter()
+        .filter(|(b, _)| b == "bad")
+        .map(|(_, a)| *a)
+        .collect();
+    assert_eq!(bad, [1, 2], "tried maxDeliver times");
+    bus.close().await;
+
+    // Deleting the Subscription keeps the dead-letter queue that holds the exhausted message.
+    api.delete("billing", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "billing", Duration::from_secs(30)).await;
+    wait_exists(&c, &format!("{prefix}billing"), false).await;
+    let u = url(&c, &dlq).await.expect("kept");
     c.delete_queue()
         .queue_url(u)
         .send()

@@ -73,9 +73,29 @@ where
     );
     let code = e.code().map(str::to_string);
     let detail = super::api(operation, e).to_string();
-    if unreachable {
+    classify_parts(operation, unreachable, code.as_deref(), detail)
+}
+
+/// The kind of a failed call from its parts: whether the request was never answered, the error
+/// code, and the whole message. A request that could not be signed because no credentials were
+/// found is never sent (the SDK reports it as a dispatch failure), but it is the credentials
+/// that are missing, not the server.
+pub fn classify_parts(
+    operation: &'static str,
+    unanswered: bool,
+    code: Option<&str>,
+    detail: String,
+) -> AdminError {
+    if unanswered && detail.contains("loading credentials") {
+        AdminError::AuthFailed {
+            operation,
+            detail: format!(
+                "{detail} (no credentials: name a Secret in spec.sqs.credentialsSecretRef, or give the pod an identity)"
+            ),
+        }
+    } else if unanswered {
         AdminError::Unreachable { operation, detail }
-    } else if code.as_deref().is_some_and(is_auth_code) {
+    } else if code.is_some_and(is_auth_code) {
         AdminError::AuthFailed { operation, detail }
     } else {
         AdminError::Refused { operation, detail }
@@ -232,6 +252,35 @@ mod tests {
         .collect();
         assert_eq!(gauges_of(&a), (7, 2));
         assert_eq!(gauges_of(&BTreeMap::new()), (0, 0));
+    }
+
+    #[test]
+    fn failures_are_told_apart() {
+        let kind = |unanswered, code, detail: &str| match classify_parts(
+            "ListQueues",
+            unanswered,
+            code,
+            detail.to_string(),
+        ) {
+            AdminError::Unreachable { .. } => "unreachable",
+            AdminError::AuthFailed { .. } => "auth",
+            AdminError::Refused { .. } => "refused",
+        };
+        assert_eq!(
+            kind(true, None, "dispatch failure: connection refused"),
+            "unreachable"
+        );
+        assert_eq!(
+            kind(
+                true,
+                None,
+                "dispatch failure: other: an error occurred while loading credentials: no IMDS"
+            ),
+            "auth"
+        );
+        assert_eq!(kind(false, Some("InvalidClientTokenId"), "x"), "auth");
+        assert_eq!(kind(false, Some("InvalidAttributeValue"), "x"), "refused");
+        assert_eq!(kind(false, None, "x"), "refused");
     }
 
     #[test]
