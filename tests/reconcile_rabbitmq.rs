@@ -323,6 +323,31 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     assert!(queue(&kept).is_some(), "a retained queue stays");
     delete_queue(&kept);
 
+    // spec.stream means nothing on RabbitMQ: not accepted, said, nothing made.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "streamed",
+            &format!("  pattern: \"{tag}.streamed.>\"\n  stream: ORDERS\n"),
+        ),
+    );
+    let s = wait_condition(
+        &api,
+        "streamed",
+        "Accepted",
+        "False",
+        "Invalid",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Accepted").expect("Accepted");
+    assert!(m.contains("spec.stream"), "{m}");
+    assert!(
+        queue(&format!("settle_{ns}_streamed")).is_none(),
+        "nothing made"
+    );
+
     // The derived name under AtMostOnce.
     apply(
         &ns,

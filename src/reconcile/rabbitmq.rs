@@ -110,6 +110,12 @@ pub async fn ensure(
 ) -> SubOutcome {
     let ns = sub.namespace().unwrap_or_default();
     let name = sub.name_any();
+    if let Some(stream) = &sub.spec.stream {
+        return SubOutcome::Invalid(format!(
+            "spec.stream: {stream:?} is a JetStream setting; on RabbitMQ the queue is bound to the Backend's \
+             exchange by spec.pattern: remove spec.stream"
+        ));
+    }
     let policy = ResolvedPolicy::resolve(&sub.spec.policy);
     let want = queue::desired(&ns, &name, &policy, &conn.exchanges);
     let here = ConsumerRef {

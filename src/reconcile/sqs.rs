@@ -107,6 +107,12 @@ pub async fn ensure(
     let name = sub.name_any();
     let owner = format!("{ns}/{name}");
     let client = conn.broker.client();
+    if let Some(stream) = &sub.spec.stream {
+        return SubOutcome::Invalid(format!(
+            "spec.stream: {stream:?} is a JetStream setting; on SQS the queue is named by spec.durableName: \
+             remove spec.stream"
+        ));
+    }
     let policy = ResolvedPolicy::resolve(&sub.spec.policy);
     let want = match queue::desired(conn.broker.queue_prefix(), &policy) {
         Ok(w) => w,
