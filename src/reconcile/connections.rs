@@ -110,10 +110,16 @@ impl RabbitConn {
         }
         let c = Arc::new(amqp::connect(&self.spec).await?);
         let mut events = c.events_listener();
-        let (conns, key) = (self.conns.clone(), self.key.clone());
+        let (conns, key, weak) = (self.conns.clone(), self.key.clone(), Arc::downgrade(&c));
         let listener = tokio::spawn(async move {
             while let Some(ev) = events.next().await {
                 if let lapin::Event::Error(e) = ev {
+                    // A channel the broker closed (a refused declare, a missing queue) reports
+                    // here too; only a connection that is no longer up is a drop.
+                    if weak.upgrade().is_some_and(|c| c.status().connected()) {
+                        tracing::debug!(backend = %format!("{}/{}", key.0, key.1), error = %e, "an AMQP channel closed; the connection is up");
+                        continue;
+                    }
                     tracing::warn!(backend = %format!("{}/{}", key.0, key.1), error = %e, "the AMQP connection failed: re-checking the Backend and its Subscriptions");
                     if let Some(conns) = conns.upgrade() {
                         conns.dropped(&key, "disconnect");
@@ -125,30 +131,11 @@ impl RabbitConn {
         *slot = Some((c.clone(), listener));
         Ok(c)
     }
-
-    /// Whether the connection is up now (true while another task is using it).
-    pub fn connected(&self) -> bool {
-        self.current
-            .try_lock()
-            .map(|s| s.as_ref().is_some_and(|(c, _)| c.status().connected()))
-            .unwrap_or(true)
-    }
 }
 
 /// An SQS Backend's client (its queue prefix included).
 pub struct SqsConn {
     pub broker: SqsBroker,
-}
-
-impl Conn {
-    /// Whether the connection is up now (not reconnecting). SQS is HTTP: always.
-    pub fn connected(&self) -> bool {
-        match self {
-            Conn::Nats(n) => n.connected(),
-            Conn::Rabbitmq(r) => r.connected(),
-            Conn::Sqs(_) => true,
-        }
-    }
 }
 
 impl NatsConn {
