@@ -210,6 +210,46 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     assert!(note.contains(&durable), "{note}");
     assert_eq!(bindings(&durable).len(), 1, "bound again too");
 
+    // The gauges the account reads: two messages waiting, none unacknowledged.
+    {
+        use settle::bus::Broker;
+        let publisher = settle::backend::rabbitmq::RabbitBroker::connect(&env.rabbitmq_url)
+            .await
+            .expect("connect");
+        for body in ["a", "b"] {
+            publisher
+                .publish(
+                    format!("{tag}.orders.created"),
+                    vec![],
+                    bytes::Bytes::from(body),
+                )
+                .await
+                .expect("publish");
+        }
+        let m = settle::backend::rabbitmq::management::Management::new(
+            &env.rabbitmq_management_url,
+            "guest",
+            "guest",
+            None,
+        )
+        .expect("management client");
+        poll(
+            "the gauges to show two ready",
+            Duration::from_secs(30),
+            || async {
+                let g = settle::backend::rabbitmq::management::queue_gauges(&m, "/", &durable)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if g == Some((2, 0)) {
+                    Ok(())
+                } else {
+                    Err(format!("{g:?}"))
+                }
+            },
+        )
+        .await;
+    }
+
     // A changed pattern: the same queue, re-bound in place.
     apply(
         &ns,

@@ -425,6 +425,25 @@ async fn the_runtime_consumes_from_the_operators_queue_and_an_exhausted_message_
         .map(|(_, a)| *a)
         .collect();
     assert_eq!(bad, [1, 2], "tried maxDeliver times");
+    // The gauges the account reads.
+    assert_eq!(
+        settle::backend::sqs::admin::queue_gauges(&c, &dlq)
+            .await
+            .expect("gauges"),
+        Some((1, 0))
+    );
+    assert_eq!(
+        settle::backend::sqs::admin::queue_gauges(&c, &format!("{prefix}billing"))
+            .await
+            .expect("gauges"),
+        Some((0, 0))
+    );
+    assert_eq!(
+        settle::backend::sqs::admin::queue_gauges(&c, &format!("{prefix}nothing"))
+            .await
+            .expect("gauges"),
+        None
+    );
     bus.close().await;
 
     // Deleting the Subscription keeps the dead-letter queue that holds the exhausted message.
