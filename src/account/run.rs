@@ -10,6 +10,7 @@ use kube::runtime::reflector::Store;
 
 use super::{Metrics, keeper, writer};
 use crate::api::{Backend, Subscription};
+use crate::backend::QueueGauges;
 use crate::policy::effective_capabilities;
 
 /// An instance that has not reported for this long is folded (a live one re-reports at least
@@ -30,6 +31,9 @@ pub struct Config {
 /// A Backend's live NATS connection, by namespace and name, as the controllers hold it.
 pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
 
+/// A RabbitMQ or SQS Backend's gauge reader, by namespace and name, as the controllers hold it.
+pub type QueueLookup = Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
+
 /// What one leadership term hands the account: the controllers' caches and connections.
 #[derive(Clone)]
 pub struct Term {
@@ -37,6 +41,7 @@ pub struct Term {
     pub subscriptions: Store<Subscription>,
     pub backends: Store<Backend>,
     pub nats: NatsLookup,
+    pub queues: QueueLookup,
 }
 
 /// Keeps one keeper per NATS Backend until dropped (the end of the leadership term).

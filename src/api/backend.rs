@@ -99,6 +99,14 @@ pub struct RabbitmqBackendSpec {
     /// TLS settings. Optional; without them the connection follows the URL scheme.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<RabbitmqTlsSpec>,
+    /// The management API's URL, e.g. http://rabbitmq.messaging:15672 (the `rabbitmq_management`
+    /// plugin), reached with the same credentials (and CA) as AMQP. Optional, but without it
+    /// the operator cannot read a queue's arguments, bindings or owner, nor the server's
+    /// version and the queue gauges: it then only makes missing queues and re-binds them, and a
+    /// differing argument shows as the broker's refusal to redeclare the queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub management_url: Option<String>,
 }
 
 /// TLS settings for RabbitMQ.

@@ -10,3 +10,33 @@ pub mod nats;
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+
+/// Where the account reads a managed queue's gauges on brokers without consumer info: a
+/// RabbitMQ Backend's management API (and vhost), or an SQS Backend's client.
+#[cfg(feature = "operator")]
+#[derive(Clone)]
+pub enum QueueGauges {
+    Rabbitmq {
+        management: rabbitmq::management::Management,
+        vhost: String,
+    },
+    Sqs(aws_sdk_sqs::Client),
+}
+
+#[cfg(feature = "operator")]
+impl QueueGauges {
+    /// Queue `name`'s `(pending, ack_pending)`: RabbitMQ's ready and unacknowledged messages,
+    /// SQS's visible and not-visible ones. `None` when the queue does not exist.
+    pub async fn read(&self, name: &str) -> Result<Option<(u64, u64)>, String> {
+        match self {
+            QueueGauges::Rabbitmq { management, vhost } => {
+                rabbitmq::management::queue_gauges(management, vhost, name)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            QueueGauges::Sqs(client) => sqs::admin::queue_gauges(client, name)
+                .await
+                .map_err(|e| e.to_string()),
+        }
+    }
+}

@@ -98,6 +98,10 @@ pub struct OperatorArgs {
     /// The Exhausting condition is True while Exhausted grew within this window.
     #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
     pub loss_window: Duration,
+    /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
+    /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
+    #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
+    pub drift_interval: Duration,
     /// Subscriptions reconciled at once.
     #[arg(long, env = "SETTLE_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: u16,
@@ -317,6 +321,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 .cloned()
                 .collect(),
             resync: args.resync_interval.get(),
+            drift: args.drift_interval,
             concurrency: args.concurrency,
             identity: leader::identity(),
         },
@@ -373,6 +378,7 @@ fn account_hook(config: account::Config, metrics: account::Metrics) -> reconcile
             subscriptions: shared.subscriptions,
             backends: shared.backends,
             nats: shared.nats,
+            queues: shared.queues,
         };
         Box::pin(account::run(term, config.clone(), metrics.clone()))
     })

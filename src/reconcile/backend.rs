@@ -1,7 +1,8 @@
 //! The Backend controller: reads the Secrets a Backend names, keeps one connection to its broker
 //! (reconnecting when a Secret or the spec changes), and writes what it found to status: the
-//! server's version, the capabilities of its kind, and a `Ready` condition with a reason a
-//! person can act on.
+//! server's version, the capabilities of its kind (the one table), and a `Ready` condition with
+//! a reason a person can act on. Every kind: NATS (JetStream must answer), RabbitMQ (AMQP, and
+//! the management API when named), SQS (ListQueues under the prefix must answer).
 //!
 //! It must not touch consumers (that is the Subscription controller) nor write the account's
 //! fields.
@@ -17,13 +18,19 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 
-use super::connections::Key;
+use super::conditions::reasons;
+use super::connections::{Conn, Key};
 use super::metrics::BACKEND;
 use super::status::{BackendOutcome, backend_status};
 use super::{Ctx, Error, FIELD_MANAGER};
-use crate::api::{Backend, NatsBackendSpec};
+use crate::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec};
 use crate::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
 use crate::backend::nats::jsapi;
+use crate::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
+use crate::backend::rabbitmq::management::ManagementError;
+use crate::backend::rabbitmq::queue::{DEFAULT_EXCHANGE, Exchanges};
+use crate::backend::sqs::admin::{self as sqs_admin, AdminError};
+use crate::backend::sqs::{SqsCredentials, SqsSettings};
 use crate::policy::{BackendKind, capabilities_of};
 
 /// Reconciles one Backend.
@@ -39,15 +46,14 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         // The API server refuses such a spec; nothing to do until it changes.
         return Ok(Action::await_change());
     };
-    let outcome = match (&b.spec.nats, kind) {
-        (Some(nats), _) => observe(&ctx, &key, nats).await?,
-        (None, BackendKind::Memory) => {
+    let s = &b.spec;
+    let outcome = match (kind, &s.nats, &s.rabbitmq, &s.sqs) {
+        (BackendKind::Nats, Some(nats), _, _) => observe(&ctx, &key, nats).await?,
+        (BackendKind::Rabbitmq, _, Some(r), _) => observe_rabbitmq(&ctx, &key, r).await?,
+        (BackendKind::Sqs, _, _, Some(q)) => observe_sqs(&ctx, &key, q).await?,
+        _ => {
             ctx.conns.remove(&key);
             BackendOutcome::InProcess
-        }
-        (None, other) => {
-            ctx.conns.remove(&key);
-            BackendOutcome::NotManagedYet(other)
         }
     };
     let now = Time(Timestamp::now());
@@ -87,7 +93,9 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     }
     let healthy = matches!(
         outcome,
-        BackendOutcome::Connected { .. } | BackendOutcome::InProcess
+        BackendOutcome::Connected { .. }
+            | BackendOutcome::Reached { .. }
+            | BackendOutcome::InProcess
     );
     let fkey = format!("backend/{}/{}", key.0, key.1);
     Ok(if healthy {
@@ -111,6 +119,11 @@ async fn observe(ctx: &Ctx, key: &Key, nats: &NatsBackendSpec) -> Result<Backend
         Ok(c) => c,
         Err(f) => return Ok(BackendOutcome::Connect(f)),
     };
+    let Conn::Nats(conn) = &*conn else {
+        return Err(Error::Waiting(
+            "the Backend's kind changed; reconnecting".into(),
+        ));
+    };
     let version = connect::server_version(&conn.client);
     if !conn.connected() {
         return Ok(BackendOutcome::Connect(ConnectFailure::Unreachable {
@@ -123,6 +136,207 @@ async fn observe(ctx: &Ctx, key: &Key, nats: &NatsBackendSpec) -> Result<Backend
         Ok(()) => BackendOutcome::Connected { version },
         Err(error) => BackendOutcome::Broker { error, version },
     })
+}
+
+/// Connects to RabbitMQ (or reuses the connection) and, when the Backend names it, asks the
+/// management API for the version.
+async fn observe_rabbitmq(
+    ctx: &Ctx,
+    key: &Key,
+    r: &RabbitmqBackendSpec,
+) -> Result<BackendOutcome, Error> {
+    let missing = |message: String| {
+        ctx.conns.fail(key, message.clone());
+        Ok(BackendOutcome::SecretMissing(message))
+    };
+    let credentials = match &r.credentials_secret_ref {
+        None => None,
+        Some(sr) => match secret_data(ctx, &key.0, &sr.name).await? {
+            Err(m) => return missing(m),
+            Ok(data) => match amqp::Credentials::from_secret_data(&data) {
+                Ok(c) => Some(c),
+                Err(m) => {
+                    return missing(format!(
+                        "Secret {:?} (spec.rabbitmq.credentialsSecretRef) has no usable credentials: {m}",
+                        sr.name
+                    ));
+                }
+            },
+        },
+    };
+    let ca_pem = match r.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        None => None,
+        Some(sr) => match secret_data(ctx, &key.0, &sr.name).await? {
+            Err(m) => return missing(m),
+            Ok(data) => match data.get(amqp::CA_KEY).map(|b| String::from_utf8(b.clone())) {
+                Some(Ok(pem)) => Some(pem),
+                _ => {
+                    return missing(format!(
+                        "Secret {:?} (spec.rabbitmq.tls.caSecretRef) has no key {:?} holding a PEM certificate: add it",
+                        sr.name,
+                        amqp::CA_KEY
+                    ));
+                }
+            },
+        },
+    };
+    let spec = RabbitConnectSpec {
+        urls: r.urls.clone(),
+        vhost: r.vhost.clone(),
+        credentials,
+        ca_pem,
+        management_url: r.management_url.clone(),
+        exchanges: Exchanges {
+            exchange: r
+                .exchange
+                .clone()
+                .unwrap_or_else(|| DEFAULT_EXCHANGE.to_string()),
+            dead_letter: r.dead_letter_exchange.clone(),
+        },
+        name: ctx.conns.client_name.clone(),
+    };
+    let down = |reason: &'static str, message: String| Ok(BackendOutcome::Down { reason, message });
+    let conn = match ctx.conns.ensure_rabbitmq(key, &spec).await {
+        Ok(c) => c,
+        Err(f) => return down(amqp_reason(&f), amqp_message(&f)),
+    };
+    let Conn::Rabbitmq(conn) = &*conn else {
+        return Err(Error::Waiting(
+            "the Backend's kind changed; reconnecting".into(),
+        ));
+    };
+    ctx.metrics.js("amqp.connect");
+    if let Err(f) = conn.connection().await {
+        return down(amqp_reason(&f), amqp_message(&f));
+    }
+    let Some(m) = &conn.management else {
+        return Ok(BackendOutcome::Reached {
+            kind: BackendKind::Rabbitmq,
+            version: None,
+            detail: "AMQP answers (no spec.rabbitmq.managementUrl: the version, queue arguments, owners and \
+                     gauges cannot be read)"
+                .into(),
+        });
+    };
+    ctx.metrics.js("management.overview");
+    Ok(match m.version().await {
+        Ok(version) => BackendOutcome::Reached {
+            kind: BackendKind::Rabbitmq,
+            version,
+            detail: "AMQP and the management API answer".into(),
+        },
+        Err(e) => BackendOutcome::Down {
+            reason: match e {
+                ManagementError::Unreachable { .. } => reasons::UNREACHABLE,
+                ManagementError::Unauthorized { .. } => reasons::AUTH_FAILED,
+                ManagementError::Status { .. } | ManagementError::BadConfig(_) => {
+                    reasons::BAD_CONFIG
+                }
+            },
+            message: format!("AMQP answers, but: {e}"),
+        },
+    })
+}
+
+fn amqp_reason(f: &amqp::ConnectFailure) -> &'static str {
+    match f {
+        amqp::ConnectFailure::Unreachable { .. } => reasons::UNREACHABLE,
+        amqp::ConnectFailure::AuthFailed(_) => reasons::AUTH_FAILED,
+        amqp::ConnectFailure::BadConfig(_) => reasons::BAD_CONFIG,
+    }
+}
+
+fn amqp_message(f: &amqp::ConnectFailure) -> String {
+    match f {
+        amqp::ConnectFailure::Unreachable { .. } => {
+            format!("{f}: check spec.rabbitmq.urls and that the broker runs; Settle keeps trying")
+        }
+        amqp::ConnectFailure::AuthFailed(_) => format!(
+            "{f}: fix the credentials Secret (spec.rabbitmq.credentialsSecretRef) or spec.rabbitmq.vhost; \
+             Settle picks up the change"
+        ),
+        amqp::ConnectFailure::BadConfig(_) => f.to_string(),
+    }
+}
+
+/// Makes the SQS client (or reuses it) and asks for one queue under the prefix.
+async fn observe_sqs(ctx: &Ctx, key: &Key, q: &SqsBackendSpec) -> Result<BackendOutcome, Error> {
+    let credentials = match &q.credentials_secret_ref {
+        None => SqsCredentials::DefaultChain,
+        Some(sr) => match secret_data(ctx, &key.0, &sr.name).await? {
+            Err(m) => {
+                ctx.conns.fail(key, m.clone());
+                return Ok(BackendOutcome::SecretMissing(m));
+            }
+            Ok(data) => {
+                let text = |k: &str| {
+                    data.get(k)
+                        .map(|v| String::from_utf8_lossy(v).trim().to_string())
+                        .filter(|v| !v.is_empty())
+                };
+                match (text("accessKeyId"), text("secretAccessKey")) {
+                    (Some(access_key_id), Some(secret_access_key)) => SqsCredentials::Static {
+                        access_key_id,
+                        secret_access_key,
+                    },
+                    _ => {
+                        let m = format!(
+                            "Secret {:?} (spec.sqs.credentialsSecretRef) needs keys \"accessKeyId\" and \"secretAccessKey\": add them",
+                            sr.name
+                        );
+                        ctx.conns.fail(key, m.clone());
+                        return Ok(BackendOutcome::SecretMissing(m));
+                    }
+                }
+            }
+        },
+    };
+    let settings = SqsSettings::from_spec(q, credentials);
+    let conn = match ctx.conns.ensure_sqs(key, &settings).await {
+        Ok(c) => c,
+        Err(m) => {
+            return Ok(BackendOutcome::Down {
+                reason: reasons::BAD_CONFIG,
+                message: m,
+            });
+        }
+    };
+    let Conn::Sqs(conn) = &*conn else {
+        return Err(Error::Waiting(
+            "the Backend's kind changed; reconnecting".into(),
+        ));
+    };
+    let at = q
+        .endpoint
+        .clone()
+        .or_else(|| q.region.clone())
+        .unwrap_or_else(|| "the pod's region".into());
+    ctx.metrics.js("sqs.list");
+    Ok(
+        match sqs_admin::ping(conn.broker.client(), conn.broker.queue_prefix()).await {
+            Ok(_) => BackendOutcome::Reached {
+                kind: BackendKind::Sqs,
+                version: None,
+                detail: format!("ListQueues answers at {at}"),
+            },
+            Err(e) => BackendOutcome::Down {
+                reason: match e {
+                    AdminError::Unreachable { .. } => reasons::UNREACHABLE,
+                    AdminError::AuthFailed { .. } => reasons::AUTH_FAILED,
+                    AdminError::Refused { .. } => reasons::BAD_CONFIG,
+                },
+                message: match e {
+                    AdminError::Unreachable { .. } => format!(
+                        "{e}: check spec.sqs.endpoint or spec.sqs.region; Settle keeps trying"
+                    ),
+                    AdminError::AuthFailed { .. } => format!(
+                        "{e}: fix the credentials (spec.sqs.credentialsSecretRef, or the pod's identity)"
+                    ),
+                    AdminError::Refused { .. } => e.to_string(),
+                },
+            },
+        },
+    )
 }
 
 /// What to connect with: the servers, and the credentials and CA read from the named Secrets.

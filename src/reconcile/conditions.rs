@@ -22,7 +22,7 @@ pub mod reasons {
     pub const INVALID: &str = "Invalid";
 
     // Ready, Subscription
-    /// The consumer exists and matches the spec.
+    /// The consumer (or queue, with its binding or dead-letter queue) exists and matches the spec.
     pub const CONSUMER_READY: &str = "ConsumerReady";
     /// The spec is not accepted, so no consumer is made.
     pub const NOT_ACCEPTED: &str = "NotAccepted";
@@ -34,20 +34,18 @@ pub mod reasons {
     pub const STREAM_NOT_FOUND: &str = "StreamNotFound";
     /// More than one stream carries the pattern.
     pub const STREAM_AMBIGUOUS: &str = "StreamAmbiguous";
-    /// The live consumer differs in a field the broker cannot change in place.
+    /// The live consumer (or RabbitMQ queue) differs in a field the broker cannot change in place.
     pub const IMMUTABLE_FIELD: &str = "ImmutableField";
-    /// A consumer of that name exists and belongs to something else.
+    /// A consumer (or queue) of that name exists and belongs to something else.
     pub const CONSUMER_CONFLICT: &str = "ConsumerConflict";
     /// The broker refused a call for a reason not listed here (the message carries its words).
     pub const BROKER_REFUSED: &str = "BrokerRefused";
     /// The Backend's kind runs its consumers inside the application (memory).
     pub const IN_PROCESS: &str = "InProcess";
-    /// The runtime drives this kind (rabbitmq, sqs), but the operator does not connect to it or
-    /// make its queues yet: code-defined subscriptions declare their own.
-    pub const NOT_MANAGED_YET: &str = "NotManagedYet";
 
     // Ready, Backend (and Subscription, when the broker is the problem)
-    /// Connected, and JetStream answers.
+    /// Connected, and the broker answers (JetStream; RabbitMQ's AMQP and management API; SQS's
+    /// ListQueues).
     pub const CONNECTED: &str = "Connected";
     /// No server answered.
     pub const UNREACHABLE: &str = "Unreachable";
@@ -57,6 +55,9 @@ pub mod reasons {
     pub const JETSTREAM_DISABLED: &str = "JetStreamDisabled";
     /// A Secret the Backend names does not exist, cannot be read, or lacks the keys it needs.
     pub const SECRET_MISSING: &str = "SecretMissing";
+    /// The Backend's settings cannot be used (an URL that does not parse, no SQS region, a
+    /// management API that answers something else).
+    pub const BAD_CONFIG: &str = "BadConfig";
 }
 
 /// Kubernetes Event reasons.

@@ -1,14 +1,21 @@
-//! One shared NATS connection per Backend, made by the Backend controller and used by the
-//! Subscription controller. Each connection reconnects by itself; when it drops or comes back,
-//! its Backend and that Backend's Subscriptions are reconciled (a restarted broker is
-//! re-converged without an operator restart). Each connection also listens to the consumer
-//! advisories, so a consumer deleted or edited on the broker is repaired within about a second.
+//! One shared connection per Backend, whatever its kind, made by the Backend controller and
+//! used by the Subscription controller (and, through [`Connections::get`], by the account):
 //!
-//! It must not decide what a consumer looks like or what status to write; it only holds
+//! - NATS: a client that reconnects by itself and listens to the consumer advisories, so a
+//!   consumer deleted or edited on the broker is repaired within about a second;
+//! - RabbitMQ: an AMQP connection, made again on the next use after it drops (its drop
+//!   reconciles the Backend and its Subscriptions), and a management API client;
+//! - SQS: a client (HTTP; nothing to keep open).
+//!
+//! When a connection drops or comes back, its Backend and that Backend's Subscriptions are
+//! reconciled (a restarted broker is re-converged without an operator restart). Kinds without
+//! broker events (RabbitMQ without plugins, SQS) are re-checked on the drift interval instead.
+//!
+//! It must not decide what a consumer or queue looks like or what status to write; it only holds
 //! connections and turns broker events into reconcile triggers.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -22,6 +29,10 @@ use super::metrics::Metrics;
 use crate::api::{Backend, Subscription};
 use crate::backend::nats::advisory::{self, ChangeKind};
 use crate::backend::nats::connect::{self, ConnectFailure, ConnectSpec};
+use crate::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
+use crate::backend::rabbitmq::management::Management;
+use crate::backend::rabbitmq::queue::Exchanges;
+use crate::backend::sqs::{SqsBroker, SqsSettings};
 
 /// A Backend, by namespace and name.
 pub type Key = (String, String);
@@ -32,23 +43,102 @@ type OwnMarks = Arc<Mutex<HashMap<(ChangeKind, String, String), Instant>>>;
 /// How long a mark of the operator's own consumer change waits for its advisory.
 const OWN_MARK_TTL: Duration = Duration::from_secs(10);
 
-/// A live connection to one Backend's broker.
-pub struct Conn {
+/// A live connection to one Backend's broker, by kind.
+// One per Backend, behind an Arc: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub enum Conn {
+    Nats(NatsConn),
+    Rabbitmq(RabbitConn),
+    Sqs(SqsConn),
+}
+
+/// A NATS client and its advisory listener.
+pub struct NatsConn {
     pub client: async_nats::Client,
     pub js: jetstream::Context,
-    fingerprint: u64,
     /// Consumer changes the operator made itself, each waiting for the one advisory it causes.
     own: OwnMarks,
     listener: JoinHandle<()>,
 }
 
-impl Drop for Conn {
+impl Drop for NatsConn {
     fn drop(&mut self) {
         self.listener.abort();
     }
 }
 
-impl Conn {
+/// A RabbitMQ Backend's AMQP connection (made again on the next use after it drops) and its
+/// management API client.
+pub struct RabbitConn {
+    spec: RabbitConnectSpec,
+    current: tokio::sync::Mutex<Option<(Arc<lapin::Connection>, JoinHandle<()>)>>,
+    /// The management API, when the Backend names one (spec.rabbitmq.managementUrl).
+    pub management: Option<Management>,
+    /// The vhost queues live in.
+    pub vhost: String,
+    /// Where queues are bound and exhausted messages go.
+    pub exchanges: Exchanges,
+    conns: Weak<Connections>,
+    key: Key,
+}
+
+impl Drop for RabbitConn {
+    fn drop(&mut self) {
+        if let Some((c, listener)) = self.current.get_mut().take() {
+            listener.abort();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    let _ = c.close(200, "the Backend changed or is gone".into()).await;
+                });
+            }
+        }
+    }
+}
+
+impl RabbitConn {
+    /// The AMQP connection, made again first when it dropped.
+    pub async fn connection(&self) -> Result<Arc<lapin::Connection>, amqp::ConnectFailure> {
+        let mut slot = self.current.lock().await;
+        if let Some((c, _)) = slot.as_ref()
+            && c.status().connected()
+        {
+            return Ok(c.clone());
+        }
+        if let Some((_, listener)) = slot.take() {
+            listener.abort();
+            tracing::info!(backend = %format!("{}/{}", self.key.0, self.key.1), "the AMQP connection dropped: connecting again");
+        }
+        let c = Arc::new(amqp::connect(&self.spec).await?);
+        let mut events = c.events_listener();
+        let (conns, key, weak) = (self.conns.clone(), self.key.clone(), Arc::downgrade(&c));
+        let listener = tokio::spawn(async move {
+            while let Some(ev) = events.next().await {
+                if let lapin::Event::Error(e) = ev {
+                    // A channel the broker closed (a refused declare, a missing queue) reports
+                    // here too; only a connection that is no longer up is a drop.
+                    if weak.upgrade().is_some_and(|c| c.status().connected()) {
+                        tracing::debug!(backend = %format!("{}/{}", key.0, key.1), error = %e, "an AMQP channel closed; the connection is up");
+                        continue;
+                    }
+                    tracing::warn!(backend = %format!("{}/{}", key.0, key.1), error = %e, "the AMQP connection failed: re-checking the Backend and its Subscriptions");
+                    if let Some(conns) = conns.upgrade() {
+                        conns.dropped(&key, "disconnect");
+                    }
+                    return;
+                }
+            }
+        });
+        *slot = Some((c.clone(), listener));
+        Ok(c)
+    }
+}
+
+/// An SQS Backend's client (its queue prefix included).
+pub struct SqsConn {
+    pub broker: SqsBroker,
+}
+
+impl NatsConn {
     /// Whether the connection is up now (not reconnecting).
     pub fn connected(&self) -> bool {
         connect::is_connected(&self.client)
@@ -77,7 +167,7 @@ pub enum Lookup {
 }
 
 enum Entry {
-    Up(Arc<Conn>),
+    Up { conn: Arc<Conn>, fingerprint: u64 },
     Failed { fingerprint: u64, message: String },
 }
 
@@ -115,9 +205,10 @@ impl Connections {
         })
     }
 
+    /// Backend `key`'s connection (the account reads queue gauges through it).
     pub fn get(&self, key: &Key) -> Lookup {
         match lock(&self.entries).get(key) {
-            Some(Entry::Up(c)) => Lookup::Up(c.clone()),
+            Some(Entry::Up { conn, .. }) => Lookup::Up(conn.clone()),
             Some(Entry::Failed { message, .. }) => Lookup::Failed(message.clone()),
             None => Lookup::Unknown,
         }
@@ -143,21 +234,117 @@ impl Connections {
         );
     }
 
-    /// The connection for `spec`: the existing one when it was made from the same spec, else a
-    /// new one (the old one, made from an old Secret, is dropped).
+    /// The connection made from `fingerprint`, if that is the one held; else notes (once) that
+    /// the spec or Secret changed.
+    fn current(&self, key: &Key, fingerprint: u64) -> Option<Arc<Conn>> {
+        let had = match lock(&self.entries).get(key) {
+            Some(Entry::Up {
+                conn,
+                fingerprint: f,
+            }) if *f == fingerprint => {
+                return Some(conn.clone());
+            }
+            Some(Entry::Up { .. }) => true,
+            Some(Entry::Failed { .. }) | None => false,
+        };
+        if had {
+            tracing::info!(backend = %format!("{}/{}", key.0, key.1), "the Backend's spec or Secret changed: reconnecting");
+        }
+        None
+    }
+
+    fn up(&self, key: &Key, fingerprint: u64, conn: Conn) -> Arc<Conn> {
+        let conn = Arc::new(conn);
+        lock(&self.entries).insert(
+            key.clone(),
+            Entry::Up {
+                conn: conn.clone(),
+                fingerprint,
+            },
+        );
+        conn
+    }
+
+    fn failed(&self, key: &Key, fingerprint: u64, message: String) {
+        lock(&self.entries).insert(
+            key.clone(),
+            Entry::Failed {
+                fingerprint,
+                message,
+            },
+        );
+    }
+
+    /// The RabbitMQ connection for `spec`: the existing one when it was made from the same spec,
+    /// else a new one (connected once now, so a failure is reported at once).
+    pub async fn ensure_rabbitmq(
+        self: &Arc<Self>,
+        key: &Key,
+        spec: &RabbitConnectSpec,
+    ) -> Result<Arc<Conn>, amqp::ConnectFailure> {
+        let fingerprint = spec.fingerprint();
+        if let Some(c) = self.current(key, fingerprint) {
+            return Ok(c);
+        }
+        let management = match &spec.management_url {
+            None => None,
+            Some(url) => {
+                let c = spec.effective_credentials();
+                match Management::new(url, &c.username, &c.password, spec.ca_pem.as_deref()) {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        let f = amqp::ConnectFailure::BadConfig(e.to_string());
+                        self.failed(key, fingerprint, f.to_string());
+                        return Err(f);
+                    }
+                }
+            }
+        };
+        let conn = RabbitConn {
+            vhost: spec.effective_vhost(),
+            exchanges: spec.exchanges.clone(),
+            spec: spec.clone(),
+            current: tokio::sync::Mutex::default(),
+            management,
+            conns: Arc::downgrade(self),
+            key: key.clone(),
+        };
+        if let Err(e) = conn.connection().await {
+            self.failed(key, fingerprint, e.to_string());
+            return Err(e);
+        }
+        Ok(self.up(key, fingerprint, Conn::Rabbitmq(conn)))
+    }
+
+    /// The SQS client for `settings`: the existing one when made from the same settings.
+    pub async fn ensure_sqs(
+        self: &Arc<Self>,
+        key: &Key,
+        settings: &SqsSettings,
+    ) -> Result<Arc<Conn>, String> {
+        let fingerprint = settings.fingerprint();
+        if let Some(c) = self.current(key, fingerprint) {
+            return Ok(c);
+        }
+        match SqsBroker::connect(settings.clone()).await {
+            Ok(broker) => Ok(self.up(key, fingerprint, Conn::Sqs(SqsConn { broker }))),
+            Err(e) => {
+                self.failed(key, fingerprint, e.to_string());
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// The NATS connection for `spec`: the existing one when it was made from the same spec,
+    /// else a new one (the old one, made from an old Secret, is dropped).
     pub async fn ensure(
         self: &Arc<Self>,
         key: &Key,
         spec: &ConnectSpec,
     ) -> Result<Arc<Conn>, ConnectFailure> {
         let fingerprint = spec.fingerprint();
-        let had = match lock(&self.entries).get(key) {
-            Some(Entry::Up(c)) if c.fingerprint == fingerprint => return Ok(c.clone()),
-            Some(Entry::Up(_)) => true,
-            Some(Entry::Failed { .. }) | None => false,
-        };
-        if had {
-            tracing::info!(backend = %format!("{}/{}", key.0, key.1), "the Backend's spec or Secret changed: reconnecting");
+        if let Some(c) = self.current(key, fingerprint) {
+            return Ok(c);
         }
         let events = Arc::downgrade(self);
         let event_key = key.clone();
@@ -170,14 +357,7 @@ impl Connections {
         {
             Ok(c) => c,
             Err(e) => {
-                let message = e.to_string();
-                lock(&self.entries).insert(
-                    key.clone(),
-                    Entry::Failed {
-                        fingerprint,
-                        message,
-                    },
-                );
+                self.failed(key, fingerprint, e.to_string());
                 return Err(e);
             }
         };
@@ -188,15 +368,13 @@ impl Connections {
             client.clone(),
             own.clone(),
         ));
-        let conn = Arc::new(Conn {
+        let conn = Conn::Nats(NatsConn {
             js: jetstream::new(client.clone()),
             client,
-            fingerprint,
             own,
             listener,
         });
-        lock(&self.entries).insert(key.clone(), Entry::Up(conn.clone()));
-        Ok(conn)
+        Ok(self.up(key, fingerprint, conn))
     }
 
     /// Whether the last failure for `key` was for this very spec (nothing changed since).
@@ -204,22 +382,28 @@ impl Connections {
         matches!(lock(&self.entries).get(key), Some(Entry::Failed { fingerprint, .. }) if *fingerprint == spec.fingerprint())
     }
 
+    /// A connection dropped or came back (`source`: disconnect, reconnect): the Backend and its
+    /// Subscriptions are checked again.
+    fn dropped(&self, key: &Key, source: &str) {
+        self.metrics.triggers.with_label_values(&[source]).inc();
+        let _ = self
+            .backend_trigger
+            .unbounded_send(ObjectRef::new(&key.1).within(&key.0));
+        self.trigger_all(key);
+    }
+
     fn on_event(&self, key: &Key, event: &async_nats::Event) {
         match event {
             async_nats::Event::Connected | async_nats::Event::Disconnected => {
                 tracing::info!(backend = %format!("{}/{}", key.0, key.1), %event, "NATS connection event: re-checking the Backend and its Subscriptions");
-                self.metrics
-                    .triggers
-                    .with_label_values(&[if matches!(event, async_nats::Event::Connected) {
+                self.dropped(
+                    key,
+                    if matches!(event, async_nats::Event::Connected) {
                         "reconnect"
                     } else {
                         "disconnect"
-                    }])
-                    .inc();
-                let _ = self
-                    .backend_trigger
-                    .unbounded_send(ObjectRef::new(&key.1).within(&key.0));
-                self.trigger_all(key);
+                    },
+                );
             }
             other => {
                 tracing::debug!(backend = %format!("{}/{}", key.0, key.1), event = %other, "NATS connection event")

@@ -70,17 +70,35 @@ where
     backends
         .into_iter()
         .filter(|b| b.metadata.namespace.as_deref() == Some(namespace))
-        .filter(|b| {
-            b.spec.nats.as_ref().is_some_and(|n| {
-                n.credentials_secret_ref
-                    .as_ref()
-                    .is_some_and(|r| r.name == secret)
-                    || n.tls
-                        .as_ref()
-                        .and_then(|t| t.ca_secret_ref.as_ref())
-                        .is_some_and(|r| r.name == secret)
-            })
-        })
+        .filter(|b| secrets_of(b).contains(&secret))
+        .collect()
+}
+
+/// The Secrets a Backend names (credentials, CA), whatever its kind.
+pub fn secrets_of(b: &Backend) -> Vec<&str> {
+    let s = &b.spec;
+    let refs = [
+        s.nats
+            .as_ref()
+            .and_then(|n| n.credentials_secret_ref.as_ref()),
+        s.nats
+            .as_ref()
+            .and_then(|n| n.tls.as_ref())
+            .and_then(|t| t.ca_secret_ref.as_ref()),
+        s.rabbitmq
+            .as_ref()
+            .and_then(|r| r.credentials_secret_ref.as_ref()),
+        s.rabbitmq
+            .as_ref()
+            .and_then(|r| r.tls.as_ref())
+            .and_then(|t| t.ca_secret_ref.as_ref()),
+        s.sqs
+            .as_ref()
+            .and_then(|q| q.credentials_secret_ref.as_ref()),
+    ];
+    refs.into_iter()
+        .flatten()
+        .map(|r| r.name.as_str())
         .collect()
 }
 
@@ -273,5 +291,37 @@ mod tests {
         assert!(watched(&["a".into(), "b".into()], Some("b")));
         assert!(!watched(&["a".into()], Some("b")));
         assert!(!watched(&["a".into()], None));
+    }
+
+    #[test]
+    fn the_secrets_of_every_kind_are_named() {
+        use crate::api::{RabbitmqBackendSpec, RabbitmqTlsSpec, SqsBackendSpec};
+        let r = |n: &str| Some(SecretRef { name: n.into() });
+        let rabbit = Backend::new(
+            "r",
+            BackendSpec {
+                rabbitmq: Some(RabbitmqBackendSpec {
+                    urls: vec!["amqp://x".into()],
+                    credentials_secret_ref: r("rabbit-creds"),
+                    tls: Some(RabbitmqTlsSpec {
+                        ca_secret_ref: r("rabbit-ca"),
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        );
+        assert_eq!(secrets_of(&rabbit), vec!["rabbit-creds", "rabbit-ca"]);
+        let sqs = Backend::new(
+            "s",
+            BackendSpec {
+                sqs: Some(SqsBackendSpec {
+                    credentials_secret_ref: r("aws"),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        );
+        assert_eq!(secrets_of(&sqs), vec!["aws"]);
     }
 }

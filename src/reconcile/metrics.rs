@@ -1,10 +1,10 @@
 //! The controllers' Prometheus metrics: how many reconciles and how long, what they did to
-//! consumers, how often they wrote status, and the API and broker calls they made (so a steady
+//! consumers and queues, which Subscriptions are Ready, how often they wrote status, and the API and broker calls they made (so a steady
 //! state can be shown to cost nothing).
 //!
 //! It must not decide anything; it counts.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 /// The controllers, as the `controller` label names them.
 pub const BACKEND: &str = "backend";
@@ -22,10 +22,15 @@ pub struct Metrics {
     pub status_writes: IntCounterVec,
     /// `settle_kube_requests_total{controller,verb}`: requests to the API server (watches aside).
     pub kube_requests: IntCounterVec,
-    /// `settle_consumer_api_calls_total{call}`: JetStream API calls (info, create, update, delete, stream).
+    /// `settle_consumer_api_calls_total{call}`: broker calls: JetStream's (info, create, update,
+    /// delete, stream), RabbitMQ's (`queue.*`, `amqp.connect`, `management.overview`) and SQS's
+    /// (`sqs.*`).
     pub js_calls: IntCounterVec,
     /// `settle_drift_triggers_total{source}`: reconciles asked for by advisories or reconnects.
     pub triggers: IntCounterVec,
+    /// `settle_subscription_ready{namespace,subscription}`: 1 while Ready=True, else 0; gone
+    /// with the Subscription.
+    pub ready: IntGaugeVec,
 }
 
 impl Metrics {
@@ -72,7 +77,7 @@ impl Metrics {
             js_calls: IntCounterVec::new(
                 Opts::new(
                     "settle_consumer_api_calls_total",
-                    "JetStream API calls the controllers made, by call.",
+                    "Broker API calls the controllers made (JetStream, RabbitMQ, SQS), by call.",
                 ),
                 &["call"],
             )?,
@@ -83,7 +88,15 @@ impl Metrics {
                 ),
                 &["source"],
             )?,
+            ready: IntGaugeVec::new(
+                Opts::new(
+                    "settle_subscription_ready",
+                    "1 while the Subscription's Ready condition is True, else 0.",
+                ),
+                &["namespace", "subscription"],
+            )?,
         };
+        registry.register(Box::new(m.ready.clone()))?;
         registry.register(Box::new(m.reconciles.clone()))?;
         registry.register(Box::new(m.duration.clone()))?;
         registry.register(Box::new(m.consumer_ops.clone()))?;
@@ -102,6 +115,17 @@ impl Metrics {
 
     pub fn js(&self, call: &str) {
         self.js_calls.with_label_values(&[call]).inc();
+    }
+
+    pub fn subscription_ready(&self, namespace: &str, subscription: &str, ready: bool) {
+        self.ready
+            .with_label_values(&[namespace, subscription])
+            .set(i64::from(ready));
+    }
+
+    /// The Subscription is gone: its series go too.
+    pub fn forget_subscription(&self, namespace: &str, subscription: &str) {
+        let _ = self.ready.remove_label_values(&[namespace, subscription]);
     }
 
     pub fn op(&self, op: &str) {

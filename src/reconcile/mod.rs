@@ -1,9 +1,11 @@
 //! The controllers: every Backend gets one live connection and an honest `Ready`; every
-//! Subscription becomes a JetStream consumer and stays one through faults (deleted or edited on
-//! the broker, a broker restart, an operator restart or a change of leader).
+//! Subscription becomes a consumer on its broker (a JetStream consumer, a RabbitMQ quorum queue,
+//! an SQS queue) and stays one through faults (deleted or edited on the broker, a broker
+//! restart, an operator restart or a change of leader).
 //!
-//! - [`backend`]: the Backend controller (Secrets → connection → status).
-//! - [`subscription`]: the Subscription controller (validate → stream → consumer → status).
+//! - [`backend`]: the Backend controller (Secrets → connection → status), every kind.
+//! - [`subscription`]: the Subscription controller (validate → broker → status), one pipeline;
+//!   its broker step by kind in [`nats`], [`rabbitmq`] and [`sqs`].
 //! - [`connections`]: one shared connection per Backend, and the broker events that trigger reconciles.
 //! - [`status`], [`conditions`], [`index`]: the pure parts (status values, reasons, which object a change concerns).
 //!
@@ -16,6 +18,9 @@ pub mod conditions;
 pub mod connections;
 pub mod index;
 pub mod metrics;
+pub mod nats;
+pub mod rabbitmq;
+pub mod sqs;
 pub mod status;
 pub mod subscription;
 
@@ -38,7 +43,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
 use crate::api::{Backend, Subscription};
-use crate::backend::nats::jsapi::NatsError;
+use crate::backend::QueueGauges;
 use connections::Connections;
 pub use metrics::Metrics;
 
@@ -52,6 +57,9 @@ pub struct Config {
     pub watch_namespaces: Vec<String>,
     /// Every consumer and connection is re-checked this often (the safety net under the advisories).
     pub resync: Duration,
+    /// Subscriptions on kinds without broker events (RabbitMQ, SQS) are re-checked this often,
+    /// so a queue deleted or changed on the broker is repaired.
+    pub drift: Duration,
     /// Subscriptions reconciled at once.
     pub concurrency: u16,
     /// This replica's name (Events' reporting instance, and the NATS connection name).
@@ -64,7 +72,7 @@ pub enum Error {
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
     #[error("the broker refused: {0}")]
-    Broker(NatsError),
+    Broker(String),
     #[error("waiting for the broker: {0}")]
     Waiting(String),
 }
@@ -77,6 +85,7 @@ pub struct Ctx {
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub resync: Duration,
+    pub drift: Duration,
     failures: Mutex<HashMap<String, u32>>,
 }
 
@@ -136,10 +145,14 @@ pub struct Shared {
     pub subscriptions: Store<Subscription>,
     pub backends: Store<Backend>,
     pub nats: NatsLookup,
+    pub queues: QueueLookup,
 }
 
 /// A NATS Backend's live connection, by namespace and name.
 pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
+
+/// A RabbitMQ or SQS Backend's handle for reading its queues' gauges, by namespace and name.
+pub type QueueLookup = Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
 
 /// Work that runs beside the controllers for each leadership term, and stops with it.
 pub type TermHook = Arc<dyn Fn(Shared) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
@@ -275,6 +288,7 @@ async fn run_term(
             },
         ),
         resync: config.resync,
+        drift: config.drift,
         failures: Mutex::default(),
     });
 
@@ -396,9 +410,34 @@ async fn run_term(
             client: client.clone(),
             subscriptions: sub_store.clone(),
             backends: backend_store.clone(),
-            nats: Arc::new(move |ns: &str, name: &str| {
+            nats: {
+                let lookup = lookup.clone();
+                Arc::new(move |ns: &str, name: &str| {
+                    match lookup.get(&(ns.to_string(), name.to_string())) {
+                        connections::Lookup::Up(c) => match c.as_ref() {
+                            connections::Conn::Nats(n) => Some(n.client.clone()),
+                            _ => None,
+                        },
+                        _ => None,
+                    }
+                })
+            },
+            queues: Arc::new(move |ns: &str, name: &str| {
                 match lookup.get(&(ns.to_string(), name.to_string())) {
-                    connections::Lookup::Up(c) => Some(c.client.clone()),
+                    connections::Lookup::Up(c) => match c.as_ref() {
+                        connections::Conn::Rabbitmq(r) => {
+                            r.management
+                                .clone()
+                                .map(|management| QueueGauges::Rabbitmq {
+                                    management,
+                                    vhost: r.vhost.clone(),
+                                })
+                        }
+                        connections::Conn::Sqs(s) => {
+                            Some(QueueGauges::Sqs(s.broker.client().clone()))
+                        }
+                        connections::Conn::Nats(_) => None,
+                    },
                     _ => None,
                 }
             }),

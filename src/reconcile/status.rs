@@ -15,23 +15,66 @@ use crate::backend::nats::consumer::FieldDiff;
 use crate::backend::nats::jsapi::NatsError;
 use crate::policy::BackendKind;
 
+/// A broker call that failed, by kind.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BrokerError {
+    Nats(NatsError),
+    /// RabbitMQ or SQS did not answer (down, reconnecting, timed out): tried again.
+    Unreachable(String),
+    /// RabbitMQ or SQS refused the credentials.
+    AuthFailed(String),
+    /// RabbitMQ or SQS refused the call (its words).
+    Refused(String),
+}
+
+impl From<NatsError> for BrokerError {
+    fn from(e: NatsError) -> Self {
+        BrokerError::Nats(e)
+    }
+}
+
+impl std::fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BrokerError::Nats(e) => e.fmt(f),
+            BrokerError::Unreachable(m) | BrokerError::AuthFailed(m) | BrokerError::Refused(m) => {
+                f.write_str(m)
+            }
+        }
+    }
+}
+
+impl BrokerError {
+    /// Whether the broker could not be asked at all (what it holds is then not known).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            BrokerError::Nats(NatsError::Unreachable(_)) | BrokerError::Unreachable(_)
+        )
+    }
+}
+
 /// What reconciling a Subscription concluded.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SubOutcome {
     /// The consumer exists and matches the spec.
     Ready(ConsumerRef),
+    /// The queue (RabbitMQ, SQS) exists and matches the spec; `queue.stream` is the exchange it
+    /// is bound on (RabbitMQ) or `sqs`, `queue.name` the queue's name.
+    QueueReady {
+        kind: BackendKind,
+        queue: ConsumerRef,
+    },
     /// The Backend runs consumers inside the application: nothing to make on a broker.
     InProcess,
-    /// The Backend's kind is driven by the runtime only: the operator makes nothing there yet.
-    NotManagedYet(BackendKind),
     /// The spec breaks an admission rule: the verdict's error text.
     Invalid(String),
     BackendNotFound(String),
     /// The Backend exists, with no working connection: why.
     BackendNotReady(String),
-    /// A broker call failed; `consumer` is the consumer known from before, if any.
+    /// A broker call failed; `consumer` is the consumer (or queue) known from before, if any.
     Broker {
-        error: NatsError,
+        error: BrokerError,
         consumer: Option<ConsumerRef>,
     },
     /// The live consumer differs where the broker cannot change it in place.
@@ -44,10 +87,46 @@ pub enum SubOutcome {
         consumer: ConsumerRef,
         owner: Option<String>,
     },
+    /// The live RabbitMQ queue's arguments differ from the mapping's, which RabbitMQ cannot
+    /// change in place: each difference, naming the argument and the field it comes from.
+    QueueImmutable {
+        queue: ConsumerRef,
+        fields: Vec<String>,
+    },
+    /// A queue (or dead-letter queue) of that name exists, owned by another Subscription or by
+    /// no Subscription (`owner`: its owner argument or tag).
+    QueueConflict {
+        kind: BackendKind,
+        queue: String,
+        owner: Option<String>,
+    },
 }
 
 /// The Ready reason and message for a failed broker call: what to do, not the raw error.
-pub fn broker_reason(e: &NatsError) -> (&'static str, String) {
+pub fn broker_reason(e: &BrokerError) -> (&'static str, String) {
+    let e = match e {
+        BrokerError::Nats(e) => e,
+        BrokerError::Unreachable(m) => {
+            return (
+                reasons::UNREACHABLE,
+                format!("{m}; Settle retries, and re-converges the queue when the broker is back"),
+            );
+        }
+        BrokerError::AuthFailed(m) => {
+            return (
+                reasons::AUTH_FAILED,
+                format!("{m}; fix the Backend's credentials Secret, Settle picks up the change"),
+            );
+        }
+        BrokerError::Refused(m) => {
+            return (
+                reasons::BROKER_REFUSED,
+                format!(
+                    "{m}; check the Subscription against the broker's limits, and the operator's log"
+                ),
+            );
+        }
+    };
     match e {
         NatsError::Unreachable(_) => (
             reasons::UNREACHABLE,
@@ -82,23 +161,56 @@ impl SubOutcome {
                     format!("consumer {} on stream {} matches the spec", c.name, c.stream),
                 ),
             ],
+            SubOutcome::QueueReady { kind, queue } => [
+                accepted,
+                ready(
+                    Status::True,
+                    reasons::CONSUMER_READY,
+                    match kind {
+                        BackendKind::Sqs => format!("SQS queue {} matches the spec", queue.name),
+                        _ => format!(
+                            "{kind} queue {} bound on exchange {} matches the spec",
+                            queue.name, queue.stream
+                        ),
+                    },
+                ),
+            ],
+            SubOutcome::QueueImmutable { queue, fields } => [
+                accepted,
+                ready(
+                    Status::False,
+                    reasons::IMMUTABLE_FIELD,
+                    format!(
+                        "queue {} differs where RabbitMQ cannot change it in place ({}); Settle leaves it as it is: \
+                         delete the queue (its messages go with it) and Settle makes it again, or give the \
+                         Subscription another durableName",
+                        queue.name,
+                        fields.join("; "),
+                    ),
+                ),
+            ],
+            SubOutcome::QueueConflict { kind, queue, owner } => [
+                accepted,
+                ready(
+                    Status::False,
+                    reasons::CONSUMER_CONFLICT,
+                    match owner {
+                        Some(o) => format!(
+                            "{kind} queue {queue} belongs to Subscription {o}: choose another durableName"
+                        ),
+                        None => format!(
+                            "{kind} queue {queue} exists and Settle did not make it: choose another durableName, \
+                             or delete that queue so Settle can make its own"
+                        ),
+                    },
+                ),
+            ],
             SubOutcome::InProcess => [
                 accepted,
                 ready(
                     Status::True,
                     reasons::IN_PROCESS,
                     "the memory backend runs the consumer inside the application; nothing to make on a broker".into(),
-                ),
-            ],
-            SubOutcome::NotManagedYet(kind) => [
-                accepted,
-                ready(
-                    Status::False,
-                    reasons::NOT_MANAGED_YET,
-                    format!(
-                        "the operator does not make {kind} queues yet: the spec is checked against {kind}'s capabilities, \
-                         and an application declares its own queue with a subscription defined in code (Subscriber::new)"
-                    ),
                 ),
             ],
             SubOutcome::Invalid(text) => [
@@ -167,6 +279,9 @@ impl SubOutcome {
     pub fn consumer(&self) -> Option<&ConsumerRef> {
         match self {
             SubOutcome::Ready(c) => Some(c),
+            SubOutcome::QueueReady { queue, .. } | SubOutcome::QueueImmutable { queue, .. } => {
+                Some(queue)
+            }
             SubOutcome::Broker { consumer, .. } => consumer.as_ref(),
             SubOutcome::ImmutableField { consumer, .. } => Some(consumer),
             // A conflicting consumer is not this Subscription's.
@@ -175,7 +290,10 @@ impl SubOutcome {
     }
 
     pub fn is_ready(&self) -> bool {
-        matches!(self, SubOutcome::Ready(_) | SubOutcome::InProcess)
+        matches!(
+            self,
+            SubOutcome::Ready(_) | SubOutcome::QueueReady { .. } | SubOutcome::InProcess
+        )
     }
 }
 
@@ -222,10 +340,20 @@ pub enum BackendOutcome {
     Connected {
         version: Option<String>,
     },
+    /// Connected to RabbitMQ (a broker that answers), or SQS answered a call with the
+    /// credentials; `detail` says what was checked.
+    Reached {
+        kind: BackendKind,
+        version: Option<String>,
+        detail: String,
+    },
+    /// RabbitMQ or SQS: not reached (`reason` Unreachable, AuthFailed or SecretMissing), why.
+    Down {
+        reason: &'static str,
+        message: String,
+    },
     /// The memory backend: nothing to connect to.
     InProcess,
-    /// A kind the runtime drives but the operator does not connect to yet (rabbitmq, sqs).
-    NotManagedYet(BackendKind),
     SecretMissing(String),
     Connect(ConnectFailure),
     /// Connected, but JetStream does not answer as it should.
@@ -247,18 +375,23 @@ impl BackendOutcome {
                     version.as_deref().unwrap_or("(version not announced)")
                 ),
             ),
+            BackendOutcome::Reached {
+                kind,
+                version,
+                detail,
+            } => r(
+                Status::True,
+                reasons::CONNECTED,
+                match version {
+                    Some(v) => format!("connected to {kind} {v}: {detail}"),
+                    None => format!("connected to {kind}: {detail}"),
+                },
+            ),
+            BackendOutcome::Down { reason, message } => r(Status::False, reason, message.clone()),
             BackendOutcome::InProcess => r(
                 Status::True,
                 reasons::IN_PROCESS,
                 "the memory backend runs inside each application; nothing to connect to".into(),
-            ),
-            BackendOutcome::NotManagedYet(kind) => r(
-                Status::False,
-                reasons::NOT_MANAGED_YET,
-                format!(
-                    "the operator does not connect to {kind} yet: Settle's runtime drives it, and admission checks \
-                     Subscriptions against {kind}'s capabilities (shown here)"
-                ),
             ),
             BackendOutcome::SecretMissing(m) => {
                 r(Status::False, reasons::SECRET_MISSING, m.clone())
@@ -285,7 +418,7 @@ impl BackendOutcome {
                 ),
             },
             BackendOutcome::Broker { error, .. } => {
-                let (reason, message) = broker_reason(error);
+                let (reason, message) = broker_reason(&BrokerError::Nats(error.clone()));
                 r(Status::False, reason, message)
             }
         }
@@ -293,9 +426,9 @@ impl BackendOutcome {
 
     pub fn version(&self) -> Option<&String> {
         match self {
-            BackendOutcome::Connected { version } | BackendOutcome::Broker { version, .. } => {
-                version.as_ref()
-            }
+            BackendOutcome::Connected { version }
+            | BackendOutcome::Reached { version, .. }
+            | BackendOutcome::Broker { version, .. } => version.as_ref(),
             _ => None,
         }
     }
@@ -326,12 +459,7 @@ pub fn backend_status(
         .version()
         .cloned()
         .or_else(|| existing.and_then(|s| s.server_version.clone()))
-        .filter(|_| {
-            !matches!(
-                outcome,
-                BackendOutcome::InProcess | BackendOutcome::NotManagedYet(_)
-            )
-        });
+        .filter(|_| !matches!(outcome, BackendOutcome::InProcess));
     let patch = BackendStatusPatch {
         observed_generation: generation,
         server_version,
@@ -386,33 +514,35 @@ mod tests {
             SubOutcome::BackendNotFound("nats".into()),
             SubOutcome::BackendNotReady("AuthFailed".into()),
             SubOutcome::Broker {
-                error: NatsError::Unreachable("timed out".into()),
+                error: NatsError::Unreachable("timed out".into()).into(),
                 consumer: Some(consumer()),
             },
             SubOutcome::Broker {
-                error: NatsError::StreamNotFound("X".into()),
+                error: NatsError::StreamNotFound("X".into()).into(),
                 consumer: None,
             },
             SubOutcome::Broker {
-                error: NatsError::NoStreamFor("a.>".into()),
+                error: NatsError::NoStreamFor("a.>".into()).into(),
                 consumer: None,
             },
             SubOutcome::Broker {
                 error: NatsError::StreamAmbiguous {
                     pattern: "a.>".into(),
                     streams: vec!["A".into(), "B".into()],
-                },
+                }
+                .into(),
                 consumer: None,
             },
             SubOutcome::Broker {
-                error: NatsError::JetStreamDisabled,
+                error: NatsError::JetStreamDisabled.into(),
                 consumer: None,
             },
             SubOutcome::Broker {
                 error: NatsError::Api {
                     code: 10_012,
                     description: "insufficient resources".into(),
-                },
+                }
+                .into(),
                 consumer: None,
             },
             SubOutcome::ImmutableField {
@@ -432,7 +562,88 @@ mod tests {
                 consumer: consumer(),
                 owner: None,
             },
+            SubOutcome::QueueReady {
+                kind: BackendKind::Rabbitmq,
+                queue: ConsumerRef {
+                    stream: "amq.topic".into(),
+                    name: "orders".into(),
+                },
+            },
+            SubOutcome::QueueReady {
+                kind: BackendKind::Sqs,
+                queue: ConsumerRef {
+                    stream: "sqs".into(),
+                    name: "orders".into(),
+                },
+            },
+            SubOutcome::QueueImmutable {
+                queue: ConsumerRef {
+                    stream: "amq.topic".into(),
+                    name: "orders".into(),
+                },
+                fields: vec!["x-delivery-limit (spec.maxDeliver): wants 4, the queue has 9".into()],
+            },
+            SubOutcome::QueueConflict {
+                kind: BackendKind::Sqs,
+                queue: "orders".into(),
+                owner: Some("other/orders".into()),
+            },
+            SubOutcome::QueueConflict {
+                kind: BackendKind::Rabbitmq,
+                queue: "orders".into(),
+                owner: None,
+            },
+            SubOutcome::Broker {
+                error: BrokerError::Unreachable("connection refused".into()),
+                consumer: None,
+            },
+            SubOutcome::Broker {
+                error: BrokerError::AuthFailed("InvalidClientTokenId".into()),
+                consumer: None,
+            },
+            SubOutcome::Broker {
+                error: BrokerError::Refused("CreateQueue: bad name".into()),
+                consumer: None,
+            },
         ]
+    }
+
+    #[test]
+    fn queue_outcomes_say_what_is_wrong_and_what_to_do() {
+        let text = |o: &SubOutcome| {
+            let [_, r] = o.wants();
+            (r.status, r.reason, r.message)
+        };
+        let all = outcomes();
+        let (status, reason, m) = text(&all[14]);
+        assert_eq!((status, reason), (Status::True, reasons::CONSUMER_READY));
+        assert!(
+            m.contains("queue orders bound on exchange amq.topic"),
+            "{m}"
+        );
+        let (_, _, m) = text(&all[15]);
+        assert!(m.contains("SQS queue orders"), "{m}");
+        let (status, reason, m) = text(&all[16]);
+        assert_eq!((status, reason), (Status::False, reasons::IMMUTABLE_FIELD));
+        assert!(m.contains("x-delivery-limit (spec.maxDeliver)"), "{m}");
+        assert_eq!(all[16].consumer().map(|c| c.name.as_str()), Some("orders"));
+        let (_, reason, m) = text(&all[17]);
+        assert_eq!(reason, reasons::CONSUMER_CONFLICT);
+        assert!(m.contains("belongs to Subscription other/orders"), "{m}");
+        assert_eq!(
+            all[17].consumer(),
+            None,
+            "a queue that is not ours is not shown"
+        );
+        let (_, _, m) = text(&all[18]);
+        assert!(m.contains("Settle did not make it"), "{m}");
+        for (i, want) in [
+            (19, reasons::UNREACHABLE),
+            (20, reasons::AUTH_FAILED),
+            (21, reasons::BROKER_REFUSED),
+        ] {
+            assert_eq!(text(&all[i]).1, want, "{:?}", all[i]);
+        }
     }
 
     #[test]
@@ -473,7 +684,7 @@ mod tests {
     fn ready_false_then_true_moves_the_transition_time_each_time() {
         let up = SubOutcome::Ready(consumer());
         let down = SubOutcome::Broker {
-            error: NatsError::Unreachable("x".into()),
+            error: NatsError::Unreachable("x".into()).into(),
             consumer: Some(consumer()),
         };
         let s1 = applied(&subscription_status(None, Some(1), &up, &at(1)).expect("1"));
@@ -539,7 +750,7 @@ mod tests {
             ),
         ];
         for (e, want) in cases {
-            let (reason, message) = broker_reason(&e);
+            let (reason, message) = broker_reason(&BrokerError::from(e.clone()));
             assert_eq!(reason, want, "{e:?}");
             assert!(!message.is_empty());
         }
@@ -570,6 +781,36 @@ mod tests {
         assert_eq!(s.conditions[0].message, "spec.backoff: not allowed");
         assert_eq!(s.conditions[1].reason, reasons::NOT_ACCEPTED);
         assert_eq!(s.consumer, None);
+    }
+
+    #[test]
+    fn rabbitmq_and_sqs_backends_are_connected_or_down_with_a_reason() {
+        let up = BackendOutcome::Reached {
+            kind: BackendKind::Rabbitmq,
+            version: Some("3.10.8".into()),
+            detail: "AMQP and the management API answer".into(),
+        };
+        let p = backend_status(None, Some(1), caps(), &up, &at(1)).expect("first");
+        assert_eq!(p.conditions[0].status, "True");
+        assert_eq!(p.conditions[0].reason, reasons::CONNECTED);
+        assert_eq!(p.server_version.as_deref(), Some("3.10.8"));
+        assert!(
+            p.conditions[0].message.contains("rabbitmq 3.10.8"),
+            "{}",
+            p.conditions[0].message
+        );
+        let down = BackendOutcome::Down {
+            reason: reasons::AUTH_FAILED,
+            message: "refused".into(),
+        };
+        let s = backend_applied(&p);
+        let p = backend_status(Some(&s), Some(1), caps(), &down, &at(2)).expect("second");
+        assert_eq!(p.conditions[0].reason, reasons::AUTH_FAILED);
+        assert_eq!(
+            p.server_version.as_deref(),
+            Some("3.10.8"),
+            "the known version stays"
+        );
     }
 
     fn caps() -> Capabilities {

@@ -1,15 +1,23 @@
-//! The Subscription controller: every Subscription becomes a live JetStream consumer, and stays
-//! one. Its reconcile reads as the pipeline it runs:
+//! The Subscription controller: every Subscription becomes a live consumer on its broker (a
+//! JetStream consumer, a RabbitMQ quorum queue and its binding, an SQS queue and its dead-letter
+//! queue), and stays one. Its reconcile reads as the pipeline it runs, one for every kind:
 //!
-//! 1. deleting? delete the consumer (unless `deletionPolicy: Retain`), then drop the finalizer;
-//! 2. make sure the finalizer is on (before any consumer exists);
-//! 3. check the spec again with the one `validate` (no I/O) — invalid: `Accepted=False`, no consumer;
+//! 1. deleting? delete the consumer or queue (unless `deletionPolicy: Retain`), then drop the finalizer;
+//! 2. make sure the finalizer is on (before anything exists on the broker);
+//! 3. check the spec again with the one `validate` (no I/O) — invalid: `Accepted=False`, nothing made;
 //! 4. find the Backend and its connection (cache, no I/O);
-//! 5. resolve the stream, read the consumer, create or update it through the one mapping (broker);
-//! 6. write status only if it changed (API), and an Event for what was done.
+//! 5. converge on the broker through the kind's one mapping: [`super::nats`], [`super::rabbitmq`],
+//!    [`super::sqs`] (the only step, with the cleanup's broker call, that differs by kind);
+//! 6. write status only if it changed (API), an Event for what was done, and the
+//!    `settle_subscription_ready` gauge.
 //!
-//! It must not build a consumer config (that is `backend::nats::consumer`), decide the admission
-//! rules (that is `policy`), or write the account's fields.
+//! Kinds with broker events (NATS advisories) are re-checked on the resync interval; kinds
+//! without (RabbitMQ without plugins, SQS) on the shorter drift interval, so a queue deleted on
+//! the broker comes back.
+//!
+//! It must not build a consumer config or queue (the `backend` mappings do), decide the
+//! admission rules (that is `policy`), or write the account's fields (`status.stats`,
+//! `statsUpdatedAt`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,17 +35,14 @@ use super::connections::{Conn, Lookup};
 use super::metrics::SUBSCRIPTION;
 use super::status::{SubOutcome, subscription_status};
 use super::{Ctx, Error, FIELD_MANAGER};
-use crate::api::{Backend, ConsumerRef, DeletionPolicy, Subscription};
-use crate::backend::nats::advisory::ChangeKind;
-use crate::backend::nats::consumer;
-use crate::backend::nats::jsapi::{self, NatsError};
-use crate::policy::{BackendKind, BackendView, ResolvedPolicy, effective_capabilities, validate};
+use crate::api::{Backend, DeletionPolicy, Subscription};
+use crate::policy::{BackendKind, BackendView, effective_capabilities, validate};
 
 /// The finalizer that makes deleting a Subscription delete its consumer first.
 pub const FINALIZER: &str = "messaging.settle.dev/consumer";
 
-/// JetStream's "consumer already exists" (two creates raced).
-const CONSUMER_EXISTS: u64 = 10_148;
+/// `status.consumer.stream` of an SQS queue (SQS has no streams or exchanges).
+pub const SQS_STREAM: &str = "sqs";
 
 /// Reconciles one Subscription.
 pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, Error> {
@@ -56,6 +61,7 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
             cleanup(&sub, &ctx).await?;
             remove_finalizer(&api, &sub, &ctx).await?;
         }
+        ctx.metrics.forget_subscription(&ns, &name);
         ctx.succeeded(&fkey);
         return Ok(Action::await_change());
     }
@@ -68,15 +74,25 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         return Ok(Action::requeue(Duration::from_secs(1)));
     };
     write_status(&api, &sub, &outcome, &ctx).await?;
+    ctx.metrics
+        .subscription_ready(&ns, &name, outcome.is_ready());
+    // Kinds without broker events are polled for drift.
+    let polled = backend_of(&sub, &ctx)
+        .and_then(|b| BackendKind::of(&b.spec))
+        .is_some_and(|k| matches!(k, BackendKind::Rabbitmq | BackendKind::Sqs));
     Ok(match &outcome {
         o if o.is_ready() => {
             ctx.succeeded(&fkey);
-            Action::requeue(ctx.resync)
+            Action::requeue(if polled { ctx.drift } else { ctx.resync })
+        }
+        // Nothing on the broker announces that these were fixed there: looked at again.
+        SubOutcome::QueueImmutable { .. } | SubOutcome::QueueConflict { .. } => {
+            ctx.succeeded(&fkey);
+            Action::requeue(ctx.drift)
         }
         // Only a change of the spec (or of the consumer, by its advisory) can help these: never
         // retried in a loop.
         SubOutcome::Invalid(_)
-        | SubOutcome::NotManagedYet(_)
         | SubOutcome::ImmutableField { .. }
         | SubOutcome::Conflict { .. }
         | SubOutcome::BackendNotFound(_) => {
@@ -168,7 +184,6 @@ fn backend_of(sub: &Subscription, ctx: &Ctx) -> Option<Arc<Backend>> {
 /// Backend's first connection attempt has not finished).
 async fn converge(sub: &Subscription, ctx: &Ctx) -> Option<SubOutcome> {
     let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
     let known = sub.status.as_ref().and_then(|s| s.consumer.clone());
     let backend_name = &sub.spec.backend_ref.name;
 
@@ -191,11 +206,9 @@ async fn converge(sub: &Subscription, ctx: &Ctx) -> Option<SubOutcome> {
     let Some(backend) = backend else {
         return Some(SubOutcome::BackendNotFound(backend_name.clone()));
     };
-    if backend.spec.nats.is_none() {
-        return Some(match BackendKind::of(&backend.spec) {
-            Some(BackendKind::Memory) | None => SubOutcome::InProcess,
-            Some(kind) => SubOutcome::NotManagedYet(kind),
-        });
+    match BackendKind::of(&backend.spec) {
+        Some(BackendKind::Memory) | None => return Some(SubOutcome::InProcess),
+        Some(_) => {}
     }
     let conn = match ctx.conns.get(&(ns.clone(), backend_name.clone())) {
         Lookup::Up(c) => c,
@@ -206,118 +219,13 @@ async fn converge(sub: &Subscription, ctx: &Ctx) -> Option<SubOutcome> {
         }
         Lookup::Unknown => return None,
     };
-    if !conn.connected() {
-        return Some(SubOutcome::Broker {
-            error: NatsError::Unreachable("the connection is down; reconnecting".into()),
-            consumer: known,
-        });
-    }
 
-    // 5. The broker.
-    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-    ctx.metrics.js("stream");
-    let stream =
-        match jsapi::resolve_stream(&conn.js, sub.spec.stream.as_deref(), &policy.pattern).await {
-            Ok(s) => s,
-            Err(error) => return Some(broker_failure(error, known)),
-        };
-    let want = consumer::desired(&ns, &name, &stream, &policy);
-    let here = ConsumerRef {
-        stream: stream.clone(),
-        name: want.name.clone(),
-    };
-    ctx.metrics.js("info");
-    let live = match jsapi::consumer_info(&conn.js, &stream, &want.name).await {
-        Ok(live) => live,
-        Err(error) => return Some(broker_failure(error, known)),
-    };
-    let Some(info) = live else {
-        // Missing: made for the first time, or again after someone (or a lost stream) removed it.
-        let again = known.as_ref() == Some(&here);
-        if let Err(error) = create(&conn, ctx, &want).await {
-            return Some(broker_failure(error, known));
-        }
-        let (op, reason, note) = if again {
-            (
-                "recreate",
-                events::RECREATED,
-                format!(
-                    "consumer {} on stream {stream} was missing from the broker (deleted there, or lost): made it again",
-                    want.name
-                ),
-            )
-        } else {
-            (
-                "create",
-                events::CREATED,
-                format!("created consumer {} on stream {stream}", want.name),
-            )
-        };
-        ctx.metrics.op(op);
-        tracing::info!(subscription = %format!("{ns}/{name}"), %stream, consumer = %want.name, %op, "consumer");
-        publish(ctx, sub, EventType::Normal, reason, "Reconcile", note).await;
-        return Some(SubOutcome::Ready(here));
-    };
-    let live = consumer::normalise(&stream, &want.name, &info.config);
-    let owner = format!("{ns}/{name}");
-    if live.owner() != Some(owner.as_str()) {
-        return Some(SubOutcome::Conflict {
-            consumer: here,
-            owner: live.owner().map(str::to_string),
-        });
-    }
-    let d = consumer::diff(&want, &live);
-    if !d.immutable.is_empty() {
-        return Some(SubOutcome::ImmutableField {
-            consumer: here,
-            fields: d.immutable,
-        });
-    }
-    if !d.editable.is_empty() {
-        let changes = d
-            .editable
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; ");
-        ctx.metrics.js("update");
-        if let Err(error) = jsapi::update_consumer(&conn.js, &want).await {
-            return Some(broker_failure(error, known));
-        }
-        ctx.metrics.op("update");
-        tracing::info!(subscription = %owner, %stream, consumer = %want.name, %changes, "updated the consumer in place");
-        publish(
-            ctx,
-            sub,
-            EventType::Normal,
-            events::UPDATED,
-            "Reconcile",
-            format!("updated consumer {} in place: {changes}", want.name),
-        )
-        .await;
-    }
-    Some(SubOutcome::Ready(here))
-}
-
-async fn create(conn: &Conn, ctx: &Ctx, want: &consumer::ConsumerConfig) -> Result<(), NatsError> {
-    conn.mark_own(ChangeKind::Created, &want.stream, &want.name);
-    ctx.metrics.js("create");
-    match jsapi::create_consumer(&conn.js, want).await {
-        Ok(_) => Ok(()),
-        // Made meanwhile by a racing reconcile (an old leader's last call): converge next time.
-        Err(e) if e.code() == Some(CONSUMER_EXISTS) => Err(NatsError::Unreachable(
-            "the consumer was created concurrently; checking it again".into(),
-        )),
-        Err(e) => Err(e),
-    }
-}
-
-fn broker_failure(error: NatsError, known: Option<ConsumerRef>) -> SubOutcome {
-    // Only while the broker cannot answer is the consumer known from before still shown.
-    let consumer = matches!(error, NatsError::Unreachable(_))
-        .then_some(known)
-        .flatten();
-    SubOutcome::Broker { error, consumer }
+    // 5. The broker, by kind.
+    Some(match &*conn {
+        Conn::Nats(c) => super::nats::ensure(sub, ctx, c, known).await,
+        Conn::Rabbitmq(c) => super::rabbitmq::ensure(sub, ctx, c, known).await,
+        Conn::Sqs(c) => super::sqs::ensure(sub, ctx, c, known).await,
+    })
 }
 
 /// Step 6: the status, only when it changed; and an Event when Ready changes its reason for a
@@ -373,13 +281,30 @@ async fn write_status(
     Ok(())
 }
 
-/// Step 1: the consumer goes with the Subscription, unless it is retained. Returns `Err` while the
-/// broker cannot be asked (deletion waits); a missing Backend or consumer is done.
+/// What the cleanup's broker call did.
+#[derive(Debug)]
+pub enum Removal {
+    /// Deleted; the Event's note.
+    Deleted(String),
+    /// Nothing of this Subscription's was there (gone already, or not its own).
+    Nothing,
+    /// The broker cannot be asked now: deletion waits.
+    Wait(String),
+    /// The broker refused: tried again.
+    Failed(String),
+}
+
+/// Step 1: the consumer (or queue) goes with the Subscription, unless it is retained. Returns
+/// `Err` while the broker cannot be asked (deletion waits); a missing Backend or consumer is done.
 async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
     let ns = sub.namespace().unwrap_or_default();
     let name = sub.name_any();
     if sub.spec.deletion_policy == DeletionPolicy::Retain {
         let note = match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
+            Some(c) if c.stream == SQS_STREAM => format!(
+                "deletionPolicy is Retain: SQS queue {} stays on the broker",
+                c.name
+            ),
             Some(c) => format!(
                 "deletionPolicy is Retain: consumer {} on stream {} stays on the broker",
                 c.name, c.stream
@@ -401,15 +326,17 @@ async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
         tracing::info!(subscription = %format!("{ns}/{name}"), backend = %sub.spec.backend_ref.name, "the Backend is gone: nothing to delete the consumer with");
         return Ok(());
     };
-    if backend.spec.nats.is_none() {
+    if matches!(
+        BackendKind::of(&backend.spec),
+        Some(BackendKind::Memory) | None
+    ) {
         return Ok(());
     }
     let conn = match ctx
         .conns
         .get(&(ns.clone(), sub.spec.backend_ref.name.clone()))
     {
-        Lookup::Up(c) if c.connected() => c,
-        Lookup::Up(_) => return Err(Error::Waiting("the Backend's connection is down".into())),
+        Lookup::Up(c) => c,
         Lookup::Failed(why) => {
             return Err(Error::Waiting(format!("the Backend is not ready: {why}")));
         }
@@ -419,65 +346,25 @@ async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
             ));
         }
     };
-    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-    let target = match sub.status.as_ref().and_then(|s| s.consumer.clone()) {
-        Some(c) => c,
-        None => {
-            ctx.metrics.js("stream");
-            match jsapi::resolve_stream(&conn.js, sub.spec.stream.as_deref(), &policy.pattern).await
-            {
-                Ok(stream) => ConsumerRef {
-                    name: consumer::consumer_name(&ns, &name, &policy),
-                    stream,
-                },
-                Err(NatsError::Unreachable(m)) => return Err(Error::Waiting(m)),
-                // No stream, or several: Settle never made a consumer for it.
-                Err(_) => return Ok(()),
-            }
+    let removal = match &*conn {
+        Conn::Nats(c) => super::nats::remove(sub, ctx, c).await,
+        Conn::Rabbitmq(c) => super::rabbitmq::remove(sub, ctx, c).await,
+        Conn::Sqs(c) => super::sqs::remove(sub, ctx, c).await,
+    };
+    match removal {
+        Removal::Deleted(note) => {
+            ctx.metrics.op("delete");
+            publish(ctx, sub, EventType::Normal, events::DELETED, "Delete", note).await;
+            Ok(())
         }
-    };
-    ctx.metrics.js("info");
-    let info = match jsapi::consumer_info(&conn.js, &target.stream, &target.name).await {
-        Ok(i) => i,
-        Err(NatsError::Unreachable(m)) => return Err(Error::Waiting(m)),
-        Err(e) => return Err(Error::Broker(e)),
-    };
-    let Some(info) = info else {
-        return Ok(());
-    };
-    let owner = format!("{ns}/{name}");
-    if consumer::normalise(&target.stream, &target.name, &info.config).owner()
-        != Some(owner.as_str())
-    {
-        tracing::info!(subscription = %owner, consumer = %target.name, "the consumer is not this Subscription's: left alone");
-        return Ok(());
+        Removal::Nothing => Ok(()),
+        Removal::Wait(m) => Err(Error::Waiting(m)),
+        Removal::Failed(m) => Err(Error::Broker(m)),
     }
-    conn.mark_own(ChangeKind::Deleted, &target.stream, &target.name);
-    ctx.metrics.js("delete");
-    match jsapi::delete_consumer(&conn.js, &target.stream, &target.name).await {
-        Ok(_) => {}
-        Err(NatsError::Unreachable(m)) => return Err(Error::Waiting(m)),
-        Err(e) => return Err(Error::Broker(e)),
-    }
-    ctx.metrics.op("delete");
-    tracing::info!(subscription = %owner, stream = %target.stream, consumer = %target.name, "deleted the consumer");
-    publish(
-        ctx,
-        sub,
-        EventType::Normal,
-        events::DELETED,
-        "Delete",
-        format!(
-            "deleted consumer {} on stream {}",
-            target.name, target.stream
-        ),
-    )
-    .await;
-    Ok(())
 }
 
 /// Records a Kubernetes Event on the Subscription; a failure to record is logged, never fatal.
-async fn publish(
+pub(super) async fn publish(
     ctx: &Ctx,
     sub: &Subscription,
     type_: EventType,

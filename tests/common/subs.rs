@@ -133,3 +133,33 @@ pub async fn wait_event(ns: &str, name: &str, reason: &str) -> String {
     )
     .await
 }
+
+/// A Subscription `name` on Backend `backend` with `spec` (indented two spaces, after backendRef).
+pub fn sub_yaml_on(backend: &str, name: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n  backendRef: {{name: {backend}}}\n{spec}"
+    )
+}
+
+/// Waits until Backend `name`'s Ready condition has `status` and `reason`; returns it.
+pub async fn wait_backend(api: &Api<Backend>, name: &str, status: &str, reason: &str) -> Backend {
+    poll(
+        &format!("Backend {name} to be Ready={status} ({reason})"),
+        Duration::from_secs(60),
+        || async {
+            let b = api
+                .get_opt(name)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or("no such Backend")?;
+            let st = b.status.clone().unwrap_or_default();
+            let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
+            if s == status && r == reason {
+                Ok(b)
+            } else {
+                Err(format!("Ready={s} {r}: {m}"))
+            }
+        },
+    )
+    .await
+}

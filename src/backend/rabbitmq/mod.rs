@@ -22,6 +22,10 @@
 //!
 //! It must not count anything (the settle path does) nor build queue arguments (that is
 //! [`queue`], the one mapping); it declares queues only for code-defined subscriptions.
+//!
+//! Beside it, for the operator: [`connect`] (a Backend's settings to a connection), [`admin`]
+//! (declare, bind, unbind, delete a managed queue over AMQP) and `management` (the management
+//! API, read-only: arguments, bindings, version, gauges).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +43,10 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
+pub mod admin;
+pub mod connect;
+#[cfg(feature = "operator")]
+pub mod management;
 pub mod queue;
 
 use crate::bus::{

@@ -27,7 +27,7 @@ pub const OWNER_ARG: &str = "x-settle-subscription";
 pub const CODE_DEFINED_EXPIRES: Duration = Duration::from_secs(300);
 
 /// Where queues are bound and where exhausted messages go: the Backend's settings.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Exchanges {
     /// The topic exchange of every binding and every publish.
     pub exchange: String,

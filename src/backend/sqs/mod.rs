@@ -34,6 +34,7 @@ use futures::future::BoxFuture;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
 
+pub mod admin;
 pub mod hold;
 pub mod queue;
 
@@ -107,7 +108,7 @@ fn queue_missing(e: &impl ProvideErrorMetadata) -> bool {
 }
 
 /// Credentials for SQS.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum SqsCredentials {
     /// The pod's identity: the AWS SDK's default chain (environment, IRSA web identity, EKS Pod
     /// Identity, instance profile).
@@ -121,7 +122,7 @@ pub enum SqsCredentials {
 }
 
 /// Where SQS is and how to reach it: the Backend's `spec.sqs`, with its Secret read.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SqsSettings {
     /// The region; `None`: the SDK's (AWS_REGION, the profile, the instance).
     pub region: Option<String>,
@@ -133,6 +134,14 @@ pub struct SqsSettings {
 }
 
 impl SqsSettings {
+    /// A fingerprint of the settings (credentials included), to tell a changed Secret apart.
+    pub fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.hash(&mut h);
+        h.finish()
+    }
+
     /// From a Backend's `spec.sqs` and, when it names a Secret, the Secret's two keys.
     pub fn from_spec(spec: &crate::api::SqsBackendSpec, credentials: SqsCredentials) -> Self {
         SqsSettings {

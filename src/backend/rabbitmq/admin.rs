@@ -1,0 +1,180 @@
+//! The AMQP calls the operator makes on queues Settle manages: is a queue there (a passive
+//! declare), declare it from the mapping, bind and unbind it, delete it. Each call uses a channel
+//! of its own (a refused call closes its channel), closed after.
+//!
+//! It must not decide what a queue looks like (that is [`super::queue`]) nor what to do about a
+//! difference (the reconcile does).
+
+use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Connection};
+
+use super::queue::{Binding, QueueSpec};
+
+/// A refused or failed AMQP call.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    /// The connection is down or the call got no answer: try again later.
+    #[error("RabbitMQ did not answer: {0}")]
+    Unreachable(String),
+    /// A queue of that name exists with other arguments (`406 PRECONDITION_FAILED`): RabbitMQ
+    /// cannot change a queue's arguments in place.
+    #[error("RabbitMQ refused to declare queue {queue:?} with the mapped arguments: {text}")]
+    Differs { queue: String, text: String },
+    /// The broker refused the call (the reply code and text say why).
+    #[error("RabbitMQ refused {what}: {text}")]
+    Refused { what: String, text: String },
+}
+
+impl AdminError {
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, AdminError::Unreachable(_))
+    }
+}
+
+/// The AMQP reply code of a channel-level refusal, if the broker sent one.
+fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(p) => Some(p.get_id()),
+        _ => None,
+    }
+}
+
+fn classify(what: String, e: &lapin::Error) -> AdminError {
+    match reply_code(e) {
+        // Channel-level refusals: the broker answered.
+        Some(c) if (400..500).contains(&c) => AdminError::Refused {
+            what,
+            text: e.to_string(),
+        },
+        _ => AdminError::Unreachable(format!("{what}: {e}")),
+    }
+}
+
+async fn channel(conn: &Connection) -> Result<Channel, AdminError> {
+    conn.create_channel()
+        .await
+        .map_err(|e| AdminError::Unreachable(format!("cannot open a channel: {e}")))
+}
+
+async fn done(ch: Channel) {
+    if ch.status().connected() {
+        let _ = ch.close(200, ShortString::from("done")).await;
+    }
+}
+
+/// Whether queue `name` exists (a passive declare).
+pub async fn exists(conn: &Connection, name: &str) -> Result<bool, AdminError> {
+    let ch = channel(conn).await?;
+    let r = ch
+        .queue_declare(
+            ShortString::from(name),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match r {
+        Ok(_) => {
+            done(ch).await;
+            Ok(true)
+        }
+        Err(e) if reply_code(&e) == Some(404) => Ok(false),
+        Err(e) => Err(classify(format!("looking up queue {name:?}"), &e)),
+    }
+}
+
+/// Declares `want` (durable, with its arguments); an existing queue with other compared
+/// arguments is [`AdminError::Differs`].
+pub async fn declare(conn: &Connection, want: &QueueSpec) -> Result<(), AdminError> {
+    let ch = channel(conn).await?;
+    let r = ch
+        .queue_declare(
+            ShortString::from(want.name.as_str()),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            want.arguments_table(),
+        )
+        .await;
+    match r {
+        Ok(_) => {
+            done(ch).await;
+            Ok(())
+        }
+        Err(e) if reply_code(&e) == Some(406) => Err(AdminError::Differs {
+            queue: want.name.clone(),
+            text: e.to_string(),
+        }),
+        Err(e) => Err(classify(format!("declaring queue {:?}", want.name), &e)),
+    }
+}
+
+/// Binds queue `name` to `b.exchange` with `b.routing_key` (binding twice is harmless).
+pub async fn bind(conn: &Connection, name: &str, b: &Binding) -> Result<(), AdminError> {
+    let ch = channel(conn).await?;
+    let r = ch
+        .queue_bind(
+            ShortString::from(name),
+            ShortString::from(b.exchange.as_str()),
+            ShortString::from(b.routing_key.as_str()),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await;
+    match r {
+        Ok(()) => {
+            done(ch).await;
+            Ok(())
+        }
+        Err(e) => Err(classify(
+            format!(
+                "binding queue {name:?} to exchange {:?} with {:?}",
+                b.exchange, b.routing_key
+            ),
+            &e,
+        )),
+    }
+}
+
+/// Removes one binding of queue `name`.
+pub async fn unbind(conn: &Connection, name: &str, b: &Binding) -> Result<(), AdminError> {
+    let ch = channel(conn).await?;
+    let r = ch
+        .queue_unbind(
+            ShortString::from(name),
+            ShortString::from(b.exchange.as_str()),
+            ShortString::from(b.routing_key.as_str()),
+            FieldTable::default(),
+        )
+        .await;
+    match r {
+        Ok(()) => {
+            done(ch).await;
+            Ok(())
+        }
+        Err(e) => Err(classify(
+            format!("unbinding {:?} from queue {name:?}", b.routing_key),
+            &e,
+        )),
+    }
+}
+
+/// Deletes queue `name` with whatever it holds; a queue already gone is no error.
+pub async fn delete(conn: &Connection, name: &str) -> Result<(), AdminError> {
+    let ch = channel(conn).await?;
+    let r = ch
+        .queue_delete(ShortString::from(name), QueueDeleteOptions::default())
+        .await;
+    match r {
+        Ok(_) => {
+            done(ch).await;
+            Ok(())
+        }
+        Err(e) if reply_code(&e) == Some(404) => Ok(()),
+        Err(e) => Err(classify(format!("deleting queue {name:?}"), &e)),
+    }
+}

@@ -1,0 +1,299 @@
+//! The SQS calls the operator makes on queues Settle manages: find a queue, read its attributes
+//! and its owner tag, create it (tagged with the Subscription it belongs to), change its
+//! attributes, delete it, and read its gauges. Every call asks the server (no cached URL: a queue
+//! deleted there must be seen as gone), and a failure is told apart as unreachable, refused
+//! credentials or a refused call.
+//!
+//! It must not decide what a queue looks like (that is [`super::queue`]) nor what to do about a
+//! difference (the reconcile does).
+
+use std::collections::{BTreeMap, HashMap};
+
+use aws_sdk_sqs::Client;
+use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_sqs::types::QueueAttributeName;
+
+use super::queue_missing;
+
+/// The tag naming the Subscription (`namespace/name`) a queue (or dead-letter queue) belongs to.
+pub const OWNER_TAG: &str = "settle-subscription";
+
+/// A failed SQS call.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    /// No answer (refused, timed out, unresolvable): try again later.
+    #[error("SQS {operation} got no answer: {detail}")]
+    Unreachable {
+        operation: &'static str,
+        detail: String,
+    },
+    /// The server refused the credentials or their permissions.
+    #[error("SQS {operation} refused the credentials: {detail}")]
+    AuthFailed {
+        operation: &'static str,
+        detail: String,
+    },
+    /// The server refused the call.
+    #[error("SQS {operation} refused: {detail}")]
+    Refused {
+        operation: &'static str,
+        detail: String,
+    },
+}
+
+impl AdminError {
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, AdminError::Unreachable { .. })
+    }
+}
+
+/// Whether an error code means the credentials (or their permissions) were refused.
+pub fn is_auth_code(code: &str) -> bool {
+    matches!(
+        code,
+        "InvalidClientTokenId"
+            | "SignatureDoesNotMatch"
+            | "AccessDenied"
+            | "AccessDeniedException"
+            | "UnrecognizedClientException"
+            | "InvalidAccessKeyId"
+            | "MissingAuthenticationToken"
+            | "ExpiredToken"
+    ) || code.ends_with("#AccessDenied")
+}
+
+fn classify<E, R>(operation: &'static str, e: SdkError<E, R>) -> AdminError
+where
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: std::fmt::Debug,
+{
+    let unreachable = matches!(
+        e,
+        SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) | SdkError::ResponseError(_)
+    );
+    let code = e.code().map(str::to_string);
+    let detail = super::api(operation, e).to_string();
+    classify_parts(operation, unreachable, code.as_deref(), detail)
+}
+
+/// The kind of a failed call from its parts: whether the request was never answered, the error
+/// code, and the whole message. A request that could not be signed because no credentials were
+/// found is never sent (the SDK reports it as a dispatch failure), but it is the credentials
+/// that are missing, not the server.
+pub fn classify_parts(
+    operation: &'static str,
+    unanswered: bool,
+    code: Option<&str>,
+    detail: String,
+) -> AdminError {
+    if unanswered && detail.contains("loading credentials") {
+        AdminError::AuthFailed {
+            operation,
+            detail: format!(
+                "{detail} (no credentials: name a Secret in spec.sqs.credentialsSecretRef, or give the pod an identity)"
+            ),
+        }
+    } else if unanswered {
+        AdminError::Unreachable { operation, detail }
+    } else if code.is_some_and(is_auth_code) {
+        AdminError::AuthFailed { operation, detail }
+    } else {
+        AdminError::Refused { operation, detail }
+    }
+}
+
+/// Whether the server answers, and the credentials are good: lists queues under `prefix`
+/// (one page, at most one result); returns how many it listed.
+pub async fn ping(client: &Client, prefix: &str) -> Result<usize, AdminError> {
+    let mut call = client.list_queues().max_results(1);
+    if !prefix.is_empty() {
+        call = call.queue_name_prefix(prefix);
+    }
+    let out = call.send().await.map_err(|e| classify("ListQueues", e))?;
+    Ok(out.queue_urls.map_or(0, |u| u.len()))
+}
+
+/// The URL of queue `name`, if it exists.
+pub async fn queue_url(client: &Client, name: &str) -> Result<Option<String>, AdminError> {
+    match client.get_queue_url().queue_name(name).send().await {
+        Ok(out) => Ok(out.queue_url),
+        Err(e) if queue_missing(&e) => Ok(None),
+        Err(e) => Err(classify("GetQueueUrl", e)),
+    }
+}
+
+/// Every attribute of the queue at `url`, by SQS's names; `None` when it is gone.
+pub async fn attributes(
+    client: &Client,
+    url: &str,
+) -> Result<Option<BTreeMap<String, String>>, AdminError> {
+    match client
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(QueueAttributeName::All)
+        .send()
+        .await
+    {
+        Ok(out) => Ok(Some(
+            out.attributes
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k.as_str().to_string(), v))
+                .collect(),
+        )),
+        Err(e) if queue_missing(&e) => Ok(None),
+        Err(e) => Err(classify("GetQueueAttributes", e)),
+    }
+}
+
+/// The Subscription the queue at `url` belongs to (its [`OWNER_TAG`]), if any.
+pub async fn owner(client: &Client, url: &str) -> Result<Option<String>, AdminError> {
+    let out = client
+        .list_queue_tags()
+        .queue_url(url)
+        .send()
+        .await
+        .map_err(|e| classify("ListQueueTags", e))?;
+    Ok(out.tags.and_then(|mut t| t.remove(OWNER_TAG)))
+}
+
+fn attribute_map(attributes: BTreeMap<String, String>) -> HashMap<QueueAttributeName, String> {
+    attributes
+        .into_iter()
+        .map(|(k, v)| (QueueAttributeName::from(k.as_str()), v))
+        .collect()
+}
+
+/// Creates queue `name` with `attributes`, tagged as `owner`'s; returns its URL.
+pub async fn create(
+    client: &Client,
+    name: &str,
+    attributes: BTreeMap<String, String>,
+    owner: &str,
+) -> Result<String, AdminError> {
+    let out = client
+        .create_queue()
+        .queue_name(name)
+        .set_attributes(Some(attribute_map(attributes)))
+        .tags(OWNER_TAG, owner)
+        .send()
+        .await
+        .map_err(|e| classify("CreateQueue", e))?;
+    Ok(out.queue_url.unwrap_or_default())
+}
+
+/// Sets `attributes` on the queue at `url` (an empty RedrivePolicy removes it).
+pub async fn set_attributes(
+    client: &Client,
+    url: &str,
+    attributes: BTreeMap<String, String>,
+) -> Result<(), AdminError> {
+    client
+        .set_queue_attributes()
+        .queue_url(url)
+        .set_attributes(Some(attribute_map(attributes)))
+        .send()
+        .await
+        .map_err(|e| classify("SetQueueAttributes", e))?;
+    Ok(())
+}
+
+/// Deletes the queue at `url` with what it holds; a queue already gone is no error.
+pub async fn delete(client: &Client, url: &str) -> Result<(), AdminError> {
+    match client.delete_queue().queue_url(url).send().await {
+        Ok(_) => Ok(()),
+        Err(e) if queue_missing(&e) => Ok(()),
+        Err(e) => Err(classify("DeleteQueue", e)),
+    }
+}
+
+/// The account's gauges for queue `name` (its full name, prefix included), `(pending,
+/// ack_pending)`: `ApproximateNumberOfMessages` (visible, waiting to be received) and
+/// `ApproximateNumberOfMessagesNotVisible` (received and not yet deleted, or declined and held
+/// back). SQS's counts are approximate and lag by up to a minute. `None` when the queue does not
+/// exist.
+pub async fn queue_gauges(client: &Client, name: &str) -> Result<Option<(u64, u64)>, AdminError> {
+    let Some(url) = queue_url(client, name).await? else {
+        return Ok(None);
+    };
+    let Some(a) = attributes(client, &url).await? else {
+        return Ok(None);
+    };
+    Ok(Some(gauges_of(&a)))
+}
+
+/// `(pending, ack_pending)` from a queue's attributes.
+pub fn gauges_of(attributes: &BTreeMap<String, String>) -> (u64, u64) {
+    let n = |k: &str| {
+        attributes
+            .get(k)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    (
+        n("ApproximateNumberOfMessages"),
+        n("ApproximateNumberOfMessagesNotVisible"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gauges_read_the_two_counts() {
+        let a: BTreeMap<String, String> = [
+            ("ApproximateNumberOfMessages", "7"),
+            ("ApproximateNumberOfMessagesNotVisible", "2"),
+            ("ApproximateNumberOfMessagesDelayed", "9"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(gauges_of(&a), (7, 2));
+        assert_eq!(gauges_of(&BTreeMap::new()), (0, 0));
+    }
+
+    #[test]
+    fn failures_are_told_apart() {
+        let kind = |unanswered, code, detail: &str| match classify_parts(
+            "ListQueues",
+            unanswered,
+            code,
+            detail.to_string(),
+        ) {
+            AdminError::Unreachable { .. } => "unreachable",
+            AdminError::AuthFailed { .. } => "auth",
+            AdminError::Refused { .. } => "refused",
+        };
+        assert_eq!(
+            kind(true, None, "dispatch failure: connection refused"),
+            "unreachable"
+        );
+        assert_eq!(
+            kind(
+                true,
+                None,
+                "dispatch failure: other: an error occurred while loading credentials: no IMDS"
+            ),
+            "auth"
+        );
+        assert_eq!(kind(false, Some("InvalidClientTokenId"), "x"), "auth");
+        assert_eq!(kind(false, Some("InvalidAttributeValue"), "x"), "refused");
+        assert_eq!(kind(false, None, "x"), "refused");
+    }
+
+    #[test]
+    fn auth_codes_are_told_apart() {
+        for c in [
+            "InvalidClientTokenId",
+            "SignatureDoesNotMatch",
+            "AccessDenied",
+        ] {
+            assert!(is_auth_code(c), "{c}");
+        }
+        for c in ["QueueDoesNotExist", "InvalidAttributeValue", ""] {
+            assert!(!is_auth_code(c), "{c}");
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The Subscription controller's broker step on NATS JetStream: resolve the stream, read the
+//! consumer, create it or update it in place through the one mapping (`backend::nats::consumer`),
+//! and delete it when the Subscription goes.
+//!
+//! It must not write status, add finalizers or decide requeues (the pipeline in
+//! [`super::subscription`] does); it returns what the broker now holds.
+
+use kube::ResourceExt;
+use kube::runtime::events::EventType;
+
+use super::Ctx;
+use super::conditions::events;
+use super::connections::NatsConn;
+use super::status::SubOutcome;
+use super::subscription::{Removal, publish};
+use crate::api::{ConsumerRef, Subscription};
+use crate::backend::nats::advisory::ChangeKind;
+use crate::backend::nats::consumer;
+use crate::backend::nats::jsapi::{self, NatsError};
+use crate::policy::ResolvedPolicy;
+
+/// JetStream's "consumer already exists" (two creates raced).
+const CONSUMER_EXISTS: u64 = 10_148;
+
+/// Step 5 on NATS: the consumer exists and matches the spec, or why not.
+pub async fn ensure(
+    sub: &Subscription,
+    ctx: &Ctx,
+    conn: &NatsConn,
+    known: Option<ConsumerRef>,
+) -> SubOutcome {
+    let ns = sub.namespace().unwrap_or_default();
+    let name = sub.name_any();
+    if !conn.connected() {
+        return SubOutcome::Broker {
+            error: NatsError::Unreachable("the connection is down; reconnecting".into()).into(),
+            consumer: known,
+        };
+    }
+    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+    ctx.metrics.js("stream");
+    let stream =
+        match jsapi::resolve_stream(&conn.js, sub.spec.stream.as_deref(), &policy.pattern).await {
+            Ok(s) => s,
+            Err(error) => return broker_failure(error, known),
+        };
+    let want = consumer::desired(&ns, &name, &stream, &policy);
+    let here = ConsumerRef {
+        stream: stream.clone(),
+        name: want.name.clone(),
+    };
+    ctx.metrics.js("info");
+    let live = match jsapi::consumer_info(&conn.js, &stream, &want.name).await {
+        Ok(live) => live,
+        Err(error) => return broker_failure(error, known),
+    };
+    let Some(info) = live else {
+        // Missing: made for the first time, or again after someone (or a lost stream) removed it.
+        let again = known.as_ref() == Some(&here);
+        if let Err(error) = create(conn, ctx, &want).await {
+            return broker_failure(error, known);
+        }
+        let (op, reason, note) = if again {
+            (
+                "recreate",
+                events::RECREATED,
+                format!(
+                    "consumer {} on stream {stream} was missing from the broker (deleted there, or lost): made it again",
+                    want.name
+                ),
+            )
+        } else {
+            (
+                "create",
+                events::CREATED,
+                format!("created consumer {} on stream {stream}", want.name),
+            )
+        };
+        ctx.metrics.op(op);
+        tracing::info!(subscription = %format!("{ns}/{name}"), %stream, consumer = %want.name, %op, "consumer");
+        publish(ctx, sub, EventType::Normal, reason, "Reconcile", note).await;
+        return SubOutcome::Ready(here);
+    };
+    let live = consumer::normalise(&stream, &want.name, &info.config);
+    let owner = format!("{ns}/{name}");
+    if live.owner() != Some(owner.as_str()) {
+        return SubOutcome::Conflict {
+            consumer: here,
+            owner: live.owner().map(str::to_string),
+        };
+    }
+    let d = consumer::diff(&want, &live);
+    if !d.immutable.is_empty() {
+        return SubOutcome::ImmutableField {
+            consumer: here,
+            fields: d.immutable,
+        };
+    }
+    if !d.editable.is_empty() {
+        let changes = d
+            .editable
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        ctx.metrics.js("update");
+        if let Err(error) = jsapi::update_consumer(&conn.js, &want).await {
+            return broker_failure(error, known);
+        }
+        ctx.metrics.op("update");
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, %changes, "updated the consumer in place");
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::UPDATED,
+            "Reconcile",
+            format!("updated consumer {} in place: {changes}", want.name),
+        )
+        .await;
+    }
+    SubOutcome::Ready(here)
+}
+
+async fn create(
+    conn: &NatsConn,
+    ctx: &Ctx,
+    want: &consumer::ConsumerConfig,
+) -> Result<(), NatsError> {
+    conn.mark_own(ChangeKind::Created, &want.stream, &want.name);
+    ctx.metrics.js("create");
+    match jsapi::create_consumer(&conn.js, want).await {
+        Ok(_) => Ok(()),
+        // Made meanwhile by a racing reconcile (an old leader's last call): converge next time.
+        Err(e) if e.code() == Some(CONSUMER_EXISTS) => Err(NatsError::Unreachable(
+            "the consumer was created concurrently; checking it again".into(),
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+fn broker_failure(error: NatsError, known: Option<ConsumerRef>) -> SubOutcome {
+    // Only while the broker cannot answer is the consumer known from before still shown.
+    let consumer = matches!(error, NatsError::Unreachable(_))
+        .then_some(known)
+        .flatten();
+    SubOutcome::Broker {
+        error: error.into(),
+        consumer,
+    }
+}
+
+fn waiting(e: NatsError) -> Removal {
+    match e {
+        NatsError::Unreachable(m) => Removal::Wait(m),
+        e => Removal::Failed(e.to_string()),
+    }
+}
+
+/// The cleanup's broker call on NATS: deletes this Subscription's consumer, if it is there and
+/// its own.
+pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &NatsConn) -> Removal {
+    let ns = sub.namespace().unwrap_or_default();
+    let name = sub.name_any();
+    if !conn.connected() {
+        return Removal::Wait("the Backend's connection is down".into());
+    }
+    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+    let target = match sub.status.as_ref().and_then(|s| s.consumer.clone()) {
+        Some(c) => c,
+        None => {
+            ctx.metrics.js("stream");
+            match jsapi::resolve_stream(&conn.js, sub.spec.stream.as_deref(), &policy.pattern).await
+            {
+                Ok(stream) => ConsumerRef {
+                    name: consumer::consumer_name(&ns, &name, &policy),
+                    stream,
+                },
+                Err(NatsError::Unreachable(m)) => return Removal::Wait(m),
+                // No stream, or several: Settle never made a consumer for it.
+                Err(_) => return Removal::Nothing,
+            }
+        }
+    };
+    ctx.metrics.js("info");
+    let info = match jsapi::consumer_info(&conn.js, &target.stream, &target.name).await {
+        Ok(Some(i)) => i,
+        Ok(None) => return Removal::Nothing,
+        Err(e) => return waiting(e),
+    };
+    let owner = format!("{ns}/{name}");
+    if consumer::normalise(&target.stream, &target.name, &info.config).owner()
+        != Some(owner.as_str())
+    {
+        tracing::info!(subscription = %owner, consumer = %target.name, "the consumer is not this Subscription's: left alone");
+        return Removal::Nothing;
+    }
+    conn.mark_own(ChangeKind::Deleted, &target.stream, &target.name);
+    ctx.metrics.js("delete");
+    if let Err(e) = jsapi::delete_consumer(&conn.js, &target.stream, &target.name).await {
+        return waiting(e);
+    }
+    tracing::info!(subscription = %owner, stream = %target.stream, consumer = %target.name, "deleted the consumer");
+    Removal::Deleted(format!(
+        "deleted consumer {} on stream {}",
+        target.name, target.stream
+    ))
+}

@@ -1,0 +1,668 @@
+//! The controllers on a real RabbitMQ (3.10, management plugin on), `settle operator` running as
+//! a process against the real API server: a rabbitmq Backend is Ready with the broker's version
+//! and its kind's capabilities (wrong credentials in its Secret: AuthFailed, until the Secret is
+//! fixed, with no restart; a closed port: Unreachable); a Subscription becomes exactly
+//! the mapped quorum queue and binding (read back over the management API, not through Settle);
+//! a queue deleted on the broker comes back (Event Recreated), a changed pattern re-binds the
+//! same queue in place, a changed maxDeliver is reported ImmutableField with the field named; a
+//! queue of another Subscription is a conflict and left alone; deleting the Subscription deletes
+//! its queue, unless it is retained. The runtime built from the same resource consumes from the
+//! operator's queue, and again once the operator has made a deleted queue again. Without the
+//! management API, queues are still made and made again (a missing queue's refused passive
+//! declare is no dropped connection), and a connection the broker closes is made again and used.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::operator::{Operator, condition, poll};
+use common::subs::{
+    apply, backends, sub_yaml_on, subs, wait_backend, wait_condition, wait_event, wait_gone,
+    wait_ready,
+};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::api::DeleteParams;
+use serde_json::Value;
+use settle::api::ConsumerRef;
+use settle::policy::{BackendKind, capabilities_of};
+
+/// One management API call (HTTP/1.0, user guest): (status, body).
+fn mgmt_raw(method: &str, path: &str) -> (u16, String) {
+    let base = common::env().rabbitmq_management_url;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// Queue `name` on the default vhost, `None` when it does not exist.
+fn queue(name: &str) -> Option<Value> {
+    let (status, body) = mgmt_raw("GET", &format!("/api/queues/%2f/{name}"));
+    match status {
+        200 => Some(serde_json::from_str(&body).expect("JSON")),
+        404 => None,
+        other => panic!("GET queue {name}: {other} {body}"),
+    }
+}
+
+/// Queue `name`'s bindings other than the default exchange's, as (exchange, routing key).
+fn bindings(name: &str) -> Vec<(String, String)> {
+    let (status, body) = mgmt_raw("GET", &format!("/api/queues/%2f/{name}/bindings"));
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("JSON");
+    let mut out: Vec<(String, String)> = v
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|b| b["source"] != "")
+        .map(|b| {
+            (
+                b["source"].as_str().unwrap_or_default().to_string(),
+                b["routing_key"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn delete_queue(name: &str) {
+    let (status, body) = mgmt_raw("DELETE", &format!("/api/queues/%2f/{name}"));
+    assert!(
+        status == 204 || status == 404,
+        "DELETE queue {name}: {status} {body}"
+    );
+}
+
+fn backend_yaml(name: &str, url: &str, management: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  rabbitmq:\n    urls: [\"{url}\"]\n    managementUrl: \"{management}\"\n"
+    )
+}
+
+async fn wait_queue(name: &str, what: &str, f: impl Fn(&Option<Value>) -> bool) -> Option<Value> {
+    poll(what, Duration::from_secs(30), || async {
+        let q = queue(name);
+        if f(&q) { Ok(q) } else { Err(format!("{q:?}")) }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired_and_deleted() {
+    install_crds();
+    let ns = namespace("rec-rabbit");
+    let env = common::env();
+    let op = Operator::start_with(
+        "rabbitmq",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let tag = format!("rec{}", std::process::id());
+
+    // The Backend: Ready with the broker's version and the kind's capabilities.
+    apply(
+        &ns,
+        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
+    );
+    let b = wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
+    let st = b.status.expect("status");
+    let version = st.server_version.clone().expect("a version");
+    assert!(version.starts_with("3."), "{version}");
+    assert_eq!(
+        st.capabilities,
+        Some(capabilities_of(BackendKind::Rabbitmq))
+    );
+    // Wrong credentials in the Secret are told apart; the fixed Secret is picked up.
+    let bare = env.rabbitmq_url.replace("guest:guest@", "");
+    assert_ne!(bare, env.rabbitmq_url, "the URL carries guest:guest");
+    let secret = |password: &str| {
+        format!(
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbit-creds}}\nstringData: {{username: guest, password: {password}}}\n"
+        )
+    };
+    apply(&ns, &secret("wrong"));
+    apply(
+        &ns,
+        &format!(
+            "{}    credentialsSecretRef: {{name: rabbit-creds}}\n",
+            backend_yaml("secured", &bare, &env.rabbitmq_management_url)
+        ),
+    );
+    wait_backend(&backends(&ns).await, "secured", "False", "AuthFailed").await;
+    apply(&ns, &secret("guest"));
+    wait_backend(&backends(&ns).await, "secured", "True", "Connected").await;
+    // A closed port is Unreachable, and names the field to check.
+    let closed = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        common::operator::free_port()
+    );
+    apply(
+        &ns,
+        &backend_yaml("closed", &closed, &env.rabbitmq_management_url),
+    );
+    let b = wait_backend(&backends(&ns).await, "closed", "False", "Unreachable").await;
+    let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(
+        m.contains("spec.rabbitmq.urls") && !m.contains("guest:guest"),
+        "{m}"
+    );
+
+    // A Subscription: exactly the mapped quorum queue and binding.
+    let api = subs(&ns).await;
+    let durable = format!("{tag}-orders");
+    let spec = |pattern: &str, max: u32, extra: &str| {
+        format!(
+            "  pattern: \"{pattern}\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: {max}\n{extra}"
+        )
+    };
+    apply(
+        &ns,
+        &sub_yaml_on("rabbit", "orders", &spec(&format!("{tag}.orders.>"), 3, "")),
+    );
+    let sub = wait_ready(&api, "orders").await;
+    assert_eq!(
+        sub.status.clone().and_then(|s| s.consumer),
+        Some(ConsumerRef {
+            stream: "amq.topic".into(),
+            name: durable.clone()
+        }),
+        "status.consumer: the exchange and the queue"
+    );
+    let q = queue(&durable).expect("the queue exists");
+    assert_eq!(q["durable"], true);
+    assert_eq!(q["type"], "quorum");
+    let args = &q["arguments"];
+    assert_eq!(args["x-queue-type"], "quorum");
+    assert_eq!(args["x-delivery-limit"], 2, "maxDeliver 3 is a limit of 2");
+    assert_eq!(args["x-settle-subscription"], format!("{ns}/orders"));
+    assert_eq!(
+        bindings(&durable),
+        vec![("amq.topic".to_string(), format!("{tag}.orders.#"))]
+    );
+    let note = wait_event(&ns, "orders", "Created").await;
+    assert!(note.contains(&durable), "{note}");
+    let ready = [("namespace", ns.as_str()), ("subscription", "orders")];
+    assert_eq!(op.metric("settle_subscription_ready", &ready), 1.0);
+    let series =
+        format!("settle_subscription_ready{{namespace=\"{ns}\",subscription=\"orders\"}} 1");
+    assert!(op.get("/metrics").unwrap_or_default().contains(&series));
+
+    // Deleted on the broker: made again, and said so.
+    delete_queue(&durable);
+    wait_queue(&durable, "the queue to be made again", |q| q.is_some()).await;
+    let note = wait_event(&ns, "orders", "Recreated").await;
+    assert!(note.contains(&durable), "{note}");
+    assert_eq!(bindings(&durable).len(), 1, "bound again too");
+
+    // The gauges the account reads: two messages waiting, none unacknowledged.
+    {
+        use settle::bus::Broker;
+        let publisher = settle::backend::rabbitmq::RabbitBroker::connect(&env.rabbitmq_url)
+            .await
+            .expect("connect");
+        for body in ["a", "b"] {
+            publisher
+                .publish(
+                    format!("{tag}.orders.created"),
+                    vec![],
+                    bytes::Bytes::from(body),
+                )
+                .await
+                .expect("publish");
+        }
+        let m = settle::backend::rabbitmq::management::Management::new(
+            &env.rabbitmq_management_url,
+            "guest",
+            "guest",
+            None,
+        )
+        .expect("management client");
+        poll(
+            "the gauges to show two ready",
+            Duration::from_secs(30),
+            || async {
+                let g = settle::backend::rabbitmq::management::queue_gauges(&m, "/", &durable)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if g == Some((2, 0)) {
+                    Ok(())
+                } else {
+                    Err(format!("{g:?}"))
+                }
+            },
+        )
+        .await;
+    }
+
+    // A changed pattern: the same queue, re-bound in place.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "orders",
+            &spec(&format!("{tag}.*.created"), 3, ""),
+        ),
+    );
+    poll(
+        "the binding to follow the pattern",
+        Duration::from_secs(30),
+        || async {
+            let b = bindings(&durable);
+            if b == vec![("amq.topic".to_string(), format!("{tag}.*.created"))] {
+                Ok(())
+            } else {
+                Err(format!("{b:?}"))
+            }
+        },
+    )
+    .await;
+    wait_event(&ns, "orders", "Updated").await;
+
+    // A changed maxDeliver: RabbitMQ cannot change x-delivery-limit in place; said, not ignored.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "orders",
+            &spec(&format!("{tag}.*.created"), 5, ""),
+        ),
+    );
+    let s = wait_condition(
+        &api,
+        "orders",
+        "Ready",
+        "False",
+        "ImmutableField",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains("x-delivery-limit (spec.maxDeliver)"), "{m}");
+    assert_eq!(
+        queue(&durable).expect("kept")["arguments"]["x-delivery-limit"],
+        2
+    );
+    // Deleting the queue on the broker lets Settle make it with the new limit.
+    delete_queue(&durable);
+    wait_ready(&api, "orders").await;
+    assert_eq!(
+        queue(&durable).expect("made")["arguments"]["x-delivery-limit"],
+        4
+    );
+
+    // A second Subscription naming the same queue: a conflict, the queue left alone.
+    apply(
+        &ns,
+        &sub_yaml_on("rabbit", "thief", &spec(&format!("{tag}.*.created"), 5, "")),
+    );
+    let s = wait_condition(
+        &api,
+        "thief",
+        "Ready",
+        "False",
+        "ConsumerConflict",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains(&format!("{ns}/orders")), "{m}");
+    api.delete("thief", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "thief", Duration::from_secs(30)).await;
+    assert!(
+        queue(&durable).is_some(),
+        "another's queue is never deleted"
+    );
+
+    // Deleting the Subscription deletes its queue.
+    api.delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "orders", Duration::from_secs(30)).await;
+    assert!(
+        queue(&durable).is_none(),
+        "the queue went with the Subscription"
+    );
+    assert!(
+        !op.get("/metrics").unwrap_or_default().contains(&series),
+        "the ready gauge goes with the Subscription"
+    );
+
+    // Retain keeps it.
+    let kept = format!("{tag}-kept");
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "kept",
+            &format!(
+                "  pattern: \"{tag}.kept.>\"\n  mode: AtLeastOnce\n  durableName: {kept}\n  deletionPolicy: Retain\n"
+            ),
+        ),
+    );
+    wait_ready(&api, "kept").await;
+    api.delete("kept", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "kept", Duration::from_secs(30)).await;
+    assert!(queue(&kept).is_some(), "a retained queue stays");
+    delete_queue(&kept);
+
+    // spec.stream means nothing on RabbitMQ: not accepted, said, nothing made.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "streamed",
+            &format!("  pattern: \"{tag}.streamed.>\"\n  stream: ORDERS\n"),
+        ),
+    );
+    let s = wait_condition(
+        &api,
+        "streamed",
+        "Accepted",
+        "False",
+        "Invalid",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (_, _, m) = condition(&s.status.expect("status").conditions, "Accepted").expect("Accepted");
+    assert!(m.contains("spec.stream"), "{m}");
+    assert!(
+        queue(&format!("settle_{ns}_streamed")).is_none(),
+        "nothing made"
+    );
+
+    // The derived name under AtMostOnce.
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "audit",
+            &format!("  pattern: \"{tag}.audit.>\"\n"),
+        ),
+    );
+    let sub = wait_ready(&api, "audit").await;
+    let derived = format!("settle_{ns}_audit");
+    assert_eq!(
+        sub.status.and_then(|s| s.consumer).map(|c| c.name),
+        Some(derived.clone())
+    );
+    assert!(queue(&derived).is_some());
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    assert!(queue(&derived).is_none(), "deleted with its Subscription");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_runtime_consumes_from_the_operators_queue_and_again_after_it_is_made_again() {
+    use std::sync::{Arc, Mutex};
+
+    use settle::api::Subscription;
+    use settle::backend::rabbitmq::RabbitBroker;
+    use settle::bus::{Bus, Delivery, HandlerError, Subscriber, handler};
+
+    install_crds();
+    let ns = namespace("rec-rabbit-rt");
+    let env = common::env();
+    let _op = Operator::start_with(
+        "rabbitmq-runtime",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let tag = format!("rt{}", std::process::id());
+    apply(
+        &ns,
+        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
+    );
+    let durable = format!("{tag}-jobs");
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "jobs",
+            &format!(
+                "  pattern: \"{tag}.jobs.*\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 3\n"
+            ),
+        ),
+    );
+    let api = subs(&ns).await;
+    let sub: Subscription = wait_ready(&api, "jobs").await;
+
+    // The runtime from the same resource: it binds to the operator's queue, declaring nothing.
+    let bus = Bus::builder(
+        RabbitBroker::connect(&env.rabbitmq_url)
+            .await
+            .expect("connect"),
+    )
+    .without_reports()
+    .namespace(&ns)
+    .build();
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let s = seen.clone();
+    bus.subscribe(Subscriber::from_resource(
+        "jobs",
+        &sub.spec,
+        handler(move |d: Delivery| {
+            let s = s.clone();
+            async move {
+                s.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(d.payload()).into_owned());
+                d.ack().await?;
+                Ok::<(), HandlerError>(())
+            }
+        }),
+    ))
+    .await
+    .expect("bound to the operator's queue");
+    bus.publish(&format!("{tag}.jobs.a"), "one".to_string())
+        .await
+        .expect("publish");
+    poll(
+        "the first message handled",
+        Duration::from_secs(30),
+        || async {
+            let v = seen.lock().unwrap().clone();
+            if v == ["one"] {
+                Ok(())
+            } else {
+                Err(format!("{v:?}"))
+            }
+        },
+    )
+    .await;
+
+    // Deleted on the broker: the operator makes it again, the runtime consumes from it again.
+    delete_queue(&durable);
+    wait_event(&ns, "jobs", "Recreated").await;
+    poll(
+        "a message on the queue made again to be handled",
+        Duration::from_secs(60),
+        || async {
+            // Published until handled: one sent before the runtime is back is lost with nothing bound.
+            bus.publish(&format!("{tag}.jobs.b"), "two".to_string())
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let v = seen.lock().unwrap().clone();
+            if v.iter().any(|m| m == "two") {
+                Ok(())
+            } else {
+                Err(format!("{v:?}"))
+            }
+        },
+    )
+    .await;
+    bus.close().await;
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    assert!(queue(&durable).is_none());
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+/// Percent-encodes a path segment (a connection's name has spaces, `:` and `>`).
+fn segment(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// The broker's names of the AMQP connections operator `pid` holds.
+fn connections_of(pid: u32) -> Vec<String> {
+    let (status, body) = mgmt_raw("GET", "/api/connections");
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("JSON");
+    v.as_array()
+        .expect("a list")
+        .iter()
+        .filter(|c| {
+            c["client_properties"]["connection_name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with(&format!("-{pid}")))
+        })
+        .filter_map(|c| c["name"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_management_api_queues_are_still_made_and_a_closed_connection_is_made_again() {
+    install_crds();
+    let ns = namespace("rec-rabbit-amqp");
+    let env = common::env();
+    let op = Operator::start_with(
+        "rabbitmq-amqp",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let tag = format!("am{}", std::process::id());
+    apply(
+        &ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: plain}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n",
+            env.rabbitmq_url
+        ),
+    );
+    let b = wait_backend(&backends(&ns).await, "plain", "True", "Connected").await;
+    let st = b.status.expect("status");
+    assert_eq!(st.server_version, None, "AMQP does not show the version");
+    let (_, _, m) = condition(&st.conditions, "Ready").expect("Ready");
+    assert!(m.contains("managementUrl"), "{m}");
+
+    let durable = format!("{tag}-plain");
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "plain",
+            "plain",
+            &format!(
+                "  pattern: \"{tag}.plain.>\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 4\n"
+            ),
+        ),
+    );
+    let api = subs(&ns).await;
+    wait_ready(&api, "plain").await;
+    let q = queue(&durable).expect("made");
+    assert_eq!(q["arguments"]["x-delivery-limit"], 3);
+    assert_eq!(
+        bindings(&durable),
+        vec![("amq.topic".to_string(), format!("{tag}.plain.#"))]
+    );
+
+    // Deleted on the broker: made again (found missing by a passive declare, whose refusal
+    // closes its channel: that is not a dropped connection).
+    delete_queue(&durable);
+    wait_queue(&durable, "the queue to be made again", |q| q.is_some()).await;
+    wait_event(&ns, "plain", "Recreated").await;
+    let disconnects =
+        |op: &Operator| op.metric("settle_drift_triggers_total", &[("source", "disconnect")]);
+    assert_eq!(disconnects(&op), 0.0, "a closed channel is no disconnect");
+
+    // The broker closes the operator's connection: it is made again, and used.
+    let pid = op.pid();
+    let before = poll(
+        "the operator's AMQP connection",
+        Duration::from_secs(30),
+        || async {
+            let c = connections_of(pid);
+            if c.is_empty() {
+                Err("none".to_string())
+            } else {
+                Ok(c)
+            }
+        },
+    )
+    .await;
+    for name in &before {
+        let (status, body) = mgmt_raw("DELETE", &format!("/api/connections/{}", segment(name)));
+        assert_eq!(status, 204, "close {name}: {body}");
+    }
+    poll(
+        "the drop to be noticed",
+        Duration::from_secs(30),
+        || async {
+            let n = disconnects(&op);
+            if n >= 1.0 {
+                Ok(())
+            } else {
+                Err(format!("{n}"))
+            }
+        },
+    )
+    .await;
+    poll("a new AMQP connection", Duration::from_secs(30), || async {
+        let now = connections_of(pid);
+        if now.iter().any(|c| !before.contains(c)) {
+            Ok(())
+        } else {
+            Err(format!("{now:?}"))
+        }
+    })
+    .await;
+    delete_queue(&durable);
+    // (Kubernetes folds a repeated Event into one, so the operations are counted instead.)
+    let recreated =
+        |op: &Operator| op.metric("settle_consumer_operations_total", &[("op", "recreate")]);
+    let made_before = recreated(&op);
+    delete_queue(&durable);
+    poll(
+        "the queue made again over the new connection",
+        Duration::from_secs(30),
+        || async {
+            let n = recreated(&op);
+            if n > made_before && queue(&durable).is_some() {
+                Ok(())
+            } else {
+                Err(format!("{n} recreated"))
+            }
+        },
+    )
+    .await;
+
+    // Deletion removes the queue its status names.
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    assert!(queue(&durable).is_none(), "deleted with its Subscription");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
