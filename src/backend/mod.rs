@@ -17,7 +17,7 @@ pub mod sqs;
 #[derive(Clone)]
 pub enum QueueGauges {
     Rabbitmq {
-        management: rabbitmq::management::Management,
+        management: Box<rabbitmq::management::Management>,
         vhost: String,
     },
     Sqs(aws_sdk_sqs::Client),
