@@ -429,7 +429,7 @@ async fn run_term(
                             r.management
                                 .clone()
                                 .map(|management| QueueGauges::Rabbitmq {
-                                    management,
+                                    management: Box::new(management),
                                     vhost: r.vhost.clone(),
                                 })
                         }
