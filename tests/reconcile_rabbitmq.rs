@@ -666,3 +666,97 @@ async fn without_the_management_api_queues_are_still_made_and_a_closed_connectio
     assert!(queue(&durable).is_none(), "deleted with its Subscription");
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// The account reads a managed queue's gauges from the management API into status: messages
+/// ready as `pending`, unacknowledged as `ackPending`; no counter is written (the RabbitMQ
+/// runtime does not report counters to the operator), so none reads as a false zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queues_gauges_reach_status_and_no_counter_is_invented() {
+    use lapin::options::BasicPublishOptions;
+    install_crds();
+    let ns = namespace("acct-rabbit");
+    let env = common::env();
+    let _op = Operator::start_with(
+        "acct-rabbit",
+        &ns,
+        &["--leader-election=false", "--stats-interval", "1s"],
+    );
+    apply(
+        &ns,
+        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
+    );
+    wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
+    let tag = format!("gauge{}", std::process::id());
+    apply(
+        &ns,
+        &sub_yaml_on(
+            "rabbit",
+            "gauged",
+            &format!(
+                "  pattern: \"{tag}.>\"\n  mode: AtLeastOnce\n  durableName: {tag}\n  maxDeliver: 3\n"
+            ),
+        ),
+    );
+    let api = subs(&ns).await;
+    wait_ready(&api, "gauged").await;
+
+    let conn =
+        lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())
+            .await
+            .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    for i in 0..3 {
+        ch.basic_publish(
+            "amq.topic".into(),
+            format!("{tag}.m{i}").as_str().into(),
+            BasicPublishOptions::default(),
+            b"x",
+            lapin::BasicProperties::default(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirmed");
+    }
+    poll(
+        "status.stats.pending 3 from the management API",
+        Duration::from_secs(60),
+        || async {
+            let s = api.get("gauged").await.map_err(|e| e.to_string())?;
+            let st = s.status.and_then(|s| s.stats).ok_or("no stats yet")?;
+            if (st.pending, st.ack_pending) == (3, 0) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "pending {} ackPending {}",
+                    st.pending, st.ack_pending
+                ))
+            }
+        },
+    )
+    .await;
+    let raw = kubectl_ok(
+        &[
+            "get",
+            "subscription",
+            "gauged",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.status.stats}",
+        ],
+        None,
+    );
+    let stats: Value = serde_json::from_str(&raw).expect("stats JSON");
+    assert_eq!(
+        stats.as_object().map(|o| {
+            let mut k: Vec<&String> = o.keys().collect();
+            k.sort();
+            k
+        }),
+        Some(vec![&"ackPending".to_string(), &"pending".to_string()]),
+        "only the gauges: {raw}"
+    );
+    let _ = conn.close(0, "done".into()).await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

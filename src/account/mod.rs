@@ -6,6 +6,7 @@
 //! - [`status`]: the pure part of what is written (stats, `Exhausting`, `Stranding`) and when.
 //! - [`keeper`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
+//! - [`gauges`]: one loop per RabbitMQ or SQS Backend: the broker's gauges of its queues.
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`).
 //! - [`metrics`]: `settle_subscription_*` at full resolution.
 //!
@@ -14,6 +15,8 @@
 //! `admission` (siblings); it reads the broker through `backend`, and is handed the controllers'
 //! caches and connections by the operator.
 
+#[cfg(feature = "operator")]
+pub mod gauges;
 #[cfg(feature = "operator")]
 pub mod keeper;
 pub mod ledger;

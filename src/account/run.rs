@@ -1,4 +1,5 @@
-//! The account's term: a keeper per NATS Backend, started and stopped with the leadership term.
+//! The account's term: a keeper per NATS Backend (the whole account) and a gauge loop per
+//! RabbitMQ or SQS Backend, started and stopped with the leadership term.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use kube::Client;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
-use super::{Metrics, keeper, writer};
+use super::{Metrics, gauges, keeper, writer};
 use crate::api::{Backend, Subscription};
 use crate::backend::QueueGauges;
 use crate::policy::effective_capabilities;
@@ -50,7 +51,9 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
     wait_ready(|| term.subscriptions.wait_until_ready()).await;
     wait_ready(|| term.backends.wait_until_ready()).await;
     let writer = writer::Writer::start(term.client.clone(), metrics.clone());
-    tracing::info!("account started: keeping the books of every NATS Backend's Subscriptions");
+    tracing::info!(
+        "account started: the books of every NATS Backend's Subscriptions, the gauges of RabbitMQ and SQS ones"
+    );
     let mut keepers = Tasks::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -59,12 +62,14 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
         let mut wanted = Vec::new();
         let mut unseen = HashMap::new();
         for b in term.backends.state() {
+            let key = (b.namespace().unwrap_or_default(), b.name_any());
             if b.spec.nats.is_some() {
-                let key = (b.namespace().unwrap_or_default(), b.name_any());
                 unseen.insert(
                     key.clone(),
                     effective_capabilities(&b).is_none_or(|c| c.restart_can_spend_unseen_attempt),
                 );
+                wanted.push(key);
+            } else if b.spec.rabbitmq.is_some() || b.spec.sqs.is_some() {
                 wanted.push(key);
             }
         }
@@ -77,6 +82,21 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
         });
         for key in wanted {
             if keepers.0.contains_key(&key) {
+                continue;
+            }
+            if !unseen.contains_key(&key) {
+                // RabbitMQ or SQS: the broker's gauges only.
+                let Some(reader) = (term.queues)(&key.0, &key.1) else {
+                    continue;
+                };
+                let g = gauges::GaugeKeeper::new(
+                    key.clone(),
+                    reader,
+                    term.subscriptions.clone(),
+                    writer.clone(),
+                    config.clone(),
+                );
+                keepers.0.insert(key, tokio::spawn(g.run()));
                 continue;
             }
             let Some(client) = (term.nats)(&key.0, &key.1) else {

@@ -199,6 +199,19 @@ pub fn patch(
     })
 }
 
+/// The status patch of a Subscription whose runtime does not report counters: the broker's
+/// gauges only (no counter is written, so none reads as a false zero).
+pub fn gauges_patch(pending: u64, ack_pending: u64, now: &Time) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "messaging.settle.dev/v1alpha1",
+        "kind": "Subscription",
+        "status": {
+            "stats": {"pending": pending, "ackPending": ack_pending},
+            "statsUpdatedAt": now,
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,13 +4,29 @@
 //! Only the shape and the meaning of each counter live here; who counts what lives in `bus/`
 //! (the runtime) and `account/` (the operator). Every counter is cumulative and never decreases.
 
-use schemars::JsonSchema;
+use schemars::{JsonSchema, Schema};
 use serde::{Deserialize, Serialize};
+
+/// No counter has a schema default: the API server must not fill in a zero nobody counted (a
+/// backend whose runtime does not report shows only the gauges it has).
+fn no_defaults(schema: &mut Schema) {
+    if let Some(props) = schema
+        .get_mut("properties")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        for p in props.values_mut() {
+            if let Some(o) = p.as_object_mut() {
+                o.remove("default");
+            }
+        }
+    }
+}
 
 /// How handlers settled their deliveries. Acked, Nacked and Silent partition Delivered;
 /// Refused is a different axis (a settlement the backend could not perform).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = no_defaults)]
 pub struct Settlement {
     /// Deliveries the handler accepted (Ack).
     #[serde(default)]
@@ -30,6 +46,7 @@ pub struct Settlement {
 /// offered == delivered + released + lost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = no_defaults)]
 pub struct ConsumerStats {
     /// Attempts the backend handed to the runtime.
     #[serde(default)]
