@@ -190,10 +190,10 @@ PY
 step "The account reaches status (written at most every --stats-interval, only on change)"
 expect_exhausted=20
 for i in $(seq 1 120); do
-  got="$(kubectl get subscription orders -n "$NS" -o jsonpath='{.status.stats.exhausted}/{.status.stats.settlement.acked}/{.status.stats.settlement.silent}')"
-  printf '  %3ss exhausted/acked/silent: %s\n' "$i" "${got:-none yet}"
-  [ "$got" = "$expect_exhausted/280/10" ] && break
-  [ "$i" = 120 ] && { echo "error: the account did not reach 20 exhausted, 280 acked, 10 silent in 120 s (operator log: $ENV_DIR/operator.log)" >&2; exit 1; }
+  got="$(kubectl get subscription orders -n "$NS" -o jsonpath='{.status.stats.exhausted}/{.status.stats.settlement.acked}/{.status.stats.settlement.silent}/{.status.stats.settlement.nacked}')"
+  printf '  %3ss exhausted/acked/silent/nacked: %s\n' "$i" "${got:-none yet}"
+  [ "$got" = "$expect_exhausted/280/10/100" ] && break
+  [ "$i" = 120 ] && { echo "error: the account did not reach 20 exhausted, 280 acked, 10 silent, 100 nacked in 120 s (operator log: $ENV_DIR/operator.log)" >&2; exit 1; }
   sleep 1
 done
 kubectl get subscriptions -n "$NS"

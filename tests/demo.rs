@@ -55,7 +55,7 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
         ),
         (
             "the account reached status",
-            "exhausted/acked/silent: 20/280/10",
+            "exhausted/acked/silent/nacked: 20/280/10/100",
         ),
         ("kubectl describe: Exhausted", "Exhausted: 20"),
         ("kubectl describe: Acked", "Acked: 280"),
