@@ -6,7 +6,7 @@
 //! - the broker's delivery advisories, from the operator's capture stream through this
 //!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down).
 //!
-//! Once a second it folds idle instances, persists the ledgers that changed (bucket
+//! Twice a second it folds idle instances, persists the ledgers that changed (bucket
 //! `settle-account`), and only then acknowledges the advisories it applied, so a restart
 //! re-applies nothing twice (the ledger skips a capture sequence it already counted). It reads
 //! the broker's gauges once per stats interval and hands the writer a status patch when what the
@@ -38,6 +38,10 @@ use crate::backend::nats::consumer::consumer_name;
 use crate::backend::nats::jsapi::{self, NatsError};
 use crate::bus::report::{StatsReport, report_key};
 use crate::policy::ResolvedPolicy;
+
+/// How often the keeper folds, persists, acknowledges and decides what to write: a change
+/// reaches status within the stats interval plus this (and the write).
+const TICK: Duration = Duration::from_millis(500);
 
 /// Reports held back for a Subscription not in the cache yet, at most.
 const EARLY_REPORTS: usize = 10_000;
@@ -175,7 +179,7 @@ impl Keeper {
         // Reports of Subscriptions not in the cache yet (applied and the app reported first).
         let mut early: HashMap<String, kv::Entry> = HashMap::new();
         let mut acks: Vec<jetstream::Message> = Vec::new();
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -363,7 +367,7 @@ impl Keeper {
         Ok(())
     }
 
-    /// Once a second: fold, persist, acknowledge, gauges, status.
+    /// Every tick: fold, persist, acknowledge, gauges, status.
     async fn settle(
         &self,
         js: &jetstream::Context,
@@ -433,7 +437,8 @@ impl Keeper {
         let stamp = Time(Timestamp::now());
         // Gauges: each Subscription's once per interval, spread over the interval's ticks so a
         // thousand consumers are not asked in the same second.
-        let mut budget = books.len() / usize::try_from(interval.as_secs().max(1)).unwrap_or(1) + 1;
+        let ticks = usize::try_from(interval.as_millis() / TICK.as_millis().max(1)).unwrap_or(1);
+        let mut budget = books.len() / ticks.max(1) + 1;
         for (key, book) in books.iter_mut() {
             let Some(m) = members.get(key) else { continue };
             if budget > 0 && book.gauges_at.is_none_or(|t| t.elapsed() >= interval) {
