@@ -25,7 +25,8 @@
 //!
 //! Beside it, for the operator: [`connect`] (a Backend's settings to a connection), [`admin`]
 //! (declare, bind, unbind, delete a managed queue over AMQP) and `management` (the management
-//! API, read-only: arguments, bindings, version, gauges).
+//! API, read-only: arguments, bindings, version, gauges). Beside both, [`report`]: the stats
+//! reports' per-Subscription queues (the runtime's `StatsSink`, the arguments both sides declare).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
