@@ -4,7 +4,8 @@
 //! `kubectl describe`). The runtime's reports travel through the Subscription's own report queue
 //! (`settle.stats.<namespace>.<subscription>`) and the operator keeps its ledger in
 //! `settle.ledger.<namespace>.<subscription>`: counters are exact, survive the operator's
-//! SIGKILL, never go down in any status observed, and both queues go with the Subscription.
+//! SIGKILL, never go down in any status observed, a report queue deleted on the broker is made
+//! and consumed again, and both queues go with the Subscription.
 
 mod common;
 
@@ -407,6 +408,27 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         assert_eq!(q["arguments"]["x-max-length"], max, "{name}: {q}");
         assert_eq!(q["arguments"]["x-overflow"], "drop-head", "{name}: {q}");
     }
+
+    // A report queue deleted on the broker is declared and consumed again: counting goes on.
+    let (status, body) = mgmt("DELETE", &format!("/api/queues/%2f/{reports}"));
+    assert_eq!(status, 204, "DELETE {reports}: {body}");
+    let app = scene.app();
+    app.wait_ready().await;
+    scene.publish(2).await;
+    let s = scene
+        .wait_stats(
+            "two more messages exhausted after the report queue was deleted",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 12 && s.settlement.nacked >= 36,
+        )
+        .await;
+    assert_eq!(
+        (s.exhausted, s.settlement.nacked, s.delivered),
+        (12, 36, 36),
+        "{s:?}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
 
     // Deleting the Subscription deletes both queues.
     scene

@@ -25,7 +25,7 @@ use futures::stream::{BoxStream, SelectAll};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions,
     BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
@@ -81,6 +81,8 @@ struct Book {
     counting: bool,
     /// Its report consumer's tag.
     tag: String,
+    /// Its report consumer ended: the book is saved and dropped, then opened again.
+    ended: bool,
     gauges: Option<(u64, u64)>,
     gauges_at: Option<Instant>,
     gauges_written: Option<Instant>,
@@ -101,9 +103,17 @@ fn now_ms() -> u64 {
     Timestamp::now().as_millisecond().try_into().unwrap_or(0)
 }
 
-/// The report deliveries of every Subscription, by Subscription.
-type Reports =
-    SelectAll<BoxStream<'static, (SubKey, Result<lapin::message::Delivery, lapin::Error>)>>;
+/// The report deliveries of every Subscription, by Subscription; `None` when its consumer
+/// ended (the broker cancelled it: its queue was deleted).
+type Reports = SelectAll<
+    BoxStream<
+        'static,
+        (
+            SubKey,
+            Option<Result<lapin::message::Delivery, lapin::Error>>,
+        ),
+    >,
+>;
 
 impl RabbitKeeper {
     /// `queues` reads the queues' counts (the management API), when the Backend names one.
@@ -200,8 +210,17 @@ impl RabbitKeeper {
         loop {
             tokio::select! {
                 Some((key, delivery)) = reports.next(), if !reports.is_empty() => {
-                    let delivery = delivery.map_err(|e| broken("consuming reports", e))?;
-                    self.on_report(&mut books, &key, delivery);
+                    match delivery {
+                        Some(d) => {
+                            let d = d.map_err(|e| broken("consuming reports", e))?;
+                            self.on_report(&mut books, &key, d);
+                        }
+                        None => {
+                            if let Some(book) = books.get_mut(&key) {
+                                book.ended = true;
+                            }
+                        }
+                    }
                 }
                 _ = tick.tick() => {
                     if !ch.status().connected() || !saver.status().connected() {
@@ -259,8 +278,13 @@ impl RabbitKeeper {
                 )
                 .await
                 .map_err(|e| broken(&format!("consuming {reports_q:?}"), e))?;
-            let k = key.clone();
-            reports.push(consumer.map(move |d| (k.clone(), d)).boxed());
+            let (k, end) = (key.clone(), key.clone());
+            reports.push(
+                consumer
+                    .map(move |d| (k.clone(), Some(d)))
+                    .chain(futures::stream::once(async move { (end, None) }))
+                    .boxed(),
+            );
             books.insert(
                 key.clone(),
                 Book {
@@ -273,6 +297,7 @@ impl RabbitKeeper {
                     acks: Vec::new(),
                     counting,
                     tag,
+                    ended: false,
                     gauges: None,
                     gauges_at: None,
                     gauges_written: None,
@@ -331,12 +356,20 @@ impl RabbitKeeper {
             let Some(book) = books.remove(&key) else {
                 continue;
             };
+            let still = self
+                .subs
+                .get(&ObjectRef::new(&key.1).within(&key.0))
+                .is_some();
             let _ = ch
                 .basic_cancel(
                     ShortString::from(book.tag.as_str()),
                     BasicCancelOptions::default(),
                 )
                 .await;
+            if still {
+                // Moved to another Backend: its queues are that Backend's keeper's now.
+                continue;
+            }
             for q in [
                 report::report_queue(&key.0, &key.1),
                 report::ledger_queue(&key.0, &key.1),
@@ -384,6 +417,14 @@ impl RabbitKeeper {
                     .map_err(|e| broken("acknowledging a report", e))?;
             }
         }
+        // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
+        // the queue declared again) at the next tick.
+        books.retain(|key, book| {
+            if book.ended {
+                tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the report queue's consumer was cancelled (the queue deleted?): opening it again");
+            }
+            !book.ended
+        });
 
         let interval = self.config.stats_interval;
         let stamp = Time(Timestamp::now());
