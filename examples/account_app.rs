@@ -2,8 +2,11 @@
 //! and the demo: it binds to the consumer `settle operator` made for a Subscription and reports
 //! its counters to the operator, as any application built on `settle` does.
 //!
-//! - `SETTLE_NATS_URL`: the broker; `SETTLE_SUBSCRIPTION_FILE`: the Subscription manifest (with
-//!   its namespace), as applied to the cluster.
+//! - `SETTLE_NATS_URL`: the broker is NATS; without it, `SETTLE_RABBITMQ_URL`: RabbitMQ
+//!   (publishing to and binding on `amq.topic`, a Backend's default exchange). NATS first, so an
+//!   environment file that names both (hack/env.sh's) keeps the NATS demo on NATS.
+//! - `SETTLE_SUBSCRIPTION_FILE`: the Subscription manifest (with its namespace), as applied to
+//!   the cluster.
 //! - `SETTLE_APP_HANDLER`:
 //!   - `nack`: declines every attempt (the last one is Exhausted);
 //!   - `ack-even-silent-odd`: acks messages whose body is an even number, returns without
@@ -19,7 +22,8 @@
 
 use settle::api;
 use settle::backend::nats::NatsBroker;
-use settle::bus::{Bus, Delivery, HandlerError, Subscriber, handler};
+use settle::backend::rabbitmq::RabbitBroker;
+use settle::bus::{Broker, Bus, Delivery, HandlerError, Subscriber, handler};
 
 #[derive(Clone, Copy)]
 enum Behaviour {
@@ -62,7 +66,6 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("SETTLE_NATS_URL").map_err(|_| "set SETTLE_NATS_URL")?;
     let path = std::env::var("SETTLE_SUBSCRIPTION_FILE")
         .map_err(|_| "set SETTLE_SUBSCRIPTION_FILE to a Subscription manifest")?;
     let how = match std::env::var("SETTLE_APP_HANDLER").as_deref() {
@@ -92,11 +95,36 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .namespace
         .clone()
         .ok_or("the manifest has no metadata.namespace")?;
+    match std::env::var("SETTLE_NATS_URL") {
+        Ok(url) => run(NatsBroker::connect(&url).await?, ns, name, sub, how, report).await,
+        Err(_) => {
+            let url = std::env::var("SETTLE_RABBITMQ_URL")
+                .map_err(|_| "set SETTLE_NATS_URL or SETTLE_RABBITMQ_URL")?;
+            run(
+                RabbitBroker::connect(&url).await?,
+                ns,
+                name,
+                sub,
+                how,
+                report,
+            )
+            .await
+        }
+    }
+}
+
+async fn run(
+    broker: impl Broker,
+    ns: String,
+    name: String,
+    sub: api::Subscription,
+    how: Behaviour,
+    report: api::Duration,
+) -> Result<(), Box<dyn std::error::Error>> {
     let max_deliver = settle::policy::ResolvedPolicy::resolve(&sub.spec.policy)
         .max_deliver
         .unwrap_or(u32::MAX);
-
-    let bus = Bus::builder(NatsBroker::connect(&url).await?)
+    let bus = Bus::builder(broker)
         .namespace(ns)
         .report_interval(report.get())
         .build();

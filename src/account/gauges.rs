@@ -1,9 +1,9 @@
-//! The broker's gauges of RabbitMQ and SQS Subscriptions: one loop per such Backend reads each
-//! managed queue's counts (RabbitMQ: ready and unacknowledged, from the management API; SQS:
-//! visible and not visible) once per stats interval, spread over the interval, and hands the
+//! The broker's gauges of SQS Subscriptions: one loop per such Backend reads each managed queue's
+//! counts (visible and not visible; the reader also serves RabbitMQ's ready and unacknowledged,
+//! which a RabbitMQ Backend's keeper, `rabbit`, reads beside its counters) once per stats interval, spread over the interval, and hands the
 //! writer `status.stats.pending` and `.ackPending` when they changed, at most once per interval.
 //!
-//! Only the gauges: those runtimes do not report their counters to the operator yet, so this loop
+//! Only the gauges: that runtime does not report their counters to the operator yet, so this loop
 //! writes no counter and no condition. It must not count anything.
 
 use std::collections::HashMap;

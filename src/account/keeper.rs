@@ -29,8 +29,9 @@ use serde::{Deserialize, Serialize};
 use super::Config;
 use super::ledger::{Account, BrokerOutcome, Outcome, Persisted};
 use super::metrics::Metrics;
-use super::status::{self, LossLog};
-use super::writer::{Write, Writer};
+use super::show::{self, Showing};
+use super::status::LossLog;
+use super::writer::Writer;
 use crate::api::{Subscription, SubscriptionStats};
 use crate::backend::nats::advisory::{self, ChangeKind, DeliveryKind};
 use crate::backend::nats::capture;
@@ -59,14 +60,13 @@ struct Saved {
 /// One Subscription's account as the keeper holds it.
 struct Book {
     account: Account,
-    loss: LossLog,
+    showing: Showing,
     /// Something persisted changed since the last save.
     dirty: bool,
     /// The bucket revision of each live instance's latest report (to drop folded ones).
     revisions: HashMap<String, u64>,
     gauges: (u64, u64),
     gauges_at: Option<Instant>,
-    last_write: Option<Instant>,
 }
 
 /// A Subscription of this Backend, as the advisories name its consumer.
@@ -245,12 +245,14 @@ impl Keeper {
                 key.clone(),
                 Book {
                     account: Account::resume(saved.ledger, floor),
-                    loss,
+                    showing: Showing {
+                        loss,
+                        last_write: None,
+                    },
                     dirty: false,
                     revisions: HashMap::new(),
                     gauges: (0, 0),
                     gauges_at: None,
-                    last_write: None,
                 },
             );
         }
@@ -413,7 +415,7 @@ impl Keeper {
         for (key, book) in books.iter_mut().filter(|(_, b)| b.dirty) {
             let saved = Saved {
                 ledger: book.account.persisted().clone(),
-                loss: book.loss.clone(),
+                loss: book.showing.loss.clone(),
             };
             let body = serde_json::to_vec(&saved).map_err(|e| broken("encoding a ledger", e))?;
             ledgers
@@ -435,6 +437,14 @@ impl Keeper {
 
         let interval = self.config.stats_interval;
         let stamp = Time(Timestamp::now());
+        let round = show::Round {
+            writer: &self.writer,
+            metrics: &self.metrics,
+            config: &self.config,
+            unseen_attempts: self.unseen_attempts,
+            now_ms: now,
+            stamp: &stamp,
+        };
         // Gauges: each Subscription's once per interval, spread over the interval's ticks so a
         // thousand consumers are not asked in the same second.
         let ticks = usize::try_from(interval.as_millis() / TICK.as_millis().max(1)).unwrap_or(1);
@@ -464,34 +474,8 @@ impl Keeper {
                 pending: book.gauges.0,
                 ack_pending: book.gauges.1,
             };
-            let before = book.loss.clone();
-            book.loss
-                .observe(now, stats.counters.exhausted, self.config.loss_window);
-            if book.loss != before {
+            if show::show(&round, key, &m.sub, stats, &mut book.showing) {
                 book.dirty = true;
-            }
-            let lost = book.loss.lost_within(now, self.config.loss_window);
-            let wants = status::wants(&stats, lost, self.config.loss_window, self.unseen_attempts);
-            self.metrics.show(&key.0, &key.1, &stats, lost > 0);
-
-            let current = m.sub.status.as_ref();
-            let existing = current.map(|s| s.conditions.as_slice()).unwrap_or_default();
-            let differs = current.and_then(|s| s.stats.as_ref()) != Some(&stats)
-                || status::conditions_differ(existing, &wants);
-            let due = book.last_write.is_none_or(|t| t.elapsed() >= interval);
-            if differs && due {
-                book.last_write = Some(Instant::now());
-                self.writer.send(Write {
-                    namespace: key.0.clone(),
-                    name: key.1.clone(),
-                    body: status::patch(
-                        &stats,
-                        &wants,
-                        existing,
-                        m.sub.metadata.generation,
-                        &stamp,
-                    ),
-                });
             }
         }
         Ok(())

@@ -6,11 +6,14 @@
 //! - [`status`]: the pure part of what is written (stats, `Exhausting`, `Stranding`) and when.
 //! - [`keeper`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
-//! - [`gauges`]: one loop per RabbitMQ or SQS Backend: the broker's gauges of its queues.
+//! - [`rabbit`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue, keeps
+//!   the ledgers (a snapshot per Subscription on the broker), reads the gauges.
+//! - [`gauges`]: one loop per SQS Backend: the broker's gauges of its queues.
+//! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`).
 //! - [`metrics`]: `settle_subscription_*` at full resolution.
 //!
-//! [`run`] keeps a keeper per NATS Backend for as long as a leadership term lasts. This module
+//! [`run`] keeps a keeper per Backend for as long as a leadership term lasts. This module
 //! must not create or change consumers (that is `reconcile`), and must not import `reconcile` or
 //! `admission` (siblings); it reads the broker through `backend`, and is handed the controllers'
 //! caches and connections by the operator.
@@ -21,6 +24,10 @@ pub mod gauges;
 pub mod keeper;
 pub mod ledger;
 pub mod metrics;
+#[cfg(feature = "operator")]
+pub mod rabbit;
+#[cfg(feature = "operator")]
+pub mod show;
 pub mod status;
 #[cfg(feature = "operator")]
 pub mod writer;

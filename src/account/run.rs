@@ -1,5 +1,5 @@
-//! The account's term: a keeper per NATS Backend (the whole account) and a gauge loop per
-//! RabbitMQ or SQS Backend, started and stopped with the leadership term.
+//! The account's term: a keeper per NATS or RabbitMQ Backend (the whole account) and a gauge
+//! loop per SQS Backend, started and stopped with the leadership term.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use kube::Client;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
-use super::{Metrics, gauges, keeper, writer};
+use super::{Metrics, gauges, keeper, rabbit, writer};
 use crate::api::{Backend, Subscription};
 use crate::backend::QueueGauges;
 use crate::policy::effective_capabilities;
@@ -35,6 +35,14 @@ pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Sen
 /// A RabbitMQ or SQS Backend's gauge reader, by namespace and name, as the controllers hold it.
 pub type QueueLookup = Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
 
+/// A RabbitMQ Backend's AMQP connection, by namespace and name, as the controllers hold it
+/// (made again first when it dropped); `None` while the Backend has no working connection.
+pub type AmqpLookup = Arc<
+    dyn Fn(&str, &str) -> futures::future::BoxFuture<'static, Option<Arc<lapin::Connection>>>
+        + Send
+        + Sync,
+>;
+
 /// What one leadership term hands the account: the controllers' caches and connections.
 #[derive(Clone)]
 pub struct Term {
@@ -43,16 +51,17 @@ pub struct Term {
     pub backends: Store<Backend>,
     pub nats: NatsLookup,
     pub queues: QueueLookup,
+    pub rabbitmq: AmqpLookup,
 }
 
-/// Keeps one keeper per NATS Backend until dropped (the end of the leadership term).
+/// Keeps one keeper per Backend until dropped (the end of the leadership term).
 pub async fn run(term: Term, config: Config, metrics: Metrics) {
     // A store wakes only its latest waiter (the controllers wait too): ask again until it is.
     wait_ready(|| term.subscriptions.wait_until_ready()).await;
     wait_ready(|| term.backends.wait_until_ready()).await;
     let writer = writer::Writer::start(term.client.clone(), metrics.clone());
     tracing::info!(
-        "account started: the books of every NATS Backend's Subscriptions, the gauges of RabbitMQ and SQS ones"
+        "account started: the books of every NATS and RabbitMQ Backend's Subscriptions, the gauges of SQS ones"
     );
     let mut keepers = Tasks::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -60,18 +69,22 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
     loop {
         tick.tick().await;
         let mut wanted = Vec::new();
-        let mut unseen = HashMap::new();
+        let mut kinds = HashMap::new();
         for b in term.backends.state() {
             let key = (b.namespace().unwrap_or_default(), b.name_any());
-            if b.spec.nats.is_some() {
-                unseen.insert(
-                    key.clone(),
-                    effective_capabilities(&b).is_none_or(|c| c.restart_can_spend_unseen_attempt),
-                );
-                wanted.push(key);
-            } else if b.spec.rabbitmq.is_some() || b.spec.sqs.is_some() {
-                wanted.push(key);
-            }
+            let unseen =
+                effective_capabilities(&b).is_none_or(|c| c.restart_can_spend_unseen_attempt);
+            let kind = if b.spec.nats.is_some() {
+                Kind::Nats { unseen }
+            } else if b.spec.rabbitmq.is_some() {
+                Kind::Rabbitmq
+            } else if b.spec.sqs.is_some() {
+                Kind::Sqs
+            } else {
+                continue;
+            };
+            kinds.insert(key.clone(), kind);
+            wanted.push(key);
         }
         keepers.0.retain(|key, task| {
             let keep = wanted.contains(key) && !task.is_finished();
@@ -84,21 +97,39 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             if keepers.0.contains_key(&key) {
                 continue;
             }
-            if !unseen.contains_key(&key) {
-                // RabbitMQ or SQS: the broker's gauges only.
-                let Some(reader) = (term.queues)(&key.0, &key.1) else {
+            let unseen = match kinds.get(&key) {
+                Some(Kind::Nats { unseen }) => *unseen,
+                Some(Kind::Rabbitmq) => {
+                    let r = rabbit::RabbitKeeper::new(
+                        key.clone(),
+                        term.rabbitmq.clone(),
+                        term.queues.clone(),
+                        term.subscriptions.clone(),
+                        writer.clone(),
+                        config.clone(),
+                        metrics.clone(),
+                        // The note on unseen attempts speaks of advisories: RabbitMQ has none.
+                        false,
+                    );
+                    keepers.0.insert(key, tokio::spawn(r.run()));
                     continue;
-                };
-                let g = gauges::GaugeKeeper::new(
-                    key.clone(),
-                    reader,
-                    term.subscriptions.clone(),
-                    writer.clone(),
-                    config.clone(),
-                );
-                keepers.0.insert(key, tokio::spawn(g.run()));
-                continue;
-            }
+                }
+                Some(Kind::Sqs) | None => {
+                    // SQS: the broker's gauges only.
+                    let Some(reader) = (term.queues)(&key.0, &key.1) else {
+                        continue;
+                    };
+                    let g = gauges::GaugeKeeper::new(
+                        key.clone(),
+                        reader,
+                        term.subscriptions.clone(),
+                        writer.clone(),
+                        config.clone(),
+                    );
+                    keepers.0.insert(key, tokio::spawn(g.run()));
+                    continue;
+                }
+            };
             let Some(client) = (term.nats)(&key.0, &key.1) else {
                 tracing::debug!(backend = %format!("{}/{}", key.0, key.1), "account: the Backend has no connection yet");
                 continue;
@@ -110,11 +141,18 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                 writer.clone(),
                 config.clone(),
                 metrics.clone(),
-                unseen.get(&key).copied().unwrap_or(true),
+                unseen,
             );
             keepers.0.insert(key, tokio::spawn(k.run()));
         }
     }
+}
+
+/// Which keeper a Backend gets.
+enum Kind {
+    Nats { unseen: bool },
+    Rabbitmq,
+    Sqs,
 }
 
 async fn wait_ready<F, Fut, E>(ready: F)

@@ -41,7 +41,7 @@ pub struct StatsReport {
     pub durable_name: Option<String>,
     /// The reporting instance (stable for the life of the process).
     pub instance: String,
-    /// The backend kind (`nats`, `memory`).
+    /// The backend kind (`nats`, `rabbitmq`, `memory`).
     pub backend: String,
     pub mode: Mode,
     /// When this instance started counting (Unix ms): a new value means the counters restarted from zero.

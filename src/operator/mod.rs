@@ -379,6 +379,7 @@ fn account_hook(config: account::Config, metrics: account::Metrics) -> reconcile
             backends: shared.backends,
             nats: shared.nats,
             queues: shared.queues,
+            rabbitmq: shared.rabbitmq,
         };
         Box::pin(account::run(term, config.clone(), metrics.clone()))
     })

@@ -146,6 +146,7 @@ pub struct Shared {
     pub backends: Store<Backend>,
     pub nats: NatsLookup,
     pub queues: QueueLookup,
+    pub rabbitmq: AmqpLookup,
 }
 
 /// A NATS Backend's live connection, by namespace and name.
@@ -153,6 +154,14 @@ pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Sen
 
 /// A RabbitMQ or SQS Backend's handle for reading its queues' gauges, by namespace and name.
 pub type QueueLookup = Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
+
+/// A RabbitMQ Backend's AMQP connection, by namespace and name: the registry's, made again
+/// first when it dropped; `None` while the Backend has no working connection.
+pub type AmqpLookup = Arc<
+    dyn Fn(&str, &str) -> futures::future::BoxFuture<'static, Option<Arc<lapin::Connection>>>
+        + Send
+        + Sync,
+>;
 
 /// Work that runs beside the controllers for each leadership term, and stops with it.
 pub type TermHook = Arc<dyn Fn(Shared) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
@@ -420,6 +429,21 @@ async fn run_term(
                         },
                         _ => None,
                     }
+                })
+            },
+            rabbitmq: {
+                let lookup = lookup.clone();
+                Arc::new(move |ns: &str, name: &str| {
+                    let found = lookup.get(&(ns.to_string(), name.to_string()));
+                    Box::pin(async move {
+                        let connections::Lookup::Up(c) = found else {
+                            return None;
+                        };
+                        let connections::Conn::Rabbitmq(r) = c.as_ref() else {
+                            return None;
+                        };
+                        r.connection().await.ok()
+                    })
                 })
             },
             queues: Arc::new(move |ns: &str, name: &str| {

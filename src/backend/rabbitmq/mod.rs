@@ -25,7 +25,8 @@
 //!
 //! Beside it, for the operator: [`connect`] (a Backend's settings to a connection), [`admin`]
 //! (declare, bind, unbind, delete a managed queue over AMQP) and `management` (the management
-//! API, read-only: arguments, bindings, version, gauges).
+//! API, read-only: arguments, bindings, version, gauges). Beside both, [`report`]: the stats
+//! reports' per-Subscription queues (the runtime's `StatsSink`, the arguments both sides declare).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -48,10 +49,11 @@ pub mod connect;
 #[cfg(feature = "operator")]
 pub mod management;
 pub mod queue;
+pub mod report;
 
 use crate::bus::{
     Broker, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
-    Performed, Refusal, SubscriptionCtx,
+    Performed, Refusal, StatsSink, SubscriptionCtx,
 };
 use crate::policy::{BackendKind, RABBITMQ_MAX_PREFETCH};
 use queue::{Exchanges, QueueSpec};
@@ -111,6 +113,8 @@ pub struct RabbitBroker {
     exchanges: Exchanges,
     publisher: Arc<Mutex<Option<Channel>>>,
     tags: Arc<AtomicU64>,
+    /// Report queues this process declared (each once, before its first report).
+    reports_declared: report::Declared,
 }
 
 impl RabbitBroker {
@@ -154,6 +158,7 @@ impl RabbitBroker {
             exchanges: Exchanges::default(),
             publisher: Arc::default(),
             tags: Arc::default(),
+            reports_declared: Arc::default(),
         }
     }
 
@@ -415,6 +420,11 @@ impl Broker for RabbitBroker {
             Ok(())
         }
         .boxed()
+    }
+
+    /// Reports go to each Subscription's report queue (see [`report`]).
+    fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
+        Some(Arc::new(self.clone()))
     }
 }
 

@@ -1,0 +1,558 @@
+//! One RabbitMQ Backend's account keeper. Each Subscription of the Backend has a report queue of
+//! its own (`settle.stats.<namespace>.<subscription>`, see `backend::rabbitmq::report`), which
+//! this keeper consumes with manual acknowledgement, and a ledger queue holding the newest
+//! snapshot of its whole account (live instances included, since a consumed report is gone).
+//!
+//! Once a second it folds idle instances, saves the snapshots that changed (published with
+//! publisher confirms) and only then acknowledges the reports they contain, so a restart finds
+//! every acknowledged report in the snapshot and every other one back in its queue (counted
+//! once: the ledger skips a report it already holds). It reads the queue's gauges once per stats
+//! interval and shows the account through [`show`] exactly as the NATS keeper does. Exhausted
+//! comes from the runtime's reports only (RabbitMQ has no advisories). A deleted Subscription's
+//! report and ledger queues are deleted.
+//!
+//! Until a Subscription's runtime has reported (or a snapshot exists), only the broker's gauges
+//! are written: no counter is invented.
+//!
+//! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::{BoxStream, SelectAll};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::runtime::reflector::{ObjectRef, Store};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions,
+    BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions,
+};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Connection};
+use serde::{Deserialize, Serialize};
+
+use super::ledger::{Account, Outcome, Snapshot};
+use super::metrics::Metrics;
+use super::show::{self, Showing};
+use super::status::{self, LossLog};
+use super::writer::{Write, Writer};
+use super::{AmqpLookup, Config, QueueLookup};
+use crate::api::{Subscription, SubscriptionStats};
+use crate::backend::QueueGauges;
+use crate::backend::rabbitmq::{admin, report};
+use crate::bus::report::StatsReport;
+
+/// Reports handed to this keeper unacknowledged, per Subscription, at most.
+const PREFETCH: u16 = 1000;
+
+/// A Subscription, by namespace and name.
+type SubKey = (String, String);
+
+const NO_CONNECTION: &str = "the Backend has no AMQP connection yet";
+
+/// Why a session ended.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Broken(String);
+
+fn broken(what: &str, e: impl std::fmt::Display) -> Broken {
+    Broken(format!("{what}: {e}"))
+}
+
+/// What is kept in a Subscription's ledger queue.
+#[derive(Default, Serialize, Deserialize)]
+struct Saved {
+    ledger: Snapshot,
+    loss: LossLog,
+}
+
+/// One Subscription's account as the keeper holds it.
+struct Book {
+    account: Account,
+    showing: Showing,
+    /// Something in the snapshot changed since the last save.
+    dirty: bool,
+    /// Reports counted (or skipped) since the last save: acknowledged once it is saved.
+    acks: Vec<u64>,
+    /// The runtime has reported (or a snapshot existed): counters are shown.
+    counting: bool,
+    /// Its report consumer's tag.
+    tag: String,
+    /// Its report consumer ended: the book is saved and dropped, then opened again.
+    ended: bool,
+    gauges: Option<(u64, u64)>,
+    gauges_at: Option<Instant>,
+    gauges_written: Option<Instant>,
+}
+
+pub struct RabbitKeeper {
+    backend: SubKey,
+    connect: AmqpLookup,
+    queues: QueueLookup,
+    subs: Store<Subscription>,
+    writer: Writer,
+    config: Config,
+    metrics: Metrics,
+    unseen_attempts: bool,
+}
+
+fn now_ms() -> u64 {
+    Timestamp::now().as_millisecond().try_into().unwrap_or(0)
+}
+
+/// The report deliveries of every Subscription, by Subscription; `None` when its consumer
+/// ended (the broker cancelled it: its queue was deleted).
+type Reports = SelectAll<
+    BoxStream<
+        'static,
+        (
+            SubKey,
+            Option<Result<lapin::message::Delivery, lapin::Error>>,
+        ),
+    >,
+>;
+
+impl RabbitKeeper {
+    /// `queues` reads the queues' counts (the management API), when the Backend names one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        backend: SubKey,
+        connect: AmqpLookup,
+        queues: QueueLookup,
+        subs: Store<Subscription>,
+        writer: Writer,
+        config: Config,
+        metrics: Metrics,
+        unseen_attempts: bool,
+    ) -> RabbitKeeper {
+        RabbitKeeper {
+            backend,
+            connect,
+            queues,
+            subs,
+            writer,
+            config,
+            metrics,
+            unseen_attempts,
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("{}/{}", self.backend.0, self.backend.1)
+    }
+
+    /// Runs until aborted; a broken session (the broker went away) starts again.
+    pub async fn run(self) {
+        loop {
+            if let Err(e) = self.session().await {
+                if e.0 == NO_CONNECTION {
+                    tracing::debug!(backend = %self.name(), "account: the Backend has no AMQP connection yet");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    continue;
+                }
+                tracing::warn!(backend = %self.name(), error = %e, "the account lost its RabbitMQ session; starting it again in 2s");
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+
+    /// The Subscriptions of this Backend now.
+    fn members(&self) -> HashMap<SubKey, Arc<Subscription>> {
+        self.subs
+            .state()
+            .into_iter()
+            .filter(|s| {
+                s.namespace().as_deref() == Some(self.backend.0.as_str())
+                    && s.spec.backend_ref.name == self.backend.1
+            })
+            .map(|s| ((self.backend.0.clone(), s.name_any()), s))
+            .collect()
+    }
+
+    async fn session(&self) -> Result<(), Broken> {
+        let conn = (self.connect)(&self.backend.0, &self.backend.1)
+            .await
+            .ok_or_else(|| Broken(NO_CONNECTION.into()))?;
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(|e| broken("opening the report channel", e))?;
+        ch.basic_qos(PREFETCH, BasicQosOptions { global: false })
+            .await
+            .map_err(|e| broken("basic.qos", e))?;
+        let saver = conn
+            .create_channel()
+            .await
+            .map_err(|e| broken("opening the ledger channel", e))?;
+        saver
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| broken("turning on publisher confirms", e))?;
+        tracing::info!(backend = %self.name(), "account keeper started (RabbitMQ report queues)");
+        let result = self.serve(&conn, &ch, &saver).await;
+        // Reports not acknowledged go back to their queues for the next session.
+        for c in [ch, saver] {
+            if c.status().connected() {
+                let _ = c.close(200, ShortString::from("session ended")).await;
+            }
+        }
+        result
+    }
+
+    async fn serve(&self, conn: &Connection, ch: &Channel, saver: &Channel) -> Result<(), Broken> {
+        let mut books: HashMap<SubKey, Book> = HashMap::new();
+        let mut reports: Reports = SelectAll::new();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                Some((key, delivery)) = reports.next(), if !reports.is_empty() => {
+                    match delivery {
+                        Some(d) => {
+                            let d = d.map_err(|e| broken("consuming reports", e))?;
+                            self.on_report(&mut books, &key, d);
+                        }
+                        None => {
+                            if let Some(book) = books.get_mut(&key) {
+                                book.ended = true;
+                            }
+                        }
+                    }
+                }
+                _ = tick.tick() => {
+                    if !ch.status().connected() || !saver.status().connected() {
+                        return Err(Broken("a channel closed".into()));
+                    }
+                    let members = self.members();
+                    self.open_new(conn, ch, &members, &mut books, &mut reports).await?;
+                    self.drop_gone(conn, ch, &members, &mut books).await;
+                    self.settle(ch, saver, &members, &mut books).await?;
+                }
+            }
+        }
+    }
+
+    /// Loads the book of every new Subscription (its snapshot) and consumes its reports.
+    async fn open_new(
+        &self,
+        conn: &Connection,
+        ch: &Channel,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        books: &mut HashMap<SubKey, Book>,
+        reports: &mut Reports,
+    ) -> Result<(), Broken> {
+        for (key, sub) in members {
+            if books.contains_key(key) {
+                continue;
+            }
+            let (reports_q, ledger_q) = (
+                report::report_queue(&key.0, &key.1),
+                report::ledger_queue(&key.0, &key.1),
+            );
+            let saved = match load(conn, &reports_q, &ledger_q).await {
+                Ok(saved) => saved,
+                Err(e) => {
+                    tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot open the Subscription's report queues; trying again");
+                    continue;
+                }
+            };
+            let floor = sub
+                .status
+                .as_ref()
+                .and_then(|s| s.stats.as_ref())
+                .map(|s| s.counters)
+                .unwrap_or_default();
+            let counting = saved.is_some();
+            let Saved { ledger, mut loss } = saved.unwrap_or_default();
+            loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
+            let tag = format!("settle-account-{}-{}-{}", key.0, key.1, std::process::id());
+            let consumer = ch
+                .basic_consume(
+                    ShortString::from(reports_q.as_str()),
+                    ShortString::from(tag.as_str()),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| broken(&format!("consuming {reports_q:?}"), e))?;
+            let (k, end) = (key.clone(), key.clone());
+            reports.push(
+                consumer
+                    .map(move |d| (k.clone(), Some(d)))
+                    .chain(futures::stream::once(async move { (end, None) }))
+                    .boxed(),
+            );
+            books.insert(
+                key.clone(),
+                Book {
+                    account: Account::restore(ledger, floor),
+                    showing: Showing {
+                        loss,
+                        last_write: None,
+                    },
+                    dirty: false,
+                    acks: Vec::new(),
+                    counting,
+                    tag,
+                    ended: false,
+                    gauges: None,
+                    gauges_at: None,
+                    gauges_written: None,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Counts one report; it is acknowledged once the snapshot holding it is saved.
+    fn on_report(
+        &self,
+        books: &mut HashMap<SubKey, Book>,
+        key: &SubKey,
+        d: lapin::message::Delivery,
+    ) {
+        let Some(book) = books.get_mut(key) else {
+            return;
+        };
+        book.acks.push(d.delivery_tag);
+        let label = match serde_json::from_slice::<StatsReport>(&d.data) {
+            Err(e) => {
+                tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "a stats report is unreadable: skipped");
+                "unreadable"
+            }
+            Ok(r) => match book.account.report(&r) {
+                Outcome::Counted => {
+                    book.dirty = true;
+                    book.counting = true;
+                    "counted"
+                }
+                Outcome::Stale => "stale",
+                Outcome::UnknownVersion => {
+                    tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), version = r.version, "a stats report of a version this operator does not know: skipped (upgrade the operator)");
+                    "unknown_version"
+                }
+            },
+        };
+        self.metrics.reports.with_label_values(&[label]).inc();
+    }
+
+    /// Deleted Subscriptions: their consumer stops, their report and ledger queues go.
+    async fn drop_gone(
+        &self,
+        conn: &Connection,
+        ch: &Channel,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        books: &mut HashMap<SubKey, Book>,
+    ) {
+        let gone: Vec<SubKey> = books
+            .keys()
+            .filter(|k| !members.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            let Some(book) = books.remove(&key) else {
+                continue;
+            };
+            let still = self
+                .subs
+                .get(&ObjectRef::new(&key.1).within(&key.0))
+                .is_some();
+            let _ = ch
+                .basic_cancel(
+                    ShortString::from(book.tag.as_str()),
+                    BasicCancelOptions::default(),
+                )
+                .await;
+            if still {
+                // Moved to another Backend: its queues are that Backend's keeper's now.
+                continue;
+            }
+            for q in [
+                report::report_queue(&key.0, &key.1),
+                report::ledger_queue(&key.0, &key.1),
+            ] {
+                if let Err(e) = admin::delete(conn, &q).await {
+                    tracing::warn!(queue = %q, error = %e, "cannot delete a deleted Subscription's queue");
+                }
+            }
+            self.metrics.forget(&key.0, &key.1);
+            tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription is gone: its account and report queues are dropped");
+        }
+    }
+
+    /// Once a second: fold, save, acknowledge, gauges, status.
+    async fn settle(
+        &self,
+        ch: &Channel,
+        saver: &Channel,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        books: &mut HashMap<SubKey, Book>,
+    ) -> Result<(), Broken> {
+        let now = now_ms();
+        let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
+        for book in books.values_mut() {
+            if !book.account.fold_idle(now, fold_after).is_empty() {
+                book.dirty = true;
+            }
+        }
+        // Save, then acknowledge: a report is never acknowledged before the snapshot holding it
+        // is on the broker.
+        for (key, book) in books.iter_mut() {
+            if book.dirty {
+                let saved = Saved {
+                    ledger: book.account.snapshot(),
+                    loss: book.showing.loss.clone(),
+                };
+                let body =
+                    serde_json::to_vec(&saved).map_err(|e| broken("encoding a ledger", e))?;
+                save(saver, &report::ledger_queue(&key.0, &key.1), &body).await?;
+                book.dirty = false;
+            }
+            for tag in book.acks.drain(..) {
+                ch.basic_ack(tag, BasicAckOptions::default())
+                    .await
+                    .map_err(|e| broken("acknowledging a report", e))?;
+            }
+        }
+        // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
+        // the queue declared again) at the next tick.
+        books.retain(|key, book| {
+            if book.ended {
+                tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the report queue's consumer was cancelled (the queue deleted?): opening it again");
+            }
+            !book.ended
+        });
+
+        let interval = self.config.stats_interval;
+        let stamp = Time(Timestamp::now());
+        let round = show::Round {
+            writer: &self.writer,
+            metrics: &self.metrics,
+            config: &self.config,
+            unseen_attempts: self.unseen_attempts,
+            now_ms: now,
+            stamp: &stamp,
+        };
+        // Gauges: each queue's once per interval, spread over the interval's ticks.
+        let mut budget = books.len() / usize::try_from(interval.as_secs().max(1)).unwrap_or(1) + 1;
+        let reader: Option<QueueGauges> = (self.queues)(&self.backend.0, &self.backend.1);
+        for (key, book) in books.iter_mut() {
+            let Some(sub) = members.get(key) else {
+                continue;
+            };
+            let queue = sub.status.as_ref().and_then(|s| s.consumer.as_ref());
+            if let (Some(reader), Some(queue)) = (&reader, queue)
+                && budget > 0
+                && book.gauges_at.is_none_or(|t| t.elapsed() >= interval)
+            {
+                budget -= 1;
+                book.gauges_at = Some(Instant::now());
+                match reader.read(&queue.name).await {
+                    Ok(g) => book.gauges = Some(g.unwrap_or((0, 0))),
+                    Err(e) => {
+                        tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot read the queue's gauges")
+                    }
+                }
+            }
+            let (pending, ack_pending) = book.gauges.unwrap_or_default();
+            if book.counting {
+                let stats = SubscriptionStats {
+                    counters: book.account.totals(),
+                    pending,
+                    ack_pending,
+                };
+                if show::show(&round, key, sub, stats, &mut book.showing) {
+                    book.dirty = true;
+                }
+            } else if book.gauges.is_some() {
+                // No report yet: the gauges only, as for a backend whose runtime does not report.
+                let shown = sub
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.stats.as_ref())
+                    .map(|s| (s.pending, s.ack_pending));
+                let due = book.gauges_written.is_none_or(|t| t.elapsed() >= interval);
+                if shown != Some((pending, ack_pending)) && due {
+                    book.gauges_written = Some(Instant::now());
+                    self.writer.send(Write {
+                        namespace: key.0.clone(),
+                        name: key.1.clone(),
+                        body: status::gauges_patch(pending, ack_pending, &stamp),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Declares a Subscription's report and ledger queues (as the runtime does) and reads its
+/// snapshot, leaving it in the queue (`basic.get`, then `basic.reject` with requeue). A channel
+/// of its own: a refused declare closes it.
+async fn load(conn: &Connection, reports_q: &str, ledger_q: &str) -> Result<Option<Saved>, Broken> {
+    let ch = conn
+        .create_channel()
+        .await
+        .map_err(|e| broken("opening a channel", e))?;
+    report::declare(&ch, reports_q, report::REPORTS_MAX_LENGTH)
+        .await
+        .map_err(|e| broken(&format!("declaring {reports_q:?}"), e))?;
+    report::declare(&ch, ledger_q, report::LEDGER_MAX_LENGTH)
+        .await
+        .map_err(|e| broken(&format!("declaring {ledger_q:?}"), e))?;
+    let got = ch
+        .basic_get(
+            ShortString::from(ledger_q),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .map_err(|e| broken(&format!("reading {ledger_q:?}"), e))?;
+    let saved = match got {
+        None => None,
+        Some(msg) => {
+            let saved = match serde_json::from_slice::<Saved>(&msg.delivery.data) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(queue = %ledger_q, error = %e, "a saved ledger is unreadable: starting from what status shows");
+                    None
+                }
+            };
+            ch.basic_reject(
+                msg.delivery.delivery_tag,
+                BasicRejectOptions { requeue: true },
+            )
+            .await
+            .map_err(|e| broken(&format!("putting back {ledger_q:?}"), e))?;
+            saved
+        }
+    };
+    let _ = ch.close(200, ShortString::from("loaded")).await;
+    Ok(saved)
+}
+
+/// Publishes a snapshot to its ledger queue (persistent, through the default exchange) and
+/// waits for the broker's confirm; the older snapshot is dropped by the queue's bound.
+async fn save(saver: &Channel, ledger_q: &str, body: &[u8]) -> Result<(), Broken> {
+    let confirm = saver
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(ledger_q),
+            BasicPublishOptions::default(),
+            body,
+            report::persistent_json(),
+        )
+        .await
+        .map_err(|e| broken(&format!("saving a ledger to {ledger_q:?}"), e))?;
+    let confirmation = confirm
+        .await
+        .map_err(|e| broken(&format!("saving a ledger to {ledger_q:?}"), e))?;
+    if confirmation.is_nack() {
+        return Err(Broken(format!(
+            "the broker refused a ledger to {ledger_q:?} (basic.nack)"
+        )));
+    }
+    Ok(())
+}

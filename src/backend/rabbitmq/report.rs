@@ -1,0 +1,191 @@
+//! Stats reports on RabbitMQ: the runtime publishes each report (docs/stats-report.md) to a
+//! queue of its Subscription's own, `settle.stats.<namespace>.<subscription>`, which the
+//! operator's account consumes and acknowledges; the account keeps its ledger in
+//! `settle.ledger.<namespace>.<subscription>`. One queue per Subscription, so no two account
+//! loops ever compete for a report.
+//!
+//! Both are durable classic queues that keep at most a bound of messages and drop the oldest
+//! beyond it (`x-overflow: drop-head`): reports are cumulative, so an old one dropped loses
+//! nothing, and the ledger queue holds one message, the newest snapshot. [`queue_arguments`] is
+//! the one place their arguments are built; the runtime and the operator both declare through
+//! [`declare`], so they declare identically.
+//!
+//! It must not interpret a report (the operator's ledger does).
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel};
+use serde::Deserialize;
+
+use super::{RabbitBroker, amqp};
+use crate::bus::{BusError, StatsSink};
+use crate::policy::BackendKind;
+
+/// Reports a Subscription's queue keeps at most (the oldest dropped beyond).
+pub const REPORTS_MAX_LENGTH: i64 = 10_000;
+/// Snapshots a Subscription's ledger queue keeps: the newest only.
+pub const LEDGER_MAX_LENGTH: i64 = 1;
+
+/// The queue a Subscription's reports go to.
+pub fn report_queue(namespace: &str, subscription: &str) -> String {
+    format!("settle.stats.{namespace}.{subscription}")
+}
+
+/// The queue a Subscription's account snapshot is kept in.
+pub fn ledger_queue(namespace: &str, subscription: &str) -> String {
+    format!("settle.ledger.{namespace}.{subscription}")
+}
+
+/// The arguments of a report or ledger queue: classic, at most `max_length` messages, the
+/// oldest dropped when a new one comes.
+pub fn queue_arguments(max_length: i64) -> FieldTable {
+    let mut t = FieldTable::default();
+    t.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("classic")),
+    );
+    t.insert(
+        ShortString::from("x-max-length"),
+        AMQPValue::LongLongInt(max_length),
+    );
+    t.insert(
+        ShortString::from("x-overflow"),
+        AMQPValue::LongString(LongString::from("drop-head")),
+    );
+    t
+}
+
+/// Declares (durable) the report or ledger queue `name` holding at most `max_length`
+/// messages. A refusal closes `ch`.
+pub async fn declare(ch: &Channel, name: &str, max_length: i64) -> Result<(), lapin::Error> {
+    ch.queue_declare(
+        ShortString::from(name),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        queue_arguments(max_length),
+    )
+    .await
+    .map(|_| ())
+}
+
+/// The properties of a report or snapshot: JSON, persistent.
+pub fn persistent_json() -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type(ShortString::from("application/json"))
+        .with_delivery_mode(2)
+}
+
+/// The part of a report that names its queue.
+#[derive(Deserialize)]
+struct Owner {
+    namespace: String,
+    subscription: String,
+}
+
+impl RabbitBroker {
+    /// Declares a Subscription's report queue once per broker (before its first report).
+    async fn declare_reports(&self, queue: &str) -> Result<(), BusError> {
+        if self
+            .reports_declared
+            .lock()
+            .is_ok_and(|d| d.contains(queue))
+        {
+            return Ok(());
+        }
+        // A refused declare closes its channel: use one of its own.
+        let ch = self
+            .conn
+            .create_channel()
+            .await
+            .map_err(amqp("cannot open a channel"))?;
+        let declared = declare(&ch, queue, REPORTS_MAX_LENGTH).await;
+        if ch.status().connected() {
+            let _ = ch.close(200, ShortString::from("declared")).await;
+        }
+        declared.map_err(amqp(format!("cannot declare the report queue {queue:?}")))?;
+        if let Ok(mut d) = self.reports_declared.lock() {
+            d.insert(queue.to_string());
+        }
+        Ok(())
+    }
+}
+
+impl StatsSink for RabbitBroker {
+    /// Publishes one report (persistent, through the default exchange) to its Subscription's
+    /// report queue; `key` is not used, the report names its Subscription.
+    fn put(&self, _key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
+        async move {
+            let owner: Owner = serde_json::from_slice(&value).map_err(|e| {
+                BusError::backend(
+                    BackendKind::Rabbitmq,
+                    format!("a stats report without its Subscription: {e}"),
+                )
+            })?;
+            let queue = report_queue(&owner.namespace, &owner.subscription);
+            self.declare_reports(&queue).await?;
+            let ch = self.publisher().await?;
+            let confirm = ch
+                .basic_publish(
+                    ShortString::from(""),
+                    ShortString::from(queue.as_str()),
+                    BasicPublishOptions::default(),
+                    &value,
+                    persistent_json(),
+                )
+                .await
+                .map_err(amqp(format!("cannot publish a report to {queue:?}")))?;
+            let confirmation = confirm
+                .await
+                .map_err(amqp(format!("a report to {queue:?} not confirmed")))?;
+            if confirmation.is_nack() {
+                return Err(BusError::backend(
+                    BackendKind::Rabbitmq,
+                    format!("the broker refused a report to {queue:?} (basic.nack)"),
+                ));
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+/// Reports declared by this process, shared by a broker's clones.
+pub(super) type Declared = std::sync::Arc<std::sync::Mutex<HashSet<String>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_names_are_the_subscriptions_own() {
+        assert_eq!(report_queue("shop", "orders"), "settle.stats.shop.orders");
+        assert_eq!(ledger_queue("shop", "orders"), "settle.ledger.shop.orders");
+        assert_ne!(report_queue("a", "b"), report_queue("a", "c"));
+    }
+
+    #[test]
+    fn arguments_bound_the_queue_and_drop_the_oldest() {
+        let t = queue_arguments(REPORTS_MAX_LENGTH);
+        let get = |k: &str| t.inner().get(&ShortString::from(k)).cloned();
+        assert_eq!(
+            get("x-max-length"),
+            Some(AMQPValue::LongLongInt(REPORTS_MAX_LENGTH))
+        );
+        assert_eq!(
+            get("x-overflow"),
+            Some(AMQPValue::LongString(LongString::from("drop-head")))
+        );
+        assert_eq!(
+            get("x-queue-type"),
+            Some(AMQPValue::LongString(LongString::from("classic")))
+        );
+        assert_eq!(t.inner().len(), 3);
+    }
+}

@@ -1,0 +1,463 @@
+//! The account on a real RabbitMQ, end to end: `settle operator` as a process against the real
+//! API server, the test application (`examples/account_app.rs`) on RabbitMQ as another process,
+//! messages published to `amq.topic`, and `status.stats` read back through the API (and
+//! `kubectl describe`). The runtime's reports travel through the Subscription's own report queue
+//! (`settle.stats.<namespace>.<subscription>`) and the operator keeps its ledger in
+//! `settle.ledger.<namespace>.<subscription>`: counters are exact, survive the operator's
+//! SIGKILL, never go down in any status observed, a report queue deleted on the broker is made
+//! and consumed again, and both queues go with the Subscription.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::operator::{Operator, condition, poll};
+use common::subs::{apply, backends, subs, wait_backend, wait_gone, wait_ready};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::Api;
+use kube::api::DeleteParams;
+use lapin::options::BasicPublishOptions;
+use serde_json::Value;
+use settle::account::ledger::dominates;
+use settle::api::{ConsumerStats, Subscription};
+use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
+
+/// The example binary `cargo test` built beside this test.
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>");
+    dir.join("examples").join(name)
+}
+
+/// One management API call (HTTP/1.0, user guest): (status, body).
+fn mgmt(method: &str, path: &str) -> (u16, String) {
+    let base = common::env().rabbitmq_management_url;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).expect("request");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// Queue `name` on the default vhost, `None` when it does not exist.
+fn queue(name: &str) -> Option<Value> {
+    let (status, body) = mgmt("GET", &format!("/api/queues/%2f/{name}"));
+    match status {
+        200 => Some(serde_json::from_str(&body).expect("JSON")),
+        404 => None,
+        other => panic!("GET queue {name}: {other} {body}"),
+    }
+}
+
+/// The test application on RabbitMQ, killed when dropped.
+struct App {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl App {
+    fn start(manifest: &std::path::Path, handler: &str) -> App {
+        let bin = example("account_app");
+        let mut child = Command::new(&bin)
+            .env_remove("SETTLE_NATS_URL")
+            .env("SETTLE_RABBITMQ_URL", common::env().rabbitmq_url)
+            .env("SETTLE_SUBSCRIPTION_FILE", manifest)
+            .env("SETTLE_APP_HANDLER", handler)
+            .env("SETTLE_REPORT_INTERVAL", "100ms")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let out = child.stdout.take().expect("stdout");
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().expect("lines").push(l);
+            }
+        });
+        App { child, lines }
+    }
+
+    async fn wait_ready(&self) {
+        poll(
+            "the application to subscribe",
+            Duration::from_secs(30),
+            || async {
+                if self
+                    .lines
+                    .lock()
+                    .expect("lines")
+                    .iter()
+                    .any(|l| l == "ready")
+                {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            },
+        )
+        .await;
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
+
+/// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
+/// maxDeliver 3) on a routing key of this test's own.
+struct Scene {
+    test: String,
+    ns: String,
+    tag: String,
+    manifest: std::path::PathBuf,
+    api: Api<Subscription>,
+    op: Operator,
+    amqp: lapin::Connection,
+    /// Every `status.stats` counters observed, in order.
+    seen: Arc<Mutex<Vec<ConsumerStats>>>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Scene {
+    async fn new(test: &str) -> Scene {
+        install_crds();
+        let ns = namespace(test);
+        let env = common::env();
+        let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
+        apply(
+            &ns,
+            &format!(
+                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: rabbit}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n    managementUrl: \"{}\"\n",
+                env.rabbitmq_url, env.rabbitmq_management_url
+            ),
+        );
+        wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
+        let tag = format!("{}{}", test.replace('-', ""), std::process::id());
+        let manifest_text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  mode: AtLeastOnce\n  durableName: {tag}\n  maxDeliver: 3\n"
+        );
+        apply(&ns, &manifest_text);
+        let api = subs(&ns).await;
+        wait_ready(&api, "orders").await;
+        let manifest =
+            common::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
+        std::fs::write(&manifest, &manifest_text).expect("manifest");
+        let amqp =
+            lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())
+                .await
+                .expect("connect to RabbitMQ");
+
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let watcher = {
+            let (api, seen) = (api.clone(), seen.clone());
+            tokio::spawn(async move {
+                loop {
+                    if let Ok(s) = api.get("orders").await
+                        && let Some(stats) = s.status.and_then(|st| st.stats)
+                    {
+                        seen.lock().expect("seen").push(stats.counters);
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        Scene {
+            test: test.to_string(),
+            ns,
+            tag,
+            manifest,
+            api,
+            op,
+            amqp,
+            seen,
+            watcher,
+        }
+    }
+
+    fn app(&self) -> App {
+        App::start(&self.manifest, "nack")
+    }
+
+    /// Publishes `n` messages to `amq.topic` on this test's routing keys (publisher confirms).
+    async fn publish(&self, n: usize) {
+        let ch = self.amqp.create_channel().await.expect("channel");
+        ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        for i in 1..=n {
+            let confirm = ch
+                .basic_publish(
+                    "amq.topic".into(),
+                    format!("{}.m{i}", self.tag).as_str().into(),
+                    BasicPublishOptions::default(),
+                    i.to_string().as_bytes(),
+                    lapin::BasicProperties::default(),
+                )
+                .await
+                .expect("publish")
+                .await
+                .expect("confirmed");
+            assert!(confirm.is_ack(), "the broker took message {i}");
+        }
+        let _ = ch.close(200, "published".into()).await;
+    }
+
+    async fn stats(&self) -> Option<ConsumerStats> {
+        self.api
+            .get("orders")
+            .await
+            .ok()
+            .and_then(|s| s.status)
+            .and_then(|s| s.stats)
+            .map(|s| s.counters)
+    }
+
+    async fn wait_stats(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        poll(what, limit, || async {
+            let s = self.stats().await.unwrap_or_default();
+            if want(&s) {
+                Ok(s)
+            } else {
+                Err(format!("{s:?}"))
+            }
+        })
+        .await
+    }
+
+    fn assert_never_decreased(&self) {
+        let seen = self.seen.lock().expect("seen");
+        assert!(!seen.is_empty(), "the watcher saw no status at all");
+        for pair in seen.windows(2) {
+            assert!(
+                dominates(&pair[1], &pair[0]),
+                "a counter went down in status: {:?} then {:?}",
+                pair[0],
+                pair[1]
+            );
+        }
+    }
+
+    /// Always nack, 10 messages in two halves; with `kill` the operator is SIGKILLed after the
+    /// first half, the application replaced by a new instance (so the first instance's counts
+    /// live only in the operator's saved ledger), the second half published while the operator
+    /// is down, and the operator started again.
+    async fn always_nack(&mut self, kill: bool) -> ConsumerStats {
+        let mut app = self.app();
+        app.wait_ready().await;
+        self.publish(5).await;
+        self.wait_stats(
+            "the first five messages exhausted in status",
+            Duration::from_secs(60),
+            |s| s.exhausted == 5 && s.settlement.nacked == 15,
+        )
+        .await;
+        if kill {
+            self.op.kill9();
+            drop(app);
+            app = self.app();
+            app.wait_ready().await;
+            // The new instance reports into the report queue while the operator is down.
+            self.publish(5).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            self.op = Operator::start_with(&self.test, &self.ns, &OPERATOR_FLAGS);
+        } else {
+            self.publish(5).await;
+        }
+        let s = self
+            .wait_stats(
+                "all ten messages exhausted in status",
+                Duration::from_secs(90),
+                |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
+            )
+            .await;
+        // Settle a little longer: nothing more may arrive.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(
+            self.stats().await,
+            Some(s),
+            "the account kept moving after the work was done"
+        );
+        assert_eq!(s.exhausted, 10, "{s:?}");
+        assert_eq!(s.settlement.nacked, 30, "{s:?}");
+        assert_eq!(s.delivered, 30, "{s:?}");
+        assert_eq!(s.offered, 30, "{s:?}");
+        assert_eq!(s.settlement.acked, 0, "{s:?}");
+        assert!(
+            s.balanced(),
+            "offered == delivered + released + lost: {s:?}"
+        );
+        self.assert_never_decreased();
+        drop(app);
+        s
+    }
+
+    async fn finish(self) {
+        self.watcher.abort();
+        let _ = std::fs::remove_file(&self.manifest);
+        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
+    let mut scene = Scene::new("acctrq-nack").await;
+    scene.always_nack(false).await;
+    let st = scene
+        .api
+        .get("orders")
+        .await
+        .expect("get")
+        .status
+        .expect("status");
+    let (status, reason, message) =
+        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "MessagesExhausted"),
+        "{message}"
+    );
+    assert!(
+        message.starts_with("10 message(s) ran out of attempts"),
+        "{message}"
+    );
+    assert!(
+        !message.contains("advisories"),
+        "RabbitMQ has no advisories: {message}"
+    );
+    assert!(st.stats_updated_at.is_some(), "statsUpdatedAt is set");
+    let described = kubectl_ok(
+        &["describe", "subscription", "orders", "-n", &scene.ns],
+        None,
+    );
+    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "Delivered: 30",
+        "Exhausted: 10",
+        "Nacked: 30",
+        "Type: Exhausting",
+        "Reason: MessagesExhausted",
+    ] {
+        assert!(
+            flat.contains(want),
+            "kubectl describe lacks {want:?}:\n{described}"
+        );
+    }
+    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
+    assert_eq!(
+        scene
+            .op
+            .metric("settle_subscription_exhausted_total", &labels),
+        10.0
+    );
+
+    // The report queue was consumed and acknowledged to the end; the ledger queue holds one
+    // snapshot; both are bounded drop-head queues.
+    let reports = report_queue(&scene.ns, "orders");
+    let ledger = ledger_queue(&scene.ns, "orders");
+    poll(
+        "every report acknowledged and one snapshot kept",
+        Duration::from_secs(30),
+        || async {
+            let r = queue(&reports).ok_or("no report queue")?;
+            let l = queue(&ledger).ok_or("no ledger queue")?;
+            let (rm, lm) = (r["messages"].as_u64(), l["messages"].as_u64());
+            if rm == Some(0) && lm == Some(1) {
+                Ok((r, l))
+            } else {
+                Err(format!("report queue {rm:?}, ledger queue {lm:?}"))
+            }
+        },
+    )
+    .await;
+    for (name, max) in [(&reports, 10_000), (&ledger, 1)] {
+        let q = queue(name).expect("queue");
+        assert_eq!(q["durable"], true, "{name}: {q}");
+        assert_eq!(q["arguments"]["x-max-length"], max, "{name}: {q}");
+        assert_eq!(q["arguments"]["x-overflow"], "drop-head", "{name}: {q}");
+    }
+
+    // A report queue deleted on the broker is declared and consumed again: counting goes on.
+    let (status, body) = mgmt("DELETE", &format!("/api/queues/%2f/{reports}"));
+    assert_eq!(status, 204, "DELETE {reports}: {body}");
+    let app = scene.app();
+    app.wait_ready().await;
+    scene.publish(2).await;
+    let s = scene
+        .wait_stats(
+            "two more messages exhausted after the report queue was deleted",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 12 && s.settlement.nacked >= 36,
+        )
+        .await;
+    assert_eq!(
+        (s.exhausted, s.settlement.nacked, s.delivered),
+        (12, 36, 36),
+        "{s:?}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+
+    // Deleting the Subscription deletes both queues.
+    scene
+        .api
+        .delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&scene.api, "orders", Duration::from_secs(60)).await;
+    poll(
+        "the report and ledger queues deleted with the Subscription",
+        Duration::from_secs(30),
+        || async {
+            match (queue(&reports), queue(&ledger)) {
+                (None, None) => Ok(()),
+                (r, l) => Err(format!(
+                    "report queue there: {}, ledger queue there: {}",
+                    r.is_some(),
+                    l.is_some()
+                )),
+            }
+        },
+    )
+    .await;
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_halfway_on_rabbitmq_loses_and_doubles_nothing() {
+    let mut scene = Scene::new("acctrq-opkill").await;
+    scene.always_nack(true).await;
+    scene.finish().await;
+}
