@@ -355,6 +355,42 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
+        // --- A13: what the backend fixes when it makes the consumer (K9)
+        Row {
+            name: "A13: maxDeliver change on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 5\n",
+            old: Some("mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 3\n"),
+            backend: Kind(Rabbitmq),
+            errors: &[(
+                "spec.maxDeliver",
+                "cannot change from 3 to 5 on this backend: a RabbitMQ quorum queue's delivery limit (x-delivery-limit) is fixed when the queue is made",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "A13: maxDeliver set on update on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 5\n",
+            old: Some(ALO),
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.maxDeliver", "cannot change from unset to 5")],
+            warnings: &[],
+        },
+        Row {
+            name: "A13: maxDeliver unchanged on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 3\nmaxInFlight: 10\n",
+            old: Some("mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 3\n"),
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A13: maxDeliver changes in place on nats",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 5\n",
+            old: Some("mode: AtLeastOnce\ndurableName: orders\nmaxDeliver: 3\n"),
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
         // --- A6: what the broker cannot change in place
         Row {
             name: "A6: mode change",

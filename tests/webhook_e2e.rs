@@ -302,6 +302,17 @@ fn rows() -> Vec<Row> {
         },
         // ---- updates
         Row {
+            name: "upd-maxdeliver-rabbitmq",
+            before: Some(
+                "  backendRef: {name: rabbit}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: q\n  maxDeliver: 3\n",
+            ),
+            spec: "  backendRef: {name: rabbit}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: q\n  maxDeliver: 5\n",
+            want: Denied(
+                "spec.maxDeliver: cannot change from 3 to 5 on this backend: a RabbitMQ quorum queue's delivery limit (x-delivery-limit) is fixed when the queue is made. Keep maxDeliver, or delete this Subscription and create it again with the new value (its queue and the messages in it go with it)",
+                &[],
+            ),
+        },
+        Row {
             name: "upd-mode",
             before: Some("  backendRef: {name: nats}\n  pattern: a.>\n  durableName: u\n"),
             spec: "  backendRef: {name: nats}\n  pattern: a.>\n  durableName: u\n  mode: AtLeastOnce\n",

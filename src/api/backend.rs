@@ -155,7 +155,7 @@ pub struct SecretRef {
     pub name: String,
 }
 
-/// What a backend can honour (docs/semantics.md K1–K3, K6–K8). Shown in Backend status,
+/// What a backend can honour (docs/semantics.md K1–K3, K6–K9). Shown in Backend status,
 /// used by admission to refuse specs the backend cannot honour.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -179,6 +179,10 @@ pub struct Capabilities {
     /// honour); unset means no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<u32>,
+    /// maxDeliver is fixed when the consumer is made (a RabbitMQ quorum queue's delivery limit
+    /// is an argument that cannot change in place): a change is refused at admission (K9).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub max_deliver_fixed: bool,
 }
 
 /// What a broker does with a message whose handler has not settled it (docs/semantics.md K6).

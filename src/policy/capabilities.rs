@@ -84,6 +84,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             subject_names_queue: false,
             ack_timeout: AckTimeout::PerSubscription,
             max_in_flight: None,
+            max_deliver_fixed: false,
         },
         BackendKind::Memory => Capabilities {
             delays_redelivery: true,
@@ -92,6 +93,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             subject_names_queue: false,
             ack_timeout: AckTimeout::Never,
             max_in_flight: None,
+            max_deliver_fixed: false,
         },
         BackendKind::Sqs => Capabilities {
             delays_redelivery: true,
@@ -100,6 +102,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             subject_names_queue: true,
             ack_timeout: AckTimeout::PerSubscription,
             max_in_flight: None,
+            max_deliver_fixed: false,
         },
         // Without plugins a nack requeues at once (no delay); the broker hands a message on only
         // when the channel that holds it closes (after its broker-wide consumer_timeout, 30 min
@@ -112,6 +115,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             subject_names_queue: false,
             ack_timeout: AckTimeout::BrokerWide,
             max_in_flight: Some(RABBITMQ_MAX_PREFETCH),
+            max_deliver_fixed: true,
         },
     }
 }

@@ -74,7 +74,7 @@ pub enum BackendView<'a> {
     Missing { name: &'a str },
 }
 
-/// The admission rules (docs/semantics.md A1–A12) for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A13) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -99,8 +99,34 @@ pub fn validate(
     }
     if let Some(old) = old {
         immutable_rules(&mut v, spec, old);
+        if let BackendView::Known { capabilities, .. } = backend {
+            fixed_on_backend(&mut v, spec, old, capabilities);
+        }
     }
     v
+}
+
+/// A13: what this backend fixes when it makes the consumer (K9).
+fn fixed_on_backend(
+    v: &mut Verdict,
+    new: &SubscriptionSpec,
+    old: &SubscriptionSpec,
+    caps: &Capabilities,
+) {
+    let (before, after) = (old.policy.max_deliver, new.policy.max_deliver);
+    if caps.max_deliver_fixed && before != after {
+        let show = |x: Option<i64>| x.map_or_else(|| "unset".to_string(), |n| n.to_string());
+        v.error(
+            "spec.maxDeliver",
+            format!(
+                "cannot change from {} to {} on this backend: a RabbitMQ quorum queue's delivery limit \
+                 (x-delivery-limit) is fixed when the queue is made. Keep maxDeliver, or delete this \
+                 Subscription and create it again with the new value (its queue and the messages in it go with it)",
+                show(before),
+                show(after)
+            ),
+        );
+    }
 }
 
 /// The rules that depend only on the delivery policy and the backend's capabilities: what the
