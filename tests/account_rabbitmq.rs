@@ -73,20 +73,28 @@ fn queue(name: &str) -> Option<Value> {
 struct App {
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    log: std::path::PathBuf,
 }
+
+static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl App {
     fn start(manifest: &std::path::Path, handler: &str) -> App {
         let bin = example("account_app");
+        let log = common::root().join(format!(
+            "target/account-rabbitmq-app-{}-{}.log",
+            std::process::id(),
+            APPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         let mut child = Command::new(&bin)
             .env_remove("SETTLE_NATS_URL")
             .env("SETTLE_RABBITMQ_URL", common::env().rabbitmq_url)
             .env("SETTLE_SUBSCRIPTION_FILE", manifest)
             .env("SETTLE_APP_HANDLER", handler)
             .env("SETTLE_REPORT_INTERVAL", "100ms")
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("the app's log"))
             .spawn()
             .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
         let lines = Arc::new(Mutex::new(Vec::<String>::new()));
@@ -97,13 +105,16 @@ impl App {
                 sink.lock().expect("lines").push(l);
             }
         });
-        App { child, lines }
+        App { child, lines, log }
     }
 
     async fn wait_ready(&self) {
         poll(
-            "the application to subscribe",
-            Duration::from_secs(30),
+            &format!(
+                "the application to subscribe (its log: {})",
+                self.log.display()
+            ),
+            Duration::from_secs(60),
             || async {
                 if self
                     .lines
