@@ -439,7 +439,12 @@ async fn a_forgotten_ack_with_prefetch_five_never_stalls_and_is_counted_silent_e
             .publish(&bus, &format!("orders.{i}"), &i.to_string())
             .await;
     }
-    until("all 50 acked", || stats(&bus, "fg").settlement.acked == 50).await;
+    // Delivered counts an attempt when its handler returns, just after the ack inside it.
+    until("all 50 acked and every attempt returned", || {
+        let st = stats(&bus, "fg");
+        st.settlement.acked == 50 && st.delivered == 100
+    })
+    .await;
     let st = stats(&bus, "fg");
     assert_eq!(st.settlement.silent, 50, "{st:?}");
     assert_eq!(st.delivered, 100);
