@@ -2,7 +2,6 @@
 //! loop per SQS Backend, started and stopped with the leadership term.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use kube::Client;
@@ -11,7 +10,6 @@ use kube::runtime::reflector::Store;
 
 use super::{Metrics, gauges, keeper, rabbit, writer};
 use crate::api::{Backend, Subscription};
-use crate::backend::QueueGauges;
 use crate::policy::effective_capabilities;
 
 /// An instance that has not reported for this long is folded (a live one re-reports at least
@@ -29,19 +27,7 @@ pub struct Config {
     pub fold_after: Duration,
 }
 
-/// A Backend's live NATS connection, by namespace and name, as the controllers hold it.
-pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
-
-/// A RabbitMQ or SQS Backend's gauge reader, by namespace and name, as the controllers hold it.
-pub type QueueLookup = Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
-
-/// A RabbitMQ Backend's AMQP connection, by namespace and name, as the controllers hold it
-/// (made again first when it dropped); `None` while the Backend has no working connection.
-pub type AmqpLookup = Arc<
-    dyn Fn(&str, &str) -> futures::future::BoxFuture<'static, Option<Arc<lapin::Connection>>>
-        + Send
-        + Sync,
->;
+pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
 
 /// What one leadership term hands the account: the controllers' caches and connections.
 #[derive(Clone)]

@@ -11,6 +11,29 @@ pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 
+/// The controllers' live handle on a Backend's broker, by the Backend's namespace and name, as
+/// they hand it to the account each leadership term: a NATS connection.
+#[cfg(feature = "operator")]
+pub type NatsLookup =
+    std::sync::Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
+
+/// The same for a RabbitMQ or SQS Backend's queue gauges.
+#[cfg(feature = "operator")]
+pub type QueueLookup = std::sync::Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
+
+/// The same for a RabbitMQ Backend's AMQP connection (made again first when it dropped); `None`
+/// while the Backend has no working connection.
+#[cfg(feature = "operator")]
+pub type AmqpLookup = std::sync::Arc<
+    dyn Fn(
+            &str,
+            &str,
+        )
+            -> futures::future::BoxFuture<'static, Option<std::sync::Arc<lapin::Connection>>>
+        + Send
+        + Sync,
+>;
+
 /// Where the account reads a managed queue's gauges on brokers without consumer info: a
 /// RabbitMQ Backend's management API (and vhost), or an SQS Backend's client.
 #[cfg(feature = "operator")]

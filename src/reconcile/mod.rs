@@ -149,19 +149,7 @@ pub struct Shared {
     pub rabbitmq: AmqpLookup,
 }
 
-/// A NATS Backend's live connection, by namespace and name.
-pub type NatsLookup = Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
-
-/// A RabbitMQ or SQS Backend's handle for reading its queues' gauges, by namespace and name.
-pub type QueueLookup = Arc<dyn Fn(&str, &str) -> Option<QueueGauges> + Send + Sync>;
-
-/// A RabbitMQ Backend's AMQP connection, by namespace and name: the registry's, made again
-/// first when it dropped; `None` while the Backend has no working connection.
-pub type AmqpLookup = Arc<
-    dyn Fn(&str, &str) -> futures::future::BoxFuture<'static, Option<Arc<lapin::Connection>>>
-        + Send
-        + Sync,
->;
+pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
 
 /// Work that runs beside the controllers for each leadership term, and stops with it.
 pub type TermHook = Arc<dyn Fn(Shared) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
