@@ -15,10 +15,13 @@ use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
 use super::Config;
-use super::status;
-use super::writer::{Write, Writer};
+use super::show;
+use super::writer::Writer;
 use crate::api::Subscription;
 use crate::backend::QueueGauges;
+
+/// How often the loop reads what is due and decides what to write.
+const TICK: Duration = Duration::from_secs(1);
 
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
@@ -58,7 +61,7 @@ impl GaugeKeeper {
     /// Runs until aborted.
     pub async fn run(self) {
         let mut seen: HashMap<SubKey, Seen> = HashMap::new();
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let interval = self.config.stats_interval;
         loop {
@@ -73,8 +76,7 @@ impl GaugeKeeper {
                 })
                 .collect();
             seen.retain(|k, _| members.iter().any(|s| s.name_any() == k.1));
-            let mut budget =
-                members.len() / usize::try_from(interval.as_secs().max(1)).unwrap_or(1) + 1;
+            let mut budget = show::gauge_budget(members.len(), interval, TICK);
             let stamp = Time(Timestamp::now());
             for sub in members {
                 let Some(queue) = sub.status.as_ref().and_then(|s| s.consumer.as_ref()) else {
@@ -92,23 +94,18 @@ impl GaugeKeeper {
                         }
                     }
                 }
-                let Some((pending, ack_pending)) = entry.gauges else {
+                let Some(gauges) = entry.gauges else {
                     continue;
                 };
-                let shown = sub
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.stats.as_ref())
-                    .map(|s| (s.pending, s.ack_pending));
-                let due = entry.last_write.is_none_or(|t| t.elapsed() >= interval);
-                if shown != Some((pending, ack_pending)) && due {
-                    entry.last_write = Some(Instant::now());
-                    self.writer.send(Write {
-                        namespace: key.0,
-                        name: key.1,
-                        body: status::gauges_patch(pending, ack_pending, &stamp),
-                    });
-                }
+                show::show_gauges(
+                    &self.writer,
+                    interval,
+                    &key,
+                    &sub,
+                    gauges,
+                    &mut entry.last_write,
+                    &stamp,
+                );
             }
         }
     }

@@ -37,7 +37,7 @@ use crate::backend::nats::advisory::{self, ChangeKind, DeliveryKind};
 use crate::backend::nats::capture;
 use crate::backend::nats::consumer::consumer_name;
 use crate::backend::nats::jsapi::{self, NatsError};
-use crate::bus::report::{StatsReport, report_key};
+use crate::bus::report::{StatsReport, now_ms, report_key};
 use crate::policy::ResolvedPolicy;
 
 /// How often the keeper folds, persists, acknowledges and decides what to write: a change
@@ -85,10 +85,6 @@ pub struct Keeper {
     config: Config,
     metrics: Metrics,
     unseen_attempts: bool,
-}
-
-fn now_ms() -> u64 {
-    Timestamp::now().as_millisecond().try_into().unwrap_or(0)
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
@@ -447,8 +443,7 @@ impl Keeper {
         };
         // Gauges: each Subscription's once per interval, spread over the interval's ticks so a
         // thousand consumers are not asked in the same second.
-        let ticks = usize::try_from(interval.as_millis() / TICK.as_millis().max(1)).unwrap_or(1);
-        let mut budget = books.len() / ticks.max(1) + 1;
+        let mut budget = show::gauge_budget(books.len(), interval, TICK);
         for (key, book) in books.iter_mut() {
             let Some(m) = members.get(key) else { continue };
             if budget > 0 && book.gauges_at.is_none_or(|t| t.elapsed() >= interval) {

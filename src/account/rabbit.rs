@@ -37,13 +37,13 @@ use serde::{Deserialize, Serialize};
 use super::ledger::{Account, Outcome, Snapshot};
 use super::metrics::Metrics;
 use super::show::{self, Showing};
-use super::status::{self, LossLog};
-use super::writer::{Write, Writer};
+use super::status::LossLog;
+use super::writer::Writer;
 use super::{AmqpLookup, Config, QueueLookup};
 use crate::api::{Subscription, SubscriptionStats};
 use crate::backend::QueueGauges;
 use crate::backend::rabbitmq::{admin, report};
-use crate::bus::report::StatsReport;
+use crate::bus::report::{StatsReport, now_ms};
 
 /// Reports handed to this keeper unacknowledged, per Subscription, at most.
 const PREFETCH: u16 = 1000;
@@ -88,6 +88,9 @@ struct Book {
     gauges_written: Option<Instant>,
 }
 
+/// How often the keeper folds, saves, acknowledges and decides what to write.
+const TICK: Duration = Duration::from_secs(1);
+
 pub struct RabbitKeeper {
     backend: SubKey,
     connect: AmqpLookup,
@@ -97,10 +100,6 @@ pub struct RabbitKeeper {
     config: Config,
     metrics: Metrics,
     unseen_attempts: bool,
-}
-
-fn now_ms() -> u64 {
-    Timestamp::now().as_millisecond().try_into().unwrap_or(0)
 }
 
 /// The report deliveries of every Subscription, by Subscription; `None` when its consumer
@@ -205,7 +204,7 @@ impl RabbitKeeper {
     async fn serve(&self, conn: &Connection, ch: &Channel, saver: &Channel) -> Result<(), Broken> {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut reports: Reports = SelectAll::new();
-        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -437,7 +436,7 @@ impl RabbitKeeper {
             stamp: &stamp,
         };
         // Gauges: each queue's once per interval, spread over the interval's ticks.
-        let mut budget = books.len() / usize::try_from(interval.as_secs().max(1)).unwrap_or(1) + 1;
+        let mut budget = show::gauge_budget(books.len(), interval, TICK);
         let reader: Option<QueueGauges> = (self.queues)(&self.backend.0, &self.backend.1);
         for (key, book) in books.iter_mut() {
             let Some(sub) = members.get(key) else {
@@ -467,22 +466,17 @@ impl RabbitKeeper {
                 if show::show(&round, key, sub, stats, &mut book.showing) {
                     book.dirty = true;
                 }
-            } else if book.gauges.is_some() {
+            } else if let Some(gauges) = book.gauges {
                 // No report yet: the gauges only, as for a backend whose runtime does not report.
-                let shown = sub
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.stats.as_ref())
-                    .map(|s| (s.pending, s.ack_pending));
-                let due = book.gauges_written.is_none_or(|t| t.elapsed() >= interval);
-                if shown != Some((pending, ack_pending)) && due {
-                    book.gauges_written = Some(Instant::now());
-                    self.writer.send(Write {
-                        namespace: key.0.clone(),
-                        name: key.1.clone(),
-                        body: status::gauges_patch(pending, ack_pending, &stamp),
-                    });
-                }
+                show::show_gauges(
+                    &self.writer,
+                    interval,
+                    key,
+                    sub,
+                    gauges,
+                    &mut book.gauges_written,
+                    &stamp,
+                );
             }
         }
         Ok(())

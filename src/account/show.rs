@@ -5,7 +5,7 @@
 //!
 //! It must not count (the ledger does) nor write status itself (the writer does).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -76,4 +76,57 @@ pub fn show(
         });
     }
     loss_changed
+}
+
+/// How many Subscriptions' gauges one round may read: each one's once per interval, spread over
+/// the interval's rounds (`tick` apart), so a thousand queues are not asked in the same second.
+pub fn gauge_budget(subscriptions: usize, interval: Duration, tick: Duration) -> usize {
+    let rounds = usize::try_from(interval.as_millis() / tick.as_millis().max(1)).unwrap_or(1);
+    subscriptions / rounds.max(1) + 1
+}
+
+/// Shows only the broker's gauges for `sub` (a Subscription whose runtime has not reported):
+/// sends a gauges-only patch when status shows other gauges, at most once per stats interval.
+pub fn show_gauges(
+    writer: &Writer,
+    interval: Duration,
+    key: &(String, String),
+    sub: &Subscription,
+    (pending, ack_pending): (u64, u64),
+    last_write: &mut Option<Instant>,
+    stamp: &Time,
+) {
+    let shown = sub
+        .status
+        .as_ref()
+        .and_then(|s| s.stats.as_ref())
+        .map(|s| (s.pending, s.ack_pending));
+    let due = last_write.is_none_or(|t| t.elapsed() >= interval);
+    if shown != Some((pending, ack_pending)) && due {
+        *last_write = Some(Instant::now());
+        writer.send(Write {
+            namespace: key.0.clone(),
+            name: key.1.clone(),
+            body: status::gauges_patch(pending, ack_pending, stamp),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gauge_budget_spreads_reads_over_the_interval() {
+        let ten = Duration::from_secs(10);
+        // 500 queues, 10 s, rounds of 500 ms: 20 rounds, 26 reads each (every queue within the interval).
+        assert_eq!(gauge_budget(500, ten, Duration::from_millis(500)), 26);
+        assert_eq!(gauge_budget(500, ten, Duration::from_secs(1)), 51);
+        assert_eq!(gauge_budget(0, ten, Duration::from_secs(1)), 1);
+        // A round longer than the interval reads everything at once.
+        assert_eq!(
+            gauge_budget(7, Duration::from_secs(1), Duration::from_secs(2)),
+            8
+        );
+    }
 }
