@@ -85,4 +85,26 @@ impl ConsumerStats {
     pub fn balanced(&self) -> bool {
         self.offered == self.delivered + self.released + self.lost
     }
+
+    /// What grew since `base`, per counter (zero where it did not).
+    pub fn since(&self, base: &ConsumerStats) -> ConsumerStats {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        ConsumerStats {
+            offered: d(self.offered, base.offered),
+            delivered: d(self.delivered, base.delivered),
+            released: d(self.released, base.released),
+            lost: d(self.lost, base.lost),
+            settlement: Settlement {
+                acked: d(self.settlement.acked, base.settlement.acked),
+                nacked: d(self.settlement.nacked, base.settlement.nacked),
+                silent: d(self.settlement.silent, base.settlement.silent),
+                refused: d(self.settlement.refused, base.settlement.refused),
+            },
+            exhausted: d(self.exhausted, base.exhausted),
+            stranded: d(self.stranded, base.stranded),
+            lease_expired: d(self.lease_expired, base.lease_expired),
+            delay_shortened: d(self.delay_shortened, base.delay_shortened),
+            foreign_conflicts: d(self.foreign_conflicts, base.foreign_conflicts),
+        }
+    }
 }
