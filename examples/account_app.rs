@@ -15,10 +15,14 @@
 //!     returning (kill the process then: no handler saw that attempt end);
 //!   - `demo`: acks orders, declines a body containing `bad` (Exhausted at maxDeliver), returns
 //!     silently once on a body containing `slow`.
+//!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work.
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
-//! - `SETTLE_RUN_FOR` (default: until killed): how long to consume before closing.
+//! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
-//! It prints `ready` once subscribed, and `held <body>` when it starts holding a last attempt.
+//! SIGTERM or Ctrl-C is the graceful stop (`settle::bus::stop_signal`, then `Bus::close`):
+//! handlers in flight finish, the last report is confirmed, then it prints `closed` and exits.
+//! It prints `ready` once subscribed, `held <body>` when it starts holding a last attempt, and
+//! `working <body>` when a `slow-ack` handler starts.
 
 use settle::api;
 use settle::backend::nats::NatsBroker;
@@ -31,6 +35,7 @@ enum Behaviour {
     AckEvenSilentOdd,
     NackThenHold,
     Demo,
+    SlowAck(u64),
 }
 
 async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), HandlerError> {
@@ -51,6 +56,11 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
             println!("held {body}");
             std::future::pending::<()>().await;
             Ok(())
+        }
+        Behaviour::SlowAck(ms) => {
+            println!("working {body}");
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            Ok(d.ack().await?)
         }
         Behaviour::Demo => {
             if body.contains("bad") {
@@ -73,9 +83,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("ack-even-silent-odd") => Behaviour::AckEvenSilentOdd,
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
+        Ok("slow-ack") => Behaviour::SlowAck(
+            std::env::var("SETTLE_APP_HANDLE_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1000),
+        ),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack or demo"
             )
             .into());
         }
@@ -135,10 +151,20 @@ async fn run(
     ))
     .await?;
     println!("ready");
-    match std::env::var("SETTLE_RUN_FOR") {
-        Ok(t) => tokio::time::sleep(t.parse::<api::Duration>()?.get()).await,
-        Err(_) => std::future::pending::<()>().await,
+    let run_for = match std::env::var("SETTLE_RUN_FOR") {
+        Ok(t) => Some(t.parse::<api::Duration>()?.get()),
+        Err(_) => None,
+    };
+    tokio::select! {
+        _ = settle::bus::stop_signal() => {}
+        _ = async {
+            match run_for {
+                Some(t) => tokio::time::sleep(t).await,
+                None => std::future::pending::<()>().await,
+            }
+        } => {}
     }
     bus.close().await;
+    println!("closed");
     Ok(())
 }

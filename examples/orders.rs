@@ -133,7 +133,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     bus.publish(&subject(&pattern, 2), r#"{"id": 2, "throttled": true}"#)
         .await?;
     bus.publish(&subject(&pattern, 3), "not json").await?;
-    tokio::time::sleep(run_for.get()).await;
+    // Run for a while, or until asked to stop (a pod's SIGTERM): then close gracefully, so
+    // handlers in flight finish and the last counts reach the operator.
+    tokio::select! {
+        _ = tokio::time::sleep(run_for.get()) => {}
+        _ = settle::bus::stop_signal() => {}
+    }
     bus.close().await;
     let st = bus.stats(&name).unwrap_or_default();
     println!("{}", serde_json::to_string_pretty(&st)?);

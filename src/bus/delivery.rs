@@ -9,8 +9,8 @@
 //! to a broker itself (that is the backend's `OnSettle`).
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -33,6 +33,29 @@ pub struct SubscriptionCtx {
     policy: ResolvedPolicy,
     binding: Binding,
     pub(crate) counters: Arc<Counters>,
+    /// Which Subscription object the counts go to now, and since when.
+    epoch: Mutex<Epoch>,
+}
+
+/// The stretch of a subscription's counts that belongs to one Subscription object: what the
+/// counters held when it began is left out of reports (docs/stats-report.md).
+#[derive(Clone, Debug, Default)]
+struct Epoch {
+    uid: Option<String>,
+    started_at_ms: u64,
+    baseline: ConsumerStats,
+    runtime_baseline: RuntimeStats,
+}
+
+/// A subscription's counts as reported: those of the current object only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EpochStats {
+    /// The Subscription object (UID) the counts belong to, when the consumer names one.
+    pub uid: Option<String>,
+    /// When counting for it began (Unix ms).
+    pub started_at_ms: u64,
+    pub stats: ConsumerStats,
+    pub runtime: RuntimeStats,
 }
 
 /// Where a subscription's consumer lives, and who makes it.
@@ -60,20 +83,66 @@ impl SubscriptionCtx {
     /// Does not validate it: `Bus::subscribe` and `conformance::run` call
     /// `policy::validate_policy` first.
     pub fn new(name: impl Into<String>, policy: &DeliveryPolicy) -> Arc<SubscriptionCtx> {
-        SubscriptionCtx::with_counters(name, policy, Binding::default(), Arc::default())
+        SubscriptionCtx::with_counters(name, policy, Binding::default(), Arc::default(), 0)
     }
     pub(crate) fn with_counters(
         name: impl Into<String>,
         policy: &DeliveryPolicy,
         binding: Binding,
         counters: Arc<Counters>,
+        started_at_ms: u64,
     ) -> Arc<SubscriptionCtx> {
         Arc::new(SubscriptionCtx {
             name: name.into(),
             policy: ResolvedPolicy::resolve(policy),
             binding,
             counters,
+            epoch: Mutex::new(Epoch {
+                started_at_ms,
+                ..Epoch::default()
+            }),
         })
+    }
+
+    /// A backend bound the subscription to a consumer the operator marked as Subscription
+    /// object `uid`'s. Bound to another object than before (the Subscription was deleted and
+    /// applied again under the same name), the counts start afresh for it: a new
+    /// `startedAtMs`, and what was counted so far left out of its reports (semantics C15).
+    /// The cumulative `stats()` of this process are unaffected.
+    pub fn bound_to(&self, uid: Option<&str>) {
+        let Some(uid) = uid else { return };
+        let mut e = self
+            .epoch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match e.uid.as_deref() {
+            Some(old) if old == uid => {}
+            None => e.uid = Some(uid.to_string()),
+            Some(old) => {
+                tracing::info!(subscription = %self.name, previous = %old, uid = %uid, "bound to a new Subscription object of the same name: its account starts at zero");
+                *e = Epoch {
+                    uid: Some(uid.to_string()),
+                    started_at_ms: super::report::now_ms().max(e.started_at_ms + 1),
+                    baseline: self.counters.snapshot(),
+                    runtime_baseline: self.counters.runtime(),
+                };
+            }
+        }
+    }
+
+    /// The counts of the current Subscription object (what reports carry).
+    pub fn epoch(&self) -> EpochStats {
+        let e = self
+            .epoch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        EpochStats {
+            uid: e.uid,
+            started_at_ms: e.started_at_ms,
+            stats: self.counters.snapshot().since(&e.baseline),
+            runtime: self.counters.runtime().since(&e.runtime_baseline),
+        }
     }
     /// Where the consumer lives and who makes it.
     pub fn binding(&self) -> &Binding {

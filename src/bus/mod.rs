@@ -35,8 +35,8 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 pub use delivery::{
-    Binding, BrokerAction, Decision, DecodeError, Delivery, DeliveryOptions, OnSettle, Performed,
-    Refusal, SettleError, SubscriptionCtx, settle, settle_with,
+    Binding, BrokerAction, Decision, DecodeError, Delivery, DeliveryOptions, EpochStats, OnSettle,
+    Performed, Refusal, SettleError, SubscriptionCtx, settle, settle_with,
 };
 pub use envelope::{EnvelopeEvent, Foreign, Format};
 pub use seam::{Broker, BusError, Consumer, StatsSink};
@@ -50,6 +50,9 @@ use stats::Counters;
 /// How long `close` waits for running handlers before it gives their attempts up (Released
 /// under AtLeastOnce, Lost under AtMostOnce).
 pub const DEFAULT_CLOSE_GRACE: Duration = Duration::from_secs(30);
+
+/// How often the last report at `close` is tried before it is given up.
+const LAST_REPORT_TRIES: u32 = 5;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A poisoned lock only means another thread panicked while holding it; the maps stay usable.
@@ -201,8 +204,13 @@ impl Bus {
             stream: spec.stream.clone(),
             owner: spec.owner,
         };
-        let ctx =
-            SubscriptionCtx::with_counters(spec.name.clone(), &spec.policy, binding, counters);
+        let ctx = SubscriptionCtx::with_counters(
+            spec.name.clone(),
+            &spec.policy,
+            binding,
+            counters,
+            inner.started_at_ms,
+        );
         let consumer = backend.open(Arc::clone(&ctx)).await?;
 
         let (shutdown, shutdown_rx) = watch::channel(false);
@@ -279,7 +287,10 @@ impl Bus {
         Ok(())
     }
 
-    /// Stops every subscription (see `unsubscribe`) and publishes a last stats report.
+    /// Stops every subscription (see `unsubscribe`) and publishes a last stats report, waiting
+    /// for the broker to confirm it (a few tries). The graceful stop: call it when the process
+    /// is asked to stop ([`stop_signal`]), so handlers in flight finish (or their attempts are
+    /// released after the close grace) and the final counts reach the operator.
     pub async fn close(&self) {
         self.inner.closed.store(true, Ordering::Release);
         let all: Vec<Running> = lock(&self.inner.running).drain().map(|(_, r)| r).collect();
@@ -305,7 +316,6 @@ impl Bus {
             namespace: self.inner.namespace.clone(),
             instance: self.inner.instance.clone(),
             backend: self.inner.backend.kind().to_string(),
-            started_at_ms: self.inner.started_at_ms,
             sink,
         };
         let weak = Arc::downgrade(&self.inner);
@@ -322,13 +332,60 @@ impl Bus {
                 let Some(inner) = weak.upgrade() else { return };
                 let subs: Vec<Arc<SubscriptionCtx>> = lock(&inner.ctxs).values().cloned().collect();
                 drop(inner);
-                reporter.tick(&target, &subs, stopping).await;
                 if stopping {
+                    // The last report: tried until the broker confirms it, a few times.
+                    for attempt in 1..=LAST_REPORT_TRIES {
+                        if reporter.tick(&target, &subs, attempt == 1).await {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    tracing::error!(
+                        "the last stats report was not confirmed: the operator keeps the counts of the report before it (at most one report interval behind)"
+                    );
                     return;
                 }
+                reporter.tick(&target, &subs, false).await;
             }
         }));
     }
+}
+
+/// Resolves when the process is asked to stop: SIGTERM (what Kubernetes sends a pod's
+/// containers, then SIGKILL after `terminationGracePeriodSeconds`) or SIGINT (Ctrl-C). Use it
+/// with [`Bus::close`]:
+///
+/// ```no_run
+/// # async fn run(bus: settle::bus::Bus) {
+/// settle::bus::stop_signal().await;
+/// bus.close().await; // handlers finish, the last report is confirmed
+/// # }
+/// ```
+///
+/// Keep the pod's grace period longer than the bus's close grace (30 s by default) plus a few
+/// seconds for the last report.
+pub async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; stopping on Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    tracing::info!("asked to stop: closing the bus");
 }
 
 async fn stop(r: Running) {

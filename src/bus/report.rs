@@ -36,6 +36,12 @@ pub struct StatsReport {
     pub namespace: String,
     /// The Subscription's name.
     pub subscription: String,
+    /// The Subscription object (its UID) the counters belong to, as the operator marked the
+    /// consumer the runtime is bound to; absent before the runtime knows it (a code-defined
+    /// subscription, or a consumer not marked yet). The operator never counts a report that
+    /// names another object (semantics C15).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subscription_uid: Option<String>,
     /// The broker consumer (AtLeastOnce), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub durable_name: Option<String>,
@@ -44,7 +50,8 @@ pub struct StatsReport {
     /// The backend kind (`nats`, `rabbitmq`, `memory`).
     pub backend: String,
     pub mode: Mode,
-    /// When this instance started counting (Unix ms): a new value means the counters restarted from zero.
+    /// When this instance started counting (Unix ms): a new value means the counters restarted
+    /// from zero (a new process, or a new Subscription object bound to).
     pub started_at_ms: u64,
     /// When this report was made (Unix ms).
     pub reported_at_ms: u64,
@@ -105,7 +112,6 @@ pub(crate) struct ReportTarget {
     pub namespace: String,
     pub instance: String,
     pub backend: String,
-    pub started_at_ms: u64,
     pub sink: Arc<dyn StatsSink>,
 }
 
@@ -117,16 +123,18 @@ pub(crate) struct StatsReporter {
 
 impl StatsReporter {
     /// Publishes the reports of subscriptions whose counters changed since their last report
-    /// (all of them when `force`). Failures are logged and retried at the next tick.
+    /// (all of them when `force`). Failures are logged and retried at the next tick. Returns
+    /// whether every report due was confirmed.
     pub(crate) async fn tick(
         &mut self,
         target: &ReportTarget,
         subs: &[Arc<SubscriptionCtx>],
         force: bool,
-    ) {
+    ) -> bool {
+        let mut all = true;
         for ctx in subs {
-            let stats = ctx.stats();
-            let runtime = ctx.runtime_stats();
+            let epoch = ctx.epoch();
+            let (stats, runtime) = (epoch.stats, epoch.runtime);
             let entry = self.last.entry(ctx.name().to_string()).or_insert((
                 ConsumerStats::default(),
                 RuntimeStats::default(),
@@ -141,11 +149,12 @@ impl StatsReporter {
                 version: REPORT_VERSION,
                 namespace: target.namespace.clone(),
                 subscription: ctx.name().to_string(),
+                subscription_uid: epoch.uid,
                 durable_name: ctx.policy().durable_name.clone(),
                 instance: target.instance.clone(),
                 backend: target.backend.clone(),
                 mode: ctx.policy().mode,
-                started_at_ms: target.started_at_ms,
+                started_at_ms: epoch.started_at_ms,
                 reported_at_ms: now_ms(),
                 sequence: entry.2 + 1,
                 stats,
@@ -155,15 +164,18 @@ impl StatsReporter {
                 Ok(b) => Bytes::from(b),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot encode a stats report");
+                    all = false;
                     continue;
                 }
             };
             match target.sink.put(report.key(), body).await {
                 Ok(()) => *entry = (stats, runtime, report.sequence, std::time::Instant::now()),
                 Err(e) => {
+                    all = false;
                     tracing::warn!(subscription = %ctx.name(), error = %e, "stats report not published; retrying at the next interval")
                 }
             }
         }
+        all
     }
 }

@@ -73,6 +73,16 @@ impl Counters {
     }
 }
 
+impl RuntimeStats {
+    /// What grew since `base`.
+    pub(crate) fn since(&self, base: &RuntimeStats) -> RuntimeStats {
+        RuntimeStats {
+            handler_errors: self.handler_errors.saturating_sub(base.handler_errors),
+            panics: self.panics.saturating_sub(base.panics),
+        }
+    }
+}
+
 /// What the runtime counts beside ConsumerStats: outcomes of the handler itself, which never
 /// decide settlement (semantics S3, S5, C13).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
