@@ -73,9 +73,15 @@ async fn a_subscription_becomes_exactly_the_mapped_consumer_and_edits_apply_in_p
         "orders",
         &stream.name,
         &ResolvedPolicy::resolve(&sub.spec.policy),
-    );
+    )
+    .for_object(sub.metadata.uid.as_deref(), sub.spec.deletion_policy);
     let live = consumer::normalise(&stream.name, "orders", &info.config);
     assert_eq!(live, want, "the live consumer is exactly the mapped one");
+    assert_eq!(
+        live.owner_uid(),
+        sub.metadata.uid.as_deref(),
+        "marked with the object it was made for"
+    );
     let c = &info.config;
     assert_eq!(c.durable_name.as_deref(), Some("orders"));
     assert_eq!(c.ack_policy, AckPolicy::Explicit);

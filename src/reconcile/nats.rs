@@ -44,7 +44,9 @@ pub async fn ensure(
             Ok(s) => s,
             Err(error) => return broker_failure(error, known),
         };
-    let want = consumer::desired(&ns, &name, &stream, &policy);
+    let uid = sub.metadata.uid.as_deref();
+    let want =
+        consumer::desired(&ns, &name, &stream, &policy).for_object(uid, sub.spec.deletion_policy);
     let here = ConsumerRef {
         stream: stream.clone(),
         name: want.name.clone(),
@@ -83,10 +85,46 @@ pub async fn ensure(
     };
     let live = consumer::normalise(&stream, &want.name, &info.config);
     let owner = format!("{ns}/{name}");
-    if live.owner() != Some(owner.as_str()) {
+    if live.left_over_for_deletion(&owner, uid) {
+        // Made for an earlier object of this name, deleted while no operator ran: it asked for
+        // its consumer to go with it. Removed, and made anew for this object.
+        conn.mark_own(ChangeKind::Deleted, &stream, &want.name);
+        ctx.metrics.js("delete");
+        if let Err(error) = jsapi::delete_consumer(&conn.js, &stream, &want.name).await {
+            return broker_failure(error, known);
+        }
+        if let Err(error) = create(conn, ctx, &want).await {
+            return broker_failure(error, known);
+        }
+        ctx.metrics.op("recreate");
+        let note = format!(
+            "consumer {} on stream {stream} was left over from an earlier Subscription of this name (uid {}), deleted while the operator was not running: deleted it, as that Subscription's deletionPolicy asked, and made it again for this one",
+            want.name,
+            live.owner_uid().unwrap_or("?")
+        );
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::RECREATED,
+            "Reconcile",
+            note,
+        )
+        .await;
+        return SubOutcome::Ready(here);
+    }
+    if !live.belongs_to(&owner, uid) {
+        // Another's, or kept (Retain) by an earlier object of this name (its UID differs).
+        let by = match (live.owner(), live.owner_uid()) {
+            (Some(o), Some(u)) if o == owner => Some(format!(
+                "{o} (an earlier object of this name, uid {u}, kept by its deletionPolicy Retain)"
+            )),
+            (o, _) => o.map(str::to_string),
+        };
         return SubOutcome::Conflict {
             consumer: here,
-            owner: live.owner().map(str::to_string),
+            owner: by,
         };
     }
     let d = consumer::diff(&want, &live);
@@ -189,8 +227,8 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &NatsConn) -> Removal {
         Err(e) => return waiting(e),
     };
     let owner = format!("{ns}/{name}");
-    if consumer::normalise(&target.stream, &target.name, &info.config).owner()
-        != Some(owner.as_str())
+    if !consumer::normalise(&target.stream, &target.name, &info.config)
+        .belongs_to(&owner, sub.metadata.uid.as_deref())
     {
         tracing::info!(subscription = %owner, consumer = %target.name, "the consumer is not this Subscription's: left alone");
         return Removal::Nothing;

@@ -14,12 +14,20 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, ReplayPolicy};
 
-use crate::api::Mode;
+use crate::api::{DeletionPolicy, Mode};
 use crate::policy::{DEFAULT_ACK_WAIT, ResolvedPolicy};
 
 /// The metadata key naming the Subscription (`namespace/name`) a consumer belongs to. It marks
 /// the consumers the operator owns, so it never touches one it did not make.
 pub const OWNER_KEY: &str = "settle.dev/subscription";
+/// The metadata key holding the UID of the Subscription object a consumer was made for: a
+/// consumer left over from an earlier object of the same name is not the new one's, and the
+/// runtime reports the UID with its counts so the account counts them for that object only.
+pub const UID_KEY: &str = "settle.dev/uid";
+/// The metadata key holding that object's `deletionPolicy`: a consumer left over from an object
+/// deleted while no operator ran is removed for the next object of its name only when that
+/// object asked for `Delete`.
+pub const DELETION_POLICY_KEY: &str = "settle.dev/deletion-policy";
 /// The server's defaults for what Settle does not set (nats-server 2.10–2.15).
 const SERVER_MAX_WAITING: i64 = 512;
 const SERVER_MAX_ACK_PENDING: i64 = 1000;
@@ -218,6 +226,56 @@ impl ConsumerConfig {
     /// The Subscription (`namespace/name`) this consumer belongs to, if Settle made it.
     pub fn owner(&self) -> Option<&str> {
         self.metadata.get(OWNER_KEY).map(String::as_str)
+    }
+
+    /// The UID of the Subscription object this consumer was made for, if marked.
+    pub fn owner_uid(&self) -> Option<&str> {
+        self.metadata.get(UID_KEY).map(String::as_str)
+    }
+
+    /// This config marked as made for Subscription object `uid` with `policy` (the
+    /// controller's consumers).
+    pub fn for_object(mut self, uid: Option<&str>, policy: DeletionPolicy) -> Self {
+        if let Some(uid) = uid {
+            self.metadata.insert(UID_KEY.to_string(), uid.to_string());
+        }
+        let policy = match policy {
+            DeletionPolicy::Delete => "Delete",
+            DeletionPolicy::Retain => "Retain",
+        };
+        self.metadata
+            .insert(DELETION_POLICY_KEY.to_string(), policy.to_string());
+        self
+    }
+
+    /// This config with the object marks `live` carries (what the runtime compares: the marks
+    /// are the operator's, not the application's policy).
+    pub fn marked_as(mut self, live: &ConsumerConfig) -> Self {
+        for key in [UID_KEY, DELETION_POLICY_KEY] {
+            match live.metadata.get(key) {
+                Some(v) => self.metadata.insert(key.to_string(), v.clone()),
+                None => self.metadata.remove(key),
+            };
+        }
+        self
+    }
+
+    /// Whether this live consumer was made for an earlier object named `owner` (another UID)
+    /// that asked for it to be deleted with it: the operator was not running when it went.
+    pub fn left_over_for_deletion(&self, owner: &str, uid: Option<&str>) -> bool {
+        self.owner() == Some(owner)
+            && matches!((self.owner_uid(), uid), (Some(mine), Some(theirs)) if mine != theirs)
+            && self.metadata.get(DELETION_POLICY_KEY).map(String::as_str) != Some("Retain")
+    }
+
+    /// Whether a live consumer is Subscription `namespace/name` (object `uid`)'s: marked with its
+    /// name, and with its UID or none (made before consumers were marked with one).
+    pub fn belongs_to(&self, owner: &str, uid: Option<&str>) -> bool {
+        self.owner() == Some(owner)
+            && match (self.owner_uid(), uid) {
+                (Some(mine), Some(theirs)) => mine == theirs,
+                _ => true,
+            }
     }
 }
 

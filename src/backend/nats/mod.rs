@@ -136,11 +136,24 @@ impl NatsBroker {
             ConsumerOwner::Operator => self.await_operator(ctx).await,
         };
         let p = ctx.policy();
-        let consumer: jetstream::consumer::PullConsumer = self
+        let mut consumer: jetstream::consumer::PullConsumer = self
             .js
             .get_consumer_from_stream(&name, &stream)
             .await
             .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+        if ctx.binding().owner == ConsumerOwner::Operator {
+            // The object the operator made this consumer for: the counts from here on are its.
+            let info = consumer
+                .info()
+                .await
+                .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+            ctx.bound_to(
+                info.config
+                    .metadata
+                    .get(consumer::UID_KEY)
+                    .map(String::as_str),
+            );
+        }
         // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
         // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
         let batch = p.max_in_flight.clamp(2, 1000);
@@ -206,10 +219,10 @@ impl NatsBroker {
                     let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
                     match jsapi::consumer_info(&self.js, &stream, &want.name).await {
                         Ok(Some(info)) => {
-                            let d = consumer::diff(
-                                &want,
-                                &consumer::normalise(&stream, &want.name, &info.config),
-                            );
+                            let live = consumer::normalise(&stream, &want.name, &info.config);
+                            // The object mark is the operator's own, not the application's policy.
+                            let want = want.marked_as(&live);
+                            let d = consumer::diff(&want, &live);
                             if !d.is_empty() {
                                 let all: Vec<String> = d
                                     .immutable
