@@ -146,6 +146,7 @@ async fn main() {
                 version: REPORT_VERSION,
                 namespace: ns.clone(),
                 subscription: format!("s{i}"),
+                subscription_uid: None,
                 durable_name: Some(format!("d{i}")),
                 instance: started.clone(),
                 backend: "nats".into(),

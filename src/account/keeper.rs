@@ -7,10 +7,18 @@
 //!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down).
 //!
 //! Twice a second it folds idle instances, persists the ledgers that changed (bucket
-//! `settle-account`), and only then acknowledges the advisories it applied, so a restart
-//! re-applies nothing twice (the ledger skips a capture sequence it already counted). It reads
-//! the broker's gauges once per stats interval and hands the writer a status patch when what the
+//! `settle-account`, each write checked against the revision it read, so two operators at a
+//! leader handover cannot overwrite each other), and only then acknowledges the advisories each
+//! ledger applied, so a restart re-applies nothing twice (the ledger skips a capture sequence it
+//! already counted). A save that fails holds back that Subscription's advisories only and is
+//! said in its `Accounted` condition; every other Subscription goes on. It reads the broker's
+//! gauges once per stats interval and hands the writer a status patch when what the
 //! Subscription shows differs from the account, at most once per stats interval.
+//!
+//! An account belongs to one Subscription object (its UID): a report or saved ledger of an
+//! earlier object of the same name is dropped, never counted. The broker's advisories and
+//! gauges count for a Subscription only through the consumer the controller verified as its own
+//! (`status.consumer`), never by a name alone.
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
@@ -35,7 +43,6 @@ use super::writer::Writer;
 use crate::api::{Subscription, SubscriptionStats};
 use crate::backend::nats::advisory::{self, ChangeKind, DeliveryKind};
 use crate::backend::nats::capture;
-use crate::backend::nats::consumer::consumer_name;
 use crate::backend::nats::jsapi::{self, NatsError};
 use crate::bus::report::{StatsReport, now_ms, report_key};
 use crate::policy::ResolvedPolicy;
@@ -55,6 +62,9 @@ type SubKey = (String, String);
 struct Saved {
     ledger: Persisted,
     loss: LossLog,
+    /// Advisories dropped from the capture before they were read, while this was counted.
+    #[serde(default)]
+    missed_advisories: u64,
 }
 
 /// One Subscription's account as the keeper holds it.
@@ -63,17 +73,22 @@ struct Book {
     showing: Showing,
     /// Something persisted changed since the last save.
     dirty: bool,
+    /// The ledger's revision in the bucket as last read or written (None: no ledger there).
+    revision: Option<u64>,
+    /// Advisories this book applied since its last save: acknowledged once it is saved.
+    acks: Vec<jetstream::Message>,
     /// The bucket revision of each live instance's latest report (to drop folded ones).
     revisions: HashMap<String, u64>,
     gauges: (u64, u64),
     gauges_at: Option<Instant>,
 }
 
-/// A Subscription of this Backend, as the advisories name its consumer.
+/// A Subscription of this Backend, and the consumer the controller verified as its own.
 struct Member {
     sub: Arc<Subscription>,
-    stream: Option<String>,
-    consumer: String,
+    uid: Option<String>,
+    /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
+    consumer: Option<(String, String)>,
     max_deliver: Option<u32>,
 }
 
@@ -84,7 +99,7 @@ pub struct Keeper {
     writer: Writer,
     config: Config,
     metrics: Metrics,
-    unseen_attempts: bool,
+    unseen_attempts: super::status::Unseen,
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
@@ -99,7 +114,7 @@ impl Keeper {
         writer: Writer,
         config: Config,
         metrics: Metrics,
-        unseen_attempts: bool,
+        unseen_attempts: super::status::Unseen,
     ) -> Keeper {
         Keeper {
             backend,
@@ -133,7 +148,7 @@ impl Keeper {
         )
     }
 
-    /// The Subscriptions of this Backend now, by consumer.
+    /// The Subscriptions of this Backend now.
     fn members(&self) -> HashMap<SubKey, Member> {
         let mut out = HashMap::new();
         for sub in self.subs.state() {
@@ -143,10 +158,13 @@ impl Keeper {
             }
             let name = sub.name_any();
             let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-            let known = sub.status.as_ref().and_then(|s| s.consumer.clone());
             let member = Member {
-                stream: known.as_ref().map(|c| c.stream.clone()),
-                consumer: known.map_or_else(|| consumer_name(&ns, &name, &policy), |c| c.name),
+                uid: sub.metadata.uid.clone(),
+                consumer: sub
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.consumer.as_ref())
+                    .map(|c| (c.stream.clone(), c.name.clone())),
                 max_deliver: policy.max_deliver,
                 sub,
             };
@@ -155,11 +173,51 @@ impl Keeper {
         out
     }
 
+    /// Whether any Subscription `ns/name` exists (of any Backend).
+    fn exists(&self, ns: &str, name: &str) -> bool {
+        self.subs
+            .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+            .is_some()
+    }
+
+    /// Removes the ledgers of this namespace's Subscriptions that no longer exist (deleted while
+    /// no operator ran): the next object of the same name starts at zero.
+    async fn sweep(&self, ledgers: &kv::Store) {
+        let Ok(keys) = ledgers.keys().await else {
+            return;
+        };
+        let keys: Vec<String> = keys.filter_map(|k| async move { k.ok() }).collect().await;
+        // Keys are `<namespace>.<subscription>.ledger`, each part reduced to the key alphabet.
+        let prefix = match report_key(&self.backend.0, "_", "_").split_once('.') {
+            Some((ns, _)) => format!("{ns}."),
+            None => return,
+        };
+        let alive: Vec<String> = self
+            .subs
+            .state()
+            .iter()
+            .filter(|s| s.namespace().as_deref() == Some(self.backend.0.as_str()))
+            .map(|s| ledger_key(&(self.backend.0.clone(), s.name_any())))
+            .collect();
+        for key in keys {
+            if key.starts_with(&prefix) && key.ends_with(".ledger") && !alive.contains(&key) {
+                match ledgers.purge(&key).await {
+                    Ok(()) => {
+                        tracing::info!(key = %key, "removed the ledger of a Subscription deleted while no operator ran")
+                    }
+                    Err(e) => {
+                        tracing::debug!(key = %key, error = %e, "cannot remove a leftover ledger")
+                    }
+                }
+            }
+        }
+    }
+
     async fn session(&self) -> Result<(), NatsError> {
         let js = jetstream::new(self.client.clone());
         let reports = capture::reports(&js).await?;
         let ledgers = capture::ledgers(&js).await?;
-        let reader = capture::open(&js, &self.reader()).await?;
+        let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
         let mut watch = reports
             .watch_with_history(">")
             .await
@@ -169,12 +227,20 @@ impl Keeper {
             .await
             .map_err(|e| broken("reading the advisory capture", e))?;
         tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), reader = %self.reader(), "account keeper started");
+        // Where new advisories start: a first delivery past it by more than one was dropped by
+        // the capture's limits before this reader got to it.
+        let mut read_to = match reader.clone().info().await {
+            Ok(info) => info.delivered.stream_sequence,
+            Err(e) => return Err(broken("reading the capture reader", e)),
+        };
+        self.sweep(&ledgers).await;
 
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut members = self.members();
         // Reports of Subscriptions not in the cache yet (applied and the app reported first).
         let mut early: HashMap<String, kv::Entry> = HashMap::new();
-        let mut acks: Vec<jetstream::Message> = Vec::new();
+        // Advisories that counted for no book: acknowledged at the next round.
+        let mut loose: Vec<jetstream::Message> = Vec::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -193,8 +259,23 @@ impl Keeper {
                     let msg = msg
                         .ok_or_else(|| broken("the advisory capture", "ended"))?
                         .map_err(|e| broken("the advisory capture", e))?;
-                    self.on_advisory(&ledgers, &members, &mut books, &msg).await?;
-                    acks.push(msg);
+                    if let Ok(info) = msg.info()
+                        && info.delivered == 1
+                        && info.stream_sequence > read_to
+                    {
+                        let missed = info.stream_sequence.saturating_sub(read_to + 1);
+                        if missed > 0 && read_to > 0 {
+                            self.missed(&mut books, &members, &ledgers, missed).await?;
+                        }
+                        read_to = info.stream_sequence;
+                    }
+                    match self.on_advisory(&ledgers, &members, &mut books, &msg).await? {
+                        Some(key) => match books.get_mut(&key) {
+                            Some(book) => book.acks.push(msg),
+                            None => loose.push(msg),
+                        },
+                        None => loose.push(msg),
+                    }
                 }
                 _ = tick.tick() => {
                     members = self.members();
@@ -203,31 +284,77 @@ impl Keeper {
                             early.insert(entry.key.clone(), entry);
                         }
                     }
-                    self.settle(&js, &ledgers, &members, &mut books, &mut acks).await?;
+                    for msg in loose.drain(..) {
+                        if let Err(e) = msg.ack().await {
+                            tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+                        }
+                    }
+                    self.settle(&js, &ledgers, &members, &mut books).await?;
                 }
             }
         }
     }
 
-    /// The book of `key`, loaded from the ledger bucket the first time.
+    /// Counts advisories the capture dropped before they were read, on every book of this
+    /// Backend (any of them may have lost a message no handler saw).
+    async fn missed(
+        &self,
+        books: &mut HashMap<SubKey, Book>,
+        members: &HashMap<SubKey, Member>,
+        ledgers: &kv::Store,
+        missed: u64,
+    ) -> Result<(), NatsError> {
+        tracing::warn!(backend = %format!("{}/{}", self.backend.0, self.backend.1), missed, "advisories were dropped from the capture stream before the account read them");
+        self.metrics
+            .capture_gap
+            .with_label_values(&[&format!("{}/{}", self.backend.0, self.backend.1)])
+            .inc_by(missed);
+        for (key, m) in members {
+            let book = self.book(ledgers, books, key, m).await?;
+            book.showing.trouble.missed_advisories += missed;
+            book.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// The book of `key` for the Subscription object `m` is, loaded from the ledger bucket the
+    /// first time; a book or saved ledger of an earlier object of that name is dropped.
     async fn book<'a>(
         &self,
         ledgers: &kv::Store,
         books: &'a mut HashMap<SubKey, Book>,
         key: &SubKey,
-        sub: &Subscription,
+        m: &Member,
     ) -> Result<&'a mut Book, NatsError> {
+        let name = || format!("{}/{}", key.0, key.1);
+        if let Some(book) = books.get(key)
+            && !book.account.persisted().belongs_to(m.uid.as_deref())
+        {
+            tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
+            let old = books.remove(key);
+            for revision in old.iter().flat_map(|b| b.revisions.values()) {
+                let _ = capture::drop_report(&jetstream::new(self.client.clone()), *revision).await;
+            }
+        }
         if !books.contains_key(key) {
-            let saved: Saved = match ledgers
-                .get(ledger_key(key))
+            let sub = &m.sub;
+            let entry = ledgers
+                .entry(ledger_key(key))
                 .await
-                .map_err(|e| broken("reading a ledger", e))?
-            {
-                Some(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-                    tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "a persisted ledger is unreadable: starting from what status shows");
+                .map_err(|e| broken("reading a ledger", e))?;
+            let revision = entry.as_ref().map(|e| e.revision);
+            let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
+                Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
+                    tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
                     Saved::default()
                 }),
                 None => Saved::default(),
+            };
+            let saved = if saved.ledger.belongs_to(m.uid.as_deref()) {
+                saved
+            } else {
+                tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
+                Saved::default()
             };
             let floor = sub
                 .status
@@ -237,15 +364,23 @@ impl Keeper {
                 .unwrap_or_default();
             let mut loss = saved.loss;
             loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
+            let mut account = Account::resume(saved.ledger, floor);
+            account.claim(m.uid.clone());
             books.insert(
                 key.clone(),
                 Book {
-                    account: Account::resume(saved.ledger, floor),
+                    account,
                     showing: Showing {
                         loss,
+                        trouble: super::status::Trouble {
+                            unsaved: None,
+                            missed_advisories: saved.missed_advisories,
+                        },
                         last_write: None,
                     },
                     dirty: false,
+                    revision,
+                    acks: Vec::new(),
                     revisions: HashMap::new(),
                     gauges: (0, 0),
                     gauges_at: None,
@@ -280,18 +415,41 @@ impl Keeper {
                 return Ok(None);
             }
         };
+        // A report counts only under its own key: a body naming another Subscription or
+        // instance than the key it was written to is dropped.
+        if report.key() != entry.key {
+            self.metrics.reports.with_label_values(&["misfiled"]).inc();
+            tracing::warn!(key = %entry.key, named = %report.key(), "a stats report whose body names another key than the one it was written to: dropped");
+            return Ok(None);
+        }
         let key = (report.namespace.clone(), report.subscription.clone());
         // Another Backend's Subscription, a subscription defined in code only, or one the cache
         // has not seen yet: kept to be tried again while it is in this Backend's namespace.
         let Some(member) = members.get(&key) else {
+            if report.subscription_uid.is_some()
+                && report.namespace == self.backend.0
+                && !self.exists(&key.0, &key.1)
+            {
+                // Bound to an operator's consumer once, and that Subscription is gone.
+                self.metrics.reports.with_label_values(&["gone"]).inc();
+                let _ = capture::drop_report(&jetstream::new(self.client.clone()), entry.revision)
+                    .await;
+                return Ok(None);
+            }
             return Ok((report.namespace == self.backend.0).then_some(entry));
         };
-        let book = self.book(ledgers, books, &key, &member.sub).await?;
+        let book = self.book(ledgers, books, &key, member).await?;
         let label = match book.account.report(&report) {
             Outcome::Counted => {
                 book.revisions
                     .insert(report.instance.clone(), entry.revision);
                 "counted"
+            }
+            Outcome::OtherObject => {
+                // An earlier object's report of the same name: never this one's.
+                let _ = capture::drop_report(&jetstream::new(self.client.clone()), entry.revision)
+                    .await;
+                "other_object"
             }
             Outcome::Stale => "stale",
             Outcome::UnknownVersion => {
@@ -303,36 +461,42 @@ impl Keeper {
         Ok(None)
     }
 
+    /// Applies one advisory; returns the Subscription whose book it changed (its
+    /// acknowledgement waits for that book's save).
     async fn on_advisory(
         &self,
         ledgers: &kv::Store,
         members: &HashMap<SubKey, Member>,
         books: &mut HashMap<SubKey, Book>,
         msg: &jetstream::Message,
-    ) -> Result<(), NatsError> {
+    ) -> Result<Option<SubKey>, NatsError> {
         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
         let subject = msg.subject.as_str();
+        // Only the consumer the controller verified as a Subscription's counts for it.
         let owner = |stream: &str, consumer: &str| {
             members.iter().find(|(_, m)| {
-                m.consumer == consumer && m.stream.as_deref().is_none_or(|s| s == stream)
+                m.consumer
+                    .as_ref()
+                    .is_some_and(|(s, c)| s == stream && c == consumer)
             })
         };
         if let Some(change) = advisory::parse(subject, &msg.payload) {
-            if change.kind == ChangeKind::Created
-                && let Some((key, m)) = owner(&change.stream, &change.consumer)
-            {
-                let book = self.book(ledgers, books, key, &m.sub).await?;
-                book.account.consumer_recreated();
-                book.dirty = true;
-            }
             self.metrics
                 .advisories
                 .with_label_values(&["consumer_change"])
                 .inc();
-            return Ok(());
+            if change.kind == ChangeKind::Created
+                && let Some((key, m)) = owner(&change.stream, &change.consumer)
+            {
+                let book = self.book(ledgers, books, key, m).await?;
+                book.account.consumer_recreated();
+                book.dirty = true;
+                return Ok(Some(key.clone()));
+            }
+            return Ok(None);
         }
         let Some(event) = advisory::parse_delivery(subject, &msg.payload) else {
-            return Ok(());
+            return Ok(None);
         };
         let kind = match event.kind {
             DeliveryKind::MaxDeliveries => "max_deliveries",
@@ -341,7 +505,7 @@ impl Keeper {
         };
         self.metrics.advisories.with_label_values(&[kind]).inc();
         let Some((key, m)) = owner(&event.stream, &event.consumer) else {
-            return Ok(());
+            return Ok(None);
         };
         // A terminate is a loss only on the last attempt (the runtime's decline of it).
         let exhausted = match event.kind {
@@ -352,7 +516,7 @@ impl Keeper {
             DeliveryKind::Naked => false,
         };
         if exhausted {
-            let book = self.book(ledgers, books, key, &m.sub).await?;
+            let book = self.book(ledgers, books, key, m).await?;
             if book
                 .account
                 .broker_exhausted_message(capture_seq, event.stream_seq)
@@ -361,8 +525,9 @@ impl Keeper {
                 tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), stream_seq = event.stream_seq, %kind, "a message ran out of attempts");
             }
             book.dirty = true;
+            return Ok(Some(key.clone()));
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Every tick: fold, persist, acknowledge, gauges, status.
@@ -372,11 +537,10 @@ impl Keeper {
         ledgers: &kv::Store,
         members: &HashMap<SubKey, Member>,
         books: &mut HashMap<SubKey, Book>,
-        acks: &mut Vec<jetstream::Message>,
     ) -> Result<(), NatsError> {
         // Every Subscription of this Backend has a book, so each shows its counters.
         for (key, m) in members {
-            self.book(ledgers, books, key, &m.sub).await?;
+            self.book(ledgers, books, key, m).await?;
         }
         // Deleted Subscriptions: their ledger and reports go with them.
         let gone: Vec<SubKey> = books
@@ -407,23 +571,36 @@ impl Keeper {
             }
         }
         // Persist, then acknowledge: an advisory is never acknowledged before what it counted
-        // is saved.
-        for (key, book) in books.iter_mut().filter(|(_, b)| b.dirty) {
-            let saved = Saved {
-                ledger: book.account.persisted().clone(),
-                loss: book.showing.loss.clone(),
-            };
-            let body = serde_json::to_vec(&saved).map_err(|e| broken("encoding a ledger", e))?;
-            ledgers
-                .put(ledger_key(key), body.into())
-                .await
-                .map_err(|e| broken("saving a ledger", e))?;
-            book.dirty = false;
-        }
-        for msg in acks.drain(..) {
-            if let Err(e) = msg.ack().await {
-                tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+        // is saved. A save that fails holds back that book's advisories only.
+        let mut lost_race = Vec::new();
+        for (key, book) in books.iter_mut() {
+            if book.dirty {
+                match self.save(ledgers, key, book).await {
+                    Ok(()) => {}
+                    Err(Save::Conflict) => {
+                        lost_race.push(key.clone());
+                        continue;
+                    }
+                    Err(Save::Failed(why)) => {
+                        if book.showing.trouble.unsaved.is_none() {
+                            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %why, "cannot save the Subscription's ledger; its advisories stay unacknowledged until it can");
+                        }
+                        book.showing.trouble.unsaved = Some(why);
+                        continue;
+                    }
+                }
             }
+            for msg in book.acks.drain(..) {
+                if let Err(e) = msg.ack().await {
+                    tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+                }
+            }
+        }
+        // Another operator wrote a ledger since this one read it (a leader handover): this
+        // book is read again from the bucket, its unacknowledged advisories come back.
+        for key in lost_race {
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the ledger was written by another operator meanwhile: reading it again");
+            books.remove(&key);
         }
         for revision in dropped {
             if let Err(e) = capture::drop_report(js, revision).await {
@@ -449,8 +626,8 @@ impl Keeper {
             if budget > 0 && book.gauges_at.is_none_or(|t| t.elapsed() >= interval) {
                 budget -= 1;
                 book.gauges_at = Some(Instant::now());
-                if let (Some(stream), Some(_)) = (&m.stream, m.sub.status.as_ref()) {
-                    match jsapi::consumer_info(js, stream, &m.consumer).await {
+                if let Some((stream, consumer)) = &m.consumer {
+                    match jsapi::consumer_info(js, stream, consumer).await {
                         Ok(Some(info)) => {
                             book.gauges = (
                                 info.num_pending,
@@ -462,6 +639,9 @@ impl Keeper {
                             tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot read the consumer's gauges")
                         }
                     }
+                } else {
+                    // Not (or no longer) its own consumer: the broker's gauges are not its.
+                    book.gauges = (0, 0);
                 }
             }
             let stats = SubscriptionStats {
@@ -473,6 +653,54 @@ impl Keeper {
                 book.dirty = true;
             }
         }
+        Ok(())
+    }
+}
+
+/// Why a ledger was not saved.
+enum Save {
+    /// Another operator wrote it since it was read.
+    Conflict,
+    Failed(String),
+}
+
+impl Keeper {
+    /// Saves one book's ledger, checked against the revision it was read or last written at.
+    async fn save(&self, ledgers: &kv::Store, key: &SubKey, book: &mut Book) -> Result<(), Save> {
+        let saved = Saved {
+            ledger: book.account.persisted().clone(),
+            loss: book.showing.loss.clone(),
+            missed_advisories: book.showing.trouble.missed_advisories,
+        };
+        let body = serde_json::to_vec(&saved).map_err(|e| Save::Failed(e.to_string()))?;
+        let written = match book.revision {
+            Some(rev) => ledgers
+                .update(ledger_key(key), body.into(), rev)
+                .await
+                .map_err(|e| match e.kind() {
+                    kv::UpdateErrorKind::WrongLastRevision => Save::Conflict,
+                    _ => Save::Failed(e.to_string()),
+                }),
+            None => ledgers
+                .create(ledger_key(key), body.into())
+                .await
+                .map_err(|e| match e.kind() {
+                    kv::CreateErrorKind::AlreadyExists => Save::Conflict,
+                    _ => Save::Failed(e.to_string()),
+                }),
+        };
+        let label = match &written {
+            Ok(_) => "ok",
+            Err(Save::Conflict) => "conflict",
+            Err(Save::Failed(_)) => "error",
+        };
+        self.metrics.saves.with_label_values(&[label]).inc();
+        let revision = written?;
+        if book.showing.trouble.unsaved.take().is_some() {
+            tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription's ledger is saved again");
+        }
+        book.revision = Some(revision);
+        book.dirty = false;
         Ok(())
     }
 }

@@ -81,6 +81,11 @@ pub struct Metrics {
     pub advisories: IntCounterVec,
     /// `settle_account_reports_total{outcome}`: runtime reports read (counted, stale, unknown version).
     pub reports: IntCounterVec,
+    /// `settle_account_ledger_saves_total{result}`: ledgers saved on the broker (ok, error, conflict).
+    pub saves: IntCounterVec,
+    /// `settle_account_capture_gap_total`: advisories dropped from the capture before the
+    /// operator read them (the stream's limits).
+    pub capture_gap: IntCounterVec,
     /// What was exported per Subscription, so counters are raised by exactly the growth.
     exported: Arc<Mutex<HashMap<(String, String), ConsumerStats>>>,
 }
@@ -134,8 +139,18 @@ impl Metrics {
             )?,
             reports: counter(
                 "settle_account_reports_total",
-                "Runtime stats reports read, by outcome (counted, stale, unknown_version, unreadable).",
+                "Runtime stats reports read, by outcome (counted, stale, unknown_version, unreadable, other_object, gone, misfiled).",
                 &["outcome"],
+            )?,
+            saves: counter(
+                "settle_account_ledger_saves_total",
+                "Ledgers saved on the broker, by result (ok, error, conflict: another operator wrote it first).",
+                &["result"],
+            )?,
+            capture_gap: counter(
+                "settle_account_capture_gap_total",
+                "Advisories dropped from the capture stream (its limits) before the operator read them.",
+                &["backend"],
             )?,
             exported: Arc::default(),
         })

@@ -99,7 +99,7 @@ pub struct RabbitKeeper {
     writer: Writer,
     config: Config,
     metrics: Metrics,
-    unseen_attempts: bool,
+    unseen_attempts: super::status::Unseen,
 }
 
 /// The report deliveries of every Subscription, by Subscription; `None` when its consumer
@@ -125,7 +125,7 @@ impl RabbitKeeper {
         writer: Writer,
         config: Config,
         metrics: Metrics,
-        unseen_attempts: bool,
+        unseen_attempts: super::status::Unseen,
     ) -> RabbitKeeper {
         RabbitKeeper {
             backend,
@@ -290,6 +290,7 @@ impl RabbitKeeper {
                     account: Account::restore(ledger, floor),
                     showing: Showing {
                         loss,
+                        trouble: Default::default(),
                         last_write: None,
                     },
                     dirty: false,
@@ -329,6 +330,7 @@ impl RabbitKeeper {
                     "counted"
                 }
                 Outcome::Stale => "stale",
+                Outcome::OtherObject => "other_object",
                 Outcome::UnknownVersion => {
                     tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), version = r.version, "a stats report of a version this operator does not know: skipped (upgrade the operator)");
                     "unknown_version"

@@ -12,10 +12,6 @@ use super::{Metrics, gauges, keeper, rabbit, writer};
 use crate::api::{Backend, Subscription};
 use crate::policy::effective_capabilities;
 
-/// An instance that has not reported for this long is folded (a live one re-reports at least
-/// every few minutes, see `bus::report::KEEPALIVE`).
-pub const FOLD_AFTER: Duration = Duration::from_secs(3600);
-
 /// How the account runs (the operator's flags).
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -25,6 +21,8 @@ pub struct Config {
     pub loss_window: Duration,
     /// An instance that has not reported for this long is folded into the retired total.
     pub fold_after: Duration,
+    /// The advisory capture's size limit on each NATS server, in bytes.
+    pub capture_max_bytes: i64,
 }
 
 pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
@@ -63,7 +61,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             let kind = if b.spec.nats.is_some() {
                 Kind::Nats { unseen }
             } else if b.spec.rabbitmq.is_some() {
-                Kind::Rabbitmq
+                Kind::Rabbitmq { unseen }
             } else if b.spec.sqs.is_some() {
                 Kind::Sqs
             } else {
@@ -85,7 +83,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             }
             let unseen = match kinds.get(&key) {
                 Some(Kind::Nats { unseen }) => *unseen,
-                Some(Kind::Rabbitmq) => {
+                Some(Kind::Rabbitmq { unseen }) => {
                     let r = rabbit::RabbitKeeper::new(
                         key.clone(),
                         term.rabbitmq.clone(),
@@ -94,8 +92,11 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                         writer.clone(),
                         config.clone(),
                         metrics.clone(),
-                        // The note on unseen attempts speaks of advisories: RabbitMQ has none.
-                        false,
+                        if *unseen {
+                            super::status::Unseen::Uncounted
+                        } else {
+                            super::status::Unseen::Never
+                        },
                     );
                     keepers.0.insert(key, tokio::spawn(r.run()));
                     continue;
@@ -127,7 +128,11 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                 writer.clone(),
                 config.clone(),
                 metrics.clone(),
-                unseen,
+                if unseen {
+                    super::status::Unseen::FromAdvisories
+                } else {
+                    super::status::Unseen::Never
+                },
             );
             keepers.0.insert(key, tokio::spawn(k.run()));
         }
@@ -137,7 +142,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
 /// Which keeper a Backend gets.
 enum Kind {
     Nats { unseen: bool },
-    Rabbitmq,
+    Rabbitmq { unseen: bool },
     Sqs,
 }
 

@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::Config;
 use super::metrics::Metrics;
-use super::status::{self, LossLog};
+use super::status::{self, LossLog, Trouble};
 use super::writer::{Write, Writer};
 use crate::api::{Subscription, SubscriptionStats};
 
@@ -21,16 +21,18 @@ pub struct Round<'a> {
     pub metrics: &'a Metrics,
     pub config: &'a Config,
     /// Whether the Backend's broker can spend a last attempt no handler saw (see `status::wants`).
-    pub unseen_attempts: bool,
+    pub unseen_attempts: status::Unseen,
     /// Now, in Unix ms and as the time written.
     pub now_ms: u64,
     pub stamp: &'a Time,
 }
 
-/// One Subscription's showing: its loss log (persisted with its ledger) and its last write.
+/// One Subscription's showing: its loss log (persisted with its ledger), what keeps its account
+/// from being whole, and its last write.
 #[derive(Default)]
 pub struct Showing {
     pub loss: LossLog,
+    pub trouble: Trouble,
     pub last_write: Option<Instant>,
 }
 
@@ -51,7 +53,13 @@ pub fn show(
         .observe(round.now_ms, stats.counters.exhausted, config.loss_window);
     let loss_changed = showing.loss != before;
     let lost = showing.loss.lost_within(round.now_ms, config.loss_window);
-    let wants = status::wants(&stats, lost, config.loss_window, round.unseen_attempts);
+    let wants = status::wants(
+        &stats,
+        lost,
+        config.loss_window,
+        round.unseen_attempts,
+        &showing.trouble,
+    );
     round.metrics.show(&key.0, &key.1, &stats, lost > 0);
 
     let current = sub.status.as_ref();
@@ -96,18 +104,19 @@ pub fn show_gauges(
     last_write: &mut Option<Instant>,
     stamp: &Time,
 ) {
-    let shown = sub
-        .status
-        .as_ref()
-        .and_then(|s| s.stats.as_ref())
-        .map(|s| (s.pending, s.ack_pending));
+    let shown = sub.status.as_ref().and_then(|s| s.stats.as_ref());
     let due = last_write.is_none_or(|t| t.elapsed() >= interval);
-    if shown != Some((pending, ack_pending)) && due {
+    if shown.map(|s| (s.pending, s.ack_pending)) != Some((pending, ack_pending)) && due {
         *last_write = Some(Instant::now());
+        // Counters status already shows are sent again: a server-side apply without them
+        // would remove them.
+        let counters = shown
+            .filter(|s| s.counters != Default::default())
+            .map(|s| &s.counters);
         writer.send(Write {
             namespace: key.0.clone(),
             name: key.1.clone(),
-            body: status::gauges_patch(pending, ack_pending, stamp),
+            body: status::gauges_patch(pending, ack_pending, counters, stamp),
         });
     }
 }

@@ -1,7 +1,8 @@
 //! What the account writes into a Subscription's status, and when: `status.stats` (the ledger's
 //! totals and the broker's gauges), `statsUpdatedAt`, and the conditions `Exhausting` (messages
-//! ran out of attempts within the loss window: data loss) and `Stranding` (messages were declined
-//! where the broker could not take them back).
+//! ran out of attempts within the loss window: data loss), `Stranding` (messages were declined
+//! where the broker could not take them back) and `Accounted` (whether the account is kept
+//! whole: saved on the broker, nothing missed from the capture).
 //!
 //! Pure: no I/O and no clock (times come in as arguments). It must not count (that is the
 //! ledger) nor send anything (that is the writer).
@@ -24,6 +25,8 @@ pub mod types {
     pub const EXHAUSTING: &str = "Exhausting";
     /// Stranded is above zero: declined messages the broker could not take back.
     pub const STRANDING: &str = "Stranding";
+    /// The account is kept whole (False: a save failed, or advisories were missed).
+    pub const ACCOUNTED: &str = "Accounted";
 }
 
 /// Their reasons.
@@ -32,6 +35,19 @@ pub mod reasons {
     pub const NO_RECENT_LOSS: &str = "NoRecentLoss";
     pub const MESSAGES_STRANDED: &str = "MessagesStranded";
     pub const NONE_STRANDED: &str = "NoneStranded";
+    pub const KEPT: &str = "Kept";
+    pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
+    pub const CAPTURE_GAP: &str = "CaptureGap";
+}
+
+/// What keeps one Subscription's account from being whole now, for `Accounted`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trouble {
+    /// The last save of its ledger failed, with why (it is tried again every round).
+    pub unsaved: Option<String>,
+    /// Advisories dropped from the capture (its limits) before the operator read them, in all
+    /// while this Subscription was counted.
+    pub missed_advisories: u64,
 }
 
 /// Exhausted totals over time: enough to say how many ran out within the loss window, kept
@@ -91,22 +107,41 @@ pub fn window_text(window: Duration) -> String {
     }
 }
 
-/// The account's two conditions, as wanted now.
+/// Whether a backend can spend a last attempt no handler saw (semantics I3, K3), and whether
+/// the operator sees such a loss on the broker side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unseen {
+    /// It cannot: every loss is one a runtime counted.
+    Never,
+    /// It can, and the broker's advisories count such losses (NATS JetStream).
+    FromAdvisories,
+    /// It can, and nothing on the broker side counts them (RabbitMQ today).
+    Uncounted,
+}
+
+/// The account's three conditions, as wanted now.
 pub fn wants(
     stats: &SubscriptionStats,
     lost_recently: u64,
     window: Duration,
-    unseen_attempts: bool,
-) -> [Want; 2] {
+    unseen: Unseen,
+    trouble: &Trouble,
+) -> [Want; 3] {
     let exhausted = stats.counters.exhausted;
     let w = window_text(window);
-    let note = if unseen_attempts {
-        " On this backend a restart can spend a last attempt no handler saw: such messages are \
-         counted from the broker's advisories, which the operator captures from the moment it \
-         manages the Backend; a message that ran out before then is not counted, so Exhausted may \
-         undercount for that time."
-    } else {
-        ""
+    let note = match unseen {
+        Unseen::Never => "",
+        Unseen::FromAdvisories => {
+            " On this backend a restart can spend a last attempt no handler saw: such messages are \
+             counted from the broker's advisories, which the operator captures from the moment it \
+             manages the Backend; a message that ran out before then is not counted, so Exhausted may \
+             undercount for that time."
+        }
+        Unseen::Uncounted => {
+            " On this backend a crash or restart can spend a last attempt no handler saw, and the \
+             broker reports no such loss to the operator: Exhausted may undercount by the last \
+             attempts in flight when an application instance died."
+        }
     };
     let exhausting = if lost_recently > 0 {
         Want::new(
@@ -148,7 +183,40 @@ pub fn wants(
             "no message was stranded.",
         )
     };
-    [exhausting, stranding]
+    let accounted = if let Some(why) = &trouble.unsaved {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::LEDGER_NOT_SAVED,
+            format!(
+                "the account cannot be saved on the broker ({why}). The counts shown are right, \
+                 and nothing is lost: the reports and advisories they hold stay unacknowledged \
+                 until the save succeeds (it is tried every second). Check the broker's \
+                 JetStream storage and the settle-account bucket."
+            ),
+        )
+    } else if trouble.missed_advisories > 0 {
+        let n = trouble.missed_advisories;
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::CAPTURE_GAP,
+            format!(
+                "{n} advisory(ies) were dropped from the capture stream (its age or size limit) \
+                 before the operator read them: messages whose attempts ran out unseen by any \
+                 handler may be missing from Exhausted (at most {n}). Keep the operator running, \
+                 or raise the capture's limits (--capture-max-bytes)."
+            ),
+        )
+    } else {
+        Want::new(
+            types::ACCOUNTED,
+            Status::True,
+            reasons::KEPT,
+            "every report and advisory read is counted and saved on the broker.",
+        )
+    };
+    [exhausting, stranding, accounted]
 }
 
 /// What the account last wrote (or found) for one Subscription: written again only when this
@@ -156,7 +224,7 @@ pub fn wants(
 #[derive(Clone, Debug, PartialEq)]
 pub struct Shown {
     pub stats: SubscriptionStats,
-    pub conditions: [Want; 2],
+    pub conditions: [Want; 3],
 }
 
 /// The status a Subscription shows now, as far as the account owns it.
@@ -168,7 +236,7 @@ pub fn shown(
 }
 
 /// Whether `want` differs from what the conditions on the object say (ignoring times).
-pub fn conditions_differ(existing: &[Condition], want: &[Want; 2]) -> bool {
+pub fn conditions_differ(existing: &[Condition], want: &[Want]) -> bool {
     want.iter().any(|w| {
         condition::find(existing, w.type_).is_none_or(|c| {
             c.status != w.status.as_str() || c.reason != w.reason || c.message != w.message
@@ -179,7 +247,7 @@ pub fn conditions_differ(existing: &[Condition], want: &[Want; 2]) -> bool {
 /// The status patch (server-side apply body) for `stats` and the account's conditions.
 pub fn patch(
     stats: &SubscriptionStats,
-    wants: &[Want; 2],
+    wants: &[Want],
     existing: &[Condition],
     generation: Option<i64>,
     now: &Time,
@@ -199,14 +267,29 @@ pub fn patch(
     })
 }
 
-/// The status patch of a Subscription whose runtime does not report counters: the broker's
-/// gauges only (no counter is written, so none reads as a false zero).
-pub fn gauges_patch(pending: u64, ack_pending: u64, now: &Time) -> serde_json::Value {
+/// The status patch of a Subscription whose runtime has not reported counters: the broker's
+/// gauges, and the counters status already shows (`shown`), if any. No counter is invented (none
+/// reads as a false zero), and none is removed: a server-side apply drops the fields this field
+/// manager owned and no longer sends.
+pub fn gauges_patch(
+    pending: u64,
+    ack_pending: u64,
+    shown: Option<&crate::api::ConsumerStats>,
+    now: &Time,
+) -> serde_json::Value {
+    let mut stats = match shown {
+        Some(counters) => serde_json::to_value(counters).unwrap_or_else(|_| serde_json::json!({})),
+        None => serde_json::json!({}),
+    };
+    if let Some(map) = stats.as_object_mut() {
+        map.insert("pending".into(), pending.into());
+        map.insert("ackPending".into(), ack_pending.into());
+    }
     serde_json::json!({
         "apiVersion": "messaging.settle.dev/v1alpha1",
         "kind": "Subscription",
         "status": {
-            "stats": {"pending": pending, "ackPending": ack_pending},
+            "stats": stats,
             "statsUpdatedAt": now,
         }
     })
@@ -272,7 +355,8 @@ mod tests {
 
     #[test]
     fn exhausting_says_how_many_within_the_window_and_stranding_says_how_many_in_all() {
-        let [e, s] = wants(&stats(12, 0), 3, WINDOW, false);
+        let [e, s, a] = wants(&stats(12, 0), 3, WINDOW, Unseen::Never, &Trouble::default());
+        assert_eq!((a.status, a.reason), (Status::True, reasons::KEPT));
         assert_eq!(
             (e.status, e.reason),
             (Status::True, reasons::MESSAGES_EXHAUSTED)
@@ -289,7 +373,13 @@ mod tests {
             (Status::False, reasons::NONE_STRANDED)
         );
 
-        let [e, s] = wants(&stats(12, 2), 0, WINDOW, true);
+        let [e, s, _] = wants(
+            &stats(12, 2),
+            0,
+            WINDOW,
+            Unseen::FromAdvisories,
+            &Trouble::default(),
+        );
         assert_eq!(
             (e.status, e.reason),
             (Status::False, reasons::NO_RECENT_LOSS)
@@ -317,14 +407,14 @@ mod tests {
     fn the_patch_keeps_transition_times_of_unchanged_conditions() {
         let t0 = Time(Timestamp::from_second(1_000).expect("time"));
         let t1 = Time(Timestamp::from_second(2_000).expect("time"));
-        let w = wants(&stats(1, 0), 1, WINDOW, false);
+        let w = wants(&stats(1, 0), 1, WINDOW, Unseen::Never, &Trouble::default());
         let first = patch(&stats(1, 0), &w, &[], Some(1), &t0);
         let existing: Vec<Condition> =
             serde_json::from_value(first["status"]["conditions"].clone()).expect("conditions");
         assert!(!conditions_differ(&existing, &w));
         let again = patch(
             &stats(2, 0),
-            &wants(&stats(2, 0), 2, WINDOW, false),
+            &wants(&stats(2, 0), 2, WINDOW, Unseen::Never, &Trouble::default()),
             &existing,
             Some(1),
             &t1,
@@ -339,7 +429,50 @@ mod tests {
         assert_eq!(again["status"]["statsUpdatedAt"], serde_json::json!(t1));
         assert!(conditions_differ(
             &existing,
-            &wants(&stats(1, 0), 0, WINDOW, false)
+            &wants(&stats(1, 0), 0, WINDOW, Unseen::Never, &Trouble::default())
         ));
+    }
+
+    #[test]
+    fn accounted_says_why_the_account_is_not_whole() {
+        let unsaved = Trouble {
+            unsaved: Some("no space".into()),
+            missed_advisories: 3,
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::LEDGER_NOT_SAVED)
+        );
+        assert!(a.message.contains("(no space)"), "{}", a.message);
+        let gap = Trouble {
+            unsaved: None,
+            missed_advisories: 3,
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
+        assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));
+        assert!(a.message.starts_with("3 advisory(ies)"), "{}", a.message);
+        let [e, _, _] = wants(&stats(1, 0), 1, WINDOW, Unseen::Uncounted, &gap);
+        assert!(
+            e.message.contains("reports no such loss"),
+            "the RabbitMQ note: {}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn a_gauges_only_patch_keeps_the_counters_status_shows() {
+        let t = Time(Timestamp::from_second(1_000).expect("time"));
+        let counters = ConsumerStats {
+            offered: 7,
+            delivered: 7,
+            ..ConsumerStats::default()
+        };
+        let p = gauges_patch(3, 1, Some(&counters), &t);
+        assert_eq!(p["status"]["stats"]["offered"], 7);
+        assert_eq!(p["status"]["stats"]["pending"], 3);
+        let p = gauges_patch(3, 1, None, &t);
+        assert!(p["status"]["stats"].get("offered").is_none(), "{p}");
+        assert_eq!(p["status"]["stats"]["ackPending"], 1);
     }
 }

@@ -98,6 +98,14 @@ pub struct OperatorArgs {
     /// The Exhausting condition is True while Exhausted grew within this window.
     #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
     pub loss_window: Duration,
+    /// An application instance that has not reported for this long is folded: its last counts
+    /// kept, its unfinished attempts counted given up (live ones re-report every 5 minutes).
+    #[arg(long, env = "SETTLE_FOLD_AFTER", default_value = "1h", value_parser = positive_duration)]
+    pub fold_after: Duration,
+    /// The size limit, in bytes, of the stream in which each NATS server's delivery advisories
+    /// are captured for the account (the oldest go first; a gap is said in status).
+    #[arg(long, env = "SETTLE_CAPTURE_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub capture_max_bytes: u64,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -332,7 +340,8 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
             account::Config {
                 stats_interval: args.stats_interval,
                 loss_window: args.loss_window,
-                fold_after: account::FOLD_AFTER,
+                fold_after: args.fold_after,
+                capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),
             },
             account::Metrics::new(&registry)?,
         )),

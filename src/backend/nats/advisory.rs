@@ -90,12 +90,13 @@ pub const MSG_TERMINATED: &str = "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.>";
 /// A delivery was nacked (`-NAK`): `…MSG_NAKED.<stream>.<consumer>`.
 pub const MSG_NAKED: &str = "$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.>";
 
-/// Every advisory the account captures: what became of deliveries, and consumers made or removed
-/// (a consumer made again starts its delivery counts afresh).
-pub const DELIVERY_SUBJECTS: [&str; 5] = [
+/// Every advisory the account captures: messages whose attempts ran out or were terminated, and
+/// consumers made or removed (a consumer made again starts its delivery counts afresh). Not
+/// `MSG_NAKED`: the runtime counts its nacks, and every nack of every consumer on the server
+/// would fill the capture.
+pub const DELIVERY_SUBJECTS: [&str; 4] = [
     MAX_DELIVERIES,
     MSG_TERMINATED,
-    MSG_NAKED,
     CONSUMER_CREATED,
     CONSUMER_DELETED,
 ];

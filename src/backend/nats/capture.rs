@@ -18,6 +18,8 @@ use crate::bus::report::REPORT_BUCKET;
 pub const CAPTURE_STREAM: &str = "SETTLE_ADVISORIES";
 /// How long a captured advisory is kept unread (an operator down longer than this loses them).
 pub const CAPTURE_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How many advisories the capture keeps at most (the oldest go first).
+pub const CAPTURE_MAX_MESSAGES: i64 = 5_000_000;
 /// The bucket of persisted ledgers: `<namespace>.<subscription>` → JSON.
 pub const ACCOUNT_BUCKET: &str = "settle-account";
 
@@ -25,11 +27,15 @@ fn unreachable(what: &str, e: impl std::fmt::Display) -> NatsError {
     NatsError::Unreachable(format!("{what}: {e}"))
 }
 
-/// The capture stream (made or brought up to date) and this Backend's durable reader of it.
-/// `reader` must be unique per Backend: two Backends on one server each read every advisory.
+/// The capture stream (made or brought up to date, at most `max_bytes` on the server) and this
+/// Backend's durable reader of it. `reader` must be unique per Backend: two Backends on one
+/// server each read every advisory. The capture keeps an advisory for at most
+/// [`CAPTURE_MAX_AGE`], [`CAPTURE_MAX_MESSAGES`] and `max_bytes`, whichever is reached first;
+/// a reader that falls behind those sees a gap in the capture's sequence (the account says so).
 pub async fn open(
     js: &jetstream::Context,
     reader: &str,
+    max_bytes: i64,
 ) -> Result<consumer::PullConsumer, NatsError> {
     let config = stream::Config {
         name: CAPTURE_STREAM.to_string(),
@@ -38,7 +44,8 @@ pub async fn open(
         ),
         subjects: DELIVERY_SUBJECTS.iter().map(|s| s.to_string()).collect(),
         max_age: CAPTURE_MAX_AGE,
-        max_messages: 5_000_000,
+        max_messages: CAPTURE_MAX_MESSAGES,
+        max_bytes,
         storage: stream::StorageType::File,
         ..Default::default()
     };
@@ -48,7 +55,10 @@ pub async fn open(
                 .info()
                 .await
                 .map_err(|e| unreachable("reading the capture stream", e))?;
-            if info.config.subjects != config.subjects {
+            if info.config.subjects != config.subjects
+                || info.config.max_bytes != config.max_bytes
+                || info.config.max_messages != config.max_messages
+            {
                 js.update_stream(&config)
                     .await
                     .map_err(|e| unreachable("updating the capture stream", e))?;
