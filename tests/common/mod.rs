@@ -4,6 +4,8 @@
 //! Tests that need the environment fail (never skip) with a message saying how to start it.
 #![allow(dead_code)]
 
+#[cfg(feature = "operator")]
+pub mod account;
 pub mod controlplane;
 pub mod install;
 #[cfg(feature = "operator")]

@@ -1,0 +1,383 @@
+//! The account under real life, on the real API server and a real nats-server, with `settle
+//! operator` and an application on the `settle` library as processes: a Subscription deleted
+//! and applied again (also while no operator ran), an application stopped gracefully under
+//! load or killed while holding attempts, and a consumer Settle did not make. Each scene's
+//! watcher checks that no status ever steps down (per object), and each asserts exact counts
+//! and the identity offered == delivered + released + lost at rest (docs/semantics.md I1, C15,
+//! C16).
+
+mod common;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind, consumer};
+use futures::StreamExt;
+use settle::api::ConsumerStats;
+
+use common::account::{NACK_SPEC, Scene, bodies, watch};
+use common::kubectl_ok;
+use common::operator::{condition, poll};
+use common::subs::{apply, backend_yaml, wait_condition, wait_ready};
+
+/// The always-nack numbers of `n` messages at maxDeliver 3.
+fn nacked_out(s: &ConsumerStats, n: u64) -> bool {
+    s.exhausted == n && s.settlement.nacked == 3 * n
+}
+
+fn assert_nacked_out(s: &ConsumerStats, n: u64) {
+    assert_eq!(s.exhausted, n, "{s:?}");
+    assert_eq!(s.settlement.nacked, 3 * n, "{s:?}");
+    assert_eq!(s.delivered, 3 * n, "{s:?}");
+    assert_eq!(s.offered, 3 * n, "{s:?}");
+    assert_eq!(s.settlement.acked, 0, "{s:?}");
+    assert!(
+        s.balanced(),
+        "offered == delivered + released + lost: {s:?}"
+    );
+}
+
+/// The Subscription's Exhausting message.
+async fn exhausting(scene: &Scene) -> String {
+    let sub = scene.sub().await;
+    let st = sub.status.unwrap_or_default();
+    condition(&st.conditions, "Exhausting")
+        .map(|c| c.2)
+        .unwrap_or_default()
+}
+
+/// Deletes the Subscription and waits until it is gone.
+async fn delete_orders(scene: &Scene) {
+    kubectl_ok(
+        &[
+            "delete",
+            "subscription",
+            "orders",
+            "-n",
+            &scene.ns,
+            "--wait=false",
+        ],
+        None,
+    );
+    poll(
+        "the Subscription to be gone",
+        Duration::from_secs(30),
+        || async {
+            match scene.api.get_opt("orders").await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
+async fn purge(scene: &Scene) {
+    scene
+        .stream
+        .js
+        .get_stream(&scene.stream.name)
+        .await
+        .expect("the stream")
+        .purge()
+        .await
+        .expect("purge the stream");
+}
+
+/// Lose 5, delete the Subscription (`while_down`: with no operator running), purge the stream,
+/// apply the same manifest again, lose 2: the new object shows its own 2, never the old 5.
+async fn recreated(test: &str, while_down: bool) {
+    let mut scene = Scene::new(test, NACK_SPEC).await;
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .wait_stats("five messages exhausted", Duration::from_secs(40), |s| {
+            nacked_out(s, 5)
+        })
+        .await;
+    let old = scene.sub().await.metadata.uid.expect("a uid");
+
+    if while_down {
+        // No operator: the finalizer cannot run, so it is taken off by hand (what a user does
+        // with a Subscription stuck Terminating). The consumer, the ledger and the reports of
+        // the old object stay on the broker.
+        scene.op.kill9();
+        kubectl_ok(
+            &[
+                "delete",
+                "subscription",
+                "orders",
+                "-n",
+                &scene.ns,
+                "--wait=false",
+            ],
+            None,
+        );
+        kubectl_ok(
+            &[
+                "patch",
+                "subscription",
+                "orders",
+                "-n",
+                &scene.ns,
+                "--type=merge",
+                "-p",
+                r#"{"metadata":{"finalizers":null}}"#,
+            ],
+            None,
+        );
+        poll(
+            "the old object to be gone",
+            Duration::from_secs(30),
+            || async {
+                match scene.api.get_opt("orders").await {
+                    Ok(None) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+    } else {
+        delete_orders(&scene).await;
+    }
+    // The old object's messages are gone from the stream too: only new ones can be counted.
+    purge(&scene).await;
+    apply(&scene.ns, &scene.manifest_text);
+    if while_down {
+        scene.restart_operator();
+    }
+    let sub = wait_ready(&scene.api, "orders").await;
+    let new = sub.metadata.uid.expect("a uid");
+    assert_ne!(old, new, "a new object");
+    // The application ran throughout: it binds to the consumer made for the new object.
+    scene.publish(bodies(2)).await;
+    let s = scene
+        .settled(
+            "the new object's two messages exhausted",
+            Duration::from_secs(60),
+            |s| nacked_out(s, 2),
+        )
+        .await;
+    assert_nacked_out(&s, 2);
+    let message = exhausting(&scene).await;
+    assert!(
+        message.starts_with("2 message(s) ran out of attempts") && message.contains("(2 in all)"),
+        "Exhausting counts only the new object's losses: {message}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_deleted_and_applied_again_starts_at_zero_while_its_application_runs() {
+    recreated("life-recreate", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_deleted_while_no_operator_ran_leaves_nothing_to_the_next_object() {
+    recreated("life-recreate-down", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_stopped_under_load_finishes_its_work_and_loses_no_count() {
+    // Ten handlers mid-work when SIGTERM arrives: they finish and ack, the last report is
+    // confirmed, and the replacement takes the rest; every message is acked exactly once.
+    let scene = Scene::new(
+        "life-sigterm",
+        "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 5\n  ackWait: 5s\n  maxInFlight: 10\n",
+    )
+    .await;
+    let slow = [("SETTLE_APP_HANDLE_MS", "1500")];
+    let mut first = scene.app_with("slow-ack", &slow);
+    first.wait_ready().await;
+    scene.publish(bodies(40)).await;
+    first
+        .wait_count("working", 10, Duration::from_secs(30))
+        .await;
+    first.sigterm();
+    let replacement = scene.app_with("slow-ack", &[("SETTLE_APP_HANDLE_MS", "20")]);
+    assert!(
+        first.wait_exit(Duration::from_secs(20)),
+        "the application closed gracefully on SIGTERM"
+    );
+    replacement.wait_ready().await;
+    let s = scene
+        .settled("all forty acked", Duration::from_secs(60), |s| {
+            s.settlement.acked >= 40
+        })
+        .await;
+    assert_eq!(s.settlement.acked, 40, "each message acked once: {s:?}");
+    assert_eq!(s.delivered, 40, "{s:?}");
+    assert_eq!(s.offered, 40, "{s:?}");
+    assert_eq!(s.released, 0, "nothing given up: {s:?}");
+    assert_eq!(s.exhausted, 0, "{s:?}");
+    assert!(s.balanced(), "{s:?}");
+    scene.assert_never_decreased();
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_killed_while_holding_attempts_balances_once_it_is_folded() {
+    // SIGKILL with four attempts in flight: offered, never finished. Folded after 3 s of
+    // silence, they count Released; the broker offers them again and the replacement acks them.
+    let scene = Scene::with_flags(
+        "life-sigkill",
+        "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 5\n  ackWait: 2s\n  maxInFlight: 4\n",
+        &["--leader-election=false", "--stats-interval", "1s", "--fold-after", "3s"],
+    )
+    .await;
+    let mut first = scene.app_with("slow-ack", &[("SETTLE_APP_HANDLE_MS", "600000")]);
+    first.wait_ready().await;
+    scene.publish(bodies(4)).await;
+    first
+        .wait_count("working", 4, Duration::from_secs(30))
+        .await;
+    scene
+        .wait_stats("four attempts offered", Duration::from_secs(30), |s| {
+            s.offered == 4
+        })
+        .await;
+    first.kill9();
+    let replacement = scene.app_with("slow-ack", &[("SETTLE_APP_HANDLE_MS", "10")]);
+    replacement.wait_ready().await;
+    let s = scene
+        .settled(
+            "the killed instance folded and the four acked by the replacement",
+            Duration::from_secs(60),
+            |s| s.settlement.acked == 4 && s.released == 4,
+        )
+        .await;
+    assert_eq!(
+        (s.offered, s.delivered, s.released, s.lost),
+        (8, 4, 4, 0),
+        "{s:?}"
+    );
+    assert!(s.balanced(), "the identity holds at rest: {s:?}");
+    scene.assert_never_decreased();
+    drop(replacement);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losses_of_a_consumer_settle_did_not_make_are_never_a_subscriptions() {
+    let scene = Scene::new(
+        "life-foreign",
+        "  mode: AtLeastOnce\n  durableName: other\n  maxDeliver: 2\n",
+    )
+    .await;
+    // Another application's own durable, named as a second Subscription's durableName.
+    let js = &scene.stream.js;
+    let stream = js.get_stream(&scene.stream.name).await.expect("stream");
+    let theirs: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("theirs".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_deliver: 2,
+            ack_wait: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .expect("a plain durable");
+    apply(
+        &scene.ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: squatter}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: theirs\n  maxDeliver: 2\n",
+            scene.stream.prefix
+        ),
+    );
+    wait_condition(
+        &scene.api,
+        "squatter",
+        "Ready",
+        "False",
+        "ConsumerConflict",
+        Duration::from_secs(30),
+    )
+    .await;
+    let (seen, watcher) = watch(&scene.api, "squatter");
+    // A second Backend on the same server reads the whole capture again with its own reader.
+    apply(&scene.ns, &backend_yaml("nats-again", &scene.nats_url));
+
+    // Their consumer runs three messages out of attempts: nacked twice each, and the next pull
+    // makes the server say MAX_DELIVERIES for each.
+    scene.publish(bodies(3)).await;
+    let mut exhausted = 0;
+    let mut rounds = 0;
+    while exhausted < 6 && rounds < 40 {
+        rounds += 1;
+        let mut batch = theirs
+            .fetch()
+            .max_messages(10)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(Ok(m)) = batch.next().await {
+            m.ack_with(AckKind::Nak(None)).await.expect("nak");
+            exhausted += 1;
+        }
+    }
+    assert_eq!(exhausted, 6, "three messages, two attempts each");
+    // One more pull, so the server notices the attempts ran out.
+    let mut last = theirs
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch");
+    while last.next().await.is_some() {}
+    let advisories = jetstream::new(async_nats::connect(&scene.nats_url).await.expect("connect"));
+    let capture = advisories
+        .get_stream("SETTLE_ADVISORIES")
+        .await
+        .expect("the capture stream");
+    poll(
+        "the capture to hold their three MAX_DELIVERIES advisories",
+        Duration::from_secs(20),
+        || async {
+            let mut capture = capture.clone();
+            let messages = capture
+                .info()
+                .await
+                .map_err(|e| e.to_string())?
+                .state
+                .messages;
+            let subject = format!(
+                "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.theirs",
+                scene.stream.name
+            );
+            let n = capture
+                .info_with_subjects(subject.clone())
+                .await
+                .map_err(|e| e.to_string())?
+                .next()
+                .await
+                .and_then(|r| r.ok())
+                .map(|(_, n)| n)
+                .unwrap_or(0);
+            if n >= 3 {
+                Ok(())
+            } else {
+                Err(format!("{n} of 3 ({messages} in the stream)"))
+            }
+        },
+    )
+    .await;
+    // Time for both keepers to read them (a status write a second).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let squatter = scene.api.get("squatter").await.expect("get");
+    let st = squatter.status.unwrap_or_default();
+    let counted = st.stats.map(|s| s.counters).unwrap_or_default();
+    assert_eq!(
+        counted.exhausted, 0,
+        "their losses are not the squatter's: {counted:?}"
+    );
+    if let Some((status, _, message)) = condition(&st.conditions, "Exhausting") {
+        assert_eq!(status, "False", "{message}");
+    }
+    watcher.abort();
+    common::account::assert_never_decreased_or_empty(&seen);
+    scene.finish().await;
+}

@@ -1,0 +1,322 @@
+//! The account's test scene, shared by its suites: an application built on the `settle`
+//! library (`examples/account_app.rs`) as a process, a Subscription with its stream, backend and
+//! operator, and a watcher that polls `status.stats` and checks that no counter ever steps down
+//! (per Subscription object: a Subscription deleted and applied again starts a new run).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kube::Api;
+use settle::account::ledger::dominates;
+use settle::api::{ConsumerStats, Subscription};
+
+use super::operator::{Operator, TestStream, poll};
+use super::subs::{apply, backend_yaml, subs, wait_ready};
+use super::{install_crds, kubectl_ok, namespace};
+
+/// The example binary `cargo test` built beside the running test.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>");
+    dir.join("examples").join(name)
+}
+
+/// The test application, killed when dropped; its stdout lines are collected.
+pub struct App {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl App {
+    /// `account_app` with `handler`, reporting every 100 ms, and the extra variables `env`
+    /// (which pick the broker: `SETTLE_NATS_URL` or `SETTLE_RABBITMQ_URL`).
+    pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
+        let bin = example("account_app");
+        let mut child = Command::new(&bin)
+            .envs(env.iter().copied())
+            .env("SETTLE_SUBSCRIPTION_FILE", manifest)
+            .env("SETTLE_APP_HANDLER", handler)
+            .env("SETTLE_REPORT_INTERVAL", "100ms")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let out = child.stdout.take().expect("stdout");
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().expect("lines").push(l);
+            }
+        });
+        App { child, lines }
+    }
+
+    pub fn count(&self, prefix: &str) -> usize {
+        self.lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .count()
+    }
+
+    /// Waits until at least `n` lines start with `prefix`.
+    pub async fn wait_count(&self, prefix: &str, n: usize, limit: Duration) {
+        poll(
+            &format!("the application to print {n} {prefix:?} line(s)"),
+            limit,
+            || async {
+                match self.count(prefix) {
+                    c if c >= n => Ok(()),
+                    c => Err(format!("{c} so far")),
+                }
+            },
+        )
+        .await;
+    }
+
+    pub async fn wait_ready(&self) {
+        self.wait_count("ready", 1, Duration::from_secs(30)).await;
+    }
+
+    /// SIGKILL: nothing is flushed, nothing is closed.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, as Kubernetes stops a pod: the application closes its bus gracefully.
+    pub fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", self.child.id());
+    }
+
+    /// Waits for the process to exit by itself; true when it said `closed` (a graceful stop).
+    pub fn wait_exit(&mut self, limit: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                // Let the reader thread take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                return self.count("closed") == 1;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the application was still running {limit:?} after SIGTERM");
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// What the watcher saw: `(uid, counters)` of every status polled, in order.
+pub type Seen = Arc<Mutex<Vec<(String, ConsumerStats)>>>;
+
+/// Polls Subscription `name`'s `status.stats` every 100 ms until aborted.
+pub fn watch(api: &Api<Subscription>, name: &str) -> (Seen, tokio::task::JoinHandle<()>) {
+    let seen: Seen = Arc::default();
+    let (api, out, name) = (api.clone(), seen.clone(), name.to_string());
+    let task = tokio::spawn(async move {
+        loop {
+            if let Ok(s) = api.get(&name).await
+                && let Some(stats) = s.status.and_then(|st| st.stats)
+            {
+                let uid = s.metadata.uid.unwrap_or_default();
+                out.lock().expect("seen").push((uid, stats.counters));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    (seen, task)
+}
+
+/// No counter went down between two statuses of the same object.
+pub fn assert_never_decreased(seen: &Seen) {
+    let seen = seen.lock().expect("seen");
+    assert!(!seen.is_empty(), "the watcher saw no status at all");
+    for pair in seen.windows(2) {
+        if pair[0].0 == pair[1].0 {
+            assert!(
+                dominates(&pair[1].1, &pair[0].1),
+                "a counter went down in status: {:?} then {:?}",
+                pair[0].1,
+                pair[1].1
+            );
+        }
+    }
+}
+
+/// As [`assert_never_decreased`], where the watcher may have seen no status stats at all.
+pub fn assert_never_decreased_or_empty(seen: &Seen) {
+    if !seen.lock().expect("seen").is_empty() {
+        assert_never_decreased(seen);
+    }
+}
+
+/// The operator flags of the account scenes: no leader election, status written every second.
+pub const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
+
+/// Everything one NATS scenario needs: a namespace, a stream, the operator, a Subscription
+/// `orders` (its manifest also on disk for the application), and the watcher.
+pub struct Scene {
+    pub test: String,
+    pub ns: String,
+    pub stream: TestStream,
+    pub manifest: std::path::PathBuf,
+    pub manifest_text: String,
+    pub api: Api<Subscription>,
+    pub nats_url: String,
+    pub op: Operator,
+    pub flags: Vec<String>,
+    pub seen: Seen,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Scene {
+    pub async fn new(test: &str, spec: &str) -> Scene {
+        Scene::with_flags(test, spec, &OPERATOR_FLAGS).await
+    }
+
+    /// A scene whose operator runs with `flags`.
+    pub async fn with_flags(test: &str, spec: &str, flags: &[&str]) -> Scene {
+        install_crds();
+        let ns = namespace(test);
+        let env = super::env();
+        let stream = TestStream::new(&env.nats_url, test).await;
+        let op = Operator::start_with(test, &ns, flags);
+        apply(&ns, &backend_yaml("nats", &env.nats_url));
+        let manifest_text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
+            stream.prefix
+        );
+        apply(&ns, &manifest_text);
+        let api = subs(&ns).await;
+        wait_ready(&api, "orders").await;
+        let manifest =
+            super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
+        std::fs::write(&manifest, &manifest_text).expect("manifest");
+        let (seen, watcher) = watch(&api, "orders");
+        Scene {
+            test: test.to_string(),
+            ns,
+            stream,
+            manifest,
+            manifest_text,
+            api,
+            nats_url: env.nats_url,
+            op,
+            flags: flags.iter().map(|f| f.to_string()).collect(),
+            seen,
+            watcher,
+        }
+    }
+
+    /// The operator again, with the scene's flags (after a kill).
+    pub fn restart_operator(&mut self) {
+        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        self.op = Operator::start_with(&self.test, &self.ns, &flags);
+    }
+
+    pub fn app(&self, handler: &str) -> App {
+        self.app_with(handler, &[])
+    }
+
+    pub fn app_with(&self, handler: &str, env: &[(&str, &str)]) -> App {
+        let mut all = vec![("SETTLE_NATS_URL", self.nats_url.as_str())];
+        all.extend_from_slice(env);
+        App::start(&all, &self.manifest, handler)
+    }
+
+    pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
+        for (i, body) in bodies.into_iter().enumerate() {
+            self.stream
+                .js
+                .publish(format!("{}.m{i}", self.stream.prefix), body.into())
+                .await
+                .expect("publish")
+                .await
+                .expect("the stream stored it");
+        }
+    }
+
+    /// The Subscription now.
+    pub async fn sub(&self) -> Subscription {
+        self.api.get("orders").await.expect("get the Subscription")
+    }
+
+    pub async fn stats(&self) -> ConsumerStats {
+        self.api
+            .get("orders")
+            .await
+            .ok()
+            .and_then(|s| s.status)
+            .and_then(|s| s.stats)
+            .map(|s| s.counters)
+            .unwrap_or_default()
+    }
+
+    /// Waits until status shows `want(stats)`.
+    pub async fn wait_stats(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        poll(what, limit, || async {
+            let s = self.stats().await;
+            if want(&s) {
+                Ok(s)
+            } else {
+                Err(format!("{s:?}"))
+            }
+        })
+        .await
+    }
+
+    /// Waits until status shows `want(stats)`, then that it stays so for 3 s (nothing more
+    /// arrives), and returns it.
+    pub async fn settled(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        let s = self.wait_stats(what, limit, want).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let again = self.stats().await;
+        assert_eq!(s, again, "the account kept moving after the work was done");
+        again
+    }
+
+    /// The counters never went down in any status observed.
+    pub fn assert_never_decreased(&self) {
+        assert_never_decreased(&self.seen);
+    }
+
+    pub async fn finish(self) {
+        self.watcher.abort();
+        let _ = std::fs::remove_file(&self.manifest);
+        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.stream.delete().await;
+    }
+}
+
+pub fn bodies(n: usize) -> Vec<String> {
+    (1..=n).map(|i| i.to_string()).collect()
+}
+
+/// Always-nack's Subscription: AtLeastOnce, three attempts.
+pub const NACK_SPEC: &str = "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n";
