@@ -8,7 +8,8 @@
 //! - `SETTLE_SUBSCRIPTION_FILE`: the Subscription manifest (with its namespace), as applied to
 //!   the cluster.
 //! - `SETTLE_APP_HANDLER`:
-//!   - `nack`: declines every attempt (the last one is Exhausted);
+//!   - `nack`: declines every attempt (the last one is Exhausted), after `SETTLE_APP_HANDLE_MS`
+//!     (default 0) ms;
 //!   - `ack-even-silent-odd`: acks messages whose body is an even number, returns without
 //!     settling on odd ones (counted Silent; they come back under AtLeastOnce);
 //!   - `nack-then-hold`: declines every attempt but the last, which it holds without ever
@@ -31,7 +32,7 @@ use settle::bus::{Broker, Bus, Delivery, HandlerError, Subscriber, handler};
 
 #[derive(Clone, Copy)]
 enum Behaviour {
-    Nack,
+    Nack(u64),
     AckEvenSilentOdd,
     NackThenHold,
     Demo,
@@ -41,7 +42,12 @@ enum Behaviour {
 async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), HandlerError> {
     let body = String::from_utf8_lossy(d.payload()).to_string();
     match how {
-        Behaviour::Nack => Ok(d.nack().await?),
+        Behaviour::Nack(ms) => {
+            if ms > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+            Ok(d.nack().await?)
+        }
         Behaviour::AckEvenSilentOdd => {
             let n: u64 = body.trim().parse().unwrap_or(1);
             if n.is_multiple_of(2) {
@@ -74,21 +80,24 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
     }
 }
 
+/// `SETTLE_APP_HANDLE_MS`, else `default`.
+fn handle_ms(default: u64) -> u64 {
+    std::env::var("SETTLE_APP_HANDLE_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::var("SETTLE_SUBSCRIPTION_FILE")
         .map_err(|_| "set SETTLE_SUBSCRIPTION_FILE to a Subscription manifest")?;
     let how = match std::env::var("SETTLE_APP_HANDLER").as_deref() {
-        Ok("nack") => Behaviour::Nack,
+        Ok("nack") => Behaviour::Nack(handle_ms(0)),
         Ok("ack-even-silent-odd") => Behaviour::AckEvenSilentOdd,
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
-        Ok("slow-ack") => Behaviour::SlowAck(
-            std::env::var("SETTLE_APP_HANDLE_MS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1000),
-        ),
+        Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
         other => {
             return Err(format!(
                 "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack or demo"

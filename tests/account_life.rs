@@ -381,3 +381,245 @@ async fn losses_of_a_consumer_settle_did_not_make_are_never_a_subscriptions() {
     common::account::assert_never_decreased_or_empty(&seen);
     scene.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_inside_the_window_over_rounds_loses_and_doubles_nothing() {
+    // Each round: messages in flight, the operator SIGKILLed while status shows some but not
+    // all of them, started again. What it had not saved or acknowledged comes again and is
+    // counted once.
+    let spec = format!("{NACK_SPEC}  maxInFlight: 1\n");
+    let mut scene = Scene::new("life-opkill-rounds", &spec).await;
+    // One attempt at a time, 250 ms each: a round of 12 attempts takes 3 s, status is
+    // written every second.
+    let app = scene.app_with("nack", &[("SETTLE_APP_HANDLE_MS", "250")]);
+    app.wait_ready().await;
+    let mut sent = 0u64;
+    let mut inside = 0;
+    for round in 1..=3u64 {
+        scene.publish(bodies(4)).await;
+        sent += 4;
+        let before = (sent - 4) * 3;
+        // Kill as soon as this round's counts start to show, before they all have.
+        let s = scene
+            .wait_stats(
+                &format!("round {round}: the first counts of the round in status"),
+                Duration::from_secs(40),
+                |s| s.settlement.nacked > before,
+            )
+            .await;
+        scene.op.kill9();
+        if s.settlement.nacked < sent * 3 {
+            inside += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        scene.restart_operator();
+    }
+    let s = scene
+        .settled("all twelve exhausted", Duration::from_secs(60), |s| {
+            s.exhausted >= sent && s.settlement.nacked >= 3 * sent
+        })
+        .await;
+    assert_nacked_out(&s, sent);
+    println!("{inside} of 3 kills came while status showed part of the round");
+    assert!(inside >= 1, "at least one kill came inside the window");
+    scene.assert_never_decreased();
+    drop(app);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_stopped_mid_traffic_hands_over_without_a_step_down_or_a_double_count() {
+    let lease = format!("life-leader-{}", std::process::id());
+    let flags = [
+        "--leader-election=true",
+        "--lease-name",
+        lease.as_str(),
+        "--stats-interval",
+        "1s",
+    ];
+    let scene = Scene::build("life-leader", NACK_SPEC, &flags, &[("POD_NAME", "a")], None).await;
+    let b = common::operator::Operator::spawn_env(
+        "life-leader-b",
+        &scene.ns,
+        &flags,
+        &[("POD_NAME", "b")],
+    );
+    b.wait_ready();
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .wait_stats("five exhausted", Duration::from_secs(40), |s| {
+            nacked_out(s, 5)
+        })
+        .await;
+    let leads = |op: &common::operator::Operator| op.metric("settle_leader", &[]) == 1.0;
+    let a_leads = leads(&scene.op);
+    assert!(a_leads || leads(&b), "one of them leads");
+    // Mid-traffic: five more in flight when the leader is stopped.
+    let publish = scene.publish(bodies(5));
+    if a_leads {
+        scene.op.sigterm();
+    } else {
+        b.sigterm();
+    }
+    publish.await;
+    let s = scene
+        .settled(
+            "all ten exhausted after the handover",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
+        )
+        .await;
+    assert_nacked_out(&s, 10);
+    let standby = if a_leads { &b } else { &scene.op };
+    assert!(leads(standby), "the standby leads now");
+    scene.assert_never_decreased();
+    drop(app);
+    drop(b);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_that_cannot_be_saved_stays_on_its_subscription_and_nothing_is_applied_twice() {
+    // A nats-server of its own: its ledger bucket is replaced by one that takes only `orders`'
+    // ledger, so `other`'s saves fail.
+    let server = common::operator::NatsServer::start(&[]);
+    let mut scene = Scene::build(
+        "life-ledger",
+        NACK_SPEC,
+        &common::account::OPERATOR_FLAGS,
+        &[],
+        Some(server.url()),
+    )
+    .await;
+    let other = scene
+        .another(
+            "other",
+            "  mode: AtLeastOnce\n  durableName: other\n  maxDeliver: 3\n",
+        )
+        .await;
+    let (other_seen, other_watcher) = watch(&scene.api, "other");
+    let apps = [scene.app("nack"), scene.app_on(&other, "nack")];
+    for a in &apps {
+        a.wait_ready().await;
+    }
+    scene.publish(bodies(2)).await;
+    other.publish(bodies(2)).await;
+    scene
+        .wait_stats("orders: two exhausted", Duration::from_secs(40), |s| {
+            nacked_out(s, 2)
+        })
+        .await;
+    poll("other: two exhausted", Duration::from_secs(40), || async {
+        let s = scene.stats_of("other").await;
+        if nacked_out(&s, 2) {
+            Ok(())
+        } else {
+            Err(format!("{s:?}"))
+        }
+    })
+    .await;
+
+    // The bucket's stream now stores only orders' key.
+    let js = jetstream::new(async_nats::connect(server.url()).await.expect("connect"));
+    let mut kv = js
+        .get_stream("KV_settle-account")
+        .await
+        .expect("the ledger bucket");
+    let mut config = kv.info().await.expect("info").config.clone();
+    let all = config.subjects.clone();
+    js.delete_stream("KV_settle-account")
+        .await
+        .expect("delete the bucket");
+    let orders_key = format!("$KV.settle-account.{}.orders.>", scene.ns);
+    config.subjects = vec![orders_key];
+    js.create_stream(config.clone())
+        .await
+        .expect("a narrower bucket");
+
+    scene.publish(bodies(2)).await;
+    other.publish(bodies(2)).await;
+    let s = scene
+        .wait_stats(
+            "orders keeps moving: four exhausted",
+            Duration::from_secs(40),
+            |s| nacked_out(s, 4),
+        )
+        .await;
+    assert_nacked_out(&s, 4);
+    let failed = poll(
+        "other to say its ledger cannot be saved",
+        Duration::from_secs(40),
+        || async {
+            let sub = scene.api.get("other").await.map_err(|e| e.to_string())?;
+            let st = sub.status.unwrap_or_default();
+            match condition(&st.conditions, "Accounted") {
+                Some((status, reason, message))
+                    if status == "False" && reason == "LedgerNotSaved" =>
+                {
+                    Ok((st.stats.map(|s| s.counters).unwrap_or_default(), message))
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(failed.1.contains("cannot be saved"), "{}", failed.1);
+    assert!(
+        scene
+            .op
+            .metric("settle_account_ledger_saves_total", &[("result", "error")])
+            >= 1.0,
+        "the failed saves are counted"
+    );
+    let orders = scene.sub().await.status.unwrap_or_default();
+    assert_eq!(
+        condition(&orders.conditions, "Accounted").map(|c| (c.0, c.1)),
+        Some(("True".to_string(), "Kept".to_string())),
+        "orders' account is whole"
+    );
+    // Repaired: the bucket takes every key again; then the operator is killed and started.
+    config.subjects = all;
+    js.update_stream(&config).await.expect("repair the bucket");
+    poll(
+        "other's ledger saved again",
+        Duration::from_secs(40),
+        || async {
+            let sub = scene.api.get("other").await.map_err(|e| e.to_string())?;
+            let st = sub.status.unwrap_or_default();
+            match condition(&st.conditions, "Accounted") {
+                Some((status, ..)) if status == "True" => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    scene.op.kill9();
+    scene.restart_operator();
+    scene.publish(bodies(1)).await;
+    other.publish(bodies(1)).await;
+    let s = scene
+        .settled("orders: five exhausted", Duration::from_secs(60), |s| {
+            nacked_out(s, 5)
+        })
+        .await;
+    assert_nacked_out(&s, 5);
+    poll("other: five exhausted", Duration::from_secs(40), || async {
+        let s = scene.stats_of("other").await;
+        if nacked_out(&s, 5) {
+            Ok(())
+        } else {
+            Err(format!("{s:?}"))
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_nacked_out(&scene.stats_of("other").await, 5);
+    scene.assert_never_decreased();
+    other_watcher.abort();
+    common::account::assert_never_decreased(&other_seen);
+    drop(apps);
+    other.finish().await;
+    scene.finish().await;
+}

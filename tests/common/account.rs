@@ -192,12 +192,25 @@ impl Scene {
 
     /// A scene whose operator runs with `flags`.
     pub async fn with_flags(test: &str, spec: &str, flags: &[&str]) -> Scene {
+        Scene::build(test, spec, flags, &[], None).await
+    }
+
+    /// A scene whose operator runs with `flags` and the variables `op_env`, on the nats-server
+    /// at `nats_url` (default: the environment's).
+    pub async fn build(
+        test: &str,
+        spec: &str,
+        flags: &[&str],
+        op_env: &[(&str, &str)],
+        nats_url: Option<String>,
+    ) -> Scene {
         install_crds();
         let ns = namespace(test);
-        let env = super::env();
-        let stream = TestStream::new(&env.nats_url, test).await;
-        let op = Operator::start_with(test, &ns, flags);
-        apply(&ns, &backend_yaml("nats", &env.nats_url));
+        let nats_url = nats_url.unwrap_or_else(|| super::env().nats_url);
+        let stream = TestStream::new(&nats_url, test).await;
+        let op = Operator::spawn_env(test, &ns, flags, op_env);
+        op.wait_ready();
+        apply(&ns, &backend_yaml("nats", &nats_url));
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
             stream.prefix
@@ -216,7 +229,7 @@ impl Scene {
             manifest,
             manifest_text,
             api,
-            nats_url: env.nats_url,
+            nats_url,
             op,
             flags: flags.iter().map(|f| f.to_string()).collect(),
             seen,
@@ -232,6 +245,45 @@ impl Scene {
 
     pub fn app(&self, handler: &str) -> App {
         self.app_with(handler, &[])
+    }
+
+    /// Another Subscription `name` in the scene's namespace, on a stream of its own.
+    pub async fn another(&self, name: &str, spec: &str) -> Other {
+        let stream = TestStream::new(&self.nats_url, &format!("{}-{name}", self.test)).await;
+        let text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}, namespace: {}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
+            self.ns, stream.prefix
+        );
+        apply(&self.ns, &text);
+        wait_ready(&self.api, name).await;
+        let manifest = super::root().join(format!(
+            "target/account-{}-{name}-{}.yaml",
+            self.test,
+            std::process::id()
+        ));
+        std::fs::write(&manifest, &text).expect("manifest");
+        Other { manifest, stream }
+    }
+
+    /// An application on another Subscription's manifest.
+    pub fn app_on(&self, other: &Other, handler: &str) -> App {
+        App::start(
+            &[("SETTLE_NATS_URL", self.nats_url.as_str())],
+            &other.manifest,
+            handler,
+        )
+    }
+
+    /// Subscription `name`'s counters in status.
+    pub async fn stats_of(&self, name: &str) -> ConsumerStats {
+        self.api
+            .get(name)
+            .await
+            .ok()
+            .and_then(|s| s.status)
+            .and_then(|s| s.stats)
+            .map(|s| s.counters)
+            .unwrap_or_default()
     }
 
     pub fn app_with(&self, handler: &str, env: &[(&str, &str)]) -> App {
@@ -310,6 +362,31 @@ impl Scene {
         self.watcher.abort();
         let _ = std::fs::remove_file(&self.manifest);
         kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.stream.delete().await;
+    }
+}
+
+/// A second Subscription of a scene, on its own stream.
+pub struct Other {
+    pub manifest: std::path::PathBuf,
+    pub stream: TestStream,
+}
+
+impl Other {
+    pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
+        for (i, body) in bodies.into_iter().enumerate() {
+            self.stream
+                .js
+                .publish(format!("{}.m{i}", self.stream.prefix), body.into())
+                .await
+                .expect("publish")
+                .await
+                .expect("the stream stored it");
+        }
+    }
+
+    pub async fn finish(self) {
+        let _ = std::fs::remove_file(&self.manifest);
         self.stream.delete().await;
     }
 }

@@ -161,6 +161,15 @@ impl Operator {
     }
 
     /// SIGKILL: no chance to release anything.
+    /// SIGTERM: the operator releases its Lease and ends its term.
+    pub fn sigterm(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM {}", self.child.id());
+    }
+
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
