@@ -173,6 +173,13 @@ impl Keeper {
         out
     }
 
+    /// The UID of Subscription `ns/name` in the cache now.
+    fn current_uid(&self, ns: &str, name: &str) -> Option<String> {
+        self.subs
+            .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+            .and_then(|s| s.metadata.uid.clone())
+    }
+
     /// Whether any Subscription `ns/name` exists (of any Backend).
     fn exists(&self, ns: &str, name: &str) -> bool {
         self.subs
@@ -438,6 +445,15 @@ impl Keeper {
             }
             return Ok((report.namespace == self.backend.0).then_some(entry));
         };
+        // A report of the object that now holds the name, while this round's members still
+        // name the one before (it was deleted and applied again meanwhile): tried again next
+        // round, never dropped.
+        if report.subscription_uid.is_some()
+            && report.subscription_uid != member.uid
+            && self.current_uid(&key.0, &key.1) == report.subscription_uid
+        {
+            return Ok(Some(entry));
+        }
         let book = self.book(ledgers, books, &key, member).await?;
         let label = match book.account.report(&report) {
             Outcome::Counted => {

@@ -77,12 +77,18 @@ struct Book {
     dirty: bool,
     /// Reports counted (or skipped) since the last save: acknowledged once it is saved.
     acks: Vec<u64>,
+    /// Reports naming another object than this book's: an earlier one's (acknowledged with the
+    /// save), or, when this book turns out to be the earlier one, the new object's (put back
+    /// for its book).
+    foreign: Vec<u64>,
     /// The runtime has reported (or a snapshot existed): counters are shown.
     counting: bool,
     /// Its report consumer's tag.
     tag: String,
     /// Its report consumer ended: the book is saved and dropped, then opened again.
     ended: bool,
+    /// It belongs to an earlier object of the Subscription's name: dropped unsaved.
+    replaced: bool,
     gauges: Option<(u64, u64)>,
     gauges_at: Option<Instant>,
     gauges_written: Option<Instant>,
@@ -212,6 +218,14 @@ impl RabbitKeeper {
                     match delivery {
                         Some(d) => {
                             let d = d.map_err(|e| broken("consuming reports", e))?;
+                            if !books.contains_key(&key) {
+                                // Delivered to a consumer whose book is gone (replaced, or being
+                                // opened again): back to its queue for the next book.
+                                ch.basic_reject(d.delivery_tag, BasicRejectOptions { requeue: true })
+                                    .await
+                                    .map_err(|e| broken("putting a report back", e))?;
+                                continue;
+                            }
                             self.on_report(&mut books, &key, d);
                         }
                         None => {
@@ -226,6 +240,16 @@ impl RabbitKeeper {
                         return Err(Broken("a channel closed".into()));
                     }
                     let members = self.members();
+                    // A Subscription deleted and applied again between two ticks: the old
+                    // object's book is saved and dropped, the new one's opened afresh.
+                    for (key, book) in books.iter_mut() {
+                        if let Some(sub) = members.get(key)
+                            && !book.account.persisted().belongs_to(sub.metadata.uid.as_deref())
+                        {
+                            book.ended = true;
+                            book.replaced = true;
+                        }
+                    }
                     self.open_new(conn, ch, &members, &mut books, &mut reports).await?;
                     self.drop_gone(conn, ch, &members, &mut books).await;
                     self.settle(ch, saver, &members, &mut books).await?;
@@ -264,6 +288,15 @@ impl RabbitKeeper {
                 .and_then(|s| s.stats.as_ref())
                 .map(|s| s.counters)
                 .unwrap_or_default();
+            // A snapshot of an earlier object of this name (deleted while no operator ran) is
+            // not this one's (semantics C15).
+            let saved = saved.filter(|s| {
+                let mine = s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref());
+                if !mine {
+                    tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
+                }
+                mine
+            });
             let counting = saved.is_some();
             let Saved { ledger, mut loss } = saved.unwrap_or_default();
             loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
@@ -284,10 +317,12 @@ impl RabbitKeeper {
                     .chain(futures::stream::once(async move { (end, None) }))
                     .boxed(),
             );
+            let mut account = Account::restore(ledger, floor);
+            account.claim(sub.metadata.uid.clone());
             books.insert(
                 key.clone(),
                 Book {
-                    account: Account::restore(ledger, floor),
+                    account,
                     showing: Showing {
                         loss,
                         trouble: Default::default(),
@@ -295,9 +330,11 @@ impl RabbitKeeper {
                     },
                     dirty: false,
                     acks: Vec::new(),
+                    foreign: Vec::new(),
                     counting,
                     tag,
                     ended: false,
+                    replaced: false,
                     gauges: None,
                     gauges_at: None,
                     gauges_written: None,
@@ -317,8 +354,23 @@ impl RabbitKeeper {
         let Some(book) = books.get_mut(key) else {
             return;
         };
+        let report = serde_json::from_slice::<StatsReport>(&d.data);
+        if let Ok(r) = &report
+            && r.subscription_uid.is_some()
+            && !book
+                .account
+                .persisted()
+                .belongs_to(r.subscription_uid.as_deref())
+        {
+            book.foreign.push(d.delivery_tag);
+            self.metrics
+                .reports
+                .with_label_values(&["other_object"])
+                .inc();
+            return;
+        }
         book.acks.push(d.delivery_tag);
-        let label = match serde_json::from_slice::<StatsReport>(&d.data) {
+        let label = match report {
             Err(e) => {
                 tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "a stats report is unreadable: skipped");
                 "unreadable"
@@ -402,6 +454,25 @@ impl RabbitKeeper {
         // Save, then acknowledge: a report is never acknowledged before the snapshot holding it
         // is on the broker.
         for (key, book) in books.iter_mut() {
+            if book.replaced {
+                // The old object's reports are acknowledged and gone with it; the new object's
+                // that reached this book go back to the queue for the new book.
+                for tag in book.acks.drain(..) {
+                    let _ = ch.basic_ack(tag, BasicAckOptions::default()).await;
+                }
+                for tag in book.foreign.drain(..) {
+                    let _ = ch
+                        .basic_reject(tag, BasicRejectOptions { requeue: true })
+                        .await;
+                }
+                let _ = ch
+                    .basic_cancel(
+                        ShortString::from(book.tag.as_str()),
+                        BasicCancelOptions::default(),
+                    )
+                    .await;
+                continue;
+            }
             if book.dirty {
                 let saved = Saved {
                     ledger: book.account.snapshot(),
@@ -412,7 +483,9 @@ impl RabbitKeeper {
                 save(saver, &report::ledger_queue(&key.0, &key.1), &body).await?;
                 book.dirty = false;
             }
-            for tag in book.acks.drain(..) {
+            // Reports of another object, seen by the object's current book: an earlier
+            // object's, never counted.
+            for tag in book.acks.drain(..).chain(book.foreign.drain(..)) {
                 ch.basic_ack(tag, BasicAckOptions::default())
                     .await
                     .map_err(|e| broken("acknowledging a report", e))?;

@@ -27,6 +27,7 @@ use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::connect::ConnectFailure;
 use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{self, Arg, OWNER_ARG, QueueSpec};
+use crate::backend::rabbitmq::report;
 use crate::policy::{BackendKind, ResolvedPolicy};
 
 fn connect_error(e: ConnectFailure) -> BrokerError {
@@ -130,6 +131,12 @@ pub async fn ensure(
         Ok(c) => c,
         Err(e) => return failure(connect_error(e), known),
     };
+    if known.is_none()
+        && let Err(o) = mark(sub, ctx, &amqp).await
+    {
+        // A new object (or one from before queues were marked): whose queue it is, first.
+        return *o;
+    }
     let Some(management) = &conn.management else {
         // AMQP only: make it when missing; else redeclare (refused when a compared argument
         // differs) and bind again (harmless when bound).
@@ -231,6 +238,31 @@ pub async fn ensure(
     }
 }
 
+/// Marks the Subscription's queue as made for this object (its UID), where the runtime reads it.
+async fn mark(
+    sub: &Subscription,
+    ctx: &Ctx,
+    amqp: &lapin::Connection,
+) -> Result<(), Box<SubOutcome>> {
+    let Some(uid) = sub.metadata.uid.as_deref() else {
+        return Ok(());
+    };
+    ctx.metrics.js("object.mark");
+    report::mark_object(
+        amqp,
+        &sub.namespace().unwrap_or_default(),
+        &sub.name_any(),
+        uid,
+    )
+    .await
+    .map_err(|e| {
+        Box::new(failure(
+            BrokerError::Unreachable(format!("cannot mark the queue's object: {e}")),
+            None,
+        ))
+    })
+}
+
 /// Declares and binds the queue, and says so: made for the first time, or again after it was
 /// deleted on the broker.
 async fn create(
@@ -241,6 +273,8 @@ async fn create(
     known: &Option<ConsumerRef>,
     here: &ConsumerRef,
 ) -> Result<(), SubOutcome> {
+    // The object mark first: a runtime that finds the queue finds whose it is.
+    mark(sub, ctx, amqp).await.map_err(|o| *o)?;
     ctx.metrics.js("queue.declare");
     match admin::declare(amqp, want).await {
         Ok(()) => {}
@@ -317,6 +351,10 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &RabbitConn) -> Removal
     ctx.metrics.js("queue.delete");
     match admin::delete(&amqp, &queue_name).await {
         Ok(()) => {
+            let object = report::object_queue(&ns, &name);
+            if let Err(e) = admin::delete(&amqp, &object).await {
+                tracing::debug!(queue = %object, error = %e, "cannot delete the object mark");
+            }
             tracing::info!(subscription = %owner, queue = %queue_name, "deleted the queue");
             Removal::Deleted(format!(
                 "deleted queue {queue_name} (with any messages it held)"

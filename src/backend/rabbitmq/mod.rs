@@ -219,7 +219,16 @@ impl RabbitBroker {
                 self.declare(&want).await?;
                 want
             }
-            ConsumerOwner::Operator => self.await_operator(ctx).await,
+            ConsumerOwner::Operator => {
+                let want = self.await_operator(ctx).await;
+                // The object the operator made this queue for: the counts from here on are its.
+                ctx.bound_to(
+                    report::read_object(&self.conn, &b.namespace, ctx.name())
+                        .await
+                        .as_deref(),
+                );
+                want
+            }
         };
         let ch = self
             .conn

@@ -10,6 +10,11 @@
 //! the one place their arguments are built; the runtime and the operator both declare through
 //! [`declare`], so they declare identically.
 //!
+//! The operator also marks which Subscription object (UID) a queue was made for, in a third
+//! one-message queue, `settle.object.<namespace>.<subscription>`: AMQP cannot read a queue's
+//! arguments, so this is where a runtime bound to the queue learns the UID it reports its
+//! counts for ([`mark_object`], [`read_object`]; docs/semantics.md C15).
+//!
 //! It must not interpret a report (the operator's ledger does).
 
 use std::collections::HashSet;
@@ -17,7 +22,10 @@ use std::collections::HashSet;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicPublishOptions, BasicRejectOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 use serde::Deserialize;
@@ -39,6 +47,111 @@ pub fn report_queue(namespace: &str, subscription: &str) -> String {
 /// The queue a Subscription's account snapshot is kept in.
 pub fn ledger_queue(namespace: &str, subscription: &str) -> String {
     format!("settle.ledger.{namespace}.{subscription}")
+}
+
+/// The queue holding the UID of the Subscription object the Subscription's queue was made for.
+pub fn object_queue(namespace: &str, subscription: &str) -> String {
+    format!("settle.object.{namespace}.{subscription}")
+}
+
+/// What the object queue holds.
+#[derive(serde::Serialize, Deserialize)]
+struct ObjectMark {
+    uid: String,
+}
+
+/// Marks `namespace/subscription`'s queue as made for object `uid` (the operator, before it
+/// declares the queue): the one message of its object queue, replaced when it names another.
+pub async fn mark_object(
+    conn: &lapin::Connection,
+    namespace: &str,
+    subscription: &str,
+    uid: &str,
+) -> Result<(), lapin::Error> {
+    let queue = object_queue(namespace, subscription);
+    let ch = conn.create_channel().await?;
+    let result = async {
+        declare(&ch, &queue, LEDGER_MAX_LENGTH).await?;
+        let held = ch
+            .basic_get(
+                ShortString::from(queue.as_str()),
+                BasicGetOptions { no_ack: false },
+            )
+            .await?;
+        if let Some(msg) = &held
+            && serde_json::from_slice::<ObjectMark>(&msg.delivery.data).is_ok_and(|m| m.uid == uid)
+        {
+            ch.basic_reject(
+                msg.delivery.delivery_tag,
+                BasicRejectOptions { requeue: true },
+            )
+            .await?;
+            return Ok(());
+        }
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let body = serde_json::to_vec(&ObjectMark {
+            uid: uid.to_string(),
+        })
+        .unwrap_or_default();
+        ch.basic_publish(
+            ShortString::from(""),
+            ShortString::from(queue.as_str()),
+            BasicPublishOptions::default(),
+            &body,
+            persistent_json(),
+        )
+        .await?
+        .await?;
+        if let Some(msg) = held {
+            ch.basic_ack(msg.delivery.delivery_tag, BasicAckOptions::default())
+                .await?;
+        }
+        Ok(())
+    }
+    .await;
+    if ch.status().connected() {
+        let _ = ch.close(200, ShortString::from("marked")).await;
+    }
+    result
+}
+
+/// The UID of the object `namespace/subscription`'s queue was made for, as the operator marked
+/// it (None: not marked, or the mark cannot be read). The runtime reads it when it binds.
+pub async fn read_object(
+    conn: &lapin::Connection,
+    namespace: &str,
+    subscription: &str,
+) -> Option<String> {
+    let queue = object_queue(namespace, subscription);
+    // A missing queue closes the channel (404): one of its own.
+    let ch = conn.create_channel().await.ok()?;
+    let held = ch
+        .basic_get(
+            ShortString::from(queue.as_str()),
+            BasicGetOptions { no_ack: false },
+        )
+        .await
+        .ok()
+        .flatten();
+    let uid = match held {
+        Some(msg) => {
+            let uid = serde_json::from_slice::<ObjectMark>(&msg.delivery.data)
+                .ok()
+                .map(|m| m.uid);
+            let _ = ch
+                .basic_reject(
+                    msg.delivery.delivery_tag,
+                    BasicRejectOptions { requeue: true },
+                )
+                .await;
+            uid
+        }
+        None => None,
+    };
+    if ch.status().connected() {
+        let _ = ch.close(200, ShortString::from("read")).await;
+    }
+    uid
 }
 
 /// The arguments of a report or ledger queue: classic, at most `max_length` messages, the
