@@ -90,6 +90,12 @@ fn handle_ms(default: u64) -> u64 {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The runtime's own log on stderr (RUST_LOG), for the tests' application logs.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     let path = std::env::var("SETTLE_SUBSCRIPTION_FILE")
         .map_err(|_| "set SETTLE_SUBSCRIPTION_FILE to a Subscription manifest")?;
     let how = match std::env::var("SETTLE_APP_HANDLER").as_deref() {

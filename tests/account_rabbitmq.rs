@@ -9,12 +9,11 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::account::{App, assert_never_decreased, watch};
 use common::operator::{Operator, condition, poll};
 use common::subs::{apply, backends, subs, wait_backend, wait_gone, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
@@ -22,19 +21,8 @@ use kube::Api;
 use kube::api::DeleteParams;
 use lapin::options::BasicPublishOptions;
 use serde_json::Value;
-use settle::account::ledger::dominates;
 use settle::api::{ConsumerStats, Subscription};
 use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
-
-/// The example binary `cargo test` built beside this test.
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    dir.join("examples").join(name)
-}
 
 /// One management API call (HTTP/1.0, user guest): (status, body).
 fn mgmt(method: &str, path: &str) -> (u16, String) {
@@ -69,77 +57,6 @@ fn queue(name: &str) -> Option<Value> {
     }
 }
 
-/// The test application on RabbitMQ, killed when dropped.
-struct App {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    log: std::path::PathBuf,
-}
-
-static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-impl App {
-    fn start(manifest: &std::path::Path, handler: &str) -> App {
-        let bin = example("account_app");
-        let log = common::root().join(format!(
-            "target/account-rabbitmq-app-{}-{}.log",
-            std::process::id(),
-            APPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        let mut child = Command::new(&bin)
-            .env_remove("SETTLE_NATS_URL")
-            .env("SETTLE_RABBITMQ_URL", common::env().rabbitmq_url)
-            .env("SETTLE_SUBSCRIPTION_FILE", manifest)
-            .env("SETTLE_APP_HANDLER", handler)
-            .env("SETTLE_REPORT_INTERVAL", "100ms")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).expect("the app's log"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
-        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
-        let out = child.stdout.take().expect("stdout");
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().expect("lines").push(l);
-            }
-        });
-        App { child, lines, log }
-    }
-
-    async fn wait_ready(&self) {
-        poll(
-            &format!(
-                "the application to subscribe (its log: {})",
-                self.log.display()
-            ),
-            Duration::from_secs(60),
-            || async {
-                if self
-                    .lines
-                    .lock()
-                    .expect("lines")
-                    .iter()
-                    .any(|l| l == "ready")
-                {
-                    Ok(())
-                } else {
-                    Err("not yet".to_string())
-                }
-            },
-        )
-        .await;
-    }
-}
-
-impl Drop for App {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
 
 /// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
@@ -152,8 +69,8 @@ struct Scene {
     api: Api<Subscription>,
     op: Operator,
     amqp: lapin::Connection,
-    /// Every `status.stats` counters observed, in order.
-    seen: Arc<Mutex<Vec<ConsumerStats>>>,
+    /// Every `status.stats` counters observed, in order, with the object's UID.
+    seen: common::account::Seen,
     watcher: tokio::task::JoinHandle<()>,
 }
 
@@ -186,20 +103,7 @@ impl Scene {
                 .await
                 .expect("connect to RabbitMQ");
 
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let watcher = {
-            let (api, seen) = (api.clone(), seen.clone());
-            tokio::spawn(async move {
-                loop {
-                    if let Ok(s) = api.get("orders").await
-                        && let Some(stats) = s.status.and_then(|st| st.stats)
-                    {
-                        seen.lock().expect("seen").push(stats.counters);
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            })
-        };
+        let (seen, watcher) = watch(&api, "orders");
         Scene {
             test: test.to_string(),
             ns,
@@ -214,7 +118,12 @@ impl Scene {
     }
 
     fn app(&self) -> App {
-        App::start(&self.manifest, "nack")
+        let url = common::env().rabbitmq_url;
+        App::start(
+            &[("SETTLE_RABBITMQ_URL", url.as_str())],
+            &self.manifest,
+            "nack",
+        )
     }
 
     /// Publishes `n` messages to `amq.topic` on this test's routing keys (publisher confirms).
@@ -269,16 +178,7 @@ impl Scene {
     }
 
     fn assert_never_decreased(&self) {
-        let seen = self.seen.lock().expect("seen");
-        assert!(!seen.is_empty(), "the watcher saw no status at all");
-        for pair in seen.windows(2) {
-            assert!(
-                dominates(&pair[1], &pair[0]),
-                "a counter went down in status: {:?} then {:?}",
-                pair[0],
-                pair[1]
-            );
-        }
+        assert_never_decreased(&self.seen);
     }
 
     /// Always nack, 10 messages in two halves; with `kill` the operator is SIGKILLed after the
@@ -470,5 +370,61 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
 async fn an_operator_killed_halfway_on_rabbitmq_loses_and_doubles_nothing() {
     let mut scene = Scene::new("acctrq-opkill").await;
     scene.always_nack(true).await;
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_deleted_and_applied_again_on_rabbitmq_starts_at_zero_while_its_application_runs()
+ {
+    let scene = Scene::new("acctrq-recreate").await;
+    let app = scene.app();
+    app.wait_ready().await;
+    scene.publish(5).await;
+    scene
+        .wait_stats("five exhausted", Duration::from_secs(60), |s| {
+            s.exhausted == 5 && s.settlement.nacked == 15
+        })
+        .await;
+    let old = scene.api.get("orders").await.expect("get").metadata.uid;
+    scene
+        .api
+        .delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
+    let text = std::fs::read_to_string(&scene.manifest).expect("manifest");
+    apply(&scene.ns, &text);
+    let sub = wait_ready(&scene.api, "orders").await;
+    assert_ne!(sub.metadata.uid, old, "a new object");
+    // The application ran throughout: it binds to the queue made for the new object.
+    scene.publish(2).await;
+    let s = scene
+        .wait_stats(
+            "the new object's two messages exhausted",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 2 && s.settlement.nacked >= 6,
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(scene.stats().await, Some(s), "nothing more arrives");
+    assert_eq!(
+        (s.exhausted, s.settlement.nacked, s.delivered, s.offered),
+        (2, 6, 6, 6),
+        "only the new object's messages: {s:?}"
+    );
+    let st = scene
+        .api
+        .get("orders")
+        .await
+        .expect("get")
+        .status
+        .unwrap_or_default();
+    let (_, _, message) = condition(&st.conditions, "Exhausting").expect("Exhausting");
+    assert!(
+        message.starts_with("2 message(s)") && message.contains("(2 in all)"),
+        "{message}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
     scene.finish().await;
 }

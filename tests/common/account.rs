@@ -26,25 +26,36 @@ pub fn example(name: &str) -> std::path::PathBuf {
     dir.join("examples").join(name)
 }
 
-/// The test application, killed when dropped; its stdout lines are collected.
+/// The test application, killed when dropped; its stdout lines are collected, its log kept
+/// beside the test's.
 pub struct App {
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    log: std::path::PathBuf,
 }
 
+static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 impl App {
-    /// `account_app` with `handler`, reporting every 100 ms, and the extra variables `env`
-    /// (which pick the broker: `SETTLE_NATS_URL` or `SETTLE_RABBITMQ_URL`).
+    /// `account_app` with `handler`, reporting every 100 ms, and the variables `env`, which pick
+    /// the broker (`SETTLE_NATS_URL` or `SETTLE_RABBITMQ_URL`: none is inherited).
     pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
         let bin = example("account_app");
+        let log = super::root().join(format!(
+            "target/account-app-{}-{}.log",
+            std::process::id(),
+            APPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         let mut child = Command::new(&bin)
+            .env_remove("SETTLE_NATS_URL")
+            .env_remove("SETTLE_RABBITMQ_URL")
             .envs(env.iter().copied())
             .env("SETTLE_SUBSCRIPTION_FILE", manifest)
             .env("SETTLE_APP_HANDLER", handler)
             .env("SETTLE_REPORT_INTERVAL", "100ms")
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("the application's log"))
             .spawn()
             .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
         let lines = Arc::new(Mutex::new(Vec::<String>::new()));
@@ -55,7 +66,7 @@ impl App {
                 sink.lock().expect("lines").push(l);
             }
         });
-        App { child, lines }
+        App { child, lines, log }
     }
 
     pub fn count(&self, prefix: &str) -> usize {
@@ -70,7 +81,10 @@ impl App {
     /// Waits until at least `n` lines start with `prefix`.
     pub async fn wait_count(&self, prefix: &str, n: usize, limit: Duration) {
         poll(
-            &format!("the application to print {n} {prefix:?} line(s)"),
+            &format!(
+                "the application to print {n} {prefix:?} line(s) (its log: {})",
+                self.log.display()
+            ),
             limit,
             || async {
                 match self.count(prefix) {
@@ -83,7 +97,8 @@ impl App {
     }
 
     pub async fn wait_ready(&self) {
-        self.wait_count("ready", 1, Duration::from_secs(30)).await;
+        // A minute: on a loaded machine a RabbitMQ application can take a while to subscribe.
+        self.wait_count("ready", 1, Duration::from_secs(60)).await;
     }
 
     /// SIGKILL: nothing is flushed, nothing is closed.
