@@ -1,4 +1,4 @@
-//! Every admission rule (docs/semantics.md A1–A9), valid and invalid, as one table over the pure
+//! Every admission rule (docs/semantics.md A1–A14), valid and invalid, as one table over the pure
 //! `validate`. The webhook and `settle check` call the same function; their own tests check the
 //! wiring, this one the rules.
 
@@ -468,6 +468,31 @@ fn rows() -> Vec<Row> {
             backend: Kind(Nats),
             errors: &[],
             warnings: &[("spec.maxProcessingTime", "the lease is never extended")],
+        },
+        // --- A14: an update that leaves the spec as it was is not judged again
+        Row {
+            name: "A14: an unchanged spec that no longer passes is admitted, with nothing to say",
+            spec: "backoff: {initial: 1s, max: 1m}\nmaxDeliver: 3\n",
+            old: Some("backoff: {initial: 1s, max: 1m}\nmaxDeliver: 3\n"),
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A14: unchanged means the same parsed values, however written",
+            spec: "backoff: {initial: 1000ms, max: 60s, multiplier: 2}\ndeletionPolicy: Delete\n",
+            old: Some("backoff: {initial: 1s, max: 1m}\n"),
+            backend: Missing,
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A14: a changed spec is judged as ever",
+            spec: "backoff: {initial: 1s, max: 2m}\n",
+            old: Some("backoff: {initial: 1s, max: 1m}\n"),
+            backend: Kind(Nats),
+            errors: &[("spec.backoff", "not allowed under mode AtMostOnce")],
+            warnings: &[],
         },
         // --- A8: a Backend that does not exist yet
         Row {

@@ -168,6 +168,78 @@ fn api_server_refuses_backends_without_exactly_one_kind() {
 }
 
 #[test]
+fn api_server_refuses_a_change_of_a_backends_kind_naming_the_field() {
+    install_crds();
+    let ns = namespace("backendkind");
+    let backend = |spec: &str| {
+        format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: orders}}\nspec:\n{spec}"
+        )
+    };
+    let nats = backend("  nats: {servers: [\"nats://127.0.0.1:4222\"]}\n");
+    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&nats));
+    let want = r#"The Backend "orders" is invalid: spec: Invalid value: the backend kind (nats, rabbitmq, sqs, memory) cannot change; delete the Backend and create a new one"#;
+    // kubectl apply of the same Backend as another kind (the old kind removed), and a merge patch
+    // doing the same: refused, and the stored Backend is still the nats one.
+    for (how, out) in [
+        (
+            "apply",
+            kubectl(
+                &["apply", "-n", &ns, "-f", "-"],
+                Some(&backend(
+                    "  rabbitmq: {urls: [\"amqp://127.0.0.1:5672\"]}\n",
+                )),
+            ),
+        ),
+        (
+            "patch",
+            kubectl(
+                &[
+                    "patch",
+                    "backend",
+                    "orders",
+                    "-n",
+                    &ns,
+                    "--type=merge",
+                    "-p",
+                    r#"{"spec":{"nats":null,"memory":{}}}"#,
+                ],
+                None,
+            ),
+        ),
+    ] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{how}: a kind change was accepted");
+        assert!(
+            stderr.contains(want),
+            "{how}: wanted {want:?} in:\n{stderr}"
+        );
+    }
+    let kinds = kubectl_ok(
+        &[
+            "get",
+            "backend",
+            "orders",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.spec}",
+        ],
+        None,
+    );
+    assert!(
+        kinds.contains("\"nats\"") && !kinds.contains("rabbitmq") && !kinds.contains("memory"),
+        "{kinds}"
+    );
+    // What may change still does: the servers of the same kind.
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&backend("  nats: {servers: [\"nats://127.0.0.1:4223\"]}\n")),
+    );
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[test]
 fn kubectl_explain_shows_the_doc_comments() {
     install_crds();
     // Discovery is cached by kubectl; retry briefly right after the CRDs are established.

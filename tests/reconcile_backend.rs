@@ -1,7 +1,8 @@
 //! The Backend controller against the real API server and real nats-servers, `settle operator`
 //! running as a process: a reachable Backend is Ready with its version and capabilities; a closed
 //! port is Unreachable; wrong credentials are AuthFailed and a fixed Secret makes it Ready with no
-//! restart; a missing Secret says so; the memory backend is Ready in process.
+//! restart; a missing Secret says so; the memory backend is Ready in process; a CA from a Secret
+//! makes a TLS connection with no file written (TMPDIR names no directory).
 
 mod common;
 
@@ -155,5 +156,133 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
             settle::policy::BackendKind::Memory
         ))
     );
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+/// `--tls` for a nats-server of the test's own: a CA of its own and a certificate for 127.0.0.1,
+/// written into `dir` (the test's files; the operator writes none).
+fn tls_files(dir: &std::path::Path) -> (String, Vec<String>) {
+    let bundle = settle::admission::certs::issue_for(
+        &settle::admission::certs::Sans {
+            dns_names: vec![],
+            ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
+        },
+        Duration::from_secs(3600),
+    )
+    .expect("issue a certificate");
+    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
+    std::fs::write(&cert, &bundle.cert_pem).expect("write server.crt");
+    std::fs::write(&key, &bundle.key_pem).expect("write server.key");
+    let path = |p: &std::path::Path| p.to_str().expect("utf-8 path").to_string();
+    (
+        bundle.ca_pem,
+        vec![
+            "--tls".into(),
+            "--tlscert".into(),
+            path(&cert),
+            "--tlskey".into(),
+            path(&key),
+        ],
+    )
+}
+
+fn ca_secret(ns: &str, name: &str, ca_pem: &str) {
+    let secret = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name},
+        "stringData": {"ca.crt": ca_pem},
+    });
+    kubectl_ok(&["apply", "-n", ns, "-f", "-"], Some(&secret.to_string()));
+}
+
+fn tls_backend_yaml(name: &str, servers: &str, ca_secret: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]\n    tls: {{caSecretRef: {{name: {ca_secret}}}}}\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_backend_with_a_ca_connects_over_tls_without_writing_a_file() {
+    install_crds();
+    let ns = namespace("rec-backend-tls");
+    let files = tempfile::tempdir().expect("tempdir");
+    let (ca_pem, tls_args) = tls_files(files.path());
+    let args: Vec<&str> = tls_args.iter().map(String::as_str).collect();
+    let server = NatsServer::start(&args);
+    // As on the chart's read-only root filesystem: no directory to write a file into. TMPDIR
+    // names one that does not exist, so any file the operator tried to write there would fail.
+    let no_tmp = files.path().join("no-such-dir");
+    let no_tmp = no_tmp.to_str().expect("utf-8 path");
+    let op = Operator::spawn_env(
+        "backend-tls",
+        &ns,
+        &["--leader-election=false"],
+        &[("TMPDIR", no_tmp)],
+    );
+    op.wait_ready();
+    let api: Api<Backend> = Api::namespaced(common::kube_client().await, &ns);
+
+    // The CA from the Secret: Ready over TLS, with the server's version.
+    ca_secret(&ns, "nats-ca", &ca_pem);
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&tls_backend_yaml("tls", &server.url(), "nats-ca")),
+    );
+    let b = wait_ready(&api, "tls", "True", "Connected").await;
+    assert!(
+        b.status
+            .and_then(|s| s.server_version)
+            .is_some_and(|v| v.starts_with("2.")),
+        "serverVersion is the TLS server's"
+    );
+
+    // Only that CA is trusted: a server certificate another CA signed is refused, and said so.
+    let other = settle::admission::certs::issue_for(
+        &settle::admission::certs::Sans {
+            dns_names: vec![],
+            ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
+        },
+        Duration::from_secs(3600),
+    )
+    .expect("issue another CA");
+    ca_secret(&ns, "other-ca", &other.ca_pem);
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&tls_backend_yaml("wrong-ca", &server.url(), "other-ca")),
+    );
+    let m = poll(
+        "Backend wrong-ca to be Ready=False",
+        Duration::from_secs(60),
+        || async {
+            let (s, r, m, _) = ready_of(&api, "wrong-ca").await?;
+            if s == "False" {
+                Ok(m)
+            } else {
+                Err(format!("Ready={s} {r}: {m}"))
+            }
+        },
+    )
+    .await;
+    assert!(m.contains("invalid peer certificate"), "{m}");
+
+    // And a Secret whose ca.crt is not a certificate: said so, naming the field (the reason a
+    // NATS Backend's unusable Secret data has always had).
+    ca_secret(&ns, "junk-ca", "not a certificate\n");
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&tls_backend_yaml("junk-ca", &server.url(), "junk-ca")),
+    );
+    let b = wait_ready(&api, "junk-ca", "False", "SecretMissing").await;
+    let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
+    assert_eq!(
+        m,
+        "the CA (spec.nats.tls.caSecretRef, key \"ca.crt\") holds no PEM certificate: fix the Secret or spec.nats"
+    );
+    assert!(
+        !std::path::Path::new(no_tmp).exists(),
+        "nothing made the temporary directory"
+    );
+    drop(op);
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }

@@ -1,7 +1,9 @@
 //! Admission through the real API server: `settle operator` runs as a local process, makes its
 //! own CA, patches the caBundle of a ValidatingWebhookConfiguration that reaches it by `url:`,
 //! and a table of manifests goes through real `kubectl apply` (and `--dry-run=server`). Then the
-//! webhook goes down and the API server fails closed for Settle's resources only.
+//! webhook goes down and the API server fails closed for Settle's resources only. And the webhook
+//! never blocks a cleanup (A14): a Subscription that no longer passes, with the controllers
+//! running, still takes its finalizer and labels, and is deleted, alone and with its namespace.
 
 mod common;
 
@@ -690,4 +692,252 @@ fn admission_through_the_real_api_server() {
         None,
     );
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+/// A Subscription refused on every backend (A2: a backoff under AtMostOnce), so it can only be
+/// stored while the webhook is not registered.
+const INVALID: &str =
+    "  backendRef: {name: nats}\n  pattern: orders.>\n  backoff: {initial: 1s, max: 1m}\n";
+const INVALID_MSG: &str = "spec.backoff: not allowed under mode AtMostOnce, where nothing comes back: remove spec.backoff, or set spec.mode: AtLeastOnce";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_webhook_never_blocks_the_cleanup_of_a_subscription_that_no_longer_passes() {
+    use common::operator::{Operator, poll};
+    use common::subs::{subs, wait_condition};
+
+    install_crds();
+    let env = common::env();
+    let ns = common::namespace("webhook-cleanup");
+    // A label of its own: the other test's configuration (same process id) must not match here.
+    let label = format!("settle.dev/webhook-cleanup={}", std::process::id());
+    kubectl_ok(&["label", "namespace", &ns, &label], None);
+
+    // Stored while no webhook is registered: one on NATS (a broker to clean up on), one on the
+    // memory backend, left for the namespace's deletion.
+    let backends = format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: nats}}\nspec: {{nats: {{servers: [\"{}\"]}}}}\n---\n\
+         apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: memory}}\nspec: {{memory: {{}}}}\n",
+        env.nats_url
+    );
+    kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&backends));
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&manifest("orders", INVALID)),
+    );
+    kubectl_ok(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&manifest(
+            "audit",
+            &INVALID.replace("{name: nats}", "{name: memory}"),
+        )),
+    );
+
+    // Now the shipped webhook, for this namespace, and the operator with its controllers.
+    let configuration = format!("settle-cleanup-{}", std::process::id());
+    let port = free_port();
+    let mut vwc = shipped_configuration(&configuration, port);
+    vwc["webhooks"][0]["namespaceSelector"] = serde_json::json!({
+        "matchLabels": {"settle.dev/webhook-cleanup": std::process::id().to_string()}
+    });
+    kubectl_ok(&["apply", "-f", "-"], Some(&vwc.to_string()));
+    let webhook_addr = format!("127.0.0.1:{port}");
+    let operator = Operator::start_with(
+        "webhook-cleanup",
+        &ns,
+        &[
+            "--leader-election=false",
+            "--webhook-addr",
+            &webhook_addr,
+            "--webhook-configuration",
+            &configuration,
+            "--webhook-secret",
+            "settle-cleanup-tls",
+        ],
+    );
+    let api = subs(&ns).await;
+
+    // The controller's re-check marks both not accepted; to write that it first put its
+    // finalizer on, an UPDATE of the unchanged spec the webhook let through.
+    for name in ["orders", "audit"] {
+        let s = wait_condition(
+            &api,
+            name,
+            "Accepted",
+            "False",
+            "Invalid",
+            Duration::from_secs(60),
+        )
+        .await;
+        assert!(
+            s.metadata
+                .finalizers
+                .as_ref()
+                .is_some_and(|f| f.iter().any(|f| f == "messaging.settle.dev/consumer")),
+            "{name}: {:?}",
+            s.metadata.finalizers
+        );
+    }
+
+    // The webhook judges this namespace: a new Subscription like them is refused ...
+    let out = kubectl(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&manifest("fresh", INVALID)),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let denied = format!("admission webhook \"{WEBHOOK}\" denied the request: {INVALID_MSG}\n");
+    assert!(
+        !out.status.success(),
+        "a new invalid Subscription was admitted"
+    );
+    assert!(
+        stderr.ends_with(&denied),
+        "wanted\n  {denied}got\n  {stderr}"
+    );
+    // ... a label on a stored one is not (its spec is unchanged) ...
+    let out = kubectl(
+        &["label", "subscription", "orders", "-n", &ns, "team=a"],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "labelling an unchanged spec: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // ... and a change of its spec still is, to something as invalid as before.
+    let out = kubectl(
+        &["apply", "-n", &ns, "-f", "-"],
+        Some(&manifest(
+            "orders",
+            &INVALID.replace("orders.>", "orders.eu.>"),
+        )),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a changed invalid spec was admitted");
+    assert!(
+        stderr.ends_with(&denied),
+        "wanted\n  {denied}got\n  {stderr}"
+    );
+
+    // kubectl delete completes: the operator's finalizer removal is an UPDATE the webhook allows.
+    let out = kubectl(
+        &[
+            "delete",
+            "subscription",
+            "orders",
+            "-n",
+            &ns,
+            "--timeout=60s",
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "kubectl delete subscription orders: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    common::subs::wait_gone(&api, "orders", Duration::from_secs(10)).await;
+
+    // kubectl delete namespace. This environment runs no kube-controller-manager, so the test
+    // plays the namespace controller's part as it does it: once the namespace is Terminating,
+    // delete every object in it, wait until none is left (here the operator's finalizer removal
+    // must pass the webhook), then finalize the namespace.
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+    kubectl_ok(
+        &[
+            "delete",
+            "subscriptions,backends",
+            "--all",
+            "-n",
+            &ns,
+            "--wait=false",
+        ],
+        None,
+    );
+    poll(
+        "every Subscription in the Terminating namespace to be gone",
+        Duration::from_secs(60),
+        || async {
+            let left = api
+                .list(&Default::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            if left.items.is_empty() {
+                Ok(())
+            } else {
+                Err(left
+                    .items
+                    .iter()
+                    .map(|s| {
+                        format!(
+                            "{} (finalizers {:?})",
+                            s.metadata.name.as_deref().unwrap_or(""),
+                            s.metadata.finalizers
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "))
+            }
+        },
+    )
+    .await;
+    let finalize = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": ns},
+        "spec": {"finalizers": []},
+    });
+    kubectl_ok(
+        &[
+            "replace",
+            "--raw",
+            &format!("/api/v1/namespaces/{ns}/finalize"),
+            "-f",
+            "-",
+        ],
+        Some(&finalize.to_string()),
+    );
+    let out = kubectl(
+        &[
+            "wait",
+            "--for=delete",
+            &format!("namespace/{ns}"),
+            "--timeout=30s",
+        ],
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "namespace {ns} is gone: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = kubectl(&["get", "namespace", &ns], None);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("NotFound"),
+        "namespace {ns} still there"
+    );
+
+    // Every refusal was one of the two above (a CREATE, a spec change): no finalizer write, and
+    // no label, was ever denied.
+    let metrics = operator.get("/metrics").unwrap_or_default();
+    let counts = admission_counts(&metrics);
+    let refused = |op: &str| {
+        counts
+            .get(&(op.to_string(), "false".to_string()))
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!(refused("CREATE"), 1, "{counts:?}");
+    assert_eq!(refused("UPDATE"), 1, "{counts:?}");
+    let allowed_updates = counts
+        .get(&("UPDATE".to_string(), "true".to_string()))
+        .copied()
+        .unwrap_or(0);
+    // Two finalizers on, one label, two finalizers off, at least.
+    assert!(allowed_updates >= 5, "{counts:?}");
+    drop(operator);
+    kubectl_ok(
+        &["delete", "validatingwebhookconfiguration", &configuration],
+        None,
+    );
 }

@@ -2,7 +2,8 @@
 //! (allowed, denied with the exact message, warnings, immutable updates, missing or unreadable
 //! Backends, Backend status over kind defaults, dryRun, DELETE), one HTTPS round trip through the
 //! real server (with a certificate swap that needs no restart, and the metrics), the body limit
-//! and the turns in which bodies are read, and property tests that throw garbage at `review`: it
+//! and the turns in which bodies are read, updates that never block a cleanup (an unchanged spec,
+//! an object being deleted: A14), and property tests that throw garbage at `review`: it
 //! never panics, always answers, and answers malformed input with a 400 or a denial that says
 //! why; and that the webhook's lean reader of objects reads as `read_subscription` does.
 //!
@@ -246,6 +247,77 @@ async fn update_of_an_immutable_field_is_denied_naming_it() {
         ask(&request("UPDATE", Some(tweak), Some(old)))
             .await
             .allowed
+    );
+}
+
+/// AtMostOnce with a backoff: refused on every backend (A2), so it can only be stored if it got
+/// in while the webhook was not registered.
+fn invalid_spec() -> Value {
+    json!({"backendRef": {"name": "nats"}, "pattern": "orders.>", "backoff": {"initial": "1s", "max": "1m"}})
+}
+
+#[tokio::test]
+async fn an_update_that_leaves_an_invalid_spec_as_it_was_is_allowed_without_a_lookup() {
+    let old = subscription(invalid_spec());
+    // A label and the operator's finalizer; the spec written differently but the same values.
+    let mut new = old.clone();
+    new["metadata"]["labels"] = json!({"team": "a"});
+    new["metadata"]["finalizers"] = json!(["messaging.settle.dev/consumer"]);
+    new["spec"]["backoff"] = json!({"initial": "1000ms", "max": "60s", "multiplier": 2.0});
+    // Neither the rules nor the Backend are asked: a lookup that fails does not matter (A14).
+    let a = ask_with(
+        &request("UPDATE", Some(new), Some(old.clone())),
+        &FailingLookup,
+    )
+    .await;
+    assert!(a.allowed, "{a:?}");
+    assert_eq!(
+        a.warnings,
+        Vec::<String>::new(),
+        "no warnings for what was already stored"
+    );
+    assert_eq!(a.message, None);
+
+    // A change of the spec is judged as ever, and is still refused.
+    let mut changed = old.clone();
+    changed["spec"]["pattern"] = json!("orders.eu.>");
+    let a = ask(&request("UPDATE", Some(changed), Some(old))).await;
+    assert!(!a.allowed);
+    assert_eq!(
+        a.message.as_deref(),
+        Some(
+            "spec.backoff: not allowed under mode AtMostOnce, where nothing comes back: remove spec.backoff, or set spec.mode: AtLeastOnce"
+        )
+    );
+}
+
+#[tokio::test]
+async fn any_update_of_a_subscription_being_deleted_is_allowed() {
+    // The finalizer removal of a Subscription being deleted: its spec no longer passes, the
+    // Backend cannot be read, and even the stored object does not read. Allowed (A14).
+    let mut new = subscription(invalid_spec());
+    new["metadata"]["deletionTimestamp"] = json!("2026-12-01T10:00:00Z");
+    let mut old = new.clone();
+    old["metadata"]["finalizers"] = json!(["messaging.settle.dev/consumer"]);
+    old["spec"]["maxDeliver"] = json!("five");
+    let a = ask_with(
+        &request("UPDATE", Some(new.clone()), Some(old)),
+        &FailingLookup,
+    )
+    .await;
+    assert!(a.allowed, "{a:?}");
+    assert_eq!(a.warnings, Vec::<String>::new());
+
+    // A deletionTimestamp that is not a time is named, as any field is.
+    new["metadata"]["deletionTimestamp"] = json!(5);
+    let a = ask(&request("UPDATE", Some(new.clone()), Some(new))).await;
+    assert!(!a.allowed);
+    assert!(
+        a.message
+            .as_deref()
+            .is_some_and(|m| m
+                .starts_with("the Subscription could not be read: metadata.deletionTimestamp: ")),
+        "{a:?}"
     );
 }
 
@@ -1069,21 +1141,32 @@ proptest! {
         }
     }
 
-    /// The webhook's lean reader (name, namespace, spec; the rest skipped unparsed) accepts
-    /// exactly what `read_subscription` accepts there, and fails naming the same field, with the
-    /// same text but for one wording of serde_json's.
+    /// The webhook's lean reader (name, namespace, deletionTimestamp, spec; the rest skipped
+    /// unparsed) accepts exactly what `read_subscription` accepts there, and fails naming the
+    /// same field, with the same text but for one wording of serde_json's.
     #[test]
     fn the_lean_reader_reads_and_fails_like_read_subscription(
         fields in prop::collection::vec(spec_field(), 0..6),
         garbled in prop::option::of(prop_oneof![Just("backendRef"), Just("pattern"), Just("mode"), Just("backoff"), Just("ackWait"), Just("maxDeliver"), Just("stream")]),
         junk in json_value(),
         whole in prop::option::of(json_value()),
+        deleting in prop::option::of(prop_oneof![
+            Just(json!("2026-12-01T10:00:00Z")),
+            Just(json!("2026-12-01T10:00:00.5+02:00")),
+            Just(json!(null)),
+            Just(json!("yesterday")),
+            json_value(),
+        ]),
     ) {
         let mut spec = json!({"backendRef": {"name": "nats"}, "pattern": "orders.>"});
         for (k, v) in fields { spec[k] = v; }
         if let Some(field) = garbled { spec[field] = junk; }
         // Sometimes not even an object with a spec.
-        let object = whole.unwrap_or_else(|| subscription(spec));
+        let object = whole.unwrap_or_else(|| {
+            let mut object = subscription(spec);
+            if let Some(at) = deleting { object["metadata"]["deletionTimestamp"] = at; }
+            object
+        });
         let text = serde_json::to_string(&object).unwrap();
         let full = read_subscription(&serde_json::from_str(&text).unwrap());
         let lean = read_subscription_under_review(&text);
@@ -1092,6 +1175,7 @@ proptest! {
                 prop_assert_eq!(full.spec, lean.spec);
                 prop_assert_eq!(full.metadata.name, lean.metadata.name);
                 prop_assert_eq!(full.metadata.namespace, lean.metadata.namespace);
+                prop_assert_eq!(full.metadata.deletion_timestamp, lean.metadata.deletion_timestamp);
             }
             // The lean reader does not read status (the API server ignores it on this call).
             (Err(full), Ok(_)) if full.starts_with("status") => {}

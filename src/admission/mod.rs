@@ -13,5 +13,5 @@ mod read;
 pub mod webhook;
 
 pub use read::{
-    NameAndNamespace, SubscriptionUnderReview, read_subscription, read_subscription_under_review,
+    MetadataUnderReview, SubscriptionUnderReview, read_subscription, read_subscription_under_review,
 };

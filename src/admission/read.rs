@@ -1,6 +1,7 @@
 //! Reading a Subscription out of untrusted input (an AdmissionReview's object, a manifest on
 //! disk), with an error that names the field. Parsing only: the rules live in `rules`.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_path_to_error::Segment;
@@ -19,10 +20,11 @@ mod under_review {
     use serde::Deserialize;
     use serde::de::IgnoredAny;
 
-    use super::NameAndNamespace;
+    use super::MetadataUnderReview;
     use crate::api::SubscriptionSpec;
 
-    /// What admission judges of a Subscription: its name, namespace and spec, and nothing else.
+    /// What admission judges of a Subscription: its name, namespace, deletionTimestamp and
+    /// spec, and nothing else.
     ///
     /// Read from JSON text by [`read_subscription_under_review`](super::read_subscription_under_review).
     /// Every other field (annotations, labels, managedFields, status) is skipped as
@@ -33,7 +35,7 @@ mod under_review {
     // errors the same way ("expected struct Subscription with 3 elements").
     #[derive(Clone, Debug, Deserialize)]
     pub struct Subscription {
-        pub metadata: NameAndNamespace,
+        pub metadata: MetadataUnderReview,
         pub spec: SubscriptionSpec,
         #[serde(default)]
         #[allow(dead_code)]
@@ -41,19 +43,23 @@ mod under_review {
     }
 }
 
-/// The two fields of `metadata` admission reads; the others are skipped unparsed. Read as
-/// `ObjectMeta` reads (a map only, the last of a repeated key winning), so errors read the same.
+/// The three fields of `metadata` admission reads; the others are skipped unparsed. Read as
+/// `ObjectMeta` reads (a map only, the last of a repeated key winning, each field of the type
+/// `ObjectMeta` gives it), so errors read the same.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NameAndNamespace {
+pub struct MetadataUnderReview {
     pub name: Option<String>,
     pub namespace: Option<String>,
+    /// Set once the object is being deleted: what is left to do to it is its cleanup, which
+    /// admission never blocks (docs/semantics.md A14).
+    pub deletion_timestamp: Option<Time>,
 }
 
-impl<'de> Deserialize<'de> for NameAndNamespace {
+impl<'de> Deserialize<'de> for MetadataUnderReview {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct Fields;
         impl<'de> serde::de::Visitor<'de> for Fields {
-            type Value = NameAndNamespace;
+            type Value = MetadataUnderReview;
 
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("ObjectMeta")
@@ -62,12 +68,13 @@ impl<'de> Deserialize<'de> for NameAndNamespace {
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> Result<NameAndNamespace, A::Error> {
-                let mut meta = NameAndNamespace::default();
+            ) -> Result<MetadataUnderReview, A::Error> {
+                let mut meta = MetadataUnderReview::default();
                 while let Some(key) = map.next_key::<String>()? {
                     match key.as_str() {
                         "name" => meta.name = map.next_value()?,
                         "namespace" => meta.namespace = map.next_value()?,
+                        "deletionTimestamp" => meta.deletion_timestamp = map.next_value()?,
                         _ => {
                             map.next_value::<serde::de::IgnoredAny>()?;
                         }
@@ -76,7 +83,11 @@ impl<'de> Deserialize<'de> for NameAndNamespace {
                 Ok(meta)
             }
         }
-        deserializer.deserialize_struct("ObjectMeta", &["name", "namespace"], Fields)
+        deserializer.deserialize_struct(
+            "ObjectMeta",
+            &["name", "namespace", "deletionTimestamp"],
+            Fields,
+        )
     }
 }
 

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 
 use super::Duration;
 
-/// Where a broker is and how to reach it. Exactly one backend kind must be set.
+/// Where a broker is and how to reach it. Exactly one backend kind must be set, and it cannot
+/// change: a Backend of another kind is a new Backend.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "messaging.settle.dev",
@@ -23,9 +24,15 @@ use super::Duration;
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
+// The second rule is a transition rule (`oldSelf`, on update only): what a Subscription was
+// admitted against, and what its consumer or queue was made on, is the Backend's kind, so a
+// kind never changes under them.
 #[schemars(extend("x-kubernetes-validations" = [{
     "rule": "(has(self.nats) ? 1 : 0) + (has(self.rabbitmq) ? 1 : 0) + (has(self.sqs) ? 1 : 0) + (has(self.memory) ? 1 : 0) == 1",
     "message": "exactly one backend kind must be set: nats, rabbitmq, sqs or memory"
+}, {
+    "rule": "has(self.nats) == has(oldSelf.nats) && has(self.rabbitmq) == has(oldSelf.rabbitmq) && has(self.sqs) == has(oldSelf.sqs) && has(self.memory) == has(oldSelf.memory)",
+    "message": "the backend kind (nats, rabbitmq, sqs, memory) cannot change; delete the Backend and create a new one"
 }]))]
 #[serde(rename_all = "camelCase")]
 pub struct BackendSpec {

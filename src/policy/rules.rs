@@ -1,4 +1,5 @@
-//! The admission rules: `validate(spec, old, backend) -> Verdict`.
+//! The admission rules: `validate(spec, old, backend) -> Verdict`, and `unchanged`, the rule (A14)
+//! that lets an update which leaves the spec as it was through without judging it again.
 //!
 //! One pure function serves the webhook, `settle check`, the controller (which re-checks before
 //! it touches a broker) and the handler runtime (`validate_policy`, when a bus is built). It must
@@ -74,7 +75,7 @@ pub enum BackendView<'a> {
     Missing { name: &'a str },
 }
 
-/// The admission rules (docs/semantics.md A1–A13) for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A14) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -82,6 +83,10 @@ pub fn validate(
     backend: BackendView<'_>,
 ) -> Verdict {
     let mut v = Verdict::default();
+    // A14: an update that leaves the spec as it was asks nothing new of the broker.
+    if unchanged(spec, old) {
+        return v;
+    }
     match backend {
         BackendView::Known { capabilities, .. } => {
             policy_rules(&mut v, &spec.policy, Some(capabilities))
@@ -104,6 +109,16 @@ pub fn validate(
         }
     }
     v
+}
+
+/// A14: whether an update leaves the spec as it was, compared as parsed values (so `30s` and
+/// `30000ms`, or a default left out and the same value written, are the same spec). Such an
+/// update (a label, an annotation, the operator's own finalizer, and so every step of a
+/// deletion) is admitted whatever the rules now say of the spec: judging it again could only
+/// refuse what is already stored, and would block its cleanup. A create (`old` is `None`) is
+/// never unchanged.
+pub fn unchanged(spec: &SubscriptionSpec, old: Option<&SubscriptionSpec>) -> bool {
+    old.is_some_and(|old| old == spec)
 }
 
 /// A13: what this backend fixes when it makes the consumer (K9).

@@ -2,7 +2,9 @@
 //!
 //! [`review`] turns one AdmissionReview body into one answer without a network: it reads the
 //! Subscription (and the stored one on UPDATE), looks up the Backend it names through a
-//! [`BackendLookup`], and asks the one `policy::validate` for the verdict. [`Server`] serves
+//! [`BackendLookup`], and asks the one `policy::validate` for the verdict; an UPDATE that leaves
+//! the spec as it was, or of a Subscription being deleted, is allowed from the body alone, so the
+//! webhook never blocks a cleanup (docs/semantics.md A14). [`Server`] serves
 //! it over rustls with a certificate from `admission::certs`, with metrics and a log line per
 //! decision.
 //!

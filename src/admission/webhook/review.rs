@@ -4,8 +4,14 @@
 //!
 //! Reading ([`read`]) is synchronous and keeps only what the answer needs, owned, so that the
 //! server can let go of the body (and its turn to read one) before the Backend lookup waits.
-//! Of the objects it reads the name, namespace and spec; annotations and the rest are skipped
-//! unparsed.
+//! Of the objects it reads the name, namespace, deletionTimestamp and spec; annotations and the
+//! rest are skipped unparsed.
+//!
+//! It never blocks a cleanup (docs/semantics.md A14): an UPDATE of an object being deleted
+//! (`deletionTimestamp` set), or one that leaves the spec as it was (`policy::unchanged`: a
+//! label, the operator's finalizer), is allowed from the body alone, without looking up the
+//! Backend, so neither a spec that is no longer valid nor a Backend that cannot be read keeps a
+//! Subscription or its namespace Terminating.
 //!
 //! This file must not write admission rules (they live in `rules.rs`), must not change anything
 //! anywhere (`dryRun` requests are answered exactly like the others), and must never panic on
@@ -23,7 +29,7 @@ use super::LOOKUP_TIMEOUT;
 use super::lookup::{BackendLookup, LookupError};
 use crate::admission::{SubscriptionUnderReview, read_subscription_under_review};
 use crate::api::{Capabilities, GROUP};
-use crate::policy::{BackendView, effective_capabilities, validate};
+use crate::policy::{BackendView, effective_capabilities, unchanged, validate};
 
 /// `admission.k8s.io/v1beta1`, still accepted and answered in kind.
 const META_API_VERSION_V1BETA1: &str = "admission.k8s.io/v1beta1";
@@ -187,6 +193,7 @@ pub(super) async fn answer(review: Review, backends: &dyn BackendLookup) -> Answ
             operation = %review.operation,
             dry_run = review.dry_run,
             warnings = decision.warnings.len(),
+            because = decision.because.unwrap_or("the rules admit it"),
             "admission allowed"
         );
     } else {
@@ -236,6 +243,8 @@ pub(super) async fn answer(review: Review, backends: &dyn BackendLookup) -> Answ
 struct Decision {
     error: Option<Status>,
     warnings: Vec<String>,
+    /// Why it was allowed without the rules, for the DEBUG log line.
+    because: Option<&'static str>,
 }
 
 impl Decision {
@@ -243,10 +252,18 @@ impl Decision {
         Decision::default()
     }
 
+    /// Allowed without judging the spec (no warnings), saying why in the log.
+    fn allow_because(because: &'static str) -> Self {
+        Decision {
+            because: Some(because),
+            ..Decision::default()
+        }
+    }
+
     fn deny(code: u16, reason: &str, message: String) -> Self {
         Decision {
             error: Some(Status::failure(&message, reason).with_code(code)),
-            warnings: Vec::new(),
+            ..Decision::default()
         }
     }
 }
@@ -295,6 +312,13 @@ fn prepare(request: &RequestIn<'_>) -> Next {
             )));
         }
     };
+    // A14: the cleanup of an object being deleted is never blocked; nothing of the stored object
+    // needs reading for that.
+    if update && new.metadata.deletion_timestamp.is_some() {
+        return Next::Decided(Box::new(Decision::allow_because(
+            "the Subscription is being deleted (A14)",
+        )));
+    }
     let old = if update {
         match request
             .old_object
@@ -321,6 +345,13 @@ fn prepare(request: &RequestIn<'_>) -> Next {
     } else {
         None
     };
+    // A14: an update that leaves the spec as it was is admitted before the Backend is looked up,
+    // so neither a spec the Backend no longer honours nor a lookup that fails can refuse it.
+    if unchanged(&new.spec, old.as_ref().map(|o| &o.spec)) {
+        return Next::Decided(Box::new(Decision::allow_because(
+            "the spec did not change (A14)",
+        )));
+    }
 
     let Some(namespace) = request
         .namespace
@@ -390,8 +421,8 @@ async fn judge(
     let warnings = verdict.warnings.iter().map(ToString::to_string).collect();
     if verdict.allowed() {
         Decision {
-            error: None,
             warnings,
+            ..Decision::default()
         }
     } else {
         let mut d = Decision::deny(422, "Invalid", verdict.error_text());

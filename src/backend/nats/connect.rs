@@ -3,13 +3,17 @@
 //! Secrets and hands their bytes here; this module knows NATS, not Kubernetes.
 //!
 //! It must not read Kubernetes objects nor decide what a failure means for a resource's status
-//! (it only classifies it as a [`ConnectFailure`]).
+//! (it only classifies it as a [`ConnectFailure`]), and must not write files: the CA goes into the
+//! client's TLS configuration in memory, so the operator runs on a read-only root filesystem.
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::rustls::pki_types::CertificateDer;
+use async_nats::rustls::pki_types::pem::PemObject;
+use async_nats::rustls::{self, ClientConfig, RootCertStore};
 use async_nats::{ConnectErrorKind, ConnectOptions};
 
 /// Credentials, as the Secret's keys spell them.
@@ -142,7 +146,7 @@ where
         }
     }
     if let Some(ca) = &spec.ca_pem {
-        opts = opts.add_root_certificates(ca_file(ca)?).require_tls(true);
+        opts = opts.tls_client_config(tls_config(ca)?).require_tls(true);
     }
     let addrs: Vec<async_nats::ServerAddr> = spec
         .servers
@@ -172,17 +176,31 @@ fn classify(servers: &str, e: async_nats::ConnectError) -> ConnectFailure {
     }
 }
 
-/// The client library reads root certificates from a file: write the PEM once, named by its hash.
-fn ca_file(pem: &str) -> Result<PathBuf, ConnectFailure> {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    pem.hash(&mut h);
-    let path = std::env::temp_dir().join(format!("settle-nats-ca-{:016x}.pem", h.finish()));
-    if !path.exists() {
-        std::fs::write(&path, pem).map_err(|e| {
-            ConnectFailure::BadConfig(format!("cannot write the CA to {}: {e}", path.display()))
-        })?;
+/// The TLS configuration that trusts exactly the CA in `pem` (every certificate in it), built in
+/// memory (no file is written or read), on the ring provider the rest of Settle uses.
+pub fn tls_config(pem: &str) -> Result<ClientConfig, ConnectFailure> {
+    let bad = |what: String| {
+        ConnectFailure::BadConfig(format!(
+            "the CA (spec.nats.tls.caSecretRef, key {CA_KEY:?}) {what}"
+        ))
+    };
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+        let cert = cert.map_err(|e| bad(format!("is not PEM: {e}")))?;
+        roots
+            .add(cert)
+            .map_err(|e| bad(format!("is not a usable certificate: {e}")))?;
     }
-    Ok(path)
+    if roots.is_empty() {
+        return Err(bad("holds no PEM certificate".into()));
+    }
+    Ok(
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(format!("cannot be used with TLS: {e}")))?
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
+    )
 }
 
 /// The server's version as it announced it, once connected.
@@ -242,6 +260,45 @@ mod tests {
         let e = Credentials::from_secret_data(&data(&[("user", "x")])).unwrap_err();
         assert!(e.contains("\"password\" is missing"), "{e}");
     }
+
+    #[test]
+    fn a_ca_is_read_into_the_tls_config_and_a_bad_one_is_bad_config() {
+        assert!(tls_config(TEST_CA).is_ok());
+        for (pem, says) in [
+            ("", "holds no PEM certificate"),
+            ("not a certificate\n", "holds no PEM certificate"),
+            (
+                "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+                "is not a usable certificate",
+            ),
+        ] {
+            match tls_config(pem) {
+                Err(ConnectFailure::BadConfig(m)) => {
+                    assert!(
+                        m.starts_with("the CA (spec.nats.tls.caSecretRef, key \"ca.crt\")"),
+                        "{m}"
+                    );
+                    assert!(m.contains(says), "{pem:?}: {m}");
+                }
+                other => panic!("{pem:?}: expected BadConfig, got {other:?}"),
+            }
+        }
+    }
+
+    /// A self-signed CA certificate (CN "settle test CA", P-256), made once with openssl.
+    const TEST_CA: &str = "\
+-----BEGIN CERTIFICATE-----\n\
+MIIBijCCAS+gAwIBAgIUJ0V/Qy2oqJvEmT4o0Q+8TLCszwYwCgYIKoZIzj0EAwIw\n\
+GTEXMBUGA1UEAwwOc2V0dGxlIHRlc3QgQ0EwIBcNMjYxMjAxMTAwOTI3WhgPMjEy\n\
+NjExMDcxMDA5MjdaMBkxFzAVBgNVBAMMDnNldHRsZSB0ZXN0IENBMFkwEwYHKoZI\n\
+zj0CAQYIKoZIzj0DAQcDQgAE5s2OoyL4sZm5w8WGxzDoDdAgo0iGamOhqmPMLfyn\n\
+TojdfjiiIPQgI/kpDiLXcuaAziVJyp4yfAImUjvZC7CupqNTMFEwHQYDVR0OBBYE\n\
+FBeUTL9w/LxVYplSEl0WO8TPt94zMB8GA1UdIwQYMBaAFBeUTL9w/LxVYplSEl0W\n\
+O8TPt94zMA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZIzj0EAwIDSQAwRgIhAKh7JlsM\n\
+mqyFGpuPSEORPNONkmy7MOyClk+nkSy1OMmuAiEAgGnuxFcubjCy72MuA61jIEVU\n\
+YTgARTBNUtErYWCrd6U=\n\
+-----END CERTIFICATE-----\n\
+";
 
     #[test]
     fn a_changed_secret_changes_the_fingerprint() {
