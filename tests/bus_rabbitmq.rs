@@ -666,6 +666,60 @@ async fn a_backoff_on_rabbitmq_is_refused_by_the_bus_and_by_settle_check_with_th
     scope.cleanup().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_from_the_resource_is_refused_by_the_bus_in_the_admission_rules_words() {
+    // semantics A14, K10: RabbitMQ has no named streams; the runtime's refusal is the policy's
+    // (validate_runtime, the same words as the webhook's), and nothing is declared or awaited.
+    let scope = Scope::new("stream").await;
+    let bus = Bus::builder(scope.backend().await)
+        .without_reports()
+        .namespace("shop")
+        .build();
+    let spec = settle::api::SubscriptionSpec {
+        backend_ref: settle::api::BackendRef {
+            name: "rabbit".into(),
+        },
+        stream: Some("ORDERS".into()),
+        policy: scope.alo("st"),
+        deletion_policy: Default::default(),
+    };
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        bus.subscribe(Subscriber::from_resource(
+            "st",
+            &spec,
+            handler(|_d: Delivery| async { Ok::<(), bus::HandlerError>(()) }),
+        )),
+    )
+    .await
+    .expect("refused at once, not waiting for a queue")
+    .unwrap_err();
+    let want = settle::policy::validate(
+        &spec,
+        None,
+        settle::policy::BackendView::Known {
+            name: "rabbit",
+            capabilities: &settle::policy::capabilities_of(settle::policy::BackendKind::Rabbitmq),
+        },
+    )
+    .error_text();
+    assert!(want.starts_with("spec.stream: "), "{want}");
+    assert!(
+        matches!(&err, BusError::Refused { reason, .. } if *reason == want),
+        "{err}"
+    );
+    assert_eq!(
+        mgmt_status(
+            "GET",
+            &format!("/api/queues/%2f/{}", encode(&scope.durable("st")))
+        ),
+        404,
+        "a refused subscription declares nothing"
+    );
+    bus.close().await;
+    scope.cleanup().await;
+}
+
 // ---------------------------------------------------------------- the operator's queue
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -213,6 +213,24 @@ fn rows() -> Vec<Row> {
             ),
         },
         Row {
+            name: "stream-rabbitmq",
+            spec: "  backendRef: {name: rabbit}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  stream: ORDERS\n",
+            before: None,
+            want: Denied(
+                "spec.stream: \"ORDERS\" names a JetStream stream, and this backend has no named streams (it does not declare namedStreams): its queue is the Subscription's own (on RabbitMQ bound to the Backend's exchange by spec.pattern, on SQS named by spec.durableName). Remove spec.stream",
+                &[],
+            ),
+        },
+        Row {
+            name: "stream-sqs",
+            spec: "  backendRef: {name: sqs}\n  pattern: jobs\n  mode: AtLeastOnce\n  durableName: jobs\n  stream: ORDERS\n",
+            before: None,
+            want: Denied(
+                "spec.stream: \"ORDERS\" names a JetStream stream, and this backend has no named streams (it does not declare namedStreams): its queue is the Subscription's own (on RabbitMQ bound to the Backend's exchange by spec.pattern, on SQS named by spec.durableName). Remove spec.stream",
+                &[],
+            ),
+        },
+        Row {
             name: "backoff-nodelay",
             spec: "  backendRef: {name: nodelay}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  backoff: {initial: 1s, max: 1m}\n",
             before: None,
@@ -470,10 +488,11 @@ fn admission_through_the_real_api_server() {
         &serde_json::from_str(&stored).expect("json"),
     );
 
-    // Backends: nats, memory and rabbitmq by kind; two whose status narrows their capabilities.
+    // Backends: nats, memory, rabbitmq and sqs by kind; two whose status narrows their capabilities.
     let backends = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nats}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: memory}\nspec: {memory: {}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: rabbit}\nspec: {rabbitmq: {urls: [\"amqp://127.0.0.1:5672\"]}}\n---\n\
+                    apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: sqs}\nspec: {sqs: {region: eu-west-1}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nodelay}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: limited}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n";
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(backends));
