@@ -5,21 +5,12 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{install_crds, kubectl, kubectl_ok};
+use common::{free_port, install_crds, kubectl, kubectl_ok};
 
 const WEBHOOK: &str = "subscriptions.messaging.settle.dev";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
 
 /// The operator process; killed when dropped, so a failed assertion leaves nothing running.
 struct Operator {
