@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::rabbitmq::management;
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
@@ -119,34 +118,12 @@ fn encode(s: &str) -> String {
     s.replace('%', "%25").replace('/', "%2f")
 }
 
-/// One management API call (HTTP/1.0, user guest): (status, body).
-fn mgmt_raw(method: &str, path: &str) -> (u16, String) {
-    let base = common::env().rabbitmq_management_url;
-    let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
-}
-
 fn mgmt_status(method: &str, path: &str) -> u16 {
-    mgmt_raw(method, path).0
+    management(method, path).0
 }
 
 fn mgmt(method: &str, path: &str) -> Value {
-    let (status, body) = mgmt_raw(method, path);
+    let (status, body) = management(method, path);
     assert_eq!(status, 200, "{method} {path}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("{method} {path}: {e}: {body}"))
 }

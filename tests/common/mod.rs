@@ -11,6 +11,7 @@ pub mod install;
 #[cfg(feature = "operator")]
 pub mod operator;
 pub mod process;
+pub mod rabbitmq;
 #[cfg(feature = "operator")]
 pub mod subs;
 
