@@ -20,7 +20,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::operator::{Operator, TestStream, free_port};
+use common::free_port;
+use common::operator::{Operator, TestStream};
 use common::subs::{apply, backend_yaml};
 use futures::StreamExt;
 use kube::Api;

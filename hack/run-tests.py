@@ -7,12 +7,26 @@ not on the CPU, so running a few binaries side by side cuts the wall time withou
 machine more than the tests inside one binary already do. Each binary's output is printed in one
 piece (as cargo would), longest-running first, and the usual `test result:` lines stay intact.
 
-usage: hack/run-tests.py JOBS     (after `cargo test --no-run`; reads cargo's JSON on stdin)
-Exits non-zero if any binary failed, after every binary has run.
+A binary fails when it exits non-zero, when it runs past its timeout, or when it ran no test:
+- Timeout: each binary gets `--timeout SECONDS` (or `SETTLE_TEST_TIMEOUT`; 900 unless set: the
+  slowest suites took 79 s (reconcile_faults) and 67 s (demo) running three at a time on 2
+  cores, and a loaded machine can take several times that). A binary past it is stopped with its
+  whole process group (the servers and operators its tests started as child processes: SIGTERM,
+  then SIGKILL after a few seconds), its output so far is printed, then a line
+  `run-tests: NAME TIMED OUT after N s`.
+- No test: its output has no `test result:` line (it crashed before the harness reported, or has
+  no harness), or it is an integration suite (a file under tests/) that ran 0 tests. The unit-test
+  harnesses of the lib, the bins and the examples may legitimately hold no test.
+
+usage: hack/run-tests.py [--timeout SECONDS] JOBS   (after `cargo test --no-run`; reads cargo's
+JSON on stdin). Exits non-zero if any binary failed, after every binary has run.
 """
 
+import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +39,24 @@ FIRST = [
     "helm_chart", "webhook_e2e", "reconcile_backend", "reconcile_runtime", "kustomize",
     "bus_nats", "webhook_hardening", "bus_rabbitmq", "bus_sqs", "operator_cli",
 ]
+
+DEFAULT_TIMEOUT = 900
+# After SIGTERM to a timed-out binary's group, how long before SIGKILL.
+TERM_GRACE = 5
+# After a binary ends, how long its output may still take to arrive: a child that outlived it
+# and holds the pipe open must not hang the run.
+DRAIN_GRACE = 10
+
+# Cargo target kinds whose binaries must run at least one test: the integration suites.
+MUST_RUN_TESTS = {"test"}
+
+RUNNING = re.compile(r"^running (\d+) tests?$", re.MULTILINE)
+RESULT = re.compile(r"^test result:", re.MULTILINE)
+
+# The binaries running now. Each has a process group of its own, which a Ctrl-C at the terminal
+# does not reach, so the runner stops them itself when it is interrupted.
+RUNNING_NOW = set()
+RUNNING_LOCK = threading.Lock()
 
 
 def executables(lines):
@@ -50,8 +82,104 @@ def order(item):
     return (FIRST.index(name) if name in FIRST else len(FIRST), name)
 
 
+def no_test_reason(kind, output):
+    """Why a binary that exited 0 still counts as failed for running no test, or None."""
+    if not RESULT.search(output):
+        return "its output has no `test result:` line"
+    if kind in MUST_RUN_TESTS and sum(int(n) for n in RUNNING.findall(output)) == 0:
+        return "it is an integration suite and ran 0 tests"
+    return None
+
+
+def exited(proc):
+    """Whether `proc` has exited, leaving it unreaped: while its zombie stands, its pid (the
+    group's id) cannot be given to another process, so signalling the group stays safe."""
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    return info is not None and info.si_pid == proc.pid
+
+
+def stop_group(proc):
+    """Stops `proc` and every process in its group: SIGTERM, then SIGKILL after TERM_GRACE."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE
+    while not exited(proc) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # Whatever is left of the group: the binary itself, or children that ignored SIGTERM.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_one(exe, timeout):
+    """Runs `exe` in a process group of its own: (exit code or None if timed out, output)."""
+    proc = subprocess.Popen([exe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, cwd=os.getcwd(), start_new_session=True)
+    with RUNNING_LOCK:
+        RUNNING_NOW.add(proc)
+    chunks = []
+
+    def drain():
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+        stop_group(proc)
+    with RUNNING_LOCK:
+        RUNNING_NOW.discard(proc)
+    reader.join(DRAIN_GRACE)
+    return code, b"".join(chunks).decode("utf-8", "replace")
+
+
+def seconds(text):
+    """A timeout in seconds, above zero."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def interrupted(signum, _frame):
+    """SIGINT, SIGTERM or SIGHUP to the runner: kill every running binary's group, then exit."""
+    with RUNNING_LOCK:
+        procs = list(RUNNING_NOW)
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    print(f"run-tests: interrupted ({signal.Signals(signum).name}); stopped {len(procs)} "
+          "running test binaries and their children", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Runs the crate's test executables side by side.")
+    p.add_argument("jobs", nargs="?", type=int, default=3, help="binaries at once (3)")
+    p.add_argument("--timeout", type=seconds, metavar="SECONDS",
+                   help=f"per binary (SETTLE_TEST_TIMEOUT; {DEFAULT_TIMEOUT} unless set)")
+    args = p.parse_args(argv)
+    if args.timeout is None:
+        env = os.environ.get("SETTLE_TEST_TIMEOUT") or str(DEFAULT_TIMEOUT)
+        try:
+            args.timeout = seconds(env)
+        except ValueError:
+            p.error(f"SETTLE_TEST_TIMEOUT={env!r}: set it to a number of seconds above 0")
+    if args.jobs < 1:
+        p.error("JOBS must be at least 1")
+    return args
+
+
 def main():
-    jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    args = parse_args(sys.argv[1:])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
     tests = sorted(set(executables(sys.stdin)), key=order)
     if not tests:
         print("run-tests: cargo built no test executable", file=sys.stderr)
@@ -62,17 +190,27 @@ def main():
     def run(item):
         name, kind, exe = item
         start = time.monotonic()
-        proc = subprocess.run([exe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              cwd=os.getcwd())
+        code, output = run_one(exe, args.timeout)
         took = time.monotonic() - start
+        if code is None:
+            why = f"TIMED OUT after {args.timeout:g} s"
+        elif code != 0:
+            why = None
+        else:
+            why = no_test_reason(kind, output)
+            why = why and f"ran no test: {why}"
         with lock:
             print(f"     Running {kind} {name} ({took:.1f}s)", flush=True)
-            sys.stdout.write(proc.stdout.decode("utf-8", "replace"))
+            sys.stdout.write(output)
+            if output and not output.endswith("\n"):
+                sys.stdout.write("\n")
+            if why:
+                print(f"run-tests: {name} {why}", flush=True)
             sys.stdout.flush()
-            if proc.returncode != 0:
-                failed.append(name)
+            if code != 0 or why:
+                failed.append(name + (" (timed out)" if code is None else ""))
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         list(pool.map(run, tests))
     if failed:
         print(f"run-tests: failed: {', '.join(sorted(failed))}", flush=True)

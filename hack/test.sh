@@ -23,7 +23,8 @@ source "$SETTLE_ENV_DIR/settle.env"
 
 # Unit and integration tests (benches are compiled above but not run: they print figures and
 # are run with `make bench`). The test binaries run SETTLE_TEST_JOBS at a time (default 3): most
-# suites wait on real servers rather than the CPU; each binary's output is printed whole.
+# suites wait on real servers rather than the CPU; each binary's output is printed whole. Each
+# binary gets SETTLE_TEST_TIMEOUT seconds (default 900), then it and its children are killed.
 log="$ROOT/target/test-output.log"
 {
   cargo test --locked --no-run --lib --bins --tests --examples --message-format=json-render-diagnostics \

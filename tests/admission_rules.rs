@@ -1,10 +1,10 @@
-//! Every admission rule (docs/semantics.md A1–A14), valid and invalid, as one table over the pure
+//! Every admission rule (docs/semantics.md A1–A15), valid and invalid, as one table over the pure
 //! `validate`. The webhook and `settle check` call the same function; their own tests check the
 //! wiring, this one the rules.
 
 use settle::api::{Capabilities, Duration, SubscriptionSpec};
 use settle::policy::{BackendKind, capabilities_of};
-use settle::policy::{BackendView, Verdict, validate, validate_policy};
+use settle::policy::{BackendView, Verdict, validate, validate_policy, validate_runtime};
 
 /// The backend a row is checked against.
 #[derive(Clone, Copy)]
@@ -391,6 +391,77 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
+        // --- A15: a named stream needs a backend that has them (K10)
+        Row {
+            name: "A15: stream on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[(
+                "spec.stream",
+                "\"ORDERS\" names a JetStream stream, and this backend has no named streams (it does not declare namedStreams): its queue is the Subscription's own",
+            )],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: stream on sqs",
+            spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: None,
+            backend: Kind(Sqs),
+            errors: &[("spec.stream", "Remove spec.stream")],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: stream under AtMostOnce on rabbitmq",
+            spec: "stream: ORDERS\n",
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.stream", "has no named streams")],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: stream kept on update on rabbitmq",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: Some("mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n"),
+            backend: Kind(Rabbitmq),
+            errors: &[("spec.stream", "has no named streams")],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: stream on nats",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: None,
+            backend: Kind(Nats),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: stream on memory",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: None,
+            backend: Kind(Memory),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: no stream on rabbitmq",
+            spec: ALO,
+            old: None,
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A15: stream on a missing backend waits for its capabilities",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
+            old: None,
+            backend: Missing,
+            errors: &[],
+            warnings: &[(
+                "spec.backendRef.name",
+                "Backend \"nats\" does not exist in this namespace yet",
+            )],
+        },
         // --- A6: what the broker cannot change in place
         Row {
             name: "A6: mode change",
@@ -578,13 +649,20 @@ fn every_error_says_what_to_do() {
 
 #[test]
 fn validate_policy_is_the_same_rules_without_the_resource() {
-    // The runtime calls validate_policy when a bus is built; it must agree with validate.
+    // The runtime calls validate_runtime (validate_policy and the stream it was given) when a
+    // subscription is added; on a create it must agree with validate, and so must validate_policy
+    // alone where the spec names no stream.
     for row in rows().into_iter().filter(|r| r.old.is_none()) {
         let B::Kind(kind) = row.backend else { continue };
         let caps = capabilities_of(kind);
         let full = run(&row);
-        let policy_only = validate_policy(&spec(row.spec).policy, &caps);
-        assert_eq!(full, policy_only, "{}", row.name);
+        let s = spec(row.spec);
+        let runtime = validate_runtime(&s.policy, s.stream.as_deref(), &caps);
+        assert_eq!(full, runtime, "{}", row.name);
+        if s.stream.is_none() {
+            let policy_only = validate_policy(&s.policy, &caps);
+            assert_eq!(full, policy_only, "{}", row.name);
+        }
     }
 }
 

@@ -7,11 +7,10 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::rabbitmq::management;
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
@@ -119,34 +118,12 @@ fn encode(s: &str) -> String {
     s.replace('%', "%25").replace('/', "%2f")
 }
 
-/// One management API call (HTTP/1.0, user guest): (status, body).
-fn mgmt_raw(method: &str, path: &str) -> (u16, String) {
-    let base = common::env().rabbitmq_management_url;
-    let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
-}
-
 fn mgmt_status(method: &str, path: &str) -> u16 {
-    mgmt_raw(method, path).0
+    management(method, path).0
 }
 
 fn mgmt(method: &str, path: &str) -> Value {
-    let (status, body) = mgmt_raw(method, path);
+    let (status, body) = management(method, path);
     assert_eq!(status, 200, "{method} {path}: {body}");
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("{method} {path}: {e}: {body}"))
 }
@@ -663,6 +640,60 @@ async fn a_backoff_on_rabbitmq_is_refused_by_the_bus_and_by_settle_check_with_th
         "{text}"
     );
     assert!(!text.contains("does not drive it yet"), "{text}");
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_from_the_resource_is_refused_by_the_bus_in_the_admission_rules_words() {
+    // semantics A15, K10: RabbitMQ has no named streams; the runtime's refusal is the policy's
+    // (validate_runtime, the same words as the webhook's), and nothing is declared or awaited.
+    let scope = Scope::new("stream").await;
+    let bus = Bus::builder(scope.backend().await)
+        .without_reports()
+        .namespace("shop")
+        .build();
+    let spec = settle::api::SubscriptionSpec {
+        backend_ref: settle::api::BackendRef {
+            name: "rabbit".into(),
+        },
+        stream: Some("ORDERS".into()),
+        policy: scope.alo("st"),
+        deletion_policy: Default::default(),
+    };
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        bus.subscribe(Subscriber::from_resource(
+            "st",
+            &spec,
+            handler(|_d: Delivery| async { Ok::<(), bus::HandlerError>(()) }),
+        )),
+    )
+    .await
+    .expect("refused at once, not waiting for a queue")
+    .unwrap_err();
+    let want = settle::policy::validate(
+        &spec,
+        None,
+        settle::policy::BackendView::Known {
+            name: "rabbit",
+            capabilities: &settle::policy::capabilities_of(settle::policy::BackendKind::Rabbitmq),
+        },
+    )
+    .error_text();
+    assert!(want.starts_with("spec.stream: "), "{want}");
+    assert!(
+        matches!(&err, BusError::Refused { reason, .. } if *reason == want),
+        "{err}"
+    );
+    assert_eq!(
+        mgmt_status(
+            "GET",
+            &format!("/api/queues/%2f/{}", encode(&scope.durable("st")))
+        ),
+        404,
+        "a refused subscription declares nothing"
+    );
+    bus.close().await;
     scope.cleanup().await;
 }
 

@@ -72,6 +72,35 @@ fn sqs_refuses_delays_longer_than_twelve_hours() {
 }
 
 #[test]
+fn a_stream_is_refused_on_rabbitmq_and_sqs_naming_the_field_and_admitted_on_nats() {
+    // A15: the same words as the webhook's, from the same validate.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("streamed.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: orders, namespace: shop}\nspec:\n  backendRef: {name: b}\n  pattern: orders\n  mode: AtLeastOnce\n  durableName: orders\n  stream: ORDERS\n",
+    )
+    .unwrap();
+    for kind in ["rabbitmq", "sqs"] {
+        let (code, out) = settle_check(&["-f", f.to_str().unwrap(), "--backend-kind", kind]);
+        assert_eq!(code, 1, "{kind}: {out}");
+        assert!(
+            out.contains(&format!(
+                "Subscription shop/orders REFUSED (backend: {kind}, --backend-kind)"
+            )),
+            "{kind}: {out}"
+        );
+        assert!(
+            out.contains("error: spec.stream: \"ORDERS\" names a JetStream stream, and this backend has no named streams"),
+            "{kind}: {out}"
+        );
+        assert!(out.contains("Remove spec.stream"), "{kind}: {out}");
+    }
+    let (code, out) = settle_check(&["-f", f.to_str().unwrap(), "--backend-kind", "nats"]);
+    assert_eq!(code, 0, "{out}");
+}
+
+#[test]
 fn backend_in_the_same_input_decides_capabilities() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(

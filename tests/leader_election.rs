@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -19,6 +18,8 @@ use kube::Api;
 use kube::api::PostParams;
 use prometheus::Registry;
 use settle::operator::leader::{self, LEASE_DURATION, LeaderError, Leadership, LeaseConfig};
+
+use common::free_port;
 
 /// The promise: a standby leads within this long of the leader's death.
 const TAKEOVER: Duration = Duration::from_secs(15);
@@ -545,14 +546,6 @@ async fn a_leader_cut_off_from_the_api_server_stops_leading_before_a_standby_tak
 }
 
 // ---- `settle operator` processes
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
 
 /// A `settle operator` process; killed when dropped, so a failed assertion leaves nothing running.
 struct Operator {

@@ -10,6 +10,7 @@ use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::free_port;
 use common::process::{Killed, poll_until};
 
 /// One row of the README's flag table: flags, env variables, default (None: "none", "self-managed").
@@ -116,13 +117,6 @@ fn every_operator_flag_has_the_env_fallback_and_default_the_readme_gives() {
     for (flag, want) in &readme {
         assert_eq!(&help[flag], want, "{flag}: README vs --help");
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port on 127.0.0.1")
-        .port()
 }
 
 /// GET `path` on 127.0.0.1:`port`: (status code, body), or None while nothing answers.

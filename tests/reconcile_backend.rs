@@ -8,8 +8,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::operator::{NatsServer, Operator, condition, free_port, poll};
-use common::{install_crds, kubectl_ok, namespace};
+use common::operator::{NatsServer, Operator, condition, poll};
+use common::{free_port, install_crds, kubectl_ok, namespace};
 use kube::Api;
 use settle::api::Backend;
 

@@ -13,11 +13,10 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use common::operator::{Operator, condition, poll};
+use common::rabbitmq::{management, queue};
 use common::subs::{
     apply, backends, sub_yaml_on, subs, wait_backend, wait_condition, wait_event, wait_gone,
     wait_ready,
@@ -28,41 +27,9 @@ use serde_json::Value;
 use settle::api::ConsumerRef;
 use settle::policy::{BackendKind, capabilities_of};
 
-/// One management API call (HTTP/1.0, user guest): (status, body).
-fn mgmt_raw(method: &str, path: &str) -> (u16, String) {
-    let base = common::env().rabbitmq_management_url;
-    let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
-}
-
-/// Queue `name` on the default vhost, `None` when it does not exist.
-fn queue(name: &str) -> Option<Value> {
-    let (status, body) = mgmt_raw("GET", &format!("/api/queues/%2f/{name}"));
-    match status {
-        200 => Some(serde_json::from_str(&body).expect("JSON")),
-        404 => None,
-        other => panic!("GET queue {name}: {other} {body}"),
-    }
-}
-
 /// Queue `name`'s bindings other than the default exchange's, as (exchange, routing key).
 fn bindings(name: &str) -> Vec<(String, String)> {
-    let (status, body) = mgmt_raw("GET", &format!("/api/queues/%2f/{name}/bindings"));
+    let (status, body) = management("GET", &format!("/api/queues/%2f/{name}/bindings"));
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).expect("JSON");
     let mut out: Vec<(String, String)> = v
@@ -82,7 +49,7 @@ fn bindings(name: &str) -> Vec<(String, String)> {
 }
 
 fn delete_queue(name: &str) {
-    let (status, body) = mgmt_raw("DELETE", &format!("/api/queues/%2f/{name}"));
+    let (status, body) = management("DELETE", &format!("/api/queues/%2f/{name}"));
     assert!(
         status == 204 || status == 404,
         "DELETE queue {name}: {status} {body}"
@@ -148,10 +115,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     apply(&ns, &secret("guest"));
     wait_backend(&backends(&ns).await, "secured", "True", "Connected").await;
     // A closed port is Unreachable, and names the field to check.
-    let closed = format!(
-        "amqp://guest:guest@127.0.0.1:{}/%2f",
-        common::operator::free_port()
-    );
+    let closed = format!("amqp://guest:guest@127.0.0.1:{}/%2f", common::free_port());
     apply(
         &ns,
         &backend_yaml("closed", &closed, &env.rabbitmq_management_url),
@@ -532,7 +496,7 @@ fn segment(s: &str) -> String {
 
 /// The broker's names of the AMQP connections operator `pid` holds.
 fn connections_of(pid: u32) -> Vec<String> {
-    let (status, body) = mgmt_raw("GET", "/api/connections");
+    let (status, body) = management("GET", "/api/connections");
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).expect("JSON");
     v.as_array()
@@ -616,7 +580,7 @@ async fn without_the_management_api_queues_are_still_made_and_a_closed_connectio
     )
     .await;
     for name in &before {
-        let (status, body) = mgmt_raw("DELETE", &format!("/api/connections/{}", segment(name)));
+        let (status, body) = management("DELETE", &format!("/api/connections/{}", segment(name)));
         assert_eq!(status, 204, "close {name}: {body}");
     }
     poll(

@@ -7,21 +7,12 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{install_crds, kubectl, kubectl_ok};
+use common::{free_port, install_crds, kubectl, kubectl_ok};
 
 const WEBHOOK: &str = "subscriptions.messaging.settle.dev";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
 
 /// The operator process; killed when dropped, so a failed assertion leaves nothing running.
 struct Operator {
@@ -211,6 +202,24 @@ fn rows() -> Vec<Row> {
             before: None,
             want: Denied(
                 "spec.maxInFlight: 70000 is more than this backend can hold unsettled per consumer (65535): set it to 65535 or less",
+                &[],
+            ),
+        },
+        Row {
+            name: "stream-rabbitmq",
+            spec: "  backendRef: {name: rabbit}\n  pattern: a.>\n  mode: AtLeastOnce\n  durableName: d\n  stream: ORDERS\n",
+            before: None,
+            want: Denied(
+                "spec.stream: \"ORDERS\" names a JetStream stream, and this backend has no named streams (it does not declare namedStreams): its queue is the Subscription's own (on RabbitMQ bound to the Backend's exchange by spec.pattern, on SQS named by spec.durableName). Remove spec.stream",
+                &[],
+            ),
+        },
+        Row {
+            name: "stream-sqs",
+            spec: "  backendRef: {name: sqs}\n  pattern: jobs\n  mode: AtLeastOnce\n  durableName: jobs\n  stream: ORDERS\n",
+            before: None,
+            want: Denied(
+                "spec.stream: \"ORDERS\" names a JetStream stream, and this backend has no named streams (it does not declare namedStreams): its queue is the Subscription's own (on RabbitMQ bound to the Backend's exchange by spec.pattern, on SQS named by spec.durableName). Remove spec.stream",
                 &[],
             ),
         },
@@ -472,10 +481,11 @@ fn admission_through_the_real_api_server() {
         &serde_json::from_str(&stored).expect("json"),
     );
 
-    // Backends: nats, memory and rabbitmq by kind; two whose status narrows their capabilities.
+    // Backends: nats, memory, rabbitmq and sqs by kind; two whose status narrows their capabilities.
     let backends = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nats}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: memory}\nspec: {memory: {}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: rabbit}\nspec: {rabbitmq: {urls: [\"amqp://127.0.0.1:5672\"]}}\n---\n\
+                    apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: sqs}\nspec: {sqs: {region: eu-west-1}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nodelay}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: limited}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n";
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(backends));

@@ -162,7 +162,7 @@ pub struct SecretRef {
     pub name: String,
 }
 
-/// What a backend can honour (docs/semantics.md K1–K3, K6–K9). Shown in Backend status,
+/// What a backend can honour (docs/semantics.md K1–K3, K6–K10). Shown in Backend status,
 /// used by admission to refuse specs the backend cannot honour.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -190,6 +190,16 @@ pub struct Capabilities {
     /// is an argument that cannot change in place): a change is refused at admission (K9).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub max_deliver_fixed: bool,
+    /// A subscription can name the stream it consumes from (`spec.stream`; JetStream). Without
+    /// it (RabbitMQ, SQS) the queue is the Subscription's own, and `spec.stream` is refused at
+    /// admission (K10). A status written before this field existed said nothing about streams:
+    /// read as true.
+    #[serde(default = "named_streams_unless_said")]
+    pub named_streams: bool,
+}
+
+fn named_streams_unless_said() -> bool {
+    true
 }
 
 /// What a broker does with a message whose handler has not settled it (docs/semantics.md K6).

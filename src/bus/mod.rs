@@ -10,7 +10,7 @@
 //! - [`report`]: the versioned stats report for the operator.
 //!
 //! This module must not know a particular broker, and must not re-state the admission rules:
-//! it calls `policy::validate_policy` when a subscription is added.
+//! it calls `policy::validate_runtime` when a subscription is added.
 
 pub mod conformance;
 mod delivery;
@@ -177,14 +177,18 @@ impl Bus {
     }
 
     /// Starts a subscription. Refused, with the admission rules' own words, when the backend
-    /// cannot honour its policy (semantics B7, A1–A5).
+    /// cannot honour its policy or its stream (semantics B7, A1–A5, A15).
     pub async fn subscribe(&self, spec: Subscriber) -> Result<(), BusError> {
         let inner = &self.inner;
         if inner.closed.load(Ordering::Acquire) {
             return Err(BusError::Closed);
         }
         let backend = &inner.backend;
-        let verdict = crate::policy::validate_policy(&spec.policy, &backend.capabilities());
+        let verdict = crate::policy::validate_runtime(
+            &spec.policy,
+            spec.stream.as_deref(),
+            &backend.capabilities(),
+        );
         if !verdict.allowed() {
             return Err(BusError::Refused {
                 name: spec.name,

@@ -1,7 +1,7 @@
 //! What an application subscribes with: `Subscriber { name, policy, handler }`, where the
 //! policy is the CRD's own `api::DeliveryPolicy` (no field is copied by hand), and the handler.
 //!
-//! No rule about what a backend can honour lives here (that is `policy::validate_policy`), nor
+//! No rule about what a backend can honour lives here (that is `policy::validate_runtime`), nor
 //! any default (that is `policy::ResolvedPolicy`).
 
 use std::fmt;

@@ -1,4 +1,4 @@
-//! The capability table: what each backend kind can honour (docs/semantics.md K1–K8).
+//! The capability table: what each backend kind can honour (docs/semantics.md K1–K10).
 //!
 //! Settle drives every kind in the table: `nats`, `rabbitmq`, `sqs` and `memory`; `settle check
 //! --backend-kind` can say what a spec would need on that broker.
@@ -85,6 +85,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             ack_timeout: AckTimeout::PerSubscription,
             max_in_flight: None,
             max_deliver_fixed: false,
+            named_streams: true,
         },
         BackendKind::Memory => Capabilities {
             delays_redelivery: true,
@@ -94,6 +95,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             ack_timeout: AckTimeout::Never,
             max_in_flight: None,
             max_deliver_fixed: false,
+            named_streams: true,
         },
         BackendKind::Sqs => Capabilities {
             delays_redelivery: true,
@@ -103,6 +105,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             ack_timeout: AckTimeout::PerSubscription,
             max_in_flight: None,
             max_deliver_fixed: false,
+            named_streams: false,
         },
         // Without plugins a nack requeues at once (no delay); the broker hands a message on only
         // when the channel that holds it closes (after its broker-wide consumer_timeout, 30 min
@@ -116,6 +119,7 @@ pub fn capabilities_of(kind: BackendKind) -> Capabilities {
             ack_timeout: AckTimeout::BrokerWide,
             max_in_flight: Some(RABBITMQ_MAX_PREFETCH),
             max_deliver_fixed: true,
+            named_streams: false,
         },
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! - [`capabilities`](BackendKind): the one capability table, and [`effective_capabilities`], the
 //!   one resolver every caller uses (the webhook, `settle check`, the runtime, the controller).
-//! - [`validate`] / [`validate_policy`]: the one set of admission rules; [`unchanged`], the one
-//!   that admits an update leaving the spec as it was (A14) before any Backend is looked up.
+//! - [`validate`] / [`validate_policy`] / [`validate_runtime`]: the one set of admission rules;
+//!   [`unchanged`], the one that admits an update leaving the spec as it was (A14) before any
+//!   Backend is looked up.
 //! - [`ResolvedPolicy`]: a delivery policy with every default filled in, and the backoff schedule.
 //!
 //! This module must stay pure: no I/O, no clock, no Kubernetes or broker client. It imports only
@@ -20,4 +21,6 @@ pub use resolved::{
     DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, ResolvedPolicy, Schedule,
     schedule_delay,
 };
-pub use rules::{BackendView, FieldIssue, Verdict, unchanged, validate, validate_policy};
+pub use rules::{
+    BackendView, FieldIssue, Verdict, unchanged, validate, validate_policy, validate_runtime,
+};

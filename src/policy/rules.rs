@@ -2,8 +2,9 @@
 //! that lets an update which leaves the spec as it was through without judging it again.
 //!
 //! One pure function serves the webhook, `settle check`, the controller (which re-checks before
-//! it touches a broker) and the handler runtime (`validate_policy`, when a bus is built). It must
-//! stay pure: no I/O, no clock, no Kubernetes client. Every error names the field and the fix.
+//! it touches a broker) and the handler runtime (`validate_runtime`, when a subscription is
+//! added). It must stay pure: no I/O, no clock, no Kubernetes client. Every error names the field
+//! and the fix.
 
 use std::fmt;
 
@@ -75,7 +76,7 @@ pub enum BackendView<'a> {
     Missing { name: &'a str },
 }
 
-/// The admission rules (docs/semantics.md A1–A14) for a Subscription create (`old` is `None`) or
+/// The admission rules (docs/semantics.md A1–A15) for a Subscription create (`old` is `None`) or
 /// update (`old` is the stored spec).
 pub fn validate(
     spec: &SubscriptionSpec,
@@ -89,7 +90,8 @@ pub fn validate(
     }
     match backend {
         BackendView::Known { capabilities, .. } => {
-            policy_rules(&mut v, &spec.policy, Some(capabilities))
+            policy_rules(&mut v, &spec.policy, Some(capabilities));
+            stream_rules(&mut v, spec.stream.as_deref(), capabilities);
         }
         BackendView::Missing { name } => {
             policy_rules(&mut v, &spec.policy, None);
@@ -144,12 +146,41 @@ fn fixed_on_backend(
     }
 }
 
-/// The rules that depend only on the delivery policy and the backend's capabilities: what the
-/// handler runtime checks when a bus is built.
+/// The rules that depend only on the delivery policy and the backend's capabilities.
 pub fn validate_policy(policy: &DeliveryPolicy, capabilities: &Capabilities) -> Verdict {
     let mut v = Verdict::default();
     policy_rules(&mut v, policy, Some(capabilities));
     v
+}
+
+/// What the handler runtime checks when a subscription is added: the delivery policy's rules
+/// ([`validate_policy`]) and the stream it was given (A15). On a create, the same verdict as
+/// [`validate`] for the same spec and capabilities.
+pub fn validate_runtime(
+    policy: &DeliveryPolicy,
+    stream: Option<&str>,
+    capabilities: &Capabilities,
+) -> Verdict {
+    let mut v = validate_policy(policy, capabilities);
+    stream_rules(&mut v, stream, capabilities);
+    v
+}
+
+/// A15: a named stream needs a backend that has them (K10); elsewhere the queue is the
+/// Subscription's own, found by its pattern and durableName.
+fn stream_rules(v: &mut Verdict, stream: Option<&str>, caps: &Capabilities) {
+    if let Some(stream) = stream
+        && !caps.named_streams
+    {
+        v.error(
+            "spec.stream",
+            format!(
+                "{stream:?} names a JetStream stream, and this backend has no named streams (it does not declare \
+                 namedStreams): its queue is the Subscription's own (on RabbitMQ bound to the Backend's exchange \
+                 by spec.pattern, on SQS named by spec.durableName). Remove spec.stream"
+            ),
+        );
+    }
 }
 
 fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>) {

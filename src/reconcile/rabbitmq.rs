@@ -12,7 +12,9 @@
 //! the queue this Subscription's status names.
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
-//! [`super::subscription`] does).
+//! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
+//! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
+//! this step runs.
 
 use kube::ResourceExt;
 use kube::runtime::events::EventType;
@@ -111,12 +113,6 @@ pub async fn ensure(
 ) -> SubOutcome {
     let ns = sub.namespace().unwrap_or_default();
     let name = sub.name_any();
-    if let Some(stream) = &sub.spec.stream {
-        return SubOutcome::Invalid(format!(
-            "spec.stream: {stream:?} is a JetStream setting; on RabbitMQ the queue is bound to the Backend's \
-             exchange by spec.pattern: remove spec.stream"
-        ));
-    }
     let policy = ResolvedPolicy::resolve(&sub.spec.policy);
     let want = queue::desired(&ns, &name, &policy, &conn.exchanges);
     let here = ConsumerRef {

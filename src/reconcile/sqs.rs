@@ -7,7 +7,9 @@
 //! only when Settle made it and it is empty (what it holds was Exhausted: kept for a person).
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
-//! [`super::subscription`] does).
+//! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
+//! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
+//! this step runs.
 
 use aws_sdk_sqs::Client;
 use kube::ResourceExt;
@@ -107,12 +109,6 @@ pub async fn ensure(
     let name = sub.name_any();
     let owner = format!("{ns}/{name}");
     let client = conn.broker.client();
-    if let Some(stream) = &sub.spec.stream {
-        return SubOutcome::Invalid(format!(
-            "spec.stream: {stream:?} is a JetStream setting; on SQS the queue is named by spec.durableName: \
-             remove spec.stream"
-        ));
-    }
     let policy = ResolvedPolicy::resolve(&sub.spec.policy);
     let want = match queue::desired(conn.broker.queue_prefix(), &policy) {
         Ok(w) => w,

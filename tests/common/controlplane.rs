@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::root;
+use super::{free_port, root};
 
 /// The cached binary of a pinned tool (`hack/tools.sh path NAME`); fails, naming the command
 /// that builds it, when it is missing.
@@ -30,13 +30,6 @@ pub fn tool(name: &str) -> PathBuf {
         path.display()
     );
     path
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port on 127.0.0.1")
-        .port()
 }
 
 /// Runs real kubectl against the API server of `kubeconfig`.

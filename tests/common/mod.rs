@@ -11,6 +11,7 @@ pub mod install;
 #[cfg(feature = "operator")]
 pub mod operator;
 pub mod process;
+pub mod rabbitmq;
 #[cfg(feature = "operator")]
 pub mod subs;
 
@@ -35,6 +36,16 @@ pub struct Env {
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a process a test starts. Someone
+/// else can take it before that process binds it; the environment's own servers never trust a
+/// chosen port (README, Ports), and a test that starts its own server fails loudly if it is taken.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a free port on 127.0.0.1")
+        .port()
 }
 
 /// The environment, from the process environment (`source target/env/settle.env`; `make test`

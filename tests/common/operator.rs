@@ -4,7 +4,6 @@
 //! with a deadline and a message. Every process is killed on drop.
 
 use std::future::Future;
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,13 +11,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
+use super::free_port;
 
 /// Polls `f` every 100 ms until it returns `Some`; panics after `limit` saying what it waited for
 /// and what it saw last (`f`'s `Err`).

@@ -74,9 +74,6 @@ pub enum RabbitError {
          delete the queue, or choose another durableName"
     )]
     QueueDiffers { queue: String, reason: String },
-    /// A subscription option that has no meaning on RabbitMQ.
-    #[error("{0}")]
-    Unsupported(String),
     #[error("{what}: {source}")]
     Amqp {
         what: String,
@@ -207,12 +204,6 @@ impl RabbitBroker {
     async fn bind(&self, ctx: &SubscriptionCtx) -> Result<(Channel, lapin::Consumer), BusError> {
         let b = ctx.binding();
         let p = ctx.policy();
-        if let Some(stream) = &b.stream {
-            return Err(broker_err(RabbitError::Unsupported(format!(
-                "stream {stream:?} is a JetStream setting: on RabbitMQ a subscription's queue is bound to the \
-                 exchange by its pattern; remove spec.stream"
-            ))));
-        }
         let want = match b.owner {
             ConsumerOwner::Runtime => {
                 let want = queue::desired_by_runtime(&b.namespace, ctx.name(), p, &self.exchanges);

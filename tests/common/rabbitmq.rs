@@ -1,0 +1,47 @@
+//! RabbitMQ's management API as the tests read it, never through Settle: one raw call (HTTP/1.0,
+//! user guest) to the environment's management URL, and a queue by name. What a test asserts
+//! about a queue's arguments, bindings or messages is read back through here.
+//!
+//! It must not decide what a test expects (a status code, a body): callers assert that.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// One management API call, `method` on `path` (`/api/queues/%2f/NAME`): (status, body). Status
+/// 0 when the answer has no status line.
+pub fn management(method: &str, path: &str) -> (u16, String) {
+    let base = super::env().rabbitmq_management_url;
+    let addr = base.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("set a read timeout");
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
+    );
+    s.write_all(req.as_bytes())
+        .unwrap_or_else(|e| panic!("{method} {path}: send: {e}"));
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)
+        .unwrap_or_else(|e| panic!("{method} {path}: read: {e}"));
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// Queue `name` on the default vhost, `None` when it does not exist.
+pub fn queue(name: &str) -> Option<Value> {
+    let (status, body) = management("GET", &format!("/api/queues/%2f/{name}"));
+    match status {
+        200 => Some(serde_json::from_str(&body).expect("JSON")),
+        404 => None,
+        other => panic!("GET queue {name}: {other} {body}"),
+    }
+}
