@@ -74,14 +74,14 @@ async fn always_nack(test: &str, halfway: Halfway) -> Scene {
     );
     if halfway == Halfway::OperatorKilled {
         // The runtime's own count hides the broker's: the restarted operator must have read
-        // the five terminate advisories captured while it was down (and only those: the first
-        // five were acknowledged before the kill).
-        assert_eq!(
-            scene
-                .op
-                .metric("settle_account_advisories_total", &[("kind", "terminated")]),
-            5.0,
-            "the advisories captured while the operator was down are read"
+        // the five terminate advisories captured while it was down (more when acknowledgements
+        // sent just before the kill were lost: those come again and the ledger skips them).
+        let read = scene
+            .op
+            .metric("settle_account_advisories_total", &[("kind", "terminated")]);
+        assert!(
+            read >= 5.0,
+            "the advisories captured while the operator was down are read: {read}"
         );
     }
     scene.assert_never_decreased();

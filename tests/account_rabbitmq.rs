@@ -428,3 +428,73 @@ async fn a_subscription_deleted_and_applied_again_on_rabbitmq_starts_at_zero_whi
     drop(app);
     scene.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instances_final_report_survives_a_flood_of_other_reports_while_the_operator_is_down() {
+    let mut scene = Scene::new("acctrq-flood").await;
+    let mut app = scene.app();
+    app.wait_ready().await;
+    scene.publish(3).await;
+    scene
+        .wait_stats("three exhausted", Duration::from_secs(60), |s| {
+            s.exhausted == 3 && s.settlement.nacked == 9
+        })
+        .await;
+    scene.op.kill9();
+    // Two more lost while no operator runs, then the instance stops for good: its last report
+    // is the only place those counts are.
+    scene.publish(2).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    app.sigterm();
+    assert!(app.wait_exit(Duration::from_secs(30)), "closed gracefully");
+    // Meanwhile other instances report, many times over the shared report queue's bound (as
+    // runtimes report there that predate instance queues).
+    let ch = scene.amqp.create_channel().await.expect("channel");
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    let shared = report_queue(&scene.ns, "orders");
+    let mut confirms = Vec::new();
+    let flood = settle::backend::rabbitmq::report::REPORTS_MAX_LENGTH + 2_000;
+    for i in 1..=flood {
+        let body = serde_json::json!({
+            "version": 1, "namespace": scene.ns, "subscription": "orders",
+            "instance": "flood-0", "backend": "rabbitmq", "mode": "AtLeastOnce",
+            "startedAtMs": 1, "reportedAtMs": 2, "sequence": i,
+            "stats": {}, "runtime": {},
+        });
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                shared.as_str().into(),
+                BasicPublishOptions::default(),
+                &serde_json::to_vec(&body).expect("json"),
+                lapin::BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .expect("publish"),
+        );
+    }
+    for c in confirms {
+        assert!(c.await.expect("confirmed").is_ack());
+    }
+    let _ = ch.close(200, "flooded".into()).await;
+    scene.op = Operator::start_with(&scene.test, &scene.ns, &OPERATOR_FLAGS);
+    let s = scene
+        .wait_stats(
+            "the stopped instance's final counts",
+            Duration::from_secs(90),
+            |s| s.exhausted >= 5 && s.settlement.nacked >= 15,
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(scene.stats().await, Some(s), "nothing more arrives");
+    assert_eq!(
+        (s.exhausted, s.settlement.nacked, s.delivered, s.offered),
+        (5, 15, 15, 15),
+        "{s:?}"
+    );
+    assert!(s.balanced(), "{s:?}");
+    scene.assert_never_decreased();
+    scene.finish().await;
+}

@@ -420,9 +420,10 @@ fn rows() -> Vec<Row> {
             warnings: &[],
         },
         Row {
+            // Another field changed (an unchanged spec is A14's: admitted unjudged).
             name: "A15: stream kept on update on rabbitmq",
-            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n",
-            old: Some("mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\n"),
+            spec: "mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\nmaxInFlight: 5\n",
+            old: Some("mode: AtLeastOnce\ndurableName: orders\nstream: ORDERS\nmaxInFlight: 10\n"),
             backend: Kind(Rabbitmq),
             errors: &[("spec.stream", "has no named streams")],
             warnings: &[],

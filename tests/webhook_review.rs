@@ -1261,6 +1261,8 @@ fn verdict_matches_validate() {
                 delays_redelivery: false,
                 max_redelivery_delay: None,
                 restart_can_spend_unseen_attempt: true,
+                // A status without the field reads as having named streams (as the lookup's does).
+                named_streams: true,
                 ..Default::default()
             };
             let nats = capabilities_of(BackendKind::Nats);

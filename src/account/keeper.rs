@@ -296,7 +296,7 @@ impl Keeper {
                             tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
                         }
                     }
-                    self.settle(&js, &ledgers, &members, &mut books).await?;
+                    self.settle(&js, &ledgers, &reports, &members, &mut books).await?;
                 }
             }
         }
@@ -477,6 +477,43 @@ impl Keeper {
         Ok(None)
     }
 
+    /// A book read anew: its ledger from the bucket, and every live report of its Subscription
+    /// from the report bucket (the watch has passed them; they are cumulative, so reading them
+    /// again counts each once).
+    async fn rebuild(
+        &self,
+        ledgers: &kv::Store,
+        reports: &kv::Store,
+        members: &HashMap<SubKey, Member>,
+        books: &mut HashMap<SubKey, Book>,
+        key: &SubKey,
+    ) -> Result<(), NatsError> {
+        let Some(member) = members.get(key) else {
+            return Ok(());
+        };
+        self.book(ledgers, books, key, member).await?;
+        let prefix = format!(
+            "{}.",
+            report_key(&key.0, &key.1, "_")
+                .rsplit_once('.')
+                .map_or("", |(p, _)| p)
+        );
+        let keys: Vec<String> = reports
+            .keys()
+            .await
+            .map_err(|e| broken("listing the report bucket", e))?
+            .filter_map(|k| async move { k.ok() })
+            .filter(|k| futures::future::ready(k.starts_with(&prefix)))
+            .collect()
+            .await;
+        for k in keys {
+            if let Ok(Some(entry)) = reports.entry(k).await {
+                self.on_report(ledgers, members, books, entry).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// Applies one advisory; returns the Subscription whose book it changed (its
     /// acknowledgement waits for that book's save).
     async fn on_advisory(
@@ -551,6 +588,7 @@ impl Keeper {
         &self,
         js: &jetstream::Context,
         ledgers: &kv::Store,
+        reports: &kv::Store,
         members: &HashMap<SubKey, Member>,
         books: &mut HashMap<SubKey, Book>,
     ) -> Result<(), NatsError> {
@@ -615,8 +653,9 @@ impl Keeper {
         // Another operator wrote a ledger since this one read it (a leader handover): this
         // book is read again from the bucket, its unacknowledged advisories come back.
         for key in lost_race {
-            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the ledger was written by another operator meanwhile: reading it again");
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the ledger was written by another writer meanwhile: reading it and the Subscription's reports again");
             books.remove(&key);
+            self.rebuild(ledgers, reports, members, books, &key).await?;
         }
         for revision in dropped {
             if let Err(e) = capture::drop_report(js, revision).await {

@@ -1,7 +1,10 @@
-//! One RabbitMQ Backend's account keeper. Each Subscription of the Backend has a report queue of
-//! its own (`settle.stats.<namespace>.<subscription>`, see `backend::rabbitmq::report`), which
-//! this keeper consumes with manual acknowledgement, and a ledger queue holding the newest
-//! snapshot of its whole account (live instances included, since a consumed report is gone).
+//! One RabbitMQ Backend's account keeper. Each instance of each Subscription of the Backend
+//! reports to a queue of its own that holds its newest report, registered in the
+//! Subscription's index queue (see `backend::rabbitmq::report`); this keeper consumes the index
+//! and every registered queue (and the Subscription's older shared report queue) with manual
+//! acknowledgement, and keeps a ledger queue holding the newest snapshot of its whole account
+//! (live instances and registered queues included, since a consumed report is gone). A folded
+//! instance's queue is deleted.
 //!
 //! Once a second it folds idle instances, saves the snapshots that changed (published with
 //! publisher confirms) and only then acknowledges the reports they contain, so a restart finds
@@ -16,7 +19,7 @@
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -67,6 +70,20 @@ fn broken(what: &str, e: impl std::fmt::Display) -> Broken {
 struct Saved {
     ledger: Snapshot,
     loss: LossLog,
+    /// The instances' report queues registered in the index.
+    #[serde(default)]
+    instances: BTreeSet<String>,
+}
+
+/// Which of a Subscription's queues a delivery came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Source {
+    /// The shared report queue runtimes before instance queues report to.
+    Shared,
+    /// The index: an instance registering its report queue.
+    Index,
+    /// One instance's report queue.
+    Instance(String),
 }
 
 /// One Subscription's account as the keeper holds it.
@@ -83,8 +100,12 @@ struct Book {
     foreign: Vec<u64>,
     /// The runtime has reported (or a snapshot existed): counters are shown.
     counting: bool,
-    /// Its report consumer's tag.
-    tag: String,
+    /// The instances' report queues registered (persisted with the snapshot).
+    instances: BTreeSet<String>,
+    /// The registered queues consumed now.
+    consuming: HashSet<String>,
+    /// Folded instances' queues, deleted once the snapshot without them is saved.
+    retired_queues: Vec<String>,
     /// Its report consumer ended: the book is saved and dropped, then opened again.
     ended: bool,
     /// It belongs to an earlier object of the Subscription's name: dropped unsaved.
@@ -92,6 +113,18 @@ struct Book {
     gauges: Option<(u64, u64)>,
     gauges_at: Option<Instant>,
     gauges_written: Option<Instant>,
+}
+
+impl Book {
+    /// Every queue this book consumes: the shared report queue, the index, the instances'.
+    fn all_queues(&self, key: &SubKey) -> Vec<String> {
+        let mut all = vec![
+            report::report_queue(&key.0, &key.1),
+            report::index_queue(&key.0, &key.1),
+        ];
+        all.extend(self.instances.iter().cloned());
+        all
+    }
 }
 
 /// How often the keeper folds, saves, acknowledges and decides what to write.
@@ -115,10 +148,43 @@ type Reports = SelectAll<
         'static,
         (
             SubKey,
+            Source,
             Option<Result<lapin::message::Delivery, lapin::Error>>,
         ),
     >,
 >;
+
+/// The consumer tag of `queue` on this keeper's channel.
+fn tag_of(queue: &str) -> String {
+    format!("settle-account-{queue}-{}", std::process::id())
+}
+
+/// Consumes `queue` for Subscription `key` into `reports`.
+async fn consume(
+    ch: &Channel,
+    reports: &mut Reports,
+    key: &SubKey,
+    queue: &str,
+    source: Source,
+) -> Result<(), Broken> {
+    let consumer = ch
+        .basic_consume(
+            ShortString::from(queue),
+            ShortString::from(tag_of(queue).as_str()),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| broken(&format!("consuming {queue:?}"), e))?;
+    let (k, end, s, s_end) = (key.clone(), key.clone(), source.clone(), source);
+    reports.push(
+        consumer
+            .map(move |d| (k.clone(), s.clone(), Some(d)))
+            .chain(futures::stream::once(async move { (end, s_end, None) }))
+            .boxed(),
+    );
+    Ok(())
+}
 
 impl RabbitKeeper {
     /// `queues` reads the queues' counts (the management API), when the Backend names one.
@@ -214,7 +280,7 @@ impl RabbitKeeper {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                Some((key, delivery)) = reports.next(), if !reports.is_empty() => {
+                Some((key, source, delivery)) = reports.next(), if !reports.is_empty() => {
                     match delivery {
                         Some(d) => {
                             let d = d.map_err(|e| broken("consuming reports", e))?;
@@ -226,11 +292,25 @@ impl RabbitKeeper {
                                     .map_err(|e| broken("putting a report back", e))?;
                                 continue;
                             }
-                            self.on_report(&mut books, &key, d);
+                            if source == Source::Index {
+                                self.on_registration(ch, &mut reports, &mut books, &key, d).await?;
+                            } else {
+                                self.on_report(&mut books, &key, d);
+                            }
                         }
                         None => {
                             if let Some(book) = books.get_mut(&key) {
-                                book.ended = true;
+                                match source {
+                                    // An instance's queue went (deleted on the broker): a live
+                                    // instance registers it again when its report comes back.
+                                    Source::Instance(q) => {
+                                        book.consuming.remove(&q);
+                                        if book.instances.remove(&q) {
+                                            book.dirty = true;
+                                        }
+                                    }
+                                    Source::Shared | Source::Index => book.ended = true,
+                                }
                             }
                         }
                     }
@@ -252,7 +332,7 @@ impl RabbitKeeper {
                     }
                     self.open_new(conn, ch, &members, &mut books, &mut reports).await?;
                     self.drop_gone(conn, ch, &members, &mut books).await;
-                    self.settle(ch, saver, &members, &mut books).await?;
+                    self.settle(conn, ch, saver, &members, &mut books).await?;
                 }
             }
         }
@@ -289,34 +369,41 @@ impl RabbitKeeper {
                 .map(|s| s.counters)
                 .unwrap_or_default();
             // A snapshot of an earlier object of this name (deleted while no operator ran) is
-            // not this one's (semantics C15).
-            let saved = saved.filter(|s| {
-                let mine = s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref());
-                if !mine {
+            // not this one's (semantics C15); the instances' report queues it lists still are
+            // (a queue belongs to an instance, whichever object it counts for).
+            let (saved, instances) = match saved {
+                Some(s) if !s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref()) => {
                     tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
+                    (None, s.instances)
                 }
-                mine
-            });
+                Some(mut s) => {
+                    let instances = std::mem::take(&mut s.instances);
+                    (Some(s), instances)
+                }
+                None => (None, BTreeSet::new()),
+            };
             let counting = saved.is_some();
-            let Saved { ledger, mut loss } = saved.unwrap_or_default();
+            let Saved {
+                ledger, mut loss, ..
+            } = saved.unwrap_or_default();
             loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
-            let tag = format!("settle-account-{}-{}-{}", key.0, key.1, std::process::id());
-            let consumer = ch
-                .basic_consume(
-                    ShortString::from(reports_q.as_str()),
-                    ShortString::from(tag.as_str()),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| broken(&format!("consuming {reports_q:?}"), e))?;
-            let (k, end) = (key.clone(), key.clone());
-            reports.push(
-                consumer
-                    .map(move |d| (k.clone(), Some(d)))
-                    .chain(futures::stream::once(async move { (end, None) }))
-                    .boxed(),
-            );
+            consume(ch, reports, key, &reports_q, Source::Shared).await?;
+            consume(
+                ch,
+                reports,
+                key,
+                &report::index_queue(&key.0, &key.1),
+                Source::Index,
+            )
+            .await?;
+            let mut consuming = HashSet::new();
+            for q in &instances {
+                // A queue registered before and gone since: dropped from the list.
+                if admin::exists(conn, q).await.unwrap_or(true) {
+                    consume(ch, reports, key, q, Source::Instance(q.clone())).await?;
+                    consuming.insert(q.clone());
+                }
+            }
             let mut account = Account::restore(ledger, floor);
             account.claim(sub.metadata.uid.clone());
             books.insert(
@@ -332,7 +419,9 @@ impl RabbitKeeper {
                     acks: Vec::new(),
                     foreign: Vec::new(),
                     counting,
-                    tag,
+                    instances: consuming.iter().cloned().collect(),
+                    consuming,
+                    retired_queues: Vec::new(),
                     ended: false,
                     replaced: false,
                     gauges: None,
@@ -341,6 +430,41 @@ impl RabbitKeeper {
                 },
             );
         }
+        Ok(())
+    }
+
+    /// An instance registered its report queue: consumed from now on, kept in the snapshot; the
+    /// registration is acknowledged once the snapshot holding it is saved.
+    async fn on_registration(
+        &self,
+        ch: &Channel,
+        reports: &mut Reports,
+        books: &mut HashMap<SubKey, Book>,
+        key: &SubKey,
+        d: lapin::message::Delivery,
+    ) -> Result<(), Broken> {
+        let Some(book) = books.get_mut(key) else {
+            return Ok(());
+        };
+        book.acks.push(d.delivery_tag);
+        // Only a queue of this Subscription's own names is taken.
+        let prefix = report::instance_queue(&key.0, &key.1, "");
+        let queue = serde_json::from_slice::<report::Registration>(&d.data)
+            .ok()
+            .map(|r| r.queue)
+            .filter(|q| q.starts_with(&prefix) && q.len() > prefix.len() && q.len() <= 255);
+        let Some(queue) = queue else {
+            self.metrics.reports.with_label_values(&["misfiled"]).inc();
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "a registration naming no report queue of this Subscription's: dropped");
+            return Ok(());
+        };
+        if book.consuming.contains(&queue) {
+            return Ok(());
+        }
+        consume(ch, reports, key, &queue, Source::Instance(queue.clone())).await?;
+        book.consuming.insert(queue.clone());
+        book.instances.insert(queue);
+        book.dirty = true;
         Ok(())
     }
 
@@ -413,21 +537,24 @@ impl RabbitKeeper {
                 .subs
                 .get(&ObjectRef::new(&key.1).within(&key.0))
                 .is_some();
-            let _ = ch
-                .basic_cancel(
-                    ShortString::from(book.tag.as_str()),
-                    BasicCancelOptions::default(),
-                )
-                .await;
+            let queues = book.all_queues(&key);
+            for q in &queues {
+                let _ = ch
+                    .basic_cancel(
+                        ShortString::from(tag_of(q).as_str()),
+                        BasicCancelOptions::default(),
+                    )
+                    .await;
+            }
             if still {
                 // Moved to another Backend: its queues are that Backend's keeper's now.
                 continue;
             }
-            for q in [
-                report::report_queue(&key.0, &key.1),
-                report::ledger_queue(&key.0, &key.1),
-            ] {
-                if let Err(e) = admin::delete(conn, &q).await {
+            for q in queues
+                .iter()
+                .chain([report::ledger_queue(&key.0, &key.1)].iter())
+            {
+                if let Err(e) = admin::delete(conn, q).await {
                     tracing::warn!(queue = %q, error = %e, "cannot delete a deleted Subscription's queue");
                 }
             }
@@ -437,8 +564,10 @@ impl RabbitKeeper {
     }
 
     /// Once a second: fold, save, acknowledge, gauges, status.
+    #[allow(clippy::too_many_lines)]
     async fn settle(
         &self,
+        conn: &Connection,
         ch: &Channel,
         saver: &Channel,
         members: &HashMap<SubKey, Arc<Subscription>>,
@@ -446,42 +575,65 @@ impl RabbitKeeper {
     ) -> Result<(), Broken> {
         let now = now_ms();
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
-        for book in books.values_mut() {
-            if !book.account.fold_idle(now, fold_after).is_empty() {
+        for (key, book) in books.iter_mut() {
+            for instance in book.account.fold_idle(now, fold_after) {
                 book.dirty = true;
+                let q = report::instance_queue(&key.0, &key.1, &instance);
+                if book.instances.remove(&q) {
+                    book.consuming.remove(&q);
+                    book.retired_queues.push(q);
+                }
             }
         }
         // Save, then acknowledge: a report is never acknowledged before the snapshot holding it
         // is on the broker.
         for (key, book) in books.iter_mut() {
             if book.replaced {
-                // The old object's reports are acknowledged and gone with it; the new object's
-                // that reached this book go back to the queue for the new book.
-                for tag in book.acks.drain(..) {
-                    let _ = ch.basic_ack(tag, BasicAckOptions::default()).await;
-                }
-                for tag in book.foreign.drain(..) {
+                // Nothing unsaved is dropped: back to the queues for the new object's book,
+                // which counts its own and acknowledges the earlier object's (registrations of
+                // report queues included).
+                for tag in book.acks.drain(..).chain(book.foreign.drain(..)) {
                     let _ = ch
                         .basic_reject(tag, BasicRejectOptions { requeue: true })
                         .await;
                 }
-                let _ = ch
-                    .basic_cancel(
-                        ShortString::from(book.tag.as_str()),
-                        BasicCancelOptions::default(),
-                    )
-                    .await;
+                for q in book.all_queues(key) {
+                    let _ = ch
+                        .basic_cancel(
+                            ShortString::from(tag_of(&q).as_str()),
+                            BasicCancelOptions::default(),
+                        )
+                        .await;
+                }
                 continue;
             }
             if book.dirty {
                 let saved = Saved {
                     ledger: book.account.snapshot(),
                     loss: book.showing.loss.clone(),
+                    instances: book.instances.clone(),
                 };
                 let body =
                     serde_json::to_vec(&saved).map_err(|e| broken("encoding a ledger", e))?;
-                save(saver, &report::ledger_queue(&key.0, &key.1), &body).await?;
-                book.dirty = false;
+                match save(saver, &report::ledger_queue(&key.0, &key.1), &body).await {
+                    Ok(()) => {
+                        self.metrics.saves.with_label_values(&["ok"]).inc();
+                        if book.showing.trouble.unsaved.take().is_some() {
+                            tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription's ledger is saved again");
+                        }
+                        book.dirty = false;
+                    }
+                    Err(e) => {
+                        // This Subscription's reports stay unacknowledged until it is saved;
+                        // every other Subscription goes on.
+                        self.metrics.saves.with_label_values(&["error"]).inc();
+                        if book.showing.trouble.unsaved.is_none() {
+                            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot save the Subscription's ledger; its reports stay unacknowledged until it can");
+                        }
+                        book.showing.trouble.unsaved = Some(e.to_string());
+                        continue;
+                    }
+                }
             }
             // Reports of another object, seen by the object's current book: an earlier
             // object's, never counted.
@@ -489,6 +641,18 @@ impl RabbitKeeper {
                 ch.basic_ack(tag, BasicAckOptions::default())
                     .await
                     .map_err(|e| broken("acknowledging a report", e))?;
+            }
+            // Folded instances' queues: the saved snapshot holds their counts now.
+            for q in book.retired_queues.drain(..) {
+                let _ = ch
+                    .basic_cancel(
+                        ShortString::from(tag_of(&q).as_str()),
+                        BasicCancelOptions::default(),
+                    )
+                    .await;
+                if let Err(e) = admin::delete(conn, &q).await {
+                    tracing::debug!(queue = %q, error = %e, "cannot delete a folded instance's report queue");
+                }
             }
         }
         // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
@@ -572,6 +736,10 @@ async fn load(conn: &Connection, reports_q: &str, ledger_q: &str) -> Result<Opti
     report::declare(&ch, ledger_q, report::LEDGER_MAX_LENGTH)
         .await
         .map_err(|e| broken(&format!("declaring {ledger_q:?}"), e))?;
+    let index_q = reports_q.replacen("settle.stats.", "settle.instances.", 1);
+    report::declare_index(&ch, &index_q)
+        .await
+        .map_err(|e| broken(&format!("declaring {index_q:?}"), e))?;
     let got = ch
         .basic_get(
             ShortString::from(ledger_q),
@@ -615,8 +783,14 @@ async fn save(saver: &Channel, ledger_q: &str, body: &[u8]) -> Result<(), Broken
         )
         .await
         .map_err(|e| broken(&format!("saving a ledger to {ledger_q:?}"), e))?;
-    let confirmation = confirm
+    let confirmation = tokio::time::timeout(report::CONFIRM_TIMEOUT, confirm)
         .await
+        .map_err(|_| {
+            Broken(format!(
+                "no confirm for the ledger to {ledger_q:?} within {:?}",
+                report::CONFIRM_TIMEOUT
+            ))
+        })?
         .map_err(|e| broken(&format!("saving a ledger to {ledger_q:?}"), e))?;
     if confirmation.is_nack() {
         return Err(Broken(format!(

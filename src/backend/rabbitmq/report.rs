@@ -1,14 +1,18 @@
-//! Stats reports on RabbitMQ: the runtime publishes each report (docs/stats-report.md) to a
-//! queue of its Subscription's own, `settle.stats.<namespace>.<subscription>`, which the
-//! operator's account consumes and acknowledges; the account keeps its ledger in
-//! `settle.ledger.<namespace>.<subscription>`. One queue per Subscription, so no two account
-//! loops ever compete for a report.
+//! Stats reports on RabbitMQ (docs/stats-report.md). Each running instance life reports to a
+//! queue of its own, `settle.report.<namespace>.<subscription>.<instance>`, that holds one
+//! message, its newest report (`x-max-length: 1`, `drop-head`): reports are cumulative, so the
+//! newest is all that matters, and no other instance's reports can ever push it out. The
+//! instance registers that queue once, in its Subscription's index queue
+//! `settle.instances.<namespace>.<subscription>`, which refuses rather than drops when full
+//! (`reject-publish`), so a registration is confirmed or retried, never lost. Every publish is
+//! `mandatory` and confirmed within a timeout: a report to a queue that is gone comes back, and
+//! the queue is declared and registered again. The operator's account consumes the index and
+//! every registered queue, and keeps its ledger in `settle.ledger.<namespace>.<subscription>`;
+//! it still consumes `settle.stats.<namespace>.<subscription>`, where runtimes before instance
+//! queues reported (bounded, `drop-head`).
 //!
-//! Both are durable classic queues that keep at most a bound of messages and drop the oldest
-//! beyond it (`x-overflow: drop-head`): reports are cumulative, so an old one dropped loses
-//! nothing, and the ledger queue holds one message, the newest snapshot. [`queue_arguments`] is
-//! the one place their arguments are built; the runtime and the operator both declare through
-//! [`declare`], so they declare identically.
+//! [`queue_arguments`] is the one place their arguments are built; the runtime and the operator
+//! both declare through [`declare`], so they declare identically.
 //!
 //! The operator also marks which Subscription object (UID) a queue was made for, in a third
 //! one-message queue, `settle.object.<namespace>.<subscription>`: AMQP cannot read a queue's
@@ -34,10 +38,88 @@ use super::{RabbitBroker, amqp};
 use crate::bus::{BusError, StatsSink};
 use crate::policy::BackendKind;
 
-/// Reports a Subscription's queue keeps at most (the oldest dropped beyond).
+/// Reports a Subscription's (legacy) shared report queue keeps at most (the oldest dropped beyond).
 pub const REPORTS_MAX_LENGTH: i64 = 10_000;
-/// Snapshots a Subscription's ledger queue keeps: the newest only.
+/// Snapshots a Subscription's ledger queue keeps: the newest only. Also an instance's report
+/// queue (its newest report) and the object mark.
 pub const LEDGER_MAX_LENGTH: i64 = 1;
+/// Instance queues a Subscription's index registers at most before it refuses more (each
+/// instance life registers once; folded instances' queues are deleted).
+pub const INDEX_MAX_LENGTH: i64 = 100_000;
+/// How long a publish waits for the broker's confirm.
+pub const CONFIRM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The queue one instance life of a Subscription reports to (its newest report only).
+pub fn instance_queue(namespace: &str, subscription: &str, instance: &str) -> String {
+    format!("settle.report.{namespace}.{subscription}.{instance}")
+}
+
+/// The queue in which a Subscription's instances register their report queues.
+pub fn index_queue(namespace: &str, subscription: &str) -> String {
+    format!("settle.instances.{namespace}.{subscription}")
+}
+
+/// What an index message says: which queue an instance reports to.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct Registration {
+    pub queue: String,
+}
+
+/// Declares the index queue of a Subscription (durable, refusing when full).
+pub async fn declare_index(ch: &Channel, name: &str) -> Result<(), lapin::Error> {
+    ch.queue_declare(
+        ShortString::from(name),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        arguments(INDEX_MAX_LENGTH, "reject-publish"),
+    )
+    .await
+    .map(|_| ())
+}
+
+/// Why a confirmed publish did not land.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("{0}")]
+    Amqp(#[from] lapin::Error),
+    /// The queue does not exist (the mandatory publish came back).
+    #[error("queue {0:?} does not exist (the report came back)")]
+    Returned(String),
+    /// The broker refused it (a full queue that refuses rather than drops).
+    #[error("the broker refused the publish to {0:?} (basic.nack: full?)")]
+    Refused(String),
+    #[error("no confirm for the publish to {0:?} within {1:?}")]
+    Timeout(String, std::time::Duration),
+}
+
+/// Publishes `body` to `queue` through the default exchange, persistent and mandatory, on a
+/// channel with publisher confirms, and waits for the confirm (at most [`CONFIRM_TIMEOUT`]).
+pub async fn publish_confirmed(ch: &Channel, queue: &str, body: &[u8]) -> Result<(), PublishError> {
+    let confirm = ch
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(queue),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            persistent_json(),
+        )
+        .await?;
+    let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
+        .await
+        .map_err(|_| PublishError::Timeout(queue.to_string(), CONFIRM_TIMEOUT))??;
+    if confirmation.is_nack() {
+        return Err(PublishError::Refused(queue.to_string()));
+    }
+    if confirmation.take_message().is_some() {
+        return Err(PublishError::Returned(queue.to_string()));
+    }
+    Ok(())
+}
 
 /// The queue a Subscription's reports go to.
 pub fn report_queue(namespace: &str, subscription: &str) -> String {
@@ -157,6 +239,10 @@ pub async fn read_object(
 /// The arguments of a report or ledger queue: classic, at most `max_length` messages, the
 /// oldest dropped when a new one comes.
 pub fn queue_arguments(max_length: i64) -> FieldTable {
+    arguments(max_length, "drop-head")
+}
+
+fn arguments(max_length: i64, overflow: &str) -> FieldTable {
     let mut t = FieldTable::default();
     t.insert(
         ShortString::from("x-queue-type"),
@@ -168,7 +254,7 @@ pub fn queue_arguments(max_length: i64) -> FieldTable {
     );
     t.insert(
         ShortString::from("x-overflow"),
-        AMQPValue::LongString(LongString::from("drop-head")),
+        AMQPValue::LongString(LongString::from(overflow)),
     );
     t
 }
@@ -200,11 +286,13 @@ pub fn persistent_json() -> BasicProperties {
 struct Owner {
     namespace: String,
     subscription: String,
+    instance: String,
 }
 
 impl RabbitBroker {
-    /// Declares a Subscription's report queue once per broker (before its first report).
-    async fn declare_reports(&self, queue: &str) -> Result<(), BusError> {
+    /// Declares an instance's report queue and registers it in its Subscription's index, once
+    /// per broker (before its first report, and again after the queue was found gone).
+    async fn register(&self, owner: &Owner, queue: &str) -> Result<(), BusError> {
         if self
             .reports_declared
             .lock()
@@ -212,17 +300,34 @@ impl RabbitBroker {
         {
             return Ok(());
         }
-        // A refused declare closes its channel: use one of its own.
+        // A refused declare closes its channel: one of its own.
         let ch = self
             .conn
             .create_channel()
             .await
             .map_err(amqp("cannot open a channel"))?;
-        let declared = declare(&ch, queue, REPORTS_MAX_LENGTH).await;
-        if ch.status().connected() {
-            let _ = ch.close(200, ShortString::from("declared")).await;
+        let index = index_queue(&owner.namespace, &owner.subscription);
+        let registered = async {
+            declare(&ch, queue, LEDGER_MAX_LENGTH).await?;
+            declare_index(&ch, &index).await?;
+            ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+                .await?;
+            let body = serde_json::to_vec(&Registration {
+                queue: queue.to_string(),
+            })
+            .unwrap_or_default();
+            publish_confirmed(&ch, &index, &body).await
         }
-        declared.map_err(amqp(format!("cannot declare the report queue {queue:?}")))?;
+        .await;
+        if ch.status().connected() {
+            let _ = ch.close(200, ShortString::from("registered")).await;
+        }
+        registered.map_err(|e| {
+            BusError::backend(
+                BackendKind::Rabbitmq,
+                format!("cannot register the report queue {queue:?} in {index:?}: {e}"),
+            )
+        })?;
         if let Ok(mut d) = self.reports_declared.lock() {
             d.insert(queue.to_string());
         }
@@ -231,8 +336,10 @@ impl RabbitBroker {
 }
 
 impl StatsSink for RabbitBroker {
-    /// Publishes one report (persistent, through the default exchange) to its Subscription's
-    /// report queue; `key` is not used, the report names its Subscription.
+    /// Publishes one report (persistent, mandatory, confirmed) to its instance's own report
+    /// queue; `key` is not used, the report names its Subscription and instance. A report that
+    /// comes back (its queue gone) is an error: the queue is declared and registered again at
+    /// the next report.
     fn put(&self, _key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
             let owner: Owner = serde_json::from_slice(&value).map_err(|e| {
@@ -241,29 +348,23 @@ impl StatsSink for RabbitBroker {
                     format!("a stats report without its Subscription: {e}"),
                 )
             })?;
-            let queue = report_queue(&owner.namespace, &owner.subscription);
-            self.declare_reports(&queue).await?;
+            let queue = instance_queue(&owner.namespace, &owner.subscription, &owner.instance);
+            self.register(&owner, &queue).await?;
             let ch = self.publisher().await?;
-            let confirm = ch
-                .basic_publish(
-                    ShortString::from(""),
-                    ShortString::from(queue.as_str()),
-                    BasicPublishOptions::default(),
-                    &value,
-                    persistent_json(),
-                )
-                .await
-                .map_err(amqp(format!("cannot publish a report to {queue:?}")))?;
-            let confirmation = confirm
-                .await
-                .map_err(amqp(format!("a report to {queue:?} not confirmed")))?;
-            if confirmation.is_nack() {
-                return Err(BusError::backend(
-                    BackendKind::Rabbitmq,
-                    format!("the broker refused a report to {queue:?} (basic.nack)"),
-                ));
+            match publish_confirmed(&ch, &queue, &value).await {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    if matches!(e, PublishError::Returned(_))
+                        && let Ok(mut d) = self.reports_declared.lock()
+                    {
+                        d.remove(&queue);
+                    }
+                    Err(BusError::backend(
+                        BackendKind::Rabbitmq,
+                        format!("a report to {queue:?} did not land: {e}"),
+                    ))
+                }
             }
-            Ok(())
         }
         .boxed()
     }
