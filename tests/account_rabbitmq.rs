@@ -4,7 +4,7 @@
 //! `kubectl describe`). The runtime's reports travel through the Subscription's own report queue
 //! (`settle.stats.<namespace>.<subscription>`) and the operator keeps its ledger in
 //! `settle.ledger.<namespace>.<subscription>`: counters are exact, survive the operator's
-//! SIGKILL, never go down in any status observed, a report queue deleted on the broker is made
+//! SIGKILL, never go down in any status observed, an instance's report queue deleted on the broker while it runs is made
 //! and consumed again, and both queues go with the Subscription.
 
 mod common;
@@ -320,15 +320,59 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         assert_eq!(q["arguments"]["x-overflow"], "drop-head", "{name}: {q}");
     }
 
-    // A report queue deleted on the broker is declared and consumed again: counting goes on.
-    let (status, body) = mgmt("DELETE", &format!("/api/queues/%2f/{reports}"));
-    assert_eq!(status, 204, "DELETE {reports}: {body}");
+    // An instance's report queue deleted on the broker while the instance runs: its next
+    // report comes back (mandatory), and it declares and registers the queue again; counting
+    // goes on.
+    let prefix = format!("settle.report.{}.orders.", scene.ns);
+    let instance_queues = || {
+        let (status, body) = mgmt("GET", "/api/queues/%2f?columns=name,arguments,consumers");
+        assert_eq!(status, 200, "{body}");
+        let all: Vec<Value> = serde_json::from_str(&body).expect("JSON");
+        all.into_iter()
+            .filter(|q| q["name"].as_str().is_some_and(|n| n.starts_with(&prefix)))
+            .collect::<Vec<_>>()
+    };
+    // The earlier instances' queues (killed, not folded yet: still consumed); then a new one.
+    let before: Vec<String> = instance_queues()
+        .iter()
+        .filter_map(|q| q["name"].as_str().map(str::to_string))
+        .collect();
     let app = scene.app();
     app.wait_ready().await;
+    let running = poll(
+        "the running instance's report queue registered and consumed",
+        Duration::from_secs(30),
+        || async {
+            let consumed: Vec<Value> = instance_queues()
+                .into_iter()
+                .filter(|q| {
+                    q["consumers"].as_u64() == Some(1)
+                        && q["name"]
+                            .as_str()
+                            .is_some_and(|n| !before.iter().any(|b| b == n))
+                })
+                .collect();
+            match consumed.as_slice() {
+                [q] => Ok(q.clone()),
+                other => Err(format!("{} consumed", other.len())),
+            }
+        },
+    )
+    .await;
+    assert_eq!(running["arguments"]["x-max-length"], 1, "{running}");
+    assert_eq!(running["arguments"]["x-overflow"], "drop-head", "{running}");
+    let index = queue(&format!("settle.instances.{}.orders", scene.ns)).expect("the index");
+    assert_eq!(
+        index["arguments"]["x-overflow"], "reject-publish",
+        "{index}"
+    );
+    let name = running["name"].as_str().expect("name").to_string();
+    let (status, body) = mgmt("DELETE", &format!("/api/queues/%2f/{name}"));
+    assert_eq!(status, 204, "DELETE {name}: {body}");
     scene.publish(2).await;
     let s = scene
         .wait_stats(
-            "two more messages exhausted after the report queue was deleted",
+            "two more messages exhausted after the instance's report queue was deleted",
             Duration::from_secs(60),
             |s| s.exhausted >= 12 && s.settlement.nacked >= 36,
         )
@@ -338,6 +382,21 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         (12, 36, 36),
         "{s:?}"
     );
+    poll(
+        "the instance's report queue declared and consumed again",
+        Duration::from_secs(30),
+        || async {
+            let found: Vec<String> = instance_queues()
+                .iter()
+                .map(|q| format!("{} ({} consumer(s))", q["name"], q["consumers"]))
+                .collect();
+            match queue(&name) {
+                Some(q) if q["consumers"].as_u64() == Some(1) => Ok(()),
+                _ => Err(format!("instance queues now: {found:?}")),
+            }
+        },
+    )
+    .await;
     scene.assert_never_decreased();
     drop(app);
 
@@ -349,15 +408,18 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         .expect("delete");
     wait_gone(&scene.api, "orders", Duration::from_secs(60)).await;
     poll(
-        "the report and ledger queues deleted with the Subscription",
+        "the report, index, instance and ledger queues deleted with the Subscription",
         Duration::from_secs(30),
         || async {
-            match (queue(&reports), queue(&ledger)) {
-                (None, None) => Ok(()),
-                (r, l) => Err(format!(
-                    "report queue there: {}, ledger queue there: {}",
+            let index = queue(&format!("settle.instances.{}.orders", scene.ns));
+            let left = instance_queues().len();
+            match (queue(&reports), queue(&ledger), index, left) {
+                (None, None, None, 0) => Ok(()),
+                (r, l, i, n) => Err(format!(
+                    "report queue there: {}, ledger queue there: {}, index there: {}, {n} instance queue(s)",
                     r.is_some(),
-                    l.is_some()
+                    l.is_some(),
+                    i.is_some()
                 )),
             }
         },
