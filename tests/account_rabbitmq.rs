@@ -560,3 +560,72 @@ async fn an_instances_final_report_survives_a_flood_of_other_reports_while_the_o
     scene.assert_never_decreased();
     scene.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_account_queues_of_a_subscription_deleted_while_no_operator_ran_are_swept() {
+    let mut scene = Scene::new("acctrq-sweep").await;
+    let app = scene.app();
+    app.wait_ready().await;
+    scene.publish(2).await;
+    scene
+        .wait_stats("two exhausted", Duration::from_secs(60), |s| {
+            s.exhausted == 2
+        })
+        .await;
+    scene.op.kill9();
+    drop(app);
+    // No operator: the finalizer is taken off by hand.
+    kubectl_ok(
+        &[
+            "delete",
+            "subscription",
+            "orders",
+            "-n",
+            &scene.ns,
+            "--wait=false",
+        ],
+        None,
+    );
+    kubectl_ok(
+        &[
+            "patch",
+            "subscription",
+            "orders",
+            "-n",
+            &scene.ns,
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":null}}"#,
+        ],
+        None,
+    );
+    wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
+    let ns = scene.ns.clone();
+    let left = || {
+        let (status, body) = mgmt("GET", "/api/queues/%2f?columns=name");
+        assert_eq!(status, 200, "{body}");
+        let all: Vec<Value> = serde_json::from_str(&body).expect("JSON");
+        all.iter()
+            .filter_map(|q| q["name"].as_str().map(str::to_string))
+            .filter(|n| {
+                ["stats", "ledger", "instances", "object", "report"]
+                    .iter()
+                    .any(|k| n.starts_with(&format!("settle.{k}.{ns}.orders")))
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(!left().is_empty(), "the account's queues are there before");
+    scene.op = Operator::start_with(&scene.test, &scene.ns, &OPERATOR_FLAGS);
+    poll(
+        "the deleted Subscription's account queues swept",
+        Duration::from_secs(30),
+        || async {
+            match left() {
+                l if l.is_empty() => Ok(()),
+                l => Err(format!("{l:?}")),
+            }
+        },
+    )
+    .await;
+    scene.finish().await;
+}

@@ -127,6 +127,9 @@ impl Book {
     }
 }
 
+/// How often leftover account queues of deleted Subscriptions are looked for.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(300);
+
 /// How often the keeper folds, saves, acknowledges and decides what to write.
 const TICK: Duration = Duration::from_secs(1);
 
@@ -273,9 +276,58 @@ impl RabbitKeeper {
         result
     }
 
+    /// Deletes the account queues of this namespace's Subscriptions that no longer exist
+    /// (deleted while no operator ran): reports, index, instances, ledger and object mark. Needs
+    /// the management API to list queues; without it they stay (bounded) until the
+    /// Subscription's name is used again.
+    async fn sweep(&self, conn: &Connection) {
+        let Some(reader) = (self.queues)(&self.backend.0, &self.backend.1) else {
+            return;
+        };
+        let Ok(names) = reader.names().await else {
+            return;
+        };
+        let ns = &self.backend.0;
+        let alive: Vec<String> = self
+            .subs
+            .state()
+            .iter()
+            .filter(|s| s.namespace().as_deref() == Some(ns.as_str()))
+            .map(|s| s.name_any())
+            .collect();
+        for q in names {
+            let Some(sub) = ["stats", "ledger", "instances", "object", "report"]
+                .iter()
+                .find_map(|kind| {
+                    q.strip_prefix(&format!("settle.{kind}.{ns}."))
+                        .map(|rest| (*kind, rest))
+                })
+            else {
+                continue;
+            };
+            let owned = match sub {
+                // `settle.report.<ns>.<subscription>.<instance>`: a name may hold dots.
+                ("report", rest) => alive.iter().any(|a| rest.starts_with(&format!("{a}."))),
+                (_, rest) => alive.iter().any(|a| a == rest),
+            };
+            if !owned {
+                match admin::delete(conn, &q).await {
+                    Ok(()) => {
+                        tracing::info!(queue = %q, "deleted the account queue of a Subscription deleted while no operator ran")
+                    }
+                    Err(e) => {
+                        tracing::debug!(queue = %q, error = %e, "cannot delete a leftover account queue")
+                    }
+                }
+            }
+        }
+    }
+
     async fn serve(&self, conn: &Connection, ch: &Channel, saver: &Channel) -> Result<(), Broken> {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut reports: Reports = SelectAll::new();
+        self.sweep(conn).await;
+        let mut swept = Instant::now();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -332,6 +384,10 @@ impl RabbitKeeper {
                     }
                     self.open_new(conn, ch, &members, &mut books, &mut reports).await?;
                     self.drop_gone(conn, ch, &members, &mut books).await;
+                    if swept.elapsed() >= SWEEP_INTERVAL {
+                        swept = Instant::now();
+                        self.sweep(conn).await;
+                    }
                     self.settle(conn, ch, saver, &members, &mut books).await?;
                 }
             }

@@ -62,4 +62,15 @@ impl QueueGauges {
                 .map_err(|e| e.to_string()),
         }
     }
+
+    /// The names of every queue there (RabbitMQ's vhost; none listed on SQS).
+    pub async fn names(&self) -> Result<Vec<String>, String> {
+        match self {
+            QueueGauges::Rabbitmq { management, vhost } => management
+                .queue_names(vhost)
+                .await
+                .map_err(|e| e.to_string()),
+            QueueGauges::Sqs(_) => Ok(Vec::new()),
+        }
+    }
 }

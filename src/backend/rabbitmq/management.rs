@@ -261,6 +261,19 @@ impl Management {
         }))
     }
 
+    /// The names of every queue in `vhost`.
+    pub async fn queue_names(&self, vhost: &str) -> Result<Vec<String>, ManagementError> {
+        let path = format!("/api/queues/{}?columns=name", segment(vhost));
+        Ok(self
+            .get(&path)
+            .await?
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|q| q.get("name")?.as_str().map(str::to_string))
+            .collect())
+    }
+
     /// Queue `name`'s counts; `None` when it does not exist.
     pub async fn gauges(
         &self,
