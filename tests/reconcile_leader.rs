@@ -1,6 +1,6 @@
 //! Two `settle operator` processes contending for one Lease: exactly one reconciles (its metrics
-//! count reconciles, the other's count none), and when it is SIGKILLed the other reconciles a new
-//! Subscription within 15 s.
+//! count reconciles, the other's count none, sampled while the leader is busy, and both export
+//! them), and when it is SIGKILLed the other reconciles a new Subscription within 15 s.
 
 mod common;
 
@@ -13,8 +13,25 @@ use common::{install_crds, kubectl_ok, namespace};
 /// The product's promise: a standby leads (and so reconciles) within this long of the leader's death.
 const TAKEOVER: Duration = Duration::from_secs(15);
 
+/// The counters of work that a replica which does not lead must keep at 0, and must export (a
+/// missing metric reads as 0 too).
+const WORK: [&str; 4] = [
+    "settle_reconcile_total",
+    "settle_consumer_operations_total",
+    "settle_status_writes_total",
+    "settle_account_status_writes_total",
+];
+
 fn reconciles(op: &Operator) -> f64 {
     op.metric("settle_reconcile_total", &[("controller", "subscription")])
+}
+
+/// Every counter of [`WORK`], asserting that `op` exports each.
+fn work(op: &Operator, who: &str) -> [f64; 4] {
+    WORK.map(|name| {
+        assert!(op.exports(name), "the {who} does not export {name} at all");
+        op.metric(name, &[])
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,6 +70,34 @@ async fn of_two_operators_exactly_one_reconciles_and_the_other_takes_over_within
         0.0,
         "the standby touched no consumer"
     );
+    // Both export the counters (so the standby's 0 is a 0), and the standby's stay at 0 at
+    // every sample while the leader reconciles five more Subscriptions.
+    work(&leader, "leader");
+    let busy_from = reconciles(&leader);
+    for i in 0..5 {
+        apply(&ns, &spec(&format!("busy{i}")));
+    }
+    let sampling = Instant::now();
+    let mut samples = 0;
+    while sampling.elapsed() < Duration::from_secs(5) {
+        assert_eq!(
+            work(&standby, "standby"),
+            [0.0; 4],
+            "sample {samples}: the standby did work ({WORK:?})"
+        );
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for i in 0..5 {
+        wait_ready(&api, &format!("busy{i}")).await;
+    }
+    assert!(
+        reconciles(&leader) >= busy_from + 5.0,
+        "the leader was busy while the standby was sampled: {busy_from} then {}",
+        reconciles(&leader)
+    );
+    assert!(samples >= 5, "{samples} samples");
+    assert_eq!(work(&standby, "standby"), [0.0; 4], "after the busy spell");
 
     leader.kill9();
     let killed = Instant::now();
