@@ -1,14 +1,22 @@
-//! Two `settle operator` processes contending for one Lease: exactly one reconciles (its metrics
-//! count reconciles, the other's count none, sampled while the leader is busy, and both export
-//! them), and when it is SIGKILLed the other reconciles a new Subscription within 15 s.
+//! `settle operator` processes and their Lease: of two, exactly one reconciles (its metrics count
+//! reconciles, the other's count none, sampled while the leader is busy), and when it is
+//! SIGKILLed the other reconciles a new Subscription within 15 s; a leader whose Lease is taken
+//! from it while it runs stops reconciling and stops writing the account to status, and resumes
+//! both once the Lease is free again.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
+use common::account::{NACK_SPEC, Scene, bodies};
 use common::operator::{Operator, TestStream, poll};
 use common::subs::{apply, backend_yaml, sub_yaml, subs, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::PostParams;
 
 /// The product's promise: a standby leads (and so reconciles) within this long of the leader's death.
 const TAKEOVER: Duration = Duration::from_secs(15);
@@ -140,4 +148,210 @@ async fn wait_ready_within(
     )
     .await;
     wait_ready(api, name).await;
+}
+
+/// How long the intruder's record holds the Lease (its `leaseDurationSeconds`): the operator may
+/// take it back only once the record has stood unchanged this long by its own clock.
+const INTRUDER_HOLDS: Duration = Duration::from_secs(15);
+
+/// Writes `holder` into Lease `name` as a replica would: a replace guarded by the version read.
+async fn take_lease(api: &Api<Lease>, name: &str, holder: &str, holds: Duration) {
+    let start = Instant::now();
+    loop {
+        let mut lease = api.get(name).await.expect("the operator's Lease exists");
+        let now = MicroTime(Timestamp::now());
+        lease.spec = Some(LeaseSpec {
+            holder_identity: Some(holder.into()),
+            acquire_time: Some(now.clone()),
+            renew_time: Some(now),
+            lease_duration_seconds: Some(i32::try_from(holds.as_secs()).expect("seconds")),
+            ..lease.spec.unwrap_or_default()
+        });
+        match api.replace(name, &PostParams::default(), &lease).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(s)) if s.code == 409 => assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "could not write {holder} into the Lease for 10s"
+            ),
+            Err(e) => panic!("writing {holder} into the Lease: {e}"),
+        }
+    }
+}
+
+/// What a leader's work shows: its counters, and the account's part of `orders`'s status.
+#[derive(Debug, PartialEq)]
+struct Work {
+    reconciles: f64,
+    consumer_ops: f64,
+    status_writes: f64,
+    account_writes: f64,
+    stats: Option<settle::api::SubscriptionStats>,
+    stats_updated_at: Option<String>,
+}
+
+async fn work_of(scene: &Scene) -> Work {
+    let op = &scene.op;
+    let [reconciles, consumer_ops, status_writes, account_writes] = work(op, "operator");
+    let status = scene.sub().await.status.unwrap_or_default();
+    Work {
+        reconciles,
+        consumer_ops,
+        status_writes,
+        account_writes,
+        stats: status.stats,
+        stats_updated_at: status.stats_updated_at.map(|t| t.0.to_string()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_lease_is_taken_stops_reconciling_and_writing_status_until_it_is_free_again()
+{
+    let lease = format!("rec-lost-{}", std::process::id());
+    let flags = [
+        "--leader-election=true",
+        "--lease-name",
+        lease.as_str(),
+        "--stats-interval",
+        "1s",
+    ];
+    let scene = Scene::build("rec-lost", NACK_SPEC, &flags, &[("POD_NAME", "op")], None).await;
+    let leads = || scene.op.metric("settle_leader", &[]);
+    assert_eq!(leads(), 1.0, "the only operator leads");
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .settled("five exhausted", Duration::from_secs(40), |s| {
+            s.exhausted == 5 && s.settlement.nacked == 15
+        })
+        .await;
+    assert!(
+        scene
+            .op
+            .metric("settle_account_status_writes_total", &[("result", "ok")])
+            >= 1.0,
+        "the account wrote status while leading"
+    );
+
+    // An intruder takes the Lease, as another replica would.
+    let leases: Api<Lease> = Api::namespaced(common::kube_client().await, &scene.ns);
+    take_lease(&leases, &lease, "intruder", INTRUDER_HOLDS).await;
+    let taken = Instant::now();
+    poll(
+        "the operator to step down after its Lease was taken",
+        Duration::from_secs(10),
+        || async {
+            let v = leads();
+            if v == 0.0 {
+                Ok(())
+            } else {
+                Err(format!("settle_leader {v}"))
+            }
+        },
+    )
+    .await;
+    println!(
+        "stepped down {:.1}s after the Lease was taken",
+        taken.elapsed().as_secs_f64()
+    );
+    // In-flight reconciles may finish; nothing starts after that.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = work_of(&scene).await;
+
+    // Meanwhile: a new Subscription, and five more messages the application declines (the
+    // account's counters would change: 15 more nacks, 5 more exhausted).
+    let during = TestStream::new(&common::env().nats_url, "rec-lost-during").await;
+    apply(
+        &scene.ns,
+        &sub_yaml(
+            "during",
+            &format!(
+                "  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: during\n",
+                during.prefix
+            ),
+        ),
+    );
+    scene.publish(bodies(5)).await;
+    // Watch until shortly before the operator could take the intruder's record back (it may do
+    // so INTRUDER_HOLDS after it first read it, which was after `taken`).
+    let watch_until = taken + INTRUDER_HOLDS - Duration::from_secs(2);
+    let mut samples = 0;
+    while Instant::now() < watch_until {
+        assert_eq!(
+            leads(),
+            0.0,
+            "the operator led again before the intruder's Lease expired"
+        );
+        let now = work_of(&scene).await;
+        assert_eq!(
+            now, before,
+            "sample {samples}: the operator worked (reconciled, or wrote status) without the Lease"
+        );
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(samples >= 5, "{samples} samples");
+    let api = &scene.api;
+    let d = api.get("during").await.expect("get during");
+    assert!(
+        d.status
+            .is_none_or(|s| s.observed_generation.is_none() && s.conditions.is_empty()),
+        "a Subscription applied while the operator did not lead got a status"
+    );
+    assert!(
+        during.consumer("during").await.is_none(),
+        "a Subscription applied while the operator did not lead got a consumer"
+    );
+    assert_eq!(
+        scene.stats().await,
+        before.stats.clone().map(|s| s.counters).unwrap_or_default(),
+        "the account's counters in status moved without the Lease"
+    );
+
+    // The intruder never renews: the operator takes its expired record back and resumes both.
+    poll(
+        "the operator to take the intruder's expired Lease back",
+        INTRUDER_HOLDS + Duration::from_secs(10),
+        || async {
+            let v = leads();
+            if v == 1.0 {
+                Ok(())
+            } else {
+                Err(format!("settle_leader {v}"))
+            }
+        },
+    )
+    .await;
+    println!(
+        "led again {:.1}s after the Lease was taken",
+        taken.elapsed().as_secs_f64()
+    );
+    wait_ready(api, "during").await;
+    assert!(
+        during.consumer("during").await.is_some(),
+        "the Subscription applied meanwhile has its consumer"
+    );
+    let s = scene
+        .settled(
+            "all ten exhausted once the operator leads again",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
+        )
+        .await;
+    assert_eq!((s.exhausted, s.settlement.nacked), (10, 30), "{s:?}");
+    let after = work_of(&scene).await;
+    assert!(after.reconciles > before.reconciles, "{after:?}");
+    assert!(after.account_writes > before.account_writes, "{after:?}");
+    let spec = leases
+        .get(&lease)
+        .await
+        .expect("the Lease")
+        .spec
+        .unwrap_or_default();
+    assert_eq!(spec.holder_identity.as_deref(), Some("op"));
+    scene.assert_never_decreased();
+    drop(app);
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &scene.ns], None);
+    during.delete().await;
+    scene.finish().await;
 }
