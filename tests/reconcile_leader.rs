@@ -2,7 +2,8 @@
 //! reconciles, the other's count none, sampled while the leader is busy), and when it is
 //! SIGKILLed the other reconciles a new Subscription within 15 s; a leader whose Lease is taken
 //! from it while it runs stops reconciling and stops writing the account to status, and resumes
-//! both once the Lease is free again.
+//! both once the Lease is free again; so does one cut off from the API server in the middle of a
+//! reconcile while another takes its Lease, once the partition heals.
 
 mod common;
 
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::account::{NACK_SPEC, Scene, bodies};
 use common::operator::{Operator, TestStream, poll};
+use common::partition::Partition;
 use common::subs::{apply, backend_yaml, sub_yaml, subs, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -353,5 +355,139 @@ async fn a_leader_whose_lease_is_taken_stops_reconciling_and_writing_status_unti
     drop(app);
     kubectl_ok(&["delete", "subscriptions", "--all", "-n", &scene.ns], None);
     during.delete().await;
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_mid_reconcile_whose_lease_is_taken_writes_no_status_after_the_partition_heals()
+ {
+    // The operator reaches the API server only through a forwarder the test can make hang.
+    let partition = Partition::to_api_server().await;
+    let kubeconfig = partition.kubeconfig("rec-cut");
+    let kubeconfig = kubeconfig.to_str().expect("a UTF-8 path");
+    let lease = format!("rec-cut-{}", std::process::id());
+    let flags = [
+        "--leader-election=true",
+        "--lease-name",
+        lease.as_str(),
+        "--stats-interval",
+        "1s",
+    ];
+    let env = [("POD_NAME", "op"), ("KUBECONFIG", kubeconfig)];
+    let scene = Scene::build("rec-cut", NACK_SPEC, &flags, &env, None).await;
+    let leads = || scene.op.metric("settle_leader", &[]);
+    assert_eq!(leads(), 1.0, "the only operator leads");
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .settled("five exhausted", Duration::from_secs(40), |s| {
+            s.exhausted == 5 && s.settlement.nacked == 15
+        })
+        .await;
+    let drift = TestStream::new(&common::env().nats_url, "rec-cut-drift").await;
+    apply(
+        &scene.ns,
+        &sub_yaml(
+            "drift",
+            &format!(
+                "  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: drift\n",
+                drift.prefix
+            ),
+        ),
+    );
+    wait_ready(&scene.api, "drift").await;
+
+    // Cut off; an intruder takes the Lease (the test's own client reaches the API server); a
+    // consumer deleted on the broker starts a reconcile that hangs on its status write.
+    partition.pause(true);
+    let leases: Api<Lease> = Api::namespaced(common::kube_client().await, &scene.ns);
+    take_lease(&leases, &lease, "intruder", INTRUDER_HOLDS).await;
+    settle::backend::nats::jsapi::delete_consumer(&drift.js, &drift.name, "drift")
+        .await
+        .expect("delete the consumer on the broker");
+    let cut = Instant::now();
+    poll(
+        "the operator cut off to step down",
+        Duration::from_secs(10),
+        || async {
+            let v = leads();
+            if v == 0.0 {
+                Ok(())
+            } else {
+                Err(format!("settle_leader {v}"))
+            }
+        },
+    )
+    .await;
+    println!(
+        "stepped down {:.1}s after the partition",
+        cut.elapsed().as_secs_f64()
+    );
+    let before = work_of(&scene).await;
+    // Longer than the operator waits for in-flight reconciles (10 s) at the end of a term.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(work_of(&scene).await, before, "work while cut off");
+
+    // The partition heals while the intruder's record stands: five more messages are nacked,
+    // and nothing of the former term may write them to status.
+    partition.pause(false);
+    let healed = Instant::now();
+    scene.publish(bodies(5)).await;
+    let mut samples = 0;
+    while healed.elapsed() < Duration::from_secs(10) {
+        assert_eq!(
+            leads(),
+            0.0,
+            "the operator led again while the intruder holds the Lease"
+        );
+        assert_eq!(
+            work_of(&scene).await,
+            before,
+            "sample {samples}: the operator worked (reconciled, or wrote status) after the partition healed, without the Lease"
+        );
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(samples >= 5, "{samples} samples");
+
+    // The record expires: the operator leads and accounts again, and repairs the consumer.
+    poll(
+        "the operator to take the intruder's expired Lease",
+        INTRUDER_HOLDS + Duration::from_secs(10),
+        || async {
+            let v = leads();
+            if v == 1.0 {
+                Ok(())
+            } else {
+                Err(format!("settle_leader {v}"))
+            }
+        },
+    )
+    .await;
+    let s = scene
+        .settled(
+            "all ten exhausted once the operator leads again",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
+        )
+        .await;
+    assert_eq!((s.exhausted, s.settlement.nacked), (10, 30), "{s:?}");
+    poll(
+        "the consumer deleted on the broker to be made again",
+        Duration::from_secs(30),
+        || async {
+            match drift.consumer("drift").await {
+                Some(_) => Ok(()),
+                None => Err("none".to_string()),
+            }
+        },
+    )
+    .await;
+    scene.assert_never_decreased();
+    drop(app);
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &scene.ns], None);
+    drift.delete().await;
+    let _ = std::fs::remove_file(kubeconfig);
     scene.finish().await;
 }
