@@ -20,6 +20,7 @@ use prometheus::Registry;
 use settle::operator::leader::{self, LEASE_DURATION, LeaderError, Leadership, LeaseConfig};
 
 use common::free_port;
+use common::partition::Partition;
 
 /// The promise: a standby leads within this long of the leader's death.
 const TAKEOVER: Duration = Duration::from_secs(15);
@@ -378,115 +379,12 @@ async fn without_rights_on_leases_election_stops_with_an_error_saying_what_to_gr
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 
-/// A TCP forwarder to the API server that can be made to hang: while paused it accepts and holds
-/// connections but passes no bytes either way, like a network partition.
-struct Partition {
-    port: u16,
-    paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Partition {
-    async fn to(upstream: std::net::SocketAddr) -> Partition {
-        use std::sync::atomic::Ordering;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the forwarder");
-        let port = listener.local_addr().expect("addr").port();
-        let paused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = paused.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let flag = flag.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
-                        return;
-                    };
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
-                    let up = pump(cr, sw, flag.clone());
-                    let down = pump(sr, cw, flag);
-                    let _ = tokio::join!(up, down);
-                });
-            }
-        });
-        async fn pump(
-            mut from: tokio::net::tcp::OwnedReadHalf,
-            mut to: tokio::net::tcp::OwnedWriteHalf,
-            paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
-        ) {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut buf = vec![0u8; 16 * 1024];
-            loop {
-                while paused.load(Ordering::SeqCst) {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                let n = match from.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => n,
-                };
-                while paused.load(Ordering::SeqCst) {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                if to.write_all(&buf[..n]).await.is_err() {
-                    return;
-                }
-            }
-        }
-        Partition { port, paused, task }
-    }
-
-    fn pause(&self, on: bool) {
-        self.paused.store(on, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Drop for Partition {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// A client for the environment's API server that goes through `partition`.
-async fn client_through(partition: &Partition) -> kube::Client {
-    let env = common::env();
-    let mut kubeconfig =
-        kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
-    for named in &mut kubeconfig.clusters {
-        if let Some(cluster) = named.cluster.as_mut() {
-            cluster.server = Some(format!("https://127.0.0.1:{}", partition.port));
-        }
-    }
-    let config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
-    .await
-    .expect("kubeconfig is valid");
-    kube::Client::try_from(config).expect("client")
-}
-
-fn api_server_addr() -> std::net::SocketAddr {
-    let env = common::env();
-    let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
-    let server = kubeconfig.clusters[0]
-        .cluster
-        .as_ref()
-        .and_then(|c| c.server.clone())
-        .expect("the kubeconfig names a server");
-    let hostport = server
-        .trim_start_matches("https://")
-        .trim_end_matches('/')
-        .to_string();
-    hostport.parse().expect("the server is an IP:port")
-}
-
 #[tokio::test]
 async fn a_leader_cut_off_from_the_api_server_stops_leading_before_a_standby_takes_over() {
     let direct = common::kube_client().await;
     let ns = common::namespace("leader-partition");
-    let partition = Partition::to(api_server_addr()).await;
-    let cut_off = client_through(&partition).await;
+    let partition = Partition::to_api_server().await;
+    let cut_off = partition.client().await;
     let a = Contender::start(&cut_off, &ns, "partition", "a");
     poll(
         "the contender behind the forwarder to lead",

@@ -3,7 +3,8 @@
 //! Event says so), a broker stopped for 10 s is re-converged with no operator restart, a
 //! Subscription deleted while the broker is down waits and then completes, an operator killed
 //! midway through 200 Subscriptions converges them all after a restart with no duplicate or orphan
-//! consumer, and a steady state costs no consumer update and no status write.
+//! consumer, and a steady state costs no consumer update and no status write (the controllers' nor
+//! the account's).
 
 mod common;
 
@@ -305,25 +306,62 @@ async fn a_steady_state_costs_no_consumer_update_and_no_status_write_for_a_minut
     for i in 0..20 {
         wait_ready(&api, &format!("s{i}")).await;
     }
+    // The account shows each Subscription once (its first stats), then only what changes.
+    poll(
+        "the account to show every Subscription's stats in status",
+        Duration::from_secs(40),
+        || async {
+            let list = api
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let shown = list
+                .items
+                .iter()
+                .filter(|s| s.status.as_ref().is_some_and(|st| st.stats.is_some()))
+                .count();
+            if shown == 20 {
+                Ok(())
+            } else {
+                Err(format!("{shown} of 20"))
+            }
+        },
+    )
+    .await;
     // Let the last triggers (advisories, the Backend's status) run out.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let snapshot = || {
+        assert!(
+            op.exports("settle_account_status_writes_total"),
+            "the operator exports the account's status writes"
+        );
         (
             op.metric("settle_consumer_operations_total", &[]),
             op.metric("settle_status_writes_total", &[]),
             op.metric("settle_reconcile_total", &[]),
+            op.metric("settle_account_status_writes_total", &[]),
         )
     };
     let before = snapshot();
     assert_eq!(before.0, 20.0, "one create per Subscription");
+    assert!(
+        before.3 >= 20.0,
+        "the account wrote each Subscription's stats: {before:?}"
+    );
     tokio::time::sleep(Duration::from_secs(60)).await;
     let after = snapshot();
-    println!("steady minute: before {before:?}, after {after:?} (ops, status writes, reconciles)");
+    println!(
+        "steady minute: before {before:?}, after {after:?} (ops, status writes, reconciles, account writes)"
+    );
     assert_eq!(
         after.0, before.0,
         "no consumer operation in a steady minute"
     );
     assert_eq!(after.1, before.1, "no status write in a steady minute");
+    assert_eq!(
+        after.3, before.3,
+        "no status write of the account in a steady minute (it writes only what changed)"
+    );
     kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
     stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);

@@ -153,7 +153,17 @@ impl Metrics {
                 &["backend"],
             )?,
             exported: Arc::default(),
-        })
+        }
+        .exported_at_zero())
+    }
+
+    /// The writes' series exist at 0 from the start, on every replica, so "no write" reads as a
+    /// 0 that is there rather than as a metric that is missing.
+    fn exported_at_zero(self) -> Metrics {
+        for result in ["ok", "error"] {
+            self.writes.with_label_values(&[result]);
+        }
+        self
     }
 
     /// Mirrors one Subscription's account: counters rise by their growth since the last call.
@@ -241,5 +251,18 @@ mod tests {
         }
         m.forget("shop", "orders");
         assert!(!text(&r).contains(r#"subscription="orders""#));
+    }
+
+    #[test]
+    fn the_status_writes_are_exported_at_zero_before_any_write() {
+        let r = Registry::new();
+        let _m = Metrics::new(&r).expect("registers");
+        let t = text(&r);
+        for line in [
+            r#"settle_account_status_writes_total{result="ok"} 0"#,
+            r#"settle_account_status_writes_total{result="error"} 0"#,
+        ] {
+            assert!(t.contains(line), "missing {line} in\n{t}");
+        }
     }
 }

@@ -9,6 +9,10 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, 
 /// The controllers, as the `controller` label names them.
 pub const BACKEND: &str = "backend";
 pub const SUBSCRIPTION: &str = "subscription";
+/// The `result` of a reconcile.
+pub const RESULTS: [&str; 2] = ["ok", "error"];
+/// The `op` of a consumer operation.
+pub const OPS: [&str; 4] = ["create", "update", "delete", "recreate"];
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -104,6 +108,18 @@ impl Metrics {
         registry.register(Box::new(m.kube_requests.clone()))?;
         registry.register(Box::new(m.js_calls.clone()))?;
         registry.register(Box::new(m.triggers.clone()))?;
+        // Every series that counts work exists at 0 from the start, on every replica: a family
+        // with no series is not exported at all, and a standby's "reconciled nothing" must read
+        // as a 0 that is there, not as a metric that is missing.
+        for controller in [BACKEND, SUBSCRIPTION] {
+            for result in RESULTS {
+                m.reconciles.with_label_values(&[controller, result]);
+            }
+            m.status_writes.with_label_values(&[controller]);
+        }
+        for op in OPS {
+            m.consumer_ops.with_label_values(&[op]);
+        }
         Ok(m)
     }
 
@@ -130,5 +146,34 @@ impl Metrics {
 
     pub fn op(&self, op: &str) {
         self.consumer_ops.with_label_values(&[op]).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_work_counters_are_exported_at_zero_before_any_work() {
+        let r = Registry::new();
+        let _m = Metrics::new(&r).expect("registers");
+        let mut buf = Vec::new();
+        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &r.gather(), &mut buf)
+            .expect("encodes");
+        let text = String::from_utf8(buf).expect("utf-8");
+        for line in [
+            r#"settle_reconcile_total{controller="subscription",result="ok"} 0"#,
+            r#"settle_reconcile_total{controller="subscription",result="error"} 0"#,
+            r#"settle_reconcile_total{controller="backend",result="ok"} 0"#,
+            r#"settle_reconcile_total{controller="backend",result="error"} 0"#,
+            r#"settle_status_writes_total{controller="subscription"} 0"#,
+            r#"settle_status_writes_total{controller="backend"} 0"#,
+            r#"settle_consumer_operations_total{op="create"} 0"#,
+            r#"settle_consumer_operations_total{op="update"} 0"#,
+            r#"settle_consumer_operations_total{op="delete"} 0"#,
+            r#"settle_consumer_operations_total{op="recreate"} 0"#,
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 }

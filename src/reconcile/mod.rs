@@ -363,9 +363,9 @@ async fn run_term(
         })
     };
 
-    let (stop_backends, stop_subs) = {
+    let (stop_backends, stop_subs, stop_beside) = {
         let shared = stop.map(|_| ()).shared();
-        (shared.clone(), shared)
+        (shared.clone(), shared.clone(), shared)
     };
 
     let backends = Controller::for_stream(backend_events, backend_store.clone())
@@ -403,7 +403,7 @@ async fn run_term(
     };
     let beside = beside.map(|hook| {
         let lookup = conns.clone();
-        tokio::spawn(hook(Shared {
+        AbortOnDrop(tokio::spawn(hook(Shared {
             client: client.clone(),
             subscriptions: sub_store.clone(),
             backends: backend_store.clone(),
@@ -453,18 +453,34 @@ async fn run_term(
                     _ => None,
                 }
             }),
-        }))
+        })))
     });
+    // The term's end stops the account at once: it writes no status once this replica may no
+    // longer lead, while in-flight reconciles finish. Dropped with the term (also when the
+    // caller gives up waiting for it), both tasks are aborted, never left running.
+    let beside = async move {
+        stop_beside.await;
+        drop(beside);
+        futures::future::pending::<()>().await;
+    };
+    let secret_task = AbortOnDrop(secret_task);
     tokio::select! {
         _ = futures::future::join(backends, subscriptions) => {},
         () = synced => {},
+        () = beside => {},
     }
-    if let Some(task) = beside {
-        task.abort();
-    }
-    secret_task.abort();
+    drop(secret_task);
     drop(sub_tx);
     drop(backend_tx);
+}
+
+/// A task that ends when its handle is dropped (a plain `JoinHandle` detaches it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Counts one reconcile's result (`settle_reconcile_total`).

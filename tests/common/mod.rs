@@ -10,6 +10,8 @@ pub mod controlplane;
 pub mod install;
 #[cfg(feature = "operator")]
 pub mod operator;
+#[cfg(feature = "operator")]
+pub mod partition;
 pub mod process;
 pub mod rabbitmq;
 #[cfg(feature = "operator")]

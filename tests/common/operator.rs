@@ -144,6 +144,13 @@ impl Operator {
         metric_sum(&text, name, labels)
     }
 
+    /// Whether `/metrics` exports metric `name` at all: [`Operator::metric`] reads a missing one
+    /// as 0, so an assertion that something stayed at 0 checks this first.
+    pub fn exports(&self, name: &str) -> bool {
+        let text = self.get("/metrics").unwrap_or_default();
+        metric_exported(&text, name)
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -194,6 +201,14 @@ pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
             ok.then(|| value.parse::<f64>().ok()).flatten()
         })
         .sum()
+}
+
+/// Whether Prometheus text `text` has at least one series of `name`.
+pub fn metric_exported(text: &str, name: &str) -> bool {
+    text.lines().filter(|l| !l.starts_with('#')).any(|l| {
+        let series = l.split([' ', '{']).next().unwrap_or_default();
+        series == name
+    })
 }
 
 /// A nats-server of a test's own, on a free port, with a store that survives a restart;
