@@ -566,6 +566,8 @@ async fn a_ledger_that_cannot_be_saved_stays_on_its_subscription_and_nothing_is_
     )
     .await;
     assert!(failed.1.contains("cannot be saved"), "{}", failed.1);
+    let note = common::subs::wait_event(&scene.ns, "other", "LedgerNotSaved").await;
+    assert!(note.contains("cannot be saved"), "the Event says why: {note}");
     assert!(
         scene
             .op
@@ -621,5 +623,83 @@ async fn a_ledger_that_cannot_be_saved_stays_on_its_subscription_and_nothing_is_
     common::account::assert_never_decreased(&other_seen);
     drop(apps);
     other.finish().await;
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisories_dropped_from_a_full_capture_are_said_in_accounted() {
+    // A nats-server of its own: its capture holds 4 KiB, a handful of advisories.
+    let server = common::operator::NatsServer::start(&[]);
+    let mut scene = Scene::build(
+        "life-gap",
+        NACK_SPEC,
+        &[
+            "--leader-election=false",
+            "--stats-interval",
+            "1s",
+            "--capture-max-bytes",
+            "4096",
+        ],
+        &[],
+        Some(server.url()),
+    )
+    .await;
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(2)).await;
+    scene
+        .wait_stats("two exhausted", Duration::from_secs(40), |s| nacked_out(s, 2))
+        .await;
+    // While no operator reads the capture, thirty last attempts are terminated: more
+    // advisories than the capture holds, so the oldest are dropped unread.
+    scene.op.kill9();
+    scene.publish(bodies(30)).await;
+    let js = jetstream::new(async_nats::connect(server.url()).await.expect("connect"));
+    poll(
+        "the capture to drop advisories nobody read",
+        Duration::from_secs(40),
+        || async {
+            let mut capture = js
+                .get_stream("SETTLE_ADVISORIES")
+                .await
+                .map_err(|e| e.to_string())?;
+            let state = capture.info().await.map_err(|e| e.to_string())?.state.clone();
+            if state.first_sequence > 20 {
+                Ok(())
+            } else {
+                Err(format!("first sequence {}", state.first_sequence))
+            }
+        },
+    )
+    .await;
+    scene.restart_operator();
+    let s = scene
+        .settled("thirty-two exhausted", Duration::from_secs(60), |s| {
+            nacked_out(s, 32)
+        })
+        .await;
+    // The runtime saw every loss: the counts are exact; the broker side says what it missed.
+    assert_nacked_out(&s, 32);
+    let (status, reason, message) = poll(
+        "Accounted to say advisories were missed",
+        Duration::from_secs(30),
+        || async {
+            let st = scene.sub().await.status.unwrap_or_default();
+            match condition(&st.conditions, "Accounted") {
+                Some(c) if c.1 == "CaptureGap" => Ok(c),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(status, "False");
+    assert_eq!(reason, "CaptureGap");
+    assert!(message.contains("advisory(ies) were dropped"), "{message}");
+    assert!(
+        scene.op.metric("settle_account_capture_gap_total", &[]) >= 1.0,
+        "the gap is counted"
+    );
+    scene.assert_never_decreased();
+    drop(app);
     scene.finish().await;
 }

@@ -629,8 +629,13 @@ impl Keeper {
         let mut lost_race = Vec::new();
         for (key, book) in books.iter_mut() {
             if book.dirty {
+                let was_unsaved = book.showing.trouble.unsaved.is_some();
                 match self.save(ledgers, key, book).await {
-                    Ok(()) => {}
+                    Ok(()) => {
+                        if was_unsaved && let Some(m) = members.get(key) {
+                            self.writer.event(&m.sub, false, "LedgerSaved", "the account's ledger is saved on the broker again".into());
+                        }
+                    }
                     Err(Save::Conflict) => {
                         lost_race.push(key.clone());
                         continue;
@@ -638,6 +643,9 @@ impl Keeper {
                     Err(Save::Failed(why)) => {
                         if book.showing.trouble.unsaved.is_none() {
                             tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %why, "cannot save the Subscription's ledger; its advisories stay unacknowledged until it can");
+                            if let Some(m) = members.get(key) {
+                                self.writer.event(&m.sub, true, super::status::reasons::LEDGER_NOT_SAVED, format!("the account's ledger cannot be saved on the broker ({why}); counts are still shown and nothing is lost meanwhile"));
+                            }
                         }
                         book.showing.trouble.unsaved = Some(why);
                         continue;

@@ -676,6 +676,9 @@ impl RabbitKeeper {
                         self.metrics.saves.with_label_values(&["ok"]).inc();
                         if book.showing.trouble.unsaved.take().is_some() {
                             tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription's ledger is saved again");
+                            if let Some(sub) = members.get(key) {
+                                self.writer.event(sub, false, "LedgerSaved", "the account's ledger is saved on the broker again".into());
+                            }
                         }
                         book.dirty = false;
                     }
@@ -685,6 +688,9 @@ impl RabbitKeeper {
                         self.metrics.saves.with_label_values(&["error"]).inc();
                         if book.showing.trouble.unsaved.is_none() {
                             tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot save the Subscription's ledger; its reports stay unacknowledged until it can");
+                            if let Some(sub) = members.get(key) {
+                                self.writer.event(sub, true, super::status::reasons::LEDGER_NOT_SAVED, format!("the account's ledger cannot be saved on the broker ({e}); counts are still shown and nothing is lost meanwhile"));
+                            }
                         }
                         book.showing.trouble.unsaved = Some(e.to_string());
                         continue;

@@ -4,6 +4,9 @@
 //! a few at once but one at a time per Subscription, and when several patches for one
 //! Subscription wait, only the newest is sent.
 //!
+//! It also records the account's Kubernetes Events (a ledger that cannot be saved, and saved
+//! again), so the account reaches the API server through this one place.
+//!
 //! How often a Subscription is written is the keeper's decision (at most once per stats
 //! interval, only on change); this module must not compute status.
 
@@ -13,7 +16,8 @@ use std::sync::Arc;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use kube::api::{Patch, PatchParams};
-use kube::{Api, Client};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client, Resource};
 use tokio::sync::mpsc;
 
 use super::metrics::Metrics;
@@ -39,21 +43,51 @@ impl Drop for AbortOnDrop {
 #[derive(Clone)]
 pub struct Writer {
     tx: mpsc::UnboundedSender<Write>,
+    recorder: Recorder,
     _task: Arc<AbortOnDrop>,
 }
 
 impl Writer {
     pub fn start(client: Client, metrics: Metrics) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "settle-account".into(),
+                instance: None,
+            },
+        );
         let task = tokio::spawn(serve(client, metrics, rx));
         Writer {
             tx,
+            recorder,
             _task: Arc::new(AbortOnDrop(task)),
         }
     }
 
     pub fn send(&self, w: Write) {
         let _ = self.tx.send(w);
+    }
+
+    /// Records an Event on `sub` (in the background: a keeper never waits for it).
+    pub fn event(&self, sub: &Subscription, warning: bool, reason: &str, note: String) {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_string(),
+            note: Some(note),
+            action: "Account".to_string(),
+            secondary: None,
+        };
+        let (recorder, object) = (self.recorder.clone(), sub.object_ref(&()));
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &object).await {
+                tracing::debug!(error = %e, "could not record an account Event");
+            }
+        });
     }
 }
 
