@@ -428,7 +428,10 @@ impl Keeper {
                         },
                         last_write: None,
                     },
-                    dirty: false,
+                    // A ledger missing or unreadable is written at once, before status shows
+                    // anything from this book: so status showing counters with no ledger there
+                    // means the ledger was lost.
+                    dirty: ledger_lost,
                     revision,
                     acks: Vec::new(),
                     revisions: HashMap::new(),

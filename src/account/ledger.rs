@@ -957,13 +957,6 @@ mod tests {
         stats(0, 3 * n, n)
     }
 
-    /// Every counter `n` more than `s`, balanced when `s` is.
-    fn grown(s: ConsumerStats, n: u64) -> ConsumerStats {
-        let mut g = add(&s, &zip(&s, &s, |_, _| n));
-        g.offered = g.delivered + g.released + g.lost;
-        g
-    }
-
     const LOST_AT: u64 = 1_000_000;
 
     #[test]
