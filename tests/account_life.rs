@@ -567,7 +567,10 @@ async fn a_ledger_that_cannot_be_saved_stays_on_its_subscription_and_nothing_is_
     .await;
     assert!(failed.1.contains("cannot be saved"), "{}", failed.1);
     let note = common::subs::wait_event(&scene.ns, "other", "LedgerNotSaved").await;
-    assert!(note.contains("cannot be saved"), "the Event says why: {note}");
+    assert!(
+        note.contains("cannot be saved"),
+        "the Event says why: {note}"
+    );
     assert!(
         scene
             .op
@@ -648,7 +651,9 @@ async fn advisories_dropped_from_a_full_capture_are_said_in_accounted() {
     app.wait_ready().await;
     scene.publish(bodies(2)).await;
     scene
-        .wait_stats("two exhausted", Duration::from_secs(40), |s| nacked_out(s, 2))
+        .wait_stats("two exhausted", Duration::from_secs(40), |s| {
+            nacked_out(s, 2)
+        })
         .await;
     // While no operator reads the capture, thirty last attempts are terminated: more
     // advisories than the capture holds, so the oldest are dropped unread.
@@ -663,7 +668,12 @@ async fn advisories_dropped_from_a_full_capture_are_said_in_accounted() {
                 .get_stream("SETTLE_ADVISORIES")
                 .await
                 .map_err(|e| e.to_string())?;
-            let state = capture.info().await.map_err(|e| e.to_string())?.state.clone();
+            let state = capture
+                .info()
+                .await
+                .map_err(|e| e.to_string())?
+                .state
+                .clone();
             if state.first_sequence > 20 {
                 Ok(())
             } else {
@@ -702,4 +712,193 @@ async fn advisories_dropped_from_a_full_capture_are_said_in_accounted() {
     scene.assert_never_decreased();
     drop(app);
     scene.finish().await;
+}
+
+/// Which source of the account a scene loses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Lost {
+    /// The ledger bucket `settle-account`, after the instance that counted everything was
+    /// folded (its counts were only there).
+    Ledger,
+    /// The report bucket `settle-stats`, as a broker reset would, while the instance runs on.
+    Reports,
+}
+
+/// The keys of Subscription `orders`' reports in the report bucket.
+async fn report_keys_of_orders(js: &jetstream::Context, ns: &str) -> Result<Vec<String>, String> {
+    let kv = js
+        .get_key_value("settle-stats")
+        .await
+        .map_err(|e| e.to_string())?;
+    let prefix = format!("{ns}.orders.");
+    let keys: Vec<String> = kv
+        .keys()
+        .await
+        .map_err(|e| e.to_string())?
+        .filter_map(|k| async move { k.ok() })
+        .collect()
+        .await;
+    Ok(keys
+        .into_iter()
+        .filter(|k| k.starts_with(&prefix))
+        .collect())
+}
+
+/// Five messages run out, the source is lost, the operator is SIGKILLed and started, two more
+/// run out: status shows exactly seven (every counter what it showed plus the growth), the
+/// identity holds, nothing ever stepped down, and Accounted says which source was lost
+/// (semantics C17).
+async fn source_lost(test: &str, lost: Lost) {
+    // A server of its own: its buckets are deleted.
+    let server = common::operator::NatsServer::start(&[]);
+    let flags = [
+        "--leader-election=false",
+        "--stats-interval",
+        "1s",
+        "--fold-after",
+        "3s",
+    ];
+    let mut scene = Scene::build(test, NACK_SPEC, &flags, &[], Some(server.url())).await;
+    let js = jetstream::new(async_nats::connect(server.url()).await.expect("connect"));
+    let mut first = scene.app("nack");
+    first.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .wait_stats("five messages exhausted", Duration::from_secs(40), |s| {
+            nacked_out(s, 5)
+        })
+        .await;
+    let app = match lost {
+        Lost::Ledger => {
+            // Stopped gracefully and folded after 3 s into the ledger's retired total.
+            first.sigterm();
+            assert!(
+                first.wait_exit(Duration::from_secs(20)),
+                "closed gracefully"
+            );
+            let ledger_key = format!("{}.orders.ledger", scene.ns);
+            poll(
+                "the stopped instance folded into the ledger",
+                Duration::from_secs(30),
+                || async {
+                    let kv = js
+                        .get_key_value("settle-account")
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let saved: serde_json::Value = match kv.get(&ledger_key).await {
+                        Ok(Some(v)) => serde_json::from_slice(&v).map_err(|e| e.to_string())?,
+                        other => return Err(format!("{other:?}")),
+                    };
+                    match saved["ledger"]["retired"]["offered"].as_u64() {
+                        Some(15) => Ok(()),
+                        other => Err(format!("retired offered {other:?}")),
+                    }
+                },
+            )
+            .await;
+            // Its report goes, as the fold removes it: its counts are only in the ledger now.
+            let reports = js
+                .get_key_value("settle-stats")
+                .await
+                .expect("report bucket");
+            for key in report_keys_of_orders(&js, &scene.ns).await.expect("keys") {
+                reports.purge(&key).await.expect("purge a report");
+            }
+            let next = scene.app("nack");
+            next.wait_ready().await;
+            next
+        }
+        Lost::Reports => first,
+    };
+    let shown = scene.stats().await;
+    assert_nacked_out(&shown, 5);
+    assert_eq!(
+        condition(
+            &scene.sub().await.status.unwrap_or_default().conditions,
+            "Accounted"
+        )
+        .map(|c| c.1),
+        Some("Kept".to_string())
+    );
+
+    scene.op.kill9();
+    let (bucket, source) = match lost {
+        Lost::Ledger => ("settle-account", "ledger"),
+        Lost::Reports => ("settle-stats", "reports"),
+    };
+    js.delete_key_value(bucket)
+        .await
+        .unwrap_or_else(|e| panic!("delete the bucket {bucket}: {e}"));
+    scene.restart_operator();
+    let said = poll(
+        "Accounted to say the source was lost",
+        Duration::from_secs(40),
+        || async {
+            let st = scene
+                .api
+                .get("orders")
+                .await
+                .map_err(|e| e.to_string())?
+                .status
+                .unwrap_or_default();
+            match condition(&st.conditions, "Accounted") {
+                Some((status, reason, message)) if status == "False" && reason == "SourceLost" => {
+                    Ok(message)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(said.contains(bucket), "names the bucket: {said}");
+    assert!(
+        said.contains("Counting continues from what status showed"),
+        "{said}"
+    );
+    assert_eq!(
+        scene.stats().await,
+        shown,
+        "status still shows what it showed"
+    );
+
+    scene.publish(bodies(2)).await;
+    let s = scene
+        .settled(
+            "seven exhausted: five shown before, two since",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 7 && s.settlement.nacked >= 21,
+        )
+        .await;
+    assert_nacked_out(&s, 7);
+    let st = scene.sub().await.status.unwrap_or_default();
+    assert_eq!(
+        condition(&st.conditions, "Accounted").map(|c| (c.0, c.1)),
+        Some(("False".to_string(), "SourceLost".to_string())),
+        "said for the loss window"
+    );
+    assert_eq!(
+        condition(&st.conditions, "Accepted").map(|c| c.0),
+        Some("True".to_string())
+    );
+    assert_eq!(
+        scene
+            .op
+            .metric("settle_account_source_lost_total", &[("source", source)]),
+        1.0,
+        "one loss found"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_ledger_bucket_continues_from_status_and_every_counter_moves_with_its_growth() {
+    source_lost("life-lost-ledger", Lost::Ledger).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_report_bucket_continues_from_status_and_the_running_instance_is_not_counted_twice()
+{
+    source_lost("life-lost-reports", Lost::Reports).await;
 }

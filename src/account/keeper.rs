@@ -15,6 +15,12 @@
 //! gauges once per stats interval and hands the writer a status patch when what the
 //! Subscription shows differs from the account, at most once per stats interval.
 //!
+//! A source lost (semantics C17): once the report bucket's history is replayed (the watch's
+//! initial values are in), each Subscription loaded in this session is checked once: when what
+//! its saved ledger and the reports sum to is below what status shows (the ledger missing or
+//! unreadable, the reports gone), the ledger continues from status as an offset, saved with the
+//! ledger, and `Accounted` says so (reason `SourceLost`) for the loss window.
+//!
 //! An account belongs to one Subscription object (its UID): a report or saved ledger of an
 //! earlier object of the same name is dropped, never counted. The broker's advisories and
 //! gauges count for a Subscription only through the consumer the controller verified as its own
@@ -35,7 +41,7 @@ use kube::runtime::reflector::Store;
 use serde::{Deserialize, Serialize};
 
 use super::Config;
-use super::ledger::{Account, BrokerOutcome, Outcome, Persisted};
+use super::ledger::{Account, BrokerOutcome, Outcome, Persisted, Source};
 use super::metrics::Metrics;
 use super::show::{self, Showing};
 use super::status::LossLog;
@@ -53,6 +59,10 @@ const TICK: Duration = Duration::from_millis(500);
 
 /// Reports held back for a Subscription not in the cache yet, at most.
 const EARLY_REPORTS: usize = 10_000;
+
+/// An empty report bucket delivers no initial value at all: when none has come this long after
+/// the watch started, its replay is complete.
+const EMPTY_REPLAY: Duration = Duration::from_secs(5);
 
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
@@ -81,6 +91,10 @@ struct Book {
     revisions: HashMap<String, u64>,
     gauges: (u64, u64),
     gauges_at: Option<Instant>,
+    /// Whether a source may have been lost, to check once the report replay is complete:
+    /// `Some(ledger_lost)` on a book's first load in a session (a book read again after a lost
+    /// race has no replay of its reports coming, so it is not checked).
+    check: Option<bool>,
 }
 
 /// A Subscription of this Backend, and the consumer the controller verified as its own.
@@ -90,6 +104,7 @@ struct Member {
     /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
     consumer: Option<(String, String)>,
     max_deliver: Option<u32>,
+    mode: crate::api::Mode,
 }
 
 pub struct Keeper {
@@ -100,6 +115,8 @@ pub struct Keeper {
     config: Config,
     metrics: Metrics,
     unseen_attempts: super::status::Unseen,
+    /// The Subscriptions whose book was loaded in this session.
+    loaded: std::sync::Mutex<std::collections::HashSet<SubKey>>,
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
@@ -124,6 +141,7 @@ impl Keeper {
             config,
             metrics,
             unseen_attempts,
+            loaded: Default::default(),
         }
     }
 
@@ -166,6 +184,7 @@ impl Keeper {
                     .and_then(|s| s.consumer.as_ref())
                     .map(|c| (c.stream.clone(), c.name.clone())),
                 max_deliver: policy.max_deliver,
+                mode: policy.mode,
                 sub,
             };
             out.insert((ns, name), member);
@@ -225,6 +244,14 @@ impl Keeper {
         let reports = capture::reports(&js).await?;
         let ledgers = capture::ledgers(&js).await?;
         let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
+        if let Ok(mut loaded) = self.loaded.lock() {
+            loaded.clear();
+        }
+        // The replay of the report bucket's history is complete when the watch says it has seen
+        // the current values, or at once when the bucket is empty.
+        let mut replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
+        let mut initial_values = 0u64;
+        let watch_started = Instant::now();
         let mut watch = reports
             .watch_with_history(">")
             .await
@@ -256,6 +283,8 @@ impl Keeper {
                     let entry = entry
                         .ok_or_else(|| broken("the report watch", "ended"))?
                         .map_err(|e| broken("the report watch", e))?;
+                    initial_values += 1;
+                    replayed |= entry.seen_current;
                     if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await?
                         && early.len() < EARLY_REPORTS
                     {
@@ -285,6 +314,9 @@ impl Keeper {
                     }
                 }
                 _ = tick.tick() => {
+                    if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
+                        replayed = true;
+                    }
                     members = self.members();
                     for (_, entry) in std::mem::take(&mut early) {
                         if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
@@ -296,7 +328,7 @@ impl Keeper {
                             tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
                         }
                     }
-                    self.settle(&js, &ledgers, &reports, &members, &mut books).await?;
+                    self.settle(&js, &ledgers, &reports, &members, &mut books, replayed).await?;
                 }
             }
         }
@@ -350,12 +382,17 @@ impl Keeper {
                 .await
                 .map_err(|e| broken("reading a ledger", e))?;
             let revision = entry.as_ref().map(|e| e.revision);
+            let mut ledger_lost = false;
             let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
                 Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
                     tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
+                    ledger_lost = true;
                     Saved::default()
                 }),
-                None => Saved::default(),
+                None => {
+                    ledger_lost = true;
+                    Saved::default()
+                }
             };
             let saved = if saved.ledger.belongs_to(m.uid.as_deref()) {
                 saved
@@ -371,6 +408,11 @@ impl Keeper {
                 .unwrap_or_default();
             let mut loss = saved.loss;
             loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
+            let first_load = self
+                .loaded
+                .lock()
+                .map(|mut loaded| loaded.insert(key.clone()))
+                .unwrap_or(false);
             let mut account = Account::resume(saved.ledger, floor);
             account.claim(m.uid.clone());
             books.insert(
@@ -382,15 +424,20 @@ impl Keeper {
                         trouble: super::status::Trouble {
                             unsaved: None,
                             missed_advisories: saved.missed_advisories,
+                            source_lost: None,
                         },
                         last_write: None,
                     },
-                    dirty: false,
+                    // A ledger missing or unreadable is written at once, before status shows
+                    // anything from this book: so status showing counters with no ledger there
+                    // means the ledger was lost.
+                    dirty: ledger_lost,
                     revision,
                     acks: Vec::new(),
                     revisions: HashMap::new(),
                     gauges: (0, 0),
                     gauges_at: None,
+                    check: first_load.then_some(ledger_lost),
                 },
             );
         }
@@ -455,10 +502,16 @@ impl Keeper {
             return Ok(Some(entry));
         }
         let book = self.book(ledgers, books, &key, member).await?;
+        let before = kept(&book.account);
         let label = match book.account.report(&report) {
             Outcome::Counted => {
                 book.revisions
                     .insert(report.instance.clone(), entry.revision);
+                // A life replaced by a newer one, a folded one back, or a charge against the
+                // offset changes what is persisted: saved, or a restart would lose it.
+                if kept(&book.account) != before {
+                    book.dirty = true;
+                }
                 "counted"
             }
             Outcome::OtherObject => {
@@ -591,10 +644,34 @@ impl Keeper {
         reports: &kv::Store,
         members: &HashMap<SubKey, Member>,
         books: &mut HashMap<SubKey, Book>,
+        replayed: bool,
     ) -> Result<(), NatsError> {
         // Every Subscription of this Backend has a book, so each shows its counters.
         for (key, m) in members {
             self.book(ledgers, books, key, m).await?;
+        }
+        // Every report there was is counted now: what status shows and they do not explain was
+        // lost with a source (C17).
+        if replayed {
+            let now = now_ms();
+            for (key, book) in books.iter_mut() {
+                let (Some(ledger_lost), Some(m)) = (book.check, members.get(key)) else {
+                    continue;
+                };
+                book.check = None;
+                if let Some(source) = book.account.recover(ledger_lost, now, m.mode) {
+                    book.dirty = true;
+                    let offset = book.account.offset();
+                    tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), ?source, offered = offset.offered, exhausted = offset.exhausted, "a source of the account was lost: counting continues from what status showed (an offset)");
+                    self.metrics
+                        .source_lost
+                        .with_label_values(&[match source {
+                            Source::Ledger => "ledger",
+                            Source::Reports => "reports",
+                        }])
+                        .inc();
+                }
+            }
         }
         // Deleted Subscriptions: their ledger and reports go with them.
         let gone: Vec<SubKey> = books
@@ -633,7 +710,12 @@ impl Keeper {
                 match self.save(ledgers, key, book).await {
                     Ok(()) => {
                         if was_unsaved && let Some(m) = members.get(key) {
-                            self.writer.event(&m.sub, false, "LedgerSaved", "the account's ledger is saved on the broker again".into());
+                            self.writer.event(
+                                &m.sub,
+                                false,
+                                "LedgerSaved",
+                                "the account's ledger is saved on the broker again".into(),
+                            );
                         }
                     }
                     Err(Save::Conflict) => {
@@ -672,6 +754,7 @@ impl Keeper {
         }
 
         let interval = self.config.stats_interval;
+        let loss_window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
         let stamp = Time(Timestamp::now());
         let round = show::Round {
             writer: &self.writer,
@@ -707,6 +790,13 @@ impl Keeper {
                     book.gauges = (0, 0);
                 }
             }
+            book.showing.trouble.source_lost = book
+                .account
+                .persisted()
+                .lost
+                .as_ref()
+                .filter(|l| now.saturating_sub(l.at_ms) < loss_window)
+                .map(|l| l.source);
             let stats = SubscriptionStats {
                 counters: book.account.totals(),
                 pending: book.gauges.0,
@@ -766,6 +856,16 @@ impl Keeper {
         book.dirty = false;
         Ok(())
     }
+}
+
+/// What of an account is persisted and a report can change (to tell when to save).
+fn kept(account: &Account) -> (crate::api::ConsumerStats, crate::api::ConsumerStats, usize) {
+    let p = account.persisted();
+    (
+        p.retired,
+        p.offset,
+        p.lost.as_ref().map_or(0, |l| l.known.len()),
+    )
 }
 
 /// A Subscription's key in the ledger bucket.

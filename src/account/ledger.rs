@@ -32,8 +32,16 @@
 //!   a late terminate arrived) is counted once by its stream sequence.
 //! - **Never backwards**: every counter is at least what was last published (the floor), so a
 //!   lost bucket or a restart of anything cannot lower status.
+//! - **A lost source becomes an offset** (semantics C17). When the keeper finds that what was
+//!   counted cannot explain what status showed (its ledger gone or unreadable, the reports gone),
+//!   counting continues from the floor: `offset = floor - counted` per counter, raised where
+//!   needed so the offset itself balances (I1), and totals are `counted + offset`. Every counter
+//!   then moves with its growth again, nothing goes down, and I1 holds at rest. A life that
+//!   started before the loss and shows up only afterwards (a report that was lost and is written
+//!   again, a folded instance whose fold was lost) carried counts status already showed: its
+//!   first report is charged against the offset, never counted twice.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -134,7 +142,45 @@ pub struct Persisted {
     /// What the broker's advisories counted.
     #[serde(default)]
     pub broker: BrokerTally,
+    /// Added to what is counted, per counter, since a source was lost (semantics C17).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub offset: ConsumerStats,
+    /// The last loss of a source, if any: what was lost, when, and the lives counted then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<Loss>,
 }
+
+fn is_default(s: &ConsumerStats) -> bool {
+    *s == ConsumerStats::default()
+}
+
+/// Which source of the account was lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Source {
+    /// The saved ledger (folded instances, the broker's tally, an earlier offset): missing or
+    /// unreadable.
+    Ledger,
+    /// The runtime's reports: what they sum to with the ledger is below what status showed.
+    Reports,
+}
+
+/// A source lost, and what the account knew when it found out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Loss {
+    pub source: Source,
+    /// When the loss was found (Unix ms).
+    pub at_ms: u64,
+    /// The lives (instance, `startedAtMs`) whose counts are in the account since the loss: the
+    /// ones counted when it was found, and each charged against the offset since. Any other life
+    /// started before the loss is charged when it first reports.
+    #[serde(default)]
+    pub known: BTreeSet<(String, u64)>,
+}
+
+/// Lives remembered in [`Loss::known`], at most (the oldest lives are forgotten first).
+pub const REMEMBERED_LIVES: usize = 1024;
 
 impl Persisted {
     /// Whether this saved ledger may be resumed by the object `uid`: it names no object (saved
@@ -244,6 +290,48 @@ impl Account {
 
     /// Counts one report of this Subscription.
     pub fn report(&mut self, r: &StatsReport) -> Outcome {
+        let Some(loss) = &self.persisted.lost else {
+            return self.count(r);
+        };
+        let owed = r.started_at_ms < loss.at_ms
+            && !loss.known.contains(&(r.instance.clone(), r.started_at_ms));
+        let before = self.counted().exhausted;
+        let outcome = self.count(r);
+        if owed && outcome == Outcome::Counted {
+            let rose = self.counted().exhausted.saturating_sub(before);
+            self.charge(r, rose);
+        }
+        outcome
+    }
+
+    /// A life that started before the loss and is new since: what it counted up to now was in
+    /// what status showed (as far as the offset holds it), so it comes out of the offset, once.
+    /// Exhausted comes out by as much as the account's Exhausted rose (`rose`: the larger source
+    /// may not have moved). Each counter comes out by at most what it was just counted, so no
+    /// total goes down; the offset is balanced again by raising its offers, which counts the
+    /// life's attempts in flight as offered since.
+    fn charge(&mut self, r: &StatsReport, rose: u64) {
+        let Some(loss) = &mut self.persisted.lost else {
+            return;
+        };
+        loss.known.insert((r.instance.clone(), r.started_at_ms));
+        while loss.known.len() > REMEMBERED_LIVES {
+            let oldest = loss
+                .known
+                .iter()
+                .min_by_key(|(k, started)| (*started, k.clone()))
+                .cloned();
+            match oldest {
+                Some(life) => loss.known.remove(&life),
+                None => break,
+            };
+        }
+        let mut taken = r.stats;
+        taken.exhausted = rose.min(r.stats.exhausted);
+        self.persisted.offset = balance(&growth(&taken, &self.persisted.offset), r.mode);
+    }
+
+    fn count(&mut self, r: &StatsReport) -> Outcome {
         if r.version != REPORT_VERSION {
             return Outcome::UnknownVersion;
         }
@@ -386,13 +474,82 @@ impl Account {
         sum
     }
 
-    /// The account now ([`Account::counted`]), never below the floor. Raises the floor to what
-    /// it returns.
+    /// The account now: [`Account::counted`] plus the offset of a lost source, never below the
+    /// floor. Raises the floor to what it returns.
     pub fn totals(&mut self) -> ConsumerStats {
-        let t = max(&self.counted(), &self.floor);
+        let t = max(&self.counted_with_offset(), &self.floor);
         self.floor = t;
         t
     }
+
+    /// Checks, once every source has been read (the report replay is complete), whether what is
+    /// counted explains what status showed. `ledger_lost`: the saved ledger was missing or
+    /// unreadable (its broker tally and folds are gone, so every counter is compared; otherwise
+    /// Exhausted is not, as advisories held back by an unsaved ledger may still come again).
+    /// When something is missing, counting continues from the floor as an offset (returned: the
+    /// source lost); `now_ms` is when, `mode` the Subscription's (the side of the identity that
+    /// attempts in flight when status was written are given up to).
+    pub fn recover(&mut self, ledger_lost: bool, now_ms: u64, mode: Mode) -> Option<Source> {
+        let counted = self.counted_with_offset();
+        let mut missing = growth(&counted, &self.floor);
+        if !ledger_lost {
+            missing.exhausted = 0;
+        }
+        if missing == ConsumerStats::default() {
+            return None;
+        }
+        let source = if ledger_lost {
+            Source::Ledger
+        } else {
+            Source::Reports
+        };
+        self.persisted.offset = balance(&add(&self.persisted.offset, &missing), mode);
+        let known = self
+            .live
+            .iter()
+            .chain(&self.persisted.folded)
+            .map(|(k, s)| (k.clone(), s.started_at_ms))
+            .collect();
+        self.persisted.lost = Some(Loss {
+            source,
+            at_ms: now_ms,
+            known,
+        });
+        Some(source)
+    }
+
+    /// The offset added to what is counted (zero unless a source was lost).
+    pub fn offset(&self) -> ConsumerStats {
+        self.persisted.offset
+    }
+
+    /// [`Account::counted`] plus the offset, without the floor.
+    pub fn counted_with_offset(&self) -> ConsumerStats {
+        add(&self.counted(), &self.persisted.offset)
+    }
+}
+
+/// `s` with its identity made whole by raising the short side: more outcomes than offers raise
+/// offered; more offers than outcomes (attempts in flight when status was written, whose end was
+/// lost with the source) count given up, Released (Lost under AtMostOnce), as a dead instance's
+/// do (C16). Nothing goes down.
+fn balance(s: &ConsumerStats, mode: Mode) -> ConsumerStats {
+    let mut s = *s;
+    let ended = s
+        .delivered
+        .saturating_add(s.released)
+        .saturating_add(s.lost);
+    if ended > s.offered {
+        s.offered = ended;
+    } else if s.offered > ended {
+        let gap = s.offered - ended;
+        if mode == Mode::AtMostOnce {
+            s.lost = s.lost.saturating_add(gap);
+        } else {
+            s.released = s.released.saturating_add(gap);
+        }
+    }
+    s
 }
 
 /// Takes up to `credit` attempts out of what a folded life's growth says ended (delivered, then
@@ -794,6 +951,216 @@ mod tests {
         assert!(dominates(&a.totals(), &floor));
     }
 
+    /// Always-nack numbers: `n` messages at maxDeliver 3 (offered, delivered and nacked 3n,
+    /// exhausted n).
+    fn nacked(n: u64) -> ConsumerStats {
+        stats(0, 3 * n, n)
+    }
+
+    const LOST_AT: u64 = 1_000_000;
+
+    #[test]
+    fn a_lost_ledger_continues_from_status_as_an_offset_and_growth_shows_one_for_one() {
+        // Status showed 5 messages run out; the instance that counted them was folded and its
+        // report removed, then the ledger holding that fold was lost. A new instance runs.
+        let floor = nacked(5);
+        let mut a = Account::resume(Persisted::default(), floor);
+        a.report(&life("new", LOST_AT + 1, 1, LOST_AT + 1, nacked(1)));
+        assert_eq!(
+            a.recover(true, LOST_AT, Mode::AtLeastOnce),
+            Some(Source::Ledger)
+        );
+        assert_eq!(a.offset(), nacked(4), "floor - counted, per counter");
+        assert_eq!(a.totals(), floor, "nothing moved yet, nothing went down");
+        // Two more messages on the new instance: every counter moves by exactly their growth.
+        a.report(&life("new", LOST_AT + 1, 2, LOST_AT + 2, nacked(3)));
+        let t = a.totals();
+        assert_eq!(t, nacked(7), "{t:?}");
+        assert!(t.balanced());
+        // The broker's count after the loss (its tally restarted) keeps its rule on the counted
+        // part: the larger source, never the sum.
+        a.broker_exhausted(3);
+        assert_eq!(a.totals().exhausted, 7);
+        a.broker_exhausted(4);
+        assert_eq!(a.totals().exhausted, 8);
+    }
+
+    #[test]
+    fn without_an_offset_the_floor_freezes_counters_and_breaks_the_identity() {
+        // What the offset fixes: the floor alone holds each counter until its new sum passes it.
+        let floor = stats(10, 0, 0);
+        let mut a = Account::resume(Persisted::default(), floor);
+        let mut s = stats(3, 0, 0);
+        s.offered += 2; // two in flight
+        a.report(&life("new", LOST_AT + 1, 1, LOST_AT + 1, s));
+        s.released += 2;
+        a.report(&life("new", LOST_AT + 1, 2, LOST_AT + 2, s));
+        let frozen = a.totals();
+        assert_eq!(
+            (frozen.offered, frozen.delivered, frozen.released),
+            (10, 10, 2)
+        );
+        assert!(!frozen.balanced(), "offered 10 != 10 + 2");
+        // With the loss recovered the same history balances, and the growth shows.
+        let mut b = Account::resume(Persisted::default(), floor);
+        b.recover(true, LOST_AT, Mode::AtLeastOnce);
+        b.report(&life("new", LOST_AT + 1, 2, LOST_AT + 2, s));
+        let t = b.totals();
+        assert_eq!((t.offered, t.delivered, t.released), (15, 13, 2));
+        assert!(t.balanced());
+    }
+
+    #[test]
+    fn nothing_is_offset_when_what_is_counted_explains_status() {
+        // The ledger was missing, but the reports alone account for everything status showed.
+        let floor = nacked(5);
+        let mut a = Account::resume(Persisted::default(), floor);
+        a.report(&report("a", 9, 10, nacked(5)));
+        assert_eq!(a.recover(true, LOST_AT, Mode::AtLeastOnce), None);
+        assert_eq!(a.offset(), ConsumerStats::default());
+        assert_eq!(a.persisted().lost, None);
+        // Nor when status shows nothing at all (a new Subscription).
+        let mut b = Account::resume(Persisted::default(), ConsumerStats::default());
+        assert_eq!(b.recover(true, LOST_AT, Mode::AtLeastOnce), None);
+    }
+
+    #[test]
+    fn with_the_ledger_read_exhausted_alone_below_status_is_no_loss() {
+        // Advisories held back by an unsaved ledger come again after the replay: not a loss.
+        let mut floor = nacked(5);
+        floor.exhausted = 7;
+        let mut a = Account::resume(Persisted::default(), floor);
+        a.report(&report("a", 9, 10, nacked(5)));
+        assert_eq!(a.recover(false, LOST_AT, Mode::AtLeastOnce), None);
+        // With the ledger gone, its broker tally went with it: that is a loss.
+        let mut b = Account::resume(Persisted::default(), floor);
+        b.report(&report("a", 9, 10, nacked(5)));
+        assert_eq!(
+            b.recover(true, LOST_AT, Mode::AtLeastOnce),
+            Some(Source::Ledger)
+        );
+        assert_eq!(b.offset().exhausted, 2);
+        assert_eq!(b.totals(), floor);
+    }
+
+    #[test]
+    fn a_lost_report_written_again_is_charged_against_the_offset_never_counted_twice() {
+        // The report bucket was reset; the ledger (the broker's tally of 5) survived. The
+        // instance runs on: its next report carries everything since it started.
+        let mut before = Account::default();
+        before.report(&report("a", 9, 10, nacked(5)));
+        for seq in 1..=5 {
+            before.broker_exhausted_message(seq, seq);
+        }
+        let floor = before.totals();
+        let mut a = Account::resume(before.persisted().clone(), floor);
+        assert_eq!(
+            a.recover(false, LOST_AT, Mode::AtLeastOnce),
+            Some(Source::Reports)
+        );
+        assert_eq!(a.totals(), floor);
+        // Two more messages: the instance's report is back with 7.
+        a.report(&report("a", 12, LOST_AT + 10, nacked(7)));
+        a.broker_exhausted_message(6, 6);
+        a.broker_exhausted_message(7, 7);
+        let t = a.totals();
+        assert_eq!(t, nacked(7), "{t:?}");
+        assert_eq!(a.offset(), ConsumerStats::default(), "all of it charged");
+        // A later report of it counts its growth only.
+        a.report(&report("a", 13, LOST_AT + 20, nacked(8)));
+        assert_eq!(a.totals(), nacked(8));
+    }
+
+    #[test]
+    fn a_life_back_with_attempts_in_flight_keeps_the_identity_once_they_finish() {
+        let floor = stats(15, 0, 0);
+        let mut a = Account::resume(Persisted::default(), floor);
+        assert_eq!(
+            a.recover(false, LOST_AT, Mode::AtLeastOnce),
+            Some(Source::Reports)
+        );
+        let mut busy = stats(15, 0, 0);
+        busy.offered += 1;
+        a.report(&report("a", 20, LOST_AT + 1, busy));
+        let t = a.totals();
+        assert!(dominates(&t, &floor));
+        assert_eq!(
+            t.offered, 16,
+            "the attempt in flight is offered since: {t:?}"
+        );
+        a.report(&report("a", 21, LOST_AT + 2, stats(16, 0, 0)));
+        let t = a.totals();
+        assert_eq!(t, stats(16, 0, 0));
+        assert!(t.balanced());
+    }
+
+    #[test]
+    fn two_lost_lives_hide_growth_until_both_are_back_then_count_exactly() {
+        let floor = add(&stats(10, 0, 0), &stats(5, 0, 0));
+        let mut a = Account::resume(Persisted::default(), floor);
+        a.recover(false, LOST_AT, Mode::AtLeastOnce);
+        // `a` (10 before) is back with 12: its 2 are hidden by `b`'s share of the offset.
+        a.report(&report("a", 5, LOST_AT + 1, stats(12, 0, 0)));
+        assert_eq!(a.totals(), floor);
+        // `b` (5 before) is back with 6: every attempt is counted once.
+        a.report(&report("b", 5, LOST_AT + 1, stats(6, 0, 0)));
+        assert_eq!(a.totals(), stats(18, 0, 0));
+        // A life started after the loss is never charged.
+        a.report(&life("c", LOST_AT + 5, 1, LOST_AT + 6, stats(1, 0, 0)));
+        assert_eq!(a.totals(), stats(19, 0, 0));
+    }
+
+    #[test]
+    fn attempts_in_flight_when_status_was_written_are_given_up_by_the_offset() {
+        let mut floor = stats(8, 0, 0);
+        floor.offered = 10;
+        for (mode, released, lost) in [(Mode::AtLeastOnce, 2, 0), (Mode::AtMostOnce, 0, 2)] {
+            let mut a = Account::resume(Persisted::default(), floor);
+            a.recover(true, LOST_AT, mode);
+            let t = a.totals();
+            assert_eq!(
+                (t.offered, t.delivered, t.released, t.lost),
+                (10, 8, released, lost)
+            );
+            assert!(t.balanced(), "{mode:?}: {t:?}");
+        }
+    }
+
+    #[test]
+    fn after_a_loss_a_restarted_operator_resumes_the_offset_and_charges_no_life_twice() {
+        let floor = add(&nacked(5), &nacked(2));
+        let mut a = Account::resume(Persisted::default(), floor);
+        a.report(&report("kept", 3, LOST_AT - 5, nacked(2)));
+        a.recover(false, LOST_AT, Mode::AtLeastOnce);
+        a.report(&report("back", 8, LOST_AT + 1, nacked(6)));
+        a.report(&report("kept", 4, LOST_AT + 1, nacked(3)));
+        let shown = a.totals();
+        assert_eq!(shown, add(&nacked(6), &nacked(3)));
+        // The operator restarts: the saved ledger, the same reports again, status as floor.
+        let text = serde_json::to_string(a.persisted()).expect("serialises");
+        let mut b = Account::resume(serde_json::from_str(&text).expect("parses"), shown);
+        b.report(&report("back", 8, LOST_AT + 1, nacked(6)));
+        b.report(&report("kept", 4, LOST_AT + 1, nacked(3)));
+        assert_eq!(b.recover(false, LOST_AT + 50, Mode::AtLeastOnce), None);
+        assert_eq!(b.counted_with_offset(), shown, "nothing charged again");
+        b.report(&report("back", 9, LOST_AT + 60, nacked(7)));
+        assert_eq!(b.totals(), add(&nacked(7), &nacked(3)));
+    }
+
+    #[test]
+    fn a_ledger_saved_before_offsets_reads_with_none() {
+        let old: Persisted = serde_json::from_str(r#"{"retired":{"offered":3},"folded":{}}"#)
+            .expect("an older ledger");
+        assert_eq!(old.offset, ConsumerStats::default());
+        assert_eq!(old.lost, None);
+        // And a ledger without a loss saves as before (no new fields).
+        let saved = serde_json::to_value(Persisted::default()).expect("serialises");
+        assert!(
+            saved.get("offset").is_none() && saved.get("lost").is_none(),
+            "{saved}"
+        );
+    }
+
     #[test]
     fn a_lost_bucket_cannot_lower_what_status_said() {
         let floor = stats(100, 20, 3);
@@ -947,6 +1314,108 @@ mod tests {
                 }
             }
             prop_assert_eq!(a.counted(), expect);
+        }
+
+        /// A source lost against a model of the lives that made status. Before the loss, lives
+        /// at rest (balanced) made status; then some lives' counts are lost (their reports gone,
+        /// or, when the ledger goes, their folds), the account recovers, and lives grow, come
+        /// back and start, in any order, with an operator restart anywhere. At every step no
+        /// counter goes down and the identity holds (every life is at rest); growth of a life
+        /// the account still knew shows one for one; nothing is ever counted beyond the truth;
+        /// once every lost life is back, the account is exactly the truth.
+        #[test]
+        fn after_a_source_is_lost_the_account_follows_the_truth_and_never_steps_down(
+            lives in prop::collection::vec((arb_counters(), any::<bool>()), 1..5),
+            growth_steps in prop::collection::vec((0usize..6, arb_counters()), 0..12),
+            ledger in any::<bool>(),
+            restart_at in 0usize..14,
+        ) {
+            let balanced = |mut s: ConsumerStats| {
+                s.offered = s.delivered + s.released + s.lost;
+                s.exhausted = 0; // the broker's tally is not in this model
+                s
+            };
+            // Before: every life reported at rest; the lost ones are folded when the ledger is
+            // what goes (their reports are removed then).
+            let mut before = Account::default();
+            let mut now: Vec<ConsumerStats> = Vec::new();
+            let mut seqs: Vec<u64> = Vec::new();
+            for (i, (s, _)) in lives.iter().enumerate() {
+                let s = balanced(*s);
+                let at = if ledger && lives[i].1 { 10 } else { 500_000 };
+                before.report(&report(&format!("p{i}"), 1, at, s));
+                now.push(s);
+                seqs.push(1);
+            }
+            if ledger {
+                before.fold_idle(400_000, 1_000);
+            }
+            let floor = before.totals();
+            let mut truth = floor;
+            // The loss: the ledger (and the folds in it), or the lost lives' reports.
+            let kept = if ledger { Persisted::default() } else { before.persisted().clone() };
+            let mut a = Account::resume(kept, floor);
+            let mut back: Vec<bool> = lives.iter().map(|(_, lost)| !lost).collect();
+            // The reports in the bucket now, as a restarted operator replays them.
+            let mut bucket: BTreeMap<String, StatsReport> = BTreeMap::new();
+            for (i, (_, lost)) in lives.iter().enumerate() {
+                if !lost {
+                    let r = report(&format!("p{i}"), 1, 500_000, now[i]);
+                    a.report(&r);
+                    bucket.insert(r.instance.clone(), r);
+                }
+            }
+            a.recover(ledger, LOST_AT, Mode::AtLeastOnce);
+            let mut last = a.totals();
+            prop_assert!(dominates(&last, &floor), "{last:?} below {floor:?}");
+            prop_assert!(last.balanced(), "{last:?}");
+            let mut known_growth = ConsumerStats::default();
+            for (step, (who, g)) in growth_steps.iter().enumerate() {
+                if step == restart_at {
+                    let text = serde_json::to_string(a.persisted()).expect("serialises");
+                    let mut b = Account::resume(serde_json::from_str(&text).expect("parses"), last);
+                    for r in bucket.values() {
+                        b.report(r);
+                    }
+                    prop_assert_eq!(b.recover(false, LOST_AT + 1, Mode::AtLeastOnce), None);
+                    prop_assert_eq!(b.totals(), last);
+                    a = b;
+                }
+                let g = balanced(*g);
+                let i = *who;
+                truth = add(&truth, &g);
+                if i < now.len() {
+                    // A life of before grows (and, if it was lost, comes back with it).
+                    if back[i] {
+                        known_growth = add(&known_growth, &g);
+                    }
+                    back[i] = true;
+                    now[i] = add(&now[i], &g);
+                    seqs[i] += 1;
+                    let r = report(&format!("p{i}"), seqs[i], LOST_AT + step as u64, now[i]);
+                    a.report(&r);
+                    bucket.insert(r.instance.clone(), r);
+                } else {
+                    // A life started after the loss.
+                    known_growth = add(&known_growth, &g);
+                    let started = LOST_AT + 1 + step as u64;
+                    let r = life(&format!("n{step}"), started, 1, started, g);
+                    a.report(&r);
+                    bucket.insert(r.instance.clone(), r);
+                }
+                let t = a.totals();
+                prop_assert!(dominates(&t, &last), "went down: {last:?} -> {t:?}");
+                prop_assert!(t.balanced(), "{t:?}");
+                prop_assert!(dominates(&truth, &t), "beyond the truth: {t:?} > {truth:?}");
+                prop_assert!(
+                    dominates(&t, &add(&floor, &known_growth)),
+                    "growth hidden: {t:?} < {floor:?} + {known_growth:?}"
+                );
+                last = t;
+            }
+            if back.iter().all(|b| *b) {
+                prop_assert_eq!(a.totals(), truth);
+            }
         }
 
         /// Whatever arrives, in whatever order, with folds and returns in between: the account

@@ -86,6 +86,9 @@ pub struct Metrics {
     /// `settle_account_capture_gap_total`: advisories dropped from the capture before the
     /// operator read them (the stream's limits).
     pub capture_gap: IntCounterVec,
+    /// `settle_account_source_lost_total{source}`: sources of an account found lost (ledger,
+    /// reports), each continued from status as an offset (semantics C17).
+    pub source_lost: IntCounterVec,
     /// What was exported per Subscription, so counters are raised by exactly the growth.
     exported: Arc<Mutex<HashMap<(String, String), ConsumerStats>>>,
 }
@@ -151,6 +154,11 @@ impl Metrics {
                 "settle_account_capture_gap_total",
                 "Advisories dropped from the capture stream (its limits) before the operator read them.",
                 &["backend"],
+            )?,
+            source_lost: counter(
+                "settle_account_source_lost_total",
+                "Sources of a Subscription's account found lost (ledger, reports): counting continued from status as an offset.",
+                &["source"],
             )?,
             exported: Arc::default(),
         }

@@ -677,7 +677,12 @@ impl RabbitKeeper {
                         if book.showing.trouble.unsaved.take().is_some() {
                             tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription's ledger is saved again");
                             if let Some(sub) = members.get(key) {
-                                self.writer.event(sub, false, "LedgerSaved", "the account's ledger is saved on the broker again".into());
+                                self.writer.event(
+                                    sub,
+                                    false,
+                                    "LedgerSaved",
+                                    "the account's ledger is saved on the broker again".into(),
+                                );
                             }
                         }
                         book.dirty = false;

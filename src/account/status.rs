@@ -2,7 +2,8 @@
 //! totals and the broker's gauges), `statsUpdatedAt`, and the conditions `Exhausting` (messages
 //! ran out of attempts within the loss window: data loss), `Stranding` (messages were declined
 //! where the broker could not take them back) and `Accounted` (whether the account is kept
-//! whole: saved on the broker, nothing missed from the capture).
+//! whole: saved on the broker, nothing missed from the capture, no source lost within the loss
+//! window).
 //!
 //! Pure: no I/O and no clock (times come in as arguments). It must not count (that is the
 //! ledger) nor send anything (that is the writer).
@@ -13,6 +14,7 @@ use std::time::Duration;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use serde::{Deserialize, Serialize};
 
+use super::ledger::Source;
 use crate::api::SubscriptionStats;
 use crate::api::condition::{self, Status, Want};
 
@@ -38,6 +40,7 @@ pub mod reasons {
     pub const KEPT: &str = "Kept";
     pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
     pub const CAPTURE_GAP: &str = "CaptureGap";
+    pub const SOURCE_LOST: &str = "SourceLost";
 }
 
 /// What keeps one Subscription's account from being whole now, for `Accounted`.
@@ -48,6 +51,9 @@ pub struct Trouble {
     /// Advisories dropped from the capture (its limits) before the operator read them, in all
     /// while this Subscription was counted.
     pub missed_advisories: u64,
+    /// A source of the account was lost within the loss window (semantics C17): counting goes
+    /// on from what status showed.
+    pub source_lost: Option<Source>,
 }
 
 /// Exhausted totals over time: enough to say how many ran out within the loss window, kept
@@ -193,6 +199,30 @@ pub fn wants(
                  and nothing is lost: the reports and advisories they hold stay unacknowledged \
                  until the save succeeds (it is tried every second). Check the broker's \
                  JetStream storage and the settle-account bucket."
+            ),
+        )
+    } else if let Some(source) = trouble.source_lost {
+        let (what, how) = match source {
+            Source::Ledger => (
+                "the account's saved ledger (bucket settle-account) was missing or unreadable",
+                "its folded instances and the broker's tally were gone",
+            ),
+            Source::Reports => (
+                "the runtime's stats reports (bucket settle-stats) were gone",
+                "the reports left summed to less than status showed",
+            ),
+        };
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::SOURCE_LOST,
+            format!(
+                "{what} when the operator read it ({how}). Counting continues from what status \
+                 showed: each counter moves on with what is counted from now, none goes down, and \
+                 offered == delivered + released + lost still holds at rest. What happened while \
+                 the source was gone (between the last status write and the loss being found) may \
+                 be missing, Exhausted included. Find what removed it (a broker reset, a deleted \
+                 bucket); this condition turns True by itself {w} after the loss was found."
             ),
         )
     } else if trouble.missed_advisories > 0 {
@@ -438,6 +468,7 @@ mod tests {
         let unsaved = Trouble {
             unsaved: Some("no space".into()),
             missed_advisories: 3,
+            source_lost: Some(Source::Ledger),
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
         assert_eq!(
@@ -448,6 +479,7 @@ mod tests {
         let gap = Trouble {
             unsaved: None,
             missed_advisories: 3,
+            source_lost: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
         assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));
@@ -458,6 +490,39 @@ mod tests {
             "the RabbitMQ note: {}",
             e.message
         );
+    }
+
+    #[test]
+    fn accounted_says_which_source_was_lost_and_that_counting_goes_on_from_status() {
+        for (source, names) in [
+            (Source::Ledger, "settle-account"),
+            (Source::Reports, "settle-stats"),
+        ] {
+            let lost = Trouble {
+                source_lost: Some(source),
+                missed_advisories: 2,
+                ..Trouble::default()
+            };
+            let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &lost);
+            assert_eq!((a.status, a.reason), (Status::False, reasons::SOURCE_LOST));
+            assert!(a.message.contains(names), "{}", a.message);
+            assert!(
+                a.message
+                    .contains("Counting continues from what status showed"),
+                "{}",
+                a.message
+            );
+            assert!(a.message.contains("may be missing"), "{}", a.message);
+            assert!(a.message.contains("15m after"), "{}", a.message);
+        }
+        // A save failing now says more than a loss that is over.
+        let both = Trouble {
+            unsaved: Some("no space".into()),
+            source_lost: Some(Source::Reports),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &both);
+        assert_eq!(a.reason, reasons::LEDGER_NOT_SAVED);
     }
 
     #[test]
