@@ -254,6 +254,26 @@ async fn an_application_killed_while_holding_attempts_balances_once_it_is_folded
         "{s:?}"
     );
     assert!(s.balanced(), "the identity holds at rest: {s:?}");
+    // The folded instance's report is gone from the bucket (the ledger holds its counts).
+    let reports = scene
+        .stream
+        .js
+        .get_key_value("settle-stats")
+        .await
+        .expect("the report bucket");
+    let prefix = format!("{}.orders.", scene.ns);
+    let keys: Vec<String> = reports
+        .keys()
+        .await
+        .expect("keys")
+        .filter_map(|k| async move { k.ok() })
+        .filter(|k| futures::future::ready(k.starts_with(&prefix)))
+        .collect()
+        .await;
+    assert!(
+        keys.len() <= 1,
+        "only the replacement's report may be left: {keys:?}"
+    );
     scene.assert_never_decreased();
     drop(replacement);
     scene.finish().await;

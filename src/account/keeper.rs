@@ -371,8 +371,11 @@ impl Keeper {
         {
             tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
             let old = books.remove(key);
-            for revision in old.iter().flat_map(|b| b.revisions.values()) {
-                let _ = capture::drop_report(&jetstream::new(self.client.clone()), *revision).await;
+            for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
+                let report = report_key(&key.0, &key.1, instance);
+                let _ =
+                    capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
+                        .await;
             }
         }
         if !books.contains_key(key) {
@@ -486,8 +489,12 @@ impl Keeper {
             {
                 // Bound to an operator's consumer once, and that Subscription is gone.
                 self.metrics.reports.with_label_values(&["gone"]).inc();
-                let _ = capture::drop_report(&jetstream::new(self.client.clone()), entry.revision)
-                    .await;
+                let _ = capture::drop_report(
+                    &jetstream::new(self.client.clone()),
+                    &entry.key,
+                    entry.revision,
+                )
+                .await;
                 return Ok(None);
             }
             return Ok((report.namespace == self.backend.0).then_some(entry));
@@ -516,8 +523,12 @@ impl Keeper {
             }
             Outcome::OtherObject => {
                 // An earlier object's report of the same name: never this one's.
-                let _ = capture::drop_report(&jetstream::new(self.client.clone()), entry.revision)
-                    .await;
+                let _ = capture::drop_report(
+                    &jetstream::new(self.client.clone()),
+                    &entry.key,
+                    entry.revision,
+                )
+                .await;
                 "other_object"
             }
             Outcome::Stale => "stale",
@@ -681,8 +692,9 @@ impl Keeper {
             .collect();
         for key in gone {
             if let Some(book) = books.remove(&key) {
-                for revision in book.revisions.values() {
-                    let _ = capture::drop_report(js, *revision).await;
+                for (instance, revision) in &book.revisions {
+                    let report = report_key(&key.0, &key.1, instance);
+                    let _ = capture::drop_report(js, &report, *revision).await;
                 }
                 let _ = ledgers.purge(ledger_key(&key)).await;
                 self.metrics.forget(&key.0, &key.1);
@@ -693,11 +705,11 @@ impl Keeper {
         let now = now_ms();
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         let mut dropped = Vec::new();
-        for book in books.values_mut() {
+        for (key, book) in books.iter_mut() {
             for instance in book.account.fold_idle(now, fold_after) {
                 book.dirty = true;
                 if let Some(r) = book.revisions.remove(&instance) {
-                    dropped.push(r);
+                    dropped.push((report_key(&key.0, &key.1, &instance), r));
                 }
             }
         }
@@ -747,8 +759,8 @@ impl Keeper {
             books.remove(&key);
             self.rebuild(ledgers, reports, members, books, &key).await?;
         }
-        for revision in dropped {
-            if let Err(e) = capture::drop_report(js, revision).await {
+        for (report, revision) in dropped {
+            if let Err(e) = capture::drop_report(js, &report, revision).await {
                 tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
             }
         }

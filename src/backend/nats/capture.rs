@@ -136,16 +136,22 @@ pub async fn ledgers(js: &jetstream::Context) -> Result<kv::Store, NatsError> {
     .await
 }
 
-/// Removes one stored report outright (no delete marker left behind), by its revision: a folded
-/// instance's report, whose counters the ledger now holds.
-pub async fn drop_report(js: &jetstream::Context, revision: u64) -> Result<(), NatsError> {
-    let stream = js
-        .get_stream(format!("KV_{REPORT_BUCKET}"))
+/// Removes one stored report, by its key and the revision it was read at (a purge checked
+/// against that revision, so a newer report of the same key is never removed): a folded
+/// instance's report, whose counters the ledger now holds, or a report of a Subscription object
+/// that is gone. The bucket keeps a purge marker of a few bytes in its place (a KV bucket
+/// denies deleting its messages outright).
+pub async fn drop_report(
+    js: &jetstream::Context,
+    key: &str,
+    revision: u64,
+) -> Result<(), NatsError> {
+    let reports = js
+        .get_key_value(REPORT_BUCKET)
         .await
         .map_err(|e| unreachable("opening the report bucket", e))?;
-    stream
-        .delete_message(revision)
+    reports
+        .purge_expect_revision(key, Some(revision))
         .await
-        .map(|_| ())
-        .map_err(|e| unreachable("removing a folded report", e))
+        .map_err(|e| unreachable("removing a report", e))
 }
