@@ -922,3 +922,78 @@ async fn a_lost_report_bucket_continues_from_status_and_the_running_instance_is_
 {
     source_lost("life-lost-reports", Lost::Reports).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reports_past_the_accounts_bounds_are_dropped_and_counted() {
+    let scene = Scene::with_flags(
+        "life-bounds",
+        NACK_SPEC,
+        &[
+            "--leader-election=false",
+            "--stats-interval",
+            "1s",
+            "--max-report-bytes",
+            "4096",
+            "--max-instances-per-subscription",
+            "2",
+        ],
+    )
+    .await;
+    let js = &scene.stream.js;
+    let reports = poll("the report bucket", Duration::from_secs(30), || async {
+        js.get_key_value("settle-stats")
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as u64;
+    let put = |instance: &str, padding: usize| {
+        let body = serde_json::json!({
+            "version": 1, "namespace": scene.ns, "subscription": "orders",
+            "instance": instance, "backend": "nats", "mode": "AtLeastOnce",
+            "startedAtMs": 1, "reportedAtMs": now, "sequence": 1,
+            "stats": {"offered": 1, "delivered": 1, "settlement": {"acked": 1}},
+            "runtime": {}, "padding": "x".repeat(padding),
+        });
+        let key = settle::bus::report::report_key(&scene.ns, "orders", instance);
+        let reports = reports.clone();
+        async move {
+            reports
+                .put(key, serde_json::to_vec(&body).expect("json").into())
+                .await
+                .expect("put a report");
+        }
+    };
+    // One far past the size bound, then three instances where two may be counted.
+    put("big", 10_000).await;
+    for instance in ["a", "b", "c"] {
+        put(instance, 0).await;
+    }
+    let s = scene
+        .settled("two instances counted", Duration::from_secs(30), |s| {
+            s.settlement.acked >= 2
+        })
+        .await;
+    assert_eq!(
+        s.settlement.acked, 2,
+        "the third instance and the big report are dropped: {s:?}"
+    );
+    let dropped = |why: &str| {
+        scene
+            .op
+            .metric("settle_account_reports_total", &[("outcome", why)])
+    };
+    assert!(
+        dropped("too_large") >= 1.0,
+        "the big report is counted as dropped"
+    );
+    assert!(
+        dropped("too_many_instances") >= 1.0,
+        "the third instance is counted as dropped"
+    );
+    scene.assert_never_decreased();
+    scene.finish().await;
+}

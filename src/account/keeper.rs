@@ -285,10 +285,15 @@ impl Keeper {
                         .map_err(|e| broken("the report watch", e))?;
                     initial_values += 1;
                     replayed |= entry.seen_current;
-                    if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await?
-                        && early.len() < EARLY_REPORTS
-                    {
-                        early.insert(entry.key.clone(), entry);
+                    if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
+                        let held: usize = early.values().map(|e| e.value.len()).sum();
+                        if early.len() < EARLY_REPORTS
+                            && held + entry.value.len() <= self.config.limits.max_early_bytes
+                        {
+                            early.insert(entry.key.clone(), entry);
+                        } else {
+                            self.metrics.reports.with_label_values(&["early_dropped"]).inc();
+                        }
                     }
                 }
                 msg = advisories.next() => {
@@ -461,6 +466,11 @@ impl Keeper {
         if entry.operation != kv::Operation::Put {
             return Ok(None);
         }
+        if self.config.limits.too_large(entry.value.len()) {
+            self.metrics.reports.with_label_values(&["too_large"]).inc();
+            tracing::warn!(key = %entry.key, bytes = entry.value.len(), "a stats report larger than --max-report-bytes: dropped");
+            return Ok(None);
+        }
         let report: StatsReport = match serde_json::from_slice(&entry.value) {
             Ok(r) => r,
             Err(e) => {
@@ -509,6 +519,11 @@ impl Keeper {
             return Ok(Some(entry));
         }
         let book = self.book(ledgers, books, &key, member).await?;
+        if let Some(why) = self.config.limits.refuse(&report, &book.account) {
+            self.metrics.reports.with_label_values(&[why]).inc();
+            tracing::warn!(key = %entry.key, reason = why, "a stats report past the account's bounds (--max-instances-per-subscription, the instance name's length): dropped");
+            return Ok(None);
+        }
         let before = kept(&book.account);
         let label = match book.account.report(&report) {
             Outcome::Counted => {

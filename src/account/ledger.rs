@@ -463,6 +463,12 @@ impl Account {
         self.live.len()
     }
 
+    /// Whether `instance` is one this account already counts (live or folded): a report of an
+    /// instance it does not know adds a live instance.
+    pub fn knows(&self, instance: &str) -> bool {
+        self.live.contains_key(instance) || self.persisted.folded.contains_key(instance)
+    }
+
     /// The account as counted, without the floor: live lives + retired, Exhausted from the
     /// larger source.
     pub fn counted(&self) -> ConsumerStats {

@@ -534,6 +534,20 @@ impl RabbitKeeper {
         let Some(book) = books.get_mut(key) else {
             return;
         };
+        let refused = if self.config.limits.too_large(d.data.len()) {
+            Some("too_large")
+        } else {
+            serde_json::from_slice::<StatsReport>(&d.data)
+                .ok()
+                .and_then(|r| self.config.limits.refuse(&r, &book.account))
+        };
+        if let Some(why) = refused {
+            // Dropped: acknowledged with the next save, never counted.
+            book.acks.push(d.delivery_tag);
+            self.metrics.reports.with_label_values(&[why]).inc();
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), reason = why, "a stats report past the account's bounds: dropped");
+            return;
+        }
         let report = serde_json::from_slice::<StatsReport>(&d.data);
         if let Ok(r) = &report
             && r.subscription_uid.is_some()

@@ -8,8 +8,10 @@ use kube::Client;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
+use super::ledger::Account;
 use super::{Metrics, gauges, keeper, rabbit, writer};
 use crate::api::{Backend, Subscription};
+use crate::bus::report::StatsReport;
 use crate::policy::effective_capabilities;
 
 /// How the account runs (the operator's flags).
@@ -23,6 +25,44 @@ pub struct Config {
     pub fold_after: Duration,
     /// The advisory capture's size limit on each NATS server, in bytes.
     pub capture_max_bytes: i64,
+    /// What the account takes in at most (reports are written by anyone who can write to the
+    /// broker: each bound keeps a flood from taking the operator, and its webhook, down).
+    pub limits: Limits,
+}
+
+/// The account's input bounds (the operator's `--max-report-bytes`, …); what each drops is
+/// counted in `settle_account_reports_total{outcome}`.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// A report larger than this is dropped (`too_large`).
+    pub max_report_bytes: usize,
+    /// A report of a new instance when a Subscription already counts this many live instances
+    /// is dropped (`too_many_instances`).
+    pub max_instances: usize,
+    /// Reports held back for Subscriptions not in the cache yet, in bytes at most; beyond,
+    /// they are dropped (`early_dropped`: the runtime's next report carries the same counts).
+    pub max_early_bytes: usize,
+}
+
+/// The longest instance name a report may carry (a pod name is at most 253 characters, plus
+/// the start time the runtime appends).
+pub const MAX_INSTANCE_NAME: usize = 300;
+
+impl Limits {
+    /// Whether a report of `bytes` bytes is dropped unread.
+    pub fn too_large(&self, bytes: usize) -> bool {
+        bytes > self.max_report_bytes
+    }
+
+    /// Why a read report for `account` is dropped, if it is: an instance name past
+    /// [`MAX_INSTANCE_NAME`] (`bad_instance`), or a new instance past `max_instances`.
+    pub fn refuse(&self, report: &StatsReport, account: &Account) -> Option<&'static str> {
+        if report.instance.len() > MAX_INSTANCE_NAME {
+            return Some("bad_instance");
+        }
+        (!account.knows(&report.instance) && account.instances() >= self.max_instances)
+            .then_some("too_many_instances")
+    }
 }
 
 pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};

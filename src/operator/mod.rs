@@ -106,6 +106,21 @@ pub struct OperatorArgs {
     /// are captured for the account (the oldest go first; a gap is said in status).
     #[arg(long, env = "SETTLE_CAPTURE_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub capture_max_bytes: u64,
+    /// A stats report larger than this many bytes is dropped unread (a real one is under 1 KiB).
+    #[arg(long, env = "SETTLE_MAX_REPORT_BYTES", default_value_t = 65_536)]
+    pub max_report_bytes: u64,
+    /// A Subscription counts at most this many live application instances; a report of one
+    /// more is dropped until an idle one is folded.
+    #[arg(
+        long,
+        env = "SETTLE_MAX_INSTANCES_PER_SUBSCRIPTION",
+        default_value_t = 1_000
+    )]
+    pub max_instances_per_subscription: u64,
+    /// Reports held back for Subscriptions not in the cache yet take at most this many bytes;
+    /// beyond, they are dropped (the runtime's next report carries the same counts).
+    #[arg(long, env = "SETTLE_MAX_EARLY_REPORT_BYTES", default_value_t = 16 * 1024 * 1024)]
+    pub max_early_report_bytes: u64,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -342,6 +357,13 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 loss_window: args.loss_window,
                 fold_after: args.fold_after,
                 capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),
+                limits: account::Limits {
+                    max_report_bytes: usize::try_from(args.max_report_bytes).unwrap_or(usize::MAX),
+                    max_instances: usize::try_from(args.max_instances_per_subscription)
+                        .unwrap_or(usize::MAX),
+                    max_early_bytes: usize::try_from(args.max_early_report_bytes)
+                        .unwrap_or(usize::MAX),
+                },
             },
             account::Metrics::new(&registry)?,
         )),
