@@ -17,7 +17,7 @@ use settle::api::ConsumerStats;
 use common::account::{NACK_SPEC, Scene, bodies, watch};
 use common::kubectl_ok;
 use common::operator::{condition, poll};
-use common::subs::{apply, backend_yaml, wait_condition, wait_ready};
+use common::subs::{apply, backend_yaml, delete_by_hand, wait_condition, wait_gone, wait_ready};
 
 /// The always-nack numbers of `n` messages at maxDeliver 3.
 fn nacked_out(s: &ConsumerStats, n: u64) -> bool {
@@ -58,17 +58,7 @@ async fn delete_orders(scene: &Scene) {
         ],
         None,
     );
-    poll(
-        "the Subscription to be gone",
-        Duration::from_secs(30),
-        || async {
-            match scene.api.get_opt("orders").await {
-                Ok(None) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
-    .await;
+    wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
 }
 
 async fn purge(scene: &Scene) {
@@ -102,41 +92,8 @@ async fn recreated(test: &str, while_down: bool) {
         // with a Subscription stuck Terminating). The consumer, the ledger and the reports of
         // the old object stay on the broker.
         scene.op.kill9();
-        kubectl_ok(
-            &[
-                "delete",
-                "subscription",
-                "orders",
-                "-n",
-                &scene.ns,
-                "--wait=false",
-            ],
-            None,
-        );
-        kubectl_ok(
-            &[
-                "patch",
-                "subscription",
-                "orders",
-                "-n",
-                &scene.ns,
-                "--type=merge",
-                "-p",
-                r#"{"metadata":{"finalizers":null}}"#,
-            ],
-            None,
-        );
-        poll(
-            "the old object to be gone",
-            Duration::from_secs(30),
-            || async {
-                match scene.api.get_opt("orders").await {
-                    Ok(None) => Ok(()),
-                    other => Err(format!("{other:?}")),
-                }
-            },
-        )
-        .await;
+        delete_by_hand(&scene.ns, "orders");
+        wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
     } else {
         delete_orders(&scene).await;
     }

@@ -9,13 +9,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
-use common::account::{App, assert_never_decreased, watch};
+use common::account::{App, OPERATOR_FLAGS, assert_never_decreased, watch};
 use common::operator::{Operator, condition, poll};
-use common::subs::{apply, backends, subs, wait_backend, wait_gone, wait_ready};
+use common::rabbitmq::{management, queue};
+use common::subs::{apply, backends, delete_by_hand, subs, wait_backend, wait_gone, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
 use kube::Api;
 use kube::api::DeleteParams;
@@ -23,41 +22,6 @@ use lapin::options::BasicPublishOptions;
 use serde_json::Value;
 use settle::api::{ConsumerStats, Subscription};
 use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
-
-/// One management API call (HTTP/1.0, user guest): (status, body).
-fn mgmt(method: &str, path: &str) -> (u16, String) {
-    let base = common::env().rabbitmq_management_url;
-    let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
-    );
-    s.write_all(req.as_bytes()).expect("request");
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("response");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
-}
-
-/// Queue `name` on the default vhost, `None` when it does not exist.
-fn queue(name: &str) -> Option<Value> {
-    let (status, body) = mgmt("GET", &format!("/api/queues/%2f/{name}"));
-    match status {
-        200 => Some(serde_json::from_str(&body).expect("JSON")),
-        404 => None,
-        other => panic!("GET queue {name}: {other} {body}"),
-    }
-}
-
-const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
 
 /// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
 /// maxDeliver 3) on a routing key of this test's own.
@@ -325,7 +289,7 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
     // goes on.
     let prefix = format!("settle.report.{}.orders.", scene.ns);
     let instance_queues = || {
-        let (status, body) = mgmt("GET", "/api/queues/%2f?columns=name,arguments,consumers");
+        let (status, body) = management("GET", "/api/queues/%2f?columns=name,arguments,consumers");
         assert_eq!(status, 200, "{body}");
         let all: Vec<Value> = serde_json::from_str(&body).expect("JSON");
         all.into_iter()
@@ -367,7 +331,7 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         "{index}"
     );
     let name = running["name"].as_str().expect("name").to_string();
-    let (status, body) = mgmt("DELETE", &format!("/api/queues/%2f/{name}"));
+    let (status, body) = management("DELETE", &format!("/api/queues/%2f/{name}"));
     assert_eq!(status, 204, "DELETE {name}: {body}");
     scene.publish(2).await;
     let s = scene
@@ -575,34 +539,11 @@ async fn the_account_queues_of_a_subscription_deleted_while_no_operator_ran_are_
     scene.op.kill9();
     drop(app);
     // No operator: the finalizer is taken off by hand.
-    kubectl_ok(
-        &[
-            "delete",
-            "subscription",
-            "orders",
-            "-n",
-            &scene.ns,
-            "--wait=false",
-        ],
-        None,
-    );
-    kubectl_ok(
-        &[
-            "patch",
-            "subscription",
-            "orders",
-            "-n",
-            &scene.ns,
-            "--type=merge",
-            "-p",
-            r#"{"metadata":{"finalizers":null}}"#,
-        ],
-        None,
-    );
+    delete_by_hand(&scene.ns, "orders");
     wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
     let ns = scene.ns.clone();
     let left = || {
-        let (status, body) = mgmt("GET", "/api/queues/%2f?columns=name");
+        let (status, body) = management("GET", "/api/queues/%2f?columns=name");
         assert_eq!(status, 200, "{body}");
         let all: Vec<Value> = serde_json::from_str(&body).expect("JSON");
         all.iter()

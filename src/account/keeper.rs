@@ -192,18 +192,10 @@ impl Keeper {
         out
     }
 
-    /// The UID of Subscription `ns/name` in the cache now.
-    fn current_uid(&self, ns: &str, name: &str) -> Option<String> {
+    /// Subscription `ns/name` in the cache now (of any Backend).
+    fn cached(&self, ns: &str, name: &str) -> Option<Arc<Subscription>> {
         self.subs
             .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
-            .and_then(|s| s.metadata.uid.clone())
-    }
-
-    /// Whether any Subscription `ns/name` exists (of any Backend).
-    fn exists(&self, ns: &str, name: &str) -> bool {
-        self.subs
-            .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
-            .is_some()
     }
 
     /// Removes the ledgers of this namespace's Subscriptions that no longer exist (deleted while
@@ -495,7 +487,7 @@ impl Keeper {
         let Some(member) = members.get(&key) else {
             if report.subscription_uid.is_some()
                 && report.namespace == self.backend.0
-                && !self.exists(&key.0, &key.1)
+                && self.cached(&key.0, &key.1).is_none()
             {
                 // Bound to an operator's consumer once, and that Subscription is gone.
                 self.metrics.reports.with_label_values(&["gone"]).inc();
@@ -514,7 +506,10 @@ impl Keeper {
         // round, never dropped.
         if report.subscription_uid.is_some()
             && report.subscription_uid != member.uid
-            && self.current_uid(&key.0, &key.1) == report.subscription_uid
+            && self
+                .cached(&key.0, &key.1)
+                .and_then(|s| s.metadata.uid.clone())
+                == report.subscription_uid
         {
             return Ok(Some(entry));
         }

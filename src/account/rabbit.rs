@@ -534,12 +534,16 @@ impl RabbitKeeper {
         let Some(book) = books.get_mut(key) else {
             return;
         };
-        let refused = if self.config.limits.too_large(d.data.len()) {
-            Some("too_large")
+        // Parsed once (unless too large to read at all), then judged against the bounds.
+        let report = if self.config.limits.too_large(d.data.len()) {
+            None
         } else {
-            serde_json::from_slice::<StatsReport>(&d.data)
-                .ok()
-                .and_then(|r| self.config.limits.refuse(&r, &book.account))
+            Some(serde_json::from_slice::<StatsReport>(&d.data))
+        };
+        let refused = match &report {
+            None => Some("too_large"),
+            Some(Ok(r)) => self.config.limits.refuse(r, &book.account),
+            Some(Err(_)) => None,
         };
         if let Some(why) = refused {
             // Dropped: acknowledged with the next save, never counted.
@@ -548,7 +552,7 @@ impl RabbitKeeper {
             tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), reason = why, "a stats report past the account's bounds: dropped");
             return;
         }
-        let report = serde_json::from_slice::<StatsReport>(&d.data);
+        let Some(report) = report else { return };
         if let Ok(r) = &report
             && r.subscription_uid.is_some()
             && !book

@@ -308,15 +308,7 @@ impl Scene {
     }
 
     pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
-        for (i, body) in bodies.into_iter().enumerate() {
-            self.stream
-                .js
-                .publish(format!("{}.m{i}", self.stream.prefix), body.into())
-                .await
-                .expect("publish")
-                .await
-                .expect("the stream stored it");
-        }
+        publish_to(&self.stream, bodies).await;
     }
 
     /// The Subscription now.
@@ -325,14 +317,7 @@ impl Scene {
     }
 
     pub async fn stats(&self) -> ConsumerStats {
-        self.api
-            .get("orders")
-            .await
-            .ok()
-            .and_then(|s| s.status)
-            .and_then(|s| s.stats)
-            .map(|s| s.counters)
-            .unwrap_or_default()
+        self.stats_of("orders").await
     }
 
     /// Waits until status shows `want(stats)`.
@@ -381,6 +366,19 @@ impl Scene {
     }
 }
 
+/// Publishes `bodies` to `stream` (`<prefix>.m<i>`), each stored before the next.
+pub async fn publish_to(stream: &TestStream, bodies: impl IntoIterator<Item = String>) {
+    for (i, body) in bodies.into_iter().enumerate() {
+        stream
+            .js
+            .publish(format!("{}.m{i}", stream.prefix), body.into())
+            .await
+            .expect("publish")
+            .await
+            .expect("the stream stored it");
+    }
+}
+
 /// A second Subscription of a scene, on its own stream.
 pub struct Other {
     pub manifest: std::path::PathBuf,
@@ -389,15 +387,7 @@ pub struct Other {
 
 impl Other {
     pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
-        for (i, body) in bodies.into_iter().enumerate() {
-            self.stream
-                .js
-                .publish(format!("{}.m{i}", self.stream.prefix), body.into())
-                .await
-                .expect("publish")
-                .await
-                .expect("the stream stored it");
-        }
+        publish_to(&self.stream, bodies).await;
     }
 
     pub async fn finish(self) {

@@ -88,6 +88,29 @@ pub async fn wait_ready(api: &Api<Subscription>, name: &str) -> Subscription {
 }
 
 /// Waits until Subscription `name` no longer exists.
+/// Deletes Subscription `name` as a user does when no operator runs to remove its finalizer:
+/// `kubectl delete --wait=false`, then the finalizer taken off by hand. What the operator would
+/// have cleaned up (consumer, queues, ledger) stays on the broker.
+pub fn delete_by_hand(ns: &str, name: &str) {
+    kubectl_ok(
+        &["delete", "subscription", name, "-n", ns, "--wait=false"],
+        None,
+    );
+    kubectl_ok(
+        &[
+            "patch",
+            "subscription",
+            name,
+            "-n",
+            ns,
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":null}}"#,
+        ],
+        None,
+    );
+}
+
 pub async fn wait_gone(api: &Api<Subscription>, name: &str, limit: Duration) {
     poll(
         &format!("Subscription {name} to be gone"),
