@@ -307,17 +307,15 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
     // taken by a new object of the same name until the adopt annotation names the old UID
     // (docs/semantics.md Q7); then taken, tagged with the new UID, and deleted with it.
     let spec = |extra: &str| {
-        format!("  pattern: left\n  mode: AtLeastOnce\n  durableName: left\n  maxDeliver: 2\n{extra}")
+        format!(
+            "  pattern: left\n  mode: AtLeastOnce\n  durableName: left\n  maxDeliver: 2\n{extra}"
+        )
     };
     apply(
         &ns,
         &sub_yaml_on("sqs", "left", &spec("  deletionPolicy: Retain\n")),
     );
-    let old = wait_ready(&api, "left")
-        .await
-        .metadata
-        .uid
-        .expect("a UID");
+    let old = wait_ready(&api, "left").await.metadata.uid.expect("a UID");
     let left = format!("{prefix}left");
     let left_dlq = format!("{left}-dlq");
     for q in [&left, &left_dlq] {

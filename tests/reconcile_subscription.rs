@@ -296,10 +296,11 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
     wait_ready(&api, "kept").await;
     common::subs::wait_event(&ns, "kept", "Adopted").await;
     assert_eq!(
-        stream
-            .consumer("kept")
-            .await
-            .and_then(|i| i.config.metadata.get("settle.dev/uid").cloned()),
+        stream.consumer("kept").await.and_then(|i| i
+            .config
+            .metadata
+            .get("settle.dev/uid")
+            .cloned()),
         Some(new),
         "now marked as the new object's"
     );

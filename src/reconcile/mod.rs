@@ -237,8 +237,8 @@ where
 }
 
 /// What makes a Subscription worth reconciling again: its spec (generation), its deletion and its
-/// adopt annotation (docs/semantics.md R8). Not its status (this controller's own writes) nor its
-/// finalizers (its own too).
+/// adopt annotation (docs/semantics.md J8, R8, Q7). Not its status (this controller's own
+/// writes) nor its finalizers (its own too).
 fn subscription_predicate(s: &Subscription) -> Option<u64> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (
@@ -579,7 +579,11 @@ mod tests {
         adopting
             .annotations_mut()
             .insert("unrelated".into(), "x".into());
-        assert_eq!(subscription_predicate(&adopting), base, "other annotations do not");
+        assert_eq!(
+            subscription_predicate(&adopting),
+            base,
+            "other annotations do not"
+        );
         adopting
             .annotations_mut()
             .insert(status::ADOPT_ANNOTATION.into(), "u-0".into());

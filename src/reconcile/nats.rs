@@ -2,7 +2,7 @@
 //! consumer, create it or update it in place through the one mapping (`backend::nats::consumer`),
 //! and delete it when the Subscription goes. A consumer of another Subscription, or one an earlier
 //! object of this name kept (deletionPolicy Retain), is left alone unless the `settle.dev/adopt`
-//! annotation names that object's UID (docs/semantics.md C15, R8).
+//! annotation names that object's UID (docs/semantics.md C15, J8).
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does); it returns what the broker now holds.
@@ -145,7 +145,15 @@ pub async fn ensure(
         );
         ctx.metrics.op("adopt");
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
-        publish(ctx, sub, EventType::Normal, events::ADOPTED, "Reconcile", note).await;
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::ADOPTED,
+            "Reconcile",
+            note,
+        )
+        .await;
     }
     let d = consumer::diff(&want, &live);
     if !d.immutable.is_empty() {

@@ -217,7 +217,10 @@ async fn claim_found(
         ev.owner_arg = Some(owner_of(&live.arguments));
         ev.object_arg = object_of(&live.arguments);
     }
-    let settled = ev.owner_arg.as_ref().is_some_and(|o| o.as_deref() != Some(&format!("{ns}/{name}")))
+    let settled = ev
+        .owner_arg
+        .as_ref()
+        .is_some_and(|o| o.as_deref() != Some(&format!("{ns}/{name}")))
         || ev.object_arg.is_some() && ev.object_arg.as_deref() == uid;
     if !shown && !settled {
         // An unreadable mark is no mark: without the management API, not ours (fail safe).
@@ -290,7 +293,15 @@ pub async fn ensure(
         );
         ctx.metrics.op("adopt");
         tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, "{note}");
-        publish(ctx, sub, EventType::Normal, events::ADOPTED, "Reconcile", note).await;
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::ADOPTED,
+            "Reconcile",
+            note,
+        )
+        .await;
     }
     let Found::Shown(live) = found else {
         // AMQP only: redeclare (refused when a compared argument differs) and bind again
@@ -480,8 +491,7 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &RabbitConn) -> Removal
         Err(e) if e.is_unreachable() => return Removal::Wait(e.to_string()),
         Err(e) => return Removal::Failed(e.to_string()),
     };
-    if let (Claim::NotOurs(holder), _) =
-        claim_found(sub, ctx, &amqp, &found, shown.is_some()).await
+    if let (Claim::NotOurs(holder), _) = claim_found(sub, ctx, &amqp, &found, shown.is_some()).await
     {
         tracing::info!(subscription = %owner, queue = %queue_name, holder = ?holder, "the queue is not this Subscription object's: left alone");
         return Removal::Nothing;
@@ -577,7 +587,10 @@ mod tests {
         };
         assert_eq!(claim(&shown, o, me, None), Claim::Ours, "made before marks");
         // Taken over earlier: the queue keeps the old UID, the mark holds ours.
-        assert_eq!(claim(&ev(managed, Some("u-0"), me), o, me, None), Claim::Ours);
+        assert_eq!(
+            claim(&ev(managed, Some("u-0"), me), o, me, None),
+            Claim::Ours
+        );
         // An earlier object's (queue argument, or mark without the management API).
         for e in [ev(managed, Some("u-0"), None), ev(None, None, Some("u-0"))] {
             assert_eq!(
@@ -590,10 +603,7 @@ mod tests {
                 Claim::NotOurs(QueueHolder::Earlier("u-0".into())),
                 "another UID in the annotation takes nothing: {e:?}"
             );
-            assert_eq!(
-                claim(&e, o, me, Some("u-0")),
-                Claim::Adopted("u-0".into())
-            );
+            assert_eq!(claim(&e, o, me, Some("u-0")), Claim::Adopted("u-0".into()));
         }
         // The mark speaks for the Subscription now: newer than a queue argument.
         assert_eq!(
@@ -603,11 +613,13 @@ mod tests {
     }
 
     #[test]
-    fn with_no_uid_anywhere_the_owner_argument_is_an_older_settles_and_amqp_alone_proves_nothing()
-    {
+    fn with_no_uid_anywhere_the_owner_argument_is_an_older_settles_and_amqp_alone_proves_nothing() {
         let o = "shop/orders";
         let me = Some("u-1");
-        assert_eq!(claim(&ev(Some(Some(o)), None, None), o, me, None), Claim::Ours);
+        assert_eq!(
+            claim(&ev(Some(Some(o)), None, None), o, me, None),
+            Claim::Ours
+        );
         assert_eq!(
             claim(&ev(None, None, None), o, me, None),
             Claim::NotOurs(QueueHolder::Unproven),

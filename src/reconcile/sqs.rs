@@ -97,11 +97,7 @@ async fn judged(
     sub: &Subscription,
     url: &str,
 ) -> Result<Result<Take, QueueHolder>, AdminError> {
-    let owner = format!(
-        "{}/{}",
-        sub.namespace().unwrap_or_default(),
-        sub.name_any()
-    );
+    let owner = format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any());
     ctx.metrics.js("sqs.tags");
     let tags = admin::owner(client, url).await?;
     Ok(owned(
@@ -121,11 +117,7 @@ async fn find_or_create(
     attributes: std::collections::BTreeMap<String, String>,
     known: &Option<ConsumerRef>,
 ) -> Result<(String, bool), SubOutcome> {
-    let owner = format!(
-        "{}/{}",
-        sub.namespace().unwrap_or_default(),
-        sub.name_any()
-    );
+    let owner = format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any());
     let uid = sub.metadata.uid.as_deref();
     ctx.metrics.js("sqs.url");
     let url = match admin::queue_url(client, name).await {
@@ -162,7 +154,15 @@ async fn find_or_create(
         );
         ctx.metrics.op("adopt");
         tracing::info!(subscription = %owner, queue = %name, "{note}");
-        publish(ctx, sub, EventType::Normal, events::ADOPTED, "Reconcile", note).await;
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::ADOPTED,
+            "Reconcile",
+            note,
+        )
+        .await;
     }
     Ok((url, false))
 }

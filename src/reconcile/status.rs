@@ -117,7 +117,8 @@ pub enum QueueHolder {
 }
 
 /// The annotation by which a Subscription takes over the queues an earlier object of its name
-/// left behind: its value is that object's UID (docs/semantics.md R8, Q7).
+/// left behind (a queue or a kept consumer): its value is that object's UID (docs/semantics.md
+/// J8, R8, Q7).
 pub const ADOPT_ANNOTATION: &str = "settle.dev/adopt";
 
 /// The Ready reason and message for a failed broker call: what to do, not the raw error.

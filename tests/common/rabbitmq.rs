@@ -51,7 +51,10 @@ pub fn foreign_queue(name: &str, messages: usize) {
         &format!("/api/queues/%2f/{name}"),
         r#"{"durable":true,"arguments":{"x-queue-type":"quorum"}}"#,
     );
-    assert!(matches!(status, 201 | 204), "PUT queue {name}: {status} {body}");
+    assert!(
+        matches!(status, 201 | 204),
+        "PUT queue {name}: {status} {body}"
+    );
     put_messages(name, messages);
 }
 

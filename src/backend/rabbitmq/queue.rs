@@ -497,13 +497,17 @@ mod tests {
 
     #[test]
     fn the_object_mark_is_carried_but_never_a_difference() {
-        let q = desired("shop", "o", &policy(|_| {}), &Exchanges::default()).for_object(Some("u-1"));
+        let q =
+            desired("shop", "o", &policy(|_| {}), &Exchanges::default()).for_object(Some("u-1"));
         assert_eq!(q.arguments.get(OBJECT_ARG), Some(&s("u-1")));
         let mut other = live_of(&q);
         other.arguments.insert(OBJECT_ARG.into(), s("u-0"));
         assert!(diff(&q, &other).is_empty(), "taken over from u-0");
         other.arguments.remove(OBJECT_ARG);
-        assert!(diff(&q, &other).is_empty(), "made before queues carried a UID");
+        assert!(
+            diff(&q, &other).is_empty(),
+            "made before queues carried a UID"
+        );
     }
 
     #[test]

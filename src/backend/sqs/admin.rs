@@ -208,10 +208,7 @@ pub async fn create(
     if let Some(uid) = uid {
         call = call.tags(OBJECT_TAG, uid);
     }
-    let out = call
-        .send()
-        .await
-        .map_err(|e| classify("CreateQueue", e))?;
+    let out = call.send().await.map_err(|e| classify("CreateQueue", e))?;
     Ok(out.queue_url.unwrap_or_default())
 }
 
