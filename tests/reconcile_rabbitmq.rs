@@ -748,7 +748,7 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
     install_crds();
     let ns = namespace("rec-rabbit-own");
     let env = common::env();
-    let _op = Operator::start_with(
+    let op = Operator::start_with(
         "rabbitmq-own",
         &ns,
         &["--leader-election=false", "--drift-interval", "1s"],
@@ -881,6 +881,7 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
         );
         let note = wait_event(&ns, &name, "Adopted").await;
         assert!(note.contains(&old) && note.contains(&kept), "{note}");
+        assert!(op.metric("settle_consumer_operations_total", &[("op", "adopt")]) >= 1.0);
         assert_eq!(
             bindings(&kept),
             vec![("amq.topic".to_string(), format!("{tag}.{backend}.kept.#"))]
