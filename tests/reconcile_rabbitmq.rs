@@ -10,6 +10,9 @@
 //! operator's queue, and again once the operator has made a deleted queue again. Without the
 //! management API, queues are still made and made again (a missing queue's refused passive
 //! declare is no dropped connection), and a connection the broker closes is made again and used.
+//! With and without it, a same-named queue Settle did not make for this object (another
+//! application's, or an earlier object's left by Retain) is neither bound nor deleted, unless the
+//! `settle.dev/adopt` annotation names the earlier object's UID.
 
 mod common;
 
@@ -723,5 +726,177 @@ async fn the_queues_gauges_reach_status_and_no_counter_is_invented() {
         "only the gauges: {raw}"
     );
     let _ = conn.close(0, "done".into()).await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+/// Queue `name`'s message count as the management API shows it (its stats lag a few seconds).
+async fn wait_messages(name: &str, n: u64) {
+    wait_queue(name, &format!("queue {name} to show {n} messages"), |q| {
+        q.as_ref().and_then(|q| q["messages"].as_u64()) == Some(n)
+    })
+    .await;
+}
+
+/// Ownership (docs/semantics.md R8), with and without the management API: another application's
+/// quorum queue of the same name, holding 3 messages, is neither bound nor deleted (Ready=False
+/// ConsumerConflict naming the way out, a Warning Event), and still holds its 3 messages after
+/// `kubectl delete` of the Subscription; a queue an earlier object of the same name left
+/// (deletionPolicy Retain) is not taken by the new object until the `settle.dev/adopt`
+/// annotation names the old UID, and then is, with what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_unless_adopted() {
+    install_crds();
+    let ns = namespace("rec-rabbit-own");
+    let env = common::env();
+    let op = Operator::start_with(
+        "rabbitmq-own",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "1s"],
+    );
+    let tag = format!("own{}", std::process::id());
+    apply(
+        &ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: plain}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n",
+            env.rabbitmq_url
+        ),
+    );
+    apply(
+        &ns,
+        &backend_yaml("managed", &env.rabbitmq_url, &env.rabbitmq_management_url),
+    );
+    let backends_api = backends(&ns).await;
+    wait_backend(&backends_api, "plain", "True", "Connected").await;
+    wait_backend(&backends_api, "managed", "True", "Connected").await;
+    let api = subs(&ns).await;
+
+    for (backend, fix) in [
+        ("plain", "spec.rabbitmq.managementUrl"),
+        ("managed", "Settle did not make it"),
+    ] {
+        // Another application's quorum queue, with 3 messages, named as the durableName.
+        let foreign = format!("{tag}-{backend}-foreign");
+        common::rabbitmq::foreign_queue(&foreign, 3);
+        wait_messages(&foreign, 3).await;
+        let thief = format!("thief-{backend}");
+        apply(
+            &ns,
+            &sub_yaml_on(
+                backend,
+                &thief,
+                &format!(
+                    "  pattern: \"{tag}.{backend}.>\"\n  mode: AtLeastOnce\n  durableName: {foreign}\n"
+                ),
+            ),
+        );
+        let s = wait_condition(
+            &api,
+            &thief,
+            "Ready",
+            "False",
+            "ConsumerConflict",
+            Duration::from_secs(30),
+        )
+        .await;
+        let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+        assert!(m.contains(fix) && m.contains("another durableName"), "{m}");
+        let note = wait_event(&ns, &thief, "ConsumerConflict").await;
+        assert!(note.contains(&foreign), "{note}");
+        assert_eq!(bindings(&foreign), vec![], "never bound to the pattern");
+        assert_eq!(
+            queue(&foreign).expect("there")["arguments"]
+                .get("x-settle-subscription")
+                .cloned(),
+            None,
+            "never marked"
+        );
+        kubectl_ok(&["delete", "subscription", &thief, "-n", &ns], None);
+        wait_gone(&api, &thief, Duration::from_secs(30)).await;
+        let q = queue(&foreign).expect("another's queue is never deleted");
+        assert_eq!(q["messages"], 3, "with its messages");
+        assert_eq!(bindings(&foreign), vec![]);
+        delete_queue(&foreign);
+
+        // An earlier object's leftover: not taken without the annotation, taken with it.
+        let kept = format!("{tag}-{backend}-kept");
+        let name = format!("kept-{backend}");
+        let spec = |extra: &str| {
+            format!(
+                "  pattern: \"{tag}.{backend}.kept.>\"\n  mode: AtLeastOnce\n  durableName: {kept}\n{extra}"
+            )
+        };
+        apply(
+            &ns,
+            &sub_yaml_on(backend, &name, &spec("  deletionPolicy: Retain\n")),
+        );
+        let old = wait_ready(&api, &name).await.metadata.uid.expect("a UID");
+        if backend == "managed" {
+            assert_eq!(
+                queue(&kept).expect("made")["arguments"]["x-settle-object"],
+                old.as_str(),
+                "the queue carries its object's UID"
+            );
+        }
+        common::rabbitmq::put_messages(&kept, 2);
+        api.delete(&name, &DeleteParams::default())
+            .await
+            .expect("delete");
+        wait_gone(&api, &name, Duration::from_secs(30)).await;
+        wait_messages(&kept, 2).await;
+
+        apply(&ns, &sub_yaml_on(backend, &name, &spec("")));
+        let s = wait_condition(
+            &api,
+            &name,
+            "Ready",
+            "False",
+            "ConsumerConflict",
+            Duration::from_secs(30),
+        )
+        .await;
+        let new = s.metadata.uid.clone().expect("a UID");
+        assert_ne!(new, old, "a new object");
+        let (_, _, m) = condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+        assert!(
+            m.contains(&format!("settle.dev/adopt: \"{old}\"")),
+            "the condition says what to write: {m}"
+        );
+        assert_eq!(queue(&kept).expect("kept")["messages"], 2);
+
+        kubectl_ok(
+            &[
+                "annotate",
+                "subscription",
+                &name,
+                "-n",
+                &ns,
+                &format!("settle.dev/adopt={old}"),
+            ],
+            None,
+        );
+        let s = wait_ready(&api, &name).await;
+        assert_eq!(
+            s.status.and_then(|s| s.consumer).map(|c| c.name),
+            Some(kept.clone())
+        );
+        let note = wait_event(&ns, &name, "Adopted").await;
+        assert!(note.contains(&old) && note.contains(&kept), "{note}");
+        assert!(op.metric("settle_consumer_operations_total", &[("op", "adopt")]) >= 1.0);
+        assert_eq!(
+            bindings(&kept),
+            vec![("amq.topic".to_string(), format!("{tag}.{backend}.kept.#"))]
+        );
+        assert_eq!(
+            queue(&kept).expect("taken over")["messages"],
+            2,
+            "with what it holds"
+        );
+        // Now this object's: deleted with it.
+        api.delete(&name, &DeleteParams::default())
+            .await
+            .expect("delete");
+        wait_gone(&api, &name, Duration::from_secs(30)).await;
+        assert!(queue(&kept).is_none(), "the adopted queue went with it");
+    }
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }

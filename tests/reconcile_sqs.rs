@@ -3,7 +3,8 @@
 //! with its kind's capabilities (maxRedeliveryDelay 12h); a Subscription becomes exactly the
 //! mapped queue and dead-letter queue (read back with the AWS SDK, not through Settle), tagged
 //! with their owner; a queue deleted on the server comes back (Event Recreated); attribute drift
-//! is repaired in place; a queue of that name Settle did not make is a conflict and left alone;
+//! is repaired in place; a queue of that name Settle did not make is a conflict and left alone,
+//! and an earlier object's leftovers are taken only by the `settle.dev/adopt` annotation;
 //! deleting the Subscription deletes its queue and its empty dead-letter queue, and keeps a
 //! dead-letter queue that holds messages. The runtime built from the same resource consumes from
 //! the operator's queue, and a message it declines maxDeliver times reaches the operator's
@@ -301,6 +302,86 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
         .send()
         .await
         .expect("clean up");
+
+    // An earlier object's leftovers (deletionPolicy Retain), queue and dead-letter queue: not
+    // taken by a new object of the same name until the adopt annotation names the old UID
+    // (docs/semantics.md Q7); then taken, tagged with the new UID, and deleted with it.
+    let spec = |extra: &str| {
+        format!(
+            "  pattern: left\n  mode: AtLeastOnce\n  durableName: left\n  maxDeliver: 2\n{extra}"
+        )
+    };
+    apply(
+        &ns,
+        &sub_yaml_on("sqs", "left", &spec("  deletionPolicy: Retain\n")),
+    );
+    let old = wait_ready(&api, "left").await.metadata.uid.expect("a UID");
+    let left = format!("{prefix}left");
+    let left_dlq = format!("{left}-dlq");
+    for q in [&left, &left_dlq] {
+        let t = tags(&c, q).await;
+        assert_eq!(t.get("settle-object"), Some(&old), "{q}: {t:?}");
+        assert_eq!(t.get("settle-subscription"), Some(&format!("{ns}/left")));
+    }
+    let u = url(&c, &left).await.expect("url");
+    c.send_message()
+        .queue_url(&u)
+        .message_body("kept")
+        .send()
+        .await
+        .expect("send");
+    api.delete("left", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "left", Duration::from_secs(30)).await;
+    apply(&ns, &sub_yaml_on("sqs", "left", &spec("")));
+    let s = common::subs::wait_condition(
+        &api,
+        "left",
+        "Ready",
+        "False",
+        "ConsumerConflict",
+        Duration::from_secs(30),
+    )
+    .await;
+    let new = s.metadata.uid.clone().expect("a UID");
+    assert_ne!(new, old);
+    let (_, _, m) =
+        common::operator::condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains(&format!("settle.dev/adopt: \"{old}\"")), "{m}");
+    assert_eq!(
+        tags(&c, &left).await.get("settle-object"),
+        Some(&old),
+        "not taken"
+    );
+    kubectl_ok(
+        &[
+            "annotate",
+            "subscription",
+            "left",
+            "-n",
+            &ns,
+            &format!("settle.dev/adopt={old}"),
+        ],
+        None,
+    );
+    wait_ready(&api, "left").await;
+    let note = wait_event(&ns, "left", "Adopted").await;
+    assert!(note.contains(&old), "{note}");
+    for q in [&left, &left_dlq] {
+        assert_eq!(tags(&c, q).await.get("settle-object"), Some(&new), "{q}");
+    }
+    let a = attributes(&c, &left).await;
+    assert_eq!(
+        a["ApproximateNumberOfMessages"], "1",
+        "taken over with what it holds"
+    );
+    api.delete("left", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "left", Duration::from_secs(30)).await;
+    wait_exists(&c, &left, false).await;
+    wait_exists(&c, &left_dlq, false).await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 

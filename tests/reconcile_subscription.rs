@@ -261,6 +261,57 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
         stream.consumer("kept").await.is_some(),
         "a retained consumer stays"
     );
+    let old = stream
+        .consumer("kept")
+        .await
+        .and_then(|i| i.config.metadata.get("settle.dev/uid").cloned())
+        .expect("marked with its object's UID");
+    // A new object of that name: the kept consumer is not its own until the adopt annotation
+    // names the old UID (docs/semantics.md R8).
+    apply(&ns, &sub_yaml("kept", &alo("kept", "")));
+    let s = common::subs::wait_condition(
+        &api,
+        "kept",
+        "Ready",
+        "False",
+        "ConsumerConflict",
+        Duration::from_secs(30),
+    )
+    .await;
+    let new = s.metadata.uid.clone().expect("a UID");
+    let (_, _, m) =
+        common::operator::condition(&s.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(m.contains(&format!("settle.dev/adopt: \"{old}\"")), "{m}");
+    kubectl_ok(
+        &[
+            "annotate",
+            "subscription",
+            "kept",
+            "-n",
+            &ns,
+            &format!("settle.dev/adopt={old}"),
+        ],
+        None,
+    );
+    wait_ready(&api, "kept").await;
+    common::subs::wait_event(&ns, "kept", "Adopted").await;
+    assert_eq!(
+        stream.consumer("kept").await.and_then(|i| i
+            .config
+            .metadata
+            .get("settle.dev/uid")
+            .cloned()),
+        Some(new),
+        "now marked as the new object's"
+    );
+    api.delete("kept", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "kept", Duration::from_secs(30)).await;
+    assert!(
+        stream.consumer("kept").await.is_none(),
+        "the adopted consumer goes with its new object"
+    );
 
     // The Backend deleted first: the Subscription still deletes.
     apply(&ns, &sub_yaml("orphan", &alo("orphan", "")));

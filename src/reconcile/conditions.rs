@@ -68,6 +68,9 @@ pub mod events {
     /// The consumer was gone from the broker (deleted there, or lost) and was made again.
     pub const RECREATED: &str = "Recreated";
     pub const RETAINED: &str = "Retained";
+    /// A queue an earlier object of the Subscription's name left was taken over, as its
+    /// `settle.dev/adopt` annotation asked.
+    pub const ADOPTED: &str = "Adopted";
     pub const INVALID: &str = "InvalidSpec";
     pub const FAILED: &str = "ReconcileFailed";
 }

@@ -12,7 +12,7 @@ pub const SUBSCRIPTION: &str = "subscription";
 /// The `result` of a reconcile.
 pub const RESULTS: [&str; 2] = ["ok", "error"];
 /// The `op` of a consumer operation.
-pub const OPS: [&str; 4] = ["create", "update", "delete", "recreate"];
+pub const OPS: [&str; 5] = ["create", "update", "delete", "recreate", "adopt"];
 
 #[derive(Clone)]
 pub struct Metrics {

@@ -236,13 +236,15 @@ where
         })
 }
 
-/// What makes a Subscription worth reconciling again: its spec (generation) and its deletion. Not
-/// its status (this controller's own writes) nor its finalizers (its own too).
+/// What makes a Subscription worth reconciling again: its spec (generation), its deletion and its
+/// adopt annotation (docs/semantics.md J8, R8, Q7). Not its status (this controller's own
+/// writes) nor its finalizers (its own too).
 fn subscription_predicate(s: &Subscription) -> Option<u64> {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (
         s.metadata.generation,
         s.metadata.deletion_timestamp.is_some(),
+        s.annotations().get(status::ADOPT_ANNOTATION),
     )
         .hash(&mut h);
     Some(h.finish())
@@ -564,7 +566,7 @@ mod tests {
     }
 
     #[test]
-    fn only_spec_changes_and_deletion_trigger_a_subscription_reconcile() {
+    fn only_spec_changes_deletion_and_adoption_trigger_a_subscription_reconcile() {
         let base = subscription_predicate(&sub(1, false, &[], false));
         assert_eq!(
             subscription_predicate(&sub(1, false, &["messaging.settle.dev/consumer"], true)),
@@ -573,5 +575,22 @@ mod tests {
         );
         assert_ne!(subscription_predicate(&sub(2, false, &[], false)), base);
         assert_ne!(subscription_predicate(&sub(1, true, &[], false)), base);
+        let mut adopting = sub(1, false, &[], false);
+        adopting
+            .annotations_mut()
+            .insert("unrelated".into(), "x".into());
+        assert_eq!(
+            subscription_predicate(&adopting),
+            base,
+            "other annotations do not"
+        );
+        adopting
+            .annotations_mut()
+            .insert(status::ADOPT_ANNOTATION.into(), "u-0".into());
+        assert_ne!(
+            subscription_predicate(&adopting),
+            base,
+            "the adopt annotation does (R8)"
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! The Subscription controller's broker step on NATS JetStream: resolve the stream, read the
 //! consumer, create it or update it in place through the one mapping (`backend::nats::consumer`),
-//! and delete it when the Subscription goes.
+//! and delete it when the Subscription goes. A consumer of another Subscription, or one an earlier
+//! object of this name kept (deletionPolicy Retain), is left alone unless the `settle.dev/adopt`
+//! annotation names that object's UID (docs/semantics.md C15, J8).
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does); it returns what the broker now holds.
@@ -11,7 +13,7 @@ use kube::runtime::events::EventType;
 use super::Ctx;
 use super::conditions::events;
 use super::connections::NatsConn;
-use super::status::SubOutcome;
+use super::status::{ADOPT_ANNOTATION, SubOutcome};
 use super::subscription::{Removal, publish};
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::nats::advisory::ChangeKind;
@@ -114,11 +116,19 @@ pub async fn ensure(
         .await;
         return SubOutcome::Ready(here);
     }
-    if !live.belongs_to(&owner, uid) {
-        // Another's, or kept (Retain) by an earlier object of this name (its UID differs).
+    // Kept (Retain) by an earlier object of this name: taken over only when the adopt annotation
+    // names that object's UID; its marks are then updated in place (metadata is editable).
+    let adopt = sub.annotations().get(ADOPT_ANNOTATION).map(String::as_str);
+    let adopted = live.owner() == Some(owner.as_str())
+        && live
+            .owner_uid()
+            .is_some_and(|u| Some(u) != uid && Some(u) == adopt);
+    if !adopted && !live.belongs_to(&owner, uid) {
+        // Another's, or kept by an earlier object of this name (its UID differs).
         let by = match (live.owner(), live.owner_uid()) {
             (Some(o), Some(u)) if o == owner => Some(format!(
-                "{o} (an earlier object of this name, uid {u}, kept by its deletionPolicy Retain)"
+                "{o} (an earlier object of this name, uid {u}, kept by its deletionPolicy Retain; \
+                 to take it over with its position, annotate this Subscription {ADOPT_ANNOTATION}: \"{u}\")"
             )),
             (o, _) => o.map(str::to_string),
         };
@@ -126,6 +136,24 @@ pub async fn ensure(
             consumer: here,
             owner: by,
         };
+    }
+    if adopted {
+        let note = format!(
+            "took over consumer {} on stream {stream}, kept by the earlier Subscription of this name with uid {}, as annotation {ADOPT_ANNOTATION} asked",
+            want.name,
+            live.owner_uid().unwrap_or("?")
+        );
+        ctx.metrics.op("adopt");
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::ADOPTED,
+            "Reconcile",
+            note,
+        )
+        .await;
     }
     let d = consumer::diff(&want, &live);
     if !d.immutable.is_empty() {

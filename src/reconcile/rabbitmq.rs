@@ -2,14 +2,17 @@
 //! (`backend::rabbitmq::queue::desired`), bound to the Backend's exchange by the pattern; made
 //! when missing (again when deleted on the broker), its binding repaired in place, an argument
 //! RabbitMQ cannot change in place reported `ImmutableField` with the argument and its field
-//! named, a queue owned by another Subscription left alone (`ConsumerConflict`); deleted when
-//! the Subscription goes.
+//! named; deleted when the Subscription goes.
 //!
-//! With the Backend's management API (spec.rabbitmq.managementUrl) the live queue's arguments,
-//! bindings and owner are read and compared. Without it only AMQP is there: a missing queue is
-//! made and its binding declared again on every check; a differing argument shows as the
-//! broker's refusal to redeclare the queue; the owner cannot be read, so deletion removes only
-//! the queue this Subscription's status names.
+//! Only a queue this Subscription object made (or took over by the `settle.dev/adopt`
+//! annotation) is bound or deleted; any other is left alone (`ConsumerConflict`): [`claim`]
+//! decides, from the queue's owner and object arguments, the object mark
+//! `settle.object.<ns>.<name>` (written before the queue is declared) and the status
+//! (docs/semantics.md R8). With the Backend's management API (spec.rabbitmq.managementUrl) the
+//! live queue's arguments, bindings and owner are read and compared. Without it only AMQP is
+//! there: a missing queue is made and, once the object mark says it is this object's, its binding
+//! declared again on every check; a differing argument shows as the broker's refusal to
+//! redeclare the queue; a queue that exists with no mark of this object is not Settle's.
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
@@ -22,13 +25,13 @@ use kube::runtime::events::EventType;
 use super::Ctx;
 use super::conditions::events;
 use super::connections::RabbitConn;
-use super::status::{BrokerError, SubOutcome};
+use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
 use super::subscription::{Removal, publish};
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::connect::ConnectFailure;
 use crate::backend::rabbitmq::management::ManagementError;
-use crate::backend::rabbitmq::queue::{self, Arg, OWNER_ARG, QueueSpec};
+use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
 use crate::policy::{BackendKind, ResolvedPolicy};
 
@@ -74,26 +77,81 @@ fn owner_of(arguments: &std::collections::BTreeMap<String, Arg>) -> Option<Strin
     }
 }
 
-/// What to do with a live queue, given the mapping's and what the management API shows.
+/// The object argument (UID) of a live queue, if it has one.
+fn object_of(arguments: &std::collections::BTreeMap<String, Arg>) -> Option<String> {
+    match arguments.get(OBJECT_ARG) {
+        Some(Arg::Str(s)) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// What Settle can know about whose an existing queue is.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Evidence {
+    /// The queue's owner argument; `Some` only where the management API showed the queue
+    /// (`Some(None)`: it has none).
+    pub owner_arg: Option<Option<String>>,
+    /// The queue's object argument (a UID), as the management API showed it.
+    pub object_arg: Option<String>,
+    /// The UID the Subscription's object mark (`settle.object.<ns>.<name>`) holds.
+    pub mark: Option<String>,
+    /// This object's status names this queue: it made it, or took it over, before.
+    pub shown: bool,
+}
+
+/// Whose a live queue is, for Subscription `owner` (`namespace/name`), object `uid`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// This object's: used, and deleted with it.
+    Ours,
+    /// Left by the earlier object of this name with this UID, taken over by the adopt
+    /// annotation: from now on this object's.
+    Adopted(String),
+    /// Not this object's: neither bound nor deleted.
+    NotOurs(QueueHolder),
+}
+
+/// Decides whose a live queue is (pure; docs/semantics.md R8). The UID decides: a queue is this
+/// object's when its object argument or the Subscription's object mark holds this UID, or this
+/// object's status names it; one another object of this name made is taken over only when the
+/// annotation `settle.dev/adopt` holds that object's UID. A queue with the owner argument and no
+/// UID anywhere was made by a Settle from before UIDs: this Subscription's, as it was then. Without
+/// the management API, a queue nothing marks is not Settle's.
+pub fn claim(ev: &Evidence, owner: &str, uid: Option<&str>, adopt: Option<&str>) -> Claim {
+    match &ev.owner_arg {
+        Some(None) => return Claim::NotOurs(QueueHolder::Unmarked),
+        Some(Some(o)) if o != owner => return Claim::NotOurs(QueueHolder::Other(o.clone())),
+        _ => {}
+    }
+    let Some(uid) = uid else {
+        // An object without a UID is no API object: nothing to tell apart.
+        return Claim::Ours;
+    };
+    if ev.shown || ev.object_arg.as_deref() == Some(uid) || ev.mark.as_deref() == Some(uid) {
+        return Claim::Ours;
+    }
+    match ev.mark.as_ref().or(ev.object_arg.as_ref()) {
+        Some(old) if adopt == Some(old.as_str()) => Claim::Adopted(old.clone()),
+        Some(old) => Claim::NotOurs(QueueHolder::Earlier(old.clone())),
+        None if ev.owner_arg.is_some() => Claim::Ours,
+        None => Claim::NotOurs(QueueHolder::Unproven),
+    }
+}
+
+/// What to do with a queue that is ours, given the mapping's and what the management API shows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
-    /// Another Subscription's queue, or one Settle did not make: left alone.
-    Conflict(Option<String>),
     /// Arguments differ (RabbitMQ cannot change them in place): each difference.
     Immutable(Vec<String>),
-    /// Ours and as wanted, after these binding repairs (none: nothing to do).
+    /// As wanted, after these binding repairs (none: nothing to do).
     Repair {
         bind: bool,
         unbind: Vec<queue::Binding>,
     },
 }
 
-/// Decides about a live queue (pure).
+/// Decides about a live queue that [`claim`] found ours (pure).
 pub fn judge(want: &QueueSpec, live: &queue::LiveQueue) -> Verdict {
-    let owner = owner_of(&live.arguments);
-    if owner.as_deref() != want.owner() {
-        return Verdict::Conflict(owner);
-    }
     let d = queue::diff(want, live);
     if !d.arguments.is_empty() {
         return Verdict::Immutable(d.arguments.iter().map(ToString::to_string).collect());
@@ -102,6 +160,76 @@ pub fn judge(want: &QueueSpec, live: &queue::LiveQueue) -> Verdict {
         bind: d.missing_binding,
         unbind: d.stale_bindings,
     }
+}
+
+/// What is on the broker under the queue's name.
+enum Found {
+    Missing,
+    /// There; AMQP alone cannot show more.
+    Exists,
+    /// There, as the management API shows it.
+    Shown(queue::LiveQueue),
+}
+
+/// Looks the queue up: over the management API when the Backend has one, else a passive declare.
+async fn find(
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    amqp: &lapin::Connection,
+    name: &str,
+) -> Result<Found, BrokerError> {
+    match &conn.management {
+        Some(m) => {
+            ctx.metrics.js("queue.info");
+            match m.queue(&conn.vhost, name).await {
+                Ok(Some(l)) => Ok(Found::Shown(l)),
+                Ok(None) => Ok(Found::Missing),
+                Err(e) => Err(management_error(e)),
+            }
+        }
+        None => {
+            ctx.metrics.js("queue.exists");
+            match admin::exists(amqp, name).await {
+                Ok(true) => Ok(Found::Exists),
+                Ok(false) => Ok(Found::Missing),
+                Err(e) => Err(admin_error(e)),
+            }
+        }
+    }
+}
+
+/// Whose the queue found is, reading the object mark only when the queue itself cannot say.
+async fn claim_found(
+    sub: &Subscription,
+    ctx: &Ctx,
+    amqp: &lapin::Connection,
+    found: &Found,
+    shown: bool,
+) -> (Claim, Option<String>) {
+    let ns = sub.namespace().unwrap_or_default();
+    let name = sub.name_any();
+    let uid = sub.metadata.uid.as_deref();
+    let mut ev = Evidence {
+        shown,
+        ..Evidence::default()
+    };
+    if let Found::Shown(live) = found {
+        ev.owner_arg = Some(owner_of(&live.arguments));
+        ev.object_arg = object_of(&live.arguments);
+    }
+    let settled = ev
+        .owner_arg
+        .as_ref()
+        .is_some_and(|o| o.as_deref() != Some(&format!("{ns}/{name}")))
+        || ev.object_arg.is_some() && ev.object_arg.as_deref() == uid;
+    if !shown && !settled {
+        // An unreadable mark is no mark: without the management API, not ours (fail safe).
+        ctx.metrics.js("object.read");
+        ev.mark = report::read_object(amqp, &ns, &name).await;
+    }
+    let adopt = sub.annotations().get(ADOPT_ANNOTATION).map(String::as_str);
+    let mark = ev.mark.clone();
+    (claim(&ev, &format!("{ns}/{name}"), uid, adopt), mark)
 }
 
 /// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, or why not.
@@ -113,8 +241,9 @@ pub async fn ensure(
 ) -> SubOutcome {
     let ns = sub.namespace().unwrap_or_default();
     let name = sub.name_any();
+    let uid = sub.metadata.uid.as_deref();
     let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-    let want = queue::desired(&ns, &name, &policy, &conn.exchanges);
+    let want = queue::desired(&ns, &name, &policy, &conn.exchanges).for_object(uid);
     let here = ConsumerRef {
         stream: want.binding.exchange.clone(),
         name: want.name.clone(),
@@ -127,26 +256,56 @@ pub async fn ensure(
         Ok(c) => c,
         Err(e) => return failure(connect_error(e), known),
     };
-    if known.is_none()
-        && let Err(o) = mark(sub, ctx, &amqp).await
-    {
-        // A new object (or one from before queues were marked): whose queue it is, first.
-        return *o;
+    let found = match find(ctx, conn, &amqp, &want.name).await {
+        Ok(f) => f,
+        Err(e) => return failure(e, known),
+    };
+    if matches!(found, Found::Missing) {
+        return match create(sub, ctx, &amqp, &want, &known, &here).await {
+            Ok(()) => ready(),
+            Err(o) => o,
+        };
     }
-    let Some(management) = &conn.management else {
-        // AMQP only: make it when missing; else redeclare (refused when a compared argument
-        // differs) and bind again (harmless when bound).
-        ctx.metrics.js("queue.exists");
-        match admin::exists(&amqp, &want.name).await {
-            Ok(false) => {
-                return match create(sub, ctx, &amqp, &want, &known, &here).await {
-                    Ok(()) => ready(),
-                    Err(o) => o,
-                };
-            }
-            Ok(true) => {}
-            Err(e) => return failure(admin_error(e), known),
+    let shown = known.as_ref().is_some_and(|k| k.name == want.name);
+    let (claimed, mark) = claim_found(sub, ctx, &amqp, &found, shown).await;
+    match &claimed {
+        Claim::NotOurs(holder) => {
+            return SubOutcome::QueueConflict {
+                kind: BackendKind::Rabbitmq,
+                queue: want.name,
+                holder: holder.clone(),
+            };
         }
+        Claim::Ours | Claim::Adopted(_) => {
+            if !shown
+                && mark.as_deref() != uid
+                && let Err(o) = mark_object(sub, ctx, &amqp).await
+            {
+                // Whose queue it is, written where the runtime reads it, first.
+                return *o;
+            }
+        }
+    }
+    if let Claim::Adopted(old) = &claimed {
+        let note = format!(
+            "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
+            want.name
+        );
+        ctx.metrics.op("adopt");
+        tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, "{note}");
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::ADOPTED,
+            "Reconcile",
+            note,
+        )
+        .await;
+    }
+    let Found::Shown(live) = found else {
+        // AMQP only: redeclare (refused when a compared argument differs) and bind again
+        // (harmless when bound).
         ctx.metrics.js("queue.declare");
         match admin::declare(&amqp, &want).await {
             Ok(()) => {}
@@ -157,7 +316,7 @@ pub async fn ensure(
                         "one of {} ({text})",
                         want.arguments
                             .keys()
-                            .filter(|k| k.as_str() != OWNER_ARG)
+                            .filter(|k| k.as_str() != OWNER_ARG && k.as_str() != OBJECT_ARG)
                             .cloned()
                             .collect::<Vec<_>>()
                             .join(", ")
@@ -172,23 +331,7 @@ pub async fn ensure(
         }
         return ready();
     };
-    ctx.metrics.js("queue.info");
-    let live = match management.queue(&conn.vhost, &want.name).await {
-        Ok(l) => l,
-        Err(e) => return failure(management_error(e), known),
-    };
-    let Some(live) = live else {
-        return match create(sub, ctx, &amqp, &want, &known, &here).await {
-            Ok(()) => ready(),
-            Err(o) => o,
-        };
-    };
     match judge(&want, &live) {
-        Verdict::Conflict(owner) => SubOutcome::QueueConflict {
-            kind: BackendKind::Rabbitmq,
-            queue: want.name,
-            owner,
-        },
         Verdict::Immutable(fields) => SubOutcome::QueueImmutable {
             queue: here,
             fields,
@@ -235,7 +378,7 @@ pub async fn ensure(
 }
 
 /// Marks the Subscription's queue as made for this object (its UID), where the runtime reads it.
-async fn mark(
+async fn mark_object(
     sub: &Subscription,
     ctx: &Ctx,
     amqp: &lapin::Connection,
@@ -269,13 +412,30 @@ async fn create(
     known: &Option<ConsumerRef>,
     here: &ConsumerRef,
 ) -> Result<(), SubOutcome> {
-    // The object mark first: a runtime that finds the queue finds whose it is.
-    mark(sub, ctx, amqp).await.map_err(|o| *o)?;
+    // The object mark first: a runtime that finds the queue finds whose it is, and so does the
+    // next check without the management API (R8).
+    let ns = sub.namespace().unwrap_or_default();
+    let name = sub.name_any();
+    ctx.metrics.js("object.read");
+    let before = report::read_object(amqp, &ns, &name).await;
+    mark_object(sub, ctx, amqp).await.map_err(|o| *o)?;
     ctx.metrics.js("queue.declare");
     match admin::declare(amqp, want).await {
         Ok(()) => {}
         Err(AdminError::Differs { text, .. }) => {
-            // Made meanwhile with other arguments: judged on the next check.
+            // Made meanwhile by someone else, with other arguments: not this object's. The mark
+            // written for it is taken back, so it claims nothing (R8); judged on the next check.
+            let undone = match &before {
+                Some(old) => report::mark_object(amqp, &ns, &name, old)
+                    .await
+                    .map_err(|e| e.to_string()),
+                None => admin::delete(amqp, &report::object_queue(&ns, &name))
+                    .await
+                    .map_err(|e| e.to_string()),
+            };
+            if let Err(e) = undone {
+                tracing::warn!(subscription = %format!("{ns}/{name}"), queue = %want.name, error = %e, "cannot take back the object mark of a queue made meanwhile by someone else");
+            }
             return Err(failure(BrokerError::Refused(text), known.clone()));
         }
         Err(e) => return Err(failure(admin_error(e), known.clone())),
@@ -305,13 +465,13 @@ async fn create(
         )
     };
     ctx.metrics.op(op);
-    tracing::info!(subscription = %format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any()), queue = %want.name, %op, "queue");
+    tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, %op, "queue");
     publish(ctx, sub, EventType::Normal, reason, "Reconcile", note).await;
     Ok(())
 }
 
 /// The cleanup's broker call on RabbitMQ: deletes this Subscription's queue (with the messages
-/// it holds), if it is there and its own.
+/// it holds), if it is there and this object's ([`claim`]): never a queue another made.
 pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &RabbitConn) -> Removal {
     let ns = sub.namespace().unwrap_or_default();
     let name = sub.name_any();
@@ -325,24 +485,16 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &RabbitConn) -> Removal
         Ok(c) => c,
         Err(e) => return Removal::Wait(e.to_string()),
     };
-    match &conn.management {
-        Some(m) => {
-            ctx.metrics.js("queue.info");
-            match m.queue(&conn.vhost, &queue_name).await {
-                Ok(None) => return Removal::Nothing,
-                Ok(Some(live)) if owner_of(&live.arguments).as_deref() != Some(owner.as_str()) => {
-                    tracing::info!(subscription = %owner, queue = %queue_name, "the queue is not this Subscription's: left alone");
-                    return Removal::Nothing;
-                }
-                Ok(Some(_)) => {}
-                Err(e) if e.is_unreachable() => return Removal::Wait(e.to_string()),
-                Err(e) => return Removal::Failed(e.to_string()),
-            }
-        }
-        // Without the management API the owner cannot be read: only the queue this
-        // Subscription's status shows (made by it) is deleted.
-        None if shown.is_none() => return Removal::Nothing,
-        None => {}
+    let found = match find(ctx, conn, &amqp, &queue_name).await {
+        Ok(Found::Missing) => return Removal::Nothing,
+        Ok(f) => f,
+        Err(e) if e.is_unreachable() => return Removal::Wait(e.to_string()),
+        Err(e) => return Removal::Failed(e.to_string()),
+    };
+    if let (Claim::NotOurs(holder), _) = claim_found(sub, ctx, &amqp, &found, shown.is_some()).await
+    {
+        tracing::info!(subscription = %owner, queue = %queue_name, holder = ?holder, "the queue is not this Subscription object's: left alone");
+        return Removal::Nothing;
     }
     ctx.metrics.js("queue.delete");
     match admin::delete(&amqp, &queue_name).await {
@@ -397,19 +549,87 @@ mod tests {
         );
     }
 
+    fn ev(owner: Option<Option<&str>>, object: Option<&str>, mark: Option<&str>) -> Evidence {
+        Evidence {
+            owner_arg: owner.map(|o| o.map(str::to_string)),
+            object_arg: object.map(str::to_string),
+            mark: mark.map(str::to_string),
+            shown: false,
+        }
+    }
+
     #[test]
-    fn another_owner_or_none_is_a_conflict_before_anything_else() {
-        let w = want();
-        let mut l = live_of(&w);
-        l.arguments
-            .insert(OWNER_ARG.into(), Arg::Str("other/orders".into()));
-        l.arguments.insert("x-delivery-limit".into(), Arg::Int(9));
+    fn another_owner_or_none_is_never_ours_whatever_else_says() {
+        let o = "shop/orders";
+        let mut e = ev(Some(Some("other/orders")), Some("u-1"), Some("u-1"));
+        e.shown = true;
         assert_eq!(
-            judge(&w, &l),
-            Verdict::Conflict(Some("other/orders".into()))
+            claim(&e, o, Some("u-1"), Some("u-1")),
+            Claim::NotOurs(QueueHolder::Other("other/orders".into()))
         );
-        l.arguments.remove(OWNER_ARG);
-        assert_eq!(judge(&w, &l), Verdict::Conflict(None));
+        assert_eq!(
+            claim(&ev(Some(None), None, Some("u-1")), o, Some("u-1"), None),
+            Claim::NotOurs(QueueHolder::Unmarked)
+        );
+    }
+
+    #[test]
+    fn the_uid_decides_and_a_leftover_is_taken_only_with_the_annotation() {
+        let o = "shop/orders";
+        let me = Some("u-1");
+        let managed = Some(Some(o));
+        // This object's: its UID on the queue, in the mark, or its status naming the queue.
+        assert_eq!(claim(&ev(managed, me, None), o, me, None), Claim::Ours);
+        assert_eq!(claim(&ev(None, None, me), o, me, None), Claim::Ours);
+        let shown = Evidence {
+            shown: true,
+            ..Evidence::default()
+        };
+        assert_eq!(claim(&shown, o, me, None), Claim::Ours, "made before marks");
+        // Taken over earlier: the queue keeps the old UID, the mark holds ours.
+        assert_eq!(
+            claim(&ev(managed, Some("u-0"), me), o, me, None),
+            Claim::Ours
+        );
+        // An earlier object's (queue argument, or mark without the management API).
+        for e in [ev(managed, Some("u-0"), None), ev(None, None, Some("u-0"))] {
+            assert_eq!(
+                claim(&e, o, me, None),
+                Claim::NotOurs(QueueHolder::Earlier("u-0".into())),
+                "{e:?}"
+            );
+            assert_eq!(
+                claim(&e, o, me, Some("u-9")),
+                Claim::NotOurs(QueueHolder::Earlier("u-0".into())),
+                "another UID in the annotation takes nothing: {e:?}"
+            );
+            assert_eq!(claim(&e, o, me, Some("u-0")), Claim::Adopted("u-0".into()));
+        }
+        // The mark speaks for the Subscription now: newer than a queue argument.
+        assert_eq!(
+            claim(&ev(managed, Some("u-0"), Some("u-5")), o, me, Some("u-5")),
+            Claim::Adopted("u-5".into())
+        );
+    }
+
+    #[test]
+    fn with_no_uid_anywhere_the_owner_argument_is_an_older_settles_and_amqp_alone_proves_nothing() {
+        let o = "shop/orders";
+        let me = Some("u-1");
+        assert_eq!(
+            claim(&ev(Some(Some(o)), None, None), o, me, None),
+            Claim::Ours
+        );
+        assert_eq!(
+            claim(&ev(None, None, None), o, me, None),
+            Claim::NotOurs(QueueHolder::Unproven),
+            "another application's same-named queue without the management API"
+        );
+        assert_eq!(
+            claim(&ev(None, None, None), o, me, Some("anything")),
+            Claim::NotOurs(QueueHolder::Unproven),
+            "nothing to adopt: no UID to name"
+        );
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The Subscription controller's broker step on SQS: the queue and, under AtLeastOnce with
 //! maxDeliver, its dead-letter queue, from the one mapping (`backend::sqs::queue::desired`):
 //! made when missing (again when deleted on the server), each tagged with the Subscription it
-//! belongs to; attribute drift (VisibilityTimeout, RedrivePolicy) repaired in place with
-//! SetQueueAttributes; a queue tagged for another Subscription, or untagged, left alone
-//! (`ConsumerConflict`). Deleting the Subscription deletes its queue, and its dead-letter queue
-//! only when Settle made it and it is empty (what it holds was Exhausted: kept for a person).
+//! belongs to (`namespace/name`, and the object's UID, which decides); attribute drift
+//! (VisibilityTimeout, RedrivePolicy) repaired in place with SetQueueAttributes; a queue tagged
+//! for another Subscription, untagged, or left by an earlier object of this name, left alone
+//! (`ConsumerConflict`) unless the `settle.dev/adopt` annotation names that object's UID
+//! (docs/semantics.md Q7). Deleting the Subscription deletes its queue, and its dead-letter queue
+//! only when it is this object's and empty (what it holds was Exhausted: kept for a person).
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
@@ -18,10 +20,10 @@ use kube::runtime::events::EventType;
 use super::Ctx;
 use super::conditions::events;
 use super::connections::SqsConn;
-use super::status::{BrokerError, SubOutcome};
+use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
 use super::subscription::{Removal, SQS_STREAM, publish};
 use crate::api::{ConsumerRef, Subscription};
-use crate::backend::sqs::admin::{self, AdminError};
+use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
 use crate::policy::{BackendKind, ResolvedPolicy};
 
@@ -39,19 +41,45 @@ fn failure(e: AdminError, known: &Option<ConsumerRef>) -> SubOutcome {
     SubOutcome::Broker { error, consumer }
 }
 
-/// Whether a queue tagged `tag` may be used by Subscription `owner`; else the conflict.
-pub fn owned(tag: Option<&str>, owner: &str) -> Result<(), Option<String>> {
-    match tag {
-        Some(t) if t == owner => Ok(()),
-        other => Err(other.map(str::to_string)),
+/// How a queue is this Subscription object's (see [`owned`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Take {
+    /// Tagged with this object's UID.
+    Ours,
+    /// Tagged for this Subscription by a Settle from before UIDs: this Subscription's, as it was
+    /// then, and tagged with this object's UID now.
+    Untagged,
+    /// Left by the earlier object of this name with this UID, taken over by the adopt
+    /// annotation: tagged with this object's UID now.
+    Adopted(String),
+}
+
+/// Whether a queue with owner tags `tags` is Subscription `owner` (object `uid`)'s, with the
+/// adopt annotation `adopt`; else whose it is (pure; docs/semantics.md Q7).
+pub fn owned(
+    tags: &OwnerTags,
+    owner: &str,
+    uid: Option<&str>,
+    adopt: Option<&str>,
+) -> Result<Take, QueueHolder> {
+    match &tags.subscription {
+        None => return Err(QueueHolder::Unmarked),
+        Some(t) if t != owner => return Err(QueueHolder::Other(t.clone())),
+        Some(_) => {}
+    }
+    match (&tags.object, uid) {
+        (_, None) => Ok(Take::Ours),
+        (None, Some(_)) => Ok(Take::Untagged),
+        (Some(o), Some(u)) if o == u => Ok(Take::Ours),
+        (Some(o), _) if adopt == Some(o.as_str()) => Ok(Take::Adopted(o.clone())),
+        (Some(o), _) => Err(QueueHolder::Earlier(o.clone())),
     }
 }
 
-/// Whether a dead-letter queue may go with its Subscription: Settle made it (tagged for this
-/// Subscription) and it holds nothing (visible, in flight or delayed).
+/// Whether a dead-letter queue may go with its Subscription: Settle made it for this object
+/// (or it was taken over) and it holds nothing (visible, in flight or delayed).
 pub fn dead_letter_deletable(
-    tag: Option<&str>,
-    owner: &str,
+    owns: bool,
     attributes: &std::collections::BTreeMap<String, String>,
 ) -> bool {
     let (visible, in_flight) = admin::gauges_of(attributes);
@@ -59,43 +87,84 @@ pub fn dead_letter_deletable(
         .get("ApproximateNumberOfMessagesDelayed")
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
-    owned(tag, owner).is_ok() && visible + in_flight + delayed == 0
+    owns && visible + in_flight + delayed == 0
+}
+
+/// Whose the queue at `url` is, for this object: its tags read and judged.
+async fn judged(
+    client: &Client,
+    ctx: &Ctx,
+    sub: &Subscription,
+    url: &str,
+) -> Result<Result<Take, QueueHolder>, AdminError> {
+    let owner = format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any());
+    ctx.metrics.js("sqs.tags");
+    let tags = admin::owner(client, url).await?;
+    Ok(owned(
+        &tags,
+        &owner,
+        sub.metadata.uid.as_deref(),
+        sub.annotations().get(ADOPT_ANNOTATION).map(String::as_str),
+    ))
 }
 
 /// A queue's URL and whether Settle made it now, or the outcome that stops the step.
 async fn find_or_create(
     client: &Client,
     ctx: &Ctx,
+    sub: &Subscription,
     name: &str,
     attributes: std::collections::BTreeMap<String, String>,
-    owner: &str,
     known: &Option<ConsumerRef>,
 ) -> Result<(String, bool), SubOutcome> {
+    let owner = format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any());
+    let uid = sub.metadata.uid.as_deref();
     ctx.metrics.js("sqs.url");
-    match admin::queue_url(client, name).await {
-        Err(e) => Err(failure(e, known)),
+    let url = match admin::queue_url(client, name).await {
+        Err(e) => return Err(failure(e, known)),
         Ok(None) => {
             ctx.metrics.js("sqs.create");
-            match admin::create(client, name, attributes, owner).await {
+            return match admin::create(client, name, attributes, &owner, uid).await {
                 Ok(url) => Ok((url, true)),
                 Err(e) => Err(failure(e, known)),
-            }
+            };
         }
-        Ok(Some(url)) => {
-            ctx.metrics.js("sqs.tags");
-            match admin::owner(client, &url).await {
-                Err(e) => Err(failure(e, known)),
-                Ok(tag) => match owned(tag.as_deref(), owner) {
-                    Ok(()) => Ok((url, false)),
-                    Err(other) => Err(SubOutcome::QueueConflict {
-                        kind: BackendKind::Sqs,
-                        queue: name.to_string(),
-                        owner: other,
-                    }),
-                },
-            }
+        Ok(Some(url)) => url,
+    };
+    let take = match judged(client, ctx, sub, &url).await {
+        Err(e) => return Err(failure(e, known)),
+        Ok(Err(holder)) => {
+            return Err(SubOutcome::QueueConflict {
+                kind: BackendKind::Sqs,
+                queue: name.to_string(),
+                holder,
+            });
+        }
+        Ok(Ok(t)) => t,
+    };
+    if let (Take::Untagged | Take::Adopted(_), Some(uid)) = (&take, uid) {
+        ctx.metrics.js("sqs.tag");
+        if let Err(e) = admin::tag_object(client, &url, uid).await {
+            return Err(failure(e, known));
         }
     }
+    if let Take::Adopted(old) = &take {
+        let note = format!(
+            "took over SQS queue {name} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked"
+        );
+        ctx.metrics.op("adopt");
+        tracing::info!(subscription = %owner, queue = %name, "{note}");
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            events::ADOPTED,
+            "Reconcile",
+            note,
+        )
+        .await;
+    }
+    Ok((url, false))
 }
 
 /// Step 5 on SQS: the queue (and its dead-letter queue) exist and match the spec, or why not.
@@ -128,9 +197,9 @@ pub async fn ensure(
             let (url, new) = match find_or_create(
                 client,
                 ctx,
+                sub,
                 &r.dead_letter_queue,
                 queue::dead_letter_attributes(),
-                &owner,
                 &known,
             )
             .await
@@ -162,7 +231,7 @@ pub async fn ensure(
     };
     let attributes = queue::attributes(&want, dlq_arn.as_deref());
     let (url, new) =
-        match find_or_create(client, ctx, &want.name, attributes.clone(), &owner, &known).await {
+        match find_or_create(client, ctx, sub, &want.name, attributes.clone(), &known).await {
             Ok(x) => x,
             Err(o) => return o,
         };
@@ -269,19 +338,18 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
         Err(e) => return waiting(e),
         Ok(None) => {}
         Ok(Some(url)) => {
-            ctx.metrics.js("sqs.tags");
-            let tag = match admin::owner(client, &url).await {
-                Ok(t) => t,
+            let owns = match judged(client, ctx, sub, &url).await {
+                Ok(t) => t.is_ok(),
                 Err(e) => return waiting(e),
             };
-            if owned(tag.as_deref(), &owner).is_ok() {
+            if owns {
                 ctx.metrics.js("sqs.delete");
                 if let Err(e) = admin::delete(client, &url).await {
                     return waiting(e);
                 }
                 notes.push(format!("deleted SQS queue {queue_name}"));
             } else {
-                tracing::info!(subscription = %owner, queue = %queue_name, "the queue is not this Subscription's: left alone");
+                tracing::info!(subscription = %owner, queue = %queue_name, "the queue is not this Subscription object's: left alone");
                 return Removal::Nothing;
             }
         }
@@ -292,21 +360,21 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
         Err(e) => return waiting(e),
         Ok(None) => {}
         Ok(Some(url)) => {
-            let tag = match admin::owner(client, &url).await {
-                Ok(t) => t,
+            let owns = match judged(client, ctx, sub, &url).await {
+                Ok(t) => t.is_ok(),
                 Err(e) => return waiting(e),
             };
             let attributes = match admin::attributes(client, &url).await {
                 Ok(a) => a.unwrap_or_default(),
                 Err(e) => return waiting(e),
             };
-            if dead_letter_deletable(tag.as_deref(), &owner, &attributes) {
+            if dead_letter_deletable(owns, &attributes) {
                 ctx.metrics.js("sqs.delete");
                 if let Err(e) = admin::delete(client, &url).await {
                     return waiting(e);
                 }
                 notes.push(format!("deleted its empty dead-letter queue {dlq}"));
-            } else if owned(tag.as_deref(), &owner).is_ok() {
+            } else if owns {
                 let (visible, in_flight) = admin::gauges_of(&attributes);
                 notes.push(format!(
                     "kept its dead-letter queue {dlq}: it holds about {} exhausted messages (delete it when done with them)",
@@ -328,14 +396,42 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
+    fn tags(sub: Option<&str>, object: Option<&str>) -> OwnerTags {
+        OwnerTags {
+            subscription: sub.map(str::to_string),
+            object: object.map(str::to_string),
+        }
+    }
+
     #[test]
-    fn only_the_owners_tag_is_its_own() {
-        assert_eq!(owned(Some("shop/orders"), "shop/orders"), Ok(()));
+    fn only_the_owners_tags_are_its_own_and_the_uid_decides() {
+        let o = "shop/orders";
+        let me = Some("u-1");
+        assert_eq!(owned(&tags(Some(o), me), o, me, None), Ok(Take::Ours));
         assert_eq!(
-            owned(Some("shop/other"), "shop/orders"),
-            Err(Some("shop/other".into()))
+            owned(&tags(Some("shop/other"), me), o, me, None),
+            Err(QueueHolder::Other("shop/other".into()))
         );
-        assert_eq!(owned(None, "shop/orders"), Err(None));
+        assert_eq!(
+            owned(&tags(None, me), o, me, Some("u-1")),
+            Err(QueueHolder::Unmarked)
+        );
+        // Made by a Settle from before UIDs: this Subscription's (and tagged now).
+        assert_eq!(owned(&tags(Some(o), None), o, me, None), Ok(Take::Untagged));
+        // An earlier object's: only the annotation with its UID takes it.
+        let left = tags(Some(o), Some("u-0"));
+        assert_eq!(
+            owned(&left, o, me, None),
+            Err(QueueHolder::Earlier("u-0".into()))
+        );
+        assert_eq!(
+            owned(&left, o, me, Some("u-7")),
+            Err(QueueHolder::Earlier("u-0".into()))
+        );
+        assert_eq!(
+            owned(&left, o, me, Some("u-0")),
+            Ok(Take::Adopted("u-0".into()))
+        );
     }
 
     #[test]
@@ -350,16 +446,10 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
         };
-        let o = "shop/orders";
-        assert!(dead_letter_deletable(Some(o), o, &attrs("0", "0", "0")));
-        assert!(!dead_letter_deletable(Some(o), o, &attrs("3", "0", "0")));
-        assert!(!dead_letter_deletable(Some(o), o, &attrs("0", "1", "0")));
-        assert!(!dead_letter_deletable(Some(o), o, &attrs("0", "0", "2")));
-        assert!(!dead_letter_deletable(None, o, &attrs("0", "0", "0")));
-        assert!(!dead_letter_deletable(
-            Some("x/y"),
-            o,
-            &attrs("0", "0", "0")
-        ));
+        assert!(dead_letter_deletable(true, &attrs("0", "0", "0")));
+        assert!(!dead_letter_deletable(true, &attrs("3", "0", "0")));
+        assert!(!dead_letter_deletable(true, &attrs("0", "1", "0")));
+        assert!(!dead_letter_deletable(true, &attrs("0", "0", "2")));
+        assert!(!dead_letter_deletable(false, &attrs("0", "0", "0")));
     }
 }

@@ -93,14 +93,33 @@ pub enum SubOutcome {
         queue: ConsumerRef,
         fields: Vec<String>,
     },
-    /// A queue (or dead-letter queue) of that name exists, owned by another Subscription or by
-    /// no Subscription (`owner`: its owner argument or tag).
+    /// A queue (or dead-letter queue) of that name exists that is not this Subscription
+    /// object's: neither bound nor deleted (`holder`: whose it is, as far as Settle can tell).
     QueueConflict {
         kind: BackendKind,
         queue: String,
-        owner: Option<String>,
+        holder: QueueHolder,
     },
 }
+
+/// Whose a queue Settle leaves alone is (docs/semantics.md R8, Q7), and so the way out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QueueHolder {
+    /// Another Subscription (`namespace/name`, its owner argument or tag).
+    Other(String),
+    /// No Subscription: it carries no owner mark, so Settle did not make it.
+    Unmarked,
+    /// RabbitMQ without the management API: the queue exists and no mark says Settle made it
+    /// for this object; its owner argument cannot be read.
+    Unproven,
+    /// An earlier object of this Subscription's name (its UID) made it and left it behind.
+    Earlier(String),
+}
+
+/// The annotation by which a Subscription takes over the queues an earlier object of its name
+/// left behind (a queue or a kept consumer): its value is that object's UID (docs/semantics.md
+/// J8, R8, Q7).
+pub const ADOPT_ANNOTATION: &str = "settle.dev/adopt";
 
 /// The Ready reason and message for a failed broker call: what to do, not the raw error.
 pub fn broker_reason(e: &BrokerError) -> (&'static str, String) {
@@ -189,18 +208,34 @@ impl SubOutcome {
                     ),
                 ),
             ],
-            SubOutcome::QueueConflict { kind, queue, owner } => [
+            SubOutcome::QueueConflict {
+                kind,
+                queue,
+                holder,
+            } => [
                 accepted,
                 ready(
                     Status::False,
                     reasons::CONSUMER_CONFLICT,
-                    match owner {
-                        Some(o) => format!(
+                    match holder {
+                        QueueHolder::Other(o) => format!(
                             "{kind} queue {queue} belongs to Subscription {o}: choose another durableName"
                         ),
-                        None => format!(
+                        QueueHolder::Unmarked => format!(
                             "{kind} queue {queue} exists and Settle did not make it: choose another durableName, \
                              or delete that queue so Settle can make its own"
+                        ),
+                        QueueHolder::Unproven => format!(
+                            "{kind} queue {queue} exists and nothing shows Settle made it for this Subscription \
+                             (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): \
+                             it is neither bound nor deleted. Choose another durableName, or set \
+                             spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is"
+                        ),
+                        QueueHolder::Earlier(uid) => format!(
+                            "{kind} queue {queue} was made for an earlier Subscription of this name (uid {uid}) \
+                             and left behind (deletionPolicy Retain, or deleted while no operator ran): it is \
+                             neither used nor deleted. To take it over with what it holds, annotate this \
+                             Subscription {ADOPT_ANNOTATION}: \"{uid}\"; or choose another durableName"
                         ),
                     },
                 ),
@@ -586,12 +621,12 @@ mod tests {
             SubOutcome::QueueConflict {
                 kind: BackendKind::Sqs,
                 queue: "orders".into(),
-                owner: Some("other/orders".into()),
+                holder: QueueHolder::Other("other/orders".into()),
             },
             SubOutcome::QueueConflict {
                 kind: BackendKind::Rabbitmq,
                 queue: "orders".into(),
-                owner: None,
+                holder: QueueHolder::Unmarked,
             },
             SubOutcome::Broker {
                 error: BrokerError::Unreachable("connection refused".into()),
@@ -604,6 +639,16 @@ mod tests {
             SubOutcome::Broker {
                 error: BrokerError::Refused("CreateQueue: bad name".into()),
                 consumer: None,
+            },
+            SubOutcome::QueueConflict {
+                kind: BackendKind::Rabbitmq,
+                queue: "orders".into(),
+                holder: QueueHolder::Unproven,
+            },
+            SubOutcome::QueueConflict {
+                kind: BackendKind::Sqs,
+                queue: "orders".into(),
+                holder: QueueHolder::Earlier("u-0".into()),
             },
         ]
     }
@@ -644,6 +689,16 @@ mod tests {
         ] {
             assert_eq!(text(&all[i]).1, want, "{:?}", all[i]);
         }
+        let (_, reason, m) = text(&all[22]);
+        assert_eq!(reason, reasons::CONSUMER_CONFLICT);
+        assert!(
+            m.contains("spec.rabbitmq.managementUrl") && m.contains("another durableName"),
+            "{m}"
+        );
+        let (_, reason, m) = text(&all[23]);
+        assert_eq!(reason, reasons::CONSUMER_CONFLICT);
+        assert!(m.contains("settle.dev/adopt: \"u-0\""), "{m}");
+        assert_eq!(all[23].consumer(), None, "a leftover is not shown as ours");
     }
 
     #[test]

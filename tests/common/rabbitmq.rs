@@ -1,5 +1,6 @@
 //! RabbitMQ's management API as the tests read it, never through Settle: one raw call (HTTP/1.0,
-//! user guest) to the environment's management URL, and a queue by name. What a test asserts
+//! user guest) to the environment's management URL, a queue by name, and a queue made as
+//! another application would make it. What a test asserts
 //! about a queue's arguments, bindings or messages is read back through here.
 //!
 //! It must not decide what a test expects (a status code, a body): callers assert that.
@@ -13,13 +14,19 @@ use serde_json::Value;
 /// One management API call, `method` on `path` (`/api/queues/%2f/NAME`): (status, body). Status
 /// 0 when the answer has no status line.
 pub fn management(method: &str, path: &str) -> (u16, String) {
+    management_with(method, path, "")
+}
+
+/// [`management`] with a JSON request body.
+pub fn management_with(method: &str, path: &str, json: &str) -> (u16, String) {
     let base = super::env().rabbitmq_management_url;
     let addr = base.trim_start_matches("http://").trim_end_matches('/');
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("set a read timeout");
     let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{json}",
+        json.len()
     );
     s.write_all(req.as_bytes())
         .unwrap_or_else(|e| panic!("{method} {path}: send: {e}"));
@@ -34,6 +41,38 @@ pub fn management(method: &str, path: &str) -> (u16, String) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     (status, body.to_string())
+}
+
+/// Makes quorum queue `name` on the default vhost as another application would (no Settle
+/// argument), holding `messages` messages.
+pub fn foreign_queue(name: &str, messages: usize) {
+    let (status, body) = management_with(
+        "PUT",
+        &format!("/api/queues/%2f/{name}"),
+        r#"{"durable":true,"arguments":{"x-queue-type":"quorum"}}"#,
+    );
+    assert!(
+        matches!(status, 201 | 204),
+        "PUT queue {name}: {status} {body}"
+    );
+    put_messages(name, messages);
+}
+
+/// Puts `n` messages straight into queue `name` (the default exchange).
+pub fn put_messages(name: &str, n: usize) {
+    for i in 0..n {
+        let (status, body) = management_with(
+            "POST",
+            "/api/exchanges/%2f/amq.default/publish",
+            &format!(
+                r#"{{"properties":{{"delivery_mode":2}},"routing_key":"{name}","payload":"m{i}","payload_encoding":"string"}}"#
+            ),
+        );
+        assert!(
+            status == 200 && body.contains(r#""routed":true"#),
+            "publish to {name}: {status} {body}"
+        );
+    }
 }
 
 /// Queue `name` on the default vhost, `None` when it does not exist.

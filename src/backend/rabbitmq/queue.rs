@@ -22,6 +22,10 @@ pub const DEFAULT_EXCHANGE: &str = "amq.topic";
 /// The argument naming the Subscription (`namespace/name`) a queue belongs to. RabbitMQ stores
 /// arguments it does not know and shows them in the management API; it never compares them.
 pub const OWNER_ARG: &str = "x-settle-subscription";
+/// The argument naming the Subscription object (its UID) the operator made a queue for
+/// (docs/semantics.md R8). Set when the queue is made and never compared: RabbitMQ cannot change
+/// it in place, so a queue taken over from an earlier object keeps that object's UID here.
+pub const OBJECT_ARG: &str = "x-settle-object";
 /// How long the broker keeps an unused queue that a code-defined subscription declared under a
 /// derived name: no operator is there to delete it.
 pub const CODE_DEFINED_EXPIRES: Duration = Duration::from_secs(300);
@@ -170,6 +174,15 @@ impl QueueSpec {
         t
     }
 
+    /// This queue marked as made for Subscription object `uid` (the operator's queues).
+    pub fn for_object(mut self, uid: Option<&str>) -> Self {
+        if let Some(uid) = uid {
+            self.arguments
+                .insert(OBJECT_ARG.to_string(), Arg::Str(uid.to_string()));
+        }
+        self
+    }
+
     /// The Subscription (`namespace/name`) this queue belongs to, if Settle made it.
     pub fn owner(&self) -> Option<&str> {
         match self.arguments.get(OWNER_ARG) {
@@ -266,7 +279,8 @@ pub fn diff(want: &QueueSpec, live: &LiveQueue) -> Diff {
     let mut d = Diff::default();
     let names: std::collections::BTreeSet<&String> =
         want.arguments.keys().chain(live.arguments.keys()).collect();
-    for name in names {
+    // The object mark is set once, when the queue is made (R8): never a difference.
+    for name in names.into_iter().filter(|n| n.as_str() != OBJECT_ARG) {
         let (a, b) = (want.arguments.get(name), live.arguments.get(name));
         if a != b {
             d.arguments.push(ArgDiff {
@@ -479,6 +493,21 @@ mod tests {
             let d = diff(&q, &live_of(&q));
             assert!(d.is_empty(), "{d:?}");
         }
+    }
+
+    #[test]
+    fn the_object_mark_is_carried_but_never_a_difference() {
+        let q =
+            desired("shop", "o", &policy(|_| {}), &Exchanges::default()).for_object(Some("u-1"));
+        assert_eq!(q.arguments.get(OBJECT_ARG), Some(&s("u-1")));
+        let mut other = live_of(&q);
+        other.arguments.insert(OBJECT_ARG.into(), s("u-0"));
+        assert!(diff(&q, &other).is_empty(), "taken over from u-0");
+        other.arguments.remove(OBJECT_ARG);
+        assert!(
+            diff(&q, &other).is_empty(),
+            "made before queues carried a UID"
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The SQS calls the operator makes on queues Settle manages: find a queue, read its attributes
-//! and its owner tag, create it (tagged with the Subscription it belongs to), change its
-//! attributes, delete it, and read its gauges. Every call asks the server (no cached URL: a queue
+//! and its owner tags, create it (tagged with the Subscription and the object it belongs to),
+//! tag it for another object, change its attributes, delete it, and read its gauges. Every call asks the server (no cached URL: a queue
 //! deleted there must be seen as gone), and a failure is told apart as unreachable, refused
 //! credentials or a refused call.
 //!
@@ -17,6 +17,18 @@ use super::queue_missing;
 
 /// The tag naming the Subscription (`namespace/name`) a queue (or dead-letter queue) belongs to.
 pub const OWNER_TAG: &str = "settle-subscription";
+/// The tag naming the Subscription object (its UID) a queue (or dead-letter queue) belongs to:
+/// the one that decides (docs/semantics.md Q7). [`OWNER_TAG`] stays for people.
+pub const OBJECT_TAG: &str = "settle-object";
+
+/// A queue's owner tags, as far as it has them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OwnerTags {
+    /// [`OWNER_TAG`]: `namespace/name`.
+    pub subscription: Option<String>,
+    /// [`OBJECT_TAG`]: the object's UID (none on queues made before Settle tagged one).
+    pub object: Option<String>,
+}
 
 /// A failed SQS call.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -146,15 +158,31 @@ pub async fn attributes(
     }
 }
 
-/// The Subscription the queue at `url` belongs to (its [`OWNER_TAG`]), if any.
-pub async fn owner(client: &Client, url: &str) -> Result<Option<String>, AdminError> {
+/// The Subscription and object the queue at `url` belongs to (its owner tags).
+pub async fn owner(client: &Client, url: &str) -> Result<OwnerTags, AdminError> {
     let out = client
         .list_queue_tags()
         .queue_url(url)
         .send()
         .await
         .map_err(|e| classify("ListQueueTags", e))?;
-    Ok(out.tags.and_then(|mut t| t.remove(OWNER_TAG)))
+    let mut tags = out.tags.unwrap_or_default();
+    Ok(OwnerTags {
+        subscription: tags.remove(OWNER_TAG),
+        object: tags.remove(OBJECT_TAG),
+    })
+}
+
+/// Tags the queue at `url` as object `uid`'s (SQS changes tags in place).
+pub async fn tag_object(client: &Client, url: &str, uid: &str) -> Result<(), AdminError> {
+    client
+        .tag_queue()
+        .queue_url(url)
+        .tags(OBJECT_TAG, uid)
+        .send()
+        .await
+        .map_err(|e| classify("TagQueue", e))?;
+    Ok(())
 }
 
 fn attribute_map(attributes: BTreeMap<String, String>) -> HashMap<QueueAttributeName, String> {
@@ -164,21 +192,23 @@ fn attribute_map(attributes: BTreeMap<String, String>) -> HashMap<QueueAttribute
         .collect()
 }
 
-/// Creates queue `name` with `attributes`, tagged as `owner`'s; returns its URL.
+/// Creates queue `name` with `attributes`, tagged as `owner`'s (object `uid`); returns its URL.
 pub async fn create(
     client: &Client,
     name: &str,
     attributes: BTreeMap<String, String>,
     owner: &str,
+    uid: Option<&str>,
 ) -> Result<String, AdminError> {
-    let out = client
+    let mut call = client
         .create_queue()
         .queue_name(name)
         .set_attributes(Some(attribute_map(attributes)))
-        .tags(OWNER_TAG, owner)
-        .send()
-        .await
-        .map_err(|e| classify("CreateQueue", e))?;
+        .tags(OWNER_TAG, owner);
+    if let Some(uid) = uid {
+        call = call.tags(OBJECT_TAG, uid);
+    }
+    let out = call.send().await.map_err(|e| classify("CreateQueue", e))?;
     Ok(out.queue_url.unwrap_or_default())
 }
 
