@@ -950,7 +950,10 @@ mod reader_tests {
         assert_ne!(reader_name("team", "a-nats"), reader_name("team-a", "nats"));
         assert_eq!(reader_name("team-a", "nats"), "settle-account_team-a_nats");
         assert_ne!(reader_name("team", "a.nats"), reader_name("team", "a-nats"));
-        assert_ne!(reader_name("team-a", "b.nats"), reader_name("team", "a-b.nats"));
+        assert_ne!(
+            reader_name("team-a", "b.nats"),
+            reader_name("team", "a-b.nats")
+        );
     }
 
     #[test]

@@ -780,7 +780,12 @@ mod tests {
         );
         // A name not counted yet takes any first sequence (first seen after a restart).
         assert_eq!(
-            a.implausible(&report("long-lived", 5_000_000, 10, stats(1, 0, 0)), JUMP, NOW, 0),
+            a.implausible(
+                &report("long-lived", 5_000_000, 10, stats(1, 0, 0)),
+                JUMP,
+                NOW,
+                0
+            ),
             None
         );
         // A folded life is held to its last sequence too.
@@ -819,14 +824,20 @@ mod tests {
         let mut a = Account::default();
         a.report(&report("a", 1, 10, stats(1, 0, 0)));
         let forged = report("a", u64::MAX, 20, stats(1, 0, 900_002));
-        assert_eq!(a.implausible(&forged, 100, 1_000, 0), Some(Implausible::SequenceJump));
+        assert_eq!(
+            a.implausible(&forged, 100, 1_000, 0),
+            Some(Implausible::SequenceJump)
+        );
         let mut counted = a.clone();
         counted.report(&forged);
         assert_eq!(
             counted.report(&report("a", 2, 30, stats(5, 0, 0))),
             Outcome::Stale
         );
-        assert_eq!(a.report(&report("a", 2, 30, stats(5, 0, 0))), Outcome::Counted);
+        assert_eq!(
+            a.report(&report("a", 2, 30, stats(5, 0, 0))),
+            Outcome::Counted
+        );
         assert_eq!(a.counted().settlement.acked, 5);
         assert_eq!(a.counted().exhausted, 0);
     }

@@ -71,8 +71,12 @@ const COUNTERS: [Counter; 13] = [
 /// The outcomes of `settle_account_reports_total` that say a report was not believed (written
 /// to another's key, implausible, by a user the Backend does not count): exported at 0 from
 /// the start, so an alert on them has a series to read before the first forgery.
-pub const DROPPED_FOR_TENANCY: [&str; 4] =
-    ["misfiled", "sequence_jump", "from_the_future", "wrong_writer"];
+pub const DROPPED_FOR_TENANCY: [&str; 4] = [
+    "misfiled",
+    "sequence_jump",
+    "from_the_future",
+    "wrong_writer",
+];
 
 #[derive(Clone)]
 pub struct Metrics {

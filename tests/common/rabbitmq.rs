@@ -13,13 +13,19 @@ use serde_json::Value;
 /// One management API call, `method` on `path` (`/api/queues/%2f/NAME`): (status, body). Status
 /// 0 when the answer has no status line.
 pub fn management(method: &str, path: &str) -> (u16, String) {
+    management_with(method, path, "")
+}
+
+/// One management API call with a JSON `body` (`PUT /api/users/NAME`, …): (status, body).
+pub fn management_with(method: &str, path: &str, body: &str) -> (u16, String) {
     let base = super::env().rabbitmq_management_url;
     let addr = base.trim_start_matches("http://").trim_end_matches('/');
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("set a read timeout");
     let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Length: 0\r\n\r\n"
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
     );
     s.write_all(req.as_bytes())
         .unwrap_or_else(|e| panic!("{method} {path}: send: {e}"));
@@ -43,5 +49,54 @@ pub fn queue(name: &str) -> Option<Value> {
         200 => Some(serde_json::from_str(&body).expect("JSON")),
         404 => None,
         other => panic!("GET queue {name}: {other} {body}"),
+    }
+}
+
+/// A RabbitMQ user of a test's own on the default vhost, with `configure`, `write` and `read`
+/// permission regexes; deleted when dropped.
+pub struct User {
+    pub name: String,
+    pub password: String,
+}
+
+impl User {
+    pub fn create(name: &str, configure: &str, write: &str, read: &str) -> User {
+        let password = format!("{name}-pw");
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/users/{name}"),
+            &serde_json::json!({"password": password, "tags": ""}).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "create user {name}: {status} {body}"
+        );
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/permissions/%2f/{name}"),
+            &serde_json::json!({"configure": configure, "write": write, "read": read}).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "permissions of {name}: {status} {body}"
+        );
+        User {
+            name: name.to_string(),
+            password,
+        }
+    }
+
+    /// The environment's AMQP URL, as this user.
+    pub fn url(&self) -> String {
+        let url = super::env().rabbitmq_url;
+        let (scheme, rest) = url.split_once("://").expect("an AMQP URL");
+        let host = rest.split_once('@').map_or(rest, |(_, h)| h);
+        format!("{scheme}://{}:{}@{host}", self.name, self.password)
+    }
+}
+
+impl Drop for User {
+    fn drop(&mut self) {
+        let _ = management("DELETE", &format!("/api/users/{}", self.name));
     }
 }
