@@ -210,7 +210,7 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
         .await
         .expect("the report bucket");
     let victim_prefix = format!(
-        "{}.orders.",
+        "{}.",
         settle::bus::report::report_key(&victim, "orders", "_")
             .rsplit_once('.')
             .map_or("", |(p, _)| p)
