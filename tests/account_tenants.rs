@@ -547,3 +547,119 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
     drop(victim);
     drop(attacker);
 }
+
+/// The upgrade to unambiguous reader names: the legacy reader is the checkpoint. The new reader
+/// delivers from just after what the legacy one acknowledged (what it had delivered without an
+/// acknowledgement comes again, as after any restart), the legacy reader is deleted, and doing
+/// it again changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowledged() {
+    use async_nats::jetstream::AckKind;
+    use futures::StreamExt;
+    use settle::account::keeper::{legacy_reader_name, reader_name};
+    use settle::backend::nats::capture;
+
+    let server = NatsServer::start(&[]);
+    let client = async_nats::connect(server.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let (legacy, new) = (
+        legacy_reader_name("team", "a-nats"),
+        reader_name("team", "a-nats"),
+    );
+    let reader = capture::open(&js, &legacy, 1 << 20)
+        .await
+        .expect("the legacy reader");
+    // Five advisories in the capture (as the server would publish them).
+    let subject = settle::backend::nats::advisory::MAX_DELIVERIES.replace('>', "S.C");
+    let mut published = Vec::new();
+    for i in 1..=5 {
+        let ack = js
+            .publish(subject.clone(), format!("{{\"n\":{i}}}").into())
+            .await
+            .expect("publish")
+            .await
+            .expect("captured");
+        published.push(ack.sequence);
+    }
+    // The legacy reader took four and acknowledged up to the second of ours only (and the
+    // consumer-created advisory of its own making before them).
+    let acked = published[1];
+    let mut batch = reader
+        .fetch()
+        .max_messages(4)
+        .messages()
+        .await
+        .expect("fetch");
+    for _ in 0..4 {
+        let m = batch.next().await.expect("a message").expect("delivered");
+        if m.info().expect("info").stream_sequence <= acked {
+            m.ack_with(AckKind::Ack).await.expect("ack");
+        }
+    }
+    drop(batch);
+    poll(
+        "the legacy reader's acknowledgements",
+        Duration::from_secs(10),
+        || {
+            let mut r = reader.clone();
+            async move {
+                match r.info().await.map(|i| i.ack_floor.stream_sequence) {
+                    Ok(floor) if floor == acked => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await;
+
+    capture::rename_reader(&js, &legacy, &new)
+        .await
+        .expect("rename");
+    let stream = js
+        .get_stream(capture::CAPTURE_STREAM)
+        .await
+        .expect("the capture");
+    assert!(
+        stream.consumer_info(&legacy).await.is_err(),
+        "the legacy reader is still there"
+    );
+    let renamed = capture::open(&js, &new, 1 << 20)
+        .await
+        .expect("the new reader");
+    let mut batch = renamed
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch");
+    let mut got = Vec::new();
+    while let Some(m) = batch.next().await {
+        let m = m.expect("delivered");
+        // The capture also keeps the consumer-created advisories of the readers themselves.
+        if m.subject.as_str() == subject {
+            got.push(m.info().expect("info").stream_sequence);
+        }
+        m.ack_with(AckKind::Ack).await.expect("ack");
+    }
+    assert_eq!(
+        got,
+        published[2..].to_vec(),
+        "the new reader starts after the legacy one's acknowledgements"
+    );
+    // Again (a restart after the rename): nothing is made, the new reader keeps its place.
+    capture::rename_reader(&js, &legacy, &new)
+        .await
+        .expect("rename again");
+    assert!(stream.consumer_info(&legacy).await.is_err());
+    let info = renamed
+        .clone()
+        .info()
+        .await
+        .expect("the new reader's info")
+        .clone();
+    assert!(
+        info.ack_floor.stream_sequence >= published[4],
+        "the new reader lost its place: {info:?}"
+    );
+}
