@@ -4,7 +4,9 @@
 //! - the runtime's stats reports (the `settle-stats` bucket, latest value per instance, then
 //!   every update), and
 //! - the broker's delivery advisories, from the operator's capture stream through this
-//!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down).
+//!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down),
+//!   named for this Backend alone ([`reader_name`]); the reader of an operator before that
+//!   naming is taken over at start, the new one continuing after what it acknowledged.
 //!
 //! Twice a second it folds idle instances, persists the ledgers that changed (bucket
 //! `settle-account`, each write checked against the revision it read, so two operators at a
@@ -20,6 +22,9 @@
 //! its saved ledger and the reports sum to is below what status shows (the ledger missing or
 //! unreadable, the reports gone), the ledger continues from status as an offset, saved with the
 //! ledger, and `Accounted` says so (reason `SourceLost`) for the loss window.
+//!
+//! A report counts only under its own key (a body naming another is dropped, `misfiled`) and
+//! within the account's bounds ([`super::Limits`]: an implausible sequence or time included).
 //!
 //! An account belongs to one Subscription object (its UID): a report or saved ledger of an
 //! earlier object of the same name is dropped, never counted. The broker's advisories and

@@ -13,7 +13,7 @@
 //!   life's latest report. A report is counted only if its `sequence` is newer than the one
 //!   already counted for that life, and each counter of a life only ever rises (per-counter
 //!   maximum), so a stale or reordered report lowers nothing.
-//! - **Sequences move by a sane step** (semantics C18). A report whose `sequence` is past the
+//! - **Sequences move by a sane step** (semantics C19). A report whose `sequence` is past the
 //!   last one counted for its instance name (any life, live or folded) by more than a bound, or
 //!   whose life starts or was made later than now (beyond a clock skew), is implausible and
 //!   never counted: otherwise one report with `sequence` u64::MAX, or a life started at u64::MAX,
@@ -74,7 +74,7 @@ pub enum Outcome {
     OtherObject,
 }
 
-/// Why a report is not believed, whoever wrote it (semantics C18): counting it would freeze
+/// Why a report is not believed, whoever wrote it (semantics C19): counting it would freeze
 /// its instance's counters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Implausible {
@@ -496,7 +496,7 @@ impl Account {
         live.max(folded)
     }
 
-    /// Whether report `r` is implausible (semantics C18): its `sequence` past the last one
+    /// Whether report `r` is implausible (semantics C19): its `sequence` past the last one
     /// counted for its instance name by more than `max_jump` (a sequence goes on counting
     /// across an instance's lives, and a restarted one starts again at 1, so a new life is held
     /// to the same bound), or its life started, or it was made, later than `now_ms` plus

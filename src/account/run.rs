@@ -43,10 +43,10 @@ pub struct Limits {
     /// they are dropped (`early_dropped`: the runtime's next report carries the same counts).
     pub max_early_bytes: usize,
     /// A report whose `sequence` is past the last one counted for its instance name by more
-    /// than this is dropped (`sequence_jump`, semantics C18).
+    /// than this is dropped (`sequence_jump`, semantics C19).
     pub max_sequence_jump: u64,
     /// A report whose life started, or that was made, later than now plus this (ms) is dropped
-    /// (`from_the_future`, semantics C18).
+    /// (`from_the_future`, semantics C19).
     pub max_clock_skew_ms: u64,
 }
 
