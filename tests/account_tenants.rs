@@ -550,8 +550,8 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
 
 /// The upgrade to unambiguous reader names: the legacy reader is the checkpoint. The new reader
 /// delivers from just after what the legacy one acknowledged (what it had delivered without an
-/// acknowledgement comes again, as after any restart), the legacy reader is deleted, and doing
-/// it again changes nothing.
+/// acknowledgement comes again, as after any restart), the legacy reader is deleted (the keeper
+/// does it 10 minutes into its session), and doing it again changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowledged() {
     use async_nats::jetstream::AckKind;
@@ -612,9 +612,12 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
     )
     .await;
 
-    capture::rename_reader(&js, &legacy, &new)
+    capture::take_over_reader(&js, &legacy, &new)
         .await
-        .expect("rename");
+        .expect("take over");
+    capture::drop_reader(&js, &legacy)
+        .await
+        .expect("drop the legacy reader");
     let stream = js
         .get_stream(capture::CAPTURE_STREAM)
         .await
@@ -648,9 +651,12 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
         "the new reader starts after the legacy one's acknowledgements"
     );
     // Again (a restart after the rename): nothing is made, the new reader keeps its place.
-    capture::rename_reader(&js, &legacy, &new)
+    capture::take_over_reader(&js, &legacy, &new)
         .await
-        .expect("rename again");
+        .expect("take over again");
+    capture::drop_reader(&js, &legacy)
+        .await
+        .expect("drop again");
     assert!(stream.consumer_info(&legacy).await.is_err());
     let info = renamed
         .clone()

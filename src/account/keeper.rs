@@ -69,6 +69,11 @@ const EARLY_REPORTS: usize = 10_000;
 /// the watch started, its replay is complete.
 const EMPTY_REPLAY: Duration = Duration::from_secs(5);
 
+/// How long after its session starts a keeper deletes the reader of its legacy name: two
+/// Backends whose legacy names were alike shared that reader, and the other's keeper takes it
+/// over when its Backend connects.
+const LEGACY_READER_GRACE: Duration = Duration::from_secs(600);
+
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
 
@@ -237,12 +242,11 @@ impl Keeper {
         let ledgers = capture::ledgers(&js).await?;
         // An operator before unambiguous reader names read through the legacy name: that
         // reader is the checkpoint, so the new one starts right after what it acknowledged.
-        capture::rename_reader(
-            &js,
-            &legacy_reader_name(&self.backend.0, &self.backend.1),
-            &self.reader(),
-        )
-        .await?;
+        let legacy = legacy_reader_name(&self.backend.0, &self.backend.1);
+        capture::take_over_reader(&js, &legacy, &self.reader()).await?;
+        // Deleted once every Backend that shared the legacy name had the time to take it over.
+        let mut legacy_dropped = false;
+        let session_started = Instant::now();
         let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
         if let Ok(mut loaded) = self.loaded.lock() {
             loaded.clear();
@@ -319,6 +323,12 @@ impl Keeper {
                     }
                 }
                 _ = tick.tick() => {
+                    if !legacy_dropped && session_started.elapsed() >= LEGACY_READER_GRACE {
+                        match capture::drop_reader(&js, &legacy).await {
+                            Ok(()) => legacy_dropped = true,
+                            Err(e) => tracing::debug!(reader = %legacy, error = %e, "cannot delete the account's former reader yet"),
+                        }
+                    }
                     if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
                         replayed = true;
                     }

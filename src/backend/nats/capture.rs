@@ -89,19 +89,24 @@ fn reader_config(reader: &str, from: consumer::DeliverPolicy) -> consumer::pull:
     }
 }
 
-/// Moves a Backend's checkpoint in the capture from the reader named `old` to `new` (a name
-/// changed by an upgrade). `new` is made to deliver from just after what `old` acknowledged
-/// (what `old` had delivered unacknowledged comes again: those advisories were not in a saved
-/// ledger, or are skipped by the ledger's capture sequence), then `old` is deleted. The capture
-/// keeps advisories by its limits, not by its readers' interest, so deleting a reader drops
-/// none. Nothing to do when `old` does not exist; when `new` already does, `old` is a leftover
-/// (deleted). The leader Lease keeps an operator of the former version from reading meanwhile.
-pub async fn rename_reader(js: &jetstream::Context, old: &str, new: &str) -> Result<(), NatsError> {
+/// Takes a Backend's checkpoint in the capture over from the reader named `old` to `new` (a
+/// name changed by an upgrade): when `new` does not exist yet, it is made to deliver from just
+/// after what `old` acknowledged (what `old` had delivered unacknowledged comes again: those
+/// advisories were not in a saved ledger, or are skipped by the ledger's capture sequence).
+/// `old` is left for [`drop_reader`]: two Backends whose legacy names were alike shared it, and
+/// each takes its copy. The capture keeps advisories by its limits, not by its readers'
+/// interest, so a reader deleted drops none. The leader Lease keeps an operator of the former
+/// version from reading meanwhile.
+pub async fn take_over_reader(
+    js: &jetstream::Context,
+    old: &str,
+    new: &str,
+) -> Result<(), NatsError> {
     if old == new {
         return Ok(());
     }
     let Ok(stream) = js.get_stream(CAPTURE_STREAM).await else {
-        // No capture yet: no reader to move.
+        // No capture yet: no reader to take over.
         return Ok(());
     };
     let Ok(mut former) = stream.get_consumer::<consumer::pull::Config>(old).await else {
@@ -110,29 +115,42 @@ pub async fn rename_reader(js: &jetstream::Context, old: &str, new: &str) -> Res
     if stream
         .get_consumer::<consumer::pull::Config>(new)
         .await
-        .is_err()
+        .is_ok()
     {
-        let acked = former
-            .info()
-            .await
-            .map_err(|e| unreachable("reading the account's former reader of the capture", e))?
-            .ack_floor
-            .stream_sequence;
-        stream
-            .create_consumer(reader_config(
-                new,
-                consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: acked.saturating_add(1),
-                },
-            ))
-            .await
-            .map_err(|e| unreachable("creating the account's reader of the capture stream", e))?;
-        tracing::info!(from = %old, to = %new, after = acked, "the account's reader of the capture has a new name: it continues after what the former one acknowledged");
+        return Ok(());
+    }
+    let acked = former
+        .info()
+        .await
+        .map_err(|e| unreachable("reading the account's former reader of the capture", e))?
+        .ack_floor
+        .stream_sequence;
+    stream
+        .create_consumer(reader_config(
+            new,
+            consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: acked.saturating_add(1),
+            },
+        ))
+        .await
+        .map_err(|e| unreachable("creating the account's reader of the capture stream", e))?;
+    tracing::info!(from = %old, to = %new, after = acked, "the account's reader of the capture has a new name: it continues after what the former one acknowledged");
+    Ok(())
+}
+
+/// Deletes the capture reader `name` if it exists (a former name, once taken over).
+pub async fn drop_reader(js: &jetstream::Context, name: &str) -> Result<(), NatsError> {
+    let Ok(stream) = js.get_stream(CAPTURE_STREAM).await else {
+        return Ok(());
+    };
+    if stream.consumer_info(name).await.is_err() {
+        return Ok(());
     }
     stream
-        .delete_consumer(old)
+        .delete_consumer(name)
         .await
         .map_err(|e| unreachable("deleting the account's former reader of the capture", e))?;
+    tracing::info!(reader = %name, "deleted the account's former reader of the capture");
     Ok(())
 }
 
