@@ -4,7 +4,9 @@
 //! - the runtime's stats reports (the `settle-stats` bucket, latest value per instance, then
 //!   every update), and
 //! - the broker's delivery advisories, from the operator's capture stream through this
-//!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down).
+//!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down),
+//!   named for this Backend alone ([`reader_name`]); the reader of an operator before that
+//!   naming is taken over at start, the new one continuing after what it acknowledged.
 //!
 //! Twice a second it folds idle instances, persists the ledgers that changed (bucket
 //! `settle-account`, each write checked against the revision it read, so two operators at a
@@ -20,6 +22,9 @@
 //! its saved ledger and the reports sum to is below what status shows (the ledger missing or
 //! unreadable, the reports gone), the ledger continues from status as an offset, saved with the
 //! ledger, and `Accounted` says so (reason `SourceLost`) for the loss window.
+//!
+//! A report counts only under its own key (a body naming another is dropped, `misfiled`) and
+//! within the account's bounds ([`super::Limits`]: an implausible sequence or time included).
 //!
 //! An account belongs to one Subscription object (its UID): a report or saved ledger of an
 //! earlier object of the same name is dropped, never counted. The broker's advisories and
@@ -63,6 +68,11 @@ const EARLY_REPORTS: usize = 10_000;
 /// An empty report bucket delivers no initial value at all: when none has come this long after
 /// the watch started, its replay is complete.
 const EMPTY_REPLAY: Duration = Duration::from_secs(5);
+
+/// How long after its session starts a keeper deletes the reader of its legacy name: two
+/// Backends whose legacy names were alike shared that reader, and the other's keeper takes it
+/// over when its Backend connects.
+const LEGACY_READER_GRACE: Duration = Duration::from_secs(600);
 
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
@@ -158,12 +168,7 @@ impl Keeper {
     /// This Backend's durable reader of the capture (one per Backend: two Backends on one
     /// server each read every advisory).
     fn reader(&self) -> String {
-        let clean = |s: &str| s.replace(['.', '*', '>', ' '], "_");
-        format!(
-            "settle-account-{}-{}",
-            clean(&self.backend.0),
-            clean(&self.backend.1)
-        )
+        reader_name(&self.backend.0, &self.backend.1)
     }
 
     /// The Subscriptions of this Backend now.
@@ -235,6 +240,13 @@ impl Keeper {
         let js = jetstream::new(self.client.clone());
         let reports = capture::reports(&js).await?;
         let ledgers = capture::ledgers(&js).await?;
+        // An operator before unambiguous reader names read through the legacy name: that
+        // reader is the checkpoint, so the new one starts right after what it acknowledged.
+        let legacy = legacy_reader_name(&self.backend.0, &self.backend.1);
+        capture::take_over_reader(&js, &legacy, &self.reader()).await?;
+        // Deleted once every Backend that shared the legacy name had the time to take it over.
+        let mut legacy_dropped = false;
+        let session_started = Instant::now();
         let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
         if let Ok(mut loaded) = self.loaded.lock() {
             loaded.clear();
@@ -311,6 +323,12 @@ impl Keeper {
                     }
                 }
                 _ = tick.tick() => {
+                    if !legacy_dropped && session_started.elapsed() >= LEGACY_READER_GRACE {
+                        match capture::drop_reader(&js, &legacy).await {
+                            Ok(()) => legacy_dropped = true,
+                            Err(e) => tracing::debug!(reader = %legacy, error = %e, "cannot delete the account's former reader yet"),
+                        }
+                    }
                     if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
                         replayed = true;
                     }
@@ -893,4 +911,82 @@ fn kept(account: &Account) -> (crate::api::ConsumerStats, crate::api::ConsumerSt
 /// A Subscription's key in the ledger bucket.
 fn ledger_key(key: &SubKey) -> String {
     report_key(&key.0, &key.1, "ledger")
+}
+
+/// The longest name the keeper gives a durable reader (NATS allows 255 characters; the name is
+/// also a directory on the server's disk).
+const MAX_READER_NAME: usize = 255;
+
+/// The durable reader of Backend `namespace/backend` in the capture: one name per Backend,
+/// never two Backends' alike. A namespace is a DNS label (`a-z 0-9 -`), so the first `_` ends
+/// it; a Backend's name is a DNS subdomain whose dots (which a NATS name may not hold) become
+/// `_`, never two in a row (a subdomain has no empty label). A name too long for NATS keeps
+/// the namespace and replaces the Backend's name by `__` and a hash of it, which no Backend
+/// name can spell (`__`).
+pub fn reader_name(namespace: &str, backend: &str) -> String {
+    // Anything a NATS name may not hold (never in a Kubernetes name) is mapped as dots are.
+    let clean = |s: &str| s.replace(['.', '*', '>', ' ', '/', '\\'], "_");
+    let name = format!("settle-account_{}_{}", clean(namespace), clean(backend));
+    if name.len() <= MAX_READER_NAME {
+        return name;
+    }
+    format!(
+        "settle-account_{}__{:016x}",
+        clean(namespace),
+        fnv1a(format!("{namespace}/{backend}").as_bytes())
+    )
+}
+
+/// The reader's name before names were unambiguous (`team`/`a-nats` and `team-a`/`nats` gave
+/// the same one): read once on upgrade, to start the new reader where it stopped.
+pub fn legacy_reader_name(namespace: &str, backend: &str) -> String {
+    let clean = |s: &str| s.replace(['.', '*', '>', ' '], "_");
+    format!("settle-account-{}-{}", clean(namespace), clean(backend))
+}
+
+/// FNV-1a, 64 bits: a stable hash (the name must be the same in every operator version).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod reader_tests {
+    use super::*;
+
+    #[test]
+    fn two_backends_whose_legacy_reader_names_met_get_distinct_readers() {
+        // The two pairs the legacy name could not tell apart, and one with dots.
+        assert_eq!(
+            legacy_reader_name("team", "a-nats"),
+            legacy_reader_name("team-a", "nats")
+        );
+        assert_ne!(reader_name("team", "a-nats"), reader_name("team-a", "nats"));
+        assert_eq!(reader_name("team-a", "nats"), "settle-account_team-a_nats");
+        assert_ne!(reader_name("team", "a.nats"), reader_name("team", "a-nats"));
+        assert_ne!(
+            reader_name("team-a", "b.nats"),
+            reader_name("team", "a-b.nats")
+        );
+    }
+
+    #[test]
+    fn a_reader_name_fits_nats_whatever_the_backend_name() {
+        let long = format!("{}.{}", "b".repeat(200), "c".repeat(52));
+        let other = format!("{}.{}", "b".repeat(200), "d".repeat(52));
+        let ns = "n".repeat(63);
+        for backend in [long.as_str(), other.as_str(), "nats", "a.b.c"] {
+            let name = reader_name(&ns, backend);
+            assert!(name.len() <= MAX_READER_NAME, "{name}");
+            assert!(
+                !name.contains(['.', '*', '>', ' ', '/', '\\']),
+                "{name} is not a NATS name"
+            );
+        }
+        assert_ne!(reader_name(&ns, &long), reader_name(&ns, &other));
+        // The hashed form cannot be any short name's: no Backend name maps to `__`.
+        assert!(reader_name(&ns, &long).contains("__"));
+        assert!(!reader_name(&ns, "a.b.c").contains("__"));
+    }
 }

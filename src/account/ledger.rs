@@ -13,6 +13,11 @@
 //!   life's latest report. A report is counted only if its `sequence` is newer than the one
 //!   already counted for that life, and each counter of a life only ever rises (per-counter
 //!   maximum), so a stale or reordered report lowers nothing.
+//! - **Sequences move by a sane step** (semantics C19). A report whose `sequence` is past the
+//!   last one counted for its instance name (any life, live or folded) by more than a bound, or
+//!   whose life starts or was made later than now (beyond a clock skew), is implausible and
+//!   never counted: otherwise one report with `sequence` u64::MAX, or a life started at u64::MAX,
+//!   would make every later real report of that instance look old, freezing its counters.
 //! - **Lives come and go.** A restarted process is a new instance, or, where a name is reused
 //!   (a StatefulSet pod), a new life of it (a newer `startedAtMs`); the old life keeps its last
 //!   totals in the sum. Instances silent for longer than the idle limit are folded into a
@@ -67,6 +72,26 @@ pub enum Outcome {
     /// It names another Subscription object (an earlier one of the same name): never counted
     /// here (drop it).
     OtherObject,
+}
+
+/// Why a report is not believed, whoever wrote it (semantics C19): counting it would freeze
+/// its instance's counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Implausible {
+    /// Its `sequence` is past the last one counted for its instance name by more than the bound.
+    SequenceJump,
+    /// Its `startedAtMs` or `reportedAtMs` is later than now plus the clock skew allowed.
+    FromTheFuture,
+}
+
+impl Implausible {
+    /// The `outcome` label of `settle_account_reports_total` for a report dropped so.
+    pub fn label(self) -> &'static str {
+        match self {
+            Implausible::SequenceJump => "sequence_jump",
+            Implausible::FromTheFuture => "from_the_future",
+        }
+    }
 }
 
 /// The last report counted from one instance life.
@@ -463,6 +488,39 @@ impl Account {
         self.live.len()
     }
 
+    /// The highest sequence counted for instance name `instance`, of any life (live or folded);
+    /// `None` for a name this account has not counted.
+    pub fn last_sequence(&self, instance: &str) -> Option<u64> {
+        let live = self.live.get(instance).map(|s| s.sequence);
+        let folded = self.persisted.folded.get(instance).map(|s| s.sequence);
+        live.max(folded)
+    }
+
+    /// Whether report `r` is implausible (semantics C19): its `sequence` past the last one
+    /// counted for its instance name by more than `max_jump` (a sequence goes on counting
+    /// across an instance's lives, and a restarted one starts again at 1, so a new life is held
+    /// to the same bound), or its life started, or it was made, later than `now_ms` plus
+    /// `max_skew_ms`. A name not counted yet takes any first sequence (after an operator
+    /// restart a long-lived instance is first seen far past 1).
+    pub fn implausible(
+        &self,
+        r: &StatsReport,
+        max_jump: u64,
+        now_ms: u64,
+        max_skew_ms: u64,
+    ) -> Option<Implausible> {
+        let latest = now_ms.saturating_add(max_skew_ms);
+        if r.started_at_ms > latest || r.reported_at_ms > latest {
+            return Some(Implausible::FromTheFuture);
+        }
+        match self.last_sequence(&r.instance) {
+            Some(last) if r.sequence > last.saturating_add(max_jump) => {
+                Some(Implausible::SequenceJump)
+            }
+            _ => None,
+        }
+    }
+
     /// Whether `instance` is one this account already counts (live or folded): a report of an
     /// instance it does not know adds a live instance.
     pub fn knows(&self, instance: &str) -> bool {
@@ -692,6 +750,96 @@ mod tests {
             Outcome::Stale
         );
         assert_eq!(a.counted().settlement.acked, 10);
+    }
+
+    #[test]
+    fn a_sequence_past_the_bound_is_implausible_for_every_life_of_the_name() {
+        const JUMP: u64 = 100;
+        const NOW: u64 = 1_000_000;
+        let mut a = Account::default();
+        a.report(&life("orders-0", 100, 7, 150, stats(3, 0, 0)));
+        let jumped = |seq: u64| life("orders-0", 100, seq, 160, stats(4, 0, 900_002));
+        // One step, and exactly the bound, are plausible; one more is not.
+        assert_eq!(a.implausible(&jumped(8), JUMP, NOW, 0), None);
+        assert_eq!(a.implausible(&jumped(7 + JUMP), JUMP, NOW, 0), None);
+        assert_eq!(
+            a.implausible(&jumped(7 + JUMP + 1), JUMP, NOW, 0),
+            Some(Implausible::SequenceJump)
+        );
+        assert_eq!(
+            a.implausible(&jumped(u64::MAX), JUMP, NOW, 0),
+            Some(Implausible::SequenceJump)
+        );
+        // A new life of the name goes on counting (or starts again at 1): the same bound.
+        let new_life = |seq: u64| life("orders-0", 200, seq, 210, stats(1, 0, 0));
+        assert_eq!(a.implausible(&new_life(1), JUMP, NOW, 0), None);
+        assert_eq!(a.implausible(&new_life(8), JUMP, NOW, 0), None);
+        assert_eq!(
+            a.implausible(&new_life(u64::MAX), JUMP, NOW, 0),
+            Some(Implausible::SequenceJump)
+        );
+        // A name not counted yet takes any first sequence (first seen after a restart).
+        assert_eq!(
+            a.implausible(
+                &report("long-lived", 5_000_000, 10, stats(1, 0, 0)),
+                JUMP,
+                NOW,
+                0
+            ),
+            None
+        );
+        // A folded life is held to its last sequence too.
+        a.fold_idle(10_000_000, 60);
+        assert_eq!(a.last_sequence("orders-0"), Some(7));
+        assert_eq!(
+            a.implausible(&jumped(u64::MAX), JUMP, NOW, 0),
+            Some(Implausible::SequenceJump)
+        );
+        assert_eq!(a.implausible(&jumped(9), JUMP, NOW, 0), None);
+    }
+
+    #[test]
+    fn a_life_started_or_reported_in_the_future_is_implausible() {
+        const NOW: u64 = 1_000_000;
+        let a = Account::default();
+        let at = |started: u64, reported: u64| life("p", started, 1, reported, stats(1, 0, 0));
+        assert_eq!(a.implausible(&at(NOW, NOW), 10, NOW, 0), None);
+        assert_eq!(a.implausible(&at(NOW + 500, NOW + 500), 10, NOW, 500), None);
+        assert_eq!(
+            a.implausible(&at(u64::MAX, NOW), 10, NOW, 500),
+            Some(Implausible::FromTheFuture)
+        );
+        assert_eq!(
+            a.implausible(&at(NOW, NOW + 501), 10, NOW, 500),
+            Some(Implausible::FromTheFuture)
+        );
+        assert_eq!(Implausible::SequenceJump.label(), "sequence_jump");
+        assert_eq!(Implausible::FromTheFuture.label(), "from_the_future");
+    }
+
+    #[test]
+    fn what_a_jumped_report_would_have_done_is_why_it_is_dropped() {
+        // Counted, a report with sequence u64::MAX makes every later real report stale: the
+        // freeze that `implausible` keeps out.
+        let mut a = Account::default();
+        a.report(&report("a", 1, 10, stats(1, 0, 0)));
+        let forged = report("a", u64::MAX, 20, stats(1, 0, 900_002));
+        assert_eq!(
+            a.implausible(&forged, 100, 1_000, 0),
+            Some(Implausible::SequenceJump)
+        );
+        let mut counted = a.clone();
+        counted.report(&forged);
+        assert_eq!(
+            counted.report(&report("a", 2, 30, stats(5, 0, 0))),
+            Outcome::Stale
+        );
+        assert_eq!(
+            a.report(&report("a", 2, 30, stats(5, 0, 0))),
+            Outcome::Counted
+        );
+        assert_eq!(a.counted().settlement.acked, 5);
+        assert_eq!(a.counted().exhausted, 0);
     }
 
     #[test]

@@ -68,6 +68,16 @@ const COUNTERS: [Counter; 13] = [
     ),
 ];
 
+/// The outcomes of `settle_account_reports_total` that say a report was not believed (written
+/// to another's key, implausible, by a user the Backend does not count): exported at 0 from
+/// the start, so an alert on them has a series to read before the first forgery.
+pub const DROPPED_FOR_TENANCY: [&str; 4] = [
+    "misfiled",
+    "sequence_jump",
+    "from_the_future",
+    "wrong_writer",
+];
+
 #[derive(Clone)]
 pub struct Metrics {
     counters: Vec<IntCounterVec>,
@@ -79,7 +89,8 @@ pub struct Metrics {
     pub writes: IntCounterVec,
     /// `settle_account_advisories_total{kind}`: delivery advisories read from the capture.
     pub advisories: IntCounterVec,
-    /// `settle_account_reports_total{outcome}`: runtime reports read (counted, stale, unknown version).
+    /// `settle_account_reports_total{outcome}`: runtime reports read, by what became of them
+    /// (counted, stale, and each reason one was dropped; [`DROPPED_FOR_TENANCY`] from the start).
     pub reports: IntCounterVec,
     /// `settle_account_ledger_saves_total{result}`: ledgers saved on the broker (ok, error, conflict).
     pub saves: IntCounterVec,
@@ -142,7 +153,7 @@ impl Metrics {
             )?,
             reports: counter(
                 "settle_account_reports_total",
-                "Runtime stats reports read, by outcome (counted, stale, unknown_version, unreadable, other_object, gone, misfiled).",
+                "Runtime stats reports read, by outcome (counted, stale, unknown_version, unreadable, other_object, gone, misfiled, too_large, bad_instance, too_many_instances, early_dropped, sequence_jump, from_the_future, wrong_writer).",
                 &["outcome"],
             )?,
             saves: counter(
@@ -170,6 +181,9 @@ impl Metrics {
     fn exported_at_zero(self) -> Metrics {
         for result in ["ok", "error"] {
             self.writes.with_label_values(&[result]);
+        }
+        for outcome in DROPPED_FOR_TENANCY {
+            self.reports.with_label_values(&[outcome]);
         }
         self
     }
@@ -269,6 +283,10 @@ mod tests {
         for line in [
             r#"settle_account_status_writes_total{result="ok"} 0"#,
             r#"settle_account_status_writes_total{result="error"} 0"#,
+            r#"settle_account_reports_total{outcome="misfiled"} 0"#,
+            r#"settle_account_reports_total{outcome="sequence_jump"} 0"#,
+            r#"settle_account_reports_total{outcome="from_the_future"} 0"#,
+            r#"settle_account_reports_total{outcome="wrong_writer"} 0"#,
         ] {
             assert!(t.contains(line), "missing {line} in\n{t}");
         }

@@ -17,6 +17,12 @@
 //! Until a Subscription's runtime has reported (or a snapshot exists), only the broker's gauges
 //! are written: no counter is invented.
 //!
+//! A report counts only where it belongs: its body names the Subscription whose queue it came
+//! from (and, from an instance's queue, that instance), else it is dropped (`misfiled`); and,
+//! when the Backend lists `reportUsers`, only if RabbitMQ's validated `user_id` is one of them
+//! (else `wrong_writer`), since on a shared vhost anyone may publish to any queue through the
+//! default exchange.
+//!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -43,7 +49,7 @@ use super::show::{self, Showing};
 use super::status::LossLog;
 use super::writer::Writer;
 use super::{AmqpLookup, Config, QueueLookup};
-use crate::api::{Subscription, SubscriptionStats};
+use crate::api::{Backend, Subscription, SubscriptionStats};
 use crate::backend::QueueGauges;
 use crate::backend::rabbitmq::{admin, report};
 use crate::bus::report::{StatsReport, now_ms};
@@ -135,6 +141,8 @@ const TICK: Duration = Duration::from_secs(1);
 
 pub struct RabbitKeeper {
     backend: SubKey,
+    /// The Backends: this one's `reportUsers` say whose reports count.
+    backends: Store<Backend>,
     connect: AmqpLookup,
     queues: QueueLookup,
     subs: Store<Subscription>,
@@ -194,6 +202,7 @@ impl RabbitKeeper {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         backend: SubKey,
+        backends: Store<Backend>,
         connect: AmqpLookup,
         queues: QueueLookup,
         subs: Store<Subscription>,
@@ -204,6 +213,7 @@ impl RabbitKeeper {
     ) -> RabbitKeeper {
         RabbitKeeper {
             backend,
+            backends,
             connect,
             queues,
             subs,
@@ -347,7 +357,7 @@ impl RabbitKeeper {
                             if source == Source::Index {
                                 self.on_registration(ch, &mut reports, &mut books, &key, d).await?;
                             } else {
-                                self.on_report(&mut books, &key, d);
+                                self.on_report(&mut books, &key, &source, d);
                             }
                         }
                         None => {
@@ -499,10 +509,19 @@ impl RabbitKeeper {
         key: &SubKey,
         d: lapin::message::Delivery,
     ) -> Result<(), Broken> {
+        let written_by_a_reporter = self.written_by_a_reporter(&d);
         let Some(book) = books.get_mut(key) else {
             return Ok(());
         };
         book.acks.push(d.delivery_tag);
+        if !written_by_a_reporter {
+            self.metrics
+                .reports
+                .with_label_values(&["wrong_writer"])
+                .inc();
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), user = ?d.properties.user_id(), "a registration by a user the Backend's reportUsers do not list: dropped");
+            return Ok(());
+        }
         // Only a queue of this Subscription's own names is taken.
         let prefix = report::instance_queue(&key.0, &key.1, "");
         let queue = serde_json::from_slice::<report::Registration>(&d.data)
@@ -529,8 +548,10 @@ impl RabbitKeeper {
         &self,
         books: &mut HashMap<SubKey, Book>,
         key: &SubKey,
+        source: &Source,
         d: lapin::message::Delivery,
     ) {
+        let written_by_a_reporter = self.written_by_a_reporter(&d);
         let Some(book) = books.get_mut(key) else {
             return;
         };
@@ -542,6 +563,12 @@ impl RabbitKeeper {
         };
         let refused = match &report {
             None => Some("too_large"),
+            // Whoever may publish to the default exchange reaches any queue: only a user the
+            // Backend lists counts (RabbitMQ validated the user_id).
+            Some(_) if !written_by_a_reporter => Some("wrong_writer"),
+            // A report counts only in its own queue: the Subscription's, and an instance
+            // queue's own instance.
+            Some(Ok(r)) if !arrived_where_it_belongs(r, key, source) => Some("misfiled"),
             Some(Ok(r)) => self.config.limits.refuse(r, &book.account),
             Some(Err(_)) => None,
         };
@@ -588,6 +615,21 @@ impl RabbitKeeper {
             },
         };
         self.metrics.reports.with_label_values(&[label]).inc();
+    }
+
+    /// Whether `d` was written by a user whose reports count for this Backend: one its
+    /// `reportUsers` list (by the `user_id` RabbitMQ validated), or anyone when it lists none.
+    fn written_by_a_reporter(&self, d: &lapin::message::Delivery) -> bool {
+        let users = self
+            .backends
+            .get(&ObjectRef::new(&self.backend.1).within(&self.backend.0))
+            .and_then(|b| b.spec.rabbitmq.as_ref().map(|r| r.report_users.clone()))
+            .unwrap_or_default();
+        users.is_empty()
+            || d.properties
+                .user_id()
+                .as_ref()
+                .is_some_and(|u| users.iter().any(|x| x == u.as_str()))
     }
 
     /// Deleted Subscriptions: their consumer stops, their report and ledger queues go.
@@ -883,4 +925,16 @@ async fn save(saver: &Channel, ledger_q: &str, body: &[u8]) -> Result<(), Broken
         )));
     }
     Ok(())
+}
+
+/// Whether report `r`, delivered from `source` of Subscription `key`, names that Subscription
+/// and (from an instance's own queue) that queue's instance.
+fn arrived_where_it_belongs(r: &StatsReport, key: &SubKey, source: &Source) -> bool {
+    if r.namespace != key.0 || r.subscription != key.1 {
+        return false;
+    }
+    match source {
+        Source::Instance(q) => *q == report::instance_queue(&key.0, &key.1, &r.instance),
+        Source::Shared | Source::Index => true,
+    }
 }

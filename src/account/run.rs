@@ -42,6 +42,12 @@ pub struct Limits {
     /// Reports held back for Subscriptions not in the cache yet, in bytes at most; beyond,
     /// they are dropped (`early_dropped`: the runtime's next report carries the same counts).
     pub max_early_bytes: usize,
+    /// A report whose `sequence` is past the last one counted for its instance name by more
+    /// than this is dropped (`sequence_jump`, semantics C19).
+    pub max_sequence_jump: u64,
+    /// A report whose life started, or that was made, later than now plus this (ms) is dropped
+    /// (`from_the_future`, semantics C19).
+    pub max_clock_skew_ms: u64,
 }
 
 /// The longest instance name a report may carry (a pod name is at most 253 characters, plus
@@ -55,13 +61,24 @@ impl Limits {
     }
 
     /// Why a read report for `account` is dropped, if it is: an instance name past
-    /// [`MAX_INSTANCE_NAME`] (`bad_instance`), or a new instance past `max_instances`.
+    /// [`MAX_INSTANCE_NAME`] (`bad_instance`), a new instance past `max_instances`, or an
+    /// implausible sequence or time ([`Account::implausible`]: `sequence_jump`,
+    /// `from_the_future`).
     pub fn refuse(&self, report: &StatsReport, account: &Account) -> Option<&'static str> {
         if report.instance.len() > MAX_INSTANCE_NAME {
             return Some("bad_instance");
         }
-        (!account.knows(&report.instance) && account.instances() >= self.max_instances)
-            .then_some("too_many_instances")
+        if !account.knows(&report.instance) && account.instances() >= self.max_instances {
+            return Some("too_many_instances");
+        }
+        account
+            .implausible(
+                report,
+                self.max_sequence_jump,
+                crate::bus::report::now_ms(),
+                self.max_clock_skew_ms,
+            )
+            .map(super::ledger::Implausible::label)
     }
 }
 
@@ -126,6 +143,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                 Some(Kind::Rabbitmq { unseen }) => {
                     let r = rabbit::RabbitKeeper::new(
                         key.clone(),
+                        term.backends.clone(),
                         term.rabbitmq.clone(),
                         term.queues.clone(),
                         term.subscriptions.clone(),

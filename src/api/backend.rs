@@ -114,6 +114,15 @@ pub struct RabbitmqBackendSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub management_url: Option<String>,
+    /// The RabbitMQ users whose stats reports count for this Backend's Subscriptions: a report
+    /// (and an instance's registration) counts only if its `user_id`, which RabbitMQ checks
+    /// against the connection's user, is one of them; any other is dropped (counted in
+    /// `settle_account_reports_total{outcome="wrong_writer"}`). Set it on a broker shared by
+    /// tenants: on one vhost anyone who may publish to the default exchange can reach any queue.
+    /// Empty: every report counts, whoever wrote it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub report_users: Vec<String>,
 }
 
 /// TLS settings for RabbitMQ.

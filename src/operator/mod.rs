@@ -121,6 +121,14 @@ pub struct OperatorArgs {
     /// beyond, they are dropped (the runtime's next report carries the same counts).
     #[arg(long, env = "SETTLE_MAX_EARLY_REPORT_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_early_report_bytes: u64,
+    /// A stats report whose sequence is past the last one counted for its instance by more than
+    /// this is dropped (one report with a huge sequence would make every later one look old).
+    #[arg(long, env = "SETTLE_MAX_SEQUENCE_JUMP", default_value_t = 100_000)]
+    pub max_sequence_jump: u64,
+    /// A stats report whose instance started, or that was made, later than now plus this is
+    /// dropped (a Kubernetes duration).
+    #[arg(long, env = "SETTLE_MAX_CLOCK_SKEW", default_value = "5m", value_parser = positive_duration)]
+    pub max_clock_skew: Duration,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -363,6 +371,9 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                         .unwrap_or(usize::MAX),
                     max_early_bytes: usize::try_from(args.max_early_report_bytes)
                         .unwrap_or(usize::MAX),
+                    max_sequence_jump: args.max_sequence_jump,
+                    max_clock_skew_ms: u64::try_from(args.max_clock_skew.as_millis())
+                        .unwrap_or(u64::MAX),
                 },
             },
             account::Metrics::new(&registry)?,

@@ -402,3 +402,32 @@ pub fn bodies(n: usize) -> Vec<String> {
 
 /// Always-nack's Subscription: AtLeastOnce, three attempts.
 pub const NACK_SPEC: &str = "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n";
+
+/// Waits until the operator has counted at least `n` reports of `outcome` in
+/// `settle_account_reports_total` (a report dropped for that reason).
+pub async fn wait_dropped(op: &Operator, outcome: &str, n: f64) {
+    poll(
+        &format!("settle_account_reports_total{{outcome=\"{outcome}\"}} to reach {n}"),
+        Duration::from_secs(30),
+        || async {
+            match op.metric("settle_account_reports_total", &[("outcome", outcome)]) {
+                v if v >= n => Ok(()),
+                v => Err(format!("{v}")),
+            }
+        },
+    )
+    .await;
+}
+
+/// A victim's report `real` (its JSON) with `edits` applied: a forgery of it.
+pub fn forged(real: &serde_json::Value, edits: &[(&str, serde_json::Value)]) -> Vec<u8> {
+    let mut v = real.clone();
+    for (path, value) in edits {
+        let mut at = &mut v;
+        for part in path.split('.') {
+            at = &mut at[part];
+        }
+        *at = value.clone();
+    }
+    serde_json::to_vec(&v).expect("a report serialises")
+}

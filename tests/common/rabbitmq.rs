@@ -1,6 +1,6 @@
 //! RabbitMQ's management API as the tests read it, never through Settle: one raw call (HTTP/1.0,
-//! user guest) to the environment's management URL, a queue by name, and a queue made as
-//! another application would make it. What a test asserts
+//! user guest) to the environment's management URL, a queue by name, a queue made as
+//! another application would make it, and users of a test's own. What a test asserts
 //! about a queue's arguments, bindings or messages is read back through here.
 //!
 //! It must not decide what a test expects (a status code, a body): callers assert that.
@@ -82,5 +82,54 @@ pub fn queue(name: &str) -> Option<Value> {
         200 => Some(serde_json::from_str(&body).expect("JSON")),
         404 => None,
         other => panic!("GET queue {name}: {other} {body}"),
+    }
+}
+
+/// A RabbitMQ user of a test's own on the default vhost, with `configure`, `write` and `read`
+/// permission regexes; deleted when dropped.
+pub struct User {
+    pub name: String,
+    pub password: String,
+}
+
+impl User {
+    pub fn create(name: &str, configure: &str, write: &str, read: &str) -> User {
+        let password = format!("{name}-pw");
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/users/{name}"),
+            &serde_json::json!({"password": password, "tags": ""}).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "create user {name}: {status} {body}"
+        );
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/permissions/%2f/{name}"),
+            &serde_json::json!({"configure": configure, "write": write, "read": read}).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "permissions of {name}: {status} {body}"
+        );
+        User {
+            name: name.to_string(),
+            password,
+        }
+    }
+
+    /// The environment's AMQP URL, as this user.
+    pub fn url(&self) -> String {
+        let url = super::env().rabbitmq_url;
+        let (scheme, rest) = url.split_once("://").expect("an AMQP URL");
+        let host = rest.split_once('@').map_or(rest, |(_, h)| h);
+        format!("{scheme}://{}:{}@{host}", self.name, self.password)
+    }
+}
+
+impl Drop for User {
+    fn drop(&mut self) {
+        let _ = management("DELETE", &format!("/api/users/{}", self.name));
     }
 }

@@ -71,22 +71,87 @@ pub async fn open(
             .map_err(|e| unreachable("creating the capture stream", e))?,
     };
     stream
-        .get_or_create_consumer(
-            reader,
-            consumer::pull::Config {
-                durable_name: Some(reader.to_string()),
-                description: Some(
-                    "Settle: the account's checkpoint in the advisory capture".into(),
-                ),
-                ack_policy: consumer::AckPolicy::Explicit,
-                deliver_policy: consumer::DeliverPolicy::All,
-                ack_wait: Duration::from_secs(120),
-                max_ack_pending: 50_000,
-                ..Default::default()
-            },
-        )
+        .get_or_create_consumer(reader, reader_config(reader, consumer::DeliverPolicy::All))
         .await
         .map_err(|e| unreachable("creating the account's reader of the capture stream", e))
+}
+
+/// A durable reader of the capture, delivering from `from`.
+fn reader_config(reader: &str, from: consumer::DeliverPolicy) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: Some(reader.to_string()),
+        description: Some("Settle: the account's checkpoint in the advisory capture".into()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        deliver_policy: from,
+        ack_wait: Duration::from_secs(120),
+        max_ack_pending: 50_000,
+        ..Default::default()
+    }
+}
+
+/// Takes a Backend's checkpoint in the capture over from the reader named `old` to `new` (a
+/// name changed by an upgrade): when `new` does not exist yet, it is made to deliver from just
+/// after what `old` acknowledged (what `old` had delivered unacknowledged comes again: those
+/// advisories were not in a saved ledger, or are skipped by the ledger's capture sequence).
+/// `old` is left for [`drop_reader`]: two Backends whose legacy names were alike shared it, and
+/// each takes its copy. The capture keeps advisories by its limits, not by its readers'
+/// interest, so a reader deleted drops none. The leader Lease keeps an operator of the former
+/// version from reading meanwhile.
+pub async fn take_over_reader(
+    js: &jetstream::Context,
+    old: &str,
+    new: &str,
+) -> Result<(), NatsError> {
+    if old == new {
+        return Ok(());
+    }
+    let Ok(stream) = js.get_stream(CAPTURE_STREAM).await else {
+        // No capture yet: no reader to take over.
+        return Ok(());
+    };
+    let Ok(mut former) = stream.get_consumer::<consumer::pull::Config>(old).await else {
+        return Ok(());
+    };
+    if stream
+        .get_consumer::<consumer::pull::Config>(new)
+        .await
+        .is_ok()
+    {
+        return Ok(());
+    }
+    let acked = former
+        .info()
+        .await
+        .map_err(|e| unreachable("reading the account's former reader of the capture", e))?
+        .ack_floor
+        .stream_sequence;
+    stream
+        .create_consumer(reader_config(
+            new,
+            consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: acked.saturating_add(1),
+            },
+        ))
+        .await
+        .map_err(|e| unreachable("creating the account's reader of the capture stream", e))?;
+    tracing::info!(from = %old, to = %new, after = acked, "the account's reader of the capture has a new name: it continues after what the former one acknowledged");
+    Ok(())
+}
+
+/// Deletes the capture reader `name` if it exists (a former name, once taken over).
+pub async fn drop_reader(js: &jetstream::Context, name: &str) -> Result<(), NatsError> {
+    let Ok(stream) = js.get_stream(CAPTURE_STREAM).await else {
+        return Ok(());
+    };
+    if stream.consumer_info(name).await.is_err() {
+        return Ok(());
+    }
+    stream
+        .delete_consumer(name)
+        .await
+        .map_err(|e| unreachable("deleting the account's former reader of the capture", e))?;
+    tracing::info!(reader = %name, "deleted the account's former reader of the capture");
+    Ok(())
 }
 
 /// A KV bucket, made if missing (history 1).

@@ -66,7 +66,15 @@ pub struct NatsBroker {
 impl NatsBroker {
     /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
     pub async fn connect(url: &str) -> Result<NatsBroker, BusError> {
-        let client = async_nats::connect(url)
+        // The client does not read a user and password from the URL: taken out and given to it,
+        // so an application connects as its tenant's user (`nats://team-a:secret@host:4222`).
+        let (url, user) = split_user(url);
+        let mut options = async_nats::ConnectOptions::new();
+        if let Some((user, password)) = user {
+            options = options.user_and_password(user, password);
+        }
+        let client = options
+            .connect(url.as_str())
             .await
             .map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
         Ok(NatsBroker::from_client(client))
@@ -311,6 +319,32 @@ impl Broker for NatsBroker {
     }
 }
 
+/// A NATS URL without its `user:password@` (every server of a comma-separated list), and that
+/// user and password (the first given).
+fn split_user(url: &str) -> (String, Option<(String, String)>) {
+    let mut user = None;
+    let servers: Vec<String> = url
+        .split(',')
+        .map(|server| {
+            let Some((scheme, rest)) = server.split_once("://") else {
+                return server.to_string();
+            };
+            match rest.split_once('@') {
+                Some((info, host)) => {
+                    if user.is_none()
+                        && let Some((u, p)) = info.split_once(':')
+                    {
+                        user = Some((u.to_string(), p.to_string()));
+                    }
+                    format!("{scheme}://{host}")
+                }
+                None => server.to_string(),
+            }
+        })
+        .collect();
+    (servers.join(","), user)
+}
+
 impl StatsSink for NatsBroker {
     fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
@@ -503,5 +537,29 @@ impl OnSettle for NatsSettler {
             }
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::split_user;
+
+    #[test]
+    fn a_user_in_the_url_is_taken_out_and_given_to_the_client() {
+        assert_eq!(
+            split_user("nats://team-a:pw@127.0.0.1:4222"),
+            (
+                "nats://127.0.0.1:4222".to_string(),
+                Some(("team-a".to_string(), "pw".to_string()))
+            )
+        );
+        assert_eq!(
+            split_user("nats://127.0.0.1:4222,nats://u:p@h:1"),
+            (
+                "nats://127.0.0.1:4222,nats://h:1".to_string(),
+                Some(("u".to_string(), "p".to_string()))
+            )
+        );
+        assert_eq!(split_user("nats://h:1"), ("nats://h:1".to_string(), None));
     }
 }

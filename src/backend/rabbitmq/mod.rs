@@ -112,6 +112,16 @@ pub struct RabbitBroker {
     tags: Arc<AtomicU64>,
     /// Report queues this process declared (each once, before its first report).
     reports_declared: report::Declared,
+    /// The user this connection authenticated as: its reports carry it as `user_id`, which
+    /// RabbitMQ validates, so the operator knows who wrote them (docs/stats-report.md).
+    user: Option<String>,
+}
+
+/// The user an AMQP URL authenticates as (RabbitMQ's default `guest` when it names none).
+fn url_user(url: &str) -> String {
+    url.parse::<lapin::uri::AMQPUri>()
+        .map(|u| u.authority.userinfo.username)
+        .unwrap_or_else(|_| "guest".to_string())
 }
 
 impl RabbitBroker {
@@ -126,7 +136,7 @@ impl RabbitBroker {
                     source,
                 })
             })?;
-        Ok(RabbitBroker::from_connection(conn))
+        Ok(RabbitBroker::from_connection(conn).with_user(url_user(url)))
     }
 
     /// Connects over TLS (`amqps://`), trusting the CA certificate(s) in `ca_pem`.
@@ -145,7 +155,7 @@ impl RabbitBroker {
                         source,
                     })
                 })?;
-        Ok(RabbitBroker::from_connection(conn))
+        Ok(RabbitBroker::from_connection(conn).with_user(url_user(url)))
     }
 
     /// Uses an existing connection.
@@ -156,7 +166,16 @@ impl RabbitBroker {
             publisher: Arc::default(),
             tags: Arc::default(),
             reports_declared: Arc::default(),
+            user: None,
         }
+    }
+
+    /// The user the connection authenticated as (set by [`RabbitBroker::connect`] from the
+    /// URL): stats reports carry it as their validated `user_id`. A connection made elsewhere
+    /// ([`RabbitBroker::from_connection`]) names it here, or its reports carry none.
+    pub fn with_user(mut self, user: impl Into<String>) -> RabbitBroker {
+        self.user = Some(user.into());
+        self
     }
 
     /// Publish to and bind on this topic exchange instead of `amq.topic`.

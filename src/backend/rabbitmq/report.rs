@@ -19,6 +19,11 @@
 //! arguments, so this is where a runtime bound to the queue learns the UID it reports its
 //! counts for ([`mark_object`], [`read_object`]; docs/semantics.md C15).
 //!
+//! Reports and registrations carry the connection's user as `user_id`, which RabbitMQ
+//! validates (it refuses a message whose `user_id` is not the connection's user): the operator
+//! counts a report only from a user its Backend lists (`reportUsers`), since on a shared vhost
+//! anyone who may publish to the default exchange can reach any queue.
+//!
 //! It must not interpret a report (the operator's ledger does).
 
 use std::collections::HashSet;
@@ -97,6 +102,21 @@ pub enum PublishError {
 /// Publishes `body` to `queue` through the default exchange, persistent and mandatory, on a
 /// channel with publisher confirms, and waits for the confirm (at most [`CONFIRM_TIMEOUT`]).
 pub async fn publish_confirmed(ch: &Channel, queue: &str, body: &[u8]) -> Result<(), PublishError> {
+    publish_confirmed_as(ch, queue, body, None).await
+}
+
+/// As [`publish_confirmed`], with `user_id` set to `user` (the connection's own user: RabbitMQ
+/// refuses a message whose `user_id` is not, so the reader knows who wrote it).
+pub async fn publish_confirmed_as(
+    ch: &Channel,
+    queue: &str,
+    body: &[u8],
+    user: Option<&str>,
+) -> Result<(), PublishError> {
+    let mut properties = persistent_json();
+    if let Some(user) = user {
+        properties = properties.with_user_id(ShortString::from(user));
+    }
     let confirm = ch
         .basic_publish(
             ShortString::from(""),
@@ -106,7 +126,7 @@ pub async fn publish_confirmed(ch: &Channel, queue: &str, body: &[u8]) -> Result
                 ..BasicPublishOptions::default()
             },
             body,
-            persistent_json(),
+            properties,
         )
         .await?;
     let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
@@ -316,7 +336,7 @@ impl RabbitBroker {
                 queue: queue.to_string(),
             })
             .unwrap_or_default();
-            publish_confirmed(&ch, &index, &body).await
+            publish_confirmed_as(&ch, &index, &body, self.user.as_deref()).await
         }
         .await;
         if ch.status().connected() {
@@ -351,7 +371,7 @@ impl StatsSink for RabbitBroker {
             let queue = instance_queue(&owner.namespace, &owner.subscription, &owner.instance);
             self.register(&owner, &queue).await?;
             let ch = self.publisher().await?;
-            match publish_confirmed(&ch, &queue, &value).await {
+            match publish_confirmed_as(&ch, &queue, &value, self.user.as_deref()).await {
                 Ok(()) => Ok(()),
                 Err(e) => {
                     if matches!(e, PublishError::Returned(_))
