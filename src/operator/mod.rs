@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Api, Client};
+use kube::runtime::{WatchStreamExt, reflector};
+use kube::Client;
 use prometheus::Registry;
 use tokio::sync::watch;
 
@@ -263,17 +263,18 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         }
     };
 
-    // The Backends admission resolves capabilities from, cached by a watch.
+    // The Backends admission resolves capabilities from, cached by a watch of the watched
+    // namespaces only (a Backend elsewhere is looked up with one GET when a review names it).
+    let watch_namespaces: Vec<String> = args
+        .watch_namespaces
+        .iter()
+        .filter(|n| !n.is_empty())
+        .cloned()
+        .collect();
     let (store, writer) = reflector::store::<Backend>();
-    let backends = reflector(
-        writer,
-        watcher(
-            Api::<Backend>::all(client.clone()),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
-    .touched_objects()
+    let backends = reconcile::watch::<Backend>(&client, &watch_namespaces)
+        .reflect(writer)
+        .touched_objects()
     .for_each(|r| async move {
         if let Err(e) = r {
             tracing::warn!(error = %e, "Backend watch error; retrying");
@@ -337,12 +338,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let controllers = reconcile::run(
         client.clone(),
         reconcile::Config {
-            watch_namespaces: args
-                .watch_namespaces
-                .iter()
-                .filter(|n| !n.is_empty())
-                .cloned()
-                .collect(),
+            watch_namespaces,
             resync: args.resync_interval.get(),
             drift: args.drift_interval,
             concurrency: args.concurrency,
