@@ -233,7 +233,7 @@ impl Keeper {
 
     async fn session(&self) -> Result<(), NatsError> {
         let js = jetstream::new(self.client.clone());
-        let reports = capture::reports(&js).await?;
+        let reports = capture::reports(&js, self.config.limits.report_bucket).await?;
         let ledgers = capture::ledgers(&js).await?;
         let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
         if let Ok(mut loaded) = self.loaded.lock() {

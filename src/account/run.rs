@@ -42,6 +42,11 @@ pub struct Limits {
     /// Reports held back for Subscriptions not in the cache yet, in bytes at most; beyond,
     /// they are dropped (`early_dropped`: the runtime's next report carries the same counts).
     pub max_early_bytes: usize,
+    /// The NATS report bucket's own bounds, set on it by the keeper: the broker refuses a
+    /// report past them, so nothing past them reaches the operator.
+    pub report_bucket: BucketLimits,
+    /// Reports one RabbitMQ report queue hands the keeper unacknowledged at most.
+    pub report_prefetch: u16,
 }
 
 /// The longest instance name a report may carry (a pod name is at most 253 characters, plus
@@ -65,6 +70,7 @@ impl Limits {
     }
 }
 
+pub use crate::backend::nats::capture::BucketLimits;
 pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
 
 /// What one leadership term hands the account: the controllers' caches and connections.

@@ -121,6 +121,19 @@ pub struct OperatorArgs {
     /// beyond, they are dropped (the runtime's next report carries the same counts).
     #[arg(long, env = "SETTLE_MAX_EARLY_REPORT_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_early_report_bytes: u64,
+    /// The largest value the NATS report bucket (`settle-stats`) takes: the broker refuses a
+    /// larger report before the operator reads it. Set on the bucket at start.
+    #[arg(long, env = "SETTLE_REPORT_BUCKET_MAX_VALUE_BYTES", default_value_t = 65_536, value_parser = clap::value_parser!(i32).range(1024..))]
+    pub report_bucket_max_value_bytes: i32,
+    /// The most bytes the NATS report bucket holds (beyond, the broker refuses new reports
+    /// until folded ones are purged). Set on the bucket at start.
+    #[arg(long, env = "SETTLE_REPORT_BUCKET_MAX_BYTES", default_value_t = 1 << 30, value_parser = clap::value_parser!(i64).range(1_048_576..))]
+    pub report_bucket_max_bytes: i64,
+    /// Reports a RabbitMQ report queue hands the operator unacknowledged at most (they are
+    /// acknowledged at each save): with the instance cap, it bounds what a flood of reports can
+    /// hold in the operator's memory.
+    #[arg(long, env = "SETTLE_REPORT_PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub report_prefetch: u16,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -359,6 +372,11 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                         .unwrap_or(usize::MAX),
                     max_early_bytes: usize::try_from(args.max_early_report_bytes)
                         .unwrap_or(usize::MAX),
+                    report_bucket: account::BucketLimits {
+                        max_value_bytes: args.report_bucket_max_value_bytes,
+                        max_bytes: args.report_bucket_max_bytes,
+                    },
+                    report_prefetch: args.report_prefetch,
                 },
             },
             account::Metrics::new(&registry)?,
