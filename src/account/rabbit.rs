@@ -253,9 +253,12 @@ impl RabbitKeeper {
             .map_err(|e| broken("opening the report channel", e))?;
         // Per consumer (one per report queue): an instance's queue holds its newest report only,
         // so a few in flight suffice; the instance cap bounds the consumers.
-        ch.basic_qos(self.config.limits.report_prefetch, BasicQosOptions { global: false })
-            .await
-            .map_err(|e| broken("basic.qos", e))?;
+        ch.basic_qos(
+            self.config.limits.report_prefetch,
+            BasicQosOptions { global: false },
+        )
+        .await
+        .map_err(|e| broken("basic.qos", e))?;
         let saver = conn
             .create_channel()
             .await

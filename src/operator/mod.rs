@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::runtime::{WatchStreamExt, reflector};
 use kube::Client;
+use kube::runtime::{WatchStreamExt, reflector};
 use prometheus::Registry;
 use tokio::sync::watch;
 
@@ -288,11 +288,11 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let backends = reconcile::watch::<Backend>(&client, &watch_namespaces)
         .reflect(writer)
         .touched_objects()
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            tracing::warn!(error = %e, "Backend watch error; retrying");
-        }
-    });
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "Backend watch error; retrying");
+            }
+        });
     let backends_task = tokio::spawn(backends);
 
     // Contend for the Lease from the start; only what reconciles waits on it.

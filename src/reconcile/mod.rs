@@ -615,6 +615,9 @@ mod tests {
         let mut bare = sub(1, false, &[], false);
         bare.metadata.annotations = Some([("team".to_string(), "a".to_string())].into());
         lean(&mut bare);
-        assert!(bare.metadata.annotations.is_none(), "an emptied map is dropped");
+        assert!(
+            bare.metadata.annotations.is_none(),
+            "an emptied map is dropped"
+        );
     }
 }

@@ -144,7 +144,11 @@ pub async fn bucket(
 }
 
 /// A bucket's stream brought to `limits` (an update in place: both bounds can change).
-async fn bring_to(js: &jetstream::Context, name: &str, limits: BucketLimits) -> Result<(), NatsError> {
+async fn bring_to(
+    js: &jetstream::Context,
+    name: &str,
+    limits: BucketLimits,
+) -> Result<(), NatsError> {
     let stream_name = format!("KV_{name}");
     let mut stream = js
         .get_stream(&stream_name)
@@ -175,7 +179,10 @@ async fn bring_to(js: &jetstream::Context, name: &str, limits: BucketLimits) -> 
 }
 
 /// The runtime's report bucket, made or brought to `limits`.
-pub async fn reports(js: &jetstream::Context, limits: BucketLimits) -> Result<kv::Store, NatsError> {
+pub async fn reports(
+    js: &jetstream::Context,
+    limits: BucketLimits,
+) -> Result<kv::Store, NatsError> {
     bucket(
         js,
         REPORT_BUCKET,
