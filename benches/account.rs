@@ -115,7 +115,7 @@ async fn main() {
         )
     };
 
-    let kv = settle::backend::nats::capture::reports(&stream.js)
+    let kv = settle::backend::nats::capture::reports(&stream.js, Default::default())
         .await
         .expect("the report bucket");
     let started = settle::bus::report::default_instance();

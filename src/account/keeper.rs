@@ -238,7 +238,7 @@ impl Keeper {
 
     async fn session(&self) -> Result<(), NatsError> {
         let js = jetstream::new(self.client.clone());
-        let reports = capture::reports(&js).await?;
+        let reports = capture::reports(&js, self.config.limits.report_bucket).await?;
         let ledgers = capture::ledgers(&js).await?;
         // An operator before unambiguous reader names read through the legacy name: that
         // reader is the checkpoint, so the new one starts right after what it acknowledged.

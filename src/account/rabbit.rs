@@ -54,9 +54,6 @@ use crate::backend::QueueGauges;
 use crate::backend::rabbitmq::{admin, report};
 use crate::bus::report::{StatsReport, now_ms};
 
-/// Reports handed to this keeper unacknowledged, per Subscription, at most.
-const PREFETCH: u16 = 1000;
-
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
 
@@ -264,9 +261,14 @@ impl RabbitKeeper {
             .create_channel()
             .await
             .map_err(|e| broken("opening the report channel", e))?;
-        ch.basic_qos(PREFETCH, BasicQosOptions { global: false })
-            .await
-            .map_err(|e| broken("basic.qos", e))?;
+        // Per consumer (one per report queue): an instance's queue holds its newest report only,
+        // so a few in flight suffice; the instance cap bounds the consumers.
+        ch.basic_qos(
+            self.config.limits.report_prefetch,
+            BasicQosOptions { global: false },
+        )
+        .await
+        .map_err(|e| broken("basic.qos", e))?;
         let saver = conn
             .create_channel()
             .await

@@ -48,6 +48,11 @@ pub struct Limits {
     /// A report whose life started, or that was made, later than now plus this (ms) is dropped
     /// (`from_the_future`, semantics C19).
     pub max_clock_skew_ms: u64,
+    /// The NATS report bucket's own bounds, set on it by the keeper: the broker refuses a
+    /// report past them, so nothing past them reaches the operator.
+    pub report_bucket: BucketLimits,
+    /// Reports one RabbitMQ report queue hands the keeper unacknowledged at most.
+    pub report_prefetch: u16,
 }
 
 /// The longest instance name a report may carry (a pod name is at most 253 characters, plus
@@ -82,6 +87,7 @@ impl Limits {
     }
 }
 
+pub use crate::backend::nats::capture::BucketLimits;
 pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
 
 /// What one leadership term hands the account: the controllers' caches and connections.

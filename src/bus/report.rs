@@ -21,6 +21,13 @@ use super::{StatsSink, SubscriptionCtx};
 pub const REPORT_VERSION: u32 = 1;
 /// The JetStream KV bucket reports go to.
 pub const REPORT_BUCKET: &str = "settle-stats";
+/// The largest value the report bucket takes, unless the operator's `--report-bucket-max-value-bytes`
+/// says otherwise (a real report is under 1 KiB): the broker refuses a larger one before any
+/// reader holds it. Whoever makes the bucket first (the runtime or the operator) makes it so.
+pub const REPORT_BUCKET_MAX_VALUE_BYTES: i32 = 65_536;
+/// The most bytes the report bucket holds, unless the operator's `--report-bucket-max-bytes`
+/// says otherwise (a million live instances of 1 KiB).
+pub const REPORT_BUCKET_MAX_BYTES: i64 = 1 << 30;
 /// The default interval between two reports of one subscription.
 pub const DEFAULT_REPORT_INTERVAL: Duration = Duration::from_secs(5);
 /// An unchanged subscription is reported again this often, so the operator can tell an idle

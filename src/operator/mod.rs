@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Api, Client};
+use kube::Client;
+use kube::runtime::{WatchStreamExt, reflector};
 use prometheus::Registry;
 use tokio::sync::watch;
 
@@ -129,6 +129,19 @@ pub struct OperatorArgs {
     /// dropped (a Kubernetes duration).
     #[arg(long, env = "SETTLE_MAX_CLOCK_SKEW", default_value = "5m", value_parser = positive_duration)]
     pub max_clock_skew: Duration,
+    /// The largest value the NATS report bucket (`settle-stats`) takes: the broker refuses a
+    /// larger report before the operator reads it. Set on the bucket at start.
+    #[arg(long, env = "SETTLE_REPORT_BUCKET_MAX_VALUE_BYTES", default_value_t = 65_536, value_parser = clap::value_parser!(i32).range(1024..))]
+    pub report_bucket_max_value_bytes: i32,
+    /// The most bytes the NATS report bucket holds (beyond, the broker refuses new reports
+    /// until folded ones are purged). Set on the bucket at start.
+    #[arg(long, env = "SETTLE_REPORT_BUCKET_MAX_BYTES", default_value_t = 1 << 30, value_parser = clap::value_parser!(i64).range(1_048_576..))]
+    pub report_bucket_max_bytes: i64,
+    /// Reports a RabbitMQ report queue hands the operator unacknowledged at most (they are
+    /// acknowledged at each save): with the instance cap, it bounds what a flood of reports can
+    /// hold in the operator's memory.
+    #[arg(long, env = "SETTLE_REPORT_PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub report_prefetch: u16,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -271,22 +284,23 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         }
     };
 
-    // The Backends admission resolves capabilities from, cached by a watch.
+    // The Backends admission resolves capabilities from, cached by a watch of the watched
+    // namespaces only (a Backend elsewhere is looked up with one GET when a review names it).
+    let watch_namespaces: Vec<String> = args
+        .watch_namespaces
+        .iter()
+        .filter(|n| !n.is_empty())
+        .cloned()
+        .collect();
     let (store, writer) = reflector::store::<Backend>();
-    let backends = reflector(
-        writer,
-        watcher(
-            Api::<Backend>::all(client.clone()),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
-    .touched_objects()
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            tracing::warn!(error = %e, "Backend watch error; retrying");
-        }
-    });
+    let backends = reconcile::watch::<Backend>(&client, &watch_namespaces)
+        .reflect(writer)
+        .touched_objects()
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "Backend watch error; retrying");
+            }
+        });
     let backends_task = tokio::spawn(backends);
 
     // Contend for the Lease from the start; only what reconciles waits on it.
@@ -345,12 +359,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let controllers = reconcile::run(
         client.clone(),
         reconcile::Config {
-            watch_namespaces: args
-                .watch_namespaces
-                .iter()
-                .filter(|n| !n.is_empty())
-                .cloned()
-                .collect(),
+            watch_namespaces,
             resync: args.resync_interval.get(),
             drift: args.drift_interval,
             concurrency: args.concurrency,
@@ -374,6 +383,11 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                     max_sequence_jump: args.max_sequence_jump,
                     max_clock_skew_ms: u64::try_from(args.max_clock_skew.as_millis())
                         .unwrap_or(u64::MAX),
+                    report_bucket: account::BucketLimits {
+                        max_value_bytes: args.report_bucket_max_value_bytes,
+                        max_bytes: args.report_bucket_max_bytes,
+                    },
+                    report_prefetch: args.report_prefetch,
                 },
             },
             account::Metrics::new(&registry)?,

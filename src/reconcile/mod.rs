@@ -201,9 +201,27 @@ pub async fn run(
     }
 }
 
+/// What a cached object keeps of its metadata: no `managedFields`, and of its annotations only
+/// Settle's own (`settle.dev/...`). A tenant's object can carry up to the API server's 256 KiB
+/// of annotations and a long field history; every replica caches every watched object, so
+/// neither is kept (issue: a cache is bounded by what Settle reads, not by what tenants write).
+pub fn lean<K: Resource>(o: &mut K) {
+    let meta = o.meta_mut();
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.retain(|k, _| k.starts_with(SETTLE_ANNOTATION_PREFIX));
+        if a.is_empty() {
+            meta.annotations = None;
+        }
+    }
+}
+
+/// The annotations a cached object keeps ([`lean`]).
+pub const SETTLE_ANNOTATION_PREFIX: &str = "settle.dev/";
+
 /// A watch of `K` in the watched namespaces: one namespaced watch for one namespace, else one
-/// cluster-wide watch filtered to them.
-fn watch<K>(
+/// cluster-wide watch filtered to them; objects are cached [`lean`].
+pub fn watch<K>(
     client: &Client,
     namespaces: &[String],
 ) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
@@ -234,6 +252,7 @@ where
             };
             futures::future::ready(keep)
         })
+        .modify(lean)
 }
 
 /// What makes a Subscription worth reconciling again: its spec (generation), its deletion and its
@@ -339,6 +358,7 @@ async fn run_term(
         let streams = apis.into_iter().map(|api| {
             watcher(api, watcher::Config::default().any_semantic())
                 .default_backoff()
+                .modify(lean)
                 .touched_objects()
                 .boxed()
         });
@@ -591,6 +611,32 @@ mod tests {
             subscription_predicate(&adopting),
             base,
             "the adopt annotation does (R8)"
+        );
+    }
+
+    #[test]
+    fn a_cached_object_keeps_no_field_history_and_only_settles_annotations() {
+        let mut s: Subscription = serde_json::from_value(serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": "a", "namespace": "shop",
+                         "annotations": {
+                             "kubectl.kubernetes.io/last-applied-configuration": "x".repeat(100_000),
+                             "settle.dev/adopt": "yes"},
+                         "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+            "spec": {"backendRef": {"name": "nats"}, "pattern": "a.>"},
+        }))
+        .expect("a Subscription");
+        lean(&mut s);
+        assert!(s.metadata.managed_fields.is_none());
+        let kept: Vec<_> = s.annotations().keys().cloned().collect();
+        assert_eq!(kept, vec!["settle.dev/adopt".to_string()]);
+        let mut bare = sub(1, false, &[], false);
+        bare.metadata.annotations = Some([("team".to_string(), "a".to_string())].into());
+        lean(&mut bare);
+        assert!(
+            bare.metadata.annotations.is_none(),
+            "an emptied map is dropped"
         );
     }
 }

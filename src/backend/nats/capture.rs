@@ -12,7 +12,7 @@ use async_nats::jetstream::{self, consumer, kv, stream};
 
 use super::advisory::DELIVERY_SUBJECTS;
 use super::jsapi::NatsError;
-use crate::bus::report::REPORT_BUCKET;
+use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
 
 /// The stream capturing delivery advisories for every Backend on this server.
 pub const CAPTURE_STREAM: &str = "SETTLE_ADVISORIES";
@@ -154,20 +154,47 @@ pub async fn drop_reader(js: &jetstream::Context, name: &str) -> Result<(), Nats
     Ok(())
 }
 
-/// A KV bucket, made if missing (history 1).
+/// The report bucket's size bounds (the operator's `--report-bucket-max-value-bytes` and
+/// `--report-bucket-max-bytes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketLimits {
+    /// The largest value the broker takes (a larger put is refused by the broker).
+    pub max_value_bytes: i32,
+    /// The most bytes the bucket holds (beyond, the broker refuses new values).
+    pub max_bytes: i64,
+}
+
+impl Default for BucketLimits {
+    fn default() -> Self {
+        BucketLimits {
+            max_value_bytes: REPORT_BUCKET_MAX_VALUE_BYTES,
+            max_bytes: REPORT_BUCKET_MAX_BYTES,
+        }
+    }
+}
+
+/// A KV bucket, made if missing (history 1); with `limits`, made with them, or brought to them
+/// when it was made otherwise (by an older runtime or operator, or with other flags).
 pub async fn bucket(
     js: &jetstream::Context,
     name: &str,
     description: &str,
+    limits: Option<BucketLimits>,
 ) -> Result<kv::Store, NatsError> {
     if let Ok(s) = js.get_key_value(name).await {
+        if let Some(limits) = limits {
+            bring_to(js, name, limits).await?;
+        }
         return Ok(s);
     }
+    let (max_value_size, max_bytes) = limits.map_or((-1, -1), |l| (l.max_value_bytes, l.max_bytes));
     match js
         .create_key_value(kv::Config {
             bucket: name.to_string(),
             description: description.to_string(),
             history: 1,
+            max_value_size,
+            max_bytes,
             ..Default::default()
         })
         .await
@@ -181,12 +208,51 @@ pub async fn bucket(
     }
 }
 
-/// The runtime's report bucket.
-pub async fn reports(js: &jetstream::Context) -> Result<kv::Store, NatsError> {
+/// A bucket's stream brought to `limits` (an update in place: both bounds can change).
+async fn bring_to(
+    js: &jetstream::Context,
+    name: &str,
+    limits: BucketLimits,
+) -> Result<(), NatsError> {
+    let stream_name = format!("KV_{name}");
+    let mut stream = js
+        .get_stream(&stream_name)
+        .await
+        .map_err(|e| unreachable(&format!("opening the stream of bucket {name}"), e))?;
+    let info = stream
+        .info()
+        .await
+        .map_err(|e| unreachable(&format!("reading the stream of bucket {name}"), e))?;
+    let mut config = info.config.clone();
+    if config.max_message_size == limits.max_value_bytes && config.max_bytes == limits.max_bytes {
+        return Ok(());
+    }
+    tracing::info!(
+        bucket = name,
+        from_max_value_bytes = config.max_message_size,
+        from_max_bytes = config.max_bytes,
+        max_value_bytes = limits.max_value_bytes,
+        max_bytes = limits.max_bytes,
+        "bringing the report bucket to its size bounds"
+    );
+    config.max_message_size = limits.max_value_bytes;
+    config.max_bytes = limits.max_bytes;
+    js.update_stream(&config)
+        .await
+        .map_err(|e| unreachable(&format!("bounding bucket {name}"), e))?;
+    Ok(())
+}
+
+/// The runtime's report bucket, made or brought to `limits`.
+pub async fn reports(
+    js: &jetstream::Context,
+    limits: BucketLimits,
+) -> Result<kv::Store, NatsError> {
     bucket(
         js,
         REPORT_BUCKET,
         "Settle runtime stats reports: <namespace>.<subscription>.<instance> -> JSON (docs/stats-report.md)",
+        Some(limits),
     )
     .await
 }
@@ -197,6 +263,7 @@ pub async fn ledgers(js: &jetstream::Context) -> Result<kv::Store, NatsError> {
         js,
         ACCOUNT_BUCKET,
         "Settle operator: each Subscription's persisted ledger (folded instances, the broker's tally)",
+        None,
     )
     .await
 }

@@ -38,7 +38,7 @@ pub mod connect;
 pub mod consumer;
 pub mod jsapi;
 
-use crate::bus::report::REPORT_BUCKET;
+use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
 use crate::bus::{
     Broker, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, StatsSink, SubscriptionCtx,
@@ -119,6 +119,8 @@ impl NatsBroker {
                         bucket: self.bucket.clone(),
                         description: "Settle runtime stats reports: <namespace>.<subscription>.<instance> -> JSON (docs/stats-report.md)".into(),
                         history: 1,
+                        max_value_size: REPORT_BUCKET_MAX_VALUE_BYTES,
+                        max_bytes: REPORT_BUCKET_MAX_BYTES,
                         ..Default::default()
                     })
                     .await;
