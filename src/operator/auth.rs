@@ -215,3 +215,80 @@ impl Authorizer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client for an API server that is never there: the cache tests never reach it.
+    fn authorizer(cache_size: usize, registry: &Registry) -> Authorizer {
+        let config = kube::Config::new("http://127.0.0.1:1".parse().expect("a URL"));
+        let client = Client::try_from(config).expect("a client");
+        Authorizer::new(
+            client,
+            AuthConfig {
+                cache_ttl: Duration::from_secs(10),
+                cache_size,
+            },
+            registry,
+        )
+        .expect("metrics register")
+    }
+
+    fn key(n: u8) -> [u8; 32] {
+        [n; 32]
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_cache_forgets_after_its_ttl_and_evicts_the_soonest_to_expire_when_full() {
+        let registry = Registry::new();
+        let auth = authorizer(2, &registry);
+        auth.remember(key(1), Verdict::Allowed);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        auth.remember(key(2), Verdict::Forbidden("u".into()));
+        assert_eq!(auth.cached(&key(1)), Some(Verdict::Allowed));
+
+        // Full: the third evicts the first (it expires soonest), counted.
+        auth.remember(key(3), Verdict::Unauthenticated);
+        assert_eq!(auth.cached(&key(1)), None);
+        assert_eq!(auth.cached(&key(2)), Some(Verdict::Forbidden("u".into())));
+        assert_eq!(auth.cached(&key(3)), Some(Verdict::Unauthenticated));
+        assert_eq!(auth.evicted.get(), 1);
+        // Remembering a cached token again evicts nothing.
+        auth.remember(key(3), Verdict::Allowed);
+        assert_eq!(auth.evicted.get(), 1);
+
+        // Past the TTL nothing is served from the cache, and expired entries make room
+        // without counting as evicted.
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(auth.cached(&key(3)), None);
+        auth.remember(key(4), Verdict::Allowed);
+        auth.remember(key(5), Verdict::Allowed);
+        assert_eq!(auth.evicted.get(), 1);
+        assert_eq!(auth.lock().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn no_token_is_unauthenticated_and_an_unreachable_api_server_allows_nothing_nor_is_cached()
+     {
+        let registry = Registry::new();
+        let auth = authorizer(4, &registry);
+        assert_eq!(auth.check(None).await, Verdict::Unauthenticated);
+        let v = auth.check(Some("a-token")).await;
+        assert!(
+            matches!(v, Verdict::Unavailable(ref e) if e.starts_with("TokenReview")),
+            "{v:?}"
+        );
+        assert!(
+            auth.lock().is_empty(),
+            "an unavailable verdict is not cached"
+        );
+        for (result, want) in [("unauthenticated", 1), ("unavailable", 1), ("allowed", 0)] {
+            assert_eq!(
+                auth.results.with_label_values(&[result]).get(),
+                want,
+                "{result}"
+            );
+        }
+    }
+}

@@ -566,6 +566,34 @@ mod tests {
     }
 
     #[test]
+    fn metrics_and_probe_flags_default_to_separate_bounded_ports_without_auth() {
+        let args = parse(&[]).expect("no flags parse");
+        let config = args.health_config();
+        assert_eq!(config.metrics_addr.port(), 8080);
+        assert_eq!(config.probe_addr.port(), 8081);
+        assert_eq!(config.metrics_limits.max_connections, 64);
+        assert_eq!(config.probe_limits.max_connections, 16);
+        assert_eq!(
+            config.metrics_limits.first_request_timeout,
+            Duration::from_secs(5)
+        );
+        assert_eq!(config.metrics_limits.idle_timeout, Duration::from_secs(60));
+        assert!(!args.metrics_auth);
+
+        let args = parse(&["--metrics-auth", "--metrics-max-connections", "3"]).expect("parses");
+        assert!(args.metrics_auth);
+        assert_eq!(args.health_config().metrics_limits.max_connections, 3);
+        let err = parse(&["--metrics-max-connections=0"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("--metrics-max-connections")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
     fn webhook_deadline_flags_take_durations_above_zero() {
         let args = parse(&[
             "--webhook-idle-timeout",
