@@ -3,9 +3,10 @@
 //!
 //! What a client can hold, and for how long, is bounded: at most `max_connections` connections
 //! are open (a connection beyond is closed as soon as it is accepted, and counted), each phase of
-//! a connection has a deadline (both `crate::serve`'s, shared with the metrics port), a body is at most `max_body_bytes`, and at most
-//! `max_concurrent_reviews` bodies are read and parsed at once, so a burst of big reviews costs
-//! about `max_concurrent_reviews × max_body_bytes` and no more.
+//! a connection has a deadline (both `crate::serve`'s, shared with the metrics port), a body is
+//! at most `max_body_bytes`, and at most `max_concurrent_reviews` bodies are read and parsed at
+//! once, so a burst of big reviews costs about `max_concurrent_reviews × max_body_bytes` and no
+//! more.
 //!
 //! This file must not decide admission (it hands each body to `review`) and must never let a
 //! client hang it: every wait has a deadline and every body a size limit.
