@@ -391,8 +391,16 @@ const IDLE: Duration = Duration::from_secs(10);
 /// machine, and the graceful close of an HTTP/2 connection).
 const LATE: Duration = Duration::from_secs(5);
 
+/// The deadline test times connections and the flood test loads the machine: never both at once.
+static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn heavy() -> std::sync::MutexGuard<'static, ()> {
+    HEAVY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_trickling_connections_are_closed_within_their_deadlines() {
+    let _alone = heavy();
     common::install_crds();
     let ns = common::namespace("webhook-hardening");
     let label = format!("settle.dev/webhook-hardening={}", std::process::id());
@@ -803,6 +811,7 @@ const OPERATOR_OPEN_FILES: u64 = 4096;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_probes_answered() {
+    let _alone = heavy();
     common::install_crds();
     let ns = common::namespace("metrics-flood");
     raise_open_files(IDLE_CONNECTIONS as u64 + 10_000);
@@ -837,19 +846,46 @@ async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_pro
             TcpStream::connect(("127.0.0.1", metrics_port)).await
         }));
     }
+    // Each connection is held until `release`, and says when the server closed it (refused).
+    let (release, released) = tokio::sync::watch::channel(false);
+    let refused_seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut held = Vec::with_capacity(IDLE_CONNECTIONS);
     for t in tasks {
-        held.push(
-            t.await
-                .expect("a connect task")
-                .expect("the kernel accepts every TCP connection"),
-        );
+        let mut tcp = t
+            .await
+            .expect("a connect task")
+            .expect("the kernel accepts every TCP connection");
+        let (mut released, refused_seen) = (released.clone(), refused_seen.clone());
+        held.push(tokio::spawn(async move {
+            let mut buf = [0u8; 64];
+            tokio::select! {
+                r = tcp.read(&mut buf) => {
+                    if matches!(r, Ok(0) | Err(_)) {
+                        refused_seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+                _ = released.wait_for(|r| *r) => {}
+            }
+        }));
     }
     println!(
         "{} idle connections opened in {:?}",
         held.len(),
         started.elapsed()
     );
+    // The server has looked at every one: all but the cap were closed at once.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let seen = refused_seen.load(std::sync::atomic::Ordering::SeqCst);
+        if seen == IDLE_CONNECTIONS - METRICS_CAP {
+            break;
+        }
+        assert!(
+            seen <= IDLE_CONNECTIONS - METRICS_CAP && Instant::now() < deadline,
+            "{seen} of {IDLE_CONNECTIONS} connections closed by the server; want all but {METRICS_CAP}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // The port is full: one more connection is closed at once, unanswered.
     assert_eq!(
@@ -895,7 +931,10 @@ async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_pro
     );
 
     // The flood ends; the metrics port serves again and says what it refused.
-    drop(held);
+    let _ = release.send(true);
+    for h in held {
+        let _ = h.await;
+    }
     let refused = op
         .wait_metric(
             "settle_metrics_connections_refused_total",
