@@ -392,15 +392,12 @@ const IDLE: Duration = Duration::from_secs(10);
 const LATE: Duration = Duration::from_secs(5);
 
 /// The deadline test times connections and the flood test loads the machine: never both at once.
-static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn heavy() -> std::sync::MutexGuard<'static, ()> {
-    HEAVY.lock().unwrap_or_else(|p| p.into_inner())
-}
+/// (A tokio Mutex: it is not poisoned when a test holding it fails.)
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_trickling_connections_are_closed_within_their_deadlines() {
-    let _alone = heavy();
+    let _alone = HEAVY.lock().await;
     common::install_crds();
     let ns = common::namespace("webhook-hardening");
     let label = format!("settle.dev/webhook-hardening={}", std::process::id());
@@ -811,7 +808,7 @@ const OPERATOR_OPEN_FILES: u64 = 4096;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_probes_answered() {
-    let _alone = heavy();
+    let _alone = HEAVY.lock().await;
     common::install_crds();
     let ns = common::namespace("metrics-flood");
     raise_open_files(IDLE_CONNECTIONS as u64 + 10_000);
@@ -835,44 +832,36 @@ async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_pro
     let (metrics_port, probe_port, webhook_port) =
         (op.metrics_port, op.probe_port, op.webhook_port);
 
-    // 10,000 TCP connections that never send a byte, opened 200 at a time and all held.
+    // 10,000 TCP connections that never send a byte, all held until `release`. At most 200 wait
+    // for the server at once (a turn is given back when the server closes the connection), so
+    // the listen backlog never overflows and every connection reaches the server; each says
+    // when the server closed it (refused).
     let opening = Arc::new(tokio::sync::Semaphore::new(200));
     let started = Instant::now();
-    let mut tasks = Vec::with_capacity(IDLE_CONNECTIONS);
-    for _ in 0..IDLE_CONNECTIONS {
-        let opening = opening.clone();
-        tasks.push(tokio::spawn(async move {
-            let _turn = opening.acquire_owned().await.expect("open");
-            TcpStream::connect(("127.0.0.1", metrics_port)).await
-        }));
-    }
-    // Each connection is held until `release`, and says when the server closed it (refused).
     let (release, released) = tokio::sync::watch::channel(false);
     let refused_seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut held = Vec::with_capacity(IDLE_CONNECTIONS);
-    for t in tasks {
-        let mut tcp = t
-            .await
-            .expect("a connect task")
-            .expect("the kernel accepts every TCP connection");
-        let (mut released, refused_seen) = (released.clone(), refused_seen.clone());
+    for _ in 0..IDLE_CONNECTIONS {
+        let (opening, mut released, refused_seen) =
+            (opening.clone(), released.clone(), refused_seen.clone());
         held.push(tokio::spawn(async move {
+            let turn = opening.acquire_owned().await.expect("open");
+            let mut tcp = TcpStream::connect(("127.0.0.1", metrics_port))
+                .await
+                .expect("the kernel accepts every TCP connection");
             let mut buf = [0u8; 64];
-            tokio::select! {
-                r = tcp.read(&mut buf) => {
-                    if matches!(r, Ok(0) | Err(_)) {
-                        refused_seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    }
-                }
-                _ = released.wait_for(|r| *r) => {}
+            let closed_by_server = tokio::select! {
+                r = tcp.read(&mut buf) => matches!(r, Ok(0) | Err(_)),
+                _ = released.wait_for(|r| *r) => false,
+            };
+            if closed_by_server {
+                refused_seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(turn);
+                // Held (closed by the server) until the end, like the others.
+                let _ = released.wait_for(|r| *r).await.map(|_| ());
             }
         }));
     }
-    println!(
-        "{} idle connections opened in {:?}",
-        held.len(),
-        started.elapsed()
-    );
     // The server has looked at every one: all but the cap were closed at once.
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
@@ -886,6 +875,10 @@ async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_pro
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    println!(
+        "{IDLE_CONNECTIONS} idle connections opened, all but {METRICS_CAP} refused, in {:?}",
+        started.elapsed()
+    );
 
     // The port is full: one more connection is closed at once, unanswered.
     assert_eq!(
