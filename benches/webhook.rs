@@ -598,6 +598,8 @@ mod burst {
                 "127.0.0.1:0",
                 "--metrics-addr",
                 "127.0.0.1:0",
+                "--probe-addr",
+                "127.0.0.1:0",
             ])
             .args(["--namespace", ns, "--webhook-secret", "settle-bench-tls"])
             .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])

@@ -87,7 +87,7 @@ webhooks:
 YAML
   # --stats-interval 2s: the account reaches status within seconds here (10s by default).
   spawn operator "$SETTLE" operator --log-format text --namespace "$NS" --watch-namespaces "$NS" --webhook-configuration settle \
-    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" --stats-interval 2s
+    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" --probe-addr 127.0.0.1:0 --stats-interval 2s
 }
 operator_ready() { http_ok "http://127.0.0.1:$METRICS_PORT/readyz"; }
 operator_ports() { echo "$WEBHOOK_PORT $METRICS_PORT"; }

@@ -7,6 +7,9 @@
 //! main → operator → {admission, reconcile, account} → backend → bus → policy → api
 //! ```
 //!
+//! [`serve`] sits at the bottom beside `api`: it imports nothing of the crate, so the webhook
+//! (`admission`) and the metrics and probe ports (`operator`) share it.
+//!
 //! - [`api`]: the CRD types and the wire types they share with the runtime.
 //! - [`policy`]: pure rules: the capability table, the one `validate`, resolved defaults.
 //! - [`bus`]: the handler runtime (settlement, modes, backoff, counters, conformance).
@@ -14,6 +17,7 @@
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
 //! - [`account`]: the delivery account that fills `status.stats` (its pure ledger so far).
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
+//! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
 
 // No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
@@ -29,3 +33,5 @@ pub mod operator;
 pub mod policy;
 #[cfg(feature = "operator")]
 pub mod reconcile;
+#[cfg(feature = "operator")]
+pub mod serve;

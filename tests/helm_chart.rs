@@ -234,6 +234,198 @@ fn chart_rbac_has_no_wildcard() {
     }
 }
 
+/// The RBAC is what the code calls and no more; tenants get aggregated edit and view roles without
+/// status; the probes use their own port; metrics.auth adds the review permissions, HTTPS and a
+/// reader role's use in the ServiceMonitor.
+#[test]
+fn chart_rbac_is_trimmed_and_tenants_get_aggregated_roles_without_status() {
+    let rules_of = |docs: &[Value], kind: &str, name: &str| -> Value {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))["rules"]
+            .clone()
+    };
+    let grants = |rules: &Value, group: &str, resource: &str, verb: &str| -> bool {
+        rules.as_array().into_iter().flatten().any(|r| {
+            let has = |key: &str, want: &str| {
+                r[key]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|v| v.as_str() == Some(want))
+            };
+            has("apiGroups", group) && has("resources", resource) && has("verbs", verb)
+        })
+    };
+    let default = docs(&render(&[]));
+    let operator = rules_of(&default, "ClusterRole", "settle");
+    for (group, resource, verb, want) in [
+        (
+            "messaging.settle.dev",
+            "subscriptions/status",
+            "patch",
+            true,
+        ),
+        (
+            "messaging.settle.dev",
+            "subscriptions/status",
+            "update",
+            false,
+        ),
+        ("messaging.settle.dev", "backends/status", "get", false),
+        (
+            "messaging.settle.dev",
+            "subscriptions/finalizers",
+            "update",
+            false,
+        ),
+        ("events.k8s.io", "events", "create", true),
+        ("", "events", "create", false),
+        ("authentication.k8s.io", "tokenreviews", "create", false),
+        (
+            "authorization.k8s.io",
+            "subjectaccessreviews",
+            "create",
+            false,
+        ),
+    ] {
+        assert_eq!(
+            grants(&operator, group, resource, verb),
+            want,
+            "the operator's ClusterRole and {verb} {group}/{resource}: {operator}"
+        );
+    }
+    let own = rules_of(&default, "Role", "settle");
+    assert_eq!(
+        own,
+        json!([
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["settle-webhook-tls"], "verbs": ["get", "update"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["settle-operator"], "verbs": ["get", "update"]},
+        ])
+    );
+
+    // Tenants: aggregated into the built-in roles, Subscriptions and Backends, never */status.
+    for (name, aggregate, verbs) in [
+        (
+            "settle-edit",
+            &["admin", "edit"][..],
+            &[
+                "get",
+                "list",
+                "watch",
+                "create",
+                "update",
+                "patch",
+                "delete",
+                "deletecollection",
+            ][..],
+        ),
+        (
+            "settle-view",
+            &["admin", "edit", "view"][..],
+            &["get", "list", "watch"][..],
+        ),
+    ] {
+        let role = default
+            .iter()
+            .find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no ClusterRole {name}"));
+        for to in ["admin", "edit", "view"] {
+            let label =
+                &role["metadata"]["labels"][format!("rbac.authorization.k8s.io/aggregate-to-{to}")];
+            assert_eq!(
+                label.as_str() == Some("true"),
+                aggregate.contains(&to),
+                "{name} aggregate-to-{to}: {label}"
+            );
+        }
+        assert_eq!(
+            role["rules"],
+            json!([{"apiGroups": ["messaging.settle.dev"], "resources": ["subscriptions", "backends"], "verbs": verbs}]),
+            "{name}"
+        );
+        assert!(!role["rules"].to_string().contains("/status"), "{name}");
+    }
+    assert_eq!(
+        rules_of(&default, "ClusterRole", "settle-metrics-reader"),
+        json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}])
+    );
+
+    // The kubelet probes the probe port; the metrics port is plain HTTP by default.
+    let deployment = find_kind(&default, "Deployment").expect("Deployment");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        container["livenessProbe"]["httpGet"],
+        json!({"path": "/healthz", "port": "probe"})
+    );
+    assert_eq!(
+        container["readinessProbe"]["httpGet"],
+        json!({"path": "/readyz", "port": "probe"})
+    );
+    assert!(
+        container["ports"]
+            .as_array()
+            .expect("ports")
+            .contains(&json!({"name": "probe", "containerPort": 8081})),
+        "{}",
+        container["ports"]
+    );
+    let env = container["env"].to_string();
+    assert!(
+        env.contains(r#"{"name":"SETTLE_PROBE_ADDR","value":"0.0.0.0:8081"}"#),
+        "{env}"
+    );
+    assert!(
+        env.contains(r#"{"name":"SETTLE_METRICS_AUTH","value":"false"}"#),
+        "{env}"
+    );
+
+    // metrics.auth: the review permissions, the flag, and a ServiceMonitor that speaks HTTPS
+    // with the webhook's CA and Prometheus's token.
+    let auth = docs(&render(&[
+        "metrics.auth=true",
+        "monitoring.serviceMonitor.enabled=true",
+    ]));
+    let operator = rules_of(&auth, "ClusterRole", "settle");
+    assert!(grants(
+        &operator,
+        "authentication.k8s.io",
+        "tokenreviews",
+        "create"
+    ));
+    assert!(grants(
+        &operator,
+        "authorization.k8s.io",
+        "subjectaccessreviews",
+        "create"
+    ));
+    let env = find_kind(&auth, "Deployment").expect("Deployment")["spec"]["template"]["spec"]
+        ["containers"][0]["env"]
+        .to_string();
+    assert!(
+        env.contains(r#"{"name":"SETTLE_METRICS_AUTH","value":"true"}"#),
+        "{env}"
+    );
+    let endpoint =
+        &find_kind(&auth, "ServiceMonitor").expect("ServiceMonitor")["spec"]["endpoints"][0];
+    assert_eq!(endpoint["scheme"], "https", "{endpoint}");
+    assert_eq!(
+        endpoint["tlsConfig"]["serverName"],
+        "settle-webhook.settle-system.svc"
+    );
+    assert_eq!(
+        endpoint["tlsConfig"]["ca"],
+        json!({"secret": {"name": "settle-webhook-tls", "key": "ca.crt"}})
+    );
+    assert_eq!(
+        endpoint["bearerTokenFile"],
+        "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    );
+    assert_no_rbac_wildcard("chart with metrics.auth", &auth);
+}
+
 /// The operator settings fixed for the controllers come from values, and only the listed
 /// namespaces get a Secrets Role.
 #[test]
@@ -377,7 +569,11 @@ fn chart_renders_the_operator_settings_from_values() {
     assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
     assert_eq!(
         policy["spec"]["ingress"],
-        json!([{"ports": [{"port": 8443, "protocol": "TCP"}]}, {"ports": [{"port": 8080, "protocol": "TCP"}]}])
+        json!([
+            {"ports": [{"port": 8443, "protocol": "TCP"}]},
+            {"ports": [{"port": 8080, "protocol": "TCP"}]},
+            {"ports": [{"port": 8081, "protocol": "TCP"}]},
+        ])
     );
     assert_eq!(
         policy["spec"]["egress"],

@@ -463,6 +463,7 @@ impl Operator {
             .args(["operator", "--log-format", "text"])
             .args(["--webhook-addr", &format!("127.0.0.1:{}", free_port())])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--probe-addr", "127.0.0.1:0"])
             .args(["--namespace", ns, "--webhook-secret", "settle-leader-tls"])
             .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])
             // Its controllers reconcile only its own namespace, never another test's objects.

@@ -1,6 +1,6 @@
 //! `settle operator` as the README describes it: every flag in its table with the env fallback
 //! and default the binary really has (and no flag the table leaves out), one env fallback
-//! exercised for real, and `/healthz` / `/readyz` before and after the Backend cache syncs.
+//! exercised for real, and `/healthz` / `/readyz` (on the probe port) before and after the Backend cache syncs.
 
 mod common;
 
@@ -200,6 +200,7 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
     std::fs::write(&key, &bundle.key_pem).expect("write tls.key");
 
     let metrics_port = free_port();
+    let probe_port = free_port();
     // Under target/, so a failed run leaves its log behind.
     let log_path = common::root().join(format!("target/operator-cli-{}.log", std::process::id()));
     let log = std::fs::File::create(&log_path).expect("log file");
@@ -216,6 +217,8 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
             // The metrics address only by its env fallback: the flag's default (0.0.0.0:8080)
             // would not answer on this port.
             .env("SETTLE_METRICS_ADDR", format!("127.0.0.1:{metrics_port}"))
+            // The probes' own port, also by its env fallback (the kubelet's, apart from scrapes).
+            .env("SETTLE_PROBE_ADDR", format!("127.0.0.1:{probe_port}"))
             .env("KUBECONFIG", &late)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -224,15 +227,15 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
     let log_tail = || std::fs::read_to_string(&log_path).unwrap_or_default();
 
     poll_until(
-        "/healthz on the port SETTLE_METRICS_ADDR names",
+        "/healthz on the port SETTLE_PROBE_ADDR names",
         Duration::from_secs(60),
         || {
             operator.assert_running();
-            get(metrics_port, "/healthz").is_some()
+            get(probe_port, "/healthz").is_some()
         },
     );
     assert_eq!(
-        get(metrics_port, "/healthz"),
+        get(probe_port, "/healthz"),
         Some((200, "ok\n".into())),
         "{}",
         log_tail()
@@ -240,7 +243,7 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
     // Not ready while the API server does not answer: asked several times over two seconds.
     for _ in 0..10 {
         assert_eq!(
-            get(metrics_port, "/readyz"),
+            get(probe_port, "/readyz"),
             Some((503, "the Backend cache has not synced yet\n".into())),
             "{}",
             log_tail()
@@ -258,11 +261,13 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
         Duration::from_secs(90),
         || {
             operator.assert_running();
-            get(metrics_port, "/readyz").is_some_and(|(code, _)| code == 200)
+            get(probe_port, "/readyz").is_some_and(|(code, _)| code == 200)
         },
     );
+    assert_eq!(get(probe_port, "/readyz"), Some((200, "ok\n".into())));
+    assert_eq!(get(probe_port, "/healthz"), Some((200, "ok\n".into())));
+    // The metrics port still answers the probes' paths, for scripts that look there.
     assert_eq!(get(metrics_port, "/readyz"), Some((200, "ok\n".into())));
-    assert_eq!(get(metrics_port, "/healthz"), Some((200, "ok\n".into())));
     drop(operator);
     let _ = std::fs::remove_file(&log_path);
 }

@@ -32,6 +32,7 @@ impl Operator {
             .args(["operator", "--log-format", "text"])
             .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--probe-addr", "127.0.0.1:0"])
             .args([
                 "--namespace",
                 secret_ns,

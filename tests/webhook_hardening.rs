@@ -9,6 +9,11 @@
 //! - past `--webhook-max-connections`, a new connection is refused at once and counted, and
 //!   once a connection closes a new one is served again.
 //!
+//! - the metrics port (issue 18 item 6): 10,000 idle TCP connections to it, with the operator
+//!   limited to 4,096 file descriptors, leave a review answered and the probes (on their own
+//!   port) answering, and what was refused is counted; under `--metrics-auth`, no token or an
+//!   unknown one gets 401, a ServiceAccount token without the RBAC 403, with it 200.
+//!
 //! Every wait is a poll with a deadline; the operator is killed when its handle is dropped.
 #![cfg(feature = "operator")]
 
@@ -42,22 +47,46 @@ struct Operator {
     log: PathBuf,
     webhook_port: u16,
     metrics_port: u16,
+    probe_port: u16,
 }
 
 impl Operator {
     /// Starts `settle operator` on ports it picks itself (read back from its log, so two tests
     /// never race for a port), with the self-managed certificate in `ns` and `flags` added.
     fn start(name: &str, ns: &str, configuration: &str, flags: &[&str]) -> Operator {
+        Operator::start_with(name, ns, configuration, flags, None)
+    }
+
+    /// [`Operator::start`], with at most `open_files` file descriptors (RLIMIT_NOFILE, set by
+    /// running it under `prlimit`, which execs it: the pid is the operator's).
+    fn start_with(
+        name: &str,
+        ns: &str,
+        configuration: &str,
+        flags: &[&str],
+        open_files: Option<u64>,
+    ) -> Operator {
         let env = common::env();
         let log = common::root().join(format!(
             "target/webhook-hardening-{name}-{}.log",
             std::process::id()
         ));
         let file = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_settle"))
+        let mut command = match open_files {
+            Some(n) => {
+                let mut c = Command::new("prlimit");
+                c.arg(format!("--nofile={n}:{n}"))
+                    .arg("--")
+                    .arg(env!("CARGO_BIN_EXE_settle"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_settle")),
+        };
+        let child = command
             .args(["operator", "--log-format", "json"])
             .args(["--webhook-addr", "127.0.0.1:0"])
             .args(["--metrics-addr", "127.0.0.1:0"])
+            .args(["--probe-addr", "127.0.0.1:0"])
             .args([
                 "--namespace",
                 ns,
@@ -78,12 +107,14 @@ impl Operator {
             log,
             webhook_port: 0,
             metrics_port: 0,
+            probe_port: 0,
         };
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
             op.webhook_port = op.logged_port("admission webhook bound").unwrap_or(0);
             op.metrics_port = op.logged_port("metrics and health listening").unwrap_or(0);
-            if op.webhook_port != 0 && op.metrics_port != 0 {
+            op.probe_port = op.logged_port("probes listening").unwrap_or(0);
+            if op.webhook_port != 0 && op.metrics_port != 0 && op.probe_port != 0 {
                 break;
             }
             if let Ok(Some(status)) = op.child.try_wait() {
@@ -99,10 +130,7 @@ impl Operator {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        while op
-            .get("/readyz")
-            .is_none_or(|r| !r.starts_with("HTTP/1.1 200"))
-        {
+        while get_on(op.probe_port, "/readyz").is_none_or(|r| !r.starts_with("HTTP/1.1 200")) {
             assert!(
                 std::time::Instant::now() < deadline,
                 "settle operator not ready within 60s; see {}",
@@ -125,16 +153,7 @@ impl Operator {
     }
 
     fn get(&self, path: &str) -> Option<String> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some(out)
+        get_on(self.metrics_port, path)
     }
 
     /// The value of one sample, e.g. `settle_webhook_connections_open` or
@@ -165,6 +184,21 @@ impl Operator {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// One plain HTTP/1.1 GET on a local port: the whole response, or `None` if the connection was
+/// refused, closed without an answer, or slower than 5 s.
+fn get_on(port: u16, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out).filter(|o| !o.is_empty())
 }
 
 impl Drop for Operator {
@@ -357,8 +391,13 @@ const IDLE: Duration = Duration::from_secs(10);
 /// machine, and the graceful close of an HTTP/2 connection).
 const LATE: Duration = Duration::from_secs(5);
 
+/// The deadline test times connections and the flood test loads the machine: never both at once.
+/// (A tokio Mutex: it is not poisoned when a test holding it fails.)
+static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_trickling_connections_are_closed_within_their_deadlines() {
+    let _alone = HEAVY.lock().await;
     common::install_crds();
     let ns = common::namespace("webhook-hardening");
     let label = format!("settle.dev/webhook-hardening={}", std::process::id());
@@ -727,5 +766,314 @@ async fn past_the_connection_cap_a_new_connection_is_refused_at_once_and_counted
 
     drop(held);
     drop(op);
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
+}
+
+/// Raises this test process's RLIMIT_NOFILE to `n` (soft and hard) with `prlimit`, or fails
+/// saying what it has, if it is below `n` and cannot be raised.
+fn raise_open_files(n: u64) {
+    let _ = Command::new("prlimit")
+        .arg(format!("--pid={}", std::process::id()))
+        .arg(format!("--nofile={n}:{n}"))
+        .status();
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    let soft: u64 = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3)?.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        soft >= n,
+        "this test needs {n} open files and could not raise its limit: {soft}"
+    );
+}
+
+/// The RLIMIT_NOFILE (soft) of process `pid`.
+fn open_files_limit(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/limits"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with("Max open files"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()
+}
+
+const IDLE_CONNECTIONS: usize = 10_000;
+const METRICS_CAP: usize = 64;
+/// The operator's own file-descriptor limit: below IDLE_CONNECTIONS, so without the metrics
+/// port's cap the idle connections alone would leave the webhook nothing to accept with.
+const OPERATOR_OPEN_FILES: u64 = 4096;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_probes_answered() {
+    let _alone = HEAVY.lock().await;
+    common::install_crds();
+    let ns = common::namespace("metrics-flood");
+    raise_open_files(IDLE_CONNECTIONS as u64 + 10_000);
+    // Long deadlines: only the cap stands between the flood and the operator's descriptors.
+    let op = Operator::start_with(
+        "metrics-flood",
+        &ns,
+        "",
+        &[
+            "--metrics-max-connections=64",
+            "--metrics-first-request-timeout=10m",
+            "--metrics-idle-timeout=10m",
+        ],
+        Some(OPERATOR_OPEN_FILES),
+    );
+    assert_eq!(
+        open_files_limit(op.child.id()),
+        Some(OPERATOR_OPEN_FILES),
+        "the operator runs with a file-descriptor limit below the flood"
+    );
+    let (metrics_port, probe_port, webhook_port) =
+        (op.metrics_port, op.probe_port, op.webhook_port);
+
+    // 10,000 TCP connections that never send a byte, all held until `release`. At most 200 wait
+    // for the server at once (a turn is given back when the server closes the connection), so
+    // the listen backlog never overflows and every connection reaches the server; each says
+    // when the server closed it (refused).
+    let opening = Arc::new(tokio::sync::Semaphore::new(200));
+    let started = Instant::now();
+    let (release, released) = tokio::sync::watch::channel(false);
+    let refused_seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut held = Vec::with_capacity(IDLE_CONNECTIONS);
+    for _ in 0..IDLE_CONNECTIONS {
+        let (opening, mut released, refused_seen) =
+            (opening.clone(), released.clone(), refused_seen.clone());
+        held.push(tokio::spawn(async move {
+            let turn = opening.acquire_owned().await.expect("open");
+            let mut tcp = TcpStream::connect(("127.0.0.1", metrics_port))
+                .await
+                .expect("the kernel accepts every TCP connection");
+            let mut buf = [0u8; 64];
+            let closed_by_server = tokio::select! {
+                r = tcp.read(&mut buf) => matches!(r, Ok(0) | Err(_)),
+                _ = released.wait_for(|r| *r) => false,
+            };
+            if closed_by_server {
+                refused_seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(turn);
+                // Held (closed by the server) until the end, like the others.
+                let _ = released.wait_for(|r| *r).await.map(|_| ());
+            }
+        }));
+    }
+    // The server has looked at every one: all but the cap were closed at once.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let seen = refused_seen.load(std::sync::atomic::Ordering::SeqCst);
+        if seen == IDLE_CONNECTIONS - METRICS_CAP {
+            break;
+        }
+        assert!(
+            seen <= IDLE_CONNECTIONS - METRICS_CAP && Instant::now() < deadline,
+            "{seen} of {IDLE_CONNECTIONS} connections closed by the server; want all but {METRICS_CAP}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "{IDLE_CONNECTIONS} idle connections opened, all but {METRICS_CAP} refused, in {:?}",
+        started.elapsed()
+    );
+
+    // The port is full: one more connection is closed at once, unanswered.
+    assert_eq!(
+        tokio::task::spawn_blocking(move || get_on(metrics_port, "/metrics"))
+            .await
+            .expect("a GET"),
+        None,
+        "past --metrics-max-connections the metrics port must refuse, not serve"
+    );
+
+    // With all of them held: the probes answer on their own port ...
+    for path in ["/healthz", "/readyz"] {
+        let answer = tokio::task::spawn_blocking(move || get_on(probe_port, path))
+            .await
+            .expect("a GET");
+        assert!(
+            answer
+                .as_deref()
+                .is_some_and(|a| a.starts_with("HTTP/1.1 200")),
+            "{path} on the probe port during the flood: {answer:?}"
+        );
+    }
+    // ... and the webhook answers a review.
+    let ca = webhook_ca(&ns).await;
+    let (mut sender, _conn) = h2_connect(webhook_port, tls_config(&ca, &[b"h2"])).await;
+    let answer = post_h2(
+        &mut sender,
+        webhook_port,
+        review_body(
+            "during-flood",
+            &ns,
+            json!({"backendRef": {"name": "nats"}, "pattern": "a.>", "mode": "AtLeastOnce"}),
+        ),
+    )
+    .await;
+    assert_eq!(answer["response"]["uid"], "during-flood", "{answer}");
+    assert_eq!(answer["response"]["allowed"], false, "{answer}");
+    assert!(
+        answer["response"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("spec.durableName: required under mode AtLeastOnce")),
+        "{answer}"
+    );
+
+    // The flood ends; the metrics port serves again and says what it refused.
+    let _ = release.send(true);
+    for h in held {
+        let _ = h.await;
+    }
+    let refused = op
+        .wait_metric(
+            "settle_metrics_connections_refused_total",
+            "every connection past the cap",
+            |v| v >= (IDLE_CONNECTIONS - METRICS_CAP) as f64,
+        )
+        .await;
+    println!("settle_metrics_connections_refused_total {refused}");
+    op.wait_metric(
+        "settle_metrics_connections_closed_total{reason=\"client\"}",
+        "the 64 held connections, closed by the client",
+        |v| v >= METRICS_CAP as f64,
+    )
+    .await;
+    assert_eq!(
+        op.metric("settle_webhook_connections_refused_total"),
+        Some(0.0),
+        "the webhook refused nothing"
+    );
+    assert_eq!(
+        op.metric("settle_probe_connections_refused_total"),
+        Some(0.0)
+    );
+
+    drop(op);
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
+}
+
+/// One HTTPS GET of `/metrics` (HTTP/1.1), with a bearer token if given: the status and body.
+async fn https_metrics(port: u16, ca: &[u8], token: Option<&str>) -> (u16, String) {
+    let tls = tls_connect(port, tls_config(ca, &[b"http/1.1"])).await;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("HTTP/1.1 handshake");
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut req = http::Request::get("/metrics").header("host", "127.0.0.1");
+    if let Some(token) = token {
+        req = req.header("authorization", format!("Bearer {token}"));
+    }
+    let resp = sender
+        .send_request(req.body(Full::new(Bytes::new())).expect("request"))
+        .await
+        .expect("an answer");
+    let status = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("the body")
+        .to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_metrics_auth_only_a_token_allowed_to_get_metrics_reads_them() {
+    common::install_crds();
+    let ns = common::namespace("metrics-auth");
+    let op = Operator::start(
+        "metrics-auth",
+        &ns,
+        "",
+        &["--metrics-auth", "--metrics-auth-cache-ttl=1s"],
+    );
+    let port = op.metrics_port;
+    let ca = webhook_ca(&ns).await;
+
+    // No token: 401.
+    let (status, body) = https_metrics(port, &ca, None).await;
+    assert_eq!(status, 401, "{body}");
+    // A token the API server does not know: 401.
+    let (status, body) = https_metrics(port, &ca, Some("not-a-token")).await;
+    assert_eq!(status, 401, "{body}");
+
+    // A real ServiceAccount token (TokenRequest) without the RBAC: 403, naming the user.
+    kubectl_ok(&["create", "serviceaccount", "prometheus", "-n", &ns], None).await;
+    let token = kubectl_ok(
+        &["create", "token", "prometheus", "-n", &ns, "--duration=10m"],
+        None,
+    )
+    .await;
+    let token = token.trim().to_string();
+    let (status, body) = https_metrics(port, &ca, Some(&token)).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body.contains(&format!("system:serviceaccount:{ns}:prometheus")),
+        "{body}"
+    );
+
+    // Bound to a role that may get /metrics (the chart's settle-metrics-reader): 200, and the
+    // metrics. The 403 above is cached for 1 s, so this polls.
+    let role = format!("settle-metrics-reader-{ns}");
+    let rbac = format!(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {{name: {role}}}\n\
+         rules: [{{nonResourceURLs: [/metrics], verbs: [get]}}]\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {{name: {role}}}\n\
+         roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: {role}}}\n\
+         subjects: [{{kind: ServiceAccount, name: prometheus, namespace: {ns}}}]\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&rbac)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let body = loop {
+        let (status, body) = https_metrics(port, &ca, Some(&token)).await;
+        if status == 200 {
+            break body;
+        }
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            Instant::now() < deadline,
+            "still 403 60s after the binding: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        body.contains("settle_metrics_auth_total{result=\"forbidden\"}"),
+        "the metrics, counting the refusals: {}",
+        &body[..body.len().min(2000)]
+    );
+    for (result, at_least) in [
+        ("unauthenticated", 2.0),
+        ("forbidden", 1.0),
+        ("allowed", 1.0),
+    ] {
+        let line = format!("settle_metrics_auth_total{{result=\"{result}\"}} ");
+        let got: Option<f64> = body
+            .lines()
+            .find_map(|l| l.strip_prefix(&line)?.trim().parse().ok());
+        assert!(got.is_some_and(|v| v >= at_least), "{line}{got:?}");
+    }
+    // Plain HTTP is not served under --metrics-auth.
+    assert!(
+        get_on(port, "/metrics").is_none_or(|a| !a.starts_with("HTTP/1.1 200")),
+        "plain HTTP must not be answered with the metrics"
+    );
+
+    drop(op);
+    kubectl_ok(
+        &[
+            "delete",
+            "clusterrolebinding,clusterrole",
+            &role,
+            "--ignore-not-found",
+        ],
+        None,
+    )
+    .await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
 }

@@ -1,26 +1,36 @@
-//! The operator's plain-HTTP endpoint: `/metrics` (Prometheus text, every `settle_*` metric),
-//! `/healthz` (the process answers) and `/readyz` (the Backend cache has synced, so admission
-//! answers with real capabilities; and, on the leader, the controllers' caches have synced).
+//! The operator's two small HTTP ports, each with `crate::serve`'s connection cap and deadlines:
 //!
-//! It must not serve anything that changes state.
+//! - the metrics port: `/metrics` (Prometheus text, every `settle_*` metric), over plain HTTP, or,
+//!   with `--metrics-auth`, over HTTPS (the webhook's certificate) and only for a bearer token
+//!   the API server authenticates and authorizes for `get` on `/metrics` (`auth`). It also
+//!   answers `/healthz` and `/readyz`, as it always did, for scripts that look there;
+//! - the probe port: `/healthz` (the process answers) and `/readyz` (the Backend cache has
+//!   synced, so admission answers with real capabilities; and, on the leader, the controllers'
+//!   caches have synced), for the kubelet alone, so that scrapes and idle connections on the
+//!   metrics port can never make a probe fail.
+//!
+//! No body is ever read: anything but `GET` is answered 405. It must not serve anything that
+//! changes state.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::FutureExt;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use kube::runtime::reflector::Store;
 use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 
+use super::auth::{Authorizer, Verdict};
+use crate::admission::certs::{CertResolver, crypto_provider};
 use crate::api::Backend;
 use crate::reconcile::Readiness;
+use crate::serve::{Bounded, ConnectionMetrics, Limits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
@@ -31,63 +41,144 @@ pub enum HealthError {
     },
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("could not set up TLS for --metrics-auth: {0}")]
+    Tls(#[from] rustls::Error),
 }
 
-pub struct Server {
-    listener: TcpListener,
-    registry: Registry,
+/// The two ports and their limits.
+#[derive(Clone, Debug)]
+pub struct HealthConfig {
+    pub metrics_addr: SocketAddr,
+    pub metrics_limits: Limits,
+    pub probe_addr: SocketAddr,
+    pub probe_limits: Limits,
+}
+
+/// What `/readyz` looks at.
+#[derive(Clone)]
+struct Ready {
     backends: Store<Backend>,
     controllers: Readiness,
 }
 
+/// Both ports, bound.
+pub struct Server {
+    metrics: Bounded,
+    probe: Bounded,
+    registry: Registry,
+    ready: Ready,
+    auth: Option<Arc<Authorizer>>,
+}
+
+async fn listen(addr: SocketAddr) -> Result<TcpListener, HealthError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| HealthError::Bind { addr, source })
+}
+
 impl Server {
+    /// Binds both ports. With `auth` (and the webhook's certificate in `certs`), the metrics port
+    /// serves HTTPS and asks the API server about every token it has not seen lately.
     pub async fn bind(
-        addr: SocketAddr,
+        config: HealthConfig,
         registry: Registry,
         backends: Store<Backend>,
         controllers: Readiness,
+        auth: Option<(Authorizer, Arc<CertResolver>)>,
     ) -> Result<Self, HealthError> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| HealthError::Bind { addr, source })?;
-        tracing::info!(addr = %listener.local_addr().unwrap_or(addr), "metrics and health listening");
+        let metrics_listener = listen(config.metrics_addr).await?;
+        let probe_listener = listen(config.probe_addr).await?;
+        let (tls, auth) = match auth {
+            Some((authorizer, certs)) => {
+                let mut tls = rustls::ServerConfig::builder_with_provider(crypto_provider())
+                    .with_safe_default_protocol_versions()?
+                    .with_no_client_auth()
+                    .with_cert_resolver(certs);
+                tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+                (
+                    Some(TlsAcceptor::from(Arc::new(tls))),
+                    Some(Arc::new(authorizer)),
+                )
+            }
+            None => (None, None),
+        };
+        tracing::info!(
+            addr = %metrics_listener.local_addr().unwrap_or(config.metrics_addr),
+            max_connections = config.metrics_limits.max_connections,
+            auth = auth.is_some(),
+            "metrics and health listening"
+        );
+        tracing::info!(
+            addr = %probe_listener.local_addr().unwrap_or(config.probe_addr),
+            max_connections = config.probe_limits.max_connections,
+            "probes listening"
+        );
+        let metrics = Bounded {
+            listener: metrics_listener,
+            metrics: ConnectionMetrics::register(
+                &registry,
+                "metrics",
+                "--metrics-max-connections",
+                tls.is_some(),
+            )?,
+            tls,
+            limits: config.metrics_limits,
+            what: "metrics",
+            cap_flag: "--metrics-max-connections",
+        };
+        let probe = Bounded {
+            listener: probe_listener,
+            metrics: ConnectionMetrics::register(
+                &registry,
+                "probe",
+                "--probe-max-connections",
+                false,
+            )?,
+            tls: None,
+            limits: config.probe_limits,
+            what: "probe",
+            cap_flag: "--probe-max-connections",
+        };
         Ok(Server {
-            listener,
+            metrics,
+            probe,
             registry,
-            backends,
-            controllers,
+            ready: Ready {
+                backends,
+                controllers,
+            },
+            auth,
         })
     }
 
+    /// Serves both ports until `shutdown` completes.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), HealthError> {
-        tokio::pin!(shutdown);
-        loop {
-            let (tcp, _) = tokio::select! {
-                () = &mut shutdown => return Ok(()),
-                accepted = self.listener.accept() => match accepted {
-                    Ok(conn) => conn,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "metrics accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let registry = self.registry.clone();
-            let backends = self.backends.clone();
-            let controllers = self.controllers.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let response = answer(&req, &registry, &backends, &controllers);
-                    async move { Ok::<_, Infallible>(response) }
-                });
-                let _ = auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .await;
-            });
-        }
+        let shutdown = shutdown.shared();
+        let Server {
+            metrics,
+            probe,
+            registry,
+            ready,
+            auth,
+        } = self;
+        let probe_ready = ready.clone();
+        let on_metrics = move |req: Request<Incoming>| {
+            let (registry, ready, auth) = (registry.clone(), ready.clone(), auth.clone());
+            async move { metrics_answer(&req, &registry, &ready, auth.as_deref()).await }
+        };
+        let on_probe = move |req: Request<Incoming>| {
+            let ready = probe_ready.clone();
+            async move { probe_answer(&req, &ready).unwrap_or_else(not_found) }
+        };
+        tokio::join!(
+            metrics.run(shutdown.clone(), on_metrics),
+            probe.run(shutdown, on_probe),
+        );
+        Ok(())
     }
 }
+
+const PLAIN: &str = "text/plain; charset=utf-8";
 
 fn text(
     status: StatusCode,
@@ -103,13 +194,68 @@ fn text(
     r
 }
 
-fn answer(
+fn not_found(_: ()) -> Response<Full<Bytes>> {
+    text(
+        StatusCode::NOT_FOUND,
+        "not found: the probe port serves /healthz, /readyz\n",
+        PLAIN,
+    )
+}
+
+/// `/healthz` and `/readyz`, or `Err` for any other path.
+fn probe_answer(req: &Request<Incoming>, ready: &Ready) -> Result<Response<Full<Bytes>>, ()> {
+    if !matches!(req.uri().path(), "/healthz" | "/readyz") {
+        return Err(());
+    }
+    if req.method() != Method::GET {
+        return Ok(text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method not allowed\n",
+            PLAIN,
+        ));
+    }
+    if req.uri().path() == "/healthz" {
+        return Ok(text(StatusCode::OK, "ok\n", PLAIN));
+    }
+    // A Store is ready once its first list has arrived.
+    Ok(
+        if !matches!(
+            ready.backends.wait_until_ready().now_or_never(),
+            Some(Ok(()))
+        ) {
+            text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the Backend cache has not synced yet\n",
+                PLAIN,
+            )
+        } else if !ready.controllers.ready() {
+            text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "leading, and the controllers' caches have not synced yet\n",
+                PLAIN,
+            )
+        } else {
+            text(StatusCode::OK, "ok\n", PLAIN)
+        },
+    )
+}
+
+async fn metrics_answer(
     req: &Request<Incoming>,
     registry: &Registry,
-    backends: &Store<Backend>,
-    controllers: &Readiness,
+    ready: &Ready,
+    auth: Option<&Authorizer>,
 ) -> Response<Full<Bytes>> {
-    const PLAIN: &str = "text/plain; charset=utf-8";
+    if let Ok(probe) = probe_answer(req, ready) {
+        return probe;
+    }
+    if req.uri().path() != "/metrics" {
+        return text(
+            StatusCode::NOT_FOUND,
+            "not found: the metrics port serves /metrics (and /healthz, /readyz)\n",
+            PLAIN,
+        );
+    }
     if req.method() != Method::GET {
         return text(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -117,41 +263,72 @@ fn answer(
             PLAIN,
         );
     }
-    match req.uri().path() {
-        "/healthz" => text(StatusCode::OK, "ok\n", PLAIN),
-        "/readyz" => {
-            // A Store is ready once its first list has arrived.
-            if !matches!(backends.wait_until_ready().now_or_never(), Some(Ok(()))) {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the Backend cache has not synced yet\n",
+    if let Some(auth) = auth {
+        let token = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        match auth.check(token).await {
+            Verdict::Allowed => {}
+            Verdict::Unauthenticated => {
+                let mut r = text(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized: send a ServiceAccount token as Authorization: Bearer <token>\n",
                     PLAIN,
-                )
-            } else if !controllers.ready() {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "leading, and the controllers' caches have not synced yet\n",
+                );
+                r.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    header::HeaderValue::from_static("Bearer"),
+                );
+                return r;
+            }
+            Verdict::Forbidden(user) => {
+                return text(
+                    StatusCode::FORBIDDEN,
+                    format!(
+                        "forbidden: {user} may not get /metrics; bind it to the settle-metrics-reader ClusterRole\n"
+                    ),
                     PLAIN,
-                )
-            } else {
-                text(StatusCode::OK, "ok\n", PLAIN)
+                );
+            }
+            Verdict::Unavailable(e) => {
+                return text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("could not check the token with the API server: {e}\n"),
+                    PLAIN,
+                );
             }
         }
-        "/metrics" => {
-            let mut buf = Vec::new();
-            match TextEncoder::new().encode(&registry.gather(), &mut buf) {
-                Ok(()) => text(StatusCode::OK, buf, "text/plain; version=0.0.4"),
-                Err(e) => text(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!("could not encode metrics: {e}\n"),
-                    PLAIN,
-                ),
-            }
-        }
-        _ => text(
-            StatusCode::NOT_FOUND,
-            "not found: /metrics, /healthz, /readyz\n",
+    }
+    let mut buf = Vec::new();
+    match TextEncoder::new().encode(&registry.gather(), &mut buf) {
+        Ok(()) => text(StatusCode::OK, buf, "text/plain; version=0.0.4"),
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("could not encode metrics: {e}\n"),
             PLAIN,
         ),
+    }
+}
+
+/// The limits of a port from its flags (h2 keepalive: the webhook's defaults).
+pub fn limits(
+    max_connections: usize,
+    first_request_timeout: std::time::Duration,
+    idle_timeout: std::time::Duration,
+) -> Limits {
+    Limits {
+        max_connections,
+        tls_handshake_timeout: first_request_timeout,
+        first_request_timeout,
+        header_read_timeout: first_request_timeout,
+        h2_keepalive_interval: std::time::Duration::from_secs(20),
+        h2_keepalive_timeout: std::time::Duration::from_secs(10),
+        idle_timeout,
+        // A scrape, or a token review on the way (kube's client has its own timeouts).
+        request_timeout: super::auth::REVIEW_TIMEOUT + std::time::Duration::from_secs(5),
     }
 }

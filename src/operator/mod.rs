@@ -6,6 +6,7 @@
 //! This module wires parts together and owns process concerns (flags, logging, signals). It must
 //! not hold admission rules or broker logic: those live in `admission/` and `backend/`.
 
+mod auth;
 mod health;
 pub mod leader;
 
@@ -33,7 +34,7 @@ pub struct OperatorArgs {
     /// Where the admission webhook listens (HTTPS).
     #[arg(long, env = "SETTLE_WEBHOOK_ADDR", default_value = "0.0.0.0:8443")]
     pub webhook_addr: SocketAddr,
-    /// Where /metrics, /healthz and /readyz are served (HTTP).
+    /// Where /metrics is served (HTTP; HTTPS with --metrics-auth), and /healthz, /readyz too.
     #[arg(long, env = "SETTLE_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     pub metrics_addr: SocketAddr,
     /// The operator's namespace: where it keeps the webhook certificate Secret.
@@ -182,6 +183,44 @@ pub struct OperatorArgs {
     /// Deadline of waiting for a turn to read a body and reading it.
     #[arg(long, env = "SETTLE_WEBHOOK_BODY_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
     pub webhook_body_timeout: Duration,
+    // The metrics and probe ports (issue 18 item 6).
+    /// Where the kubelet's /healthz and /readyz are served (HTTP), apart from the metrics port so
+    /// that scrapes and idle connections there can never fail a probe.
+    #[arg(long, env = "SETTLE_PROBE_ADDR", default_value = "0.0.0.0:8081")]
+    pub probe_addr: SocketAddr,
+    /// Metrics-port connections open at most; one more is closed as soon as it is accepted (and
+    /// counted in settle_metrics_connections_refused_total).
+    #[arg(long, env = "SETTLE_METRICS_MAX_CONNECTIONS", default_value = "64")]
+    pub metrics_max_connections: NonZeroUsize,
+    /// Probe-port connections open at most (settle_probe_connections_refused_total).
+    #[arg(long, env = "SETTLE_PROBE_MAX_CONNECTIONS", default_value = "16")]
+    pub probe_max_connections: NonZeroUsize,
+    /// On the metrics and probe ports: deadline from accept to the first request's headers (the
+    /// TLS handshake included under --metrics-auth), and of each later request's headers.
+    #[arg(long, env = "SETTLE_METRICS_FIRST_REQUEST_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
+    pub metrics_first_request_timeout: Duration,
+    /// On the metrics and probe ports: a connection with no request in flight for this long is
+    /// closed.
+    #[arg(long, env = "SETTLE_METRICS_IDLE_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
+    pub metrics_idle_timeout: Duration,
+    /// Serve /metrics over HTTPS (the webhook's certificate) and only to a bearer token the API
+    /// server authenticates (TokenReview) and allows to get /metrics (SubjectAccessReview).
+    #[arg(
+        long,
+        env = "SETTLE_METRICS_AUTH",
+        default_value_t = false,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    pub metrics_auth: bool,
+    /// How long a token's verdict is remembered under --metrics-auth.
+    #[arg(long, env = "SETTLE_METRICS_AUTH_CACHE_TTL", default_value = "10s", value_parser = positive_duration)]
+    pub metrics_auth_cache_ttl: Duration,
+    /// Tokens whose verdicts are remembered at most; one more evicts the one closest to expiry
+    /// (counted in settle_metrics_auth_cache_evicted_total).
+    #[arg(long, env = "SETTLE_METRICS_AUTH_CACHE_SIZE", default_value = "256")]
+    pub metrics_auth_cache_size: NonZeroUsize,
     /// An HTTP/2 connection silent for this long is pinged.
     #[arg(long, env = "SETTLE_WEBHOOK_H2_KEEPALIVE_INTERVAL", default_value = "20s", value_parser = positive_duration)]
     pub webhook_h2_keepalive_interval: Duration,
@@ -194,6 +233,24 @@ pub struct OperatorArgs {
 }
 
 impl OperatorArgs {
+    /// The metrics and probe ports' settings from these flags.
+    pub fn health_config(&self) -> health::HealthConfig {
+        health::HealthConfig {
+            metrics_addr: self.metrics_addr,
+            metrics_limits: health::limits(
+                self.metrics_max_connections.get(),
+                self.metrics_first_request_timeout,
+                self.metrics_idle_timeout,
+            ),
+            probe_addr: self.probe_addr,
+            probe_limits: health::limits(
+                self.probe_max_connections.get(),
+                self.metrics_first_request_timeout,
+                self.metrics_idle_timeout,
+            ),
+        }
+    }
+
     /// The webhook server's settings from these flags.
     pub fn webhook_config(&self) -> WebhookConfig {
         WebhookConfig {
@@ -349,11 +406,25 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     tracing::info!(addr = %webhook.local_addr()?, "admission webhook bound");
     // The controllers run while this replica leads; /readyz waits for their caches too.
     let readiness = reconcile::Readiness::default();
+    let metrics_auth = if args.metrics_auth {
+        let authorizer = auth::Authorizer::new(
+            client.clone(),
+            auth::AuthConfig {
+                cache_ttl: args.metrics_auth_cache_ttl,
+                cache_size: args.metrics_auth_cache_size.get(),
+            },
+            &registry,
+        )?;
+        Some((authorizer, serving.resolver.clone()))
+    } else {
+        None
+    };
     let health = health::Server::bind(
-        args.metrics_addr,
+        args.health_config(),
         registry.clone(),
         store.clone(),
         readiness.clone(),
+        metrics_auth,
     )
     .await?;
     let controllers = reconcile::run(
@@ -491,6 +562,34 @@ mod tests {
             args.webhook_config(),
             WebhookConfig::new(args.webhook_addr),
             "the flags' defaults (and so the README's) must be WebhookConfig::new's"
+        );
+    }
+
+    #[test]
+    fn metrics_and_probe_flags_default_to_separate_bounded_ports_without_auth() {
+        let args = parse(&[]).expect("no flags parse");
+        let config = args.health_config();
+        assert_eq!(config.metrics_addr.port(), 8080);
+        assert_eq!(config.probe_addr.port(), 8081);
+        assert_eq!(config.metrics_limits.max_connections, 64);
+        assert_eq!(config.probe_limits.max_connections, 16);
+        assert_eq!(
+            config.metrics_limits.first_request_timeout,
+            Duration::from_secs(5)
+        );
+        assert_eq!(config.metrics_limits.idle_timeout, Duration::from_secs(60));
+        assert!(!args.metrics_auth);
+
+        let args = parse(&["--metrics-auth", "--metrics-max-connections", "3"]).expect("parses");
+        assert!(args.metrics_auth);
+        assert_eq!(args.health_config().metrics_limits.max_connections, 3);
+        let err = parse(&["--metrics-max-connections=0"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("--metrics-max-connections")),
+            "{err:?}"
         );
     }
 

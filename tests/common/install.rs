@@ -196,12 +196,13 @@ pub fn assert_operator_rbac(
             other.into(),
             true,
         ),
+        // Status is written by server-side apply (patch), never by update.
         (
             "update",
             "subscriptions.messaging.settle.dev".into(),
             "status",
             other.into(),
-            true,
+            false,
         ),
         // patch on the object itself is for the finalizer only; it never writes a spec.
         (
@@ -232,12 +233,13 @@ pub fn assert_operator_rbac(
             other.into(),
             false,
         ),
+        // The operator sets no ownerReferences, so it needs nothing on finalizers.
         (
             "update",
             "subscriptions.messaging.settle.dev".into(),
             "finalizers",
             other.into(),
-            true,
+            false,
         ),
         (
             "list",
@@ -267,7 +269,8 @@ pub fn assert_operator_rbac(
             other.into(),
             false,
         ),
-        ("create", "events".into(), "", other.into(), true),
+        // kube's Recorder writes events.k8s.io/v1 Events only.
+        ("create", "events".into(), "", other.into(), false),
         (
             "create",
             "events.events.k8s.io".into(),
@@ -285,6 +288,30 @@ pub fn assert_operator_rbac(
         ),
         ("update", lease.clone(), "", own.into(), true),
         ("get", lease.clone(), "", own.into(), true),
+        // Its own Lease only, and only the verbs the code calls.
+        (
+            "get",
+            "leases.coordination.k8s.io/someone-elses".into(),
+            "",
+            own.into(),
+            false,
+        ),
+        ("patch", lease.clone(), "", own.into(), false),
+        (
+            "watch",
+            "leases.coordination.k8s.io".into(),
+            "",
+            own.into(),
+            false,
+        ),
+        // metrics.auth is off by default: no token or access reviews.
+        (
+            "create",
+            "tokenreviews.authentication.k8s.io".into(),
+            "",
+            "".into(),
+            false,
+        ),
         (
             "create",
             "leases.coordination.k8s.io".into(),

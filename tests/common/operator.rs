@@ -80,6 +80,7 @@ impl Operator {
         let defaults = [
             ("--webhook-addr", webhook_addr.as_str()),
             ("--metrics-addr", metrics_addr.as_str()),
+            ("--probe-addr", "127.0.0.1:0"),
             ("--namespace", home),
             ("--webhook-secret", "settle-reconcile-tls"),
             ("--webhook-configuration", ""),

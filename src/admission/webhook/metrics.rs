@@ -10,15 +10,15 @@
 //! - `settle_webhook_requests_rejected_total{reason}`: requests refused before a review was read
 //!   (too large, too slow, unreadable, or no turn to be read in time).
 //!
-//! This file must not decide or serve anything; it only counts what `server` and `connection`
-//! report.
+//! The connection metrics are `crate::serve`'s, named `webhook`. This file must not decide or
+//! serve anything; it only counts what `server` reports.
 
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
 
-use super::connection::Closed;
 use super::review::Answer;
+use crate::serve::ConnectionMetrics;
 
 /// Why a request was refused before its review was read; the label of
 /// `settle_webhook_requests_rejected_total`.
@@ -53,9 +53,7 @@ impl Rejected {
 pub struct WebhookMetrics {
     requests: IntCounterVec,
     duration: Histogram,
-    open: IntGauge,
-    refused: IntCounter,
-    closed: IntCounterVec,
+    pub(super) connections: ConnectionMetrics,
     reading: IntGauge,
     waiting: IntGauge,
     rejected: IntCounterVec,
@@ -81,22 +79,8 @@ impl WebhookMetrics {
                 1.0, 2.5, 5.0, 10.0,
             ]),
         )?;
-        let open = IntGauge::new(
-            "settle_webhook_connections_open",
-            "Connections to the admission webhook open now (TLS handshake included).",
-        )?;
-        let refused = IntCounter::new(
-            "settle_webhook_connections_refused_total",
-            "Connections closed as soon as accepted because --webhook-max-connections were open.",
-        )?;
-        let closed = IntCounterVec::new(
-            Opts::new(
-                "settle_webhook_connections_closed_total",
-                "Webhook connections ended, by why: client, error, tls_handshake_failed, \
-                 tls_handshake_timeout, first_request_timeout, idle_timeout, shutdown.",
-            ),
-            &["reason"],
-        )?;
+        let connections =
+            ConnectionMetrics::register(registry, "webhook", "--webhook-max-connections", true)?;
         let reading = IntGauge::new(
             "settle_webhook_reviews_reading",
             "Review bodies being read and parsed now (at most --webhook-max-concurrent-reviews).",
@@ -113,26 +97,18 @@ impl WebhookMetrics {
             ),
             &["reason"],
         )?;
-        for why in Closed::ALL {
-            closed.with_label_values(&[why.label()]);
-        }
         for why in Rejected::ALL {
             rejected.with_label_values(&[why.label()]);
         }
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
-        registry.register(Box::new(open.clone()))?;
-        registry.register(Box::new(refused.clone()))?;
-        registry.register(Box::new(closed.clone()))?;
         registry.register(Box::new(reading.clone()))?;
         registry.register(Box::new(waiting.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         Ok(WebhookMetrics {
             requests,
             duration,
-            open,
-            refused,
-            closed,
+            connections,
             reading,
             waiting,
             rejected,
@@ -148,22 +124,6 @@ impl WebhookMetrics {
             .with_label_values(&[operation, if answer.allowed { "true" } else { "false" }])
             .inc();
         self.duration.observe(elapsed.as_secs_f64());
-    }
-
-    pub(super) fn connection_opened(&self) {
-        self.open.inc();
-    }
-
-    pub(super) fn connection_gone(&self) {
-        self.open.dec();
-    }
-
-    pub(super) fn connection_refused(&self) {
-        self.refused.inc();
-    }
-
-    pub(super) fn connection_closed(&self, why: Closed) {
-        self.closed.with_label_values(&[why.label()]).inc();
     }
 
     /// Counts a body being read until the returned guard is dropped.

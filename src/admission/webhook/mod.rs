@@ -13,11 +13,10 @@
 //! exactly like the others), and must never panic or hang on what a client sends: malformed
 //! input gets a 400 or a denial that says why, and a Backend it cannot read fails closed.
 //!
-//! The parts: `lookup` (finding Backends), `review` (one body, one answer), `metrics`, `server`
-//! (HTTPS: the connection cap, body limit and reading turns) and `connection` (one connection's
-//! deadlines).
+//! The parts: `lookup` (finding Backends), `review` (one body, one answer), `metrics` and
+//! `server` (HTTPS: the body limit and reading turns; the connection cap and each connection's
+//! deadlines are `crate::serve`'s).
 
-mod connection;
 mod lookup;
 mod metrics;
 mod review;
@@ -25,7 +24,7 @@ mod server;
 
 use std::time::Duration;
 
-pub use connection::CLOSE_GRACE;
+pub use crate::serve::CLOSE_GRACE;
 pub use lookup::{BackendLookup, LookupError, StaticLookup, StoreLookup};
 pub use metrics::WebhookMetrics;
 pub use review::review;

@@ -3,9 +3,10 @@
 //!
 //! What a client can hold, and for how long, is bounded: at most `max_connections` connections
 //! are open (a connection beyond is closed as soon as it is accepted, and counted), each phase of
-//! a connection has a deadline (`connection`), a body is at most `max_body_bytes`, and at most
-//! `max_concurrent_reviews` bodies are read and parsed at once, so a burst of big reviews costs
-//! about `max_concurrent_reviews × max_body_bytes` and no more.
+//! a connection has a deadline (both `crate::serve`'s, shared with the metrics port), a body is
+//! at most `max_body_bytes`, and at most `max_concurrent_reviews` bodies are read and parsed at
+//! once, so a burst of big reviews costs about `max_concurrent_reviews × max_body_bytes` and no
+//! more.
 //!
 //! This file must not decide admission (it hands each body to `review`) and must never let a
 //! client hang it: every wait has a deadline and every body a size limit.
@@ -13,7 +14,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{Method, Request, Response, StatusCode, header};
@@ -21,15 +21,15 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use prometheus::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, Semaphore, watch};
+use tokio::sync::Semaphore;
 use tokio_rustls::TlsAcceptor;
 
 use super::LOOKUP_TIMEOUT;
-use super::connection;
 use super::lookup::BackendLookup;
 use super::metrics::{Rejected, WebhookMetrics};
 use super::review;
 use crate::admission::certs::{CertResolver, crypto_provider};
+use crate::serve;
 
 /// The largest AdmissionReview body accepted by default: 7 MiB.
 ///
@@ -73,6 +73,20 @@ pub struct WebhookConfig {
 }
 
 impl WebhookConfig {
+    /// What one connection may hold, and for how long.
+    pub fn limits(&self) -> serve::Limits {
+        serve::Limits {
+            max_connections: self.max_connections,
+            tls_handshake_timeout: self.tls_handshake_timeout,
+            first_request_timeout: self.first_request_timeout,
+            header_read_timeout: self.header_read_timeout,
+            h2_keepalive_interval: self.h2_keepalive_interval,
+            h2_keepalive_timeout: self.h2_keepalive_timeout,
+            idle_timeout: self.idle_timeout,
+            request_timeout: self.body_timeout + LOOKUP_TIMEOUT,
+        }
+    }
+
     /// The defaults, listening on `addr`.
     pub fn new(addr: SocketAddr) -> Self {
         WebhookConfig {
@@ -172,10 +186,6 @@ impl Server {
             shared,
         } = self;
         let config = shared.config.clone();
-        let builder = Arc::new(connection::http_builder(&config));
-        let open = Arc::new(OpenConnections::default());
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let mut refusals = RefusalLog::default();
         tracing::info!(
             addr = %listener.local_addr()?,
             max_connections = config.max_connections,
@@ -183,132 +193,22 @@ impl Server {
             max_body_bytes = config.max_body_bytes,
             "admission webhook listening"
         );
-
-        tokio::pin!(shutdown);
-        loop {
-            let (tcp, peer) = tokio::select! {
-                () = &mut shutdown => break,
-                accepted = listener.accept() => match accepted {
-                    Ok(conn) => conn,
-                    Err(e) => {
-                        // Out of file descriptors and the like: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let Some(slot) = open.try_take(config.max_connections, &shared.metrics) else {
-                // Refused at once, not queued: closing the socket tells the client now.
-                drop(tcp);
-                shared.metrics.connection_refused();
-                refusals.refused(config.max_connections);
-                continue;
-            };
-            let _ = tcp.set_nodelay(true);
-            let (acceptor, builder, config, stop) = (
-                acceptor.clone(),
-                builder.clone(),
-                config.clone(),
-                stop_rx.clone(),
-            );
-            let handler = {
+        let server = serve::Bounded {
+            listener,
+            tls: Some(acceptor),
+            limits: config.limits(),
+            metrics: shared.metrics.connections.clone(),
+            what: "admission webhook",
+            cap_flag: "--webhook-max-connections",
+        };
+        server
+            .run(shutdown, move |req| {
                 let shared = shared.clone();
-                move |req| {
-                    let shared = shared.clone();
-                    async move { handle(&shared, req).await }
-                }
-            };
-            let shared = shared.clone();
-            tokio::spawn(async move {
-                let why =
-                    connection::serve(tcp, peer, acceptor, builder, config, stop, handler).await;
-                shared.metrics.connection_closed(why);
-                drop(slot);
-            });
-        }
-        drop(listener);
-        let _ = stop_tx.send(true);
-        let grace = config.body_timeout + LOOKUP_TIMEOUT + connection::CLOSE_GRACE;
-        if tokio::time::timeout(grace, open.all_closed())
-            .await
-            .is_err()
-        {
-            tracing::warn!("admission webhook stopped with connections still open");
-        }
+                async move { handle(&shared, req).await }
+            })
+            .await;
         tracing::info!("admission webhook stopped");
         Ok(())
-    }
-}
-
-/// The count of open connections, kept in step with `settle_webhook_connections_open`.
-#[derive(Default)]
-struct OpenConnections {
-    count: AtomicUsize,
-    closed: Notify,
-}
-
-/// One open connection's place; given back when dropped.
-struct Slot {
-    open: Arc<OpenConnections>,
-    metrics: WebhookMetrics,
-}
-
-impl OpenConnections {
-    fn try_take(self: &Arc<Self>, max: usize, metrics: &WebhookMetrics) -> Option<Slot> {
-        self.count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()?;
-        metrics.connection_opened();
-        Some(Slot {
-            open: self.clone(),
-            metrics: metrics.clone(),
-        })
-    }
-
-    async fn all_closed(&self) {
-        loop {
-            let closed = self.closed.notified();
-            if self.count.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            closed.await;
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.metrics.connection_gone();
-        if self.open.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.open.closed.notify_waiters();
-        }
-    }
-}
-
-/// Warns about refused connections at most once a minute, with how many there were.
-#[derive(Default)]
-struct RefusalLog {
-    last: Option<Instant>,
-    since: u64,
-}
-
-impl RefusalLog {
-    const EVERY: Duration = Duration::from_secs(60);
-
-    fn refused(&mut self, max: usize) {
-        self.since += 1;
-        if self.last.is_none_or(|t| t.elapsed() >= Self::EVERY) {
-            tracing::warn!(
-                refused = self.since,
-                max_connections = max,
-                "refusing new webhook connections: the maximum is open (raise --webhook-max-connections if the API server is among those refused)"
-            );
-            self.last = Some(Instant::now());
-            self.since = 0;
-        }
     }
 }
 

@@ -2,15 +2,16 @@
 //!
 //! | phase | deadline |
 //! |---|---|
-//! | TLS handshake | `tls_handshake_timeout` |
+//! | TLS handshake (a server with TLS) | `tls_handshake_timeout` |
 //! | first bytes to the first request's headers (protocol detection, the HTTP/2 preface and SETTINGS, HTTP/1.1 headers) | `first_request_timeout` |
 //! | each later HTTP/1.1 request's headers | `header_read_timeout` (hyper) |
 //! | an HTTP/2 peer that stops answering pings | `h2_keepalive_interval` + `h2_keepalive_timeout` (hyper) |
 //! | no request in flight (HTTP/1.1 keep-alive or HTTP/2) | `idle_timeout`, then a graceful close (HTTP/2: GOAWAY) |
 //! | a graceful close the peer does not finish | [`CLOSE_GRACE`], or the time a request in flight may still take |
 //!
-//! Request bodies have their own deadline in `server`. This file must not read bodies or decide
-//! anything: it runs hyper on the connection and ends it when a deadline passes, reporting why.
+//! Request bodies are the handler's (the webhook's `server` gives them their own deadline). This
+//! file must not read bodies or decide anything: it runs hyper on the connection and ends it when
+//! a deadline passes, reporting why.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -28,16 +29,15 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::LOOKUP_TIMEOUT;
-use super::server::WebhookConfig;
+use super::Limits;
 
 /// How long a connection closed gracefully for being idle may take to finish the close (the
 /// HTTP/2 GOAWAY and PING round trip) before it is dropped.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
-/// Why a connection ended; the label of `settle_webhook_connections_closed_total`.
+/// Why a connection ended; the label of `settle_<server>_connections_closed_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Closed {
+pub enum Closed {
     /// The client closed it, or it ended after a graceful close the client finished.
     Client,
     /// An HTTP error: bad framing, an HTTP/1.1 header read timeout, an HTTP/2 ping unanswered.
@@ -50,7 +50,7 @@ pub(super) enum Closed {
 }
 
 impl Closed {
-    pub(super) const ALL: [Closed; 7] = [
+    pub const ALL: [Closed; 7] = [
         Closed::Client,
         Closed::Error,
         Closed::TlsHandshakeFailed,
@@ -60,7 +60,7 @@ impl Closed {
         Closed::Shutdown,
     ];
 
-    pub(super) fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Closed::Client => "client",
             Closed::Error => "error",
@@ -82,7 +82,7 @@ const H2_STREAM_WINDOW: u32 = 64 << 10;
 const H2_MAX_STREAMS: u32 = 16;
 
 /// The HTTP/1.1 and HTTP/2 settings every connection is served with.
-pub(super) fn http_builder(config: &WebhookConfig) -> auto::Builder<TokioExecutor> {
+pub fn http_builder(config: &Limits) -> auto::Builder<TokioExecutor> {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -132,11 +132,7 @@ impl Activity {
 
     /// When the connection is next due a look, and why it would close then (`None`: a request
     /// is in flight; look again later).
-    fn next_deadline(
-        &self,
-        served_since: Instant,
-        config: &WebhookConfig,
-    ) -> (Instant, Option<Closed>) {
+    fn next_deadline(&self, served_since: Instant, config: &Limits) -> (Instant, Option<Closed>) {
         let c = self.counts();
         if c.begun == 0 {
             (
@@ -152,7 +148,7 @@ impl Activity {
     }
 
     /// Why the connection should close now, if a deadline has passed.
-    fn due(&self, served_since: Instant, config: &WebhookConfig) -> Option<Closed> {
+    fn due(&self, served_since: Instant, config: &Limits) -> Option<Closed> {
         let (deadline, why) = self.next_deadline(served_since, config);
         why.filter(|_| deadline <= Instant::now())
     }
@@ -166,22 +162,25 @@ impl Drop for InFlight {
     }
 }
 
-/// Serves one accepted connection until it ends, and says why it ended. `stop` turns true when
-/// the server shuts down: the connection is then closed gracefully, letting requests in flight
-/// finish.
+/// Serves one accepted connection (over TLS when `acceptor` is given) until it ends, and says why
+/// it ended. `stop` turns true when the server shuts down: the connection is then closed
+/// gracefully, letting requests in flight finish.
 pub(super) async fn serve<H, F>(
     tcp: TcpStream,
     peer: SocketAddr,
-    acceptor: TlsAcceptor,
+    acceptor: Option<TlsAcceptor>,
     builder: Arc<auto::Builder<TokioExecutor>>,
-    config: WebhookConfig,
-    mut stop: watch::Receiver<bool>,
+    config: Limits,
+    stop: watch::Receiver<bool>,
     handle: H,
 ) -> Closed
 where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
+    let Some(acceptor) = acceptor else {
+        return serve_http(TokioIo::new(tcp), peer, builder, config, stop, handle).await;
+    };
     let tls = match tokio::time::timeout(config.tls_handshake_timeout, acceptor.accept(tcp)).await {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
@@ -193,6 +192,23 @@ where
             return Closed::TlsHandshakeTimeout;
         }
     };
+    serve_http(TokioIo::new(tls), peer, builder, config, stop, handle).await
+}
+
+/// HTTP on a connection (after TLS, if any), with the deadlines of the table above.
+async fn serve_http<I, H, F>(
+    io: TokioIo<I>,
+    peer: SocketAddr,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    config: Limits,
+    mut stop: watch::Receiver<bool>,
+    handle: H,
+) -> Closed
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
     let served_since = Instant::now();
     let activity = Activity::default();
     let service = {
@@ -207,7 +223,7 @@ where
             }
         })
     };
-    let conn = builder.serve_connection(TokioIo::new(tls), service);
+    let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
 
     // Set once the connection is being closed: why, and when it is dropped at the latest.
@@ -252,7 +268,7 @@ where
                     conn.as_mut().graceful_shutdown();
                     closing = Some((
                         Closed::Shutdown,
-                        Instant::now() + config.body_timeout + LOOKUP_TIMEOUT,
+                        Instant::now() + config.request_timeout,
                     ));
                 }
             }
@@ -262,9 +278,9 @@ where
 
 /// How long a graceful close may take: [`CLOSE_GRACE`], or, if a request slipped in just as the
 /// connection went idle, as long as that request may take.
-fn grace(activity: &Activity, config: &WebhookConfig) -> Duration {
+fn grace(activity: &Activity, config: &Limits) -> Duration {
     if activity.in_flight() > 0 {
-        config.body_timeout + LOOKUP_TIMEOUT
+        config.request_timeout
     } else {
         CLOSE_GRACE
     }
