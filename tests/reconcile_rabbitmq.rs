@@ -103,7 +103,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     assert_ne!(bare, env.rabbitmq_url, "the URL carries guest:guest");
     let secret = |password: &str| {
         format!(
-            "apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbit-creds}}\nstringData: {{username: guest, password: {password}}}\n"
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbit-creds, labels: {{settle.dev/backend-credentials: \"true\"}}}}\nstringData: {{username: guest, password: {password}}}\n"
         )
     };
     apply(&ns, &secret("wrong"));
