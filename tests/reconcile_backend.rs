@@ -130,7 +130,7 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
         None,
     );
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&fixed));
-    wait_ready(&api, "auth", "True", "Connected").await;
+    wait_ready(&api, "auth", "True", "PlaintextCredentials").await;
 
     // A Secret that does not exist: SecretMissing, naming it.
     kubectl_ok(

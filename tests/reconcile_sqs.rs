@@ -136,7 +136,7 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
             env.sqs_endpoint
         ),
     );
-    let b = wait_backend(&backends(&ns).await, "sqs", "True", "Connected").await;
+    let b = wait_backend(&backends(&ns).await, "sqs", "True", "PlaintextCredentials").await;
     let caps = b.status.and_then(|s| s.capabilities).expect("capabilities");
     assert_eq!(caps, capabilities_of(BackendKind::Sqs));
     assert_eq!(

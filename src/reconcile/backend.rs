@@ -98,6 +98,25 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
             }
         }
     };
+    // A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
+    let plaintext = crate::policy::plaintext_with_credentials(s);
+    let outcome = match outcome {
+        BackendOutcome::Connected { version } | BackendOutcome::Reached { version, .. }
+            if !plaintext.is_empty() =>
+        {
+            let message = format!(
+                "connected, but the credentials travel unencrypted: {}",
+                plaintext
+                    .iter()
+                    .map(|(field, m)| format!("{field}: {m}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+            warn_event(&ctx, &b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
+            BackendOutcome::Plaintext { version, message }
+        }
+        other => other,
+    };
     let now = Time(Timestamp::now());
     if let Some(patch) = backend_status(
         b.status.as_ref(),
@@ -137,6 +156,7 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         outcome,
         BackendOutcome::Connected { .. }
             | BackendOutcome::Reached { .. }
+            | BackendOutcome::Plaintext { .. }
             | BackendOutcome::InProcess
     );
     let fkey = format!("backend/{}/{}", key.0, key.1);
@@ -166,18 +186,23 @@ async fn refused(
     ctx.conns.remove(key);
     ctx.conns.fail(key, message.clone());
     tracing::warn!(backend = %format!("{}/{}", key.0, key.1), %reason, %message, "Backend refused: not connecting");
+    warn_event(ctx, b, reason, &message).await;
+    BackendOutcome::Down { reason, message }
+}
+
+/// A Warning Event on the Backend (the Recorder folds repeats into a series).
+async fn warn_event(ctx: &Ctx, b: &Backend, reason: &str, message: &str) {
     ctx.metrics.kube(BACKEND, "event");
     let ev = Event {
         type_: EventType::Warning,
         reason: reason.to_string(),
-        note: Some(message.clone()),
+        note: Some(message.chars().take(1024).collect()),
         action: "Connect".into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &b.object_ref(&())).await {
         tracing::warn!(backend = %b.name_any(), error = %e, "could not record an Event");
     }
-    BackendOutcome::Down { reason, message }
 }
 
 /// Reads every Secret the Backend names, once. Data is only used after [`backend_access`]

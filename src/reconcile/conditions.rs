@@ -61,6 +61,8 @@ pub mod reasons {
     pub const HOST_NOT_ALLOWED: &str = "HostNotAllowed";
     /// Ready=False: SQS without a Secret outside `--sqs-pod-identity-namespaces` (A20).
     pub const POD_IDENTITY_NOT_ALLOWED: &str = "PodIdentityNotAllowed";
+    /// Ready=True: connected, but the credentials travel unencrypted (A21); also a Warning Event.
+    pub const PLAINTEXT_CREDENTIALS: &str = "PlaintextCredentials";
     /// The Backend's settings cannot be used (an URL that does not parse, no SQS region, a
     /// management API that answers something else).
     pub const BAD_CONFIG: &str = "BadConfig";
