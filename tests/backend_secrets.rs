@@ -164,7 +164,11 @@ async fn a_backend_naming_an_unlabelled_secret_is_refused_at_apply_and_so_is_a_c
     secret(&ns, "creds", "s3cr3t");
     let out = kubectl(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&nats_backend("nats", "nats://127.0.0.1:4222", Some("creds"))),
+        Some(&nats_backend(
+            "nats",
+            "nats://127.0.0.1:4222",
+            Some("creds"),
+        )),
     );
     let stderr = refused(&out);
     assert!(
@@ -222,12 +226,18 @@ async fn a_backend_naming_an_unlabelled_secret_is_refused_at_apply_and_so_is_a_c
     common::label_backend_secret(&ns, "creds");
     let out = kubectl(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&nats_backend("nats", "nats://127.0.0.1:4222", Some("creds"))),
+        Some(&nats_backend(
+            "nats",
+            "nats://127.0.0.1:4222",
+            Some("creds"),
+        )),
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("Warning: spec.nats.servers[0]: sends the credentials Secret's credentials unencrypted"),
+        stderr.contains(
+            "Warning: spec.nats.servers[0]: sends the credentials Secret's credentials unencrypted"
+        ),
         "{stderr}"
     );
 
@@ -244,10 +254,21 @@ async fn a_backend_naming_an_unlabelled_secret_is_refused_at_apply_and_so_is_a_c
         "{stderr}"
     );
     let kind = kubectl_ok(
-        &["get", "backend", "nats", "-n", &ns, "-o", "jsonpath={.spec}"],
+        &[
+            "get",
+            "backend",
+            "nats",
+            "-n",
+            &ns,
+            "-o",
+            "jsonpath={.spec}",
+        ],
         None,
     );
-    assert!(kind.contains("\"nats\"") && !kind.contains("rabbitmq"), "{kind}");
+    assert!(
+        kind.contains("\"nats\"") && !kind.contains("rabbitmq"),
+        "{kind}"
+    );
 
     // A14: the Secret loses its label; a label on the stored Backend (spec unchanged) still
     // goes through, and a change of its spec is judged again.
@@ -262,10 +283,7 @@ async fn a_backend_naming_an_unlabelled_secret_is_refused_at_apply_and_so_is_a_c
         ],
         None,
     );
-    kubectl_ok(
-        &["label", "backend", "nats", "-n", &ns, "team=a"],
-        None,
-    );
+    kubectl_ok(&["label", "backend", "nats", "-n", &ns, "team=a"], None);
     let out = kubectl(
         &["apply", "-n", &ns, "-f", "-"],
         Some(&nats_backend("nats", "tls://127.0.0.1:4222", Some("creds"))),
@@ -329,7 +347,10 @@ async fn the_operator_never_sends_an_unlabelled_secret_nor_connects_to_a_host_no
         "{m}"
     );
     let note = wait_event(&ns, "trap", "SecretNotLabelled").await;
-    assert!(note.contains("spec.nats.credentialsSecretRef.name"), "{note}");
+    assert!(
+        note.contains("spec.nats.credentialsSecretRef.name"),
+        "{note}"
+    );
 
     let b = wait_backend(&api, "elsewhere", "False", "HostNotAllowed").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
@@ -340,8 +361,16 @@ async fn the_operator_never_sends_an_unlabelled_secret_nor_connects_to_a_host_no
     wait_backend(&api, "sqs", "False", "PodIdentityNotAllowed").await;
 
     // Status was written after the decision, which comes before any connection: none came.
-    assert_eq!(trap.seen(), Vec::<String>::new(), "the unlabelled Secret's Backend connected");
-    assert_eq!(elsewhere.seen(), Vec::<String>::new(), "a host not allowed was connected to");
+    assert_eq!(
+        trap.seen(),
+        Vec::<String>::new(),
+        "the unlabelled Secret's Backend connected"
+    );
+    assert_eq!(
+        elsewhere.seen(),
+        Vec::<String>::new(),
+        "a host not allowed was connected to"
+    );
 
     // Labelled: the operator connects and sends it, so the silence above was the rule's doing.
     common::label_backend_secret(&ns, "creds");
@@ -350,7 +379,10 @@ async fn the_operator_never_sends_an_unlabelled_secret_nor_connects_to_a_host_no
         Duration::from_secs(60),
         || async {
             let seen = trap.seen();
-            if seen.iter().any(|l| l.starts_with("CONNECT ") && l.contains(&password)) {
+            if seen
+                .iter()
+                .any(|l| l.starts_with("CONNECT ") && l.contains(&password))
+            {
                 Ok(())
             } else {
                 Err(format!("seen: {seen:?}"))

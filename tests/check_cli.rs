@@ -123,7 +123,10 @@ fn backends_are_checked_with_the_labels_of_the_secrets_in_the_same_input() {
     );
     assert!(out.contains("Backend a/good ok"), "{out}");
     assert!(out.contains("Backend a/url REFUSED"), "{out}");
-    assert!(out.contains("error: spec.rabbitmq.urls[0]: holds credentials"), "{out}");
+    assert!(
+        out.contains("error: spec.rabbitmq.urls[0]: holds credentials"),
+        "{out}"
+    );
     assert!(!out.contains("hunter2"), "{out}");
     assert!(out.contains("3 checked, 2 refused"), "{out}");
 }

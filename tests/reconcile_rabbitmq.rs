@@ -116,7 +116,13 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     );
     wait_backend(&backends(&ns).await, "secured", "False", "AuthFailed").await;
     apply(&ns, &secret("guest"));
-    wait_backend(&backends(&ns).await, "secured", "True", "PlaintextCredentials").await;
+    wait_backend(
+        &backends(&ns).await,
+        "secured",
+        "True",
+        "PlaintextCredentials",
+    )
+    .await;
     // A closed port is Unreachable, and names the field to check.
     let closed = format!("amqp://guest:guest@127.0.0.1:{}/%2f", common::free_port());
     apply(

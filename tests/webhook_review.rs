@@ -459,7 +459,12 @@ fn backend_request(operation: &str, spec: Value, old: Option<Value>) -> Value {
 async fn ask_backend(body: &Value, lookup: &dyn BackendLookup, rules: &BackendRules) -> Answer {
     let (status, reply) =
         review_with(&serde_json::to_vec(body).expect("encode"), lookup, rules).await;
-    assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&reply));
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&reply)
+    );
     parse_answer(&reply)
 }
 
@@ -472,19 +477,24 @@ async fn backends_are_judged_with_the_labels_of_the_secrets_they_name() {
         allowed_hosts: vec!["*.messaging.svc".parse().expect("a pattern")],
         ..BackendRules::default()
     };
-    let nats = |secret: &str, server: &str| {
-        json!({"nats": {"servers": [server], "credentialsSecretRef": {"name": secret}}})
-    };
+    let nats = |secret: &str, server: &str| json!({"nats": {"servers": [server], "credentialsSecretRef": {"name": secret}}});
     // Labelled, allowed host: admitted, warned that nats:// carries the credentials in plaintext.
     let a = ask_backend(
-        &backend_request("CREATE", nats("labelled", "nats://n.messaging.svc:4222"), None),
+        &backend_request(
+            "CREATE",
+            nats("labelled", "nats://n.messaging.svc:4222"),
+            None,
+        ),
         &lookup,
         &rules,
     )
     .await;
     assert!(a.allowed, "{a:?}");
     assert_eq!(a.warnings.len(), 1, "{a:?}");
-    assert!(a.warnings[0].starts_with("spec.nats.servers[0]: sends the credentials"), "{a:?}");
+    assert!(
+        a.warnings[0].starts_with("spec.nats.servers[0]: sends the credentials"),
+        "{a:?}"
+    );
     // Unlabelled: refused, naming the field and the label.
     let a = ask_backend(
         &backend_request("CREATE", nats("plain", "tls://n.messaging.svc:4222"), None),
@@ -509,20 +519,43 @@ async fn backends_are_judged_with_the_labels_of_the_secrets_they_name() {
     .await;
     let m = a.message.unwrap_or_default();
     assert!(!a.allowed);
-    assert!(m.contains("spec.rabbitmq.urls[0]: holds credentials"), "{m}");
-    assert!(m.contains("host \"evil.example\" is not among the broker hosts"), "{m}");
+    assert!(
+        m.contains("spec.rabbitmq.urls[0]: holds credentials"),
+        "{m}"
+    );
+    assert!(
+        m.contains("host \"evil.example\" is not among the broker hosts"),
+        "{m}"
+    );
     assert!(!m.contains("hunter2"), "{m}");
     // SQS without a Secret: pod identity, refused unless the namespace is listed.
     let sqs = json!({"sqs": {"region": "eu-west-1"}});
     let open = BackendRules::default();
-    let a = ask_backend(&backend_request("CREATE", sqs.clone(), None), &lookup, &open).await;
+    let a = ask_backend(
+        &backend_request("CREATE", sqs.clone(), None),
+        &lookup,
+        &open,
+    )
+    .await;
     assert!(!a.allowed);
-    assert!(a.message.unwrap_or_default().starts_with("spec.sqs.credentialsSecretRef: required in namespace team-a"));
+    assert!(
+        a.message
+            .unwrap_or_default()
+            .starts_with("spec.sqs.credentialsSecretRef: required in namespace team-a")
+    );
     let listed = BackendRules {
         pod_identity_namespaces: vec![NS.into()],
         ..BackendRules::default()
     };
-    assert!(ask_backend(&backend_request("CREATE", sqs.clone(), None), &lookup, &listed).await.allowed);
+    assert!(
+        ask_backend(
+            &backend_request("CREATE", sqs.clone(), None),
+            &lookup,
+            &listed
+        )
+        .await
+        .allowed
+    );
     // A14: an unchanged spec, or a Backend being deleted, is allowed whatever it names now.
     let stale = nats("plain", "nats://n.messaging.svc:4222");
     let a = ask_backend(
@@ -532,7 +565,11 @@ async fn backends_are_judged_with_the_labels_of_the_secrets_they_name() {
     )
     .await;
     assert!(a.allowed && a.warnings.is_empty(), "{a:?}");
-    let mut deleting = backend_request("UPDATE", stale.clone(), Some(nats("labelled", "nats://n.messaging.svc:4222")));
+    let mut deleting = backend_request(
+        "UPDATE",
+        stale.clone(),
+        Some(nats("labelled", "nats://n.messaging.svc:4222")),
+    );
     deleting["request"]["object"]["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
     assert!(ask_backend(&deleting, &lookup, &rules).await.allowed);
     // An unreadable Backend is a 400 that names the field.
@@ -544,10 +581,18 @@ async fn backends_are_judged_with_the_labels_of_the_secrets_they_name() {
     .await;
     assert!(!a.allowed);
     assert_eq!(a.code, Some(400));
-    assert!(a.message.unwrap_or_default().starts_with("the Backend could not be read: spec.nats.servers"));
+    assert!(
+        a.message
+            .unwrap_or_default()
+            .starts_with("the Backend could not be read: spec.nats.servers")
+    );
     // A Secret lookup that fails denies (fail closed).
     let a = ask_backend(
-        &backend_request("CREATE", nats("labelled", "tls://n.messaging.svc:4222"), None),
+        &backend_request(
+            "CREATE",
+            nats("labelled", "tls://n.messaging.svc:4222"),
+            None,
+        ),
         &FailingLookup,
         &rules,
     )

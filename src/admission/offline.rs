@@ -17,8 +17,8 @@ use serde::Deserialize;
 use super::read_subscription;
 use crate::api::{Backend, Capabilities};
 use crate::policy::{
-    BackendKind, BackendRules, BackendView, CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE,
-    FieldIssue, SecretView, capabilities_of, effective_capabilities, validate, validate_backend,
+    BackendKind, BackendRules, BackendView, CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE, FieldIssue,
+    SecretView, capabilities_of, effective_capabilities, validate, validate_backend,
 };
 
 /// Why input could not be checked at all.
@@ -254,11 +254,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
             source,
             object: object_name("Backend", &b.metadata),
             errors: verdict.errors.iter().map(FieldIssue::to_string).collect(),
-            warnings: verdict
-                .warnings
-                .iter()
-                .map(FieldIssue::to_string)
-                .collect(),
+            warnings: verdict.warnings.iter().map(FieldIssue::to_string).collect(),
             backend: None,
         });
     }

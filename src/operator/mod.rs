@@ -199,7 +199,11 @@ pub struct OperatorArgs {
     pub allowed_broker_hosts: Vec<String>,
     /// Namespaces whose SQS Backends may run without a Secret, as the operator pod's own cloud
     /// identity, comma-separated. Empty (the default): none (docs/semantics.md A20).
-    #[arg(long, env = "SETTLE_SQS_POD_IDENTITY_NAMESPACES", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "SETTLE_SQS_POD_IDENTITY_NAMESPACES",
+        value_delimiter = ','
+    )]
     pub sqs_pod_identity_namespaces: Vec<String>,
 }
 
@@ -549,9 +553,12 @@ mod tests {
         assert!(rules.allowed_hosts[0].matches("nats.messaging.svc"));
         assert_eq!(rules.pod_identity_namespaces, ["platform", "ops"]);
         assert_eq!(args.webhook_config().backend_rules, rules);
-        let err = parse(&["--allowed-broker-hosts", "a/b"]).err().map(|e| e.to_string());
+        let err = parse(&["--allowed-broker-hosts", "a/b"])
+            .err()
+            .map(|e| e.to_string());
         assert!(
-            err.as_deref().is_some_and(|e| e.contains("is not a host pattern")),
+            err.as_deref()
+                .is_some_and(|e| e.contains("is not a host pattern")),
             "{err:?}"
         );
     }

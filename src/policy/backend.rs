@@ -180,10 +180,7 @@ pub fn validate_backend(
     }
     for (field, name) in secrets_named(spec) {
         if let Err(why) = dns1123_subdomain(name) {
-            v.error(
-                field,
-                format!("{name:?} is not a Secret name: {why}"),
-            );
+            v.error(field, format!("{name:?} is not a Secret name: {why}"));
         }
     }
     access_rules(&mut v, spec, namespace, secrets, rules, true);
@@ -344,13 +341,19 @@ pub fn plaintext_with_credentials(spec: &BackendSpec) -> Vec<(String, String)> {
     };
     if let Some(n) = &spec.nats
         && n.credentials_secret_ref.is_some()
-        && n.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()).is_none()
+        && n.tls
+            .as_ref()
+            .and_then(|t| t.ca_secret_ref.as_ref())
+            .is_none()
     {
         for (i, s) in n.servers.iter().enumerate() {
             if scheme(s).as_deref() == Some("nats") {
                 out.push((
                     format!("spec.nats.servers[{i}]"),
-                    say("credentials", "use tls:// (or set spec.nats.tls.caSecretRef)"),
+                    say(
+                        "credentials",
+                        "use tls:// (or set spec.nats.tls.caSecretRef)",
+                    ),
                 ));
             }
         }
@@ -679,7 +682,11 @@ mod tests {
                 Some("https://rabbit.messaging:15672"),
                 Some("rabbit"),
             ),
-            sqs(Some("https://sqs.eu-west-1.amazonaws.com"), None, Some("aws")),
+            sqs(
+                Some("https://sqs.eu-west-1.amazonaws.com"),
+                None,
+                Some("aws"),
+            ),
             BackendSpec {
                 memory: Some(MemoryBackendSpec {}),
                 ..BackendSpec::default()
@@ -752,15 +759,27 @@ mod tests {
         let spec = rabbit(&["amqp://guest:s3cr3t@rabbit:5672/%2f"], None, None);
         let e = errors(&validate_backend(&spec, None, "ns", &labelled, &rules));
         assert!(
-            e.iter().any(|e| e.starts_with("spec.rabbitmq.urls[0]: holds credentials")
-                && e.contains("spec.rabbitmq.credentialsSecretRef")),
+            e.iter().any(
+                |e| e.starts_with("spec.rabbitmq.urls[0]: holds credentials")
+                    && e.contains("spec.rabbitmq.credentialsSecretRef")
+            ),
             "{e:?}"
         );
         assert!(!e.iter().any(|e| e.contains("s3cr3t")), "{e:?}");
         let many: Vec<String> = (0..17).map(|i| format!("nats://n{i}:4222")).collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
-        let e = errors(&validate_backend(&nats(&many, None), None, "ns", &labelled, &rules));
-        assert!(e.iter().any(|e| e.starts_with("spec.nats.servers: lists 17 URLs")), "{e:?}");
+        let e = errors(&validate_backend(
+            &nats(&many, None),
+            None,
+            "ns",
+            &labelled,
+            &rules,
+        ));
+        assert!(
+            e.iter()
+                .any(|e| e.starts_with("spec.nats.servers: lists 17 URLs")),
+            "{e:?}"
+        );
     }
 
     #[test]
@@ -774,7 +793,9 @@ mod tests {
         ));
         assert_eq!(e.len(), 1, "{e:?}");
         assert!(
-            e[0].starts_with("spec.nats.credentialsSecretRef.name: \"Bad_Name\" is not a Secret name"),
+            e[0].starts_with(
+                "spec.nats.credentialsSecretRef.name: \"Bad_Name\" is not a Secret name"
+            ),
             "{e:?}"
         );
     }
@@ -796,8 +817,18 @@ mod tests {
         let e = errors(&v);
         assert_eq!(e.len(), 1, "{e:?}");
         assert!(e[0].starts_with("spec.nats.credentialsSecretRef.name: Secret \"creds\" does not carry the label settle.dev/backend-credentials=true"), "{e:?}");
-        assert!(e[0].contains("kubectl label secret creds -n team-a settle.dev/backend-credentials=true"), "{e:?}");
-        assert_eq!(v.warnings.len(), 1, "the missing CA is a warning: {:?}", v.warnings);
+        assert!(
+            e[0].contains(
+                "kubectl label secret creds -n team-a settle.dev/backend-credentials=true"
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            v.warnings.len(),
+            1,
+            "the missing CA is a warning: {:?}",
+            v.warnings
+        );
         assert_eq!(v.warnings[0].field, "spec.nats.tls.caSecretRef.name");
         // The controller refuses the unlabelled one too, and says nothing of the missing one.
         let c = backend_access(&spec, "team-a", &views, &rules);
@@ -819,13 +850,26 @@ mod tests {
             nats(&["nats://A.B.Messaging.SVC:4222"], None),
         ];
         for spec in ok {
-            assert!(backend_access(&spec, "ns", &labelled, &rules).allowed(), "{spec:?}");
+            assert!(
+                backend_access(&spec, "ns", &labelled, &rules).allowed(),
+                "{spec:?}"
+            );
         }
         let refused = [
-            (nats(&["nats://messaging.svc:4222"], None), "spec.nats.servers[0]"),
-            (nats(&["nats://evil.example:4222"], None), "spec.nats.servers[0]"),
             (
-                rabbit(&["amqp://x.messaging.svc"], Some("http://metadata.internal"), None),
+                nats(&["nats://messaging.svc:4222"], None),
+                "spec.nats.servers[0]",
+            ),
+            (
+                nats(&["nats://evil.example:4222"], None),
+                "spec.nats.servers[0]",
+            ),
+            (
+                rabbit(
+                    &["amqp://x.messaging.svc"],
+                    Some("http://metadata.internal"),
+                    None,
+                ),
                 "spec.rabbitmq.managementUrl",
             ),
             (sqs(None, Some("eu-west-1"), Some("aws")), "spec.sqs.region"),
@@ -834,7 +878,11 @@ mod tests {
         for (spec, field) in refused {
             let e = errors(&backend_access(&spec, "ns", &labelled, &rules));
             assert_eq!(e.len(), 1, "{spec:?}: {e:?}");
-            assert!(e[0].starts_with(field) && e[0].contains("--allowed-broker-hosts") || e[0].contains("names no host"), "{e:?}");
+            assert!(
+                e[0].starts_with(field) && e[0].contains("--allowed-broker-hosts")
+                    || e[0].contains("names no host"),
+                "{e:?}"
+            );
         }
         assert!("".parse::<HostPattern>().is_err());
         assert!("*.".parse::<HostPattern>().is_err());
@@ -847,8 +895,14 @@ mod tests {
         let none = BackendRules::default();
         let e = errors(&backend_access(&spec, "team-a", &labelled, &none));
         assert_eq!(e.len(), 1, "{e:?}");
-        assert!(e[0].starts_with("spec.sqs.credentialsSecretRef: required in namespace team-a"), "{e:?}");
-        assert!(e[0].contains("--sqs-pod-identity-namespaces (none)"), "{e:?}");
+        assert!(
+            e[0].starts_with("spec.sqs.credentialsSecretRef: required in namespace team-a"),
+            "{e:?}"
+        );
+        assert!(
+            e[0].contains("--sqs-pod-identity-namespaces (none)"),
+            "{e:?}"
+        );
         let listed = BackendRules {
             pod_identity_namespaces: vec!["platform".into()],
             ..BackendRules::default()
@@ -865,12 +919,18 @@ mod tests {
         let rules = BackendRules::default();
         for (spec, field) in [
             (nats(&["nats://n:4222"], Some("c")), "spec.nats.servers[0]"),
-            (rabbit(&["amqp://r:5672"], None, Some("c")), "spec.rabbitmq.urls[0]"),
+            (
+                rabbit(&["amqp://r:5672"], None, Some("c")),
+                "spec.rabbitmq.urls[0]",
+            ),
             (
                 rabbit(&["amqps://r:5671"], Some("http://r:15672"), Some("c")),
                 "spec.rabbitmq.managementUrl",
             ),
-            (sqs(Some("http://e:9324"), None, Some("c")), "spec.sqs.endpoint"),
+            (
+                sqs(Some("http://e:9324"), None, Some("c")),
+                "spec.sqs.endpoint",
+            ),
         ] {
             let v = validate_backend(&spec, None, "ns", &labelled, &rules);
             assert!(v.allowed(), "{:?}", errors(&v));
@@ -891,6 +951,10 @@ mod tests {
         assert!(validate_backend(&old, Some(&old), "ns", &labelled, &rules).allowed());
         let new = rabbit(&["amqp://r:5672"], None, None);
         let e = errors(&validate_backend(&new, Some(&old), "ns", &labelled, &rules));
-        assert!(e.iter().any(|e| e.starts_with("spec: the backend kind") && e.contains("cannot change")), "{e:?}");
+        assert!(
+            e.iter()
+                .any(|e| e.starts_with("spec: the backend kind") && e.contains("cannot change")),
+            "{e:?}"
+        );
     }
 }

@@ -429,9 +429,11 @@ impl BackendOutcome {
                 },
             ),
             BackendOutcome::Down { reason, message } => r(Status::False, reason, message.clone()),
-            BackendOutcome::Plaintext { message, .. } => {
-                r(Status::True, reasons::PLAINTEXT_CREDENTIALS, message.clone())
-            }
+            BackendOutcome::Plaintext { message, .. } => r(
+                Status::True,
+                reasons::PLAINTEXT_CREDENTIALS,
+                message.clone(),
+            ),
             BackendOutcome::InProcess => r(
                 Status::True,
                 reasons::IN_PROCESS,

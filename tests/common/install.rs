@@ -91,7 +91,11 @@ pub fn assert_settle_webhook(what: &str, configuration: &Value) {
 }
 
 fn assert_one_webhook(what: &str, hook: &Value, resource: &str) {
-    assert_eq!(hook["name"], format!("{resource}.messaging.settle.dev"), "{what}");
+    assert_eq!(
+        hook["name"],
+        format!("{resource}.messaging.settle.dev"),
+        "{what}"
+    );
     assert_eq!(hook["failurePolicy"], "Fail", "{what}: fails closed");
     assert_eq!(hook["sideEffects"], "None", "{what}");
     assert_eq!(hook["matchPolicy"], "Equivalent", "{what}");
@@ -121,7 +125,10 @@ fn assert_one_webhook(what: &str, hook: &Value, resource: &str) {
 /// The webhook fields that must not differ between two shipped configurations (all but where
 /// the API server reaches the webhook and which namespaces it covers).
 pub fn webhook_behaviour(configuration: &Value) -> Value {
-    let hooks = configuration["webhooks"].as_array().cloned().unwrap_or_default();
+    let hooks = configuration["webhooks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     Value::Array(
         hooks
             .iter()

@@ -419,7 +419,8 @@ fn prepare(request: &RequestIn<'_>) -> Next {
 /// A Backend's part of [`prepare`]: read it (and the stored one), and allow an UPDATE of one
 /// being deleted or with its spec unchanged from the body alone (A14).
 fn prepare_backend(request: &RequestIn<'_>, object: &RawValue, update: bool) -> Next {
-    let deny = |message: String| Next::Decided(Box::new(Decision::deny(400, "BadRequest", message)));
+    let deny =
+        |message: String| Next::Decided(Box::new(Decision::deny(400, "BadRequest", message)));
     let new = match read_backend(object.get()) {
         Ok(b) => b,
         Err(why) => return deny(format!("the Backend could not be read: {why}")),
@@ -477,19 +478,18 @@ async fn judge_backend(
         if views.contains_key(name) {
             continue;
         }
-        let view = match tokio::time::timeout(LOOKUP_TIMEOUT, backends.secret(namespace, name))
-            .await
-        {
-            Ok(Ok(view)) => view,
-            Ok(Err(e)) => return secret_lookup_failed(namespace, name, &e),
-            Err(_) => {
-                return secret_lookup_failed(
-                    namespace,
-                    name,
-                    &LookupError::Timeout(LOOKUP_TIMEOUT),
-                );
-            }
-        };
+        let view =
+            match tokio::time::timeout(LOOKUP_TIMEOUT, backends.secret(namespace, name)).await {
+                Ok(Ok(view)) => view,
+                Ok(Err(e)) => return secret_lookup_failed(namespace, name, &e),
+                Err(_) => {
+                    return secret_lookup_failed(
+                        namespace,
+                        name,
+                        &LookupError::Timeout(LOOKUP_TIMEOUT),
+                    );
+                }
+            };
         views.insert(name.to_string(), view);
     }
     let secrets = |name: &str| views.get(name).copied().unwrap_or(SecretView::Unknown);

@@ -347,7 +347,10 @@ mod tests {
         let text = format!("{m:?}");
         assert!(text.contains("<redacted>"), "{text}");
         // Basic auth is base64 of user:password.
-        assert!(!text.contains("s3cr3t") && !text.contains("YWxpY2U6czNjcjN0"), "{text}");
+        assert!(
+            !text.contains("s3cr3t") && !text.contains("YWxpY2U6czNjcjN0"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -382,17 +385,14 @@ mod tests {
     #[test]
     fn plain_http_needs_no_certificates_and_a_ca_without_one_is_refused() {
         assert!(Management::new("http://127.0.0.1:1/", "u", "p", None).is_ok());
-        let e = Management::new("https://x", "u", "p", Some("not a certificate"))
-            .err()
-            .expect("refused");
+        let e =
+            Management::new("https://x", "u", "p", Some("not a certificate")).expect_err("refused");
         assert!(e.to_string().contains("caSecretRef"), "{e}");
     }
 
     #[test]
     fn a_url_that_is_not_http_is_refused_naming_the_field() {
-        let e = Management::new("amqp://x", "u", "p", None)
-            .err()
-            .expect("refused");
+        let e = Management::new("amqp://x", "u", "p", None).expect_err("refused");
         assert!(e.to_string().contains("managementUrl"), "{e}");
     }
 }

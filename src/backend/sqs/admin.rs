@@ -113,8 +113,7 @@ where
 fn plausible_code(c: &str) -> bool {
     !c.is_empty()
         && c.len() <= 96
-        && c
-            .chars()
+        && c.chars()
             .all(|ch| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '#' | '_' | '-' | ':'))
 }
 

@@ -845,7 +845,10 @@ mod tests {
         };
         let text = format!("{settings:?}");
         assert!(!text.contains("s3cr3t"), "{text}");
-        assert!(text.contains("<redacted>") && text.contains("AKIAEXAMPLE"), "{text}");
+        assert!(
+            text.contains("<redacted>") && text.contains("AKIAEXAMPLE"),
+            "{text}"
+        );
     }
 
     #[test]
