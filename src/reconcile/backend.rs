@@ -2,10 +2,11 @@
 //! Secret it names carries the opt-in label, every broker host is allowed, SQS without a Secret
 //! only where pod identity is allowed) before it reads any Secret's data into a connection or
 //! connects at all (a refusal is `Ready=False` naming the fix and a Warning Event, and any
-//! connection it held is closed); then reads the Secrets a Backend names, keeps one connection to its broker
-//! (reconnecting when a Secret or the spec changes), and writes what it found to status: the
-//! server's version, the capabilities of its kind (the one table), and a `Ready` condition with
-//! a reason a person can act on. Every kind: NATS (JetStream must answer), RabbitMQ (AMQP, and
+//! connection it held is closed); then reads the Secrets a Backend names, keeps one connection
+//! to its broker (reconnecting when a Secret or the spec changes), and writes what it found to
+//! status: the server's version, the capabilities of its kind (the one table), and a `Ready`
+//! condition with a reason a person can act on (`PlaintextCredentials` when connected with
+//! credentials over plaintext, A21). Every kind: NATS (JetStream must answer), RabbitMQ (AMQP, and
 //! the management API when named), SQS (ListQueues under the prefix must answer).
 //!
 //! It must not touch consumers (that is the Subscription controller) nor write the account's
