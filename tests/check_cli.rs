@@ -26,7 +26,9 @@ fn samples_pass_on_the_backend_they_name() {
         out.contains("Subscription default/orders ok (backend: nats, Backend \"nats\" in input)"),
         "{out}"
     );
-    assert!(out.contains("3 checked, 0 refused"), "{out}");
+    // Two Backends and three Subscriptions.
+    assert!(out.contains("Backend default/nats ok"), "{out}");
+    assert!(out.contains("5 checked, 0 refused"), "{out}");
 }
 
 #[test]
@@ -52,7 +54,7 @@ fn rabbitmq_without_plugins_refuses_delays_and_exits_1() {
     );
     // Settle drives RabbitMQ: no "not driven yet" warning.
     assert!(!out.contains("does not drive it yet"), "{out}");
-    assert!(out.contains("3 checked, 1 refused"), "{out}");
+    assert!(out.contains("5 checked, 1 refused"), "{out}");
 }
 
 #[test]
@@ -101,6 +103,35 @@ fn a_stream_is_refused_on_rabbitmq_and_sqs_naming_the_field_and_admitted_on_nats
 }
 
 #[test]
+fn backends_are_checked_with_the_labels_of_the_secrets_in_the_same_input() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("all.yaml"),
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: plain, namespace: a}\nstringData: {token: t}\n---\n\
+         apiVersion: v1\nkind: Secret\nmetadata: {name: opted, namespace: a, labels: {settle.dev/backend-credentials: \"true\"}}\nstringData: {token: t}\n---\n\
+         apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: bad, namespace: a}\nspec: {nats: {servers: [\"tls://n:4222\"], credentialsSecretRef: {name: plain}}}\n---\n\
+         apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: good, namespace: a}\nspec: {nats: {servers: [\"tls://n:4222\"], credentialsSecretRef: {name: opted}}}\n---\n\
+         apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: url, namespace: a}\nspec: {rabbitmq: {urls: [\"amqp://u:hunter2@r:5672\"]}}\n",
+    )
+    .unwrap();
+    let (code, out) = settle_check(&["-f", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("Backend a/bad REFUSED"), "{out}");
+    assert!(
+        out.contains("error: spec.nats.credentialsSecretRef.name: Secret \"plain\" does not carry the label settle.dev/backend-credentials=true"),
+        "{out}"
+    );
+    assert!(out.contains("Backend a/good ok"), "{out}");
+    assert!(out.contains("Backend a/url REFUSED"), "{out}");
+    assert!(
+        out.contains("error: spec.rabbitmq.urls[0]: holds credentials"),
+        "{out}"
+    );
+    assert!(!out.contains("hunter2"), "{out}");
+    assert!(out.contains("3 checked, 2 refused"), "{out}");
+}
+
+#[test]
 fn backend_in_the_same_input_decides_capabilities() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
@@ -124,7 +155,7 @@ fn backend_in_the_same_input_decides_capabilities() {
         out.contains("error: spec.durableName: required under mode AtLeastOnce, on every backend"),
         "{out}"
     );
-    assert!(out.contains("1 checked, 1 refused"), "{out}");
+    assert!(out.contains("2 checked, 1 refused"), "{out}");
 }
 
 #[test]

@@ -103,6 +103,7 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
         ],
         None,
     );
+    common::label_backend_secret(&ns, "creds");
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
         Some(&backend_yaml("auth", &server.url(), Some("creds"))),
@@ -129,7 +130,7 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
         None,
     );
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&fixed));
-    wait_ready(&api, "auth", "True", "Connected").await;
+    wait_ready(&api, "auth", "True", "PlaintextCredentials").await;
 
     // A Secret that does not exist: SecretMissing, naming it.
     kubectl_ok(
@@ -190,7 +191,7 @@ fn ca_secret(ns: &str, name: &str, ca_pem: &str) {
     let secret = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": {"settle.dev/backend-credentials": "true"}},
         "stringData": {"ca.crt": ca_pem},
     });
     kubectl_ok(&["apply", "-n", ns, "-f", "-"], Some(&secret.to_string()));

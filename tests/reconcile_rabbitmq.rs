@@ -103,7 +103,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     assert_ne!(bare, env.rabbitmq_url, "the URL carries guest:guest");
     let secret = |password: &str| {
         format!(
-            "apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbit-creds}}\nstringData: {{username: guest, password: {password}}}\n"
+            "apiVersion: v1\nkind: Secret\nmetadata: {{name: rabbit-creds, labels: {{settle.dev/backend-credentials: \"true\"}}}}\nstringData: {{username: guest, password: {password}}}\n"
         )
     };
     apply(&ns, &secret("wrong"));
@@ -116,7 +116,13 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     );
     wait_backend(&backends(&ns).await, "secured", "False", "AuthFailed").await;
     apply(&ns, &secret("guest"));
-    wait_backend(&backends(&ns).await, "secured", "True", "Connected").await;
+    wait_backend(
+        &backends(&ns).await,
+        "secured",
+        "True",
+        "PlaintextCredentials",
+    )
+    .await;
     // A closed port is Unreachable, and names the field to check.
     let closed = format!("amqp://guest:guest@127.0.0.1:{}/%2f", common::free_port());
     apply(

@@ -128,6 +128,7 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
         ],
         None,
     );
+    common::label_backend_secret(&ns, "aws");
     apply(
         &ns,
         &format!(
@@ -135,7 +136,7 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
             env.sqs_endpoint
         ),
     );
-    let b = wait_backend(&backends(&ns).await, "sqs", "True", "Connected").await;
+    let b = wait_backend(&backends(&ns).await, "sqs", "True", "PlaintextCredentials").await;
     let caps = b.status.and_then(|s| s.capabilities).expect("capabilities");
     assert_eq!(caps, capabilities_of(BackendKind::Sqs));
     assert_eq!(
@@ -414,6 +415,7 @@ async fn the_runtime_consumes_from_the_operators_queue_and_an_exhausted_message_
         ],
         None,
     );
+    common::label_backend_secret(&ns, "aws");
     apply(
         &ns,
         &format!(

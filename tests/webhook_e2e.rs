@@ -49,6 +49,8 @@ impl Operator {
             // Backend status this test writes by hand stays as written and no other test's
             // objects are touched.
             .args(["--watch-namespaces", &format!("{secret_ns}-no-controllers")])
+            // The table's sqs Backend has no Secret: pod identity is allowed here (A20).
+            .args(["--sqs-pod-identity-namespaces", secret_ns])
             .env("KUBECONFIG", &env.kubeconfig)
             .stdout(Stdio::null())
             .stderr(log)
@@ -104,15 +106,17 @@ fn shipped_configuration(name: &str, port: u16) -> serde_json::Value {
     let mut vwc = common::install::shipped_webhook_configuration();
     common::install::assert_settle_webhook("config/webhook/validating-webhook.yaml", &vwc);
     vwc["metadata"]["name"] = serde_json::json!(name);
-    let hook = &mut vwc["webhooks"][0];
-    let path = hook["clientConfig"]["service"]["path"]
-        .as_str()
-        .expect("the shipped webhook names its path")
-        .to_string();
-    hook["clientConfig"] = serde_json::json!({"url": format!("https://127.0.0.1:{port}{path}")});
-    hook["namespaceSelector"] = serde_json::json!({
-        "matchLabels": {"settle.dev/webhook-e2e": std::process::id().to_string()}
-    });
+    for hook in vwc["webhooks"].as_array_mut().expect("webhooks") {
+        let path = hook["clientConfig"]["service"]["path"]
+            .as_str()
+            .expect("the shipped webhook names its path")
+            .to_string();
+        hook["clientConfig"] =
+            serde_json::json!({"url": format!("https://127.0.0.1:{port}{path}")});
+        hook["namespaceSelector"] = serde_json::json!({
+            "matchLabels": {"settle.dev/webhook-e2e": std::process::id().to_string()}
+        });
+    }
     vwc
 }
 
@@ -482,6 +486,8 @@ fn admission_through_the_real_api_server() {
         &serde_json::from_str(&stored).expect("json"),
     );
 
+    // The operator first: Backends are behind the webhook too, which fails closed.
+    let operator = Operator::start(port, &ns, &configuration);
     // Backends: nats, memory, rabbitmq and sqs by kind; two whose status narrows their capabilities.
     let backends = "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: nats}\nspec: {nats: {servers: [\"nats://127.0.0.1:4222\"]}}\n---\n\
                     apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: memory}\nspec: {memory: {}}\n---\n\
@@ -517,7 +523,6 @@ fn admission_through_the_real_api_server() {
         );
     }
 
-    let operator = Operator::start(port, &ns, &configuration);
     let ca_bundle = kubectl_ok(
         &[
             "get",
@@ -620,7 +625,8 @@ fn admission_through_the_real_api_server() {
         };
         *want.entry((op, allowed)).or_insert(0) += 2;
     }
-    *want.entry(("CREATE", "true")).or_insert(0) += 1;
+    // And the Backends: the table's six and `fresh`.
+    *want.entry(("CREATE", "true")).or_insert(0) += 1 + 7;
     let metrics = operator.get("/metrics").expect("metrics answer");
     let got = admission_counts(&metrics);
     let want: std::collections::BTreeMap<(String, String), u64> = want
@@ -671,9 +677,11 @@ fn admission_through_the_real_api_server() {
         &["label", "backend", "nats", "-n", &ns, "touched=yes"],
         None,
     );
+    let stderr = String::from_utf8_lossy(&backend_update.stderr);
     assert!(
-        backend_update.status.success(),
-        "Backends are not behind the webhook"
+        !backend_update.status.success()
+            && stderr.contains("failed calling webhook \"backends.messaging.settle.dev\""),
+        "Backends are behind the webhook too, and it fails closed: {stderr}"
     );
 
     // And it comes back: the same Secret is reused, so the caBundle still matches.
@@ -747,9 +755,11 @@ async fn the_webhook_never_blocks_the_cleanup_of_a_subscription_that_no_longer_p
     let configuration = format!("settle-cleanup-{}", std::process::id());
     let port = free_port();
     let mut vwc = shipped_configuration(&configuration, port);
-    vwc["webhooks"][0]["namespaceSelector"] = serde_json::json!({
-        "matchLabels": {"settle.dev/webhook-cleanup": std::process::id().to_string()}
-    });
+    for hook in vwc["webhooks"].as_array_mut().expect("webhooks") {
+        hook["namespaceSelector"] = serde_json::json!({
+            "matchLabels": {"settle.dev/webhook-cleanup": std::process::id().to_string()}
+        });
+    }
     kubectl_ok(&["apply", "-f", "-"], Some(&vwc.to_string()));
     let webhook_addr = format!("127.0.0.1:{port}");
     let operator = Operator::start_with(

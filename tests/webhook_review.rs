@@ -24,12 +24,12 @@ use proptest::prelude::*;
 use serde_json::{Value, json};
 use settle::admission::certs::{self, CertBundle, CertResolver, Sans};
 use settle::admission::webhook::{
-    BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review,
+    BackendLookup, LookupError, Server, StaticLookup, WebhookConfig, review, review_with,
 };
 use settle::admission::{read_subscription, read_subscription_under_review};
 use settle::api::{Backend, Subscription};
 use settle::policy::{BackendKind, capabilities_of};
-use settle::policy::{BackendView, validate};
+use settle::policy::{BackendRules, BackendView, SecretView, validate};
 
 const NS: &str = "team-a";
 
@@ -434,11 +434,171 @@ async fn delete_connect_status_and_other_kinds_are_allowed() {
     let mut status = request("UPDATE", Some(bad.clone()), Some(bad.clone()));
     status["request"]["subResource"] = json!("status");
     assert!(ask(&status).await.allowed);
-    // Backends are CEL's job.
-    let mut b = request("CREATE", Some(json!({"spec": "not even an object"})), None);
-    b["request"]["kind"] =
+    // Other kinds are not Settle's to judge.
+    let mut other = request("CREATE", Some(json!({"spec": "not even an object"})), None);
+    other["request"]["kind"] = json!({"group": "", "version": "v1", "kind": "ConfigMap"});
+    assert!(ask(&other).await.allowed);
+}
+
+fn backend_request(operation: &str, spec: Value, old: Option<Value>) -> Value {
+    let object = |spec: Value| {
+        json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Backend",
+            "metadata": {"name": "queues", "namespace": NS},
+            "spec": spec,
+        })
+    };
+    let mut r = request(operation, Some(object(spec)), old.map(object));
+    r["request"]["kind"] =
         json!({"group": "messaging.settle.dev", "version": "v1alpha1", "kind": "Backend"});
-    assert!(ask(&b).await.allowed);
+    r["request"]["name"] = json!("queues");
+    r
+}
+
+async fn ask_backend(body: &Value, lookup: &dyn BackendLookup, rules: &BackendRules) -> Answer {
+    let (status, reply) =
+        review_with(&serde_json::to_vec(body).expect("encode"), lookup, rules).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&reply)
+    );
+    parse_answer(&reply)
+}
+
+#[tokio::test]
+async fn backends_are_judged_with_the_labels_of_the_secrets_they_name() {
+    let lookup = StaticLookup::new()
+        .with_secret(NS, "labelled", true)
+        .with_secret(NS, "plain", false);
+    let rules = BackendRules {
+        allowed_hosts: vec!["*.messaging.svc".parse().expect("a pattern")],
+        ..BackendRules::default()
+    };
+    let nats = |secret: &str, server: &str| json!({"nats": {"servers": [server], "credentialsSecretRef": {"name": secret}}});
+    // Labelled, allowed host: admitted, warned that nats:// carries the credentials in plaintext.
+    let a = ask_backend(
+        &backend_request(
+            "CREATE",
+            nats("labelled", "nats://n.messaging.svc:4222"),
+            None,
+        ),
+        &lookup,
+        &rules,
+    )
+    .await;
+    assert!(a.allowed, "{a:?}");
+    assert_eq!(a.warnings.len(), 1, "{a:?}");
+    assert!(
+        a.warnings[0].starts_with("spec.nats.servers[0]: sends the credentials"),
+        "{a:?}"
+    );
+    // Unlabelled: refused, naming the field and the label.
+    let a = ask_backend(
+        &backend_request("CREATE", nats("plain", "tls://n.messaging.svc:4222"), None),
+        &lookup,
+        &rules,
+    )
+    .await;
+    assert!(!a.allowed);
+    assert_eq!(a.code, Some(422));
+    let m = a.message.unwrap_or_default();
+    assert!(m.starts_with("spec.nats.credentialsSecretRef.name: Secret \"plain\" does not carry the label settle.dev/backend-credentials=true"), "{m}");
+    // A host outside the allow-list, and credentials in a URL (never repeated).
+    let a = ask_backend(
+        &backend_request(
+            "CREATE",
+            json!({"rabbitmq": {"urls": ["amqp://guest:hunter2@evil.example:5672"]}}),
+            None,
+        ),
+        &lookup,
+        &rules,
+    )
+    .await;
+    let m = a.message.unwrap_or_default();
+    assert!(!a.allowed);
+    assert!(
+        m.contains("spec.rabbitmq.urls[0]: holds credentials"),
+        "{m}"
+    );
+    assert!(
+        m.contains("host \"evil.example\" is not among the broker hosts"),
+        "{m}"
+    );
+    assert!(!m.contains("hunter2"), "{m}");
+    // SQS without a Secret: pod identity, refused unless the namespace is listed.
+    let sqs = json!({"sqs": {"region": "eu-west-1"}});
+    let open = BackendRules::default();
+    let a = ask_backend(
+        &backend_request("CREATE", sqs.clone(), None),
+        &lookup,
+        &open,
+    )
+    .await;
+    assert!(!a.allowed);
+    assert!(
+        a.message
+            .unwrap_or_default()
+            .starts_with("spec.sqs.credentialsSecretRef: required in namespace team-a")
+    );
+    let listed = BackendRules {
+        pod_identity_namespaces: vec![NS.into()],
+        ..BackendRules::default()
+    };
+    assert!(
+        ask_backend(
+            &backend_request("CREATE", sqs.clone(), None),
+            &lookup,
+            &listed
+        )
+        .await
+        .allowed
+    );
+    // A14: an unchanged spec, or a Backend being deleted, is allowed whatever it names now.
+    let stale = nats("plain", "nats://n.messaging.svc:4222");
+    let a = ask_backend(
+        &backend_request("UPDATE", stale.clone(), Some(stale.clone())),
+        &lookup,
+        &rules,
+    )
+    .await;
+    assert!(a.allowed && a.warnings.is_empty(), "{a:?}");
+    let mut deleting = backend_request(
+        "UPDATE",
+        stale.clone(),
+        Some(nats("labelled", "nats://n.messaging.svc:4222")),
+    );
+    deleting["request"]["object"]["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+    assert!(ask_backend(&deleting, &lookup, &rules).await.allowed);
+    // An unreadable Backend is a 400 that names the field.
+    let a = ask_backend(
+        &backend_request("CREATE", json!({"nats": {"servers": "one"}}), None),
+        &lookup,
+        &rules,
+    )
+    .await;
+    assert!(!a.allowed);
+    assert_eq!(a.code, Some(400));
+    assert!(
+        a.message
+            .unwrap_or_default()
+            .starts_with("the Backend could not be read: spec.nats.servers")
+    );
+    // A Secret lookup that fails denies (fail closed).
+    let a = ask_backend(
+        &backend_request(
+            "CREATE",
+            nats("labelled", "tls://n.messaging.svc:4222"),
+            None,
+        ),
+        &FailingLookup,
+        &rules,
+    )
+    .await;
+    assert!(!a.allowed);
+    assert_eq!(a.code, Some(503));
 }
 
 #[tokio::test]
@@ -534,6 +694,14 @@ impl BackendLookup for FailingLookup {
     ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
         Box::pin(async { Err(LookupError::Other("connection refused".into())) })
     }
+
+    fn secret<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxFuture<'a, Result<SecretView, LookupError>> {
+        Box::pin(async { Err(LookupError::Other("connection refused".into())) })
+    }
 }
 
 struct HangingLookup;
@@ -543,6 +711,14 @@ impl BackendLookup for HangingLookup {
         _: &'a str,
         _: &'a str,
     ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>> {
+        Box::pin(futures::future::pending())
+    }
+
+    fn secret<'a>(
+        &'a self,
+        _: &'a str,
+        _: &'a str,
+    ) -> BoxFuture<'a, Result<SecretView, LookupError>> {
         Box::pin(futures::future::pending())
     }
 }

@@ -2,7 +2,10 @@
 //!
 //! Reads YAML files (several documents each), finds the Subscriptions, resolves each one's
 //! Backend from the same input (or from `--backend-kind`), and runs the same `validate` as the
-//! webhook. It must not talk to a cluster or a broker.
+//! webhook; each Backend is judged by the webhook's `validate_backend`, with the labels of the
+//! Secrets found in the same input (a Secret not in the input is a warning). The installer's
+//! flags (`--allowed-broker-hosts`, `--sqs-pod-identity-namespaces`) are not known here, so
+//! those two rules are left to the webhook. It must not talk to a cluster or a broker.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -14,7 +17,8 @@ use serde::Deserialize;
 use super::read_subscription;
 use crate::api::{Backend, Capabilities};
 use crate::policy::{
-    BackendKind, BackendView, FieldIssue, capabilities_of, effective_capabilities, validate,
+    BackendKind, BackendRules, BackendView, CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE, FieldIssue,
+    SecretView, capabilities_of, effective_capabilities, validate, validate_backend,
 };
 
 /// Why input could not be checked at all.
@@ -117,6 +121,13 @@ pub fn collect_files(path: &Path) -> Result<Vec<PathBuf>, CheckError> {
     Ok(out)
 }
 
+/// A Secret's metadata (its data is never read).
+#[derive(Deserialize)]
+struct SecretMeta {
+    #[serde(default)]
+    metadata: ObjectMeta,
+}
+
 #[derive(Deserialize)]
 struct TypeMeta {
     #[serde(rename = "apiVersion", default)]
@@ -133,6 +144,8 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
     let mut report = Report::default();
     let mut subscriptions = Vec::new();
     let mut backends: HashMap<(String, String), (BackendKind, Capabilities)> = HashMap::new();
+    let mut backend_specs = Vec::new();
+    let mut secrets: HashMap<(String, String), SecretView> = HashMap::new();
 
     for (name, text) in inputs {
         for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
@@ -156,6 +169,29 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                 api_version: String::new(),
                 kind: String::new(),
             });
+            if meta.api_version == "v1" && meta.kind == "Secret" {
+                if let Ok(secret) = serde_yaml::from_value::<SecretMeta>(value.clone()) {
+                    let view = if secret
+                        .metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(CREDENTIALS_LABEL))
+                        .is_some_and(|v| v == CREDENTIALS_LABEL_VALUE)
+                    {
+                        SecretView::Labelled
+                    } else {
+                        SecretView::Unlabelled
+                    };
+                    secrets.insert(
+                        (
+                            namespace_of(&secret.metadata),
+                            secret.metadata.name.clone().unwrap_or_default(),
+                        ),
+                        view,
+                    );
+                }
+                continue;
+            }
             if !meta.api_version.starts_with(crate::api::GROUP) {
                 continue; // not Settle's: someone else's manifest in the same directory
             }
@@ -172,6 +208,7 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                 "Backend" => match serde_path_to_error::deserialize::<_, Backend>(value) {
                     Ok(b) => match (BackendKind::of(&b.spec), effective_capabilities(&b)) {
                         (Some(kind), Some(caps)) => {
+                            backend_specs.push((source.clone(), b.clone()));
                             backends.insert(
                                 (
                                     namespace_of(&b.metadata),
@@ -197,6 +234,29 @@ pub fn check(inputs: &[(String, String)], kind_override: Option<BackendKind>) ->
                 _ => {}
             }
         }
+    }
+
+    for (source, b) in backend_specs {
+        let ns = namespace_of(&b.metadata);
+        let view = |name: &str| {
+            secrets
+                .get(&(ns.clone(), name.to_string()))
+                .copied()
+                .unwrap_or(SecretView::Unknown)
+        };
+        // The installer's host allow-list and pod-identity namespaces are the webhook's to check.
+        let rules = BackendRules {
+            allowed_hosts: vec![],
+            pod_identity_namespaces: vec![ns.clone()],
+        };
+        let verdict = validate_backend(&b.spec, None, &ns, &view, &rules);
+        report.findings.push(Finding {
+            source,
+            object: object_name("Backend", &b.metadata),
+            errors: verdict.errors.iter().map(FieldIssue::to_string).collect(),
+            warnings: verdict.warnings.iter().map(FieldIssue::to_string).collect(),
+            backend: None,
+        });
     }
 
     for (source, sub) in subscriptions {

@@ -56,11 +56,13 @@ pub struct BackendSpec {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct NatsBackendSpec {
-    /// Server URLs, e.g. nats://nats.messaging:4222. At least one.
-    #[schemars(length(min = 1))]
+    /// Server URLs, e.g. nats://nats.messaging:4222 (tls:// for TLS). One to 16, each at most
+    /// 512 characters; no credentials in them (use credentialsSecretRef).
+    #[schemars(length(min = 1, max = 16), inner(length(min = 1, max = 512)))]
     pub servers: Vec<String>,
     /// A Secret in the Backend's namespace holding credentials: key `creds` (a .creds file),
-    /// `nkey` (an nkey seed), `token`, or `user` and `password`. Optional.
+    /// `nkey` (an nkey seed), `token`, or `user` and `password`. Optional. The Secret must carry
+    /// the label `settle.dev/backend-credentials: "true"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret_ref: Option<SecretRef>,
     /// TLS settings. Optional; without them the connection follows the URL scheme.
@@ -82,8 +84,9 @@ pub struct NatsTlsSpec {
 #[serde(rename_all = "camelCase")]
 pub struct RabbitmqBackendSpec {
     /// AMQP URLs, e.g. amqp://rabbitmq.messaging:5672 (amqps:// for TLS), tried in order. At
-    /// least one. Keep credentials out of them: use credentialsSecretRef.
-    #[schemars(length(min = 1))]
+    /// least one, at most 16, each at most 512 characters. No credentials in them: use
+    /// credentialsSecretRef.
+    #[schemars(length(min = 1, max = 16), inner(length(min = 1, max = 512)))]
     pub urls: Vec<String>,
     /// The virtual host. `/` unless set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -99,8 +102,9 @@ pub struct RabbitmqBackendSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1))]
     pub dead_letter_exchange: Option<String>,
-    /// A Secret in the Backend's namespace with keys `username` and `password`. Optional:
-    /// without it, the URL's user (RabbitMQ's default is guest, which only connects locally).
+    /// A Secret in the Backend's namespace with keys `username` and `password`, carrying the
+    /// label `settle.dev/backend-credentials: "true"`. Optional: without it, RabbitMQ's default
+    /// user guest (which only connects locally).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret_ref: Option<SecretRef>,
     /// TLS settings. Optional; without them the connection follows the URL scheme.
@@ -112,7 +116,7 @@ pub struct RabbitmqBackendSpec {
     /// version and the queue gauges: it then only makes missing queues and re-binds them, and a
     /// differing argument shows as the broker's refusal to redeclare the queue.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 512))]
     pub management_url: Option<String>,
     /// The RabbitMQ users whose stats reports count for this Backend's Subscriptions: a report
     /// (and an instance's registration) counts only if its `user_id`, which RabbitMQ checks
@@ -145,11 +149,13 @@ pub struct SqsBackendSpec {
     /// The endpoint URL, replacing the region's: an SQS-compatible server
     /// (http://elasticmq.messaging:9324) or a VPC endpoint. Optional.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 512))]
     pub endpoint: Option<String>,
-    /// A Secret in the Backend's namespace with keys `accessKeyId` and `secretAccessKey`.
-    /// Optional: without it, the pod's identity (the AWS SDK's default credential chain: IRSA,
-    /// EKS Pod Identity, instance profile, environment).
+    /// A Secret in the Backend's namespace with keys `accessKeyId` and `secretAccessKey`,
+    /// carrying the label `settle.dev/backend-credentials: "true"`. Optional only in the
+    /// namespaces the installer lists (`--sqs-pod-identity-namespaces`): without it, the
+    /// operator pod's own identity (the AWS SDK's default credential chain: IRSA, EKS Pod
+    /// Identity, instance profile, environment).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret_ref: Option<SecretRef>,
     /// Put before every queue name Settle makes or publishes to, e.g. `team-a-`. A queue name
@@ -164,10 +170,12 @@ pub struct SqsBackendSpec {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct MemoryBackendSpec {}
 
-/// A reference to a Secret in the same namespace.
+/// A reference to a Secret in the same namespace. The Secret must carry the label
+/// `settle.dev/backend-credentials: "true"` before a Backend may use it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct SecretRef {
     /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
 }
 

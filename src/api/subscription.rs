@@ -35,8 +35,10 @@ pub struct SubscriptionSpec {
     /// The Backend (in this namespace) whose broker carries the messages. Cannot change after creation.
     pub backend_ref: BackendRef,
     /// The JetStream stream to consume from. Optional: by default, the stream whose subjects
-    /// cover `pattern`. Cannot change after creation.
+    /// cover `pattern`. Cannot change after creation. A stream name: at most 255 characters,
+    /// without whitespace, `.`, `*`, `>`, `/` or `\\`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255), regex(pattern = r"^[^.*>/\\\s]+$"))]
     pub stream: Option<String>,
     /// What happens to the broker consumer when this Subscription is deleted. Delete (the
     /// default) removes it; Retain leaves it on the broker (its stored position and unsettled

@@ -26,6 +26,7 @@ use crate::account;
 use crate::admission::certs::{self, CertSource, FileCertConfig, Sans, SelfManagedConfig};
 use crate::admission::webhook::{self, StoreLookup, WebhookConfig};
 use crate::api::Backend;
+use crate::policy::{BackendRules, HostPattern};
 use crate::reconcile;
 
 /// How `settle operator` runs. Every flag has an environment fallback (the chart sets those).
@@ -230,6 +231,19 @@ pub struct OperatorArgs {
     /// A connection with no request in flight for this long is closed (HTTP/2 with a GOAWAY).
     #[arg(long, env = "SETTLE_WEBHOOK_IDLE_TIMEOUT", default_value = "60s", value_parser = positive_duration)]
     pub webhook_idle_timeout: Duration,
+    /// Broker hosts a Backend may point at, comma-separated: a host (`nats.messaging.svc`,
+    /// `10.0.0.7`) or `*.` and a domain (`*.messaging.svc`). Empty: any host. Checked at
+    /// admission and by the controller before it connects (docs/semantics.md A19).
+    #[arg(long, env = "SETTLE_ALLOWED_BROKER_HOSTS", value_delimiter = ',', value_parser = host_pattern)]
+    pub allowed_broker_hosts: Vec<String>,
+    /// Namespaces whose SQS Backends may run without a Secret, as the operator pod's own cloud
+    /// identity, comma-separated. Empty (the default): none (docs/semantics.md A20).
+    #[arg(
+        long,
+        env = "SETTLE_SQS_POD_IDENTITY_NAMESPACES",
+        value_delimiter = ','
+    )]
+    pub sqs_pod_identity_namespaces: Vec<String>,
 }
 
 impl OperatorArgs {
@@ -265,8 +279,36 @@ impl OperatorArgs {
             h2_keepalive_interval: self.webhook_h2_keepalive_interval,
             h2_keepalive_timeout: self.webhook_h2_keepalive_timeout,
             idle_timeout: self.webhook_idle_timeout,
+            backend_rules: self.backend_rules(),
         }
     }
+
+    /// What Backends may name, from `--allowed-broker-hosts` and `--sqs-pod-identity-namespaces`.
+    pub fn backend_rules(&self) -> BackendRules {
+        BackendRules {
+            allowed_hosts: self
+                .allowed_broker_hosts
+                .iter()
+                .filter(|h| !h.trim().is_empty())
+                .filter_map(|h| h.parse().ok())
+                .collect(),
+            pod_identity_namespaces: self
+                .sqs_pod_identity_namespaces
+                .iter()
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect(),
+        }
+    }
+}
+
+/// One `--allowed-broker-hosts` entry, checked here so a bad one stops the operator at start;
+/// an empty one (a trailing comma, or an empty environment variable) is left out.
+fn host_pattern(text: &str) -> Result<String, String> {
+    if !text.trim().is_empty() {
+        text.parse::<HostPattern>()?;
+    }
+    Ok(text.to_string())
 }
 
 /// A duration flag (`500ms`, `5s`, `1m`), above zero.
@@ -435,6 +477,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
             drift: args.drift_interval,
             concurrency: args.concurrency,
             identity: leader::identity(),
+            backend_rules: args.backend_rules(),
         },
         leadership.gate().receiver(),
         reconcile::Metrics::new(&registry)?,
@@ -589,6 +632,32 @@ mod tests {
         assert!(
             err.as_deref()
                 .is_some_and(|e| e.contains("--metrics-max-connections")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn backend_rule_flags_parse_and_a_bad_host_pattern_stops_the_operator() {
+        let args = parse(&[]).expect("no flags parse");
+        assert_eq!(args.backend_rules(), BackendRules::default());
+        let args = parse(&[
+            "--allowed-broker-hosts",
+            "*.messaging.svc,10.0.0.7,",
+            "--sqs-pod-identity-namespaces",
+            "platform, ops",
+        ])
+        .expect("parses");
+        let rules = args.backend_rules();
+        assert_eq!(rules.allowed_hosts.len(), 2);
+        assert!(rules.allowed_hosts[0].matches("nats.messaging.svc"));
+        assert_eq!(rules.pod_identity_namespaces, ["platform", "ops"]);
+        assert_eq!(args.webhook_config().backend_rules, rules);
+        let err = parse(&["--allowed-broker-hosts", "a/b"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|e| e.contains("is not a host pattern")),
             "{err:?}"
         );
     }

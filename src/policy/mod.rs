@@ -5,15 +5,24 @@
 //! - [`validate`] / [`validate_policy`] / [`validate_runtime`]: the one set of admission rules;
 //!   [`unchanged`], the one that admits an update leaving the spec as it was (A14) before any
 //!   Backend is looked up.
+//! - [`validate_backend`] / [`backend_access`]: the Backend rules (URLs, Secret names, the Secret
+//!   opt-in label, the broker host allow-list, SQS pod identity), for the webhook, `settle check`
+//!   and the controller.
 //! - [`ResolvedPolicy`]: a delivery policy with every default filled in, and the backoff schedule.
 //!
 //! This module must stay pure: no I/O, no clock, no Kubernetes or broker client. It imports only
 //! `api`; everything else imports it.
 
+mod backend;
 mod capabilities;
 mod resolved;
 mod rules;
 
+pub use backend::{
+    BackendRules, CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE, HostPattern, SecretView, URL_MAX,
+    URLS_MAX, backend_access, backend_unchanged, plaintext_with_credentials, secrets_named,
+    validate_backend,
+};
 pub use capabilities::{
     BackendKind, RABBITMQ_MAX_PREFETCH, capabilities_of, effective_capabilities,
 };

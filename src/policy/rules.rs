@@ -40,14 +40,14 @@ impl Verdict {
         self.errors.is_empty()
     }
 
-    fn error(&mut self, field: &str, message: impl Into<String>) {
+    pub(super) fn error(&mut self, field: &str, message: impl Into<String>) {
         self.errors.push(FieldIssue {
             field: field.to_string(),
             message: message.into(),
         });
     }
 
-    fn warn(&mut self, field: &str, message: impl Into<String>) {
+    pub(super) fn warn(&mut self, field: &str, message: impl Into<String>) {
         self.warnings.push(FieldIssue {
             field: field.to_string(),
             message: message.into(),

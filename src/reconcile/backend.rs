@@ -1,7 +1,12 @@
-//! The Backend controller: reads the Secrets a Backend names, keeps one connection to its broker
-//! (reconnecting when a Secret or the spec changes), and writes what it found to status: the
-//! server's version, the capabilities of its kind (the one table), and a `Ready` condition with
-//! a reason a person can act on. Every kind: NATS (JetStream must answer), RabbitMQ (AMQP, and
+//! The Backend controller: re-checks what a Backend may name (docs/semantics.md A18–A20: every
+//! Secret it names carries the opt-in label, every broker host is allowed, SQS without a Secret
+//! only where pod identity is allowed) before it reads any Secret's data into a connection or
+//! connects at all (a refusal is `Ready=False` naming the fix and a Warning Event, and any
+//! connection it held is closed); then reads the Secrets a Backend names, keeps one connection
+//! to its broker (reconnecting when a Secret or the spec changes), and writes what it found to
+//! status: the server's version, the capabilities of its kind (the one table), and a `Ready`
+//! condition with a reason a person can act on (`PlaintextCredentials` when connected with
+//! credentials over plaintext, A21). Every kind: NATS (JetStream must answer), RabbitMQ (AMQP, and
 //! the management API when named), SQS (ListQueues under the prefix must answer).
 //!
 //! It must not touch consumers (that is the Subscription controller) nor write the account's
@@ -16,7 +21,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::{Api, ResourceExt};
+use kube::runtime::events::{Event, EventType};
+use kube::{Api, Resource, ResourceExt};
 
 use super::conditions::reasons;
 use super::connections::{Conn, Key};
@@ -31,7 +37,30 @@ use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{DEFAULT_EXCHANGE, Exchanges};
 use crate::backend::sqs::admin::{self as sqs_admin, AdminError};
 use crate::backend::sqs::{SqsCredentials, SqsSettings};
-use crate::policy::{BackendKind, capabilities_of};
+use crate::policy::{
+    BackendKind, CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE, SecretView, backend_access,
+    capabilities_of, secrets_named,
+};
+
+/// The Secrets a Backend names, each read once per reconcile: what the access check and the
+/// connection are both made from.
+type Fetched = BTreeMap<String, SecretRead>;
+
+/// One named Secret, as read.
+enum SecretRead {
+    Found(Box<Secret>),
+    Missing,
+    /// Not readable; what to tell the user.
+    Unreadable(String),
+}
+
+fn labelled(s: &Secret) -> bool {
+    s.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CREDENTIALS_LABEL))
+        .is_some_and(|v| v == CREDENTIALS_LABEL_VALUE)
+}
 
 /// Reconciles one Backend.
 pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> {
@@ -47,14 +76,47 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         return Ok(Action::await_change());
     };
     let s = &b.spec;
-    let outcome = match (kind, &s.nats, &s.rabbitmq, &s.sqs) {
-        (BackendKind::Nats, Some(nats), _, _) => observe(&ctx, &key, nats).await?,
-        (BackendKind::Rabbitmq, _, Some(r), _) => observe_rabbitmq(&ctx, &key, r).await?,
-        (BackendKind::Sqs, _, _, Some(q)) => observe_sqs(&ctx, &key, q).await?,
-        _ => {
-            ctx.conns.remove(&key);
-            BackendOutcome::InProcess
+    let fetched = fetch_secrets(&ctx, &ns, s).await?;
+    let views = |name: &str| match fetched.get(name) {
+        Some(SecretRead::Found(s)) if labelled(s) => SecretView::Labelled,
+        Some(SecretRead::Found(_)) => SecretView::Unlabelled,
+        Some(SecretRead::Missing) | None => SecretView::Missing,
+        Some(SecretRead::Unreadable(_)) => SecretView::Unknown,
+    };
+    let access = backend_access(s, &ns, &views, &ctx.backend_rules);
+    let outcome = if !access.allowed() {
+        refused(&ctx, &b, &key, &access).await
+    } else {
+        match (kind, &s.nats, &s.rabbitmq, &s.sqs) {
+            (BackendKind::Nats, Some(nats), _, _) => observe(&ctx, &key, nats, &fetched).await?,
+            (BackendKind::Rabbitmq, _, Some(r), _) => {
+                observe_rabbitmq(&ctx, &key, r, &fetched).await?
+            }
+            (BackendKind::Sqs, _, _, Some(q)) => observe_sqs(&ctx, &key, q, &fetched).await?,
+            _ => {
+                ctx.conns.remove(&key);
+                BackendOutcome::InProcess
+            }
         }
+    };
+    // A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
+    let plaintext = crate::policy::plaintext_with_credentials(s);
+    let outcome = match outcome {
+        BackendOutcome::Connected { version } | BackendOutcome::Reached { version, .. }
+            if !plaintext.is_empty() =>
+        {
+            let message = format!(
+                "connected, but the credentials travel unencrypted: {}",
+                plaintext
+                    .iter()
+                    .map(|(field, m)| format!("{field}: {m}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+            warn_event(&ctx, &b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
+            BackendOutcome::Plaintext { version, message }
+        }
+        other => other,
     };
     let now = Time(Timestamp::now());
     if let Some(patch) = backend_status(
@@ -95,6 +157,7 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         outcome,
         BackendOutcome::Connected { .. }
             | BackendOutcome::Reached { .. }
+            | BackendOutcome::Plaintext { .. }
             | BackendOutcome::InProcess
     );
     let fkey = format!("backend/{}/{}", key.0, key.1);
@@ -106,9 +169,79 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     })
 }
 
+/// A Backend that names what it may not (A18–A20): any connection it held is closed, nothing
+/// is read or sent, and Ready says why with the fix; a Warning Event says it too.
+async fn refused(
+    ctx: &Ctx,
+    b: &Backend,
+    key: &Key,
+    access: &crate::policy::Verdict,
+) -> BackendOutcome {
+    let first = access.errors.first();
+    let reason = match first {
+        Some(e) if e.field == "spec.sqs.credentialsSecretRef" => reasons::POD_IDENTITY_NOT_ALLOWED,
+        Some(e) if e.field.ends_with("SecretRef.name") => reasons::SECRET_NOT_LABELLED,
+        _ => reasons::HOST_NOT_ALLOWED,
+    };
+    let message = access.error_text();
+    ctx.conns.remove(key);
+    ctx.conns.fail(key, message.clone());
+    tracing::warn!(backend = %format!("{}/{}", key.0, key.1), %reason, %message, "Backend refused: not connecting");
+    warn_event(ctx, b, reason, &message).await;
+    BackendOutcome::Down { reason, message }
+}
+
+/// A Warning Event on the Backend (the Recorder folds repeats into a series).
+async fn warn_event(ctx: &Ctx, b: &Backend, reason: &str, message: &str) {
+    ctx.metrics.kube(BACKEND, "event");
+    let ev = Event {
+        type_: EventType::Warning,
+        reason: reason.to_string(),
+        note: Some(message.chars().take(1024).collect()),
+        action: "Connect".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &b.object_ref(&())).await {
+        tracing::warn!(backend = %b.name_any(), error = %e, "could not record an Event");
+    }
+}
+
+/// Reads every Secret the Backend names, once. Data is only used after [`backend_access`]
+/// found each of them labelled.
+async fn fetch_secrets(
+    ctx: &Ctx,
+    ns: &str,
+    spec: &crate::api::BackendSpec,
+) -> Result<Fetched, Error> {
+    let mut out = Fetched::new();
+    for (_, name) in secrets_named(spec) {
+        if out.contains_key(name) {
+            continue;
+        }
+        let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+        ctx.metrics.kube(BACKEND, "get_secret");
+        let read = match api.get_opt(name).await {
+            Ok(Some(s)) => SecretRead::Found(Box::new(s)),
+            Ok(None) => SecretRead::Missing,
+            Err(kube::Error::Api(s)) if s.code == 403 => SecretRead::Unreadable(format!(
+                "the operator may not read Secret {name:?} in namespace {ns}: add {ns} to the chart's watchNamespaces \
+                 (it grants Secret access there), or set rbac.secretsClusterWide"
+            )),
+            Err(e) => return Err(e.into()),
+        };
+        out.insert(name.to_string(), read);
+    }
+    Ok(out)
+}
+
 /// Connects (or reuses the connection) and asks JetStream whether it answers.
-async fn observe(ctx: &Ctx, key: &Key, nats: &NatsBackendSpec) -> Result<BackendOutcome, Error> {
-    let spec = match connect_spec(ctx, &key.0, nats).await? {
+async fn observe(
+    ctx: &Ctx,
+    key: &Key,
+    nats: &NatsBackendSpec,
+    fetched: &Fetched,
+) -> Result<BackendOutcome, Error> {
+    let spec = match connect_spec(ctx, &key.0, nats, fetched)? {
         Ok(spec) => spec,
         Err(message) => {
             ctx.conns.fail(key, message.clone());
@@ -144,6 +277,7 @@ async fn observe_rabbitmq(
     ctx: &Ctx,
     key: &Key,
     r: &RabbitmqBackendSpec,
+    fetched: &Fetched,
 ) -> Result<BackendOutcome, Error> {
     let missing = |message: String| {
         ctx.conns.fail(key, message.clone());
@@ -151,7 +285,7 @@ async fn observe_rabbitmq(
     };
     let credentials = match &r.credentials_secret_ref {
         None => None,
-        Some(sr) => match secret_data(ctx, &key.0, &sr.name).await? {
+        Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
             Err(m) => return missing(m),
             Ok(data) => match amqp::Credentials::from_secret_data(&data) {
                 Ok(c) => Some(c),
@@ -166,7 +300,7 @@ async fn observe_rabbitmq(
     };
     let ca_pem = match r.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         None => None,
-        Some(sr) => match secret_data(ctx, &key.0, &sr.name).await? {
+        Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
             Err(m) => return missing(m),
             Ok(data) => match data.get(amqp::CA_KEY).map(|b| String::from_utf8(b.clone())) {
                 Some(Ok(pem)) => Some(pem),
@@ -260,10 +394,15 @@ fn amqp_message(f: &amqp::ConnectFailure) -> String {
 }
 
 /// Makes the SQS client (or reuses it) and asks for one queue under the prefix.
-async fn observe_sqs(ctx: &Ctx, key: &Key, q: &SqsBackendSpec) -> Result<BackendOutcome, Error> {
+async fn observe_sqs(
+    ctx: &Ctx,
+    key: &Key,
+    q: &SqsBackendSpec,
+    fetched: &Fetched,
+) -> Result<BackendOutcome, Error> {
     let credentials = match &q.credentials_secret_ref {
         None => SqsCredentials::DefaultChain,
-        Some(sr) => match secret_data(ctx, &key.0, &sr.name).await? {
+        Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
             Err(m) => {
                 ctx.conns.fail(key, m.clone());
                 return Ok(BackendOutcome::SecretMissing(m));
@@ -341,14 +480,15 @@ async fn observe_sqs(ctx: &Ctx, key: &Key, q: &SqsBackendSpec) -> Result<Backend
 
 /// What to connect with: the servers, and the credentials and CA read from the named Secrets.
 /// The inner `Err` says what is missing, for the Backend's status.
-async fn connect_spec(
+fn connect_spec(
     ctx: &Ctx,
     ns: &str,
     nats: &NatsBackendSpec,
+    fetched: &Fetched,
 ) -> Result<Result<ConnectSpec, String>, Error> {
     let credentials = match &nats.credentials_secret_ref {
         None => None,
-        Some(r) => match secret_data(ctx, ns, &r.name).await? {
+        Some(r) => match secret_data(fetched, ns, &r.name) {
             Err(m) => return Ok(Err(m)),
             Ok(data) => match Credentials::from_secret_data(&data) {
                 Ok(c) => Some(c),
@@ -363,7 +503,7 @@ async fn connect_spec(
     };
     let ca_pem = match nats.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         None => None,
-        Some(r) => match secret_data(ctx, ns, &r.name).await? {
+        Some(r) => match secret_data(fetched, ns, &r.name) {
             Err(m) => return Ok(Err(m)),
             Ok(data) => match data.get(CA_KEY).map(|b| String::from_utf8(b.clone())) {
                 Some(Ok(pem)) => Some(pem),
@@ -384,28 +524,28 @@ async fn connect_spec(
     }))
 }
 
-/// A Secret's data, or what to tell the user when it cannot be read.
-async fn secret_data(
-    ctx: &Ctx,
+/// A Secret's data, or what to tell the user when it cannot be read. An unlabelled Secret's data
+/// is never handed out (the access check refused it already; this is the second lock).
+fn secret_data(
+    fetched: &Fetched,
     ns: &str,
     name: &str,
-) -> Result<Result<BTreeMap<String, Vec<u8>>, String>, Error> {
-    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    ctx.metrics.kube(BACKEND, "get_secret");
-    match api.get_opt(name).await {
-        Ok(Some(s)) => Ok(Ok(s
+) -> Result<BTreeMap<String, Vec<u8>>, String> {
+    match fetched.get(name) {
+        Some(SecretRead::Found(s)) if labelled(s) => Ok(s
             .data
+            .clone()
             .unwrap_or_default()
             .into_iter()
             .map(|(k, v)| (k, v.0))
-            .collect())),
-        Ok(None) => Ok(Err(format!(
-            "Secret {name:?} does not exist in namespace {ns}: create it, or fix the Backend's Secret reference"
-        ))),
-        Err(kube::Error::Api(s)) if s.code == 403 => Ok(Err(format!(
-            "the operator may not read Secret {name:?} in namespace {ns}: add {ns} to the chart's watchNamespaces \
-             (it grants Secret access there), or set rbac.secretsClusterWide"
-        ))),
-        Err(e) => Err(e.into()),
+            .collect()),
+        Some(SecretRead::Found(_)) => Err(format!(
+            "Secret {name:?} does not carry the label {CREDENTIALS_LABEL}={CREDENTIALS_LABEL_VALUE}: label it"
+        )),
+        Some(SecretRead::Unreadable(m)) => Err(m.clone()),
+        Some(SecretRead::Missing) | None => Err(format!(
+            "Secret {name:?} does not exist in namespace {ns}: create it (with the label \
+             {CREDENTIALS_LABEL}={CREDENTIALS_LABEL_VALUE}), or fix the Backend's Secret reference"
+        )),
     }
 }

@@ -55,6 +55,14 @@ pub mod reasons {
     pub const JETSTREAM_DISABLED: &str = "JetStreamDisabled";
     /// A Secret the Backend names does not exist, cannot be read, or lacks the keys it needs.
     pub const SECRET_MISSING: &str = "SecretMissing";
+    /// Ready=False: a Secret the Backend names lacks the opt-in label (A18); never read.
+    pub const SECRET_NOT_LABELLED: &str = "SecretNotLabelled";
+    /// Ready=False: a broker host is not in `--allowed-broker-hosts` (A19); not connected.
+    pub const HOST_NOT_ALLOWED: &str = "HostNotAllowed";
+    /// Ready=False: SQS without a Secret outside `--sqs-pod-identity-namespaces` (A20).
+    pub const POD_IDENTITY_NOT_ALLOWED: &str = "PodIdentityNotAllowed";
+    /// Ready=True: connected, but the credentials travel unencrypted (A21); also a Warning Event.
+    pub const PLAINTEXT_CREDENTIALS: &str = "PlaintextCredentials";
     /// The Backend's settings cannot be used (an URL that does not parse, no SQS region, a
     /// management API that answers something else).
     pub const BAD_CONFIG: &str = "BadConfig";

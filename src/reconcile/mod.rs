@@ -64,6 +64,9 @@ pub struct Config {
     pub concurrency: u16,
     /// This replica's name (Events' reporting instance, and the NATS connection name).
     pub identity: String,
+    /// What Backends may name (Secret opt-in, broker hosts, SQS pod identity), re-checked
+    /// before any Secret is read into a connection (docs/semantics.md A18–A20).
+    pub backend_rules: crate::policy::BackendRules,
 }
 
 /// Why one reconcile failed (it is tried again with a growing delay).
@@ -86,6 +89,8 @@ pub struct Ctx {
     pub recorder: Recorder,
     pub resync: Duration,
     pub drift: Duration,
+    /// What Backends may name; the Backend controller re-checks it before it connects.
+    pub backend_rules: crate::policy::BackendRules,
     failures: Mutex<HashMap<String, u32>>,
 }
 
@@ -307,6 +312,7 @@ async fn run_term(
         ),
         resync: config.resync,
         drift: config.drift,
+        backend_rules: config.backend_rules.clone(),
         failures: Mutex::default(),
     });
 

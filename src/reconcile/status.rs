@@ -387,6 +387,12 @@ pub enum BackendOutcome {
         reason: &'static str,
         message: String,
     },
+    /// Connected (as Connected or Reached say), but the credentials travel unencrypted (A21):
+    /// Ready, with a reason that says so.
+    Plaintext {
+        version: Option<String>,
+        message: String,
+    },
     /// The memory backend: nothing to connect to.
     InProcess,
     SecretMissing(String),
@@ -423,6 +429,11 @@ impl BackendOutcome {
                 },
             ),
             BackendOutcome::Down { reason, message } => r(Status::False, reason, message.clone()),
+            BackendOutcome::Plaintext { message, .. } => r(
+                Status::True,
+                reasons::PLAINTEXT_CREDENTIALS,
+                message.clone(),
+            ),
             BackendOutcome::InProcess => r(
                 Status::True,
                 reasons::IN_PROCESS,
@@ -463,6 +474,7 @@ impl BackendOutcome {
         match self {
             BackendOutcome::Connected { version }
             | BackendOutcome::Reached { version, .. }
+            | BackendOutcome::Plaintext { version, .. }
             | BackendOutcome::Broker { version, .. } => version.as_ref(),
             _ => None,
         }

@@ -77,16 +77,25 @@ pub fn shipped_webhook_configuration() -> Value {
     all.remove(0)
 }
 
-/// Asserts what every shipped webhook configuration promises: one webhook, fail closed, called
-/// only for CREATE and UPDATE of Subscriptions (nothing else in the cluster waits on Settle),
-/// at `/validate`. `what` names the configuration in failures.
+/// Asserts what every shipped webhook configuration promises: two webhooks, Subscriptions then
+/// Backends, each fail closed, called only for CREATE and UPDATE of its resource (nothing else
+/// in the cluster waits on Settle), at `/validate`. `what` names the configuration in failures.
 pub fn assert_settle_webhook(what: &str, configuration: &Value) {
     let hooks = configuration["webhooks"]
         .as_array()
         .unwrap_or_else(|| panic!("{what}: no webhooks in {configuration}"));
-    assert_eq!(hooks.len(), 1, "{what}: exactly one webhook");
-    let hook = &hooks[0];
-    assert_eq!(hook["name"], "subscriptions.messaging.settle.dev", "{what}");
+    assert_eq!(hooks.len(), 2, "{what}: exactly two webhooks");
+    for (hook, resource) in hooks.iter().zip(["subscriptions", "backends"]) {
+        assert_one_webhook(&format!("{what}, {resource}"), hook, resource);
+    }
+}
+
+fn assert_one_webhook(what: &str, hook: &Value, resource: &str) {
+    assert_eq!(
+        hook["name"],
+        format!("{resource}.messaging.settle.dev"),
+        "{what}"
+    );
     assert_eq!(hook["failurePolicy"], "Fail", "{what}: fails closed");
     assert_eq!(hook["sideEffects"], "None", "{what}");
     assert_eq!(hook["matchPolicy"], "Equivalent", "{what}");
@@ -97,10 +106,10 @@ pub fn assert_settle_webhook(what: &str, configuration: &Value) {
             "apiGroups": ["messaging.settle.dev"],
             "apiVersions": ["v1alpha1"],
             "operations": ["CREATE", "UPDATE"],
-            "resources": ["subscriptions"],
+            "resources": [resource],
             "scope": "Namespaced",
         }]),
-        "{what}: only Subscriptions, only CREATE and UPDATE"
+        "{what}: only {resource}, only CREATE and UPDATE"
     );
     let path = hook["clientConfig"]["service"]["path"]
         .as_str()
@@ -116,17 +125,27 @@ pub fn assert_settle_webhook(what: &str, configuration: &Value) {
 /// The webhook fields that must not differ between two shipped configurations (all but where
 /// the API server reaches the webhook and which namespaces it covers).
 pub fn webhook_behaviour(configuration: &Value) -> Value {
-    let hook = &configuration["webhooks"][0];
-    json!({
-        "name": hook["name"],
-        "rules": hook["rules"],
-        "failurePolicy": hook["failurePolicy"],
-        "matchPolicy": hook["matchPolicy"],
-        "sideEffects": hook["sideEffects"],
-        "timeoutSeconds": hook["timeoutSeconds"],
-        "admissionReviewVersions": hook["admissionReviewVersions"],
-        "path": hook["clientConfig"]["service"]["path"],
-    })
+    let hooks = configuration["webhooks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    Value::Array(
+        hooks
+            .iter()
+            .map(|hook| {
+                json!({
+                    "name": hook["name"],
+                    "rules": hook["rules"],
+                    "failurePolicy": hook["failurePolicy"],
+                    "matchPolicy": hook["matchPolicy"],
+                    "sideEffects": hook["sideEffects"],
+                    "timeoutSeconds": hook["timeoutSeconds"],
+                    "admissionReviewVersions": hook["admissionReviewVersions"],
+                    "path": hook["clientConfig"]["service"]["path"],
+                })
+            })
+            .collect(),
+    )
 }
 
 /// Who the operator is in an install, for `kubectl auth can-i --as`.

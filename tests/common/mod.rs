@@ -167,3 +167,22 @@ pub fn namespace(name: &str) -> String {
 pub fn path_str(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
+
+/// The label a Secret must carry before a Backend may use it (docs/semantics.md A18).
+pub const BACKEND_SECRET_LABEL: &str = "settle.dev/backend-credentials=true";
+
+/// Opts Secret `namespace/name` in for Backends: labels it `settle.dev/backend-credentials=true`.
+pub fn label_backend_secret(namespace: &str, name: &str) {
+    kubectl_ok(
+        &[
+            "label",
+            "secret",
+            name,
+            "-n",
+            namespace,
+            BACKEND_SECRET_LABEL,
+            "--overwrite",
+        ],
+        None,
+    );
+}

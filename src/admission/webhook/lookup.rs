@@ -1,5 +1,7 @@
-//! Finding the Backend a Subscription names: the [`BackendLookup`] seam, the operator's
-//! reflector-backed [`StoreLookup`] and the map-backed [`StaticLookup`] of tests and benchmarks.
+//! Finding the Backend a Subscription names, and what a Secret a Backend names carries (its
+//! opt-in label): the [`BackendLookup`] seam, the operator's reflector-backed [`StoreLookup`]
+//! (Secrets by one metadata GET: their data is never read here) and the map-backed
+//! [`StaticLookup`] of tests and benchmarks.
 //!
 //! This file must not judge what it finds (that is `review` and `policy::validate`) and must
 //! not write anything: a lookup only reads.
@@ -12,6 +14,7 @@ use futures::future::BoxFuture;
 use kube::runtime::reflector::{ObjectRef, Store};
 
 use crate::api::Backend;
+use crate::policy::{CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE, SecretView};
 
 /// Why a Backend could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +37,26 @@ pub trait BackendLookup: Send + Sync {
         namespace: &'a str,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<Arc<Backend>>, LookupError>>;
+
+    /// Whether Secret `namespace/name` exists and carries the opt-in label (its data is never
+    /// read). A Secret the operator may not read is [`SecretView::Unknown`].
+    fn secret<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<SecretView, LookupError>>;
+}
+
+/// What a Secret's labels say.
+pub fn view_of_labels(labels: Option<&std::collections::BTreeMap<String, String>>) -> SecretView {
+    if labels
+        .and_then(|l| l.get(CREDENTIALS_LABEL))
+        .is_some_and(|v| v == CREDENTIALS_LABEL_VALUE)
+    {
+        SecretView::Labelled
+    } else {
+        SecretView::Unlabelled
+    }
 }
 
 /// Backends from the operator's reflector store. A miss is confirmed with one GET, so a Backend
@@ -79,12 +102,30 @@ impl BackendLookup for StoreLookup {
             Ok(api.get_opt(name).await?.map(Arc::new))
         })
     }
+
+    fn secret<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<SecretView, LookupError>> {
+        Box::pin(async move {
+            let api: kube::Api<k8s_openapi::api::core::v1::Secret> =
+                kube::Api::namespaced(self.client.clone(), namespace);
+            match api.get_metadata_opt(name).await {
+                Ok(Some(m)) => Ok(view_of_labels(m.metadata.labels.as_ref())),
+                Ok(None) => Ok(SecretView::Missing),
+                Err(kube::Error::Api(s)) if s.code == 403 => Ok(SecretView::Unknown),
+                Err(e) => Err(e.into()),
+            }
+        })
+    }
 }
 
 /// Backends from a fixed map, keyed by (namespace, name).
 #[derive(Clone, Default)]
 pub struct StaticLookup {
     backends: HashMap<(String, String), Arc<Backend>>,
+    secrets: HashMap<(String, String), SecretView>,
 }
 
 impl StaticLookup {
@@ -101,6 +142,18 @@ impl StaticLookup {
         self.backends.insert(key, Arc::new(backend));
         self
     }
+
+    /// Adds Secret `namespace/name`, labelled or not (any other is [`SecretView::Missing`]).
+    pub fn with_secret(mut self, namespace: &str, name: &str, labelled: bool) -> Self {
+        let view = if labelled {
+            SecretView::Labelled
+        } else {
+            SecretView::Unlabelled
+        };
+        self.secrets
+            .insert((namespace.to_string(), name.to_string()), view);
+        self
+    }
 }
 
 impl BackendLookup for StaticLookup {
@@ -114,5 +167,18 @@ impl BackendLookup for StaticLookup {
             .get(&(namespace.to_string(), name.to_string()))
             .cloned();
         Box::pin(async move { Ok(found) })
+    }
+
+    fn secret<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<SecretView, LookupError>> {
+        let view = self
+            .secrets
+            .get(&(namespace.to_string(), name.to_string()))
+            .copied()
+            .unwrap_or(SecretView::Missing);
+        Box::pin(async move { Ok(view) })
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! [`review`] turns one AdmissionReview body into one answer without a network: it reads the
 //! Subscription (and the stored one on UPDATE), looks up the Backend it names through a
-//! [`BackendLookup`], and asks the one `policy::validate` for the verdict; an UPDATE that leaves
+//! [`BackendLookup`], and asks the one `policy::validate` for the verdict; a Backend is judged by
+//! `policy::validate_backend`, with the labels of the Secrets it names (never their data); an UPDATE that leaves
 //! the spec as it was, or of a Subscription being deleted, is allowed from the body alone, so the
 //! webhook never blocks a cleanup (docs/semantics.md A14). [`Server`] serves
 //! it over rustls with a certificate from `admission::certs`, with metrics and a log line per
@@ -27,7 +28,7 @@ use std::time::Duration;
 pub use crate::serve::CLOSE_GRACE;
 pub use lookup::{BackendLookup, LookupError, StaticLookup, StoreLookup};
 pub use metrics::WebhookMetrics;
-pub use review::review;
+pub use review::{review, review_with};
 pub use server::{DEFAULT_MAX_BODY_BYTES, Server, WebhookConfig, WebhookError};
 
 /// How long a Backend lookup may take before the webhook gives up and denies (fail closed);

@@ -1,13 +1,15 @@
 //! One AdmissionReview body in, one answer out, without a network: [`review`] reads the
 //! Subscription (and the stored one on UPDATE), looks up its Backend and asks the one
-//! `policy::validate` for the verdict.
+//! `policy::validate` for the verdict; for a Backend, it looks up the labels of the Secrets it
+//! names and asks `policy::validate_backend` (A16–A21).
 //!
 //! Reading ([`read`]) is synchronous and keeps only what the answer needs, owned, so that the
 //! server can let go of the body (and its turn to read one) before the Backend lookup waits.
 //! Of the objects it reads the name, namespace, deletionTimestamp and spec; annotations and the
 //! rest are skipped unparsed.
 //!
-//! It never blocks a cleanup (docs/semantics.md A14): an UPDATE of an object being deleted
+//! It never blocks a cleanup (docs/semantics.md A14): an UPDATE of an object (Subscription or
+//! Backend) being deleted
 //! (`deletionTimestamp` set), or one that leaves the spec as it was (`policy::unchanged`: a
 //! label, the operator's finalizer), is allowed from the body alone, without looking up the
 //! Backend, so neither a spec that is no longer valid nor a Backend that cannot be read keeps a
@@ -28,8 +30,11 @@ use serde_json::value::RawValue;
 use super::LOOKUP_TIMEOUT;
 use super::lookup::{BackendLookup, LookupError};
 use crate::admission::{SubscriptionUnderReview, read_subscription_under_review};
-use crate::api::{Capabilities, GROUP};
-use crate::policy::{BackendView, effective_capabilities, unchanged, validate};
+use crate::api::{BackendSpec, Capabilities, GROUP};
+use crate::policy::{
+    BackendRules, BackendView, SecretView, backend_unchanged, effective_capabilities,
+    secrets_named, unchanged, validate, validate_backend,
+};
 
 /// `admission.k8s.io/v1beta1`, still accepted and answered in kind.
 const META_API_VERSION_V1BETA1: &str = "admission.k8s.io/v1beta1";
@@ -87,12 +92,34 @@ pub(super) struct Answer {
 /// Answers one AdmissionReview body: HTTP 200 with an AdmissionReview response (allowed, or
 /// denied with the reason), or HTTP 400 with a plain-text reason when the body is not an
 /// AdmissionReview at all. Never panics; takes at most about [`LOOKUP_TIMEOUT`].
+/// Backends are judged with the default [`BackendRules`] (any host, pod identity nowhere).
 pub async fn review(body: &[u8], backends: &dyn BackendLookup) -> (StatusCode, Vec<u8>) {
+    review_with(body, backends, &BackendRules::default()).await
+}
+
+/// [`review`], judging Backends by the installer's `rules`.
+pub async fn review_with(
+    body: &[u8],
+    backends: &dyn BackendLookup,
+    rules: &BackendRules,
+) -> (StatusCode, Vec<u8>) {
     let answer = match read(body) {
-        Ok(review) => answer(review, backends).await,
+        Ok(review) => answer(review, backends, rules).await,
         Err(bad_request) => bad_request,
     };
     (answer.status, answer.body)
+}
+
+/// What admission reads of a Backend: its metadata's three fields and its spec.
+#[derive(Deserialize)]
+struct BackendUnderReview {
+    metadata: crate::admission::MetadataUnderReview,
+    spec: BackendSpec,
+}
+
+fn read_backend(json: &str) -> Result<BackendUnderReview, String> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| e.to_string())
 }
 
 /// One AdmissionReview, read: what its answer needs, owned.
@@ -116,6 +143,12 @@ enum Next {
         namespace: String,
         new: Box<SubscriptionUnderReview>,
         old: Option<Box<SubscriptionUnderReview>>,
+    },
+    /// A Backend read; the verdict needs the labels of the Secrets it names.
+    JudgeBackend {
+        namespace: String,
+        new: Box<BackendSpec>,
+        old: Option<Box<BackendSpec>>,
     },
 }
 
@@ -175,7 +208,11 @@ pub(super) fn read(body: &[u8]) -> Result<Review, Answer> {
 }
 
 /// Decides a review read by [`read`] (looking up its Backend if need be) and encodes the answer.
-pub(super) async fn answer(review: Review, backends: &dyn BackendLookup) -> Answer {
+pub(super) async fn answer(
+    review: Review,
+    backends: &dyn BackendLookup,
+    rules: &BackendRules,
+) -> Answer {
     let decision = match review.next {
         Next::Decided(decision) => *decision,
         Next::Judge {
@@ -183,6 +220,11 @@ pub(super) async fn answer(review: Review, backends: &dyn BackendLookup) -> Answ
             new,
             old,
         } => judge(&namespace, &new, old.as_deref(), backends).await,
+        Next::JudgeBackend {
+            namespace,
+            new,
+            old,
+        } => judge_backend(&namespace, &new, old.as_deref(), backends, rules).await,
     };
     let allowed = decision.error.is_none();
     if allowed {
@@ -270,11 +312,10 @@ impl Decision {
 
 /// The part of the decision the body alone settles, and the reading of the Subscription(s).
 fn prepare(request: &RequestIn<'_>) -> Next {
-    // Backends (and anything else) are checked by the API server's CEL rules; status and other
-    // subresources carry no spec change to judge, and must never be blocked by a spec that got
-    // in while the webhook was down.
+    // Anything else is not Settle's; status and other subresources carry no spec change to
+    // judge, and must never be blocked by a spec that got in while the webhook was down.
     if request.kind.group != GROUP
-        || request.kind.kind != "Subscription"
+        || !matches!(request.kind.kind.as_str(), "Subscription" | "Backend")
         || request
             .sub_resource
             .as_deref()
@@ -302,6 +343,9 @@ fn prepare(request: &RequestIn<'_>) -> Next {
             "the admission request carries no object to validate".into(),
         )));
     };
+    if request.kind.kind == "Backend" {
+        return prepare_backend(request, object, update);
+    }
     let new = match read_subscription_under_review(object.get()) {
         Ok(s) => s,
         Err(why) => {
@@ -370,6 +414,109 @@ fn prepare(request: &RequestIn<'_>) -> Next {
         new: Box::new(new),
         old,
     }
+}
+
+/// A Backend's part of [`prepare`]: read it (and the stored one), and allow an UPDATE of one
+/// being deleted or with its spec unchanged from the body alone (A14).
+fn prepare_backend(request: &RequestIn<'_>, object: &RawValue, update: bool) -> Next {
+    let deny =
+        |message: String| Next::Decided(Box::new(Decision::deny(400, "BadRequest", message)));
+    let new = match read_backend(object.get()) {
+        Ok(b) => b,
+        Err(why) => return deny(format!("the Backend could not be read: {why}")),
+    };
+    if update && new.metadata.deletion_timestamp.is_some() {
+        return Next::Decided(Box::new(Decision::allow_because(
+            "the Backend is being deleted (A14)",
+        )));
+    }
+    let old = if update {
+        match request.old_object.map(|o| read_backend(o.get())) {
+            Some(Ok(old)) => Some(Box::new(old.spec)),
+            Some(Err(why)) => {
+                return deny(format!(
+                    "the stored Backend could not be read ({why}): delete it and create it again"
+                ));
+            }
+            None => return deny("the UPDATE request carries no oldObject to compare with".into()),
+        }
+    } else {
+        None
+    };
+    if backend_unchanged(&new.spec, old.as_deref()) {
+        return Next::Decided(Box::new(Decision::allow_because(
+            "the Backend's spec did not change (A14)",
+        )));
+    }
+    let Some(namespace) = request
+        .namespace
+        .as_deref()
+        .or(new.metadata.namespace.as_deref())
+        .filter(|n| !n.is_empty())
+    else {
+        return deny("the admission request names no namespace".into());
+    };
+    Next::JudgeBackend {
+        namespace: namespace.to_string(),
+        new: Box::new(new.spec),
+        old,
+    }
+}
+
+/// The verdict on a Backend read by [`prepare_backend`]: each Secret it names is looked up (its
+/// labels only), then `policy::validate_backend` judges. A lookup that fails denies (fail
+/// closed), as for Subscriptions.
+async fn judge_backend(
+    namespace: &str,
+    new: &BackendSpec,
+    old: Option<&BackendSpec>,
+    backends: &dyn BackendLookup,
+    rules: &BackendRules,
+) -> Decision {
+    let mut views = std::collections::HashMap::new();
+    for (_, name) in secrets_named(new) {
+        if views.contains_key(name) {
+            continue;
+        }
+        let view =
+            match tokio::time::timeout(LOOKUP_TIMEOUT, backends.secret(namespace, name)).await {
+                Ok(Ok(view)) => view,
+                Ok(Err(e)) => return secret_lookup_failed(namespace, name, &e),
+                Err(_) => {
+                    return secret_lookup_failed(
+                        namespace,
+                        name,
+                        &LookupError::Timeout(LOOKUP_TIMEOUT),
+                    );
+                }
+            };
+        views.insert(name.to_string(), view);
+    }
+    let secrets = |name: &str| views.get(name).copied().unwrap_or(SecretView::Unknown);
+    let verdict = validate_backend(new, old, namespace, &secrets, rules);
+    let warnings = verdict.warnings.iter().map(ToString::to_string).collect();
+    if verdict.allowed() {
+        Decision {
+            warnings,
+            ..Decision::default()
+        }
+    } else {
+        let mut d = Decision::deny(422, "Invalid", verdict.error_text());
+        d.warnings = warnings;
+        d
+    }
+}
+
+fn secret_lookup_failed(namespace: &str, name: &str, e: &LookupError) -> Decision {
+    tracing::warn!(secret = %format!("{namespace}/{name}"), error = %e, "admission could not read a Secret's labels; denying");
+    Decision::deny(
+        503,
+        "ServiceUnavailable",
+        format!(
+            "the Settle admission webhook could not read the labels of Secret {namespace}/{name} ({e}), so it cannot tell \
+             whether the Secret may be used by a Backend: retry in a moment"
+        ),
+    )
 }
 
 /// The verdict on a Subscription read by [`prepare`], against its Backend.

@@ -70,6 +70,9 @@ pub struct WebhookConfig {
     /// A connection with no request in flight for this long is closed, HTTP/2 with a GOAWAY
     /// first (default 60 s).
     pub idle_timeout: Duration,
+    /// What Backends may name (broker hosts, SQS pod identity); default: any host, pod
+    /// identity nowhere.
+    pub backend_rules: crate::policy::BackendRules,
 }
 
 impl WebhookConfig {
@@ -101,6 +104,7 @@ impl WebhookConfig {
             h2_keepalive_interval: Duration::from_secs(20),
             h2_keepalive_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
+            backend_rules: crate::policy::BackendRules::default(),
         }
     }
 }
@@ -312,7 +316,14 @@ async fn validate(shared: &Shared, req: Request<Incoming>) -> Response<Full<Byte
     drop(body);
     drop((reading, turn));
     let answer = match read {
-        Ok(review) => review::answer(review, shared.backends.as_ref()).await,
+        Ok(review) => {
+            review::answer(
+                review,
+                shared.backends.as_ref(),
+                &shared.config.backend_rules,
+            )
+            .await
+        }
         Err(bad_request) => bad_request,
     };
     shared.metrics.observe(&answer, started.elapsed());

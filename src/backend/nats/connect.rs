@@ -16,8 +16,9 @@ use async_nats::rustls::pki_types::pem::PemObject;
 use async_nats::rustls::{self, ClientConfig, RootCertStore};
 use async_nats::{ConnectErrorKind, ConnectOptions};
 
-/// Credentials, as the Secret's keys spell them.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// Credentials, as the Secret's keys spell them. `Debug` shows the form and a user name, never
+/// a secret.
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub enum Credentials {
     /// A `.creds` file (user JWT and nkey seed).
     Creds(String),
@@ -28,6 +29,21 @@ pub enum Credentials {
         user: String,
         password: String,
     },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::Creds(_) => f.write_str("Creds(<redacted>)"),
+            Credentials::Nkey(_) => f.write_str("Nkey(<redacted>)"),
+            Credentials::Token(_) => f.write_str("Token(<redacted>)"),
+            Credentials::UserPassword { user, .. } => f
+                .debug_struct("UserPassword")
+                .field("user", user)
+                .field("password", &"<redacted>")
+                .finish(),
+        }
+    }
 }
 
 /// The Secret keys that hold credentials, in the order they are looked for.
@@ -219,6 +235,30 @@ pub fn is_connected(client: &async_nats::Client) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_never_prints_a_secret() {
+        for c in [
+            Credentials::Creds("-----BEGIN NATS USER JWT----- s3cr3t".into()),
+            Credentials::Nkey("SUAs3cr3t".into()),
+            Credentials::Token("s3cr3t".into()),
+            Credentials::UserPassword {
+                user: "alice".into(),
+                password: "s3cr3t".into(),
+            },
+        ] {
+            let spec = ConnectSpec {
+                servers: vec!["nats://n:4222".into()],
+                credentials: Some(c.clone()),
+                ca_pem: None,
+                name: "settle".into(),
+            };
+            for text in [format!("{c:?}"), format!("{spec:?}"), format!("{spec:#?}")] {
+                assert!(!text.contains("s3cr3t"), "{text}");
+                assert!(text.contains("<redacted>"), "{text}");
+            }
+        }
+    }
 
     fn data(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<u8>> {
         pairs

@@ -29,7 +29,7 @@ pub struct Credentials {
 
 impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Credentials({}:***)", self.username)
+        write!(f, "Credentials({}:<redacted>)", self.username)
     }
 }
 
@@ -54,8 +54,9 @@ impl Credentials {
 }
 
 /// Everything a connection is made from. Two equal specs make the same connection, so a caller
-/// keeps one connection per spec and reconnects when it changes (a rotated Secret).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// keeps one connection per spec and reconnects when it changes (a rotated Secret). `Debug`
+/// shows the URLs with any password in them replaced, and the credentials redacted.
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct RabbitConnectSpec {
     pub urls: Vec<String>,
     /// The vhost, replacing the URL's path when set.
@@ -68,6 +69,26 @@ pub struct RabbitConnectSpec {
     pub exchanges: Exchanges,
     /// The connection's name, as the management UI shows it.
     pub name: String,
+}
+
+impl std::fmt::Debug for RabbitConnectSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConnectSpec")
+            .field(
+                "urls",
+                &self.urls.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+            )
+            .field("vhost", &self.vhost)
+            .field("credentials", &self.credentials)
+            .field("ca_pem", &self.ca_pem.as_ref().map(|_| "<PEM>"))
+            .field(
+                "management_url",
+                &self.management_url.as_deref().map(redact),
+            )
+            .field("exchanges", &self.exchanges)
+            .field("name", &self.name)
+            .finish()
+    }
 }
 
 impl RabbitConnectSpec {
@@ -198,7 +219,7 @@ pub fn redact(url: &str) -> String {
         (Some(scheme), Some(at)) if at > scheme => {
             let userinfo = &url[scheme + 3..at];
             let user = userinfo.split(':').next().unwrap_or_default();
-            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+            format!("{}{user}:<redacted>{}", &url[..scheme + 3], &url[at..])
         }
         _ => url.to_string(),
     }
@@ -207,6 +228,20 @@ pub fn redact(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_never_prints_a_password() {
+        let mut s = spec(&["amqp://guest:s3cr3t@r:5672/%2f"]);
+        s.credentials = Some(Credentials {
+            username: "alice".into(),
+            password: "s3cr3t".into(),
+        });
+        s.management_url = Some("http://bob:s3cr3t@r:15672".into());
+        for text in [format!("{s:?}"), format!("{:?}", s.credentials)] {
+            assert!(!text.contains("s3cr3t"), "{text}");
+            assert!(text.contains("<redacted>"), "{text}");
+        }
+    }
 
     fn spec(urls: &[&str]) -> RabbitConnectSpec {
         RabbitConnectSpec {
@@ -269,7 +304,7 @@ mod tests {
                 "{:?}",
                 Credentials::from_secret_data(&data(&[("username", "u"), ("password", "p")]))
             ),
-            "Ok(Credentials(u:***))"
+            "Ok(Credentials(u:<redacted>))"
         );
     }
 

@@ -19,6 +19,9 @@ use rustls::pki_types::pem::PemObject;
 
 use super::queue::{Binding, LiveQueue, normalise};
 
+/// How much of an unexpected answer's body the DEBUG log shows.
+const BODY_LOG_MAX: usize = 256;
+
 /// How long one request may take.
 pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -34,12 +37,14 @@ pub enum ManagementError {
          `monitoring` tag, or fix spec.rabbitmq.managementUrl"
     )]
     Unauthorized { url: String, status: u16 },
-    /// Any other answer than the one asked for.
-    #[error("the RabbitMQ management API answered {status} to {path}: {body}")]
+    /// Any other answer than the one asked for. What the server sent is never carried here
+    /// (it reaches status): only the status code and a fixed description; the body goes to
+    /// the DEBUG log, truncated.
+    #[error("the RabbitMQ management API answered {status} to {path}: {detail}")]
     Status {
         path: String,
         status: u16,
-        body: String,
+        detail: String,
     },
     /// The settings cannot be used (a bad URL or CA).
     #[error("{0}")]
@@ -52,12 +57,21 @@ impl ManagementError {
     }
 }
 
-/// A client of one broker's management API.
+/// A client of one broker's management API. `Debug` shows its URL, never the authorization.
 #[derive(Clone)]
 pub struct Management {
     base: String,
     authorization: String,
     client: Client<HttpsConnector<HttpConnector>, Empty<Bytes>>,
+}
+
+impl std::fmt::Debug for Management {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Management")
+            .field("base", &super::connect::redact(&self.base))
+            .field("authorization", &"<redacted>")
+            .finish_non_exhaustive()
+    }
 }
 
 /// A queue's counts, as the management API shows them.
@@ -205,24 +219,42 @@ impl Management {
         let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, call)
             .await
             .map_err(|_| unreachable(format!("no answer within {REQUEST_TIMEOUT:?}")))??;
+        let log_body = || {
+            tracing::debug!(
+                url = %self.base,
+                path,
+                status,
+                body = %String::from_utf8_lossy(&body[..body.len().min(BODY_LOG_MAX)]),
+                "the RabbitMQ management API's answer (truncated)"
+            );
+        };
         match status {
-            200 => serde_json::from_slice(&body)
-                .map(Some)
-                .map_err(|e| ManagementError::Status {
+            200 => serde_json::from_slice(&body).map(Some).map_err(|e| {
+                log_body();
+                ManagementError::Status {
                     path: path.to_string(),
                     status,
-                    body: format!("not JSON: {e}"),
-                }),
+                    // Line and column only: serde's message can quote the body.
+                    detail: format!(
+                        "the answer is not the JSON expected (at line {}, column {})",
+                        e.line(),
+                        e.column()
+                    ),
+                }
+            }),
             404 => Ok(None),
             401 | 403 => Err(ManagementError::Unauthorized {
                 url: self.base.clone(),
                 status,
             }),
-            _ => Err(ManagementError::Status {
-                path: path.to_string(),
-                status,
-                body: String::from_utf8_lossy(&body).chars().take(300).collect(),
-            }),
+            _ => {
+                log_body();
+                Err(ManagementError::Status {
+                    path: path.to_string(),
+                    status,
+                    detail: "an unexpected answer (its body is in the operator's debug log)".into(),
+                })
+            }
         }
     }
 
@@ -310,6 +342,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn debug_never_prints_the_authorization() {
+        let m = Management::new("http://r:15672", "alice", "s3cr3t", None).expect("a client");
+        let text = format!("{m:?}");
+        assert!(text.contains("<redacted>"), "{text}");
+        // Basic auth is base64 of user:password.
+        assert!(
+            !text.contains("s3cr3t") && !text.contains("YWxpY2U6czNjcjN0"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn segments_are_percent_encoded() {
         assert_eq!(segment("/"), "%2F");
         assert_eq!(segment("orders.eu_1-x~"), "orders.eu_1-x~");
@@ -341,17 +385,14 @@ mod tests {
     #[test]
     fn plain_http_needs_no_certificates_and_a_ca_without_one_is_refused() {
         assert!(Management::new("http://127.0.0.1:1/", "u", "p", None).is_ok());
-        let e = Management::new("https://x", "u", "p", Some("not a certificate"))
-            .err()
-            .expect("refused");
+        let e =
+            Management::new("https://x", "u", "p", Some("not a certificate")).expect_err("refused");
         assert!(e.to_string().contains("caSecretRef"), "{e}");
     }
 
     #[test]
     fn a_url_that_is_not_http_is_refused_naming_the_field() {
-        let e = Management::new("amqp://x", "u", "p", None)
-            .err()
-            .expect("refused");
+        let e = Management::new("amqp://x", "u", "p", None).expect_err("refused");
         assert!(e.to_string().contains("managementUrl"), "{e}");
     }
 }

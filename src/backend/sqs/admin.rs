@@ -83,9 +83,38 @@ where
         e,
         SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) | SdkError::ResponseError(_)
     );
+    let unparsable = matches!(e, SdkError::ResponseError(_));
     let code = e.code().map(str::to_string);
-    let detail = super::api(operation, e).to_string();
+    let full = super::api(operation, e).to_string();
+    // What the server sent (its message, an unparsable answer) never reaches status, where the
+    // error goes: an endpoint a Backend names could reflect anything. Only the error code, when
+    // it looks like one, and a fixed text; the rest at DEBUG, truncated.
+    let detail = if unparsable {
+        "the answer could not be read as SQS's (the full error is in the operator's debug log)"
+            .to_string()
+    } else if unreachable {
+        full.clone()
+    } else {
+        match code.as_deref().filter(|c| plausible_code(c)) {
+            Some(c) => format!("the server answered error code {c}"),
+            None => "the server answered an error without a recognisable code".to_string(),
+        }
+    };
+    if !unreachable || unparsable {
+        tracing::debug!(operation, error = %full.chars().take(256).collect::<String>(), "SQS error (truncated)");
+    }
+    let code = code.filter(|c| plausible_code(c));
     classify_parts(operation, unreachable, code.as_deref(), detail)
+}
+
+/// An error code as SQS spells them (`InvalidClientTokenId`,
+/// `AWS.SimpleQueueService.NonExistentQueue`, `com.amazonaws.sqs#QueueDoesNotExist`): short,
+/// without spaces; anything else is not repeated.
+fn plausible_code(c: &str) -> bool {
+    !c.is_empty()
+        && c.len() <= 96
+        && c.chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '#' | '_' | '-' | ':'))
 }
 
 /// The kind of a failed call from its parts: whether the request was never answered, the error
@@ -311,6 +340,15 @@ mod tests {
         assert_eq!(kind(false, Some("InvalidClientTokenId"), "x"), "auth");
         assert_eq!(kind(false, Some("InvalidAttributeValue"), "x"), "refused");
         assert_eq!(kind(false, None, "x"), "refused");
+    }
+
+    #[test]
+    fn only_plausible_error_codes_are_repeated() {
+        assert!(plausible_code("InvalidClientTokenId"));
+        assert!(plausible_code("com.amazonaws.sqs#QueueDoesNotExist"));
+        assert!(!plausible_code("<html>secret page</html>"));
+        assert!(!plausible_code(&"A".repeat(200)));
+        assert!(!plausible_code(""));
     }
 
     #[test]

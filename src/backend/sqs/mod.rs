@@ -107,8 +107,8 @@ fn queue_missing(e: &impl ProvideErrorMetadata) -> bool {
     })
 }
 
-/// Credentials for SQS.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+/// Credentials for SQS. `Debug` shows the access key id, never the secret key.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
 pub enum SqsCredentials {
     /// The pod's identity: the AWS SDK's default chain (environment, IRSA web identity, EKS Pod
     /// Identity, instance profile).
@@ -119,6 +119,19 @@ pub enum SqsCredentials {
         access_key_id: String,
         secret_access_key: String,
     },
+}
+
+impl std::fmt::Debug for SqsCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SqsCredentials::DefaultChain => f.write_str("DefaultChain"),
+            SqsCredentials::Static { access_key_id, .. } => f
+                .debug_struct("Static")
+                .field("access_key_id", access_key_id)
+                .field("secret_access_key", &"<redacted>")
+                .finish(),
+        }
+    }
 }
 
 /// Where SQS is and how to reach it: the Backend's `spec.sqs`, with its Secret read.
@@ -820,6 +833,23 @@ impl OnSettle for SqsSettler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_never_prints_the_secret_key() {
+        let settings = SqsSettings {
+            credentials: SqsCredentials::Static {
+                access_key_id: "AKIAEXAMPLE".into(),
+                secret_access_key: "s3cr3t".into(),
+            },
+            ..SqsSettings::default()
+        };
+        let text = format!("{settings:?}");
+        assert!(!text.contains("s3cr3t"), "{text}");
+        assert!(
+            text.contains("<redacted>") && text.contains("AKIAEXAMPLE"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn bodies_sqs_cannot_carry_go_as_base64() {
