@@ -13,9 +13,11 @@
 //! - [`api`]: the CRD types and the wire types they share with the runtime.
 //! - [`policy`]: pure rules: the capability table, the one `validate`, resolved defaults.
 //! - [`bus`]: the handler runtime (settlement, modes, backoff, counters, conformance).
-//! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream).
+//! - [`backend`]: the brokers the runtime drives (memory, NATS JetStream, RabbitMQ, SQS) and the
+//!   operator's calls to them.
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
-//! - [`account`]: the delivery account that fills `status.stats` (its pure ledger so far).
+//! - [`account`]: the delivery account that fills `status.stats`: the pure ledger, a keeper per
+//!   NATS and RabbitMQ Backend, the SQS gauges, the one status writer.
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
 //! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
