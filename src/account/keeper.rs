@@ -105,6 +105,10 @@ struct Book {
     /// `Some(ledger_lost)` on a book's first load in a session (a book read again after a lost
     /// race has no replay of its reports coming, so it is not checked).
     check: Option<bool>,
+    /// When the consumer this book counts through was made (the server's clock), once read: a
+    /// delivery advisory written before it is an earlier consumer's of the same name (an earlier
+    /// object's, its advisories still unread when no operator ran), never this object's.
+    consumer_since: Option<((String, String), i128)>,
 }
 
 /// A Subscription of this Backend, and the consumer the controller verified as its own.
@@ -453,6 +457,7 @@ impl Keeper {
                     revision,
                     acks: Vec::new(),
                     revisions: HashMap::new(),
+                    consumer_since: None,
                     gauges: (0, 0),
                     gauges_at: None,
                     check: first_load.then_some(ledger_lost),
@@ -635,6 +640,7 @@ impl Keeper {
             {
                 let book = self.book(ledgers, books, key, m).await?;
                 book.account.consumer_recreated();
+                book.consumer_since = None;
                 book.dirty = true;
                 return Ok(Some(key.clone()));
             }
@@ -662,6 +668,17 @@ impl Keeper {
         };
         if exhausted {
             let book = self.book(ledgers, books, key, m).await?;
+            if let (Some(at), Some(since)) =
+                (event.at_ns, consumer_since(&self.client, book, m).await)
+                && at < since
+            {
+                self.metrics
+                    .advisories
+                    .with_label_values(&["earlier_consumer"])
+                    .inc();
+                tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), stream_seq = event.stream_seq, "an advisory of an earlier consumer of the same name: not this object's");
+                return Ok(None);
+            }
             if book
                 .account
                 .broker_exhausted_message(capture_seq, event.stream_seq)
@@ -949,6 +966,24 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// When `m`'s consumer was made, in nanoseconds (the server's clock), read once per consumer and
+/// kept in `book`; None when it cannot be read (then every advisory of the name counts, as before).
+async fn consumer_since(client: &async_nats::Client, book: &mut Book, m: &Member) -> Option<i128> {
+    let consumer = m.consumer.clone()?;
+    if let Some((seen, since)) = &book.consumer_since
+        && *seen == consumer
+    {
+        return Some(*since);
+    }
+    let js = jetstream::new(client.clone());
+    let stream = js.get_stream(&consumer.0).await.ok()?;
+    let info = stream.consumer_info(&consumer.1).await.ok()?;
+    let created = serde_json::to_value(info.created).ok()?;
+    let since = advisory::rfc3339_ns(created.as_str()?)?;
+    book.consumer_since = Some((consumer, since));
+    Some(since)
 }
 
 #[cfg(test)]

@@ -122,6 +122,16 @@ pub struct DeliveryEvent {
     pub stream_seq: u64,
     /// Deliveries of the message so far (the attempt the event concerns).
     pub deliveries: u64,
+    /// When the server wrote the advisory, in nanoseconds since the epoch (its own clock, as
+    /// a consumer's `created`): absent when the advisory carries no readable timestamp.
+    pub at_ns: Option<i128>,
+}
+
+/// An RFC 3339 time, as nats-server writes them, in nanoseconds since the epoch.
+pub fn rfc3339_ns(text: &str) -> Option<i128> {
+    text.parse::<k8s_openapi::jiff::Timestamp>()
+        .ok()
+        .map(|t| t.as_nanosecond())
 }
 
 #[derive(Deserialize)]
@@ -131,6 +141,8 @@ struct Delivery {
     stream_seq: u64,
     #[serde(default)]
     deliveries: u64,
+    #[serde(default)]
+    timestamp: Option<String>,
 }
 
 /// The delivery event an advisory message reports, if it reports one.
@@ -151,6 +163,7 @@ pub fn parse_delivery(subject: &str, payload: &[u8]) -> Option<DeliveryEvent> {
         consumer: d.consumer,
         stream_seq: d.stream_seq,
         deliveries: d.deliveries,
+        at_ns: d.timestamp.as_deref().and_then(rfc3339_ns),
     })
 }
 
@@ -173,6 +186,7 @@ mod tests {
                 consumer: "orders".into(),
                 stream_seq: 42,
                 deliveries: 3,
+                at_ns: rfc3339_ns("2026-11-30T10:00:00Z"),
             })
         );
         let term = br#"{"stream":"S","consumer":"c","consumer_seq":9,"stream_seq":7,"deliveries":5,"reason":""}"#;
