@@ -66,19 +66,6 @@ fn report(ns: &str, instance: &str, padding: usize) -> Vec<u8> {
     .expect("json")
 }
 
-/// A ValidatingWebhookConfiguration for Subscriptions in namespaces labelled `settle-flood=<ns>`,
-/// at the operator's webhook on `port` (the operator writes its CA into `caBundle`).
-fn register_webhook(configuration: &str, ns: &str, port: u16) {
-    let vwc = format!(
-        "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\nmetadata: {{name: {configuration}}}\nwebhooks:\n\
-         - name: subscriptions.messaging.settle.dev\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 10\n\
-         \x20 namespaceSelector: {{matchLabels: {{settle-flood: \"{ns}\"}}}}\n\
-         \x20 rules: [{{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}}]\n\
-         \x20 clientConfig: {{url: \"https://127.0.0.1:{port}/validate\"}}\n"
-    );
-    kubectl_ok(&["apply", "-f", "-"], Some(&vwc));
-}
-
 /// `kubectl apply` of Subscription `name` in `ns`: whether it was admitted, and what kubectl said.
 async fn apply_subscription(ns: &str, name: &str, spec: &str) -> (bool, String) {
     let yaml = format!(
@@ -117,8 +104,9 @@ async fn a_report_flood_is_dropped_counted_and_leaves_admission_and_memory_withi
     ];
     // Registered before the operator starts, so it writes its CA in at once; it serves the
     // scene's namespace (named as `common::namespace` names it) once that is labelled.
-    register_webhook(
+    common::register_subscription_webhook(
         &configuration,
+        "settle-flood",
         &format!("flood-{}", std::process::id()),
         webhook_port,
     );

@@ -39,8 +39,6 @@ use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 
-const WEBHOOK: &str = "subscriptions.messaging.settle.dev";
-
 /// The operator process; killed when dropped, so a failed assertion leaves nothing running.
 struct Operator {
     child: Child,
@@ -354,14 +352,16 @@ async fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
 /// A ValidatingWebhookConfiguration for Subscriptions in the namespaces labelled `label=value`,
 /// pointing nowhere until [`point_webhook_at`] is called.
 async fn register_webhook(configuration: &str, label: &str, value: &str) {
-    let vwc = format!(
-        "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\nmetadata: {{name: {configuration}}}\nwebhooks:\n\
-         - name: {WEBHOOK}\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 10\n\
-         \x20 namespaceSelector: {{matchLabels: {{{label}: \"{value}\"}}}}\n\
-         \x20 rules: [{{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}}]\n\
-         \x20 clientConfig: {{url: \"https://127.0.0.1:1/validate\"}}\n"
+    let (configuration, label, value) = (
+        configuration.to_string(),
+        label.to_string(),
+        value.to_string(),
     );
-    kubectl_ok(&["apply", "-f", "-"], Some(&vwc)).await;
+    tokio::task::spawn_blocking(move || {
+        common::register_subscription_webhook(&configuration, &label, &value, 1)
+    })
+    .await
+    .expect("kubectl ran");
 }
 
 async fn point_webhook_at(configuration: &str, port: u16) {

@@ -118,6 +118,21 @@ pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A ValidatingWebhookConfiguration `configuration` (fails closed) for the Subscriptions of the
+/// namespaces labelled `label=value`, at an operator's webhook on 127.0.0.1:`port` (port 1:
+/// nowhere yet). An operator started with `--webhook-configuration <configuration>` writes its CA
+/// into `caBundle`.
+pub fn register_subscription_webhook(configuration: &str, label: &str, value: &str, port: u16) {
+    let vwc = format!(
+        "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\nmetadata: {{name: {configuration}}}\nwebhooks:\n\
+         - name: subscriptions.messaging.settle.dev\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 10\n\
+         \x20 namespaceSelector: {{matchLabels: {{{label}: \"{value}\"}}}}\n\
+         \x20 rules: [{{apiGroups: [messaging.settle.dev], apiVersions: [v1alpha1], operations: [CREATE, UPDATE], resources: [subscriptions]}}]\n\
+         \x20 clientConfig: {{url: \"https://127.0.0.1:{port}/validate\"}}\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&vwc));
+}
+
 /// A kube client for the environment's API server (the client needs the `operator` feature).
 #[cfg(feature = "operator")]
 pub async fn kube_client() -> kube::Client {
