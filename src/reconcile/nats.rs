@@ -14,7 +14,7 @@ use super::Ctx;
 use super::conditions::events;
 use super::connections::NatsConn;
 use super::status::{ADOPT_ANNOTATION, SubOutcome};
-use super::subscription::{Removal, publish};
+use super::subscription::{self, Removal, publish};
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::nats::advisory::ChangeKind;
 use crate::backend::nats::consumer;
@@ -143,17 +143,8 @@ pub async fn ensure(
             want.name,
             live.owner_uid().unwrap_or("?")
         );
-        ctx.metrics.op("adopt");
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
-        publish(
-            ctx,
-            sub,
-            EventType::Normal,
-            events::ADOPTED,
-            "Reconcile",
-            note,
-        )
-        .await;
+        subscription::adopted(ctx, sub, note).await;
     }
     let d = consumer::diff(&want, &live);
     if !d.immutable.is_empty() {

@@ -26,7 +26,7 @@ use super::Ctx;
 use super::conditions::events;
 use super::connections::RabbitConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
-use super::subscription::{Removal, publish};
+use super::subscription::{Removal, adopted, publish};
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::connect::ConnectFailure;
@@ -291,17 +291,8 @@ pub async fn ensure(
             "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
             want.name
         );
-        ctx.metrics.op("adopt");
         tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, "{note}");
-        publish(
-            ctx,
-            sub,
-            EventType::Normal,
-            events::ADOPTED,
-            "Reconcile",
-            note,
-        )
-        .await;
+        adopted(ctx, sub, note).await;
     }
     let Found::Shown(live) = found else {
         // AMQP only: redeclare (refused when a compared argument differs) and bind again

@@ -21,7 +21,7 @@ use super::Ctx;
 use super::conditions::events;
 use super::connections::SqsConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
-use super::subscription::{Removal, SQS_STREAM, publish};
+use super::subscription::{Removal, SQS_STREAM, adopted, publish};
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
@@ -152,17 +152,8 @@ async fn find_or_create(
         let note = format!(
             "took over SQS queue {name} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked"
         );
-        ctx.metrics.op("adopt");
         tracing::info!(subscription = %owner, queue = %name, "{note}");
-        publish(
-            ctx,
-            sub,
-            EventType::Normal,
-            events::ADOPTED,
-            "Reconcile",
-            note,
-        )
-        .await;
+        adopted(ctx, sub, note).await;
     }
     Ok((url, false))
 }

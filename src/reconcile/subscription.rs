@@ -363,6 +363,21 @@ async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
     }
 }
 
+/// A leftover of an earlier object taken over, as annotation `settle.dev/adopt` asked (the
+/// broker step says what it took in `note`): counted and recorded as an `Adopted` Event.
+pub(super) async fn adopted(ctx: &Ctx, sub: &Subscription, note: String) {
+    ctx.metrics.op("adopt");
+    publish(
+        ctx,
+        sub,
+        EventType::Normal,
+        events::ADOPTED,
+        "Reconcile",
+        note,
+    )
+    .await;
+}
+
 /// Records a Kubernetes Event on the Subscription; a failure to record is logged, never fatal.
 pub(super) async fn publish(
     ctx: &Ctx,

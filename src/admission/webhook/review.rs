@@ -32,7 +32,7 @@ use super::lookup::{BackendLookup, LookupError};
 use crate::admission::{SubscriptionUnderReview, read_subscription_under_review};
 use crate::api::{BackendSpec, Capabilities, GROUP};
 use crate::policy::{
-    BackendRules, BackendView, SecretView, backend_unchanged, effective_capabilities,
+    BackendRules, BackendView, SecretView, Verdict, backend_unchanged, effective_capabilities,
     secrets_named, unchanged, validate, validate_backend,
 };
 
@@ -493,18 +493,7 @@ async fn judge_backend(
         views.insert(name.to_string(), view);
     }
     let secrets = |name: &str| views.get(name).copied().unwrap_or(SecretView::Unknown);
-    let verdict = validate_backend(new, old, namespace, &secrets, rules);
-    let warnings = verdict.warnings.iter().map(ToString::to_string).collect();
-    if verdict.allowed() {
-        Decision {
-            warnings,
-            ..Decision::default()
-        }
-    } else {
-        let mut d = Decision::deny(422, "Invalid", verdict.error_text());
-        d.warnings = warnings;
-        d
-    }
+    decision_of(&validate_backend(new, old, namespace, &secrets, rules))
 }
 
 fn secret_lookup_failed(namespace: &str, name: &str, e: &LookupError) -> Decision {
@@ -564,7 +553,12 @@ async fn judge(
         None => BackendView::Missing { name: backend_name },
     };
 
-    let verdict = validate(&new.spec, old.map(|o| &o.spec), view);
+    decision_of(&validate(&new.spec, old.map(|o| &o.spec), view))
+}
+
+/// A verdict of `policy` as the webhook answers it: allowed, or denied 422 with every error;
+/// its warnings either way.
+fn decision_of(verdict: &Verdict) -> Decision {
     let warnings = verdict.warnings.iter().map(ToString::to_string).collect();
     if verdict.allowed() {
         Decision {
