@@ -200,11 +200,18 @@ pub async fn bucket(
         .await
     {
         Ok(s) => Ok(s),
-        // Made meanwhile by someone else.
-        Err(e) => js
-            .get_key_value(name)
-            .await
-            .map_err(|_| unreachable(&format!("creating KV bucket {name}"), e)),
+        // Made meanwhile by someone else (a runtime, with its own defaults): brought to
+        // `limits` all the same.
+        Err(e) => {
+            let s = js
+                .get_key_value(name)
+                .await
+                .map_err(|_| unreachable(&format!("creating KV bucket {name}"), e))?;
+            if let Some(limits) = limits {
+                bring_to(js, name, limits).await?;
+            }
+            Ok(s)
+        }
     }
 }
 
