@@ -226,7 +226,8 @@ pub struct BrokerTally {
     /// The capture sequences of the advisories applied most recently: one of them coming again
     /// (redelivered after a restart, in any order) is skipped.
     pub applied: VecDeque<u64>,
-    /// The most recently counted messages by stream sequence (newest last).
+    /// The most recently counted messages (newest last): by stream sequence on NATS, by
+    /// [`message_key`] of the message id where dead letters are watched (RabbitMQ, SQS).
     pub recent: VecDeque<u64>,
 }
 
@@ -432,6 +433,25 @@ impl Account {
             return BrokerOutcome::Duplicate;
         }
         b.recent.push_back(stream_seq);
+        while b.recent.len() > REMEMBERED_EXHAUSTED {
+            b.recent.pop_front();
+        }
+        b.exhausted += 1;
+        BrokerOutcome::Counted
+    }
+
+    /// One message the broker dead-lettered when its attempts ran out (RabbitMQ's delivery
+    /// limit, SQS's redrive policy), seen where the operator watches dead letters: `id` names
+    /// the message on the broker (a message id, or the id the runtime stamps), so the same
+    /// message seen again (a redelivered copy, a second look at a dead-letter queue) is counted
+    /// once. The ids are kept as a stable 64-bit hash among the last [`REMEMBERED_EXHAUSTED`].
+    pub fn broker_dead_lettered(&mut self, id: &str) -> BrokerOutcome {
+        let key = message_key(id);
+        let b = &mut self.persisted.broker;
+        if b.recent.contains(&key) {
+            return BrokerOutcome::Duplicate;
+        }
+        b.recent.push_back(key);
         while b.recent.len() > REMEMBERED_EXHAUSTED {
             b.recent.pop_front();
         }
@@ -662,6 +682,14 @@ fn growth(from: &ConsumerStats, to: &ConsumerStats) -> ConsumerStats {
     zip(to, from, u64::saturating_sub)
 }
 
+/// A broker's message id as the ledger remembers it: FNV-1a over its bytes, stable across
+/// operator versions and restarts (the ledger is persisted), unlike `std`'s hasher.
+pub fn message_key(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// Every counter of `a` is at least that of `b`.
 pub fn dominates(a: &ConsumerStats, b: &ConsumerStats) -> bool {
     max(a, b) == *a
@@ -669,6 +697,21 @@ pub fn dominates(a: &ConsumerStats, b: &ConsumerStats) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_dead_lettered_message_is_counted_once_and_only_the_larger_source_shows() {
+        let mut a = Account::of(Some("uid-1".into()));
+        assert_eq!(a.broker_dead_lettered("m-1"), BrokerOutcome::Counted);
+        assert_eq!(a.broker_dead_lettered("m-2"), BrokerOutcome::Counted);
+        // The same message seen again (a second look at the dead-letter queue) counts nothing.
+        assert_eq!(a.broker_dead_lettered("m-1"), BrokerOutcome::Duplicate);
+        assert_eq!(a.counted().exhausted, 2);
+        assert_eq!(a.persisted().broker.exhausted, 2);
+        // The key is stable (persisted ledgers are read by later operators) and tells ids apart.
+        assert_eq!(message_key("m-1"), message_key("m-1"));
+        assert_ne!(message_key("m-1"), message_key("m-2"));
+        assert_eq!(message_key(""), 0xcbf2_9ce4_8422_2325);
+    }
     use super::*;
     use crate::bus::RuntimeStats;
     use proptest::prelude::*;
