@@ -121,7 +121,11 @@ pub enum Unseen {
     Never,
     /// It can, and the broker's advisories count such losses (NATS JetStream).
     FromAdvisories,
-    /// It can, and nothing on the broker side counts them (RabbitMQ today).
+    /// It can, and the operator counts such losses where the broker dead-letters them (a copy
+    /// of RabbitMQ's dead-letter exchange, SQS's dead-letter queue).
+    FromDeadLetters,
+    /// It can, and nothing on the broker side counts them (a RabbitMQ Backend without a
+    /// dead-letter exchange).
     Uncounted,
 }
 
@@ -142,6 +146,12 @@ pub fn wants(
              counted from the broker's advisories, which the operator captures from the moment it \
              manages the Backend; a message that ran out before then is not counted, so Exhausted may \
              undercount for that time."
+        }
+        Unseen::FromDeadLetters => {
+            " On this backend a crash or restart can spend a last attempt no handler saw: such \
+             messages are counted where the broker dead-letters them, which the operator watches \
+             from the moment it manages the Subscription; a message dead-lettered before then is \
+             not counted, so Exhausted may undercount for that time."
         }
         Unseen::Uncounted => {
             " On this backend a crash or restart can spend a last attempt no handler saw, and the \
