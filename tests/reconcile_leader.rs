@@ -224,7 +224,7 @@ async fn a_leader_whose_lease_is_taken_stops_reconciling_and_writing_status_unti
     scene.publish(bodies(5)).await;
     scene
         .settled("five exhausted", Duration::from_secs(40), |s| {
-            s.exhausted == 5 && s.settlement.nacked == 15
+            s.exhausted == 5 && s.settlement.nacked == 15 && s.delivered == 15
         })
         .await;
     assert!(
@@ -382,7 +382,7 @@ async fn a_leader_cut_off_mid_reconcile_whose_lease_is_taken_writes_no_status_af
     scene.publish(bodies(5)).await;
     scene
         .settled("five exhausted", Duration::from_secs(40), |s| {
-            s.exhausted == 5 && s.settlement.nacked == 15
+            s.exhausted == 5 && s.settlement.nacked == 15 && s.delivered == 15
         })
         .await;
     let drift = TestStream::new(&common::env().nats_url, "rec-cut-drift").await;
