@@ -2,7 +2,9 @@
 //! (`backend::rabbitmq::queue::desired`), bound to the Backend's exchange by the pattern; made
 //! when missing (again when deleted on the broker), its binding repaired in place, an argument
 //! RabbitMQ cannot change in place reported `ImmutableField` with the argument and its field
-//! named; deleted when the Subscription goes.
+//! named; deleted when the Subscription goes. Under AtLeastOnce on a Backend with a dead-letter
+//! exchange, the Backend's dead-letter copy queue is made and bound first (R9), so the account
+//! sees every dead letter of the queue from its start (the account deletes it).
 //!
 //! Only a queue this Subscription object made (or took over by the `settle.dev/adopt`
 //! annotation) is bound or deleted; any other is left alone (`ConsumerConflict`): [`claim`]
@@ -27,9 +29,11 @@ use super::conditions::events;
 use super::connections::RabbitConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
 use super::subscription::{Removal, adopted, publish};
+use crate::api::Mode;
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::connect::ConnectFailure;
+use crate::backend::rabbitmq::deadletter;
 use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
@@ -256,6 +260,34 @@ pub async fn ensure(
         Ok(c) => c,
         Err(e) => return failure(connect_error(e), known),
     };
+    if policy.mode == Mode::AtLeastOnce
+        && let Some(dlx) = &conn.exchanges.dead_letter
+    {
+        // The account's copy of the dead letters, before the queue that dead-letters (R9).
+        ctx.metrics.js("deadletters.copy");
+        let copy = deadletter::ensure_copy(
+            &amqp,
+            &ns,
+            &sub.spec.backend_ref.name,
+            dlx,
+            std::slice::from_ref(&want.binding.routing_key),
+            ctx.dead_letter_copy_max_length,
+        )
+        .await;
+        match copy {
+            Ok(
+                deadletter::Copy::Whole { made: true }
+                | deadletter::Copy::Partial { made: true, .. },
+            ) => {
+                tracing::info!(subscription = %format!("{ns}/{name}"), queue = %deadletter::copy_queue(&ns, &sub.spec.backend_ref.name), "made the Backend's dead-letter copy queue")
+            }
+            Ok(_) => {}
+            // The account says what it cannot count; the queue itself does not wait for it.
+            Err(e) => {
+                tracing::warn!(subscription = %format!("{ns}/{name}"), error = %e, "cannot make the Backend's dead-letter copy queue")
+            }
+        }
+    }
     let found = match find(ctx, conn, &amqp, &want.name).await {
         Ok(f) => f,
         Err(e) => return failure(e, known),
