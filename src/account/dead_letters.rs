@@ -24,6 +24,11 @@ use crate::backend::rabbitmq::deadletter::{self, Copy};
 /// Subscription being made meanwhile is in the cache by then).
 const IDLE_BEFORE_DELETE: Duration = Duration::from_secs(10);
 
+/// How long a copy naming a queue a Subscription wants but has not verified is held (the
+/// controller writes `status.consumer` right after it makes the queue); then it counts for
+/// nobody.
+pub const HOLD_UNVERIFIED: Duration = Duration::from_secs(60);
+
 /// A Subscription, by namespace and name.
 pub type SubKey = (String, String);
 
@@ -32,14 +37,19 @@ pub enum Attribution {
     /// The Subscription whose verified queue dead-lettered it because its attempts ran out;
     /// with the id that names this dead-lettering.
     Exhausted(SubKey, String),
+    /// The queue an AtLeastOnce Subscription of the Backend wants, not verified as its own yet
+    /// (its status names no queue): held a while, as the controller may be about to.
+    Unverified,
     /// Nothing here (the label of `settle_account_dead_letters_total` it is counted under).
     Nothing(&'static str),
 }
 
 /// Attributes one copy (pure): `owners` maps each verified AtLeastOnce queue of the Backend to
-/// its Subscription.
+/// its Subscription; `wanted` holds the queues its AtLeastOnce Subscriptions want that no status
+/// names yet.
 pub fn attribute(
     owners: &HashMap<String, SubKey>,
+    wanted: &BTreeSet<String>,
     props: &lapin::BasicProperties,
     body: &[u8],
 ) -> Attribution {
@@ -53,6 +63,7 @@ pub fn attribute(
         Some(key) => {
             Attribution::Exhausted(key.clone(), deadletter::message_id(&death, props, body))
         }
+        None if wanted.contains(&death.queue) => Attribution::Unverified,
         None => Attribution::Nothing("not_ours"),
     }
 }
@@ -175,7 +186,13 @@ impl DeadLetters {
             return Ok(());
         }
         self.idle_since = None;
-        if self.copy.is_none() || self.keys != keys {
+        // Once per interval the binding is declared again too (one removed by hand comes back,
+        // an exchange declared since is copied).
+        let due = self.checked.is_none_or(|t| t.elapsed() >= interval);
+        if due {
+            self.checked = Some(Instant::now());
+        }
+        if self.copy.is_none() || self.keys != keys || due {
             match deadletter::ensure_copy(
                 conn,
                 &self.namespace,
@@ -210,25 +227,24 @@ impl DeadLetters {
                 .map_err(|e| broken(&format!("consuming {:?}", self.queue), e))?;
             self.consumer = Some(c);
         }
-        if self.consumer.is_some() && self.checked.is_none_or(|t| t.elapsed() >= interval) {
-            self.checked = Some(Instant::now());
-            if let Ok(Some(n)) = deadletter::depth(conn, &self.queue).await
-                && i64::from(n) >= self.max_length
-            {
-                metrics
-                    .dead_letters
-                    .with_label_values(&["copy_queue_full"])
-                    .inc();
-                tracing::warn!(queue = %self.queue, copies = n, "the dead-letter copy queue is full: the broker drops the oldest copies (raise --dead-letter-copy-max-length)");
-                self.gap = Some((
-                    now_ms,
-                    format!(
-                        "the copy queue {} was found full ({n} copies, \
+        if self.consumer.is_some()
+            && due
+            && let Ok(Some(n)) = deadletter::depth(conn, &self.queue).await
+            && i64::from(n) >= self.max_length
+        {
+            metrics
+                .dead_letters
+                .with_label_values(&["copy_queue_full"])
+                .inc();
+            tracing::warn!(queue = %self.queue, copies = n, "the dead-letter copy queue is full: the broker drops the oldest copies (raise --dead-letter-copy-max-length)");
+            self.gap = Some((
+                now_ms,
+                format!(
+                    "the copy queue {} was found full ({n} copies, \
                          --dead-letter-copy-max-length): the broker dropped the oldest beyond",
-                        self.queue
-                    ),
-                ));
-            }
+                    self.queue
+                ),
+            ));
         }
         Ok(())
     }
@@ -278,26 +294,33 @@ mod tests {
     #[test]
     fn a_copy_counts_for_the_subscription_whose_verified_queue_ran_it_out() {
         let owners = HashMap::from([("orders".to_string(), ("shop".into(), "orders".into()))]);
+        let none = BTreeSet::new();
         for reason in ["rejected", "delivery_limit"] {
             assert!(matches!(
-                attribute(&owners, &copy_of("orders", reason), b"x"),
+                attribute(&owners, &none, &copy_of("orders", reason), b"x"),
                 Attribution::Exhausted(k, _) if k == ("shop".to_string(), "orders".to_string())
             ));
         }
         // Expired or pushed out by a length limit: never ran out of attempts.
         for reason in ["expired", "maxlen"] {
             assert!(matches!(
-                attribute(&owners, &copy_of("orders", reason), b"x"),
+                attribute(&owners, &none, &copy_of("orders", reason), b"x"),
                 Attribution::Nothing("not_exhausted")
             ));
         }
         // Another team's queue, or one no Subscription here has verified: counts for nobody.
         assert!(matches!(
-            attribute(&owners, &copy_of("payments", "rejected"), b"x"),
+            attribute(&owners, &none, &copy_of("payments", "rejected"), b"x"),
             Attribution::Nothing("not_ours")
         ));
+        // A queue a Subscription here wants, before its status names it: held, not dropped.
+        let wanted = BTreeSet::from(["payments".to_string()]);
         assert!(matches!(
-            attribute(&owners, &lapin::BasicProperties::default(), b"x"),
+            attribute(&owners, &wanted, &copy_of("payments", "rejected"), b"x"),
+            Attribution::Unverified
+        ));
+        assert!(matches!(
+            attribute(&owners, &none, &lapin::BasicProperties::default(), b"x"),
             Attribution::Nothing("not_exhausted")
         ));
     }

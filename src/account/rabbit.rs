@@ -10,9 +10,12 @@
 //! publisher confirms) and only then acknowledges the reports they contain, so a restart finds
 //! every acknowledged report in the snapshot and every other one back in its queue (counted
 //! once: the ledger skips a report it already holds). It reads the queue's gauges once per stats
-//! interval and shows the account through [`show`] exactly as the NATS keeper does. Exhausted
-//! comes from the runtime's reports only (RabbitMQ has no advisories). A deleted Subscription's
-//! report and ledger queues are deleted.
+//! interval and shows the account through [`show`] exactly as the NATS keeper does. RabbitMQ has
+//! no advisories: on a Backend with a dead-letter exchange, the broker's count of Exhausted comes
+//! from a copy of its dead letters ([`super::dead_letters`], semantics R9–R12), each counted into
+//! the Subscription's snapshot and acknowledged after its save like a report; without one,
+//! Exhausted is the runtime's count alone. A deleted Subscription's report and ledger queues are
+//! deleted.
 //!
 //! Until a Subscription's runtime has reported (or a snapshot exists), only the broker's gauges
 //! are written: no counter is invented.
@@ -400,8 +403,11 @@ impl RabbitKeeper {
         let mut reports: Reports = SelectAll::new();
         // Each verified AtLeastOnce queue of the Backend, by name: whose its dead letters are.
         let mut owners: HashMap<String, SubKey> = HashMap::new();
-        // Copies for a Subscription whose book is not open yet: handled after the next opening.
-        let mut held: Vec<lapin::message::Delivery> = Vec::new();
+        // The queues the Backend's AtLeastOnce Subscriptions want that no status names yet.
+        let mut wanted: BTreeSet<String> = BTreeSet::new();
+        // Copies for a Subscription whose book is not open, or whose queue is not verified,
+        // yet: handled again after the next tick (unverified for at most HOLD_UNVERIFIED).
+        let mut held: Vec<(Instant, lapin::message::Delivery)> = Vec::new();
         self.sweep(conn).await;
         let mut swept = Instant::now();
         let mut tick = tokio::time::interval(TICK);
@@ -448,7 +454,8 @@ impl RabbitKeeper {
                     match copy {
                         Some(d) => {
                             let d = d.map_err(|e| broken("consuming dead letters", e))?;
-                            self.on_dead_letter(&dl.ch, &owners, &mut books, &mut held, d).await?;
+                            let mine = (&owners, &wanted);
+                            self.on_dead_letter(&dl.ch, mine, &mut books, &mut held, (Instant::now(), d)).await?;
                         }
                         None => dl.ended(now_ms(), &self.metrics),
                     }
@@ -477,12 +484,12 @@ impl RabbitKeeper {
                     self.drop_gone(conn, ch, dead.as_ref().map(|d| &d.ch), &members, &mut books)
                         .await;
                     if let Some(dl) = dead.as_mut() {
-                        let (o, keys) = queues_of(&members);
-                        owners = o;
+                        let (o, w, keys) = queues_of(&members);
+                        (owners, wanted) = (o, w);
                         dl.keep(conn, keys, now_ms(), self.config.stats_interval, &self.metrics)
                             .await?;
                         for d in std::mem::take(&mut held) {
-                            self.on_dead_letter(&dl.ch, &owners, &mut books, &mut held, d).await?;
+                            self.on_dead_letter(&dl.ch, (&owners, &wanted), &mut books, &mut held, d).await?;
                         }
                     }
                     if swept.elapsed() >= SWEEP_INTERVAL {
@@ -637,19 +644,30 @@ impl RabbitKeeper {
 
     /// One copy of a dead letter: counted for the Subscription whose verified queue ran it out
     /// of attempts (acknowledged once the snapshot counting it is saved), held when that
-    /// Subscription's book is not open yet, else acknowledged at once, counting for nobody.
+    /// Subscription's book is not open yet or a Subscription wants the queue it names but has
+    /// not verified it yet, else acknowledged at once, counting for nobody.
     async fn on_dead_letter(
         &self,
         dl: &Channel,
-        owners: &HashMap<String, SubKey>,
+        (owners, wanted): (&HashMap<String, SubKey>, &BTreeSet<String>),
         books: &mut HashMap<SubKey, Book>,
-        held: &mut Vec<lapin::message::Delivery>,
-        d: lapin::message::Delivery,
+        held: &mut Vec<(Instant, lapin::message::Delivery)>,
+        (since, d): (Instant, lapin::message::Delivery),
     ) -> Result<(), Broken> {
-        let label = match dead_letters::attribute(owners, &d.properties, &d.data) {
+        let attribution = match dead_letters::attribute(owners, wanted, &d.properties, &d.data) {
+            Attribution::Unverified if since.elapsed() < dead_letters::HOLD_UNVERIFIED => {
+                held.push((since, d));
+                return Ok(());
+            }
+            // Held long enough: the queue is not that Subscription's (a conflict).
+            Attribution::Unverified => Attribution::Nothing("not_ours"),
+            other => other,
+        };
+        let label = match attribution {
+            Attribution::Unverified => "not_ours",
             Attribution::Exhausted(key, id) => {
                 let Some(book) = books.get_mut(&key) else {
-                    held.push(d);
+                    held.push((since, d));
                     return Ok(());
                 };
                 book.dead_acks.push(d.delivery_tag);
@@ -1023,11 +1041,13 @@ async fn next_copy(
 
 /// The verified queues of the Backend's AtLeastOnce Subscriptions (their dead letters are
 /// theirs: `status.consumer`, which the controller writes only for a queue it claimed as the
-/// object's, semantics R8) and the routing keys they are bound with.
+/// object's, semantics R8), the queues they want that no status names yet, and the routing keys
+/// they are bound with.
 fn queues_of(
     members: &HashMap<SubKey, Arc<Subscription>>,
-) -> (HashMap<String, SubKey>, BTreeSet<String>) {
+) -> (HashMap<String, SubKey>, BTreeSet<String>, BTreeSet<String>) {
     let mut owners = HashMap::new();
+    let mut wanted = BTreeSet::new();
     let mut keys = BTreeSet::new();
     for (key, sub) in members {
         let policy = crate::policy::ResolvedPolicy::resolve(&sub.spec.policy);
@@ -1037,11 +1057,18 @@ fn queues_of(
         keys.insert(crate::backend::rabbitmq::queue::routing_key(
             &policy.pattern,
         ));
-        if let Some(c) = sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
-            owners.insert(c.name.clone(), key.clone());
+        match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
+            Some(c) => {
+                owners.insert(c.name.clone(), key.clone());
+            }
+            None => {
+                wanted.insert(crate::backend::rabbitmq::queue::queue_name(
+                    &key.0, &key.1, &policy,
+                ));
+            }
         }
     }
-    (owners, keys)
+    (owners, wanted, keys)
 }
 
 /// Declares a Subscription's report and ledger queues (as the runtime does) and reads its
