@@ -853,5 +853,39 @@ async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_
     for death in Scene::deaths(&letters) {
         assert_eq!(death, ("rejected".to_string(), scene.tag.clone()));
     }
+
+    // The copy queue deleted on the broker: made again and consumed, and the gap said.
+    let copy = copy_queue(&scene.ns, "rabbit");
+    let (status, body) = management("DELETE", &format!("/api/queues/%2f/{copy}"));
+    assert_eq!(status, 204, "DELETE {copy}: {body}");
+    poll(
+        "the copy queue made again and consumed",
+        Duration::from_secs(30),
+        || async {
+            match queue(&copy) {
+                Some(q) if q["consumers"].as_u64() == Some(1) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let message = poll(
+        "Accounted says dead letters may be missing",
+        Duration::from_secs(30),
+        || async {
+            let st = scene.api.get("orders").await.map_err(|e| e.to_string())?;
+            let conds = st.status.unwrap_or_default().conditions;
+            match condition(&conds, "Accounted") {
+                Some((s, r, m)) if s == "False" && r == "DeadLettersMissed" => Ok(m),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(message.contains("deleted on the broker"), "{message}");
+    assert_eq!(scene.dead_letter_metric("copy_queue_lost"), 1.0);
+    // Counting goes on through the new copy queue: the same 10, and no more.
+    assert_eq!(scene.stats().await.map(|s| s.exhausted), Some(10));
+    scene.assert_never_decreased();
     scene.finish().await;
 }

@@ -204,7 +204,13 @@ impl DeadLetters {
             .await
             {
                 Ok(copy) => {
-                    // A queue deleted on the broker ends its consumer first (`ended`).
+                    // A queue deleted on the broker ends its consumer (`ended`); made again
+                    // while a consumer is still held, the cancel was missed: the same gap.
+                    if let Copy::Whole { made: true } | Copy::Partial { made: true, .. } = copy
+                        && self.consumer.is_some()
+                    {
+                        self.ended(now_ms, metrics);
+                    }
                     self.copy = Some(copy);
                     self.keys = keys;
                 }
