@@ -889,3 +889,86 @@ async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_
     scene.assert_never_decreased();
     scene.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchange_routes() {
+    use settle::backend::rabbitmq::deadletter::{Copy, Kind, ensure_copy, exchange_kind};
+    let env = common::env();
+    let amqp =
+        lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())
+            .await
+            .expect("connect to RabbitMQ");
+    let ns = format!("dlxkinds{}", std::process::id());
+    let keys = ["orders.created".to_string(), "orders.#".to_string()];
+    assert_eq!(
+        exchange_kind(&amqp, &format!("{ns}.missing"))
+            .await
+            .expect("ask"),
+        None
+    );
+    assert!(matches!(
+        ensure_copy(&amqp, &ns, "missing", &format!("{ns}.missing"), &keys, 10).await,
+        Ok(Copy::None(why)) if why.contains("does not exist")
+    ));
+    for (kind, want) in [
+        ("fanout", Kind::Fanout),
+        ("topic", Kind::Topic),
+        ("headers", Kind::Headers),
+        ("direct", Kind::Direct),
+    ] {
+        let dlx = format!("{ns}.{kind}");
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/exchanges/%2f/{dlx}"),
+            &format!(r#"{{"type":"{kind}","durable":true}}"#),
+        );
+        assert!(matches!(status, 201 | 204), "{status} {body}");
+        // Learned with AMQP alone, and the exchange is left as it was.
+        assert_eq!(exchange_kind(&amqp, &dlx).await.expect("ask"), Some(want));
+        let copy = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10)
+            .await
+            .expect("copy");
+        match kind {
+            // A direct exchange: the literal key is copied, the wildcard one cannot be.
+            "direct" => assert!(
+                matches!(&copy, Copy::Partial { made: true, why } if why.contains("orders.#")),
+                "{copy:?}"
+            ),
+            _ => assert_eq!(copy, Copy::Whole { made: true }),
+        }
+        let (_, body) = management("GET", &format!("/api/exchanges/%2f/{dlx}"));
+        let x: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(x["type"], kind, "{x}");
+        // A dead letter routed by that exchange with a Subscription's literal key reaches the copy.
+        let (status, body) = management_with(
+            "POST",
+            &format!("/api/exchanges/%2f/{dlx}/publish"),
+            r#"{"properties":{},"routing_key":"orders.created","payload":"x","payload_encoding":"string"}"#,
+        );
+        assert!(
+            status == 200 && body.contains(r#""routed":true"#),
+            "{kind}: {status} {body}"
+        );
+        let q = copy_queue(&ns, kind);
+        let (status, body) = management_with(
+            "POST",
+            &format!("/api/queues/%2f/{q}/get"),
+            r#"{"count":10,"ackmode":"ack_requeue_false","encoding":"auto"}"#,
+        );
+        let got: Vec<Value> = serde_json::from_str(&body).unwrap_or_default();
+        assert_eq!((status, got.len()), (200, 1), "{kind}: {body}");
+        // Made once: the next look finds it and binds again, harmlessly.
+        let again = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10)
+            .await
+            .expect("copy");
+        assert!(
+            matches!(
+                again,
+                Copy::Whole { made: false } | Copy::Partial { made: false, .. }
+            ),
+            "{again:?}"
+        );
+        management("DELETE", &format!("/api/queues/%2f/{q}"));
+        management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
+    }
+}
