@@ -84,6 +84,8 @@ pub struct DeadLetters {
     /// The copy missed dead letters at this time (Unix ms), with why.
     gap: Option<(u64, String)>,
     idle_since: Option<Instant>,
+    /// Deleted for want of Subscriptions (once, until one comes).
+    idle_deleted: bool,
     checked: Option<Instant>,
 }
 
@@ -119,6 +121,7 @@ impl DeadLetters {
             keys: BTreeSet::new(),
             gap: None,
             idle_since: None,
+            idle_deleted: false,
             checked: None,
         })
     }
@@ -153,18 +156,23 @@ impl DeadLetters {
 
     /// Once a tick: the copy queue made and bound for `keys` (the routing keys of the
     /// Backend's AtLeastOnce Subscriptions; empty: none, and after a while the queue is
-    /// deleted), consumed, and once per `interval` checked for being full.
+    /// deleted), consumed, and once per `interval` checked for being full. `verified`: one of
+    /// them has a verified queue, so the controller made the copy queue before it; finding it
+    /// missing then means it was deleted (while no operator ran, or the cancel was missed).
+    #[allow(clippy::too_many_arguments)]
     pub async fn keep(
         &mut self,
         conn: &Connection,
         keys: BTreeSet<String>,
+        verified: bool,
         now_ms: u64,
         interval: Duration,
         metrics: &Metrics,
     ) -> Result<(), super::rabbit::Broken> {
         if keys.is_empty() {
             let since = *self.idle_since.get_or_insert_with(Instant::now);
-            if since.elapsed() >= IDLE_BEFORE_DELETE && self.copy.is_some() {
+            if since.elapsed() >= IDLE_BEFORE_DELETE && !self.idle_deleted {
+                self.idle_deleted = true;
                 self.consumer = None;
                 self.copy = None;
                 let _ = self
@@ -186,6 +194,7 @@ impl DeadLetters {
             return Ok(());
         }
         self.idle_since = None;
+        self.idle_deleted = false;
         // Once per interval the binding is declared again too (one removed by hand comes back,
         // an exchange declared since is copied).
         let due = self.checked.is_none_or(|t| t.elapsed() >= interval);
@@ -205,9 +214,10 @@ impl DeadLetters {
             {
                 Ok(copy) => {
                     // A queue deleted on the broker ends its consumer (`ended`); made again
-                    // while a consumer is still held, the cancel was missed: the same gap.
+                    // while a consumer is still held (the cancel was missed), or missing under
+                    // a queue that was made after it: the same gap.
                     if let Copy::Whole { made: true } | Copy::Partial { made: true, .. } = copy
-                        && self.consumer.is_some()
+                        && (self.consumer.is_some() || verified && self.gap.is_none())
                     {
                         self.ended(now_ms, metrics);
                     }

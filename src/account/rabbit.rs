@@ -486,7 +486,8 @@ impl RabbitKeeper {
                     if let Some(dl) = dead.as_mut() {
                         let (o, w, keys) = queues_of(&members);
                         (owners, wanted) = (o, w);
-                        dl.keep(conn, keys, now_ms(), self.config.stats_interval, &self.metrics)
+                        let verified = !owners.is_empty();
+                        dl.keep(conn, keys, verified, now_ms(), self.config.stats_interval, &self.metrics)
                             .await?;
                         for d in std::mem::take(&mut held) {
                             self.on_dead_letter(&dl.ch, (&owners, &wanted), &mut books, &mut held, d).await?;
