@@ -3,8 +3,9 @@
 //! when missing (again when deleted on the broker), its binding repaired in place, an argument
 //! RabbitMQ cannot change in place reported `ImmutableField` with the argument and its field
 //! named; deleted when the Subscription goes. Under AtLeastOnce on a Backend with a dead-letter
-//! exchange, the Backend's dead-letter copy queue is made and bound first (R9), so the account
-//! sees every dead letter of the queue from its start (the account deletes it).
+//! exchange, the Backend's dead-letter copy queue is made and bound before the queue is made
+//! (R9), so the account sees every dead letter of the queue from its start (the account keeps
+//! it from then on, and deletes it).
 //!
 //! Only a queue this Subscription object made (or took over by the `settle.dev/adopt`
 //! annotation) is bound or deleted; any other is left alone (`ConsumerConflict`): [`claim`]
@@ -260,39 +261,14 @@ pub async fn ensure(
         Ok(c) => c,
         Err(e) => return failure(connect_error(e), known),
     };
-    if policy.mode == Mode::AtLeastOnce
-        && let Some(dlx) = &conn.exchanges.dead_letter
-    {
-        // The account's copy of the dead letters, before the queue that dead-letters (R9).
-        ctx.metrics.js("deadletters.copy");
-        let copy = deadletter::ensure_copy(
-            &amqp,
-            &ns,
-            &sub.spec.backend_ref.name,
-            dlx,
-            std::slice::from_ref(&want.binding.routing_key),
-            ctx.dead_letter_copy_max_length,
-        )
-        .await;
-        match copy {
-            Ok(
-                deadletter::Copy::Whole { made: true }
-                | deadletter::Copy::Partial { made: true, .. },
-            ) => {
-                tracing::info!(subscription = %format!("{ns}/{name}"), queue = %deadletter::copy_queue(&ns, &sub.spec.backend_ref.name), "made the Backend's dead-letter copy queue")
-            }
-            Ok(_) => {}
-            // The account says what it cannot count; the queue itself does not wait for it.
-            Err(e) => {
-                tracing::warn!(subscription = %format!("{ns}/{name}"), error = %e, "cannot make the Backend's dead-letter copy queue")
-            }
-        }
-    }
     let found = match find(ctx, conn, &amqp, &want.name).await {
         Ok(f) => f,
         Err(e) => return failure(e, known),
     };
     if matches!(found, Found::Missing) {
+        if policy.mode == Mode::AtLeastOnce {
+            copy_dead_letters(sub, ctx, conn, &amqp, &want).await;
+        }
         return match create(sub, ctx, &amqp, &want, &known, &here).await {
             Ok(()) => ready(),
             Err(o) => o,
@@ -396,6 +372,46 @@ pub async fn ensure(
                 .await;
             }
             ready()
+        }
+    }
+}
+
+/// Makes and binds the Backend's dead-letter copy queue, if it has a dead-letter exchange,
+/// before the queue that dead-letters is made (R9): the account then sees that queue's dead
+/// letters from its start. Afterwards the account keeps it (made again, bound again). A failure
+/// is logged: the account says what it cannot count, and the queue does not wait for it.
+async fn copy_dead_letters(
+    sub: &Subscription,
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    amqp: &lapin::Connection,
+    want: &QueueSpec,
+) {
+    let Some(dlx) = &conn.exchanges.dead_letter else {
+        return;
+    };
+    let ns = sub.namespace().unwrap_or_default();
+    let backend = &sub.spec.backend_ref.name;
+    ctx.metrics.js("deadletters.copy");
+    let copy = deadletter::ensure_copy(
+        amqp,
+        &ns,
+        backend,
+        dlx,
+        std::slice::from_ref(&want.binding.routing_key),
+        ctx.dead_letter_copy_max_length,
+    )
+    .await;
+    let who = format!("{ns}/{}", sub.name_any());
+    match copy {
+        Ok(
+            deadletter::Copy::Whole { made: true } | deadletter::Copy::Partial { made: true, .. },
+        ) => {
+            tracing::info!(subscription = %who, queue = %deadletter::copy_queue(&ns, backend), "made the Backend's dead-letter copy queue")
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(subscription = %who, error = %e, "cannot make the Backend's dead-letter copy queue")
         }
     }
 }
