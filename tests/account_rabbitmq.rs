@@ -764,7 +764,9 @@ async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_
     );
 
     // The operator SIGKILLed after it saved the count and before it acknowledged the copies:
-    // the broker hands the same four copies to the next operator, which counts none again.
+    // the broker hands the same four copies again (redelivered) to the next operator, which
+    // counts none again. Made here: the same four copies put back in the copy queue, taken
+    // and not acknowledged (as the killed operator had), so the broker redelivers them.
     scene.op.kill9();
     let ch = scene.amqp.create_channel().await.expect("channel");
     ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
@@ -799,6 +801,19 @@ async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_
             .expect("put back");
     }
     let _ = ch.close(200, "copied".into()).await;
+    let holder = scene.amqp.create_channel().await.expect("channel");
+    for _ in 0..4 {
+        holder
+            .basic_get(
+                copy.as_str().into(),
+                lapin::options::BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get")
+            .expect("a copy");
+    }
+    // Closed unacknowledged: the broker requeues the four, redelivered.
+    let _ = holder.close(200, "stopped".into()).await;
     scene.op = Operator::start_with(&scene.test, &scene.ns, &OPERATOR_FLAGS);
     poll(
         "the four copies seen again as counted before",

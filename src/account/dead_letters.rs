@@ -6,7 +6,7 @@
 //! A copy is acknowledged by the keeper once the snapshot that counts it is saved; one that
 //! counts for nobody here is acknowledged at once (docs/semantics.md R9–R12).
 //!
-//! It must not count (the ledger does: [`super::ledger::Account::broker_dead_lettered`]) nor
+//! It must not count (the ledger does: [`super::ledger::Account::broker_dead_letter_copy`]) nor
 //! save or write anything.
 
 use std::collections::{BTreeSet, HashMap};

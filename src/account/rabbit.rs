@@ -672,7 +672,7 @@ impl RabbitKeeper {
                     return Ok(());
                 };
                 book.dead_acks.push(d.delivery_tag);
-                match book.account.broker_dead_lettered(&id) {
+                match book.account.broker_dead_letter_copy(&id, d.redelivered) {
                     BrokerOutcome::Counted => {
                         book.dirty = true;
                         book.counting = true;

@@ -418,8 +418,8 @@ pub fn counts_as_exhausted(reason: &str) -> bool {
 /// exhausted again is a new loss: its count grows), the exchange and routing keys it was
 /// published with, the message's `message_id` (user producers may set none) and a hash of its
 /// body (FNV-1a, stable across operator versions). Two messages alike in all of these (no id,
-/// the same body and routing key, dead-lettered by one queue in the same second) are counted
-/// once from the copy; the runtime's own count still counts each one it rejected.
+/// the same body and routing key, dead-lettered by one queue in the same second) get one name:
+/// the account tells them apart by the redelivered flag (a first delivery always counts).
 pub fn message_id(death: &Death, props: &BasicProperties, body: &[u8]) -> String {
     let body_hash = body.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
