@@ -902,6 +902,27 @@ async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_
     // Counting goes on through the new copy queue: the same 10, and no more.
     assert_eq!(scene.stats().await.map(|s| s.exhausted), Some(10));
     scene.assert_never_decreased();
+
+    // The Backend's last AtLeastOnce Subscription deleted: its copy queue goes too; the
+    // user's dead-letter queue stays with all ten.
+    scene
+        .api
+        .delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&scene.api, "orders", Duration::from_secs(60)).await;
+    poll(
+        "the copy queue deleted with the last Subscription",
+        Duration::from_secs(30),
+        || async {
+            match queue(&copy) {
+                None => Ok(()),
+                Some(q) => Err(format!("{} message(s)", q["messages"])),
+            }
+        },
+    )
+    .await;
+    assert_eq!(scene.dead_letters(10).await.len(), 10);
     scene.finish().await;
 }
 
