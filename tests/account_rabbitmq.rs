@@ -5,7 +5,10 @@
 //! (`settle.stats.<namespace>.<subscription>`) and the operator keeps its ledger in
 //! `settle.ledger.<namespace>.<subscription>`: counters are exact, survive the operator's
 //! SIGKILL, never go down in any status observed, an instance's report queue deleted on the broker while it runs is made
-//! and consumed again, and both queues go with the Subscription.
+//! and consumed again, and both queues go with the Subscription. With a dead-letter exchange on
+//! the Backend, the operator counts what the quorum queue dead-letters from a copy of it
+//! (semantics R9–R12): a last attempt a crash spent is counted once, the user's own dead-letter
+//! queue keeps every message, and the runtime's rejected last attempts are not counted twice.
 
 mod common;
 
@@ -13,7 +16,7 @@ use std::time::Duration;
 
 use common::account::{App, OPERATOR_FLAGS, assert_never_decreased, watch};
 use common::operator::{Operator, condition, poll};
-use common::rabbitmq::{management, queue};
+use common::rabbitmq::{management, management_with, queue};
 use common::subs::{apply, backends, delete_by_hand, subs, wait_backend, wait_gone, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
 use kube::Api;
@@ -21,6 +24,7 @@ use kube::api::DeleteParams;
 use lapin::options::BasicPublishOptions;
 use serde_json::Value;
 use settle::api::{ConsumerStats, Subscription};
+use settle::backend::rabbitmq::deadletter::copy_queue;
 use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
 
 /// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
@@ -36,23 +40,68 @@ struct Scene {
     /// Every `status.stats` counters observed, in order, with the object's UID.
     seen: common::account::Seen,
     watcher: tokio::task::JoinHandle<()>,
+    /// The Backend's dead-letter exchange (a topic exchange of this test's) and the user's own
+    /// dead-letter queue bound to it with `#`, when the scene has them.
+    dead: Option<(String, String)>,
 }
 
 impl Scene {
     async fn new(test: &str) -> Scene {
+        Scene::build(test, false).await
+    }
+
+    /// With a dead-letter exchange on the Backend, and the user's dead-letter queue on it.
+    async fn with_dead_letters(test: &str) -> Scene {
+        Scene::build(test, true).await
+    }
+
+    async fn build(test: &str, with_dead: bool) -> Scene {
         install_crds();
         let ns = namespace(test);
         let env = common::env();
+        let tag = format!("{}{}", test.replace('-', ""), std::process::id());
+        let dead = with_dead.then(|| {
+            let (dlx, dlq) = (format!("{tag}.dead"), format!("{tag}.dlq"));
+            for (path, body) in [
+                (
+                    format!("/api/exchanges/%2f/{dlx}"),
+                    r#"{"type":"topic","durable":true}"#.to_string(),
+                ),
+                (
+                    format!("/api/queues/%2f/{dlq}"),
+                    r#"{"durable":true,"arguments":{"x-queue-type":"quorum"}}"#.to_string(),
+                ),
+                (
+                    format!("/api/bindings/%2f/e/{dlx}/q/{dlq}"),
+                    r##"{"routing_key":"#"}"##.to_string(),
+                ),
+            ] {
+                let method = if path.contains("/bindings/") {
+                    "POST"
+                } else {
+                    "PUT"
+                };
+                let (status, text) = management_with(method, &path, &body);
+                assert!(
+                    matches!(status, 201 | 204),
+                    "{method} {path}: {status} {text}"
+                );
+            }
+            (dlx, dlq)
+        });
         let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
+        let dead_line = dead
+            .as_ref()
+            .map(|(dlx, _)| format!("    deadLetterExchange: {dlx}\n"))
+            .unwrap_or_default();
         apply(
             &ns,
             &format!(
-                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: rabbit}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n    managementUrl: \"{}\"\n",
+                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: rabbit}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n    managementUrl: \"{}\"\n{dead_line}",
                 env.rabbitmq_url, env.rabbitmq_management_url
             ),
         );
         wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
-        let tag = format!("{}{}", test.replace('-', ""), std::process::id());
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  mode: AtLeastOnce\n  durableName: {tag}\n  maxDeliver: 3\n"
         );
@@ -78,15 +127,20 @@ impl Scene {
             amqp,
             seen,
             watcher,
+            dead,
         }
     }
 
     fn app(&self) -> App {
+        self.app_with("nack")
+    }
+
+    fn app_with(&self, handler: &str) -> App {
         let url = common::env().rabbitmq_url;
         App::start(
             &[("SETTLE_RABBITMQ_URL", url.as_str())],
             &self.manifest,
-            "nack",
+            handler,
         )
     }
 
@@ -139,6 +193,49 @@ impl Scene {
             }
         })
         .await
+    }
+
+    /// The user's dead-letter queue: its messages, read and put back (management API), once it
+    /// holds `n`.
+    async fn dead_letters(&self, n: usize) -> Vec<Value> {
+        let (_, dlq) = self.dead.as_ref().expect("a scene with dead letters");
+        poll(
+            &format!("{n} message(s) in the user's dead-letter queue {dlq}"),
+            Duration::from_secs(60),
+            || async {
+                let (status, body) = management_with(
+                    "POST",
+                    &format!("/api/queues/%2f/{dlq}/get"),
+                    r#"{"count":1000,"ackmode":"reject_requeue_true","encoding":"auto"}"#,
+                );
+                let got: Vec<Value> = serde_json::from_str(&body).unwrap_or_default();
+                if status == 200 && got.len() == n {
+                    Ok(got)
+                } else {
+                    Err(format!("{status}: {} message(s)", got.len()))
+                }
+            },
+        )
+        .await
+    }
+
+    /// The newest `x-death` reason of each dead letter, and the queue it names.
+    fn deaths(letters: &[Value]) -> Vec<(String, String)> {
+        letters
+            .iter()
+            .map(|m| {
+                let d = &m["properties"]["headers"]["x-death"][0];
+                (
+                    d["reason"].as_str().unwrap_or("?").to_string(),
+                    d["queue"].as_str().unwrap_or("?").to_string(),
+                )
+            })
+            .collect()
+    }
+
+    fn dead_letter_metric(&self, outcome: &str) -> f64 {
+        self.op
+            .metric("settle_account_dead_letters_total", &[("outcome", outcome)])
     }
 
     fn assert_never_decreased(&self) {
@@ -201,6 +298,14 @@ impl Scene {
 
     async fn finish(self) {
         self.watcher.abort();
+        if let Some((dlx, dlq)) = &self.dead {
+            management("DELETE", &format!("/api/queues/%2f/{dlq}"));
+            management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
+            management(
+                "DELETE",
+                &format!("/api/queues/%2f/{}", copy_queue(&self.ns, "rabbit")),
+            );
+        }
         let _ = std::fs::remove_file(&self.manifest);
         kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
     }
@@ -231,6 +336,10 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
     assert!(
         !message.contains("advisories"),
         "RabbitMQ has no advisories: {message}"
+    );
+    assert!(
+        message.contains("set the Backend's spec.rabbitmq.deadLetterExchange"),
+        "without a dead-letter exchange the condition says how to count a crash's losses: {message}"
     );
     assert!(st.stats_updated_at.is_some(), "statsUpdatedAt is set");
     let described = kubectl_ok(
@@ -569,4 +678,333 @@ async fn the_account_queues_of_a_subscription_deleted_while_no_operator_ran_are_
     )
     .await;
     scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_letters_the_user_keeps()
+ {
+    let mut scene = Scene::with_dead_letters("acctrq-crash").await;
+    let (_, dlq) = scene.dead.clone().expect("dead letters");
+    let mut app = scene.app_with("nack-then-hold");
+    app.wait_ready().await;
+    scene.publish(4).await;
+    // Attempts 1 and 2 declined, attempt 3 (the last) held by a handler that never returns.
+    app.wait_count("held", 4, Duration::from_secs(60)).await;
+    scene
+        .wait_stats(
+            "the eight declines reported",
+            Duration::from_secs(30),
+            |s| s.settlement.nacked == 8,
+        )
+        .await;
+    assert_eq!(scene.stats().await.map(|s| s.exhausted), Some(0));
+    // Killed holding four last attempts: the runtime never saw them end. The channel's close
+    // returns them, past x-delivery-limit, so the quorum queue dead-letters them.
+    app.kill9();
+    let s = scene
+        .wait_stats(
+            "the four last attempts counted exhausted from the dead letters",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 4,
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(scene.stats().await, Some(s), "nothing more arrives");
+    assert_eq!(
+        (s.exhausted, s.settlement.nacked, s.delivered, s.offered),
+        (4, 8, 8, 12),
+        "{s:?}"
+    );
+    assert_eq!(scene.dead_letter_metric("counted"), 4.0);
+    // The user's own dead-letter queue holds all four: the operator's is a copy.
+    let letters = scene.dead_letters(4).await;
+    for death in Scene::deaths(&letters) {
+        assert_eq!(death, ("delivery_limit".to_string(), scene.tag.clone()));
+    }
+    let st = scene
+        .api
+        .get("orders")
+        .await
+        .expect("get")
+        .status
+        .unwrap_or_default();
+    let (status, _, message) = condition(&st.conditions, "Exhausting").expect("Exhausting");
+    assert_eq!(status, "True", "{message}");
+    assert!(
+        message.starts_with("4 message(s)")
+            && message.contains("where the broker dead-letters them"),
+        "{message}"
+    );
+    let (status, reason, message) = condition(&st.conditions, "Accounted").expect("Accounted");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "Kept"),
+        "{message}"
+    );
+    // The copy queue: bounded, drop-head, tagged with its Backend, every copy acknowledged.
+    let copy = copy_queue(&scene.ns, "rabbit");
+    let q = poll(
+        "every copy acknowledged",
+        Duration::from_secs(30),
+        || async {
+            let q = queue(&copy).ok_or("no copy queue")?;
+            match q["messages"].as_u64() {
+                Some(0) => Ok(q),
+                m => Err(format!("{m:?} in the copy queue")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(q["arguments"]["x-max-length"], 100_000, "{q}");
+    assert_eq!(q["arguments"]["x-overflow"], "drop-head", "{q}");
+    assert_eq!(
+        q["arguments"]["x-settle-backend"],
+        format!("{}/rabbit", scene.ns),
+        "{q}"
+    );
+
+    // The operator SIGKILLed after it saved the count and before it acknowledged the copies:
+    // the broker hands the same four copies again (redelivered) to the next operator, which
+    // counts none again. Made here: the same four copies put back in the copy queue, taken
+    // and not acknowledged (as the killed operator had), so the broker redelivers them.
+    scene.op.kill9();
+    let ch = scene.amqp.create_channel().await.expect("channel");
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    let mut tags = Vec::new();
+    for _ in 0..4 {
+        let got = ch
+            .basic_get(
+                dlq.as_str().into(),
+                lapin::options::BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get")
+            .expect("a dead letter");
+        ch.basic_publish(
+            "".into(),
+            copy.as_str().into(),
+            BasicPublishOptions::default(),
+            &got.delivery.data,
+            got.delivery.properties.clone(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("confirmed");
+        tags.push(got.delivery.delivery_tag);
+    }
+    for tag in tags {
+        ch.basic_reject(tag, lapin::options::BasicRejectOptions { requeue: true })
+            .await
+            .expect("put back");
+    }
+    let _ = ch.close(200, "copied".into()).await;
+    let holder = scene.amqp.create_channel().await.expect("channel");
+    for _ in 0..4 {
+        holder
+            .basic_get(
+                copy.as_str().into(),
+                lapin::options::BasicGetOptions { no_ack: false },
+            )
+            .await
+            .expect("basic.get")
+            .expect("a copy");
+    }
+    // Closed unacknowledged: the broker requeues the four, redelivered.
+    let _ = holder.close(200, "stopped".into()).await;
+    scene.op = Operator::start_with(&scene.test, &scene.ns, &OPERATOR_FLAGS);
+    poll(
+        "the four copies seen again as counted before",
+        Duration::from_secs(60),
+        || async {
+            match scene.dead_letter_metric("duplicate") {
+                4.0 => Ok(()),
+                n => Err(format!("{n} duplicate(s)")),
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = scene.stats().await.expect("stats");
+    assert_eq!(
+        (after.exhausted, after.settlement.nacked),
+        (4, 8),
+        "{after:?}"
+    );
+    assert_eq!(
+        scene.dead_letter_metric("counted"),
+        0.0,
+        "the new operator counted nothing"
+    );
+    assert_eq!(
+        scene.dead_letters(4).await.len(),
+        4,
+        "the user's queue still holds all four"
+    );
+    scene.assert_never_decreased();
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_dead_letters() {
+    let mut scene = Scene::with_dead_letters("acctrq-dlxnack").await;
+    // Exhausted exactly 10 (not 20): the runtime's count and the copy's are of the same messages.
+    let s = scene.always_nack(false).await;
+    assert_eq!(s.exhausted, 10, "{s:?}");
+    poll(
+        "the copy counted the ten rejected last attempts too",
+        Duration::from_secs(30),
+        || async {
+            match scene.dead_letter_metric("counted") {
+                10.0 => Ok(()),
+                n => Err(format!("{n} counted")),
+            }
+        },
+    )
+    .await;
+    let letters = scene.dead_letters(10).await;
+    for death in Scene::deaths(&letters) {
+        assert_eq!(death, ("rejected".to_string(), scene.tag.clone()));
+    }
+
+    // The copy queue deleted on the broker: made again and consumed, and the gap said.
+    let copy = copy_queue(&scene.ns, "rabbit");
+    let (status, body) = management("DELETE", &format!("/api/queues/%2f/{copy}"));
+    assert_eq!(status, 204, "DELETE {copy}: {body}");
+    poll(
+        "the copy queue made again and consumed",
+        Duration::from_secs(30),
+        || async {
+            match queue(&copy) {
+                Some(q) if q["consumers"].as_u64() == Some(1) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let message = poll(
+        "Accounted says dead letters may be missing",
+        Duration::from_secs(30),
+        || async {
+            let st = scene.api.get("orders").await.map_err(|e| e.to_string())?;
+            let conds = st.status.unwrap_or_default().conditions;
+            match condition(&conds, "Accounted") {
+                Some((s, r, m)) if s == "False" && r == "DeadLettersMissed" => Ok(m),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(message.contains("deleted on the broker"), "{message}");
+    assert_eq!(scene.dead_letter_metric("copy_queue_lost"), 1.0);
+    // Counting goes on through the new copy queue: the same 10, and no more.
+    assert_eq!(scene.stats().await.map(|s| s.exhausted), Some(10));
+    scene.assert_never_decreased();
+
+    // The Backend's last AtLeastOnce Subscription deleted: its copy queue goes too; the
+    // user's dead-letter queue stays with all ten.
+    scene
+        .api
+        .delete("orders", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&scene.api, "orders", Duration::from_secs(60)).await;
+    poll(
+        "the copy queue deleted with the last Subscription",
+        Duration::from_secs(30),
+        || async {
+            match queue(&copy) {
+                None => Ok(()),
+                Some(q) => Err(format!("{} message(s)", q["messages"])),
+            }
+        },
+    )
+    .await;
+    assert_eq!(scene.dead_letters(10).await.len(), 10);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchange_routes() {
+    use settle::backend::rabbitmq::deadletter::{Copy, Kind, ensure_copy, exchange_kind};
+    let env = common::env();
+    let amqp =
+        lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())
+            .await
+            .expect("connect to RabbitMQ");
+    let ns = format!("dlxkinds{}", std::process::id());
+    let keys = ["orders.created".to_string(), "orders.#".to_string()];
+    assert_eq!(
+        exchange_kind(&amqp, &format!("{ns}.missing"))
+            .await
+            .expect("ask"),
+        None
+    );
+    assert!(matches!(
+        ensure_copy(&amqp, &ns, "missing", &format!("{ns}.missing"), &keys, 10).await,
+        Ok(Copy::None(why)) if why.contains("does not exist")
+    ));
+    for (kind, want) in [
+        ("fanout", Kind::Fanout),
+        ("topic", Kind::Topic),
+        ("headers", Kind::Headers),
+        ("direct", Kind::Direct),
+    ] {
+        let dlx = format!("{ns}.{kind}");
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/exchanges/%2f/{dlx}"),
+            &format!(r#"{{"type":"{kind}","durable":true}}"#),
+        );
+        assert!(matches!(status, 201 | 204), "{status} {body}");
+        // Learned with AMQP alone, and the exchange is left as it was.
+        assert_eq!(exchange_kind(&amqp, &dlx).await.expect("ask"), Some(want));
+        let copy = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10)
+            .await
+            .expect("copy");
+        match kind {
+            // A direct exchange: the literal key is copied, the wildcard one cannot be.
+            "direct" => assert!(
+                matches!(&copy, Copy::Partial { made: true, why } if why.contains("orders.#")),
+                "{copy:?}"
+            ),
+            _ => assert_eq!(copy, Copy::Whole { made: true }),
+        }
+        let (_, body) = management("GET", &format!("/api/exchanges/%2f/{dlx}"));
+        let x: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(x["type"], kind, "{x}");
+        // A dead letter routed by that exchange with a Subscription's literal key reaches the copy.
+        let (status, body) = management_with(
+            "POST",
+            &format!("/api/exchanges/%2f/{dlx}/publish"),
+            r#"{"properties":{},"routing_key":"orders.created","payload":"x","payload_encoding":"string"}"#,
+        );
+        assert!(
+            status == 200 && body.contains(r#""routed":true"#),
+            "{kind}: {status} {body}"
+        );
+        let q = copy_queue(&ns, kind);
+        let (status, body) = management_with(
+            "POST",
+            &format!("/api/queues/%2f/{q}/get"),
+            r#"{"count":10,"ackmode":"ack_requeue_false","encoding":"auto"}"#,
+        );
+        let got: Vec<Value> = serde_json::from_str(&body).unwrap_or_default();
+        assert_eq!((status, got.len()), (200, 1), "{kind}: {body}");
+        // Made once: the next look finds it and binds again, harmlessly.
+        let again = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10)
+            .await
+            .expect("copy");
+        assert!(
+            matches!(
+                again,
+                Copy::Whole { made: false } | Copy::Partial { made: false, .. }
+            ),
+            "{again:?}"
+        );
+        management("DELETE", &format!("/api/queues/%2f/{q}"));
+        management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
+    }
 }

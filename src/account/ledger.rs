@@ -459,6 +459,24 @@ impl Account {
         BrokerOutcome::Counted
     }
 
+    /// One copy of a dead letter (RabbitMQ's dead-letter exchange), named by `id`: a copy the
+    /// broker delivers for the first time (`redelivered` false) was never counted, so it counts
+    /// even when another dead letter had the same name (two alike messages dead-lettered in one
+    /// second); a redelivered one (its acknowledgement lost with an operator that stopped after
+    /// saving its count) counts only when its name is not remembered.
+    pub fn broker_dead_letter_copy(&mut self, id: &str, redelivered: bool) -> BrokerOutcome {
+        if redelivered {
+            return self.broker_dead_lettered(id);
+        }
+        let b = &mut self.persisted.broker;
+        b.recent.push_back(message_key(id));
+        while b.recent.len() > REMEMBERED_EXHAUSTED {
+            b.recent.pop_front();
+        }
+        b.exhausted += 1;
+        BrokerOutcome::Counted
+    }
+
     /// The consumer was made again: its messages may be delivered and run out afresh, so a
     /// stream sequence seen before is a new loss, not a duplicate.
     pub fn consumer_recreated(&mut self) {
@@ -711,6 +729,28 @@ mod tests {
         assert_eq!(message_key("m-1"), message_key("m-1"));
         assert_ne!(message_key("m-1"), message_key("m-2"));
         assert_eq!(message_key(""), 0xcbf2_9ce4_8422_2325);
+    }
+
+    #[test]
+    fn a_first_delivered_dead_letter_copy_counts_and_a_redelivered_one_only_if_unknown() {
+        let mut a = Account::of(Some("uid-1".into()));
+        // Two alike messages dead-lettered in one second: two first deliveries, two losses.
+        assert_eq!(
+            a.broker_dead_letter_copy("k", false),
+            BrokerOutcome::Counted
+        );
+        assert_eq!(
+            a.broker_dead_letter_copy("k", false),
+            BrokerOutcome::Counted
+        );
+        // Handed again after the save (the acknowledgement was lost): counted before.
+        assert_eq!(
+            a.broker_dead_letter_copy("k", true),
+            BrokerOutcome::Duplicate
+        );
+        // Handed again but never saved (the operator stopped before): counted now.
+        assert_eq!(a.broker_dead_letter_copy("j", true), BrokerOutcome::Counted);
+        assert_eq!(a.counted().exhausted, 3);
     }
     use super::*;
     use crate::bus::RuntimeStats;

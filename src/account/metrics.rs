@@ -100,6 +100,12 @@ pub struct Metrics {
     /// `settle_account_source_lost_total{source}`: sources of an account found lost (ledger,
     /// reports), each continued from status as an offset (semantics C17).
     pub source_lost: IntCounterVec,
+    /// `settle_account_dead_letters_total{outcome}`: copies of RabbitMQ dead letters read
+    /// (counted, duplicate, not_exhausted, not_ours), and the copies the broker dropped or never
+    /// made as far as the keeper can tell (`copy_queue_full`: it was found full, so the oldest
+    /// beyond `--dead-letter-copy-max-length` were dropped; `copy_queue_lost`: it was deleted on
+    /// the broker and made again).
+    pub dead_letters: IntCounterVec,
     /// What was exported per Subscription, so counters are raised by exactly the growth.
     exported: Arc<Mutex<HashMap<(String, String), ConsumerStats>>>,
 }
@@ -171,6 +177,11 @@ impl Metrics {
                 "Sources of a Subscription's account found lost (ledger, reports): counting continued from status as an offset.",
                 &["source"],
             )?,
+            dead_letters: counter(
+                "settle_account_dead_letters_total",
+                "Copies of RabbitMQ dead letters read by the account, by outcome (counted, duplicate, not_exhausted, not_ours), and the times the copy queue was found full (copy_queue_full) or deleted (copy_queue_lost).",
+                &["outcome"],
+            )?,
             exported: Arc::default(),
         }
         .exported_at_zero())
@@ -184,6 +195,9 @@ impl Metrics {
         }
         for outcome in DROPPED_FOR_TENANCY {
             self.reports.with_label_values(&[outcome]);
+        }
+        for outcome in ["copy_queue_full", "copy_queue_lost", "not_ours"] {
+            self.dead_letters.with_label_values(&[outcome]);
         }
         self
     }

@@ -7,7 +7,8 @@
 //! - [`keeper`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
 //! - [`rabbit`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue, keeps
-//!   the ledgers (a snapshot per Subscription on the broker), reads the gauges.
+//!   the ledgers (a snapshot per Subscription on the broker), reads the gauges; with
+//!   [`dead_letters`], counts the Backend's dead letters from a copy of its dead-letter exchange.
 //! - [`gauges`]: one loop per SQS Backend: the broker's gauges of its queues.
 //! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`).
@@ -18,6 +19,8 @@
 //! `admission` (siblings); it reads the broker through `backend`, and is handed the controllers'
 //! caches and connections by the operator.
 
+#[cfg(feature = "operator")]
+pub mod dead_letters;
 #[cfg(feature = "operator")]
 pub mod gauges;
 #[cfg(feature = "operator")]

@@ -10,9 +10,12 @@
 //! publisher confirms) and only then acknowledges the reports they contain, so a restart finds
 //! every acknowledged report in the snapshot and every other one back in its queue (counted
 //! once: the ledger skips a report it already holds). It reads the queue's gauges once per stats
-//! interval and shows the account through [`show`] exactly as the NATS keeper does. Exhausted
-//! comes from the runtime's reports only (RabbitMQ has no advisories). A deleted Subscription's
-//! report and ledger queues are deleted.
+//! interval and shows the account through [`show`] exactly as the NATS keeper does. RabbitMQ has
+//! no advisories: on a Backend with a dead-letter exchange, the broker's count of Exhausted comes
+//! from a copy of its dead letters ([`super::dead_letters`], semantics R9–R12), each counted into
+//! the Subscription's snapshot and acknowledged after its save like a report; without one,
+//! Exhausted is the runtime's count alone. A deleted Subscription's report and ledger queues are
+//! deleted.
 //!
 //! Until a Subscription's runtime has reported (or a snapshot exists), only the broker's gauges
 //! are written: no counter is invented.
@@ -43,7 +46,8 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 use serde::{Deserialize, Serialize};
 
-use super::ledger::{Account, Outcome, Snapshot};
+use super::dead_letters::{self, Attribution, DeadLetters};
+use super::ledger::{Account, BrokerOutcome, Outcome, Snapshot};
 use super::metrics::Metrics;
 use super::show::{self, Showing};
 use super::status::LossLog;
@@ -51,7 +55,7 @@ use super::writer::Writer;
 use super::{AmqpLookup, Config, QueueLookup};
 use crate::api::{Backend, Subscription, SubscriptionStats};
 use crate::backend::QueueGauges;
-use crate::backend::rabbitmq::{admin, report};
+use crate::backend::rabbitmq::{admin, deadletter, report};
 use crate::bus::report::{StatsReport, now_ms};
 
 /// A Subscription, by namespace and name.
@@ -62,7 +66,7 @@ const NO_CONNECTION: &str = "the Backend has no AMQP connection yet";
 /// Why a session ended.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct Broken(String);
+pub struct Broken(pub(super) String);
 
 fn broken(what: &str, e: impl std::fmt::Display) -> Broken {
     Broken(format!("{what}: {e}"))
@@ -97,6 +101,9 @@ struct Book {
     dirty: bool,
     /// Reports counted (or skipped) since the last save: acknowledged once it is saved.
     acks: Vec<u64>,
+    /// Copies of dead letters counted (or found counted before) since the last save, on the
+    /// dead-letter channel: acknowledged once it is saved.
+    dead_acks: Vec<u64>,
     /// Reports naming another object than this book's: an earlier one's (acknowledged with the
     /// save), or, when this book turns out to be the earlier one, the new object's (put back
     /// for its book).
@@ -277,10 +284,25 @@ impl RabbitKeeper {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| broken("turning on publisher confirms", e))?;
-        tracing::info!(backend = %self.name(), "account keeper started (RabbitMQ report queues)");
-        let result = self.serve(&conn, &ch, &saver).await;
-        // Reports not acknowledged go back to their queues for the next session.
-        for c in [ch, saver] {
+        // The Backend's dead letters, when it has a dead-letter exchange (semantics R9).
+        let mut dead = match self.dead_letter_exchange() {
+            Some(dlx) => Some(
+                DeadLetters::open(
+                    &conn,
+                    (&self.backend.0, &self.backend.1),
+                    &dlx,
+                    self.config.limits.dead_letter_prefetch,
+                    self.config.limits.dead_letter_copy_max_length,
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        tracing::info!(backend = %self.name(), dead_letters = ?dead.as_ref().map(|d| d.dlx.clone()), "account keeper started (RabbitMQ report queues)");
+        let result = self.serve(&conn, &ch, &saver, &mut dead).await;
+        // Reports and copies not acknowledged go back to their queues for the next session.
+        let dl = dead.map(|d| d.ch);
+        for c in [Some(ch), Some(saver), dl].into_iter().flatten() {
             if c.status().connected() {
                 let _ = c.close(200, ShortString::from("session ended")).await;
             }
@@ -289,7 +311,8 @@ impl RabbitKeeper {
     }
 
     /// Deletes the account queues of this namespace's Subscriptions that no longer exist
-    /// (deleted while no operator ran): reports, index, instances, ledger and object mark. Needs
+    /// (deleted while no operator ran): reports, index, instances, ledger and object mark; and
+    /// the dead-letter copy queues of Backends gone or without a dead-letter exchange. Needs
     /// the management API to list queues; without it they stay (bounded) until the
     /// Subscription's name is used again.
     async fn sweep(&self, conn: &Connection) {
@@ -307,7 +330,34 @@ impl RabbitKeeper {
             .filter(|s| s.namespace().as_deref() == Some(ns.as_str()))
             .map(|s| s.name_any())
             .collect();
+        // Copy queues of dead letters: a Backend's while it has a dead-letter exchange.
+        let copying: Vec<String> = self
+            .backends
+            .state()
+            .iter()
+            .filter(|b| {
+                b.namespace().as_deref() == Some(ns.as_str())
+                    && b.spec
+                        .rabbitmq
+                        .as_ref()
+                        .is_some_and(|r| r.dead_letter_exchange.is_some())
+            })
+            .map(|b| deadletter::copy_queue(ns, &b.name_any()))
+            .collect();
         for q in names {
+            if q.starts_with(&deadletter::copy_queue(ns, "")) {
+                if !copying.contains(&q) {
+                    match admin::delete(conn, &q).await {
+                        Ok(()) => {
+                            tracing::info!(queue = %q, "deleted the dead-letter copy queue of a Backend gone, or without a dead-letter exchange")
+                        }
+                        Err(e) => {
+                            tracing::debug!(queue = %q, error = %e, "cannot delete a leftover copy queue")
+                        }
+                    }
+                }
+                continue;
+            }
             let Some(sub) = ["stats", "ledger", "instances", "object", "report"]
                 .iter()
                 .find_map(|kind| {
@@ -335,9 +385,29 @@ impl RabbitKeeper {
         }
     }
 
-    async fn serve(&self, conn: &Connection, ch: &Channel, saver: &Channel) -> Result<(), Broken> {
+    /// The Backend's dead-letter exchange now, if it names one.
+    fn dead_letter_exchange(&self) -> Option<String> {
+        self.backends
+            .get(&ObjectRef::new(&self.backend.1).within(&self.backend.0))
+            .and_then(|b| b.spec.rabbitmq.as_ref()?.dead_letter_exchange.clone())
+    }
+
+    async fn serve(
+        &self,
+        conn: &Connection,
+        ch: &Channel,
+        saver: &Channel,
+        dead: &mut Option<DeadLetters>,
+    ) -> Result<(), Broken> {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut reports: Reports = SelectAll::new();
+        // Each verified AtLeastOnce queue of the Backend, by name: whose its dead letters are.
+        let mut owners: HashMap<String, SubKey> = HashMap::new();
+        // The queues the Backend's AtLeastOnce Subscriptions want that no status names yet.
+        let mut wanted: BTreeSet<String> = BTreeSet::new();
+        // Copies for a Subscription whose book is not open, or whose queue is not verified,
+        // yet: handled again after the next tick (unverified for at most HOLD_UNVERIFIED).
+        let mut held: Vec<(Instant, lapin::message::Delivery)> = Vec::new();
         self.sweep(conn).await;
         let mut swept = Instant::now();
         let mut tick = tokio::time::interval(TICK);
@@ -379,9 +449,25 @@ impl RabbitKeeper {
                         }
                     }
                 }
+                copy = next_copy(dead) => {
+                    let Some(dl) = dead.as_mut() else { continue };
+                    match copy {
+                        Some(d) => {
+                            let d = d.map_err(|e| broken("consuming dead letters", e))?;
+                            let mine = (&owners, &wanted);
+                            self.on_dead_letter(&dl.ch, mine, &mut books, &mut held, (Instant::now(), d)).await?;
+                        }
+                        None => dl.ended(now_ms(), &self.metrics),
+                    }
+                }
                 _ = tick.tick() => {
-                    if !ch.status().connected() || !saver.status().connected() {
+                    if !ch.status().connected() || !saver.status().connected()
+                        || dead.as_ref().is_some_and(|d| !d.ch.status().connected())
+                    {
                         return Err(Broken("a channel closed".into()));
+                    }
+                    if dead.as_ref().map(|d| d.dlx.clone()) != self.dead_letter_exchange() {
+                        return Err(Broken("the Backend's dead-letter exchange changed".into()));
                     }
                     let members = self.members();
                     // A Subscription deleted and applied again between two ticks: the old
@@ -395,12 +481,23 @@ impl RabbitKeeper {
                         }
                     }
                     self.open_new(conn, ch, &members, &mut books, &mut reports).await?;
-                    self.drop_gone(conn, ch, &members, &mut books).await;
+                    self.drop_gone(conn, ch, dead.as_ref().map(|d| &d.ch), &members, &mut books)
+                        .await;
+                    if let Some(dl) = dead.as_mut() {
+                        let (o, w, keys) = queues_of(&members);
+                        (owners, wanted) = (o, w);
+                        let verified = !owners.is_empty();
+                        dl.keep(conn, keys, verified, now_ms(), self.config.stats_interval, &self.metrics)
+                            .await?;
+                        for d in std::mem::take(&mut held) {
+                            self.on_dead_letter(&dl.ch, (&owners, &wanted), &mut books, &mut held, d).await?;
+                        }
+                    }
                     if swept.elapsed() >= SWEEP_INTERVAL {
                         swept = Instant::now();
                         self.sweep(conn).await;
                     }
-                    self.settle(conn, ch, saver, &members, &mut books).await?;
+                    self.settle(conn, ch, saver, dead.as_ref(), &members, &mut books).await?;
                 }
             }
         }
@@ -485,6 +582,7 @@ impl RabbitKeeper {
                     },
                     dirty: false,
                     acks: Vec::new(),
+                    dead_acks: Vec::new(),
                     foreign: Vec::new(),
                     counting,
                     instances: consuming.iter().cloned().collect(),
@@ -542,6 +640,55 @@ impl RabbitKeeper {
         book.consuming.insert(queue.clone());
         book.instances.insert(queue);
         book.dirty = true;
+        Ok(())
+    }
+
+    /// One copy of a dead letter: counted for the Subscription whose verified queue ran it out
+    /// of attempts (acknowledged once the snapshot counting it is saved), held when that
+    /// Subscription's book is not open yet or a Subscription wants the queue it names but has
+    /// not verified it yet, else acknowledged at once, counting for nobody.
+    async fn on_dead_letter(
+        &self,
+        dl: &Channel,
+        (owners, wanted): (&HashMap<String, SubKey>, &BTreeSet<String>),
+        books: &mut HashMap<SubKey, Book>,
+        held: &mut Vec<(Instant, lapin::message::Delivery)>,
+        (since, d): (Instant, lapin::message::Delivery),
+    ) -> Result<(), Broken> {
+        let attribution = match dead_letters::attribute(owners, wanted, &d.properties, &d.data) {
+            Attribution::Unverified if since.elapsed() < dead_letters::HOLD_UNVERIFIED => {
+                held.push((since, d));
+                return Ok(());
+            }
+            // Held long enough: the queue is not that Subscription's (a conflict).
+            Attribution::Unverified => Attribution::Nothing("not_ours"),
+            other => other,
+        };
+        let label = match attribution {
+            Attribution::Unverified => "not_ours",
+            Attribution::Exhausted(key, id) => {
+                let Some(book) = books.get_mut(&key) else {
+                    held.push((since, d));
+                    return Ok(());
+                };
+                book.dead_acks.push(d.delivery_tag);
+                match book.account.broker_dead_letter_copy(&id, d.redelivered) {
+                    BrokerOutcome::Counted => {
+                        book.dirty = true;
+                        book.counting = true;
+                        "counted"
+                    }
+                    BrokerOutcome::Duplicate | BrokerOutcome::Replayed => "duplicate",
+                }
+            }
+            Attribution::Nothing(label) => {
+                dl.basic_ack(d.delivery_tag, BasicAckOptions::default())
+                    .await
+                    .map_err(|e| broken("acknowledging a dead letter", e))?;
+                label
+            }
+        };
+        self.metrics.dead_letters.with_label_values(&[label]).inc();
         Ok(())
     }
 
@@ -639,6 +786,7 @@ impl RabbitKeeper {
         &self,
         conn: &Connection,
         ch: &Channel,
+        dl: Option<&Channel>,
         members: &HashMap<SubKey, Arc<Subscription>>,
         books: &mut HashMap<SubKey, Book>,
     ) {
@@ -651,6 +799,12 @@ impl RabbitKeeper {
             let Some(book) = books.remove(&key) else {
                 continue;
             };
+            // Its dead letters count for nothing any more.
+            if let Some(dl) = dl {
+                for tag in &book.dead_acks {
+                    let _ = dl.basic_ack(*tag, BasicAckOptions::default()).await;
+                }
+            }
             let still = self
                 .subs
                 .get(&ObjectRef::new(&key.1).within(&key.0))
@@ -688,10 +842,12 @@ impl RabbitKeeper {
         conn: &Connection,
         ch: &Channel,
         saver: &Channel,
+        dead: Option<&DeadLetters>,
         members: &HashMap<SubKey, Arc<Subscription>>,
         books: &mut HashMap<SubKey, Book>,
     ) -> Result<(), Broken> {
         let now = now_ms();
+        let dl = dead.map(|d| &d.ch);
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         for (key, book) in books.iter_mut() {
             for instance in book.account.fold_idle(now, fold_after) {
@@ -714,6 +870,13 @@ impl RabbitKeeper {
                     let _ = ch
                         .basic_reject(tag, BasicRejectOptions { requeue: true })
                         .await;
+                }
+                if let Some(dl) = dl {
+                    for tag in book.dead_acks.drain(..) {
+                        let _ = dl
+                            .basic_reject(tag, BasicRejectOptions { requeue: true })
+                            .await;
+                    }
                 }
                 for q in book.all_queues(key) {
                     let _ = ch
@@ -771,6 +934,14 @@ impl RabbitKeeper {
                     .await
                     .map_err(|e| broken("acknowledging a report", e))?;
             }
+            // Copies of dead letters: the saved snapshot counts them (and remembers their ids).
+            if let Some(dl) = dl {
+                for tag in book.dead_acks.drain(..) {
+                    dl.basic_ack(tag, BasicAckOptions::default())
+                        .await
+                        .map_err(|e| broken("acknowledging a dead letter", e))?;
+                }
+            }
             // Folded instances' queues: the saved snapshot holds their counts now.
             for q in book.retired_queues.drain(..) {
                 let _ = ch
@@ -799,7 +970,13 @@ impl RabbitKeeper {
             writer: &self.writer,
             metrics: &self.metrics,
             config: &self.config,
-            unseen_attempts: self.unseen_attempts,
+            // A last attempt a crash spent is counted from the copy of the dead letters.
+            unseen_attempts: match (self.unseen_attempts, dead) {
+                (super::status::Unseen::Uncounted, Some(_)) => {
+                    super::status::Unseen::FromDeadLetters
+                }
+                (u, _) => u,
+            },
             now_ms: now,
             stamp: &stamp,
         };
@@ -824,6 +1001,8 @@ impl RabbitKeeper {
                     }
                 }
             }
+            book.showing.trouble.dead_letters =
+                dead.and_then(|d| d.trouble(now, self.config.loss_window));
             let (pending, ack_pending) = book.gauges.unwrap_or_default();
             if book.counting {
                 let stats = SubscriptionStats {
@@ -849,6 +1028,48 @@ impl RabbitKeeper {
         }
         Ok(())
     }
+}
+
+/// The next copy of a dead letter, when the Backend's are copied; pending otherwise.
+async fn next_copy(
+    dead: &mut Option<DeadLetters>,
+) -> Option<Result<lapin::message::Delivery, lapin::Error>> {
+    match dead.as_mut() {
+        Some(d) => d.next().await,
+        None => futures::future::pending().await,
+    }
+}
+
+/// The verified queues of the Backend's AtLeastOnce Subscriptions (their dead letters are
+/// theirs: `status.consumer`, which the controller writes only for a queue it claimed as the
+/// object's, semantics R8), the queues they want that no status names yet, and the routing keys
+/// they are bound with.
+fn queues_of(
+    members: &HashMap<SubKey, Arc<Subscription>>,
+) -> (HashMap<String, SubKey>, BTreeSet<String>, BTreeSet<String>) {
+    let mut owners = HashMap::new();
+    let mut wanted = BTreeSet::new();
+    let mut keys = BTreeSet::new();
+    for (key, sub) in members {
+        let policy = crate::policy::ResolvedPolicy::resolve(&sub.spec.policy);
+        if policy.mode != crate::api::Mode::AtLeastOnce {
+            continue;
+        }
+        keys.insert(crate::backend::rabbitmq::queue::routing_key(
+            &policy.pattern,
+        ));
+        match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
+            Some(c) => {
+                owners.insert(c.name.clone(), key.clone());
+            }
+            None => {
+                wanted.insert(crate::backend::rabbitmq::queue::queue_name(
+                    &key.0, &key.1, &policy,
+                ));
+            }
+        }
+    }
+    (owners, wanted, keys)
 }
 
 /// Declares a Subscription's report and ledger queues (as the runtime does) and reads its

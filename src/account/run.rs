@@ -53,6 +53,12 @@ pub struct Limits {
     pub report_bucket: BucketLimits,
     /// Reports one RabbitMQ report queue hands the keeper unacknowledged at most.
     pub report_prefetch: u16,
+    /// Copies of dead letters a RabbitMQ Backend's copy queue hands the keeper unacknowledged
+    /// at most (acknowledged once the snapshot counting them is saved).
+    pub dead_letter_prefetch: u16,
+    /// Copies a RabbitMQ Backend's copy queue holds at most; beyond, the oldest are dropped by
+    /// the broker (`settle_account_dead_letters_total{outcome="copy_queue_full"}`).
+    pub dead_letter_copy_max_length: i64,
 }
 
 /// The longest instance name a report may carry (a pod name is at most 253 characters, plus
@@ -156,6 +162,8 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                         writer.clone(),
                         config.clone(),
                         metrics.clone(),
+                        // Uncounted until the keeper's session copies the Backend's dead
+                        // letters: then FromDeadLetters (the keeper decides, per session).
                         if *unseen {
                             super::status::Unseen::Uncounted
                         } else {

@@ -41,6 +41,7 @@ pub mod reasons {
     pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
     pub const CAPTURE_GAP: &str = "CaptureGap";
     pub const SOURCE_LOST: &str = "SourceLost";
+    pub const DEAD_LETTERS_MISSED: &str = "DeadLettersMissed";
 }
 
 /// What keeps one Subscription's account from being whole now, for `Accounted`.
@@ -54,6 +55,10 @@ pub struct Trouble {
     /// A source of the account was lost within the loss window (semantics C17): counting goes
     /// on from what status showed.
     pub source_lost: Option<Source>,
+    /// Dead letters the operator's copy may not hold (RabbitMQ), with why: the copy queue was
+    /// lost or full, or the dead-letter exchange cannot be copied whole. Exhausted may then
+    /// undercount the last attempts a crash spent.
+    pub dead_letters: Option<String>,
 }
 
 /// Exhausted totals over time: enough to say how many ran out within the loss window, kept
@@ -156,7 +161,9 @@ pub fn wants(
         Unseen::Uncounted => {
             " On this backend a crash or restart can spend a last attempt no handler saw, and the \
              broker reports no such loss to the operator: Exhausted may undercount by the last \
-             attempts in flight when an application instance died."
+             attempts in flight when an application instance died. On RabbitMQ, set the \
+             Backend's spec.rabbitmq.deadLetterExchange: the operator then counts such losses \
+             from a copy of what the queue dead-letters."
         }
     };
     let exhausting = if lost_recently > 0 {
@@ -246,6 +253,17 @@ pub fn wants(
                  before the operator read them: messages whose attempts ran out unseen by any \
                  handler may be missing from Exhausted (at most {n}). Keep the operator running, \
                  or raise the capture's limits (--capture-max-bytes)."
+            ),
+        )
+    } else if let Some(why) = &trouble.dead_letters {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::DEAD_LETTERS_MISSED,
+            format!(
+                "the operator's copy of the dead-letter exchange may not hold every dead letter \
+                 ({why}), so Exhausted may undercount the last attempts a crash spent. The \
+                 runtime's own count, and your dead-letter queue, are unaffected."
             ),
         )
     } else {
@@ -479,6 +497,7 @@ mod tests {
             unsaved: Some("no space".into()),
             missed_advisories: 3,
             source_lost: Some(Source::Ledger),
+            dead_letters: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
         assert_eq!(
@@ -490,16 +509,30 @@ mod tests {
             unsaved: None,
             missed_advisories: 3,
             source_lost: None,
+            dead_letters: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
         assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));
         assert!(a.message.starts_with("3 advisory(ies)"), "{}", a.message);
         let [e, _, _] = wants(&stats(1, 0), 1, WINDOW, Unseen::Uncounted, &gap);
         assert!(
-            e.message.contains("reports no such loss"),
-            "the RabbitMQ note: {}",
+            e.message.contains("reports no such loss")
+                && e.message.contains("spec.rabbitmq.deadLetterExchange"),
+            "the RabbitMQ note says how to count them: {}",
             e.message
         );
+        let [e, _, _] = wants(&stats(1, 0), 1, WINDOW, Unseen::FromDeadLetters, &gap);
+        assert!(!e.message.contains("reports no such loss"), "{}", e.message);
+        let missed = Trouble {
+            dead_letters: Some("the copy queue was deleted on the broker".into()),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::FromDeadLetters, &missed);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::DEAD_LETTERS_MISSED)
+        );
+        assert!(a.message.contains("deleted on the broker"), "{}", a.message);
     }
 
     #[test]

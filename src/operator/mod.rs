@@ -144,6 +144,15 @@ pub struct OperatorArgs {
     /// hold in the operator's memory.
     #[arg(long, env = "SETTLE_REPORT_PREFETCH", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
     pub report_prefetch: u16,
+    /// Copies of dead letters a RabbitMQ Backend's copy queue hands the operator
+    /// unacknowledged at most (acknowledged once the ledger counting them is saved).
+    #[arg(long, env = "SETTLE_DEAD_LETTER_PREFETCH", default_value_t = 256, value_parser = clap::value_parser!(u16).range(1..))]
+    pub dead_letter_prefetch: u16,
+    /// Copies of dead letters a RabbitMQ Backend's copy queue (settle.deadletters.<ns>.<backend>)
+    /// holds at most, set when it is made; beyond, the broker drops the oldest, and the
+    /// Subscriptions' Accounted condition says Exhausted may be short.
+    #[arg(long, env = "SETTLE_DEAD_LETTER_COPY_MAX_LENGTH", default_value_t = 100_000, value_parser = clap::value_parser!(i64).range(1..))]
+    pub dead_letter_copy_max_length: i64,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -478,6 +487,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
             concurrency: args.concurrency,
             identity: leader::identity(),
             backend_rules: args.backend_rules(),
+            dead_letter_copy_max_length: args.dead_letter_copy_max_length,
         },
         leadership.gate().receiver(),
         reconcile::Metrics::new(&registry)?,
@@ -502,6 +512,8 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                         max_bytes: args.report_bucket_max_bytes,
                     },
                     report_prefetch: args.report_prefetch,
+                    dead_letter_prefetch: args.dead_letter_prefetch,
+                    dead_letter_copy_max_length: args.dead_letter_copy_max_length,
                 },
             },
             account::Metrics::new(&registry)?,

@@ -67,6 +67,9 @@ pub struct Config {
     /// What Backends may name (Secret opt-in, broker hosts, SQS pod identity), re-checked
     /// before any Secret is read into a connection (docs/semantics.md A18–A20).
     pub backend_rules: crate::policy::BackendRules,
+    /// A RabbitMQ Backend's dead-letter copy queue holds at most this many copies (set when
+    /// the queue is made).
+    pub dead_letter_copy_max_length: i64,
 }
 
 /// Why one reconcile failed (it is tried again with a growing delay).
@@ -91,6 +94,8 @@ pub struct Ctx {
     pub drift: Duration,
     /// What Backends may name; the Backend controller re-checks it before it connects.
     pub backend_rules: crate::policy::BackendRules,
+    /// The dead-letter copy queue's bound (`--dead-letter-copy-max-length`).
+    pub dead_letter_copy_max_length: i64,
     failures: Mutex<HashMap<String, u32>>,
 }
 
@@ -313,6 +318,7 @@ async fn run_term(
         resync: config.resync,
         drift: config.drift,
         backend_rules: config.backend_rules.clone(),
+        dead_letter_copy_max_length: config.dead_letter_copy_max_length,
         failures: Mutex::default(),
     });
 

@@ -2,7 +2,10 @@
 //! (`backend::rabbitmq::queue::desired`), bound to the Backend's exchange by the pattern; made
 //! when missing (again when deleted on the broker), its binding repaired in place, an argument
 //! RabbitMQ cannot change in place reported `ImmutableField` with the argument and its field
-//! named; deleted when the Subscription goes.
+//! named; deleted when the Subscription goes. Under AtLeastOnce on a Backend with a dead-letter
+//! exchange, the Backend's dead-letter copy queue is made and bound before the queue is made
+//! (R9), so the account sees every dead letter of the queue from its start (the account keeps
+//! it from then on, and deletes it).
 //!
 //! Only a queue this Subscription object made (or took over by the `settle.dev/adopt`
 //! annotation) is bound or deleted; any other is left alone (`ConsumerConflict`): [`claim`]
@@ -27,9 +30,11 @@ use super::conditions::events;
 use super::connections::RabbitConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
 use super::subscription::{Removal, adopted, publish};
+use crate::api::Mode;
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::connect::ConnectFailure;
+use crate::backend::rabbitmq::deadletter;
 use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
@@ -261,6 +266,9 @@ pub async fn ensure(
         Err(e) => return failure(e, known),
     };
     if matches!(found, Found::Missing) {
+        if policy.mode == Mode::AtLeastOnce {
+            copy_dead_letters(sub, ctx, conn, &amqp, &want).await;
+        }
         return match create(sub, ctx, &amqp, &want, &known, &here).await {
             Ok(()) => ready(),
             Err(o) => o,
@@ -364,6 +372,46 @@ pub async fn ensure(
                 .await;
             }
             ready()
+        }
+    }
+}
+
+/// Makes and binds the Backend's dead-letter copy queue, if it has a dead-letter exchange,
+/// before the queue that dead-letters is made (R9): the account then sees that queue's dead
+/// letters from its start. Afterwards the account keeps it (made again, bound again). A failure
+/// is logged: the account says what it cannot count, and the queue does not wait for it.
+async fn copy_dead_letters(
+    sub: &Subscription,
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    amqp: &lapin::Connection,
+    want: &QueueSpec,
+) {
+    let Some(dlx) = &conn.exchanges.dead_letter else {
+        return;
+    };
+    let ns = sub.namespace().unwrap_or_default();
+    let backend = &sub.spec.backend_ref.name;
+    ctx.metrics.js("deadletters.copy");
+    let copy = deadletter::ensure_copy(
+        amqp,
+        &ns,
+        backend,
+        dlx,
+        std::slice::from_ref(&want.binding.routing_key),
+        ctx.dead_letter_copy_max_length,
+    )
+    .await;
+    let who = format!("{ns}/{}", sub.name_any());
+    match copy {
+        Ok(
+            deadletter::Copy::Whole { made: true } | deadletter::Copy::Partial { made: true, .. },
+        ) => {
+            tracing::info!(subscription = %who, queue = %deadletter::copy_queue(&ns, backend), "made the Backend's dead-letter copy queue")
+        }
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(subscription = %who, error = %e, "cannot make the Backend's dead-letter copy queue")
         }
     }
 }

@@ -26,7 +26,8 @@
 //! Beside it, for the operator: [`connect`] (a Backend's settings to a connection), [`admin`]
 //! (declare, bind, unbind, delete a managed queue over AMQP) and `management` (the management
 //! API, read-only: arguments, bindings, version, gauges). Beside both, [`report`]: the stats
-//! reports' per-Subscription queues (the runtime's `StatsSink`, the arguments both sides declare).
+//! reports' per-Subscription queues (the runtime's `StatsSink`, the arguments both sides declare),
+//! and `deadletter`: the operator's copy of a Backend's dead letters (R9–R12).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,6 +47,8 @@ use tokio::sync::Mutex;
 
 pub mod admin;
 pub mod connect;
+#[cfg(feature = "operator")]
+pub mod deadletter;
 #[cfg(feature = "operator")]
 pub mod management;
 pub mod queue;
