@@ -447,6 +447,7 @@ impl Keeper {
                             unsaved: None,
                             missed_advisories: saved.missed_advisories,
                             source_lost: None,
+                            queue_missing: None,
                         },
                         last_write: None,
                     },

@@ -8,7 +8,9 @@
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
 //! - [`rabbit`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue, keeps
 //!   the ledgers (a snapshot per Subscription on the broker), reads the gauges.
-//! - [`gauges`]: one loop per SQS Backend: the broker's gauges of its queues.
+//! - [`sqs`]: one loop per SQS Backend: receives each Subscription's report queue, keeps the
+//!   ledgers (a snapshot per Subscription in its ledger queue), reads the gauges;
+//!   [`dead_letters`] counts what the redrive moved to the dead-letter queue.
 //! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`).
 //! - [`metrics`]: `settle_subscription_*` at full resolution.
@@ -19,7 +21,7 @@
 //! caches and connections by the operator.
 
 #[cfg(feature = "operator")]
-pub mod gauges;
+pub mod dead_letters;
 #[cfg(feature = "operator")]
 pub mod keeper;
 pub mod ledger;
@@ -28,6 +30,8 @@ pub mod metrics;
 pub mod rabbit;
 #[cfg(feature = "operator")]
 pub mod show;
+#[cfg(feature = "operator")]
+pub mod sqs;
 pub mod status;
 #[cfg(feature = "operator")]
 pub mod writer;

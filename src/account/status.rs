@@ -41,6 +41,7 @@ pub mod reasons {
     pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
     pub const CAPTURE_GAP: &str = "CaptureGap";
     pub const SOURCE_LOST: &str = "SourceLost";
+    pub const REPORT_QUEUE_MISSING: &str = "ReportQueueMissing";
 }
 
 /// What keeps one Subscription's account from being whole now, for `Accounted`.
@@ -54,6 +55,9 @@ pub struct Trouble {
     /// A source of the account was lost within the loss window (semantics C17): counting goes
     /// on from what status showed.
     pub source_lost: Option<Source>,
+    /// The queue the runtime reports to does not exist on the broker (SQS: deleted there),
+    /// named: its reports wait in the applications until it is made again.
+    pub queue_missing: Option<String>,
 }
 
 /// Exhausted totals over time: enough to say how many ran out within the loss window, kept
@@ -127,6 +131,10 @@ pub enum Unseen {
     /// It can, and nothing on the broker side counts them (a RabbitMQ Backend without a
     /// dead-letter exchange).
     Uncounted,
+    /// It can, and the operator would count them in the dead-letter queue, but that queue holds
+    /// more messages (this many) than the account remembers ids of, so they are not counted
+    /// until it holds fewer (SQS).
+    TooManyDeadLetters(u64),
 }
 
 /// The account's three conditions, as wanted now.
@@ -139,7 +147,19 @@ pub fn wants(
 ) -> [Want; 3] {
     let exhausted = stats.counters.exhausted;
     let w = window_text(window);
+    let too_many;
     let note = match unseen {
+        Unseen::TooManyDeadLetters(depth) => {
+            too_many = format!(
+                " On this backend a crash or restart can spend a last attempt no handler saw: such \
+                 messages are counted in the dead-letter queue, but it holds {depth} messages, more \
+                 than the {} the account remembers, so they are not counted now and Exhausted may \
+                 undercount by them. Empty the dead-letter queue (redrive or delete what you \
+                 handled) and counting there resumes.",
+                super::ledger::REMEMBERED_EXHAUSTED
+            );
+            too_many.as_str()
+        }
         Unseen::Never => "",
         Unseen::FromAdvisories => {
             " On this backend a restart can spend a last attempt no handler saw: such messages are \
@@ -209,6 +229,18 @@ pub fn wants(
                  and nothing is lost: the reports and advisories they hold stay unacknowledged \
                  until the save succeeds (it is tried every second). Check the broker's \
                  JetStream storage and the settle-account bucket."
+            ),
+        )
+    } else if let Some(queue) = &trouble.queue_missing {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::REPORT_QUEUE_MISSING,
+            format!(
+                "the report queue {queue} does not exist on the broker (deleted there?). The \
+                 applications keep their counts and send them again every interval (reports are \
+                 cumulative, so nothing is lost); the operator makes the queue again within \
+                 --drift-interval. The counts shown are those received before it went."
             ),
         )
     } else if let Some(source) = trouble.source_lost {

@@ -38,7 +38,8 @@ static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 
 impl App {
     /// `account_app` with `handler`, reporting every 100 ms, and the variables `env`, which pick
-    /// the broker (`SETTLE_NATS_URL` or `SETTLE_RABBITMQ_URL`: none is inherited).
+    /// the broker (`SETTLE_NATS_URL`, `SETTLE_RABBITMQ_URL` or `SETTLE_SQS_ENDPOINT`: none is
+    /// inherited).
     pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
         let bin = example("account_app");
         let log = super::root().join(format!(
@@ -49,6 +50,7 @@ impl App {
         let mut child = Command::new(&bin)
             .env_remove("SETTLE_NATS_URL")
             .env_remove("SETTLE_RABBITMQ_URL")
+            .env_remove("SETTLE_SQS_ENDPOINT")
             .envs(env.iter().copied())
             .env("SETTLE_SUBSCRIPTION_FILE", manifest)
             .env("SETTLE_APP_HANDLER", handler)

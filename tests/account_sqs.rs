@@ -1,0 +1,282 @@
+//! The account on a real SQS-compatible server (ElasticMQ), end to end: `settle operator` as a
+//! process against the real API server, the test application (`examples/account_app.rs`) on SQS
+//! as another process, messages sent straight to the Subscription's queue, and `status.stats`
+//! read back through the API (and `kubectl describe`, and /metrics). The runtime's reports
+//! travel through the Subscription's report queue (`<queue>-settle-stats.fifo`) and the
+//! operator keeps its ledger in `<queue>-settle-ledger.fifo`: counters are exact, survive the
+//! operator's SIGKILL and the application's replacement, never go down in any status observed;
+//! a report queue deleted on the server is said in `Accounted` and made again; messages the
+//! redrive moved to the dead-letter queue after a crash are counted once, through the broker
+//! side, and stay there for the user.
+
+mod common;
+
+use std::time::Duration;
+
+use common::account::bodies;
+use common::kubectl_ok;
+use common::operator::{condition, poll};
+use common::sqs::{SqsScene, message_ids, url};
+use settle::api::ConsumerStats;
+use settle::backend::sqs::report::{ledger_queue, report_queue};
+
+const NACK: &str = "  mode: AtLeastOnce\n  maxDeliver: 3\n  ackWait: 2s\n";
+
+/// Always nack, 10 messages in two halves; with `kill` the operator is SIGKILLed after the first
+/// half and the application replaced by a new instance (so the first instance's counts live only
+/// in the operator's saved ledger), the second half sent while the operator is down.
+async fn always_nack(scene: &mut SqsScene, kill: bool) -> ConsumerStats {
+    let mut app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    scene
+        .wait_stats(
+            "the first five messages exhausted in status",
+            Duration::from_secs(60),
+            |s| s.exhausted == 5 && s.settlement.nacked == 15,
+        )
+        .await;
+    if kill {
+        scene.op.kill9();
+        app.kill9();
+        app = scene.app("nack");
+        app.wait_ready().await;
+        scene.publish(bodies(5)).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        scene.restart_operator();
+    } else {
+        scene.publish(bodies(5)).await;
+    }
+    let s = scene
+        .settled(
+            "all ten messages exhausted in status",
+            Duration::from_secs(90),
+            |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
+        )
+        .await;
+    assert_eq!(s.exhausted, 10, "{s:?}");
+    assert_eq!(s.settlement.nacked, 30, "{s:?}");
+    assert_eq!(s.delivered, 30, "{s:?}");
+    assert_eq!(s.offered, 30, "{s:?}");
+    assert_eq!(s.settlement.acked, 0, "{s:?}");
+    assert!(
+        s.balanced(),
+        "offered == delivered + released + lost: {s:?}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn always_nack_on_sqs_is_counted_exactly_and_raises_exhausting() {
+    let mut scene = SqsScene::new("acctsqs-nack", NACK, &[]).await;
+    let s = always_nack(&mut scene, false).await;
+    println!("always-nack on SQS: {s:?}");
+    let st = scene
+        .api
+        .get("orders")
+        .await
+        .expect("get")
+        .status
+        .expect("status");
+    let (status, reason, message) =
+        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "MessagesExhausted"),
+        "{message}"
+    );
+    assert!(
+        message.starts_with("10 message(s) ran out of attempts"),
+        "{message}"
+    );
+    assert!(
+        message.contains("counted where the broker dead-letters them"),
+        "the broker side is watched on SQS: {message}"
+    );
+    let (status, reason, _) = condition(&st.conditions, "Accounted").expect("Accounted");
+    assert_eq!((status.as_str(), reason.as_str()), ("True", "Kept"));
+    let described = kubectl_ok(
+        &["describe", "subscription", "orders", "-n", &scene.ns],
+        None,
+    );
+    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "Delivered: 30",
+        "Exhausted: 10",
+        "Nacked: 30",
+        "Type: Exhausting",
+        "Reason: MessagesExhausted",
+    ] {
+        assert!(
+            flat.contains(want),
+            "kubectl describe lacks {want:?}:\n{described}"
+        );
+    }
+    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
+    for (metric, want) in [
+        ("settle_subscription_exhausted_total", 10.0),
+        ("settle_subscription_delivered_total", 30.0),
+    ] {
+        assert_eq!(scene.op.metric(metric, &labels), want, "{metric}");
+    }
+    // The dead-letter queue still holds all ten: the operator only looked.
+    let dlq = format!("{}-dlq", scene.queue());
+    assert_eq!(message_ids(&scene.sqs, &dlq).await.len(), 10);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_sigkilled_and_an_application_replaced_halfway_lose_and_double_nothing() {
+    let mut scene = SqsScene::new("acctsqs-kill", NACK, &[]).await;
+    let s = always_nack(&mut scene, true).await;
+    println!("always-nack on SQS, operator SIGKILLed and application replaced: {s:?}");
+    // The ledger queue keeps the newest snapshot (older ones deleted as each is saved).
+    let held = common::sqs::depth(&scene.sqs, &ledger_queue(&scene.queue())).await;
+    assert!(
+        (1..=2).contains(&held),
+        "snapshots in the ledger queue: {held}"
+    );
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acked_silent_and_delay_shortened_on_sqs_are_exact() {
+    // Silence declines after the 3 s backoff; the application's hold limit is 5 s from the first
+    // receive (SQS's 12 h, made short): the second decline cannot wait 3 s, so it is shortened.
+    let scene = SqsScene::new(
+        "acctsqs-silent",
+        "  mode: AtLeastOnce\n  maxDeliver: 3\n  backoff: {initial: 3s, max: 3s, multiplier: 1}\n",
+        &[("SETTLE_SQS_HOLD_LIMIT", "5s")],
+    )
+    .await;
+    let app = scene.app("ack-even-silent-odd");
+    app.wait_ready().await;
+    scene.publish(bodies(10)).await;
+    let s = scene
+        .settled(
+            "5 acked, 15 silent and 5 exhausted in status",
+            Duration::from_secs(90),
+            |s| s.settlement.acked >= 5 && s.settlement.silent >= 15 && s.exhausted >= 5,
+        )
+        .await;
+    println!("ack-even/silent-odd on SQS: {s:?}");
+    assert_eq!(s.settlement.acked, 5, "{s:?}");
+    assert_eq!(s.settlement.silent, 15, "{s:?}");
+    assert_eq!(s.settlement.nacked, 0, "{s:?}");
+    assert_eq!(s.delivered, 20, "{s:?}");
+    assert_eq!(s.exhausted, 5, "{s:?}");
+    assert_eq!(
+        s.delay_shortened, 5,
+        "each odd message's second decline: {s:?}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    // The report queue deleted on the server: said in Accounted, and made again.
+    let reports = report_queue(&scene.queue());
+    let u = url(&scene.sqs, &reports).await.expect("the report queue");
+    scene
+        .sqs
+        .delete_queue()
+        .queue_url(&u)
+        .send()
+        .await
+        .expect("delete the report queue");
+    common::subs::wait_condition(
+        &scene.api,
+        "orders",
+        "Accounted",
+        "False",
+        "ReportQueueMissing",
+        Duration::from_secs(30),
+    )
+    .await;
+    poll(
+        "the report queue made again by the operator",
+        Duration::from_secs(60),
+        || async {
+            match url(&scene.sqs, &reports).await {
+                Some(_) => Ok(()),
+                None => Err("not yet".to_string()),
+            }
+        },
+    )
+    .await;
+    assert!(
+        url(&scene.sqs, &ledger_queue(&scene.queue()))
+            .await
+            .is_some()
+    );
+    common::subs::wait_condition(
+        &scene.api,
+        "orders",
+        "Accounted",
+        "True",
+        "Kept",
+        Duration::from_secs(30),
+    )
+    .await;
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn last_attempts_spent_by_a_crash_count_once_through_the_dead_letter_queue() {
+    let scene = SqsScene::new("acctsqs-crash", NACK, &[]).await;
+    let mut app = scene.app("nack-then-hold");
+    app.wait_ready().await;
+    scene.publish(bodies(4)).await;
+    poll(
+        "the application to hold four last attempts",
+        Duration::from_secs(60),
+        || async {
+            match app.count("held") {
+                4 => Ok(()),
+                n => Err(format!("{n} held")),
+            }
+        },
+    )
+    .await;
+    scene
+        .wait_stats(
+            "the first two attempts' nacks in status",
+            Duration::from_secs(30),
+            |s| s.settlement.nacked == 8,
+        )
+        .await;
+    // The process dies holding four messages on their last attempt: the runtime never counts
+    // them. Their visibility runs out (ackWait), and the replacement's next receive finds them
+    // past maxReceiveCount: the redrive moves them to the dead-letter queue, where the operator
+    // counts each once.
+    app.kill9();
+    let replacement = scene.app("nack-then-hold");
+    replacement.wait_ready().await;
+    let s = scene
+        .wait_stats(
+            "four messages exhausted, from the dead-letter queue",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 4,
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let later = scene.stats().await;
+    println!("crash holding 4 last attempts on SQS: {later:?}");
+    assert_eq!(
+        later.exhausted, 4,
+        "counted once each: {s:?} then {later:?}"
+    );
+    assert_eq!(later.settlement.nacked, 8);
+    assert_eq!(
+        later.delivered, 8,
+        "the held attempts never returned: {later:?}"
+    );
+    let dlq = format!("{}-dlq", scene.queue());
+    assert_eq!(
+        message_ids(&scene.sqs, &dlq).await.len(),
+        4,
+        "the user's dead-letter queue still holds all four"
+    );
+    scene.assert_never_decreased();
+    drop(replacement);
+    scene.finish().await;
+}
