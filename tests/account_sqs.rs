@@ -280,3 +280,68 @@ async fn last_attempts_spent_by_a_crash_count_once_through_the_dead_letter_queue
     drop(replacement);
     scene.finish().await;
 }
+
+/// A report as a runtime writes it (docs/stats-report.md), for Subscription `orders`.
+fn report(ns: &str, instance: &str, sequence: u64, acked: u64) -> String {
+    let now = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis(),
+    )
+    .expect("ms");
+    serde_json::json!({
+        "version": 1, "namespace": ns, "subscription": "orders", "instance": instance,
+        "backend": "sqs", "mode": "AtLeastOnce", "startedAtMs": now - 1000, "reportedAtMs": now,
+        "sequence": sequence,
+        "stats": {"offered": acked, "delivered": acked, "released": 0, "lost": 0,
+                  "settlement": {"acked": acked, "nacked": 0, "silent": 0, "refused": 0},
+                  "exhausted": 0, "stranded": 0, "leaseExpired": 0, "delayShortened": 0,
+                  "foreignConflicts": 0},
+        "runtime": {"handlerErrors": 0, "panics": 0}
+    })
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_naming_another_subscription_or_jumping_its_sequence_is_dropped_on_sqs() {
+    let scene = SqsScene::new("acctsqs-forge", NACK, &[]).await;
+    let reports = url(&scene.sqs, &report_queue(&scene.queue()))
+        .await
+        .expect("the report queue");
+    let send = |body: String, group: &'static str| {
+        let (c, u) = (scene.sqs.clone(), reports.clone());
+        async move {
+            c.send_message()
+                .queue_url(u)
+                .message_body(body)
+                .message_group_id(group)
+                .send()
+                .await
+                .expect("send a report");
+        }
+    };
+    send(report(&scene.ns, "i1", 1, 1), "i1").await;
+    scene
+        .wait_stats("the real report counted", Duration::from_secs(30), |s| {
+            s.settlement.acked == 1
+        })
+        .await;
+    // Into this Subscription's report queue, naming another namespace's: misfiled (C18).
+    send(report("elsewhere", "i1", 2, 100), "i1").await;
+    common::account::wait_dropped(&scene.op, "misfiled", 1.0).await;
+    // The same instance, its sequence far past the last one counted: sequence_jump (C19).
+    send(report(&scene.ns, "i1", 1_000_000, 100), "i1").await;
+    common::account::wait_dropped(&scene.op, "sequence_jump", 1.0).await;
+    // The next real report still counts: nothing froze the instance.
+    send(report(&scene.ns, "i1", 2, 2), "i1").await;
+    let s = scene
+        .wait_stats("the next real report counted", Duration::from_secs(30), |s| {
+            s.settlement.acked == 2
+        })
+        .await;
+    println!("forged reports on SQS dropped; status: {s:?}");
+    assert_eq!(s.settlement.acked, 2, "{s:?}");
+    scene.assert_never_decreased();
+    scene.finish().await;
+}
