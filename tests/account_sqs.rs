@@ -38,7 +38,13 @@ async fn always_nack(scene: &mut SqsScene, kill: bool) -> ConsumerStats {
         .await;
     if kill {
         scene.op.kill9();
-        app.kill9();
+        // Replaced as a Deployment replaces a pod (SIGTERM: the bus closes, its last report
+        // confirmed). A SIGKILLed one can leave a long poll open on the server that takes a
+        // message no handler sees (an attempt spent unseen, Q6): the crash test covers that.
+        app.sigterm();
+        assert!(app.wait_exit(Duration::from_secs(30)), "a graceful stop");
+        // Its last long poll (1 s) has ended on the server before anything is sent.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         app = scene.app("nack");
         app.wait_ready().await;
         scene.publish(bodies(5)).await;
@@ -290,9 +296,12 @@ fn report(ns: &str, instance: &str, sequence: u64, acked: u64) -> String {
             .as_millis(),
     )
     .expect("ms");
+    // One life for the whole test (a new startedAtMs would be a new life of the name).
+    static STARTED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let started = *STARTED.get_or_init(|| now - 1000);
     serde_json::json!({
         "version": 1, "namespace": ns, "subscription": "orders", "instance": instance,
-        "backend": "sqs", "mode": "AtLeastOnce", "startedAtMs": now - 1000, "reportedAtMs": now,
+        "backend": "sqs", "mode": "AtLeastOnce", "startedAtMs": started, "reportedAtMs": now,
         "sequence": sequence,
         "stats": {"offered": acked, "delivered": acked, "released": 0, "lost": 0,
                   "settlement": {"acked": acked, "nacked": 0, "silent": 0, "refused": 0},
@@ -336,9 +345,11 @@ async fn a_report_naming_another_subscription_or_jumping_its_sequence_is_dropped
     // The next real report still counts: nothing froze the instance.
     send(report(&scene.ns, "i1", 2, 2), "i1").await;
     let s = scene
-        .wait_stats("the next real report counted", Duration::from_secs(30), |s| {
-            s.settlement.acked == 2
-        })
+        .wait_stats(
+            "the next real report counted",
+            Duration::from_secs(30),
+            |s| s.settlement.acked == 2,
+        )
         .await;
     println!("forged reports on SQS dropped; status: {s:?}");
     assert_eq!(s.settlement.acked, 2, "{s:?}");

@@ -61,7 +61,10 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
             "the SQS Subscription's account reached status",
             "invoices exhausted/acked/silent/nacked: 3/27/3/9",
         ),
-        ("kubectl describe of the SQS Subscription: Exhausted", "Exhausted: 3"),
+        (
+            "kubectl describe of the SQS Subscription: Exhausted",
+            "Exhausted: 3",
+        ),
         ("kubectl describe: Exhausted", "Exhausted: 20"),
         ("kubectl describe: Acked", "Acked: 280"),
         ("kubectl describe: Nacked", "Nacked: 100"),

@@ -265,7 +265,7 @@ impl SqsKeeper {
                 .map(|s| s.counters)
                 .unwrap_or_default();
             // A snapshot of an earlier object of this name is not this one's (semantics C15).
-            let saved = match saved {
+            let saved = match saved.map(|s| *s) {
                 Some(s) if !s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref()) => {
                     tracing::info!(subscription = %who, "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
                     None
@@ -577,7 +577,7 @@ fn secs(d: Duration) -> i32 {
 /// What a ledger queue held.
 enum Loaded {
     /// The newest snapshot (none: never saved, or lost).
-    Saved(Option<Saved>),
+    Saved(Option<Box<Saved>>),
     /// A snapshot is in flight (another reader holds it for a few seconds): read again later,
     /// as a receive now could miss it.
     Busy,
@@ -654,7 +654,7 @@ async fn load(client: &Client, url: &str) -> Result<Loaded, String> {
             break;
         }
     }
-    Ok(Loaded::Saved(best.map(|(s, _)| s)))
+    Ok(Loaded::Saved(best.map(|(s, _)| Box::new(s))))
 }
 
 /// Sends a snapshot to its ledger queue.

@@ -506,11 +506,42 @@ mod tests {
     }
 
     #[test]
+    fn a_missing_report_queue_and_too_many_dead_letters_are_said() {
+        let missing = Trouble {
+            queue_missing: Some("shop-orders-settle-stats.fifo".into()),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &missing);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::REPORT_QUEUE_MISSING)
+        );
+        assert!(
+            a.message.contains("shop-orders-settle-stats.fifo"),
+            "{}",
+            a.message
+        );
+        let [e, _, _] = wants(
+            &stats(1, 0),
+            1,
+            WINDOW,
+            Unseen::TooManyDeadLetters(2000),
+            &Trouble::default(),
+        );
+        assert!(
+            e.message.contains("holds 2000 messages") && e.message.contains("undercount"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
     fn accounted_says_why_the_account_is_not_whole() {
         let unsaved = Trouble {
             unsaved: Some("no space".into()),
             missed_advisories: 3,
             source_lost: Some(Source::Ledger),
+            queue_missing: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
         assert_eq!(
@@ -522,6 +553,7 @@ mod tests {
             unsaved: None,
             missed_advisories: 3,
             source_lost: None,
+            queue_missing: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
         assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));
