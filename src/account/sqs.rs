@@ -170,7 +170,7 @@ impl SqsKeeper {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut said_waiting = false;
+        let mut said_waiting = true;
         loop {
             tick.tick().await;
             let Some((client, prefix)) = self.client() else {
