@@ -11,7 +11,7 @@ use kube::Api;
 use settle::api::{ConsumerStats, Subscription};
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 
-use super::account::{App, Seen, assert_never_decreased, watch};
+use super::account::{AccountScene, App, Seen, assert_never_decreased, watch};
 use super::operator::{Operator, poll};
 use super::subs::{apply, backends, subs, wait_backend, wait_ready};
 use super::{install_crds, kubectl_ok, namespace};
@@ -272,5 +272,40 @@ impl SqsScene {
         self.watcher.abort();
         let _ = std::fs::remove_file(&self.manifest);
         kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+impl AccountScene for SqsScene {
+    fn app(&self, handler: &str) -> App {
+        SqsScene::app(self, handler)
+    }
+
+    async fn replace_app(&self, app: App) -> App {
+        let mut app = app;
+        app.sigterm();
+        assert!(app.wait_exit(Duration::from_secs(30)), "a graceful stop");
+        // Its last long poll (1 s) has ended on the server before anything more is sent.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        SqsScene::app(self, "nack")
+    }
+
+    async fn publish(&self, bodies: Vec<String>) {
+        SqsScene::publish(self, bodies).await;
+    }
+
+    async fn stats(&self) -> ConsumerStats {
+        SqsScene::stats(self).await
+    }
+
+    fn kill_operator(&mut self) {
+        self.op.kill9();
+    }
+
+    fn restart_operator(&mut self) {
+        SqsScene::restart_operator(self);
+    }
+
+    fn seen(&self) -> &Seen {
+        &self.seen
     }
 }
