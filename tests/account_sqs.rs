@@ -265,7 +265,7 @@ fn report(ns: &str, instance: &str, sequence: u64, acked: u64) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_report_naming_another_subscription_or_jumping_its_sequence_is_dropped_on_sqs() {
+async fn a_forged_report_is_dropped_and_the_account_queues_go_with_the_subscription() {
     let scene = SqsScene::new("acctsqs-forge", NACK, &[]).await;
     let reports = url(&scene.sqs, &report_queue(&scene.queue()))
         .await
@@ -306,5 +306,27 @@ async fn a_report_naming_another_subscription_or_jumping_its_sequence_is_dropped
     println!("forged reports on SQS dropped; status: {s:?}");
     assert_eq!(s.settlement.acked, 2, "{s:?}");
     scene.assert_never_decreased();
+    // Deleting the Subscription deletes its account queues with its queue (and its empty
+    // dead-letter queue).
+    kubectl_ok(
+        &[
+            "delete",
+            "subscription",
+            "orders",
+            "-n",
+            &scene.ns,
+            "--wait=false",
+        ],
+        None,
+    );
+    common::subs::wait_gone(&scene.api, "orders", Duration::from_secs(60)).await;
+    for q in [
+        scene.queue(),
+        format!("{}-dlq", scene.queue()),
+        report_queue(&scene.queue()),
+        ledger_queue(&scene.queue()),
+    ] {
+        assert!(url(&scene.sqs, &q).await.is_none(), "{q} is deleted");
+    }
     scene.finish().await;
 }
