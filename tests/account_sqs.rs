@@ -4,10 +4,12 @@
 //! read back through the API (and `kubectl describe`, and /metrics). The runtime's reports
 //! travel through the Subscription's report queue (`<queue>-settle-stats.fifo`) and the
 //! operator keeps its ledger in `<queue>-settle-ledger.fifo`: counters are exact, survive the
-//! operator's SIGKILL and the application's replacement, never go down in any status observed;
-//! a report queue deleted on the server is said in `Accounted` and made again; messages the
-//! redrive moved to the dead-letter queue after a crash are counted once, through the broker
-//! side, and stay there for the user.
+//! operator's SIGKILL and the application's replacement (the scenario every broker runs,
+//! `common::account::always_nack_scenario`), never go down in any status observed; a report
+//! queue deleted on the server is made again and the reports flow again; forged reports
+//! (misfiled, sequence_jump) are dropped; messages the redrive moved to the dead-letter queue
+//! after a crash are counted once, through the broker side, and stay there for the user; the
+//! account queues go with the Subscription.
 
 mod common;
 
