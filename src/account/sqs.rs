@@ -170,23 +170,24 @@ impl SqsKeeper {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut said_waiting = true;
+        let mut connected: Option<bool> = None;
         loop {
             tick.tick().await;
             let Some((client, prefix)) = self.client() else {
-                if !said_waiting {
+                if connected != Some(false) {
                     tracing::debug!(backend = %self.name(), "account: the SQS Backend has no connection yet");
-                    said_waiting = true;
+                    connected = Some(false);
                 }
                 continue;
             };
-            if said_waiting {
+            if connected != Some(true) {
                 tracing::info!(backend = %self.name(), "account keeper started (SQS report queues)");
-                said_waiting = false;
+                connected = Some(true);
             }
             let members = self.members();
             // Gone, moved to another Backend, or deleted and applied again (another object):
-            // the book is dropped (what it holds is saved; unsaved reports come back).
+            // the book is dropped (reports it counted but did not save were not deleted: they
+            // come back to whichever book counts them next).
             books.retain(|key, book| {
                 let keep = members
                     .get(key)
