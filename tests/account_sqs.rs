@@ -332,3 +332,77 @@ async fn a_forged_report_is_dropped_and_the_account_queues_go_with_the_subscript
     }
     scene.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_queue_holding_more_than_can_be_remembered_is_said_in_exhausting() {
+    let scene = SqsScene::new("acctsqs-deep", NACK, &[]).await;
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(1)).await;
+    scene
+        .wait_stats("one message exhausted", Duration::from_secs(60), |s| {
+            s.exhausted == 1 && s.settlement.nacked == 3
+        })
+        .await;
+    // 1030 more sent straight to the dead-letter queue (no redrive moved them: never counted),
+    // so it holds more than the 1024 ids the account remembers.
+    let dlq = format!("{}-dlq", scene.queue());
+    let dlq_url = url(&scene.sqs, &dlq).await.expect("the dead-letter queue");
+    for batch in 0..103 {
+        let entries: Vec<_> = (0..10)
+            .map(|i| {
+                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                    .id(format!("m{i}"))
+                    .message_body(format!("straight {batch}-{i}"))
+                    .build()
+                    .expect("an entry")
+            })
+            .collect();
+        scene
+            .sqs
+            .send_message_batch()
+            .queue_url(&dlq_url)
+            .set_entries(Some(entries))
+            .send()
+            .await
+            .expect("send a batch");
+    }
+    common::subs::wait_condition(
+        &scene.api,
+        "orders",
+        "Exhausting",
+        "True",
+        "MessagesExhausted",
+        Duration::from_secs(30),
+    )
+    .await;
+    let message = poll(
+        "Exhausting to say the dead-letter queue holds too many to count",
+        Duration::from_secs(30),
+        || async {
+            let s = scene.api.get("orders").await.map_err(|e| e.to_string())?;
+            let st = s.status.unwrap_or_default();
+            let (_, _, m) = condition(&st.conditions, "Exhausting").ok_or("no Exhausting")?;
+            if m.contains("holds 1031 messages") {
+                Ok(m)
+            } else {
+                Err(m)
+            }
+        },
+    )
+    .await;
+    assert!(message.contains("may undercount"), "{message}");
+    let s = scene.stats().await;
+    println!("dead-letter queue of 1031 on SQS: {s:?}; {message}");
+    assert_eq!(s.exhausted, 1, "nothing sent straight there counts: {s:?}");
+    drop(app);
+    // Emptied, so the cleanup deletes it with the Subscription.
+    scene
+        .sqs
+        .purge_queue()
+        .queue_url(&dlq_url)
+        .send()
+        .await
+        .expect("purge");
+    scene.finish().await;
+}

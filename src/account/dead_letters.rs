@@ -5,8 +5,8 @@
 //! A look (a "scan") receives every message of the dead-letter queue in batches of ten, each
 //! hidden for [`SCAN_HIDE`] so the next receive returns the next ones (a receive that hides
 //! nothing returns the same first ten every time), and makes them all visible again as soon as
-//! the scan ends. A message counts when it came from this Subscription's queue
-//! (`DeadLetterQueueSourceArn`, where the server says it) and was sent after the Subscription
+//! the scan ends. A message counts when the redrive moved it from this Subscription's queue
+//! (its `DeadLetterQueueSourceArn`, which SQS and ElasticMQ set on the move) and was sent after the Subscription
 //! object was made (a dead-letter queue taken over from an earlier object holds that object's
 //! losses). The ids are remembered in the ledger among the last `REMEMBERED_EXHAUSTED` (1024):
 //! so a dead-letter queue holding more than that is not scanned (counting it again would
@@ -147,8 +147,10 @@ impl DeadLetters {
                 let attr = |n: MessageSystemAttributeName| {
                     m.attributes.as_ref().and_then(|a| a.get(&n)).cloned()
                 };
+                // Moved here by the redrive of this Subscription's queue: a message sent straight
+                // to the dead-letter queue has no source, and is no loss of this Subscription.
                 let from_here = attr(MessageSystemAttributeName::DeadLetterQueueSourceArn)
-                    .is_none_or(|arn| arn.ends_with(&arn_end));
+                    .is_some_and(|arn| arn.ends_with(&arn_end));
                 let sent = attr(MessageSystemAttributeName::SentTimestamp)
                     .and_then(|v| v.parse::<u64>().ok())
                     .unwrap_or(u64::MAX);
