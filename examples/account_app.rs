@@ -3,8 +3,11 @@
 //! its counters to the operator, as any application built on `settle` does.
 //!
 //! - `SETTLE_NATS_URL`: the broker is NATS; without it, `SETTLE_RABBITMQ_URL`: RabbitMQ
-//!   (publishing to and binding on `amq.topic`, a Backend's default exchange). NATS first, so an
-//!   environment file that names both (hack/env.sh's) keeps the NATS demo on NATS.
+//!   (publishing to and binding on `amq.topic`, a Backend's default exchange); without either,
+//!   `SETTLE_SQS_ENDPOINT`: SQS at that endpoint (ElasticMQ; any region and credentials), with
+//!   the queue prefix `SETTLE_SQS_QUEUE_PREFIX` (default none) and, when set,
+//!   `SETTLE_SQS_HOLD_LIMIT` in place of SQS's 12 hours (a test's). NATS first, so an
+//!   environment file that names them all (hack/env.sh's) keeps the NATS demo on NATS.
 //! - `SETTLE_SUBSCRIPTION_FILE`: the Subscription manifest (with its namespace), as applied to
 //!   the cluster.
 //! - `SETTLE_APP_HANDLER`:
@@ -28,6 +31,7 @@
 use settle::api;
 use settle::backend::nats::NatsBroker;
 use settle::backend::rabbitmq::RabbitBroker;
+use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 use settle::bus::{Broker, Bus, Delivery, HandlerError, Subscriber, handler};
 
 #[derive(Clone, Copy)]
@@ -128,19 +132,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok_or("the manifest has no metadata.namespace")?;
     match std::env::var("SETTLE_NATS_URL") {
         Ok(url) => run(NatsBroker::connect(&url).await?, ns, name, sub, how, report).await,
-        Err(_) => {
-            let url = std::env::var("SETTLE_RABBITMQ_URL")
-                .map_err(|_| "set SETTLE_NATS_URL or SETTLE_RABBITMQ_URL")?;
-            run(
-                RabbitBroker::connect(&url).await?,
-                ns,
-                name,
-                sub,
-                how,
-                report,
-            )
-            .await
-        }
+        Err(_) => match std::env::var("SETTLE_RABBITMQ_URL") {
+            Ok(url) => {
+                run(
+                    RabbitBroker::connect(&url).await?,
+                    ns,
+                    name,
+                    sub,
+                    how,
+                    report,
+                )
+                .await
+            }
+            Err(_) => {
+                let endpoint = std::env::var("SETTLE_SQS_ENDPOINT").map_err(
+                    |_| "set SETTLE_NATS_URL, SETTLE_RABBITMQ_URL or SETTLE_SQS_ENDPOINT",
+                )?;
+                let mut broker = SqsBroker::connect(SqsSettings {
+                    region: Some("elasticmq".into()),
+                    endpoint: Some(endpoint),
+                    credentials: SqsCredentials::Static {
+                        access_key_id: "test".into(),
+                        secret_access_key: "test".into(),
+                    },
+                    queue_prefix: std::env::var("SETTLE_SQS_QUEUE_PREFIX").unwrap_or_default(),
+                })
+                .await?
+                .with_long_poll(std::time::Duration::from_secs(1));
+                if let Ok(limit) = std::env::var("SETTLE_SQS_HOLD_LIMIT") {
+                    broker = broker.with_hold_limit(limit.parse::<api::Duration>()?.get());
+                }
+                run(broker, ns, name, sub, how, report).await
+            }
+        },
     }
 }
 

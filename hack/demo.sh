@@ -5,7 +5,8 @@
 # warned about, the JetStream consumers the operator makes from the Subscriptions (and makes
 # again when one is deleted on the broker), then an application on the runtime consuming a few
 # hundred orders (some declined until they run out of attempts) and the account in status:
-# `kubectl get subscriptions`, `kubectl describe subscription orders`, the Exhausting condition.
+# `kubectl get subscriptions`, `kubectl describe subscription orders`, the Exhausting condition;
+# then the same application on an SQS Subscription, its counters next to the NATS one's.
 # Exits non-zero on any failure. Leaves the environment and the operator running so you can keep
 # going; `make env-down` stops it all.
 set -euo pipefail
@@ -199,6 +200,69 @@ done
 kubectl get subscriptions -n "$NS"
 kubectl describe subscription orders -n "$NS" | sed -n '/^Status:/,/^Events:/p'
 stop_one demo-app
+
+step "The same account on SQS (ElasticMQ): a Subscription invoices, the same application, 30 invoices (3 bad, 3 slow)"
+# The operator makes the queue, its dead-letter queue and the account's report and ledger queues;
+# the application reports to the report queue, the operator counts what the redrive moves to the
+# dead-letter queue too (without taking it).
+# A queue prefix of this run's own: an earlier run's dead-letter queue is kept (it holds messages).
+kubectl delete subscription invoices -n "$NS" --ignore-not-found --timeout=60s >/dev/null
+kubectl create secret generic demo-aws -n "$NS" --from-literal=accessKeyId=demo --from-literal=secretAccessKey=demo \
+  --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+kubectl label secret demo-aws -n "$NS" settle.dev/backend-credentials=true --overwrite >/dev/null
+kubectl apply -n "$NS" -f - <<YAML
+apiVersion: messaging.settle.dev/v1alpha1
+kind: Backend
+metadata: {name: sqs}
+spec:
+  sqs:
+    region: elasticmq
+    endpoint: "$SETTLE_SQS_ENDPOINT"
+    queuePrefix: "settle-demo-$$-"
+    credentialsSecretRef: {name: demo-aws}
+---
+apiVersion: messaging.settle.dev/v1alpha1
+kind: Subscription
+metadata: {name: invoices}
+spec:
+  backendRef: {name: sqs}
+  pattern: invoices
+  mode: AtLeastOnce
+  durableName: invoices
+  maxDeliver: 3
+  ackWait: 5s
+YAML
+kubectl wait -n "$NS" --for=condition=Ready --timeout=60s backend/sqs subscription/invoices >/dev/null
+kubectl get subscription invoices -n "$NS" -o yaml >"$ENV_DIR/demo-invoices.yaml"
+stop_one demo-sqs-app
+SETTLE_SQS_ENDPOINT="$SETTLE_SQS_ENDPOINT" SETTLE_SQS_QUEUE_PREFIX="settle-demo-$$-" \
+  SETTLE_SUBSCRIPTION_FILE="$ENV_DIR/demo-invoices.yaml" SETTLE_APP_HANDLER=demo SETTLE_REPORT_INTERVAL=500ms \
+  spawn demo-sqs-app env -u SETTLE_NATS_URL -u SETTLE_RABBITMQ_URL "$APP"
+wait_for demo-sqs-app 60 grep -q '^ready' "$ENV_DIR/demo-sqs-app.log"
+python3 - "$SETTLE_SQS_ENDPOINT" "settle-demo-$$-invoices" <<'PY'
+import sys, urllib.parse, urllib.request
+endpoint, queue = sys.argv[1], sys.argv[2]
+def call(url, **params):
+    data = urllib.parse.urlencode(params).encode()
+    return urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=10).read().decode()
+answer = call(endpoint, Action="GetQueueUrl", QueueName=queue)
+url = answer.split("<QueueUrl>")[1].split("</QueueUrl>")[0]
+for i in range(1, 31):
+    body = f"bad invoice {i}" if i % 10 == 0 else f"slow invoice {i}" if i % 10 == 5 else '{"invoice": %d}' % i
+    call(url, Action="SendMessage", MessageBody=body)
+print("  sent 30 invoices to SQS queue " + queue)
+PY
+for i in $(seq 1 120); do
+  got="$(kubectl get subscription invoices -n "$NS" -o jsonpath='{.status.stats.exhausted}/{.status.stats.settlement.acked}/{.status.stats.settlement.silent}/{.status.stats.settlement.nacked}')"
+  printf '  %3ss invoices exhausted/acked/silent/nacked: %s\n' "$i" "${got:-none yet}"
+  [ "$got" = "3/27/3/9" ] && break
+  [ "$i" = 120 ] && { echo "error: the SQS account did not reach 3 exhausted, 27 acked, 3 silent, 9 nacked in 120 s (operator log: $ENV_DIR/operator.log)" >&2; exit 1; }
+  sleep 1
+done
+echo "The NATS and the SQS Subscription side by side:"
+kubectl get subscriptions orders invoices -n "$NS"
+kubectl describe subscription invoices -n "$NS" | sed -n '/^Status:/,/^Events:/p'
+stop_one demo-sqs-app
 
 step "The same account at full resolution on /metrics, with admission and reconcile counters"
 python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith(('settle_admission_requests_total', 'settle_reconcile_total', 'settle_consumer_operations_total', 'settle_status_writes_total', 'settle_subscription_exhausted_total', 'settle_subscription_acked_total', 'settle_subscription_nacked_total', 'settle_subscription_exhausting', 'settle_account_status_writes_total'))))"

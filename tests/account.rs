@@ -8,70 +8,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::account::{NACK_SPEC, OPERATOR_FLAGS, Scene, bodies};
+use common::account::{Halfway, NACK_SPEC, Scene, always_nack_scenario, bodies};
 use common::kubectl_ok;
-use common::operator::{Operator, condition, poll};
+use common::operator::{condition, poll};
 
-/// What may happen halfway through the always-nack scenario.
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Halfway {
-    Nothing,
-    OperatorKilled,
-    AppRestarted,
-}
-
-/// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them: the final
-/// account is the same whatever happened.
+/// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them (the
+/// scenario every broker runs, `common::account::always_nack_scenario`): the final account is
+/// the same whatever happened.
 async fn always_nack(test: &str, halfway: Halfway) -> Scene {
     let mut scene = Scene::new(test, NACK_SPEC).await;
-    let mut app = scene.app("nack");
-    app.wait_ready().await;
-    scene.publish(bodies(5)).await;
-    scene
-        .wait_stats(
-            "the first five messages exhausted in status",
-            Duration::from_secs(40),
-            |s| s.exhausted == 5 && s.settlement.nacked == 15,
-        )
-        .await;
-    match halfway {
-        Halfway::Nothing => {}
-        Halfway::OperatorKilled => {
-            scene.op.kill9();
-            // Losses while the operator is down: the capture keeps their advisories.
-            scene.publish(bodies(5)).await;
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            scene.op = Operator::start_with(test, &scene.ns, &OPERATOR_FLAGS);
-        }
-        Halfway::AppRestarted => {
-            app.kill9();
-            app = scene.app("nack");
-            app.wait_ready().await;
-        }
-    }
-    if halfway != Halfway::OperatorKilled {
-        scene.publish(bodies(5)).await;
-    }
-    let s = scene
-        .wait_stats(
-            "all ten messages exhausted in status",
-            Duration::from_secs(60),
-            |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
-        )
-        .await;
-    // Settle a little longer: nothing more may arrive.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let s2 = scene.stats().await;
-    assert_eq!(s, s2, "the account kept moving after the work was done");
-    assert_eq!(s.exhausted, 10, "{halfway:?}: {s:?}");
-    assert_eq!(s.settlement.nacked, 30, "{halfway:?}: {s:?}");
-    assert_eq!(s.delivered, 30, "{halfway:?}: {s:?}");
-    assert_eq!(s.offered, 30, "{halfway:?}: {s:?}");
-    assert_eq!(s.settlement.acked, 0);
-    assert!(
-        s.balanced(),
-        "offered == delivered + released + lost: {s:?}"
-    );
+    always_nack_scenario(&mut scene, halfway).await;
     if halfway == Halfway::OperatorKilled {
         // The runtime's own count hides the broker's: the restarted operator must have read
         // the five terminate advisories captured while it was down (more when acknowledgements
@@ -84,8 +30,6 @@ async fn always_nack(test: &str, halfway: Halfway) -> Scene {
             "the advisories captured while the operator was down are read: {read}"
         );
     }
-    scene.assert_never_decreased();
-    drop(app);
     scene
 }
 

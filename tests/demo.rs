@@ -57,6 +57,14 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
             "the account reached status",
             "exhausted/acked/silent/nacked: 20/280/10/100",
         ),
+        (
+            "the SQS Subscription's account reached status",
+            "invoices exhausted/acked/silent/nacked: 3/27/3/9",
+        ),
+        (
+            "kubectl describe of the SQS Subscription: Exhausted",
+            "Exhausted: 3",
+        ),
         ("kubectl describe: Exhausted", "Exhausted: 20"),
         ("kubectl describe: Acked", "Acked: 280"),
         ("kubectl describe: Nacked", "Nacked: 100"),

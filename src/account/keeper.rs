@@ -448,6 +448,7 @@ impl Keeper {
                             missed_advisories: saved.missed_advisories,
                             source_lost: None,
                             dead_letters: None,
+                            queue_missing: None,
                         },
                         last_write: None,
                     },

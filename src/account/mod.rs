@@ -7,9 +7,11 @@
 //! - [`keeper`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
 //! - [`rabbit`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue, keeps
-//!   the ledgers (a snapshot per Subscription on the broker), reads the gauges; with
-//!   [`dead_letters`], counts the Backend's dead letters from a copy of its dead-letter exchange.
-//! - [`gauges`]: one loop per SQS Backend: the broker's gauges of its queues.
+//!   the ledgers (a snapshot per Subscription on the broker), reads the gauges; its
+//!   `dead_letters` counts the Backend's dead letters from a copy of its dead-letter exchange.
+//! - [`sqs`]: one loop per SQS Backend: receives each Subscription's report queue, keeps the
+//!   ledgers (a snapshot per Subscription in its ledger queue), reads the gauges;
+//!   its `dead_letters` counts what the redrive moved to the dead-letter queue.
 //! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`).
 //! - [`metrics`]: `settle_subscription_*` at full resolution.
@@ -20,10 +22,6 @@
 //! caches and connections by the operator.
 
 #[cfg(feature = "operator")]
-pub mod dead_letters;
-#[cfg(feature = "operator")]
-pub mod gauges;
-#[cfg(feature = "operator")]
 pub mod keeper;
 pub mod ledger;
 pub mod metrics;
@@ -31,6 +29,8 @@ pub mod metrics;
 pub mod rabbit;
 #[cfg(feature = "operator")]
 pub mod show;
+#[cfg(feature = "operator")]
+pub mod sqs;
 pub mod status;
 #[cfg(feature = "operator")]
 pub mod writer;

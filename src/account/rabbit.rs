@@ -12,7 +12,7 @@
 //! once: the ledger skips a report it already holds). It reads the queue's gauges once per stats
 //! interval and shows the account through [`show`] exactly as the NATS keeper does. RabbitMQ has
 //! no advisories: on a Backend with a dead-letter exchange, the broker's count of Exhausted comes
-//! from a copy of its dead letters ([`super::dead_letters`], semantics R9–R12), each counted into
+//! from a copy of its dead letters ([`dead_letters`], semantics R9–R12), each counted into
 //! the Subscription's snapshot and acknowledged after its save like a report; without one,
 //! Exhausted is the runtime's count alone. A deleted Subscription's report and ledger queues are
 //! deleted.
@@ -46,7 +46,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 use serde::{Deserialize, Serialize};
 
-use super::dead_letters::{self, Attribution, DeadLetters};
+mod dead_letters;
 use super::ledger::{Account, BrokerOutcome, Outcome, Snapshot};
 use super::metrics::Metrics;
 use super::show::{self, Showing};
@@ -57,6 +57,7 @@ use crate::api::{Backend, Subscription, SubscriptionStats};
 use crate::backend::QueueGauges;
 use crate::backend::rabbitmq::{admin, deadletter, report};
 use crate::bus::report::{StatsReport, now_ms};
+use dead_letters::{Attribution, DeadLetters};
 
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);

@@ -1,5 +1,5 @@
-//! The account's term: a keeper per NATS or RabbitMQ Backend (the whole account) and a gauge
-//! loop per SQS Backend, started and stopped with the leadership term.
+//! The account's term: a keeper per NATS, RabbitMQ or SQS Backend (the whole account), started
+//! and stopped with the leadership term.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -9,7 +9,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
 use super::ledger::Account;
-use super::{Metrics, gauges, keeper, rabbit, writer};
+use super::{Metrics, keeper, rabbit, sqs, writer};
 use crate::api::{Backend, Subscription};
 use crate::bus::report::StatsReport;
 use crate::policy::effective_capabilities;
@@ -114,7 +114,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
     wait_ready(|| term.backends.wait_until_ready()).await;
     let writer = writer::Writer::start(term.client.clone(), metrics.clone());
     tracing::info!(
-        "account started: the books of every NATS and RabbitMQ Backend's Subscriptions, the gauges of SQS ones"
+        "account started: the books of every NATS, RabbitMQ and SQS Backend's Subscriptions"
     );
     let mut keepers = Tasks::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -132,7 +132,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             } else if b.spec.rabbitmq.is_some() {
                 Kind::Rabbitmq { unseen }
             } else if b.spec.sqs.is_some() {
-                Kind::Sqs
+                Kind::Sqs { unseen }
             } else {
                 continue;
             };
@@ -173,21 +173,21 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                     keepers.0.insert(key, tokio::spawn(r.run()));
                     continue;
                 }
-                Some(Kind::Sqs) | None => {
-                    // SQS: the broker's gauges only.
-                    let Some(reader) = (term.queues)(&key.0, &key.1) else {
-                        continue;
-                    };
-                    let g = gauges::GaugeKeeper::new(
+                Some(Kind::Sqs { unseen }) => {
+                    let s = sqs::SqsKeeper::new(
                         key.clone(),
-                        reader,
+                        term.backends.clone(),
+                        term.queues.clone(),
                         term.subscriptions.clone(),
                         writer.clone(),
                         config.clone(),
+                        metrics.clone(),
+                        *unseen,
                     );
-                    keepers.0.insert(key, tokio::spawn(g.run()));
+                    keepers.0.insert(key, tokio::spawn(s.run()));
                     continue;
                 }
+                None => continue,
             };
             let Some(client) = (term.nats)(&key.0, &key.1) else {
                 tracing::debug!(backend = %format!("{}/{}", key.0, key.1), "account: the Backend has no connection yet");
@@ -215,7 +215,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
 enum Kind {
     Nats { unseen: bool },
     Rabbitmq { unseen: bool },
-    Sqs,
+    Sqs { unseen: bool },
 }
 
 async fn wait_ready<F, Fut, E>(ready: F)

@@ -1,7 +1,7 @@
 //! What a keeper hands the writer for one Subscription, and when: the account's stats and
 //! conditions (`Exhausting` from the loss log, `Stranding`), the `settle_subscription_*`
 //! metrics, and a status patch only when what the Subscription shows differs, at most once per
-//! stats interval. Every keeper (NATS, RabbitMQ) decides through [`show`], so all show alike.
+//! stats interval. Every keeper (NATS, RabbitMQ, SQS) decides through [`show`], so all show alike.
 //!
 //! It must not count (the ledger does) nor write status itself (the writer does).
 

@@ -42,6 +42,7 @@ pub mod reasons {
     pub const CAPTURE_GAP: &str = "CaptureGap";
     pub const SOURCE_LOST: &str = "SourceLost";
     pub const DEAD_LETTERS_MISSED: &str = "DeadLettersMissed";
+    pub const REPORT_QUEUE_MISSING: &str = "ReportQueueMissing";
 }
 
 /// What keeps one Subscription's account from being whole now, for `Accounted`.
@@ -59,6 +60,9 @@ pub struct Trouble {
     /// lost or full, or the dead-letter exchange cannot be copied whole. Exhausted may then
     /// undercount the last attempts a crash spent.
     pub dead_letters: Option<String>,
+    /// The queue the runtime reports to does not exist on the broker (SQS: deleted there),
+    /// named: its reports wait in the applications until it is made again.
+    pub queue_missing: Option<String>,
 }
 
 /// Exhausted totals over time: enough to say how many ran out within the loss window, kept
@@ -132,6 +136,10 @@ pub enum Unseen {
     /// It can, and nothing on the broker side counts them (a RabbitMQ Backend without a
     /// dead-letter exchange).
     Uncounted,
+    /// It can, and the operator would count them in the dead-letter queue, but that queue holds
+    /// more messages (this many) than the account remembers ids of, so they are not counted
+    /// until it holds fewer (SQS).
+    TooManyDeadLetters(u64),
 }
 
 /// The account's three conditions, as wanted now.
@@ -144,7 +152,19 @@ pub fn wants(
 ) -> [Want; 3] {
     let exhausted = stats.counters.exhausted;
     let w = window_text(window);
+    let too_many;
     let note = match unseen {
+        Unseen::TooManyDeadLetters(depth) => {
+            too_many = format!(
+                " On this backend a crash or restart can spend a last attempt no handler saw: such \
+                 messages are counted in the dead-letter queue, but it holds {depth} messages, more \
+                 than the {} the account remembers, so they are not counted now and Exhausted may \
+                 undercount by them. Empty the dead-letter queue (redrive or delete what you \
+                 handled) and counting there resumes.",
+                super::ledger::REMEMBERED_EXHAUSTED
+            );
+            too_many.as_str()
+        }
         Unseen::Never => "",
         Unseen::FromAdvisories => {
             " On this backend a restart can spend a last attempt no handler saw: such messages are \
@@ -216,6 +236,18 @@ pub fn wants(
                  and nothing is lost: the reports and advisories they hold stay unacknowledged \
                  until the save succeeds (it is tried every second). Check the broker's \
                  JetStream storage and the settle-account bucket."
+            ),
+        )
+    } else if let Some(queue) = &trouble.queue_missing {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::REPORT_QUEUE_MISSING,
+            format!(
+                "the report queue {queue} does not exist on the broker (deleted there?). The \
+                 applications keep their counts and send them again every interval (reports are \
+                 cumulative, so nothing is lost); the operator makes the queue again within \
+                 --drift-interval. The counts shown are those received before it went."
             ),
         )
     } else if let Some(source) = trouble.source_lost {
@@ -492,12 +524,43 @@ mod tests {
     }
 
     #[test]
+    fn a_missing_report_queue_and_too_many_dead_letters_are_said() {
+        let missing = Trouble {
+            queue_missing: Some("shop-orders-settle-stats.fifo".into()),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &missing);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::REPORT_QUEUE_MISSING)
+        );
+        assert!(
+            a.message.contains("shop-orders-settle-stats.fifo"),
+            "{}",
+            a.message
+        );
+        let [e, _, _] = wants(
+            &stats(1, 0),
+            1,
+            WINDOW,
+            Unseen::TooManyDeadLetters(2000),
+            &Trouble::default(),
+        );
+        assert!(
+            e.message.contains("holds 2000 messages") && e.message.contains("undercount"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
     fn accounted_says_why_the_account_is_not_whole() {
         let unsaved = Trouble {
             unsaved: Some("no space".into()),
             missed_advisories: 3,
             source_lost: Some(Source::Ledger),
             dead_letters: None,
+            queue_missing: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
         assert_eq!(
@@ -510,6 +573,7 @@ mod tests {
             missed_advisories: 3,
             source_lost: None,
             dead_letters: None,
+            queue_missing: None,
         };
         let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
         assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));

@@ -7,6 +7,8 @@
 //! (`ConsumerConflict`) unless the `settle.dev/adopt` annotation names that object's UID
 //! (docs/semantics.md Q7). Deleting the Subscription deletes its queue, and its dead-letter queue
 //! only when it is this object's and empty (what it holds was Exhausted: kept for a person).
+//! Beside them, the same way (made, tagged, made again, deleted with the Subscription), the
+//! account's report and ledger queues (`backend::sqs::report`).
 //!
 //! It must not write status, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
@@ -25,6 +27,7 @@ use super::subscription::{Removal, SQS_STREAM, adopted, publish};
 use crate::api::{ConsumerRef, Subscription};
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
+use crate::backend::sqs::report;
 use crate::policy::{BackendKind, ResolvedPolicy};
 
 fn broker_error(e: AdminError) -> BrokerError {
@@ -276,6 +279,24 @@ pub async fn ensure(
             .await;
         }
     }
+    // The account's queues beside it: where the runtime reports and the operator keeps its
+    // ledger (`backend::sqs::report`). Made again when deleted on the server.
+    for (account_queue, attributes) in [
+        (
+            report::report_queue(&want.name),
+            report::report_attributes(),
+        ),
+        (
+            report::ledger_queue(&want.name),
+            report::ledger_attributes(),
+        ),
+    ] {
+        match find_or_create(client, ctx, sub, &account_queue, attributes, &known).await {
+            Ok((_, true)) => made.push(format!("account queue {account_queue}")),
+            Ok((_, false)) => {}
+            Err(o) => return o,
+        }
+    }
     if !made.is_empty() {
         let made = made.join(" and ");
         let (op, reason, note) = if again {
@@ -343,6 +364,29 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
                 tracing::info!(subscription = %owner, queue = %queue_name, "the queue is not this Subscription object's: left alone");
                 return Removal::Nothing;
             }
+        }
+    }
+    for account_queue in [
+        report::report_queue(&queue_name),
+        report::ledger_queue(&queue_name),
+    ] {
+        ctx.metrics.js("sqs.url");
+        match admin::queue_url(client, &account_queue).await {
+            Err(e) => return waiting(e),
+            Ok(None) => {}
+            Ok(Some(url)) => match judged(client, ctx, sub, &url).await {
+                Err(e) => return waiting(e),
+                Ok(Ok(_)) => {
+                    ctx.metrics.js("sqs.delete");
+                    if let Err(e) = admin::delete(client, &url).await {
+                        return waiting(e);
+                    }
+                    notes.push(format!("deleted its account queue {account_queue}"));
+                }
+                Ok(Err(_)) => {
+                    tracing::info!(subscription = %owner, queue = %account_queue, "the account queue is not this Subscription object's: left alone");
+                }
+            },
         }
     }
     let dlq = format!("{queue_name}{DLQ_SUFFIX}");

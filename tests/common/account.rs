@@ -38,7 +38,8 @@ static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 
 impl App {
     /// `account_app` with `handler`, reporting every 100 ms, and the variables `env`, which pick
-    /// the broker (`SETTLE_NATS_URL` or `SETTLE_RABBITMQ_URL`: none is inherited).
+    /// the broker (`SETTLE_NATS_URL`, `SETTLE_RABBITMQ_URL` or `SETTLE_SQS_ENDPOINT`: none is
+    /// inherited).
     pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
         let bin = example("account_app");
         let log = super::root().join(format!(
@@ -49,6 +50,7 @@ impl App {
         let mut child = Command::new(&bin)
             .env_remove("SETTLE_NATS_URL")
             .env_remove("SETTLE_RABBITMQ_URL")
+            .env_remove("SETTLE_SQS_ENDPOINT")
             .envs(env.iter().copied())
             .env("SETTLE_SUBSCRIPTION_FILE", manifest)
             .env("SETTLE_APP_HANDLER", handler)
@@ -430,4 +432,140 @@ pub fn forged(real: &serde_json::Value, edits: &[(&str, serde_json::Value)]) -> 
         *at = value.clone();
     }
     serde_json::to_vec(&v).expect("a report serialises")
+}
+
+/// What a broker's account scene offers the scenarios written once for every broker (the NATS
+/// [`Scene`], `super::sqs::SqsScene`): an application, messages, status, the operator.
+pub trait AccountScene {
+    /// An application with `handler` on the scene's Subscription `orders`.
+    fn app(&self, handler: &str) -> App;
+    /// Replaces a running application by a new instance, as the broker's rollout would: NATS
+    /// kills it (SIGKILL); on SQS it is stopped gracefully (a SIGKILLed one's open long poll can
+    /// spend an attempt unseen, semantics Q6, which a test of its own covers).
+    fn replace_app(&self, app: App) -> impl std::future::Future<Output = App>;
+    /// Publishes `bodies` to the Subscription, each stored before the next.
+    fn publish(&self, bodies: Vec<String>) -> impl std::future::Future<Output = ()>;
+    /// The Subscription's counters in status.
+    fn stats(&self) -> impl std::future::Future<Output = ConsumerStats>;
+    fn kill_operator(&mut self);
+    fn restart_operator(&mut self);
+    /// Every status the watcher saw.
+    fn seen(&self) -> &Seen;
+}
+
+/// What may happen halfway through the always-nack scenario.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Halfway {
+    Nothing,
+    /// The operator SIGKILLed, the second half published while it is down, then started again.
+    OperatorKilled,
+    /// The application replaced by a new instance ([`AccountScene::replace_app`]).
+    AppRestarted,
+    /// Both: the operator SIGKILLed and the application replaced, so the first instance's counts
+    /// live only in what the operator saved; the second half published while it is down.
+    OperatorKilledAppReplaced,
+}
+
+/// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them: the final
+/// account is the same whatever happened (exhausted 10, nacked 30, delivered 30, offered 30),
+/// settled, balanced, and no status observed ever went down. Returns it.
+pub async fn always_nack_scenario<S: AccountScene>(
+    scene: &mut S,
+    halfway: Halfway,
+) -> ConsumerStats {
+    let mut app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    wait_for(scene, "the first five messages exhausted in status", |s| {
+        s.exhausted == 5 && s.settlement.nacked == 15
+    })
+    .await;
+    let down = matches!(
+        halfway,
+        Halfway::OperatorKilled | Halfway::OperatorKilledAppReplaced
+    );
+    if down {
+        scene.kill_operator();
+    }
+    if matches!(
+        halfway,
+        Halfway::AppRestarted | Halfway::OperatorKilledAppReplaced
+    ) {
+        app = scene.replace_app(app).await;
+        app.wait_ready().await;
+    }
+    scene.publish(bodies(5)).await;
+    if down {
+        // Reports and losses while the operator is down wait on the broker.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        scene.restart_operator();
+    }
+    let s = wait_for(scene, "all ten messages exhausted in status", |s| {
+        s.exhausted >= 10 && s.settlement.nacked >= 30 && s.delivered >= 30
+    })
+    .await;
+    // Settle a little longer: nothing more may arrive.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s2 = scene.stats().await;
+    assert_eq!(s, s2, "the account kept moving after the work was done");
+    assert_eq!(s.exhausted, 10, "{halfway:?}: {s:?}");
+    assert_eq!(s.settlement.nacked, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.delivered, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.offered, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.settlement.acked, 0, "{halfway:?}: {s:?}");
+    assert!(
+        s.balanced(),
+        "offered == delivered + released + lost: {s:?}"
+    );
+    assert_never_decreased(scene.seen());
+    drop(app);
+    s
+}
+
+/// Waits until a scene's status shows `want(stats)`; returns it.
+pub async fn wait_for<S: AccountScene>(
+    scene: &S,
+    what: &str,
+    want: impl Fn(&ConsumerStats) -> bool,
+) -> ConsumerStats {
+    poll(what, Duration::from_secs(90), || async {
+        let st = scene.stats().await;
+        if want(&st) {
+            Ok(st)
+        } else {
+            Err(format!("{st:?}"))
+        }
+    })
+    .await
+}
+
+impl AccountScene for Scene {
+    fn app(&self, handler: &str) -> App {
+        Scene::app(self, handler)
+    }
+
+    async fn replace_app(&self, mut app: App) -> App {
+        app.kill9();
+        Scene::app(self, "nack")
+    }
+
+    async fn publish(&self, bodies: Vec<String>) {
+        Scene::publish(self, bodies).await;
+    }
+
+    async fn stats(&self) -> ConsumerStats {
+        Scene::stats(self).await
+    }
+
+    fn kill_operator(&mut self) {
+        self.op.kill9();
+    }
+
+    fn restart_operator(&mut self) {
+        Scene::restart_operator(self);
+    }
+
+    fn seen(&self) -> &Seen {
+        &self.seen
+    }
 }

@@ -14,6 +14,8 @@ pub mod operator;
 pub mod partition;
 pub mod process;
 pub mod rabbitmq;
+#[cfg(all(feature = "operator", feature = "sqs"))]
+pub mod sqs;
 #[cfg(feature = "operator")]
 pub mod subs;
 

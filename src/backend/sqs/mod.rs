@@ -14,6 +14,8 @@
 //!   Redeliver: nothing. Release at close: visible again at once.
 //! - AtMostOnce: DeleteMessage as the message is handed out (SQS forgets it on delivery).
 //! - Publish: SendMessage to the queue `<prefix><subject>`: a subject is a queue's name.
+//! - Stats reports: SendMessage to the Subscription's report queue, which the operator makes
+//!   beside its queue ([`report`]); the object's UID is read from the queue's `settle-object` tag.
 //!
 //! It must not count anything (the settle path does) nor make an operator-owned queue: it creates
 //! (or brings in line) only the queue of a code-defined subscription, through `queue::desired`.
@@ -37,10 +39,11 @@ use tokio::task::JoinHandle;
 pub mod admin;
 pub mod hold;
 pub mod queue;
+pub mod report;
 
 use crate::bus::{
     Broker, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
-    Performed, Refusal, SubscriptionCtx,
+    Performed, Refusal, StatsSink, SubscriptionCtx,
 };
 use crate::policy::BackendKind;
 
@@ -174,6 +177,8 @@ pub struct SqsBroker {
     hold_limit: Duration,
     long_poll: Duration,
     urls: Arc<Mutex<HashMap<String, String>>>,
+    /// Where each bound subscription's stats reports go (by subscription name).
+    reports: Arc<Mutex<HashMap<String, report::ReportsTo>>>,
 }
 
 impl SqsBroker {
@@ -226,6 +231,7 @@ impl SqsBroker {
             hold_limit: HOLD_LIMIT,
             long_poll: Duration::from_secs(20),
             urls: Arc::default(),
+            reports: Arc::default(),
         }
     }
 
@@ -431,8 +437,28 @@ impl Broker for SqsBroker {
     ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
         async move {
             let (url, redrives) = match ctx.binding().owner {
-                ConsumerOwner::Runtime => self.converge_own(&ctx).await?,
-                ConsumerOwner::Operator => self.await_operator(&ctx).await?,
+                ConsumerOwner::Runtime => {
+                    let own = self.converge_own(&ctx).await?;
+                    lock(&self.reports).insert(ctx.name().to_string(), report::ReportsTo::Nowhere);
+                    own
+                }
+                ConsumerOwner::Operator => {
+                    let bound = self.await_operator(&ctx).await?;
+                    // The object the operator made this queue for (its `settle-object` tag):
+                    // the counts from here on are its (semantics C15).
+                    match admin::owner(&self.client, &bound.0).await {
+                        Ok(tags) => ctx.bound_to(tags.object.as_deref()),
+                        Err(e) => {
+                            tracing::warn!(subscription = %ctx.name(), error = %e, "cannot read the queue's owner tags: the reports name no Subscription object");
+                        }
+                    }
+                    let name = queue::desired(&self.prefix, ctx.policy()).map_err(SqsError::from)?.name;
+                    lock(&self.reports).insert(
+                        ctx.name().to_string(),
+                        report::ReportsTo::Queue(report::report_queue(&name)),
+                    );
+                    bound
+                }
             };
             let p = ctx.policy();
             tracing::info!(subscription = %ctx.name(), queue = %url, owner = ?ctx.binding().owner, "bound to an SQS queue");
@@ -505,6 +531,10 @@ impl Broker for SqsBroker {
             Ok(())
         }
         .boxed()
+    }
+
+    fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
+        Some(Arc::new(self.clone()))
     }
 }
 

@@ -1,4 +1,4 @@
-//! A RabbitMQ Backend's dead letters, for its account keeper ([`super::rabbit`]): consumes the
+//! A RabbitMQ Backend's dead letters, for its account keeper ([`super`]): consumes the
 //! Backend's copy queue (`backend::rabbitmq::deadletter`, made by the controller before the
 //! first queue that dead-letters, and again here when it is gone), attributes each copy to the
 //! Subscription whose verified queue (`status.consumer`) its newest `x-death` names, and says
@@ -6,7 +6,7 @@
 //! A copy is acknowledged by the keeper once the snapshot that counts it is saved; one that
 //! counts for nobody here is acknowledged at once (docs/semantics.md R9–R12).
 //!
-//! It must not count (the ledger does: [`super::ledger::Account::broker_dead_letter_copy`]) nor
+//! It must not count (the ledger does: [`crate::account::ledger::Account::broker_dead_letter_copy`]) nor
 //! save or write anything.
 
 use std::collections::{BTreeSet, HashMap};
@@ -17,7 +17,7 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 
-use super::metrics::Metrics;
+use crate::account::metrics::Metrics;
 use crate::backend::rabbitmq::deadletter::{self, Copy};
 
 /// How long a Backend has no AtLeastOnce Subscription before its copy queue is deleted (a
@@ -89,8 +89,8 @@ pub struct DeadLetters {
     checked: Option<Instant>,
 }
 
-fn broken(what: &str, e: impl std::fmt::Display) -> super::rabbit::Broken {
-    super::rabbit::Broken(format!("{what}: {e}"))
+fn broken(what: &str, e: impl std::fmt::Display) -> super::Broken {
+    super::Broken(format!("{what}: {e}"))
 }
 
 impl DeadLetters {
@@ -101,7 +101,7 @@ impl DeadLetters {
         dlx: &str,
         prefetch: u16,
         max_length: i64,
-    ) -> Result<DeadLetters, super::rabbit::Broken> {
+    ) -> Result<DeadLetters, super::Broken> {
         let ch = conn
             .create_channel()
             .await
@@ -168,7 +168,7 @@ impl DeadLetters {
         now_ms: u64,
         interval: Duration,
         metrics: &Metrics,
-    ) -> Result<(), super::rabbit::Broken> {
+    ) -> Result<(), super::Broken> {
         if keys.is_empty() {
             let since = *self.idle_since.get_or_insert_with(Instant::now);
             if since.elapsed() >= IDLE_BEFORE_DELETE && !self.idle_deleted {

@@ -1,0 +1,311 @@
+//! The account's SQS scene: a namespace, an SQS Backend on the environment's ElasticMQ (its
+//! credentials in a labelled Secret) with a queue prefix of the test's own, the operator, a
+//! Subscription `orders` (its manifest on disk for the application), the application on the
+//! `settle` library (`examples/account_app.rs`) on SQS, messages sent straight to the queue with
+//! the AWS SDK, and the never-decreasing watcher of `tests/common/account.rs`.
+
+use std::time::Duration;
+
+use aws_sdk_sqs::Client;
+use kube::Api;
+use settle::api::{ConsumerStats, Subscription};
+use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
+
+use super::account::{AccountScene, App, Seen, assert_never_decreased, watch};
+use super::operator::{Operator, poll};
+use super::subs::{apply, backends, subs, wait_backend, wait_ready};
+use super::{install_crds, kubectl_ok, namespace};
+
+/// An SQS client on the environment's ElasticMQ.
+pub async fn client() -> Client {
+    SqsBroker::connect(SqsSettings {
+        region: Some("elasticmq".into()),
+        endpoint: Some(super::env().sqs_endpoint),
+        credentials: SqsCredentials::Static {
+            access_key_id: "test".into(),
+            secret_access_key: "test".into(),
+        },
+        queue_prefix: String::new(),
+    })
+    .await
+    .expect("an SQS client")
+    .client()
+    .clone()
+}
+
+/// The URL of queue `name`, if it exists.
+pub async fn url(c: &Client, name: &str) -> Option<String> {
+    c.get_queue_url()
+        .queue_name(name)
+        .send()
+        .await
+        .ok()
+        .and_then(|o| o.queue_url)
+}
+
+/// Queue `name`'s messages, visible and in flight (0 when it does not exist).
+pub async fn depth(c: &Client, name: &str) -> u64 {
+    let Some(u) = url(c, name).await else {
+        return 0;
+    };
+    let a = c
+        .get_queue_attributes()
+        .queue_url(u)
+        .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
+        .send()
+        .await
+        .expect("attributes")
+        .attributes
+        .unwrap_or_default();
+    let n = |k: aws_sdk_sqs::types::QueueAttributeName| {
+        a.get(&k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+    };
+    n(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages)
+        + n(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+}
+
+/// Every message of queue `name` (ids), looked at with a short visibility timeout and made
+/// visible again: what the user sees there.
+pub async fn message_ids(c: &Client, name: &str) -> Vec<String> {
+    let Some(u) = url(c, name).await else {
+        return Vec::new();
+    };
+    let mut ids = Vec::new();
+    let mut receipts = Vec::new();
+    for _ in 0..20 {
+        let got = c
+            .receive_message()
+            .queue_url(&u)
+            .max_number_of_messages(10)
+            .visibility_timeout(5)
+            .send()
+            .await
+            .expect("receive");
+        let m = got.messages.unwrap_or_default();
+        if m.is_empty() {
+            break;
+        }
+        for m in m {
+            ids.extend(m.message_id);
+            receipts.extend(m.receipt_handle);
+        }
+    }
+    for r in receipts {
+        let _ = c
+            .change_message_visibility()
+            .queue_url(&u)
+            .receipt_handle(r)
+            .visibility_timeout(0)
+            .send()
+            .await;
+    }
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// The operator flags of the SQS scenes: no leader election, status written every second, and
+/// queues deleted on the server made again within 10 s (long enough to see it said in status).
+pub const SQS_OPERATOR_FLAGS: [&str; 5] = [
+    "--leader-election=false",
+    "--stats-interval",
+    "1s",
+    "--drift-interval",
+    "10s",
+];
+
+pub struct SqsScene {
+    pub test: String,
+    pub ns: String,
+    pub prefix: String,
+    pub manifest: std::path::PathBuf,
+    pub api: Api<Subscription>,
+    pub op: Operator,
+    pub sqs: Client,
+    pub seen: Seen,
+    pub app_env: Vec<(String, String)>,
+    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl SqsScene {
+    /// The scene with Subscription `orders` (`spec` after `backendRef`, pattern and
+    /// durableName `orders`), and `app_env` for every application.
+    pub async fn new(test: &str, spec: &str, app_env: &[(&str, &str)]) -> SqsScene {
+        install_crds();
+        let ns = namespace(test);
+        let env = super::env();
+        let op = Operator::start_with(test, &ns, &SQS_OPERATOR_FLAGS);
+        let prefix = format!("{}{}-", test.replace('-', ""), std::process::id());
+        kubectl_ok(
+            &[
+                "create",
+                "secret",
+                "generic",
+                "aws",
+                "-n",
+                &ns,
+                "--from-literal=accessKeyId=test",
+                "--from-literal=secretAccessKey=test",
+            ],
+            None,
+        );
+        super::label_backend_secret(&ns, "aws");
+        apply(
+            &ns,
+            &format!(
+                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
+                env.sqs_endpoint
+            ),
+        );
+        wait_backend(&backends(&ns).await, "sqs", "True", "PlaintextCredentials").await;
+        let manifest_text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: sqs}}\n  pattern: orders\n  durableName: orders\n{spec}"
+        );
+        apply(&ns, &manifest_text);
+        let api = subs(&ns).await;
+        wait_ready(&api, "orders").await;
+        let manifest =
+            super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
+        std::fs::write(&manifest, &manifest_text).expect("manifest");
+        let (seen, watcher) = watch(&api, "orders");
+        let mut all = vec![
+            ("SETTLE_SQS_ENDPOINT".to_string(), env.sqs_endpoint.clone()),
+            ("SETTLE_SQS_QUEUE_PREFIX".to_string(), prefix.clone()),
+        ];
+        all.extend(app_env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        SqsScene {
+            test: test.to_string(),
+            ns,
+            prefix,
+            manifest,
+            api,
+            op,
+            sqs: client().await,
+            seen,
+            app_env: all,
+            watcher,
+        }
+    }
+
+    /// The Subscription's queue's full name.
+    pub fn queue(&self) -> String {
+        format!("{}orders", self.prefix)
+    }
+
+    pub fn app(&self, handler: &str) -> App {
+        let env: Vec<(&str, &str)> = self
+            .app_env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        App::start(&env, &self.manifest, handler)
+    }
+
+    /// The operator again, with the scene's flags (after a kill).
+    pub fn restart_operator(&mut self) {
+        self.op = Operator::start_with(&self.test, &self.ns, &SQS_OPERATOR_FLAGS);
+    }
+
+    /// Sends `bodies` to the Subscription's queue.
+    pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
+        let u = url(&self.sqs, &self.queue())
+            .await
+            .expect("the Subscription's queue exists");
+        for body in bodies {
+            self.sqs
+                .send_message()
+                .queue_url(&u)
+                .message_body(body)
+                .send()
+                .await
+                .expect("send");
+        }
+    }
+
+    pub async fn stats(&self) -> ConsumerStats {
+        self.api
+            .get("orders")
+            .await
+            .ok()
+            .and_then(|s| s.status)
+            .and_then(|s| s.stats)
+            .map(|s| s.counters)
+            .unwrap_or_default()
+    }
+
+    pub async fn wait_stats(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        poll(what, limit, || async {
+            let s = self.stats().await;
+            if want(&s) {
+                Ok(s)
+            } else {
+                Err(format!("{s:?}"))
+            }
+        })
+        .await
+    }
+
+    /// Waits until status shows `want(stats)`, then that it stays so for 3 s.
+    pub async fn settled(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        let s = self.wait_stats(what, limit, want).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let again = self.stats().await;
+        assert_eq!(s, again, "the account kept moving after the work was done");
+        again
+    }
+
+    pub fn assert_never_decreased(&self) {
+        assert_never_decreased(&self.seen);
+    }
+
+    pub async fn finish(self) {
+        self.watcher.abort();
+        let _ = std::fs::remove_file(&self.manifest);
+        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+impl AccountScene for SqsScene {
+    fn app(&self, handler: &str) -> App {
+        SqsScene::app(self, handler)
+    }
+
+    async fn replace_app(&self, app: App) -> App {
+        let mut app = app;
+        app.sigterm();
+        assert!(app.wait_exit(Duration::from_secs(30)), "a graceful stop");
+        // Its last long poll (1 s) has ended on the server before anything more is sent.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        SqsScene::app(self, "nack")
+    }
+
+    async fn publish(&self, bodies: Vec<String>) {
+        SqsScene::publish(self, bodies).await;
+    }
+
+    async fn stats(&self) -> ConsumerStats {
+        SqsScene::stats(self).await
+    }
+
+    fn kill_operator(&mut self) {
+        self.op.kill9();
+    }
+
+    fn restart_operator(&mut self) {
+        SqsScene::restart_operator(self);
+    }
+
+    fn seen(&self) -> &Seen {
+        &self.seen
+    }
+}
