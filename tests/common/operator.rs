@@ -53,9 +53,16 @@ impl Operator {
 
     /// As [`Operator::start`], with `extra` flags (which may turn leader election back on).
     pub fn start_with(test: &str, watch: &str, extra: &[&str]) -> Operator {
-        let op = Operator::spawn(test, watch, extra);
-        op.wait_ready();
-        op
+        // A port picked free can be taken by another process before the operator binds it
+        // (CI saw another test's probe port answer this one's /readyz while this operator had
+        // stopped): start again, on new ports.
+        for _ in 0..3 {
+            let op = Operator::spawn(test, watch, extra);
+            if op.ready_or_port_taken() {
+                return op;
+            }
+        }
+        panic!("settle operator ({test}) found its ports taken three times in a row");
     }
 
     /// Starts the process without waiting for it to be ready.
@@ -123,13 +130,29 @@ impl Operator {
     }
 
     pub fn wait_ready(&self) {
+        assert!(
+            self.ready_or_port_taken(),
+            "settle operator could not listen: a port it was given is taken; see {}",
+            self.log.display()
+        );
+    }
+
+    /// Waits until this process says it listens and its /readyz answers 200 (true), or it says
+    /// a port it was given is taken (false). The log is read first: an answer on the port alone
+    /// could come from another process that took it.
+    fn ready_or_port_taken(&self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            if self
-                .get("/readyz")
-                .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            if log.contains("Address already in use") {
+                return false;
+            }
+            if log.contains("metrics and health listening")
+                && self
+                    .get("/readyz")
+                    .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
             {
-                return;
+                return true;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
