@@ -33,14 +33,15 @@ impl AdminError {
 }
 
 /// The AMQP reply code of a channel-level refusal, if the broker sent one.
-fn reply_code(e: &lapin::Error) -> Option<u16> {
+pub(super) fn reply_code(e: &lapin::Error) -> Option<u16> {
     match e.kind() {
         lapin::ErrorKind::ProtocolError(p) => Some(p.get_id()),
         _ => None,
     }
 }
 
-fn classify(what: String, e: &lapin::Error) -> AdminError {
+/// A failed call as the caller must tell it: refused by the broker (a 4xx reply), or not reached.
+pub(super) fn classify(what: String, e: &lapin::Error) -> AdminError {
     match reply_code(e) {
         // Channel-level refusals: the broker answered.
         Some(c) if (400..500).contains(&c) => AdminError::Refused {
@@ -51,13 +52,13 @@ fn classify(what: String, e: &lapin::Error) -> AdminError {
     }
 }
 
-async fn channel(conn: &Connection) -> Result<Channel, AdminError> {
+pub(super) async fn channel(conn: &Connection) -> Result<Channel, AdminError> {
     conn.create_channel()
         .await
         .map_err(|e| AdminError::Unreachable(format!("cannot open a channel: {e}")))
 }
 
-async fn done(ch: Channel) {
+pub(super) async fn done(ch: Channel) {
     if ch.status().connected() {
         let _ = ch.close(200, ShortString::from("done")).await;
     }

@@ -19,7 +19,7 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 
-use super::admin::AdminError;
+use super::admin::{AdminError, channel, classify, done, reply_code};
 
 /// The argument that says which Backend a copy queue counts for (for people and the sweep).
 pub const BACKEND_ARG: &str = "x-settle-backend";
@@ -115,23 +115,6 @@ pub enum Copy {
     None(String),
 }
 
-fn reply_code(e: &lapin::Error) -> Option<u16> {
-    match e.kind() {
-        lapin::ErrorKind::ProtocolError(p) => Some(p.get_id()),
-        _ => None,
-    }
-}
-
-fn refused(what: String, e: &lapin::Error) -> AdminError {
-    match reply_code(e) {
-        Some(c) if (400..500).contains(&c) => AdminError::Refused {
-            what,
-            text: e.to_string(),
-        },
-        _ => AdminError::Unreachable(format!("{what}: {e}")),
-    }
-}
-
 /// The type named by a refusal to redeclare an exchange with another type (`inequivalent arg
 /// 'type' for exchange 'x' in vhost '/': received 'topic' but current is 'fanout'`).
 pub fn current_type(refusal: &str) -> Option<String> {
@@ -157,10 +140,7 @@ fn kind_of(name: &str) -> Kind {
 /// changes nothing; another type is refused naming the current one). Each on its own channel.
 pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>, AdminError> {
     let what = || format!("looking up exchange {name:?}");
-    let ch = conn
-        .create_channel()
-        .await
-        .map_err(|e| AdminError::Unreachable(format!("cannot open a channel: {e}")))?;
+    let ch = channel(conn).await?;
     let passive = ch
         .exchange_declare(
             ShortString::from(name),
@@ -174,15 +154,12 @@ pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>
         .await;
     match passive {
         Ok(()) => {
-            let _ = ch.close(200, ShortString::from("done")).await;
+            done(ch).await;
         }
         Err(e) if reply_code(&e) == Some(404) => return Ok(None),
-        Err(e) => return Err(refused(what(), &e)),
+        Err(e) => return Err(classify(what(), &e)),
     }
-    let ch = conn
-        .create_channel()
-        .await
-        .map_err(|e| AdminError::Unreachable(format!("cannot open a channel: {e}")))?;
+    let ch = channel(conn).await?;
     let probe = ch
         .exchange_declare(
             ShortString::from(name),
@@ -196,7 +173,7 @@ pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>
         .await;
     match probe {
         Ok(()) => {
-            let _ = ch.close(200, ShortString::from("done")).await;
+            done(ch).await;
             Ok(Some(Kind::Topic))
         }
         Err(e) if reply_code(&e) == Some(406) => {
@@ -209,7 +186,7 @@ pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>
             "unknown (the operator's user may not configure it, so its type cannot be learned)"
                 .into(),
         ))),
-        Err(e) => Err(refused(what(), &e)),
+        Err(e) => Err(classify(what(), &e)),
     }
 }
 
@@ -237,10 +214,7 @@ pub async fn ensure_copy(
     }
     let name = copy_queue(namespace, backend);
     let made = !super::admin::exists(conn, &name).await?;
-    let ch = conn
-        .create_channel()
-        .await
-        .map_err(|e| AdminError::Unreachable(format!("cannot open a channel: {e}")))?;
+    let ch = channel(conn).await?;
     if made {
         ch.queue_declare(
             ShortString::from(name.as_str()),
@@ -251,7 +225,7 @@ pub async fn ensure_copy(
             copy_arguments(namespace, backend, max_length),
         )
         .await
-        .map_err(|e| refused(format!("declaring queue {name:?}"), &e))?;
+        .map_err(|e| classify(format!("declaring queue {name:?}"), &e))?;
     }
     let mut binds: Vec<(String, FieldTable)> = Vec::new();
     let mut partial = None;
@@ -295,13 +269,13 @@ pub async fn ensure_copy(
         )
         .await
         .map_err(|e| {
-            refused(
+            classify(
                 format!("binding queue {name:?} to {dlx:?} with {key:?}"),
                 &e,
             )
         })?;
     }
-    let _ = ch.close(200, ShortString::from("done")).await;
+    done(ch).await;
     Ok(match partial {
         Some(why) => Copy::Partial { made, why },
         None => Copy::Whole { made },
@@ -310,10 +284,7 @@ pub async fn ensure_copy(
 
 /// How many copies queue `name` holds ready (`None`: it is gone), by a passive declare.
 pub async fn depth(conn: &Connection, name: &str) -> Result<Option<u32>, AdminError> {
-    let ch = conn
-        .create_channel()
-        .await
-        .map_err(|e| AdminError::Unreachable(format!("cannot open a channel: {e}")))?;
+    let ch = channel(conn).await?;
     let r = ch
         .queue_declare(
             ShortString::from(name),
@@ -326,11 +297,11 @@ pub async fn depth(conn: &Connection, name: &str) -> Result<Option<u32>, AdminEr
         .await;
     match r {
         Ok(q) => {
-            let _ = ch.close(200, ShortString::from("done")).await;
+            done(ch).await;
             Ok(Some(q.message_count()))
         }
         Err(e) if reply_code(&e) == Some(404) => Ok(None),
-        Err(e) => Err(refused(format!("looking up queue {name:?}"), &e)),
+        Err(e) => Err(classify(format!("looking up queue {name:?}"), &e)),
     }
 }
 
