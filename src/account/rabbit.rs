@@ -53,7 +53,7 @@ use super::show::{self, Showing};
 use super::status::LossLog;
 use super::writer::Writer;
 use super::{AmqpLookup, Config, QueueLookup};
-use crate::api::{Backend, Subscription, SubscriptionStats};
+use crate::api::{Backend, Subscription};
 use crate::backend::QueueGauges;
 use crate::backend::rabbitmq::{admin, deadletter, report};
 use crate::bus::report::{StatsReport, now_ms};
@@ -1004,27 +1004,17 @@ impl RabbitKeeper {
             }
             book.showing.trouble.dead_letters =
                 dead.and_then(|d| d.trouble(now, self.config.loss_window));
-            let (pending, ack_pending) = book.gauges.unwrap_or_default();
-            if book.counting {
-                let stats = SubscriptionStats {
-                    counters: book.account.totals(),
-                    pending,
-                    ack_pending,
-                };
-                if show::show(&round, key, sub, stats, &mut book.showing) {
-                    book.dirty = true;
-                }
-            } else if let Some(gauges) = book.gauges {
-                // No report yet: the gauges only, as for a backend whose runtime does not report.
-                show::show_gauges(
-                    &self.writer,
-                    interval,
-                    key,
-                    sub,
-                    gauges,
-                    &mut book.gauges_written,
-                    &stamp,
-                );
+            let totals = book.counting.then(|| book.account.totals());
+            if show::show_counted_or_gauges(
+                &round,
+                key,
+                sub,
+                totals,
+                book.gauges,
+                &mut book.showing,
+                &mut book.gauges_written,
+            ) {
+                book.dirty = true;
             }
         }
         Ok(())

@@ -13,7 +13,7 @@ use super::Config;
 use super::metrics::Metrics;
 use super::status::{self, LossLog, Trouble};
 use super::writer::{Write, Writer};
-use crate::api::{Subscription, SubscriptionStats};
+use crate::api::{ConsumerStats, Subscription, SubscriptionStats};
 
 /// What every Subscription of one keeper's round shares.
 pub struct Round<'a> {
@@ -84,6 +84,44 @@ pub fn show(
         });
     }
     loss_changed
+}
+
+/// Shows one report-fed Subscription (RabbitMQ, SQS): its counters (`totals`) with the broker's
+/// gauges once its runtime has reported, else the gauges alone, so no counter is invented.
+/// Returns whether the loss log changed (then it is persisted with the ledger).
+pub fn show_counted_or_gauges(
+    round: &Round<'_>,
+    key: &(String, String),
+    sub: &Subscription,
+    totals: Option<ConsumerStats>,
+    gauges: Option<(u64, u64)>,
+    showing: &mut Showing,
+    gauges_written: &mut Option<Instant>,
+) -> bool {
+    match (totals, gauges) {
+        (Some(counters), gauges) => {
+            let (pending, ack_pending) = gauges.unwrap_or_default();
+            let stats = SubscriptionStats {
+                counters,
+                pending,
+                ack_pending,
+            };
+            show(round, key, sub, stats, showing)
+        }
+        (None, Some(gauges)) => {
+            show_gauges(
+                round.writer,
+                round.config.stats_interval,
+                key,
+                sub,
+                gauges,
+                gauges_written,
+                round.stamp,
+            );
+            false
+        }
+        (None, None) => false,
+    }
 }
 
 /// How many Subscriptions' gauges one round may read: each one's once per interval, spread over

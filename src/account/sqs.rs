@@ -43,7 +43,7 @@ use super::show::{self, Showing};
 use super::status::{LossLog, Unseen};
 use super::writer::Writer;
 use super::{Config, QueueLookup};
-use crate::api::{Backend, Subscription, SubscriptionStats};
+use crate::api::{Backend, Subscription};
 use crate::backend::QueueGauges;
 use crate::backend::sqs::{admin, queue, report};
 use crate::bus::report::{StatsReport, now_ms};
@@ -483,26 +483,17 @@ impl SqsKeeper {
                 now_ms: now,
                 stamp: &stamp,
             };
-            let (pending, ack_pending) = book.gauges.unwrap_or_default();
-            if book.counting {
-                let stats = SubscriptionStats {
-                    counters: book.account.totals(),
-                    pending,
-                    ack_pending,
-                };
-                if show::show(&round, key, sub, stats, &mut book.showing) {
-                    book.dirty = true;
-                }
-            } else if let Some(gauges) = book.gauges {
-                show::show_gauges(
-                    &self.writer,
-                    interval,
-                    key,
-                    sub,
-                    gauges,
-                    &mut book.gauges_written,
-                    &stamp,
-                );
+            let totals = book.counting.then(|| book.account.totals());
+            if show::show_counted_or_gauges(
+                &round,
+                key,
+                sub,
+                totals,
+                book.gauges,
+                &mut book.showing,
+                &mut book.gauges_written,
+            ) {
+                book.dirty = true;
             }
         }
     }
