@@ -14,7 +14,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::account::{App, OPERATOR_FLAGS, assert_never_decreased, watch};
+use common::account::{App, OPERATOR_FLAGS, assert_never_decreased, wait_until, watch};
 use common::operator::{Operator, condition, poll};
 use common::rabbitmq::{management, management_with, queue};
 use common::subs::{apply, backends, delete_by_hand, subs, wait_backend, wait_gone, wait_ready};
@@ -184,14 +184,12 @@ impl Scene {
         limit: Duration,
         want: impl Fn(&ConsumerStats) -> bool,
     ) -> ConsumerStats {
-        poll(what, limit, || async {
-            let s = self.stats().await.unwrap_or_default();
-            if want(&s) {
-                Ok(s)
-            } else {
-                Err(format!("{s:?}"))
-            }
-        })
+        wait_until(
+            what,
+            limit,
+            || async { self.stats().await.unwrap_or_default() },
+            want,
+        )
         .await
     }
 

@@ -13,7 +13,9 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::account::{App, NACK_SPEC, OPERATOR_FLAGS, forged, publish_to, wait_dropped, watch};
+use common::account::{
+    App, NACK_SPEC, OPERATOR_FLAGS, forged, publish_to, settled_at, wait_dropped, watch,
+};
 use common::operator::{NatsServer, Operator, TestStream, poll};
 use common::rabbitmq::{User, management};
 use common::subs::{apply, subs, wait_ready};
@@ -52,22 +54,7 @@ async fn settled(
     what: &str,
     want: impl Fn(&ConsumerStats) -> bool,
 ) -> ConsumerStats {
-    let s = poll(what, Duration::from_secs(90), || async {
-        let s = stats(api).await;
-        if want(&s) {
-            Ok(s)
-        } else {
-            Err(format!("{s:?}"))
-        }
-    })
-    .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(
-        stats(api).await,
-        s,
-        "the account kept moving after the work was done"
-    );
-    s
+    settled_at(what, Duration::from_secs(90), || stats(api), want).await
 }
 
 /// The nats-server configuration: the operator's user, and per tenant namespace `(ns, stream)`

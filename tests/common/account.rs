@@ -329,15 +329,7 @@ impl Scene {
         limit: Duration,
         want: impl Fn(&ConsumerStats) -> bool,
     ) -> ConsumerStats {
-        poll(what, limit, || async {
-            let s = self.stats().await;
-            if want(&s) {
-                Ok(s)
-            } else {
-                Err(format!("{s:?}"))
-            }
-        })
-        .await
+        wait_until(what, limit, || self.stats(), want).await
     }
 
     /// Waits until status shows `want(stats)`, then that it stays so for 3 s (nothing more
@@ -348,11 +340,7 @@ impl Scene {
         limit: Duration,
         want: impl Fn(&ConsumerStats) -> bool,
     ) -> ConsumerStats {
-        let s = self.wait_stats(what, limit, want).await;
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let again = self.stats().await;
-        assert_eq!(s, again, "the account kept moving after the work was done");
-        again
+        settled_at(what, limit, || self.stats(), want).await
     }
 
     /// The counters never went down in any status observed.
@@ -528,15 +516,49 @@ pub async fn wait_for<S: AccountScene>(
     what: &str,
     want: impl Fn(&ConsumerStats) -> bool,
 ) -> ConsumerStats {
-    poll(what, Duration::from_secs(90), || async {
-        let st = scene.stats().await;
-        if want(&st) {
-            Ok(st)
+    wait_until(what, Duration::from_secs(90), || scene.stats(), want).await
+}
+
+/// Waits until `stats()` (a Subscription's counters in status, read anew each time) shows
+/// `want`, and returns what it showed.
+pub async fn wait_until<F, Fut>(
+    what: &str,
+    limit: Duration,
+    stats: F,
+    want: impl Fn(&ConsumerStats) -> bool,
+) -> ConsumerStats
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ConsumerStats>,
+{
+    poll(what, limit, || async {
+        let s = stats().await;
+        if want(&s) {
+            Ok(s)
         } else {
-            Err(format!("{st:?}"))
+            Err(format!("{s:?}"))
         }
     })
     .await
+}
+
+/// Waits until `stats()` shows `want`, then that it stays so for 3 s (nothing more arrives),
+/// and returns it.
+pub async fn settled_at<F, Fut>(
+    what: &str,
+    limit: Duration,
+    stats: F,
+    want: impl Fn(&ConsumerStats) -> bool,
+) -> ConsumerStats
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ConsumerStats>,
+{
+    let s = wait_until(what, limit, &stats, want).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let again = stats().await;
+    assert_eq!(s, again, "the account kept moving after the work was done");
+    again
 }
 
 impl AccountScene for Scene {

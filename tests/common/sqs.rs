@@ -11,8 +11,10 @@ use kube::Api;
 use settle::api::{ConsumerStats, Subscription};
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 
-use super::account::{AccountScene, App, Seen, assert_never_decreased, watch};
-use super::operator::{Operator, poll};
+use super::account::{
+    AccountScene, App, Seen, assert_never_decreased, settled_at, wait_until, watch,
+};
+use super::operator::Operator;
 use super::subs::{apply, backends, subs, wait_backend, wait_ready};
 use super::{install_crds, kubectl_ok, namespace};
 
@@ -239,15 +241,7 @@ impl SqsScene {
         limit: Duration,
         want: impl Fn(&ConsumerStats) -> bool,
     ) -> ConsumerStats {
-        poll(what, limit, || async {
-            let s = self.stats().await;
-            if want(&s) {
-                Ok(s)
-            } else {
-                Err(format!("{s:?}"))
-            }
-        })
-        .await
+        wait_until(what, limit, || self.stats(), want).await
     }
 
     /// Waits until status shows `want(stats)`, then that it stays so for 3 s.
@@ -257,11 +251,7 @@ impl SqsScene {
         limit: Duration,
         want: impl Fn(&ConsumerStats) -> bool,
     ) -> ConsumerStats {
-        let s = self.wait_stats(what, limit, want).await;
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let again = self.stats().await;
-        assert_eq!(s, again, "the account kept moving after the work was done");
-        again
+        settled_at(what, limit, || self.stats(), want).await
     }
 
     pub fn assert_never_decreased(&self) {
