@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Installs (once) and prints the paths of the real parts Settle's tests and demo run against,
-# each pinned: kube-apiserver+etcd (tests/controlplane), nats-server, helm and kube-score (the
-# chart's lint), promtool (checks and unit-tests the chart's alerts), built from Go modules and
-# cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from Maven Central
-# into target/tools/elasticmq-<version>/; RabbitMQ and shellcheck, Debian packages installed with
-# apt-get when missing. Safe to run repeatedly; nothing finished is redone.
+# each pinned: kube-apiserver+etcd with the node's kubelet, kube-proxy, kube-controller-manager
+# and kube-scheduler (one binary, tests/controlplane), containerd, nats-server, helm and
+# kube-score (the chart's lint), promtool (checks and unit-tests the chart's alerts), built from
+# Go modules and cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from
+# Maven Central into target/tools/elasticmq-<version>/; RabbitMQ, runc, the CNI plugins, iptables
+# and shellcheck, Debian packages installed with apt-get when missing. Safe to run repeatedly;
+# nothing finished is redone.
 #   hack/tools.sh build [NAMES]  install whatever is missing (default: everything the tests need)
 #   hack/tools.sh path NAME      print the program of NAME
-#                                (controlplane|nats-server|helm|kube-score|promtool|rabbitmq|elasticmq|shellcheck)
+#                                (controlplane|containerd|nats-server|helm|kube-score|promtool|rabbitmq|
+#                                 elasticmq|runc|cni-plugins|iptables|shellcheck)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=hack/lib.sh
@@ -22,10 +25,26 @@ RABBITMQ_SERIES="3.10"           # Debian bookworm's rabbitmq-server (3.10.8)
 MAVEN_DEPENDENCY_PLUGIN="3.6.1"
 TOOLS="${CARGO_TARGET_DIR:-$ROOT/target}/tools"
 
-cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go} | sha256sum | cut -c1-12; }
+CONTAINERD_VERSION="v2.4.2"      # github.com/containerd/containerd/v2 (the CRI the node's kubelet runs pods on)
+
+cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go,node.go} | sha256sum | cut -c1-12; }
+# Stamp the release into the binary as upstream's hack/lib/version.sh does: unstamped, /version
+# says v0.0.0-master, which kubectl cannot parse and Helm's kubeVersion checks read as 0.0.0.
+cp_ldflags() {
+  local v="$CP_VERSION" major minor p=k8s.io/component-base/version c=k8s.io/client-go/pkg/version
+  major="${v#v}"; major="${major%%.*}"; minor="${v#v*.}"; minor="${minor%%.*}"
+  echo "-s -w -X $p.gitVersion=$v -X $p.gitMajor=$major -X $p.gitMinor=$minor -X $p.gitTreeState=clean" \
+    "-X $p.buildDate=1970-01-01T00:00:00Z -X $c.gitVersion=$v -X $c.gitMajor=$major -X $c.gitMinor=$minor"
+}
 path_of() {
   case "$1" in
     controlplane) echo "$TOOLS/controlplane-$CP_VERSION-$(cp_hash)/settle-controlplane" ;;
+    containerd)   echo "$TOOLS/containerd-$CONTAINERD_VERSION/containerd" ;;
+    # Debian packages the node runs pods with: the OCI runtime, the CNI plugins, iptables for
+    # kube-proxy.
+    runc)         echo "/usr/sbin/runc" ;;
+    cni-plugins)  echo "/usr/lib/cni/bridge" ;;
+    iptables)     echo "/usr/sbin/iptables" ;;
     nats-server)  echo "$TOOLS/nats-server-$NATS_VERSION/nats-server" ;;
     helm)         echo "$TOOLS/helm-$HELM_VERSION/helm" ;;
     kube-score)   echo "$TOOLS/kube-score-$KUBE_SCORE_VERSION/kube-score" ;;
@@ -167,6 +186,9 @@ build_one() {
     rabbitmq) install_rabbitmq; return ;;
     elasticmq) install_elasticmq; return ;;
     shellcheck) [ -x "$out" ] || apt_install shellcheck; return ;;
+    runc) [ -x "$out" ] || apt_install runc; return ;;
+    cni-plugins) [ -x "$out" ] || apt_install containernetworking-plugins; return ;;
+    iptables) [ -x "$out" ] || apt_install iptables; return ;;
   esac
   [ -x "$out" ] && return 0
   need go "install Go 1.26+"
@@ -177,7 +199,14 @@ build_one() {
   case "$name" in
     controlplane)
       (cd "$ROOT/tests/controlplane" && with_progress "kube-apiserver+etcd $CP_VERSION" \
-        go build -trimpath -ldflags='-s -w' -o "$tmp/settle-controlplane" .) ;;
+        go build -trimpath -ldflags="$(cp_ldflags)" -o "$tmp/settle-controlplane" .) ;;
+    containerd)
+      # The shim beside containerd: the node puts this directory first in containerd's PATH.
+      with_progress "containerd $CONTAINERD_VERSION" env GOBIN="$tmp" CGO_ENABLED=0 go install \
+        "github.com/containerd/containerd/v2/cmd/containerd@$CONTAINERD_VERSION" \
+        "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
+        "github.com/containerd/containerd/v2/cmd/ctr@$CONTAINERD_VERSION"
+      mv "$tmp/containerd-shim-runc-v2" "$tmp/ctr" "$(dirname "$out")/" ;;
     nats-server)
       with_progress "nats-server $NATS_VERSION" env GOBIN="$tmp" go install "github.com/nats-io/nats-server/v2@$NATS_VERSION" ;;
     helm)
@@ -196,7 +225,7 @@ build_one() {
 
 case "${1:-build}" in
   build)
-    names="${2:-rabbitmq elasticmq nats-server helm kube-score promtool controlplane}"
+    names="${2:-rabbitmq runc cni-plugins iptables elasticmq nats-server helm kube-score promtool controlplane containerd}"
     for t in $names; do path_of "$t" >/dev/null; done   # unknown names fail here
     case " $names " in
       *" controlplane "*) need kubectl "the Kubernetes client; Debian: apt-get install kubectl, or see kubernetes.io" ;;
@@ -205,7 +234,7 @@ case "${1:-build}" in
     # The downloads (apt, Maven) wait on the network and the Go builds on the CPU: run the
     # downloads beside the builds. Each group runs its own tools in order.
     pids=()
-    for group in "rabbitmq" "elasticmq" "nats-server helm kube-score promtool controlplane shellcheck"; do
+    for group in "rabbitmq runc cni-plugins iptables" "elasticmq" "nats-server helm kube-score promtool controlplane containerd shellcheck"; do
       mine=""
       for t in $names; do case " $group " in *" $t "*) mine="$mine $t" ;; esac; done
       [ -n "$mine" ] || continue

@@ -1,6 +1,8 @@
 // settle-controlplane runs a real Kubernetes control plane for Settle's tests and demo: an
 // embedded etcd and kube-apiserver (the upstream code, pinned in go.mod) in one process, bound to
-// 127.0.0.1 only. It writes its own PKI and an admin kubeconfig under -dir. It is not a
+// 127.0.0.1 only, or with -node-ip to the node's bridge address so that pods reach it. It writes
+// its own PKI and an admin kubeconfig under -dir. The same binary also runs the node's parts
+// (node.go: kubelet, kube-proxy, kube-controller-manager, kube-scheduler). It is not a
 // simulator: it must never stub an API, it only starts the real ones.
 package main
 
@@ -25,11 +27,18 @@ import (
 	"k8s.io/kubernetes/cmd/kube-apiserver/app"
 )
 
+// nodeIP is the bridge address the API server binds and advertises with -node-ip; empty: 127.0.0.1.
+var nodeIP string
+
 func main() {
+	if len(os.Args) > 1 && runComponent(os.Args[1], os.Args[2:]) {
+		return
+	}
 	dir := flag.String("dir", "", "state directory (PKI, etcd data, kubeconfig, logs)")
 	apiPort := flag.Int("apiserver-port", 0, "kube-apiserver secure port on 127.0.0.1")
 	etcdPort := flag.Int("etcd-port", 0, "etcd client port on 127.0.0.1")
 	etcdPeerPort := flag.Int("etcd-peer-port", 0, "etcd peer port on 127.0.0.1")
+	flag.StringVar(&nodeIP, "node-ip", "", "serve the API on this local address (the node's bridge) instead of 127.0.0.1, publish it as the `kubernetes` Service's endpoint, and let the API server reach kubelets")
 	flag.Parse()
 	if *dir == "" || *apiPort == 0 || *etcdPort == 0 || *etcdPeerPort == 0 {
 		fmt.Fprintln(os.Stderr, "usage: settle-controlplane -dir DIR -apiserver-port N -etcd-port N -etcd-peer-port N")
@@ -60,11 +69,8 @@ func run(dir string, apiPort, etcdPort, etcdPeerPort int) error {
 	defer etcd.Close()
 
 	cmd := app.NewAPIServerCommand()
-	cmd.SetArgs([]string{
+	args := []string{
 		fmt.Sprintf("--etcd-servers=http://127.0.0.1:%d", etcdPort),
-		"--bind-address=127.0.0.1",
-		"--advertise-address=127.0.0.1",
-		"--endpoint-reconciler-type=none", // a loopback address may not be published as an endpoint
 		fmt.Sprintf("--secure-port=%d", apiPort),
 		"--cert-dir=" + filepath.Join(dir, "apiserver-certs"),
 		"--tls-cert-file=" + filepath.Join(pki, "apiserver.crt"),
@@ -78,7 +84,22 @@ func run(dir string, apiPort, etcdPort, etcdPeerPort int) error {
 		"--enable-admission-plugins=ValidatingAdmissionWebhook,MutatingAdmissionWebhook",
 		"--profiling=false",
 		"--v=0",
-	})
+	}
+	if nodeIP == "" {
+		args = append(args, "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+			"--endpoint-reconciler-type=none") // a loopback address may not be published as an endpoint
+	} else {
+		args = append(args, "--bind-address="+nodeIP, "--advertise-address="+nodeIP,
+			// The API server calls kubelets (logs, exec) with the admin certificate, by the node's
+			// InternalIP: the default tries the Hostname first, a lookup in the machine's resolver.
+			"--kubelet-client-certificate="+filepath.Join(pki, "admin.crt"),
+			"--kubelet-client-key="+filepath.Join(pki, "admin.key"),
+			"--kubelet-preferred-address-types=InternalIP",
+			// Webhooks registered by `service:` are dialled at the endpoint pod's IP, not through
+			// the ClusterIP: admission does not depend on kube-proxy.
+			"--enable-aggregator-routing=true")
+	}
+	cmd.SetArgs(args)
 	return cmd.Execute()
 }
 
@@ -162,7 +183,7 @@ func writePKI(pki string) error {
 	}
 	if err := leaf("apiserver", 2, pkix.Name{CommonName: "kube-apiserver"}, x509.ExtKeyUsageServerAuth,
 		[]string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
-		[]net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1")}); err != nil {
+		apiserverIPs()); err != nil {
 		return err
 	}
 	saKey, err := rsa.GenerateKey(rand.Reader, 2048)
@@ -193,7 +214,7 @@ kind: Config
 clusters:
 - name: settle-test
   cluster:
-    server: https://127.0.0.1:%d
+    server: https://%s:%d
     certificate-authority: %s
 users:
 - name: settle-admin
@@ -204,6 +225,24 @@ contexts:
 - name: settle-test
   context: {cluster: settle-test, user: settle-admin}
 current-context: settle-test
-`, apiPort, filepath.Join(pki, "ca.crt"), filepath.Join(pki, "admin.crt"), filepath.Join(pki, "admin.key"))
+`, serveIP(), apiPort, filepath.Join(pki, "ca.crt"), filepath.Join(pki, "admin.crt"), filepath.Join(pki, "admin.key"))
 	return os.WriteFile(filepath.Join(dir, "kubeconfig"), []byte(cfg), 0o600)
+}
+
+// serveIP is the address the API server serves on and the kubeconfig names.
+func serveIP() string {
+	if nodeIP != "" {
+		return nodeIP
+	}
+	return "127.0.0.1"
+}
+
+// apiserverIPs are the serving certificate's IP SANs: loopback, the `kubernetes` Service's
+// ClusterIP, and the node's address when there is one.
+func apiserverIPs() []net.IP {
+	ips := []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.96.0.1")}
+	if nodeIP != "" {
+		ips = append(ips, net.ParseIP(nodeIP))
+	}
+	return ips
 }
