@@ -4,51 +4,52 @@
 //! object of this name kept (deletionPolicy Retain), is left alone unless the `settle.dev/adopt`
 //! annotation names that object's UID (docs/semantics.md C15, J8).
 //!
-//! It must not write status, add finalizers or decide requeues (the pipeline in
-//! [`super::subscription`] does); it returns what the broker now holds.
-
-use kube::ResourceExt;
-use kube::runtime::events::EventType;
+//! It must not write status or Events, add finalizers or decide requeues (the pipeline in
+//! [`super::subscription`] does); it returns what the broker now holds and what it changed
+//! ([`super::step`]).
 
 use super::Ctx;
-use super::conditions::events;
 use super::connections::NatsConn;
 use super::status::{ADOPT_ANNOTATION, SubOutcome};
-use super::subscription::{self, Removal, publish};
-use crate::api::{ConsumerRef, Subscription};
-use crate::backend::nats::advisory::ChangeKind;
+use super::step::{ChangeKind, Changes, Converged, Removal, Target};
+use crate::api::ConsumerRef;
+use crate::backend::nats::advisory::ChangeKind as Own;
 use crate::backend::nats::consumer;
 use crate::backend::nats::jsapi::{self, NatsError};
-use crate::policy::ResolvedPolicy;
 
 /// JetStream's "consumer already exists" (two creates raced).
 const CONSUMER_EXISTS: u64 = 10_148;
 
 /// Step 5 on NATS: the consumer exists and matches the spec, or why not.
-pub async fn ensure(
-    sub: &Subscription,
-    ctx: &Ctx,
-    conn: &NatsConn,
-    known: Option<ConsumerRef>,
-) -> SubOutcome {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
+pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Converged {
+    let mut changes = Changes::default();
+    let outcome = converge(t, ctx, conn, &mut changes).await;
+    changes.with(outcome)
+}
+
+async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Changes) -> SubOutcome {
+    let (ns, name, known) = (&t.namespace, &t.name, t.known.clone());
     if !conn.connected() {
         return SubOutcome::Broker {
             error: NatsError::Unreachable("the connection is down; reconnecting".into()).into(),
             consumer: known,
         };
     }
-    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+    let policy = &t.policy;
     ctx.metrics.js("stream");
-    let stream =
-        match jsapi::resolve_stream(&conn.js, sub.spec.stream.as_deref(), &policy.pattern).await {
-            Ok(s) => s,
-            Err(error) => return broker_failure(error, known),
-        };
-    let uid = sub.metadata.uid.as_deref();
+    let stream = match jsapi::resolve_stream(
+        &conn.js,
+        t.sub.spec.stream.as_deref(),
+        &policy.pattern,
+    )
+    .await
+    {
+        Ok(s) => s,
+        Err(error) => return broker_failure(error, known),
+    };
+    let uid = t.uid();
     let want =
-        consumer::desired(&ns, &name, &stream, &policy).for_object(uid, sub.spec.deletion_policy);
+        consumer::desired(ns, name, &stream, policy).for_object(uid, t.sub.spec.deletion_policy);
     let here = ConsumerRef {
         stream: stream.clone(),
         name: want.name.clone(),
@@ -64,10 +65,9 @@ pub async fn ensure(
         if let Err(error) = create(conn, ctx, &want).await {
             return broker_failure(error, known);
         }
-        let (op, reason, note) = if again {
+        let (kind, note) = if again {
             (
-                "recreate",
-                events::RECREATED,
+                ChangeKind::Recreated,
                 format!(
                     "consumer {} on stream {stream} was missing from the broker (deleted there, or lost): made it again",
                     want.name
@@ -75,22 +75,20 @@ pub async fn ensure(
             )
         } else {
             (
-                "create",
-                events::CREATED,
+                ChangeKind::Created,
                 format!("created consumer {} on stream {stream}", want.name),
             )
         };
-        ctx.metrics.op(op);
-        tracing::info!(subscription = %format!("{ns}/{name}"), %stream, consumer = %want.name, %op, "consumer");
-        publish(ctx, sub, EventType::Normal, reason, "Reconcile", note).await;
+        tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = kind.op(), "consumer");
+        changes.push(kind, note);
         return SubOutcome::Ready(here);
     };
     let live = consumer::normalise(&stream, &want.name, &info.config);
-    let owner = format!("{ns}/{name}");
-    if live.left_over_for_deletion(&owner, uid) {
+    let owner = t.owner.as_str();
+    if live.left_over_for_deletion(owner, uid) {
         // Made for an earlier object of this name, deleted while no operator ran: it asked for
         // its consumer to go with it. Removed, and made anew for this object.
-        conn.mark_own(ChangeKind::Deleted, &stream, &want.name);
+        conn.mark_own(Own::Deleted, &stream, &want.name);
         ctx.metrics.js("delete");
         if let Err(error) = jsapi::delete_consumer(&conn.js, &stream, &want.name).await {
             return broker_failure(error, known);
@@ -98,32 +96,22 @@ pub async fn ensure(
         if let Err(error) = create(conn, ctx, &want).await {
             return broker_failure(error, known);
         }
-        ctx.metrics.op("recreate");
         let note = format!(
             "consumer {} on stream {stream} was left over from an earlier Subscription of this name (uid {}), deleted while the operator was not running: deleted it, as that Subscription's deletionPolicy asked, and made it again for this one",
             want.name,
             live.owner_uid().unwrap_or("?")
         );
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
-        publish(
-            ctx,
-            sub,
-            EventType::Normal,
-            events::RECREATED,
-            "Reconcile",
-            note,
-        )
-        .await;
+        changes.push(ChangeKind::Recreated, note);
         return SubOutcome::Ready(here);
     }
     // Kept (Retain) by an earlier object of this name: taken over only when the adopt annotation
     // names that object's UID; its marks are then updated in place (metadata is editable).
-    let adopt = sub.annotations().get(ADOPT_ANNOTATION).map(String::as_str);
-    let adopted = live.owner() == Some(owner.as_str())
+    let adopted = live.owner() == Some(owner)
         && live
             .owner_uid()
-            .is_some_and(|u| Some(u) != uid && Some(u) == adopt);
-    if !adopted && !live.belongs_to(&owner, uid) {
+            .is_some_and(|u| Some(u) != uid && Some(u) == t.adopt());
+    if !adopted && !live.belongs_to(owner, uid) {
         // Another's, or kept by an earlier object of this name (its UID differs).
         let by = match (live.owner(), live.owner_uid()) {
             (Some(o), Some(u)) if o == owner => Some(format!(
@@ -144,7 +132,7 @@ pub async fn ensure(
             live.owner_uid().unwrap_or("?")
         );
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
-        subscription::adopted(ctx, sub, note).await;
+        changes.push(ChangeKind::Adopted, note);
     }
     let d = consumer::diff(&want, &live);
     if !d.immutable.is_empty() {
@@ -154,7 +142,7 @@ pub async fn ensure(
         };
     }
     if !d.editable.is_empty() {
-        let changes = d
+        let edits = d
             .editable
             .iter()
             .map(ToString::to_string)
@@ -164,17 +152,11 @@ pub async fn ensure(
         if let Err(error) = jsapi::update_consumer(&conn.js, &want).await {
             return broker_failure(error, known);
         }
-        ctx.metrics.op("update");
-        tracing::info!(subscription = %owner, %stream, consumer = %want.name, %changes, "updated the consumer in place");
-        publish(
-            ctx,
-            sub,
-            EventType::Normal,
-            events::UPDATED,
-            "Reconcile",
-            format!("updated consumer {} in place: {changes}", want.name),
-        )
-        .await;
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, changes = %edits, "updated the consumer in place");
+        changes.push(
+            ChangeKind::Updated,
+            format!("updated consumer {} in place: {edits}", want.name),
+        );
     }
     SubOutcome::Ready(here)
 }
@@ -184,7 +166,7 @@ async fn create(
     ctx: &Ctx,
     want: &consumer::ConsumerConfig,
 ) -> Result<(), NatsError> {
-    conn.mark_own(ChangeKind::Created, &want.stream, &want.name);
+    conn.mark_own(Own::Created, &want.stream, &want.name);
     ctx.metrics.js("create");
     match jsapi::create_consumer(&conn.js, want).await {
         Ok(_) => Ok(()),
@@ -216,21 +198,19 @@ fn waiting(e: NatsError) -> Removal {
 
 /// The cleanup's broker call on NATS: deletes this Subscription's consumer, if it is there and
 /// its own.
-pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &NatsConn) -> Removal {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
+pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Removal {
     if !conn.connected() {
         return Removal::Wait("the Backend's connection is down".into());
     }
-    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-    let target = match sub.status.as_ref().and_then(|s| s.consumer.clone()) {
+    let target = match t.known.clone() {
         Some(c) => c,
         None => {
             ctx.metrics.js("stream");
-            match jsapi::resolve_stream(&conn.js, sub.spec.stream.as_deref(), &policy.pattern).await
+            match jsapi::resolve_stream(&conn.js, t.sub.spec.stream.as_deref(), &t.policy.pattern)
+                .await
             {
                 Ok(stream) => ConsumerRef {
-                    name: consumer::consumer_name(&ns, &name, &policy),
+                    name: consumer::consumer_name(&t.namespace, &t.name, &t.policy),
                     stream,
                 },
                 Err(NatsError::Unreachable(m)) => return Removal::Wait(m),
@@ -245,14 +225,12 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &NatsConn) -> Removal {
         Ok(None) => return Removal::Nothing,
         Err(e) => return waiting(e),
     };
-    let owner = format!("{ns}/{name}");
-    if !consumer::normalise(&target.stream, &target.name, &info.config)
-        .belongs_to(&owner, sub.metadata.uid.as_deref())
-    {
+    let owner = &t.owner;
+    if !consumer::normalise(&target.stream, &target.name, &info.config).belongs_to(owner, t.uid()) {
         tracing::info!(subscription = %owner, consumer = %target.name, "the consumer is not this Subscription's: left alone");
         return Removal::Nothing;
     }
-    conn.mark_own(ChangeKind::Deleted, &target.stream, &target.name);
+    conn.mark_own(Own::Deleted, &target.stream, &target.name);
     ctx.metrics.js("delete");
     if let Err(e) = jsapi::delete_consumer(&conn.js, &target.stream, &target.name).await {
         return waiting(e);

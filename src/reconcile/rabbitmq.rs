@@ -17,28 +17,24 @@
 //! declared again on every check; a differing argument shows as the broker's refusal to
 //! redeclare the queue; a queue that exists with no mark of this object is not Settle's.
 //!
-//! It must not write status, add finalizers or decide requeues (the pipeline in
-//! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
+//! It must not write status or Events, add finalizers or decide requeues (the pipeline in
+//! [`super::subscription`] does: this step returns what it changed, [`super::step`]), nor re-state an admission rule: the pipeline's one
 //! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
 //! this step runs.
 
-use kube::ResourceExt;
-use kube::runtime::events::EventType;
-
 use super::Ctx;
-use super::conditions::events;
 use super::connections::RabbitConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
-use super::subscription::{Removal, adopted, publish};
+use super::step::{ChangeKind, Changes, Converged, Removal, Target};
+use crate::api::ConsumerRef;
 use crate::api::Mode;
-use crate::api::{ConsumerRef, Subscription};
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::connect::ConnectFailure;
 use crate::backend::rabbitmq::deadletter;
 use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
-use crate::policy::{BackendKind, ResolvedPolicy};
+use crate::policy::BackendKind;
 
 fn connect_error(e: ConnectFailure) -> BrokerError {
     match e {
@@ -205,15 +201,13 @@ async fn find(
 
 /// Whose the queue found is, reading the object mark only when the queue itself cannot say.
 async fn claim_found(
-    sub: &Subscription,
+    t: &Target<'_>,
     ctx: &Ctx,
     amqp: &lapin::Connection,
     found: &Found,
     shown: bool,
 ) -> (Claim, Option<String>) {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
-    let uid = sub.metadata.uid.as_deref();
+    let uid = t.uid();
     let mut ev = Evidence {
         shown,
         ..Evidence::default()
@@ -225,30 +219,34 @@ async fn claim_found(
     let settled = ev
         .owner_arg
         .as_ref()
-        .is_some_and(|o| o.as_deref() != Some(&format!("{ns}/{name}")))
+        .is_some_and(|o| o.as_deref() != Some(t.owner.as_str()))
         || ev.object_arg.is_some() && ev.object_arg.as_deref() == uid;
     if !shown && !settled {
         // An unreadable mark is no mark: without the management API, not ours (fail safe).
         ctx.metrics.js("object.read");
-        ev.mark = report::read_object(amqp, &ns, &name).await;
+        ev.mark = report::read_object(amqp, &t.namespace, &t.name).await;
     }
-    let adopt = sub.annotations().get(ADOPT_ANNOTATION).map(String::as_str);
     let mark = ev.mark.clone();
-    (claim(&ev, &format!("{ns}/{name}"), uid, adopt), mark)
+    (claim(&ev, &t.owner, uid, t.adopt()), mark)
 }
 
 /// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, or why not.
-pub async fn ensure(
-    sub: &Subscription,
+pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Converged {
+    let mut changes = Changes::default();
+    let outcome = converge(t, ctx, conn, &mut changes).await;
+    changes.with(outcome)
+}
+
+async fn converge(
+    t: &Target<'_>,
     ctx: &Ctx,
     conn: &RabbitConn,
-    known: Option<ConsumerRef>,
+    changes: &mut Changes,
 ) -> SubOutcome {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
-    let uid = sub.metadata.uid.as_deref();
-    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-    let want = queue::desired(&ns, &name, &policy, &conn.exchanges).for_object(uid);
+    let known = t.known.clone();
+    let uid = t.uid();
+    let policy = &t.policy;
+    let want = queue::desired(&t.namespace, &t.name, policy, &conn.exchanges).for_object(uid);
     let here = ConsumerRef {
         stream: want.binding.exchange.clone(),
         name: want.name.clone(),
@@ -267,15 +265,18 @@ pub async fn ensure(
     };
     if matches!(found, Found::Missing) {
         if policy.mode == Mode::AtLeastOnce {
-            copy_dead_letters(sub, ctx, conn, &amqp, &want).await;
+            copy_dead_letters(t, ctx, conn, &amqp, &want).await;
         }
-        return match create(sub, ctx, &amqp, &want, &known, &here).await {
-            Ok(()) => ready(),
+        return match create(t, ctx, &amqp, &want, &here).await {
+            Ok(change) => {
+                changes.push(change.kind, change.note);
+                ready()
+            }
             Err(o) => o,
         };
     }
     let shown = known.as_ref().is_some_and(|k| k.name == want.name);
-    let (claimed, mark) = claim_found(sub, ctx, &amqp, &found, shown).await;
+    let (claimed, mark) = claim_found(t, ctx, &amqp, &found, shown).await;
     match &claimed {
         Claim::NotOurs(holder) => {
             return SubOutcome::QueueConflict {
@@ -287,7 +288,7 @@ pub async fn ensure(
         Claim::Ours | Claim::Adopted(_) => {
             if !shown
                 && mark.as_deref() != uid
-                && let Err(o) = mark_object(sub, ctx, &amqp).await
+                && let Err(o) = mark_object(t, ctx, &amqp).await
             {
                 // Whose queue it is, written where the runtime reads it, first.
                 return *o;
@@ -299,8 +300,8 @@ pub async fn ensure(
             "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
             want.name
         );
-        tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, "{note}");
-        adopted(ctx, sub, note).await;
+        tracing::info!(subscription = %t.owner, queue = %want.name, "{note}");
+        changes.push(ChangeKind::Adopted, note);
     }
     let Found::Shown(live) = found else {
         // AMQP only: redeclare (refused when a compared argument differs) and bind again
@@ -336,13 +337,13 @@ pub async fn ensure(
             fields,
         },
         Verdict::Repair { bind, unbind } => {
-            let mut changes = Vec::new();
+            let mut edits = Vec::new();
             if bind {
                 ctx.metrics.js("queue.bind");
                 if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
                     return failure(admin_error(e), known);
                 }
-                changes.push(format!(
+                edits.push(format!(
                     "bound it to exchange {} with {}",
                     want.binding.exchange, want.binding.routing_key
                 ));
@@ -352,24 +353,15 @@ pub async fn ensure(
                 if let Err(e) = admin::unbind(&amqp, &want.name, b).await {
                     return failure(admin_error(e), known);
                 }
-                changes.push(format!(
+                edits.push(format!(
                     "removed its binding to {} with {}",
                     b.exchange, b.routing_key
                 ));
             }
-            if !changes.is_empty() {
-                let changes = changes.join("; ");
-                ctx.metrics.op("update");
-                tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, %changes, "repaired the queue's binding in place");
-                publish(
-                    ctx,
-                    sub,
-                    EventType::Normal,
-                    events::UPDATED,
-                    "Reconcile",
-                    format!("queue {}: {changes}", want.name),
-                )
-                .await;
+            if !edits.is_empty() {
+                let edits = edits.join("; ");
+                tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
+                changes.push(ChangeKind::Updated, format!("queue {}: {edits}", want.name));
             }
             ready()
         }
@@ -381,7 +373,7 @@ pub async fn ensure(
 /// letters from its start. Afterwards the account keeps it (made again, bound again). A failure
 /// is logged: the account says what it cannot count, and the queue does not wait for it.
 async fn copy_dead_letters(
-    sub: &Subscription,
+    t: &Target<'_>,
     ctx: &Ctx,
     conn: &RabbitConn,
     amqp: &lapin::Connection,
@@ -390,24 +382,24 @@ async fn copy_dead_letters(
     let Some(dlx) = &conn.exchanges.dead_letter else {
         return;
     };
-    let ns = sub.namespace().unwrap_or_default();
-    let backend = &sub.spec.backend_ref.name;
+    let ns = &t.namespace;
+    let backend = &t.sub.spec.backend_ref.name;
     ctx.metrics.js("deadletters.copy");
     let copy = deadletter::ensure_copy(
         amqp,
-        &ns,
+        ns,
         backend,
         dlx,
         std::slice::from_ref(&want.binding.routing_key),
         ctx.dead_letter_copy_max_length,
     )
     .await;
-    let who = format!("{ns}/{}", sub.name_any());
+    let who = &t.owner;
     match copy {
         Ok(
             deadletter::Copy::Whole { made: true } | deadletter::Copy::Partial { made: true, .. },
         ) => {
-            tracing::info!(subscription = %who, queue = %deadletter::copy_queue(&ns, backend), "made the Backend's dead-letter copy queue")
+            tracing::info!(subscription = %who, queue = %deadletter::copy_queue(ns, backend), "made the Backend's dead-letter copy queue")
         }
         Ok(_) => {}
         Err(e) => {
@@ -418,46 +410,39 @@ async fn copy_dead_letters(
 
 /// Marks the Subscription's queue as made for this object (its UID), where the runtime reads it.
 async fn mark_object(
-    sub: &Subscription,
+    t: &Target<'_>,
     ctx: &Ctx,
     amqp: &lapin::Connection,
 ) -> Result<(), Box<SubOutcome>> {
-    let Some(uid) = sub.metadata.uid.as_deref() else {
+    let Some(uid) = t.uid() else {
         return Ok(());
     };
     ctx.metrics.js("object.mark");
-    report::mark_object(
-        amqp,
-        &sub.namespace().unwrap_or_default(),
-        &sub.name_any(),
-        uid,
-    )
-    .await
-    .map_err(|e| {
-        Box::new(failure(
-            BrokerError::Unreachable(format!("cannot mark the queue's object: {e}")),
-            None,
-        ))
-    })
+    report::mark_object(amqp, &t.namespace, &t.name, uid)
+        .await
+        .map_err(|e| {
+            Box::new(failure(
+                BrokerError::Unreachable(format!("cannot mark the queue's object: {e}")),
+                None,
+            ))
+        })
 }
 
-/// Declares and binds the queue, and says so: made for the first time, or again after it was
-/// deleted on the broker.
+/// Declares and binds the queue, and says what it did: made for the first time, or again after
+/// it was deleted on the broker.
 async fn create(
-    sub: &Subscription,
+    t: &Target<'_>,
     ctx: &Ctx,
     amqp: &lapin::Connection,
     want: &QueueSpec,
-    known: &Option<ConsumerRef>,
     here: &ConsumerRef,
-) -> Result<(), SubOutcome> {
+) -> Result<super::step::Change, SubOutcome> {
     // The object mark first: a runtime that finds the queue finds whose it is, and so does the
     // next check without the management API (R8).
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
+    let (ns, name, known) = (&t.namespace, &t.name, &t.known);
     ctx.metrics.js("object.read");
-    let before = report::read_object(amqp, &ns, &name).await;
-    mark_object(sub, ctx, amqp).await.map_err(|o| *o)?;
+    let before = report::read_object(amqp, ns, name).await;
+    mark_object(t, ctx, amqp).await.map_err(|o| *o)?;
     ctx.metrics.js("queue.declare");
     match admin::declare(amqp, want).await {
         Ok(()) => {}
@@ -465,15 +450,15 @@ async fn create(
             // Made meanwhile by someone else, with other arguments: not this object's. The mark
             // written for it is taken back, so it claims nothing (R8); judged on the next check.
             let undone = match &before {
-                Some(old) => report::mark_object(amqp, &ns, &name, old)
+                Some(old) => report::mark_object(amqp, ns, name, old)
                     .await
                     .map_err(|e| e.to_string()),
-                None => admin::delete(amqp, &report::object_queue(&ns, &name))
+                None => admin::delete(amqp, &report::object_queue(ns, name))
                     .await
                     .map_err(|e| e.to_string()),
             };
             if let Err(e) = undone {
-                tracing::warn!(subscription = %format!("{ns}/{name}"), queue = %want.name, error = %e, "cannot take back the object mark of a queue made meanwhile by someone else");
+                tracing::warn!(subscription = %t.owner, queue = %want.name, error = %e, "cannot take back the object mark of a queue made meanwhile by someone else");
             }
             return Err(failure(BrokerError::Refused(text), known.clone()));
         }
@@ -484,10 +469,9 @@ async fn create(
         return Err(failure(admin_error(e), known.clone()));
     }
     let again = known.as_ref() == Some(here);
-    let (op, reason, note) = if again {
+    let (kind, note) = if again {
         (
-            "recreate",
-            events::RECREATED,
+            ChangeKind::Recreated,
             format!(
                 "queue {} was missing from the broker (deleted there): made it again and bound it to {} with {}",
                 want.name, want.binding.exchange, want.binding.routing_key
@@ -495,30 +479,25 @@ async fn create(
         )
     } else {
         (
-            "create",
-            events::CREATED,
+            ChangeKind::Created,
             format!(
                 "created quorum queue {} bound to {} with {}",
                 want.name, want.binding.exchange, want.binding.routing_key
             ),
         )
     };
-    ctx.metrics.op(op);
-    tracing::info!(subscription = %format!("{ns}/{name}"), queue = %want.name, %op, "queue");
-    publish(ctx, sub, EventType::Normal, reason, "Reconcile", note).await;
-    Ok(())
+    tracing::info!(subscription = %t.owner, queue = %want.name, op = kind.op(), "queue");
+    Ok(super::step::Change { kind, note })
 }
 
 /// The cleanup's broker call on RabbitMQ: deletes this Subscription's queue (with the messages
 /// it holds), if it is there and this object's ([`claim`]): never a queue another made.
-pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &RabbitConn) -> Removal {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
-    let owner = format!("{ns}/{name}");
-    let shown = sub.status.as_ref().and_then(|s| s.consumer.clone());
-    let queue_name = match &shown {
+pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
+    let (ns, name, owner) = (&t.namespace, &t.name, &t.owner);
+    let shown = &t.known;
+    let queue_name = match shown {
         Some(c) => c.name.clone(),
-        None => queue::queue_name(&ns, &name, &ResolvedPolicy::resolve(&sub.spec.policy)),
+        None => queue::queue_name(ns, name, &t.policy),
     };
     let amqp = match conn.connection().await {
         Ok(c) => c,
@@ -530,15 +509,14 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &RabbitConn) -> Removal
         Err(e) if e.is_unreachable() => return Removal::Wait(e.to_string()),
         Err(e) => return Removal::Failed(e.to_string()),
     };
-    if let (Claim::NotOurs(holder), _) = claim_found(sub, ctx, &amqp, &found, shown.is_some()).await
-    {
+    if let (Claim::NotOurs(holder), _) = claim_found(t, ctx, &amqp, &found, shown.is_some()).await {
         tracing::info!(subscription = %owner, queue = %queue_name, holder = ?holder, "the queue is not this Subscription object's: left alone");
         return Removal::Nothing;
     }
     ctx.metrics.js("queue.delete");
     match admin::delete(&amqp, &queue_name).await {
         Ok(()) => {
-            let object = report::object_queue(&ns, &name);
+            let object = report::object_queue(ns, name);
             if let Err(e) = admin::delete(&amqp, &object).await {
                 tracing::debug!(queue = %object, error = %e, "cannot delete the object mark");
             }
@@ -557,6 +535,7 @@ mod tests {
     use super::*;
     use crate::api::{DeliveryPolicy, Mode};
     use crate::backend::rabbitmq::queue::{Binding, Exchanges, LiveQueue};
+    use crate::policy::ResolvedPolicy;
 
     fn want() -> QueueSpec {
         let p = ResolvedPolicy::resolve(&DeliveryPolicy {

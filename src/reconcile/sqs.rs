@@ -10,25 +10,22 @@
 //! Beside them, the same way (made, tagged, made again, deleted with the Subscription), the
 //! account's report and ledger queues (`backend::sqs::report`).
 //!
-//! It must not write status, add finalizers or decide requeues (the pipeline in
-//! [`super::subscription`] does), nor re-state an admission rule: the pipeline's one
+//! It must not write status or Events, add finalizers or decide requeues (the pipeline in
+//! [`super::subscription`] does: this step returns what it changed, [`super::step`]), nor re-state an admission rule: the pipeline's one
 //! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
 //! this step runs.
 
 use aws_sdk_sqs::Client;
-use kube::ResourceExt;
-use kube::runtime::events::EventType;
 
 use super::Ctx;
-use super::conditions::events;
 use super::connections::SqsConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
-use super::subscription::{Removal, SQS_STREAM, adopted, publish};
-use crate::api::{ConsumerRef, Subscription};
+use super::step::{ChangeKind, Changes, Converged, Removal, SQS_STREAM, Target};
+use crate::api::ConsumerRef;
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
 use crate::backend::sqs::report;
-use crate::policy::{BackendKind, ResolvedPolicy};
+use crate::policy::BackendKind;
 
 fn broker_error(e: AdminError) -> BrokerError {
     match e {
@@ -97,44 +94,38 @@ pub fn dead_letter_deletable(
 async fn judged(
     client: &Client,
     ctx: &Ctx,
-    sub: &Subscription,
+    t: &Target<'_>,
     url: &str,
 ) -> Result<Result<Take, QueueHolder>, AdminError> {
-    let owner = format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any());
     ctx.metrics.js("sqs.tags");
     let tags = admin::owner(client, url).await?;
-    Ok(owned(
-        &tags,
-        &owner,
-        sub.metadata.uid.as_deref(),
-        sub.annotations().get(ADOPT_ANNOTATION).map(String::as_str),
-    ))
+    Ok(owned(&tags, &t.owner, t.uid(), t.adopt()))
 }
 
 /// A queue's URL and whether Settle made it now, or the outcome that stops the step.
 async fn find_or_create(
     client: &Client,
     ctx: &Ctx,
-    sub: &Subscription,
+    t: &Target<'_>,
     name: &str,
     attributes: std::collections::BTreeMap<String, String>,
-    known: &Option<ConsumerRef>,
+    changes: &mut Changes,
 ) -> Result<(String, bool), SubOutcome> {
-    let owner = format!("{}/{}", sub.namespace().unwrap_or_default(), sub.name_any());
-    let uid = sub.metadata.uid.as_deref();
+    let (owner, known) = (&t.owner, &t.known);
+    let uid = t.uid();
     ctx.metrics.js("sqs.url");
     let url = match admin::queue_url(client, name).await {
         Err(e) => return Err(failure(e, known)),
         Ok(None) => {
             ctx.metrics.js("sqs.create");
-            return match admin::create(client, name, attributes, &owner, uid).await {
+            return match admin::create(client, name, attributes, owner, uid).await {
                 Ok(url) => Ok((url, true)),
                 Err(e) => Err(failure(e, known)),
             };
         }
         Ok(Some(url)) => url,
     };
-    let take = match judged(client, ctx, sub, &url).await {
+    let take = match judged(client, ctx, t, &url).await {
         Err(e) => return Err(failure(e, known)),
         Ok(Err(holder)) => {
             return Err(SubOutcome::QueueConflict {
@@ -143,7 +134,7 @@ async fn find_or_create(
                 holder,
             });
         }
-        Ok(Ok(t)) => t,
+        Ok(Ok(take)) => take,
     };
     if let (Take::Untagged | Take::Adopted(_), Some(uid)) = (&take, uid) {
         ctx.metrics.js("sqs.tag");
@@ -156,24 +147,22 @@ async fn find_or_create(
             "took over SQS queue {name} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked"
         );
         tracing::info!(subscription = %owner, queue = %name, "{note}");
-        adopted(ctx, sub, note).await;
+        changes.push(ChangeKind::Adopted, note);
     }
     Ok((url, false))
 }
 
 /// Step 5 on SQS: the queue (and its dead-letter queue) exist and match the spec, or why not.
-pub async fn ensure(
-    sub: &Subscription,
-    ctx: &Ctx,
-    conn: &SqsConn,
-    known: Option<ConsumerRef>,
-) -> SubOutcome {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
-    let owner = format!("{ns}/{name}");
+pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Converged {
+    let mut changes = Changes::default();
+    let outcome = converge(t, ctx, conn, &mut changes).await;
+    changes.with(outcome)
+}
+
+async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Changes) -> SubOutcome {
+    let (owner, known) = (&t.owner, &t.known);
     let client = conn.broker.client();
-    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-    let want = match queue::desired(conn.broker.queue_prefix(), &policy) {
+    let want = match queue::desired(conn.broker.queue_prefix(), &t.policy) {
         Ok(w) => w,
         Err(e) => return SubOutcome::Invalid(e.to_string()),
     };
@@ -191,10 +180,10 @@ pub async fn ensure(
             let (url, new) = match find_or_create(
                 client,
                 ctx,
-                sub,
+                t,
                 &r.dead_letter_queue,
                 queue::dead_letter_attributes(),
-                &known,
+                changes,
             )
             .await
             {
@@ -216,16 +205,16 @@ pub async fn ensure(
                                 r.dead_letter_queue
                             ),
                         },
-                        &known,
+                        known,
                     );
                 }
-                Err(e) => return failure(e, &known),
+                Err(e) => return failure(e, known),
             }
         }
     };
     let attributes = queue::attributes(&want, dlq_arn.as_deref());
     let (url, new) =
-        match find_or_create(client, ctx, sub, &want.name, attributes.clone(), &known).await {
+        match find_or_create(client, ctx, t, &want.name, attributes.clone(), changes).await {
             Ok(x) => x,
             Err(o) => return o,
         };
@@ -245,13 +234,13 @@ pub async fn ensure(
                             want.name
                         ),
                     },
-                    &known,
+                    known,
                 );
             }
-            Err(e) => return failure(e, &known),
+            Err(e) => return failure(e, known),
         };
-        let changes = queue::diff(&want, &live);
-        if !changes.is_empty() {
+        let diff = queue::diff(&want, &live);
+        if !diff.is_empty() {
             let mut set = attributes;
             if want.redrive.is_none() {
                 // An empty RedrivePolicy removes it.
@@ -259,24 +248,18 @@ pub async fn ensure(
             }
             ctx.metrics.js("sqs.set_attributes");
             if let Err(e) = admin::set_attributes(client, &url, set).await {
-                return failure(e, &known);
+                return failure(e, known);
             }
-            let changes = changes
+            let edits = diff
                 .iter()
                 .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join("; ");
-            ctx.metrics.op("update");
-            tracing::info!(subscription = %owner, queue = %want.name, %changes, "updated the queue's attributes in place");
-            publish(
-                ctx,
-                sub,
-                EventType::Normal,
-                events::UPDATED,
-                "Reconcile",
-                format!("updated SQS queue {} in place: {changes}", want.name),
-            )
-            .await;
+            tracing::info!(subscription = %owner, queue = %want.name, changes = %edits, "updated the queue's attributes in place");
+            changes.push(
+                ChangeKind::Updated,
+                format!("updated SQS queue {} in place: {edits}", want.name),
+            );
         }
     }
     // The account's queues beside it: where the runtime reports and the operator keeps its
@@ -291,7 +274,7 @@ pub async fn ensure(
             report::ledger_attributes(),
         ),
     ] {
-        match find_or_create(client, ctx, sub, &account_queue, attributes, &known).await {
+        match find_or_create(client, ctx, t, &account_queue, attributes, changes).await {
             Ok((_, true)) => made.push(format!("account queue {account_queue}")),
             Ok((_, false)) => {}
             Err(o) => return o,
@@ -299,18 +282,16 @@ pub async fn ensure(
     }
     if !made.is_empty() {
         let made = made.join(" and ");
-        let (op, reason, note) = if again {
+        let (kind, note) = if again {
             (
-                "recreate",
-                events::RECREATED,
+                ChangeKind::Recreated,
                 format!("{made} missing from SQS (deleted there): made again"),
             )
         } else {
-            ("create", events::CREATED, format!("created SQS {made}"))
+            (ChangeKind::Created, format!("created SQS {made}"))
         };
-        ctx.metrics.op(op);
-        tracing::info!(subscription = %owner, %made, %op, "SQS queue");
-        publish(ctx, sub, EventType::Normal, reason, "Reconcile", note).await;
+        tracing::info!(subscription = %owner, %made, op = kind.op(), "SQS queue");
+        changes.push(kind, note);
     }
     SubOutcome::QueueReady {
         kind: BackendKind::Sqs,
@@ -328,17 +309,12 @@ fn waiting(e: AdminError) -> Removal {
 
 /// The cleanup's broker call on SQS: deletes this Subscription's queue if it is its own, and its
 /// dead-letter queue if Settle made it and it is empty.
-pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
-    let owner = format!("{ns}/{name}");
+pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Removal {
+    let owner = &t.owner;
     let client = conn.broker.client();
-    let queue_name = match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
+    let queue_name = match &t.known {
         Some(c) if c.stream == SQS_STREAM => c.name.clone(),
-        _ => match queue::desired(
-            conn.broker.queue_prefix(),
-            &ResolvedPolicy::resolve(&sub.spec.policy),
-        ) {
+        _ => match queue::desired(conn.broker.queue_prefix(), &t.policy) {
             Ok(w) => w.name,
             // No valid queue name: Settle never made one.
             Err(_) => return Removal::Nothing,
@@ -350,7 +326,7 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
         Err(e) => return waiting(e),
         Ok(None) => {}
         Ok(Some(url)) => {
-            let owns = match judged(client, ctx, sub, &url).await {
+            let owns = match judged(client, ctx, t, &url).await {
                 Ok(t) => t.is_ok(),
                 Err(e) => return waiting(e),
             };
@@ -374,7 +350,7 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
         match admin::queue_url(client, &account_queue).await {
             Err(e) => return waiting(e),
             Ok(None) => {}
-            Ok(Some(url)) => match judged(client, ctx, sub, &url).await {
+            Ok(Some(url)) => match judged(client, ctx, t, &url).await {
                 Err(e) => return waiting(e),
                 Ok(Ok(_)) => {
                     ctx.metrics.js("sqs.delete");
@@ -395,7 +371,7 @@ pub async fn remove(sub: &Subscription, ctx: &Ctx, conn: &SqsConn) -> Removal {
         Err(e) => return waiting(e),
         Ok(None) => {}
         Ok(Some(url)) => {
-            let owns = match judged(client, ctx, sub, &url).await {
+            let owns = match judged(client, ctx, t, &url).await {
                 Ok(t) => t.is_ok(),
                 Err(e) => return waiting(e),
             };

@@ -7,9 +7,11 @@
 //! 3. check the spec again with the one `validate` (no I/O) — invalid: `Accepted=False`, nothing made;
 //! 4. find the Backend and its connection (cache, no I/O);
 //! 5. converge on the broker through the kind's one mapping: [`super::nats`], [`super::rabbitmq`],
-//!    [`super::sqs`] (the only step, with the cleanup's broker call, that differs by kind);
-//! 6. write status only if it changed (API), an Event for what was done, and the
-//!    `settle_subscription_ready` gauge.
+//!    [`super::sqs`] (the only step, with the cleanup's broker call, that differs by kind). Each
+//!    is handed the [`Target`] built once here and returns what the broker holds and what it
+//!    changed ([`super::step`]);
+//! 6. an Event and an operation count for each change, status written only if it changed
+//!    (API), and the `settle_subscription_ready` gauge.
 //!
 //! Kinds with broker events (NATS advisories) are re-checked on the resync interval; kinds
 //! without (RabbitMQ without plugins, SQS) on the shorter drift interval, so a queue deleted on
@@ -34,15 +36,13 @@ use super::conditions::{events, reasons, types};
 use super::connections::{Conn, Lookup};
 use super::metrics::SUBSCRIPTION;
 use super::status::{SubOutcome, subscription_status};
+use super::step::{Change, Removal, SQS_STREAM, Target};
 use super::{Ctx, Error, FIELD_MANAGER};
 use crate::api::{Backend, DeletionPolicy, Subscription};
 use crate::policy::{BackendKind, BackendView, effective_capabilities, validate};
 
 /// The finalizer that makes deleting a Subscription delete its consumer first.
 pub const FINALIZER: &str = "messaging.settle.dev/consumer";
-
-/// `status.consumer.stream` of an SQS queue (SQS has no streams or exchanges).
-pub const SQS_STREAM: &str = "sqs";
 
 /// Reconciles one Subscription.
 pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, Error> {
@@ -51,17 +51,17 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         .duration
         .with_label_values(&[SUBSCRIPTION])
         .start_timer();
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
-    let api: Api<Subscription> = Api::namespaced(ctx.client.clone(), &ns);
+    let target = Target::of(&sub);
+    let (ns, name) = (&target.namespace, &target.name);
+    let api: Api<Subscription> = Api::namespaced(ctx.client.clone(), ns);
     let fkey = format!("subscription/{ns}/{name}");
 
     if sub.metadata.deletion_timestamp.is_some() {
         if has_finalizer(&sub) {
-            cleanup(&sub, &ctx).await?;
+            cleanup(&target, &ctx).await?;
             remove_finalizer(&api, &sub, &ctx).await?;
         }
-        ctx.metrics.forget_subscription(&ns, &name);
+        ctx.metrics.forget_subscription(ns, name);
         ctx.succeeded(&fkey);
         return Ok(Action::await_change());
     }
@@ -69,13 +69,12 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         add_finalizer(&api, &sub, &ctx).await?;
     }
 
-    let Some(outcome) = converge(&sub, &ctx).await else {
+    let Some(outcome) = converge(&target, &ctx).await else {
         // The Backend's connection is being made; its first event reconciles this again.
         return Ok(Action::requeue(Duration::from_secs(1)));
     };
     write_status(&api, &sub, &outcome, &ctx).await?;
-    ctx.metrics
-        .subscription_ready(&ns, &name, outcome.is_ready());
+    ctx.metrics.subscription_ready(ns, name, outcome.is_ready());
     // Kinds without broker events are polled for drift.
     let polled = backend_of(&sub, &ctx)
         .and_then(|b| BackendKind::of(&b.spec))
@@ -180,11 +179,11 @@ fn backend_of(sub: &Subscription, ctx: &Ctx) -> Option<Arc<Backend>> {
         .get(&ObjectRef::new(&sub.spec.backend_ref.name).within(&ns))
 }
 
-/// Steps 3–5: what the broker now holds for this Subscription. `None`: not known yet (the
-/// Backend's first connection attempt has not finished).
-async fn converge(sub: &Subscription, ctx: &Ctx) -> Option<SubOutcome> {
-    let ns = sub.namespace().unwrap_or_default();
-    let known = sub.status.as_ref().and_then(|s| s.consumer.clone());
+/// Steps 3–5: what the broker now holds for this Subscription, with an Event for each change
+/// the broker step made. `None`: not known yet (the Backend's first connection attempt has not
+/// finished).
+async fn converge(t: &Target<'_>, ctx: &Ctx) -> Option<SubOutcome> {
+    let (sub, ns) = (t.sub, &t.namespace);
     let backend_name = &sub.spec.backend_ref.name;
 
     // 3. The one validate, before the broker is touched.
@@ -221,11 +220,24 @@ async fn converge(sub: &Subscription, ctx: &Ctx) -> Option<SubOutcome> {
     };
 
     // 5. The broker, by kind.
-    Some(match &*conn {
-        Conn::Nats(c) => super::nats::ensure(sub, ctx, c, known).await,
-        Conn::Rabbitmq(c) => super::rabbitmq::ensure(sub, ctx, c, known).await,
-        Conn::Sqs(c) => super::sqs::ensure(sub, ctx, c, known).await,
-    })
+    let converged = match &*conn {
+        Conn::Nats(c) => super::nats::ensure(t, ctx, c).await,
+        Conn::Rabbitmq(c) => super::rabbitmq::ensure(t, ctx, c).await,
+        Conn::Sqs(c) => super::sqs::ensure(t, ctx, c).await,
+    };
+    for Change { kind, note } in converged.changes {
+        ctx.metrics.op(kind.op());
+        publish(
+            ctx,
+            sub,
+            EventType::Normal,
+            kind.reason(),
+            "Reconcile",
+            note,
+        )
+        .await;
+    }
+    Some(converged.outcome)
 }
 
 /// Step 6: the status, only when it changed; and an Event when Ready changes its reason for a
@@ -281,26 +293,12 @@ async fn write_status(
     Ok(())
 }
 
-/// What the cleanup's broker call did.
-#[derive(Debug)]
-pub enum Removal {
-    /// Deleted; the Event's note.
-    Deleted(String),
-    /// Nothing of this Subscription's was there (gone already, or not its own).
-    Nothing,
-    /// The broker cannot be asked now: deletion waits.
-    Wait(String),
-    /// The broker refused: tried again.
-    Failed(String),
-}
-
 /// Step 1: the consumer (or queue) goes with the Subscription, unless it is retained. Returns
 /// `Err` while the broker cannot be asked (deletion waits); a missing Backend or consumer is done.
-async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
-    let ns = sub.namespace().unwrap_or_default();
-    let name = sub.name_any();
+async fn cleanup(t: &Target<'_>, ctx: &Ctx) -> Result<(), Error> {
+    let (sub, ns, name) = (t.sub, &t.namespace, &t.name);
     if sub.spec.deletion_policy == DeletionPolicy::Retain {
-        let note = match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
+        let note = match &t.known {
             Some(c) if c.stream == SQS_STREAM => format!(
                 "deletionPolicy is Retain: SQS queue {} stays on the broker",
                 c.name
@@ -347,9 +345,9 @@ async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
         }
     };
     let removal = match &*conn {
-        Conn::Nats(c) => super::nats::remove(sub, ctx, c).await,
-        Conn::Rabbitmq(c) => super::rabbitmq::remove(sub, ctx, c).await,
-        Conn::Sqs(c) => super::sqs::remove(sub, ctx, c).await,
+        Conn::Nats(c) => super::nats::remove(t, ctx, c).await,
+        Conn::Rabbitmq(c) => super::rabbitmq::remove(t, ctx, c).await,
+        Conn::Sqs(c) => super::sqs::remove(t, ctx, c).await,
     };
     match removal {
         Removal::Deleted(note) => {
@@ -363,23 +361,8 @@ async fn cleanup(sub: &Subscription, ctx: &Ctx) -> Result<(), Error> {
     }
 }
 
-/// A leftover of an earlier object taken over, as annotation `settle.dev/adopt` asked (the
-/// broker step says what it took in `note`): counted and recorded as an `Adopted` Event.
-pub(super) async fn adopted(ctx: &Ctx, sub: &Subscription, note: String) {
-    ctx.metrics.op("adopt");
-    publish(
-        ctx,
-        sub,
-        EventType::Normal,
-        events::ADOPTED,
-        "Reconcile",
-        note,
-    )
-    .await;
-}
-
 /// Records a Kubernetes Event on the Subscription; a failure to record is logged, never fatal.
-pub(super) async fn publish(
+async fn publish(
     ctx: &Ctx,
     sub: &Subscription,
     type_: EventType,

@@ -1,0 +1,139 @@
+//! What the Subscription pipeline ([`super::subscription`]) and its broker steps
+//! ([`super::nats`], [`super::rabbitmq`], [`super::sqs`]) share: the [`Target`] the pipeline
+//! builds once from a validated Subscription and hands to a step, the [`Change`]s a step made on
+//! the broker, and what the cleanup's broker call did ([`Removal`]). A step returns these; the
+//! pipeline alone writes the Events and counts the operations.
+//!
+//! It must not call a broker or the API server, and imports nothing from the pipeline or the
+//! steps.
+
+use kube::ResourceExt;
+
+use super::conditions::events;
+use super::status::{ADOPT_ANNOTATION, SubOutcome};
+use crate::api::{ConsumerRef, Subscription};
+use crate::policy::ResolvedPolicy;
+
+/// `status.consumer.stream` of an SQS queue (SQS has no streams or exchanges).
+pub const SQS_STREAM: &str = "sqs";
+
+/// One Subscription as every step needs it, derived once.
+pub struct Target<'a> {
+    /// The object itself, for the spec's fields no step shares.
+    pub sub: &'a Subscription,
+    pub namespace: String,
+    pub name: String,
+    /// `namespace/name`: the owner mark every broker object of this Subscription carries.
+    pub owner: String,
+    pub uid: Option<String>,
+    /// The spec's policy with every default filled in.
+    pub policy: ResolvedPolicy,
+    /// The consumer or queue status shows from before.
+    pub known: Option<ConsumerRef>,
+    /// The UID annotation `settle.dev/adopt` names, if any (C15).
+    pub adopt: Option<String>,
+}
+
+impl<'a> Target<'a> {
+    pub fn of(sub: &'a Subscription) -> Target<'a> {
+        let namespace = sub.namespace().unwrap_or_default();
+        let name = sub.name_any();
+        Target {
+            owner: format!("{namespace}/{name}"),
+            namespace,
+            name,
+            uid: sub.metadata.uid.clone(),
+            policy: ResolvedPolicy::resolve(&sub.spec.policy),
+            known: sub.status.as_ref().and_then(|s| s.consumer.clone()),
+            adopt: sub.annotations().get(ADOPT_ANNOTATION).cloned(),
+            sub,
+        }
+    }
+
+    pub fn uid(&self) -> Option<&str> {
+        self.uid.as_deref()
+    }
+
+    pub fn adopt(&self) -> Option<&str> {
+        self.adopt.as_deref()
+    }
+}
+
+/// What a step did on the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChangeKind {
+    /// Made for the first time.
+    Created,
+    /// Made again: it was missing (deleted on the broker, or lost), or left over for deletion.
+    Recreated,
+    /// Changed in place.
+    Updated,
+    /// Taken over from an earlier object of this name, as the adopt annotation asked.
+    Adopted,
+}
+
+impl ChangeKind {
+    /// `settle_operations_total{op}`.
+    pub fn op(self) -> &'static str {
+        match self {
+            ChangeKind::Created => "create",
+            ChangeKind::Recreated => "recreate",
+            ChangeKind::Updated => "update",
+            ChangeKind::Adopted => "adopt",
+        }
+    }
+
+    /// The Event's reason.
+    pub fn reason(self) -> &'static str {
+        match self {
+            ChangeKind::Created => events::CREATED,
+            ChangeKind::Recreated => events::RECREATED,
+            ChangeKind::Updated => events::UPDATED,
+            ChangeKind::Adopted => events::ADOPTED,
+        }
+    }
+}
+
+/// One change, with the Event's note.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    pub kind: ChangeKind,
+    pub note: String,
+}
+
+/// What a step returns: what the broker now holds, and what it changed to get there (in order;
+/// a step that fails halfway still reports what it had changed).
+pub struct Converged {
+    pub outcome: SubOutcome,
+    pub changes: Vec<Change>,
+}
+
+/// The changes of one step, collected as it goes.
+#[derive(Default)]
+pub struct Changes(Vec<Change>);
+
+impl Changes {
+    pub fn push(&mut self, kind: ChangeKind, note: String) {
+        self.0.push(Change { kind, note });
+    }
+
+    pub fn with(self, outcome: SubOutcome) -> Converged {
+        Converged {
+            outcome,
+            changes: self.0,
+        }
+    }
+}
+
+/// What the cleanup's broker call did.
+#[derive(Debug)]
+pub enum Removal {
+    /// Deleted; the Event's note.
+    Deleted(String),
+    /// Nothing of this Subscription's was there (gone already, or not its own).
+    Nothing,
+    /// The broker cannot be asked now: deletion waits.
+    Wait(String),
+    /// The broker refused: tried again.
+    Failed(String),
+}
