@@ -9,14 +9,27 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, 
 /// The controllers, as the `controller` label names them.
 pub const BACKEND: &str = "backend";
 pub const SUBSCRIPTION: &str = "subscription";
-/// The `result` of a reconcile.
-pub const RESULTS: [&str; 2] = ["ok", "error"];
+/// The `result` of a reconcile: `ok`, or the failure's category (`reconcile::Error::category`):
+/// the Kubernetes API failed, the broker refused, the broker cannot be asked yet, or the watch
+/// behind the controller failed.
+pub const RESULT_OK: &str = "ok";
+pub const RESULT_KUBE: &str = "kube";
+pub const RESULT_BROKER: &str = "broker";
+pub const RESULT_WAITING: &str = "waiting";
+pub const RESULT_WATCH: &str = "watch";
+pub const RESULTS: [&str; 5] = [
+    RESULT_OK,
+    RESULT_KUBE,
+    RESULT_BROKER,
+    RESULT_WAITING,
+    RESULT_WATCH,
+];
 /// The `op` of a consumer operation.
 pub const OPS: [&str; 5] = ["create", "update", "delete", "recreate", "adopt"];
 
 #[derive(Clone)]
 pub struct Metrics {
-    /// `settle_reconcile_total{controller,result}`: result is `ok` or the error's kind.
+    /// `settle_reconcile_total{controller,result}`: result is `ok` or the failure's category.
     pub reconciles: IntCounterVec,
     /// `settle_reconcile_duration_seconds{controller}`.
     pub duration: HistogramVec,
@@ -154,6 +167,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_failure_category_is_a_result_exported_from_the_start() {
+        use super::super::Error;
+        for e in [
+            Error::Broker("refused".into()),
+            Error::Waiting("connecting".into()),
+            Error::Kube(kube::Error::LinesCodecMaxLineLengthExceeded),
+        ] {
+            assert!(RESULTS.contains(&e.category()), "{e}: {}", e.category());
+        }
+    }
+
+    #[test]
     fn the_work_counters_are_exported_at_zero_before_any_work() {
         let r = Registry::new();
         let _m = Metrics::new(&r).expect("registers");
@@ -163,9 +188,12 @@ mod tests {
         let text = String::from_utf8(buf).expect("utf-8");
         for line in [
             r#"settle_reconcile_total{controller="subscription",result="ok"} 0"#,
-            r#"settle_reconcile_total{controller="subscription",result="error"} 0"#,
+            r#"settle_reconcile_total{controller="subscription",result="kube"} 0"#,
+            r#"settle_reconcile_total{controller="subscription",result="broker"} 0"#,
+            r#"settle_reconcile_total{controller="subscription",result="waiting"} 0"#,
+            r#"settle_reconcile_total{controller="subscription",result="watch"} 0"#,
             r#"settle_reconcile_total{controller="backend",result="ok"} 0"#,
-            r#"settle_reconcile_total{controller="backend",result="error"} 0"#,
+            r#"settle_reconcile_total{controller="backend",result="broker"} 0"#,
             r#"settle_status_writes_total{controller="subscription"} 0"#,
             r#"settle_status_writes_total{controller="backend"} 0"#,
             r#"settle_consumer_operations_total{op="create"} 0"#,

@@ -22,6 +22,7 @@ pub mod nats;
 pub mod rabbitmq;
 pub mod sqs;
 pub mod status;
+pub mod step;
 pub mod subscription;
 
 use std::collections::HashMap;
@@ -81,6 +82,17 @@ pub enum Error {
     Broker(String),
     #[error("waiting for the broker: {0}")]
     Waiting(String),
+}
+
+impl Error {
+    /// What kind of failure it is: the `result` label of `settle_reconcile_total`.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => metrics::RESULT_KUBE,
+            Error::Broker(_) => metrics::RESULT_BROKER,
+            Error::Waiting(_) => metrics::RESULT_WAITING,
+        }
+    }
 }
 
 /// What every reconcile shares.
@@ -517,17 +529,22 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Counts one reconcile's result (`settle_reconcile_total`).
-fn count<K: Resource, E: std::fmt::Display>(
+/// Counts one reconcile's result (`settle_reconcile_total`): `ok`, or the failure's category.
+fn count<K: Resource, Q: std::error::Error + 'static>(
     metrics: &Metrics,
     controller: &str,
-    r: Result<(ObjectRef<K>, Action), E>,
+    r: Result<(ObjectRef<K>, Action), kube::runtime::controller::Error<Error, Q>>,
 ) -> futures::future::Ready<()> {
+    use kube::runtime::controller::Error as Run;
     let result = match &r {
-        Ok(_) => "ok",
+        Ok(_) => metrics::RESULT_OK,
         Err(e) => {
             tracing::debug!(%controller, error = %e, "reconcile error");
-            "error"
+            match e {
+                Run::ReconcilerFailed(e, _) => e.category(),
+                // The watch or the queue behind the controller, not one object's reconcile.
+                _ => metrics::RESULT_WATCH,
+            }
         }
     };
     metrics
