@@ -17,7 +17,7 @@
 //!   operator's calls to them.
 //! - [`admission`]: the webhook and `settle check`, serving `policy::validate`.
 //! - [`account`]: the delivery account that fills `status.stats`: the pure ledger, a keeper per
-//!   NATS and RabbitMQ Backend, the SQS gauges, the one status writer.
+//!   NATS, RabbitMQ and SQS Backend, the one status writer.
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
 //! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).

@@ -9,7 +9,7 @@
 //! it over rustls with a certificate from `admission::certs`, with metrics and a log line per
 //! decision.
 //!
-//! This module must not write admission rules (they live in `rules.rs`), must not change
+//! This module must not write admission rules (they live in `policy::rules`), must not change
 //! anything anywhere (the webhook declares `sideEffects: None`; `dryRun` requests are handled
 //! exactly like the others), and must never panic or hang on what a client sends: malformed
 //! input gets a 400 or a denial that says why, and a Backend it cannot read fails closed.

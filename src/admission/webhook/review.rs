@@ -15,7 +15,7 @@
 //! Backend, so neither a spec that is no longer valid nor a Backend that cannot be read keeps a
 //! Subscription or its namespace Terminating.
 //!
-//! This file must not write admission rules (they live in `rules.rs`), must not change anything
+//! This file must not write admission rules (they live in `policy::rules`), must not change anything
 //! anywhere (`dryRun` requests are answered exactly like the others), and must never panic on
 //! what a client sends: malformed input gets a 400 or a denial that says why, and a Backend it
 //! cannot read fails closed. Allowed requests are logged at DEBUG, denials at INFO, requests
