@@ -99,8 +99,9 @@ step "A stream for the samples' subjects (the platform's job; Settle makes consu
 js_api STREAM.CREATE.DEMO '{"name":"DEMO","subjects":["orders.>","metrics.*","reports.generate","images.uploaded"],"storage":"file"}'
 
 step "Apply the samples: all admitted; the nats Backend pointed at the local nats-server"
-kubectl apply -n "$NS" -k config/samples/
-kubectl patch backend nats -n "$NS" --type=merge -p "{\"spec\":{\"nats\":{\"servers\":[\"$SETTLE_NATS_URL\"]}}}"
+# The sample's server is set before the apply, never patched after it: the operator would have
+# looked its name (nats.messaging) up in the machine's resolver in between.
+kubectl kustomize config/samples/ | sed "s|nats://nats.messaging:4222|$SETTLE_NATS_URL|" | kubectl apply -n "$NS" -f -
 
 step "The operator connects to the Backend and makes a consumer for each Subscription"
 kubectl wait -n "$NS" --for=condition=Ready --timeout=60s backend/nats subscription/orders subscription/metrics subscription/reports
