@@ -4,7 +4,10 @@
 #   management plugin and its own epmd) and ElasticMQ (SQS).
 #   hack/env.sh up       install what is missing, start all four side by side, wait until each is
 #                        ready, write $SETTLE_ENV_DIR/settle.env (default target/env/settle.env)
-#   hack/env.sh down     stop them all and remove their state
+#   hack/env.sh up --node  the same plus a real Kubernetes node with its own API server
+#                        (hack/node.sh: kubelet, containerd, kube-proxy; root, one per machine),
+#                        for the pod suite; `make test` starts it
+#   hack/env.sh down     stop them all (the node too) and remove their state
 #   hack/env.sh status   say what runs
 # `up` is idempotent: if the environment is already up and healthy it only prints how to use it.
 # Several environments run side by side (SETTLE_ENV_DIR): each has its own ports, data, node
@@ -172,13 +175,30 @@ healthy() {
   [ -f "$ENV_FILE" ] && api_ready
 }
 
+BRIDGE_NOTE="10.244.0.1 (hack/node.sh)"
+# The node, with `up --node`: started beside the other parts, its variables in settle.env.
+start_node() { "$ROOT/hack/node.sh" up; }
+write_env_file() {
+  {
+    echo "# Written by hack/env.sh up; source it to use the environment."
+    for part in $PARTS; do cat "$ENV_DIR/$part.env"; done
+    echo "export SETTLE_HELM=$("$ROOT/hack/tools.sh" path helm)"
+  } >"$ENV_FILE"
+}
+
 up() {
-  if healthy; then print_usage; return 0; fi
+  if [ "${1:-}" = --node ]; then PARTS="$PARTS node"; fi
+  if healthy; then
+    # Up already: add the node when it is asked for and missing.
+    case " $PARTS " in *" node "*) start_node; write_env_file ;; esac
+    print_usage; return 0
+  fi
   down >/dev/null
   "$ROOT/hack/tools.sh" build
   mkdir -p "$ENV_DIR"
   local start=$SECONDS part pids=() failed=""
   echo "starting kube-apiserver+etcd, nats-server, RabbitMQ and ElasticMQ on 127.0.0.1"
+  case " $PARTS " in *" node "*) echo "and a Kubernetes node on the bridge $BRIDGE_NOTE" ;; esac
   # Side by side: together they take as long as the slowest, not the sum.
   for part in $PARTS; do
     ( set -e; t=$SECONDS; "start_$part"; echo "  ($part: $((SECONDS - t))s)" ) & pids+=($!)
@@ -190,14 +210,11 @@ up() {
   done
   if [ -n "$failed" ]; then
     echo "error: did not start:$failed (logs in $ENV_DIR); stopping the rest" >&2
+    "$ROOT/hack/node.sh" down >/dev/null 2>&1 || true
     down_processes
     return 1
   fi
-  {
-    echo "# Written by hack/env.sh up; source it to use the environment."
-    for part in $PARTS; do cat "$ENV_DIR/$part.env"; done
-    echo "export SETTLE_HELM=$("$ROOT/hack/tools.sh" path helm)"
-  } >"$ENV_FILE"
+  write_env_file
   echo "environment ready in $((SECONDS - start))s"
   print_usage
 }
@@ -218,6 +235,8 @@ down_processes() {
 }
 
 down() {
+  # The node first: its pods are torn down while its API server still runs.
+  [ ! -d "$ENV_DIR/node" ] || "$ROOT/hack/node.sh" down
   down_processes
   rm -rf "$ENV_DIR"
   echo "Settle environment is down"
@@ -229,13 +248,14 @@ status() {
     if alive "$p"; then echo "$p: running (pid $(cat "$ENV_DIR/$p.pid"), log $ENV_DIR/$p.log)"
     elif [ "$p" != operator ]; then echo "$p: stopped"; fi
   done
+  [ ! -d "$ENV_DIR/node" ] || "$ROOT/hack/node.sh" status
   [ -f "$ENV_FILE" ] && sed -n 's/^export /  /p' "$ENV_FILE"
   return 0
 }
 
 case "${1:-}" in
-  up) up ;;
+  up) up "${2:-}" ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: hack/env.sh up|down|status" >&2; exit 2 ;;
+  *) echo "usage: hack/env.sh up [--node] | down | status" >&2; exit 2 ;;
 esac

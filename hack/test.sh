@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: builds what is missing, brings up the real environment (kube-apiserver + etcd,
-# nats-server, RabbitMQ, ElasticMQ), runs every test, and always brings the environment down again.
+# nats-server, RabbitMQ, ElasticMQ, and a Kubernetes node for the pod suite), runs every test, and
+# always brings the environment down again (the node puts the host back as it was).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -17,7 +18,7 @@ cargo build --all-targets --locked --quiet   # compile before the environment st
 export SETTLE_ENV_DIR="$ROOT/target/test-env"
 hack/env.sh down >/dev/null 2>&1 || true
 trap 'hack/env.sh down >/dev/null 2>&1 || true' EXIT
-hack/env.sh up
+hack/env.sh up --node
 # shellcheck disable=SC1091
 source "$SETTLE_ENV_DIR/settle.env"
 
@@ -31,6 +32,10 @@ log="$ROOT/target/test-output.log"
     | python3 hack/run-tests.py "${SETTLE_TEST_JOBS:-3}"
   cargo test --locked --doc
 } 2>&1 | tee "$log"
+# The node changed the host (a bridge, iptables chains, sysctls): its `down` must undo all of it.
+trap - EXIT
+hack/env.sh down >/dev/null
+hack/node.sh check
 counts="$(awk '/^test result:/ {p += $4; f += $6} END {printf "%d passed, %d failed", p, f}' "$log")"
 echo "make test: every suite green in $((SECONDS - start))s"
 echo "settle: $counts"
