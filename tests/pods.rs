@@ -33,7 +33,6 @@ use common::operator::{condition, poll};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::EvictParams;
 use serde_json::{Value, json};
 use settle::api::{Backend, ConsumerStats, Subscription};
 
@@ -411,6 +410,7 @@ async fn leader_failover(
     // Let the loop run against the steady install first.
     applier.wait_applied(3);
     let t = Instant::now();
+    let deleted_at = k8s_openapi::jiff::Timestamp::now();
     node.kubectl_ok(
         &["delete", "pod", &leader, "-n", SYSTEM, "--wait=false"],
         None,
@@ -449,6 +449,25 @@ async fn leader_failover(
     );
     let subs: Api<Subscription> = Api::namespaced(client.clone(), TEAM);
     assert_consumer(&subs, js, "after-failover").await;
+    // Taking the Lease (and syncing the controllers' caches) never took the new leader out of
+    // the webhook's Service: its Ready condition has not changed since before the failover.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), SYSTEM);
+    let pod = pods.get(&new_leader).await.expect("the new leader's pod");
+    let ready = pod
+        .status
+        .and_then(|s| s.conditions)
+        .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"))
+        .expect("a Ready condition");
+    assert_eq!(ready.status, "True", "{ready:?}");
+    let changed = ready
+        .last_transition_time
+        .clone()
+        .expect("lastTransitionTime")
+        .0;
+    assert!(
+        changed <= deleted_at,
+        "the new leader's readiness changed at {changed} during the failover (leader deleted at {deleted_at}): {ready:?}"
+    );
     node.wait_rollout(SYSTEM, RELEASE, Duration::from_secs(120));
     let (applied, refused) = applier.stop();
     println!(
@@ -466,31 +485,55 @@ async fn evictions_respect_the_pdb(node: &Node, client: &kube::Client) {
     step("evictions through the Eviction API respect the PodDisruptionBudget");
     let pdb = node.get_json(&["get", "poddisruptionbudget", RELEASE, "-n", SYSTEM]);
     assert_eq!(pdb["spec"]["maxUnavailable"], 1, "{}", pdb["spec"]);
-    // The disruption controller counts both replicas healthy again after the failover.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // Both replicas Ready, and the disruption controller has counted them so: the budget allows
+    // one disruption. Held for 2 s, so a status written before the failover's replacement was
+    // counted is not taken for the present one.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), SYSTEM);
+    let mut since: Option<Instant> = None;
+    let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let pdb = node.get_json(&["get", "poddisruptionbudget", RELEASE, "-n", SYSTEM]);
-        if pdb["status"]["disruptionsAllowed"] == 1 && pdb["status"]["currentHealthy"] == 2 {
-            break;
+        let names = operator_pods(node);
+        let mut ready = 0;
+        for n in &names {
+            if pod_ready(&pods, n).await {
+                ready += 1;
+            }
         }
-        assert!(Instant::now() < deadline, "PDB status: {}", pdb["status"]);
+        let ok = ready == 2
+            && names.len() == 2
+            && pdb["status"]["disruptionsAllowed"] == 1
+            && pdb["status"]["currentHealthy"] == 2
+            && pdb["status"]["observedGeneration"] == pdb["metadata"]["generation"];
+        match (ok, since) {
+            (true, Some(t)) if t.elapsed() >= Duration::from_secs(2) => break,
+            (true, None) => since = Some(Instant::now()),
+            (true, Some(_)) => {}
+            (false, _) => since = None,
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the PDB never allowed one disruption with both replicas Ready: {} ({ready} Ready of {names:?})",
+            pdb["status"]
+        );
         std::thread::sleep(Duration::from_millis(250));
     }
-    let pods: Api<Pod> = Api::namespaced(client.clone(), SYSTEM);
     let names = operator_pods(node);
     assert_eq!(names.len(), 2, "{names:?}");
-    pods.evict(&names[0], &EvictParams::default())
-        .await
+    evict(node, &names[0])
         .unwrap_or_else(|e| panic!("the first eviction ({}) is allowed: {e}", names[0]));
-    // One replica is gone and its successor not yet Ready: the budget allows no other.
-    match pods.evict(&names[1], &EvictParams::default()).await {
-        Err(kube::Error::Api(s)) if s.code == 429 => {
-            println!("second eviction refused: {} {}", s.code, s.message);
-            assert!(s.message.contains("disruption budget"), "{}", s.message);
+    let after = node.get_json(&["get", "poddisruptionbudget", RELEASE, "-n", SYSTEM]);
+    let other_ready = pod_ready(&pods, &names[1]).await;
+    // One replica is gone and its successor not yet Ready: the budget allows no other. (Asked
+    // once, with kubectl: the kube client retries a 429 until the budget allows it.)
+    match evict(node, &names[1]) {
+        Err(e) if e.contains("(TooManyRequests)") => {
+            println!("second eviction refused: {e}");
+            assert!(e.contains("disruption budget"), "{e}");
         }
         other => panic!(
-            "the second eviction ({}) was not refused with 429: {other:?}",
-            names[1]
+            "the second eviction ({}, Ready: {other_ready}) was not refused with 429: {other:?}; the PDB after the first: {}",
+            names[1], after["status"]
         ),
     }
     node.wait_rollout(SYSTEM, RELEASE, Duration::from_secs(120));
@@ -642,7 +685,14 @@ fn uninstall_leaves_only_the_crds(node: &Node, figures: &mut Figures) {
         "120s",
     ]);
     figures.uninstall = t.elapsed();
-    let left = release_leftovers(node);
+    // Its pods stop, and the garbage collector deletes what the release's objects owned (the
+    // Lease and the certificate Secret, owned by the ServiceAccount), shortly after.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut left = release_leftovers(node);
+    while !left.is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        left = release_leftovers(node);
+    }
     println!("left by the release after uninstall: {left:?}");
     assert!(left.is_empty(), "helm uninstall left: {left:#?}");
     for crd in [
@@ -950,6 +1000,37 @@ async fn assert_consumer(api: &Api<Subscription>, js: &async_nats::jetstream::Co
     );
 }
 
+/// One policy/v1 Eviction of operator pod `name`, as `kubectl drain` sends it; the API server's
+/// refusal as kubectl prints it (`Error from server (TooManyRequests): ...`).
+fn evict(node: &Node, name: &str) -> Result<(), String> {
+    let eviction = json!({
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": SYSTEM},
+    });
+    let path = format!("/api/v1/namespaces/{SYSTEM}/pods/{name}/eviction");
+    let out = node.kubectl(
+        &["create", "--raw", &path, "-f", "-"],
+        Some(&eviction.to_string()),
+    );
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+    }
+}
+
+/// Whether pod `name` has condition Ready=True now.
+async fn pod_ready(pods: &Api<Pod>, name: &str) -> bool {
+    pods.get_opt(name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|p| p.status)
+        .and_then(|s| s.conditions)
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
 async fn stats_of(api: &Api<Subscription>, name: &str) -> ConsumerStats {
     api.get(name)
         .await
@@ -960,46 +1041,56 @@ async fn stats_of(api: &Api<Subscription>, name: &str) -> ConsumerStats {
         .unwrap_or_default()
 }
 
-/// `kubectl apply` of a valid Subscription in a loop, each time with another spec, counting the
-/// refusals (the webhook fails closed: a replica that is gone but still called refuses).
+/// `kubectl apply` of valid Subscriptions in loops (three at once, each on a Subscription of its
+/// own, each apply with another spec so it reaches the webhook), counting the refusals: the
+/// webhook fails closed, so a replica the API server still calls after it stopped answering
+/// refuses the apply.
 struct Applier {
     stop: Arc<AtomicBool>,
     applied: Arc<AtomicU64>,
-    thread: std::thread::JoinHandle<Vec<String>>,
+    threads: Vec<std::thread::JoinHandle<Vec<String>>>,
 }
+
+/// How many apply loops run at once.
+const APPLY_LOOPS: usize = 3;
 
 impl Applier {
     fn start(node: Node, name: &'static str) -> Applier {
         let stop = Arc::new(AtomicBool::new(false));
         let applied = Arc::new(AtomicU64::new(0));
-        let (flag, count) = (stop.clone(), applied.clone());
-        let thread = std::thread::spawn(move || {
-            let mut refused = Vec::new();
-            let mut i: u64 = 0;
-            while !flag.load(Ordering::SeqCst) {
-                i += 1;
-                let spec = format!(
-                    "  mode: AtLeastOnce\n  durableName: {name}\n  maxInFlight: {}\n",
-                    1 + i % 200
-                );
-                let out = node.kubectl(
-                    &["apply", "-n", TEAM, "-f", "-"],
-                    Some(&sub_yaml(name, "nats", &format!("orders.{name}.>"), &spec)),
-                );
-                count.fetch_add(1, Ordering::SeqCst);
-                if !out.status.success() {
-                    refused.push(format!(
-                        "apply {i}: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ));
-                }
-            }
-            refused
-        });
+        let threads = (0..APPLY_LOOPS)
+            .map(|loop_| {
+                let (node, flag, count) = (node.clone(), stop.clone(), applied.clone());
+                std::thread::spawn(move || {
+                    let sub = format!("{name}-{loop_}");
+                    let mut refused = Vec::new();
+                    let mut i: u64 = 0;
+                    while !flag.load(Ordering::SeqCst) {
+                        i += 1;
+                        let spec = format!(
+                            "  mode: AtLeastOnce\n  durableName: {sub}\n  maxInFlight: {}\n",
+                            1 + i % 200
+                        );
+                        let out = node.kubectl(
+                            &["apply", "-n", TEAM, "-f", "-"],
+                            Some(&sub_yaml(&sub, "nats", &format!("orders.{sub}.>"), &spec)),
+                        );
+                        count.fetch_add(1, Ordering::SeqCst);
+                        if !out.status.success() {
+                            refused.push(format!(
+                                "{sub} apply {i}: {}",
+                                String::from_utf8_lossy(&out.stderr).trim()
+                            ));
+                        }
+                    }
+                    refused
+                })
+            })
+            .collect();
         Applier {
             stop,
             applied,
-            thread,
+            threads,
         }
     }
 
@@ -1009,10 +1100,14 @@ impl Applier {
         });
     }
 
-    /// Stops the loop; how many applies ran, and each refusal.
+    /// Stops the loops; how many applies ran, and each refusal.
     fn stop(self) -> (usize, Vec<String>) {
         self.stop.store(true, Ordering::SeqCst);
-        let refused = self.thread.join().expect("applier");
+        let refused = self
+            .threads
+            .into_iter()
+            .flat_map(|t| t.join().expect("applier"))
+            .collect();
         (
             usize::try_from(self.applied.load(Ordering::SeqCst)).unwrap_or(usize::MAX),
             refused,

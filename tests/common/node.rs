@@ -338,6 +338,7 @@ impl BridgeNats {
                 "target/pods-nats-{what}-{}.log",
                 std::process::id()
             ));
+            let _ = std::fs::create_dir_all(root().join("target"));
             let file = std::fs::File::create(&log).expect("nats-server log");
             let mut child = Command::new(&node.nats_server)
                 .args(["-a", &node.ip, "-p", &port.to_string(), "-js", "-sd"])
