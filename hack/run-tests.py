@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 # Suites known to take longest start first, so the lanes end together.
 FIRST = [
-    "reconcile_faults", "leader_election", "reconcile_subscription", "reconcile_leader",
+    "pods", "reconcile_faults", "leader_election", "reconcile_subscription", "reconcile_leader",
     "helm_chart", "webhook_e2e", "reconcile_backend", "reconcile_runtime", "kustomize",
     "bus_nats", "webhook_hardening", "bus_rabbitmq", "bus_sqs", "operator_cli",
 ]

@@ -3,11 +3,14 @@
 //! - the metrics port: `/metrics` (Prometheus text, every `settle_*` metric), over plain HTTP, or,
 //!   with `--metrics-auth`, over HTTPS (the webhook's certificate) and only for a bearer token
 //!   the API server authenticates and authorizes for `get` on `/metrics` (`auth`). It also
-//!   answers `/healthz` and `/readyz`, as it always did, for scripts that look there;
+//!   answers `/healthz` and `/readyz`, for scripts that look there; its `/readyz` also waits,
+//!   on the leader, for the controllers' caches;
 //! - the probe port: `/healthz` (the process answers) and `/readyz` (the Backend cache has
-//!   synced, so admission answers with real capabilities; and, on the leader, the controllers'
-//!   caches have synced), for the kubelet alone, so that scrapes and idle connections on the
-//!   metrics port can never make a probe fail.
+//!   synced, so admission answers with real capabilities), for the kubelet alone, so that scrapes
+//!   and idle connections on the metrics port can never make a probe fail. It does not wait for
+//!   the controllers: readiness puts a replica in the webhook's Service and counts it healthy for
+//!   the PodDisruptionBudget, and a replica that just took the Lease serves admission as well as
+//!   before while its controllers sync.
 //!
 //! No body is ever read: anything but `GET` is answered 405. It must not serve anything that
 //! changes state.
@@ -168,7 +171,7 @@ impl Server {
         };
         let on_probe = move |req: Request<Incoming>| {
             let ready = probe_ready.clone();
-            async move { probe_answer(&req, &ready).unwrap_or_else(not_found) }
+            async move { probe_answer(&req, &ready, Controllers::Ignored).unwrap_or_else(not_found) }
         };
         tokio::join!(
             metrics.run(shutdown.clone(), on_metrics),
@@ -202,8 +205,21 @@ fn not_found(_: ()) -> Response<Full<Bytes>> {
     )
 }
 
+/// Whether `/readyz` waits for the leader's controllers to sync.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Controllers {
+    /// The metrics port's, for scripts: ready means everything has synced.
+    Awaited,
+    /// The probe port's, for the kubelet: ready means admission answers.
+    Ignored,
+}
+
 /// `/healthz` and `/readyz`, or `Err` for any other path.
-fn probe_answer(req: &Request<Incoming>, ready: &Ready) -> Result<Response<Full<Bytes>>, ()> {
+fn probe_answer(
+    req: &Request<Incoming>,
+    ready: &Ready,
+    controllers: Controllers,
+) -> Result<Response<Full<Bytes>>, ()> {
     if !matches!(req.uri().path(), "/healthz" | "/readyz") {
         return Err(());
     }
@@ -228,7 +244,7 @@ fn probe_answer(req: &Request<Incoming>, ready: &Ready) -> Result<Response<Full<
                 "the Backend cache has not synced yet\n",
                 PLAIN,
             )
-        } else if !ready.controllers.ready() {
+        } else if controllers == Controllers::Awaited && !ready.controllers.ready() {
             text(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "leading, and the controllers' caches have not synced yet\n",
@@ -246,7 +262,7 @@ async fn metrics_answer(
     ready: &Ready,
     auth: Option<&Authorizer>,
 ) -> Response<Full<Bytes>> {
-    if let Ok(probe) = probe_answer(req, ready) {
+    if let Ok(probe) = probe_answer(req, ready, Controllers::Awaited) {
         return probe;
     }
     if req.uri().path() != "/metrics" {

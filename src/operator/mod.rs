@@ -9,6 +9,7 @@
 mod auth;
 mod health;
 pub mod leader;
+mod owner;
 
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroUsize;
@@ -411,13 +412,15 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         });
     let backends_task = tokio::spawn(backends);
 
+    // What the operator creates for itself goes with its ServiceAccount (helm uninstall).
+    let owner = owner::own_service_account(&client, &args.namespace).await;
+
     // Contend for the Lease from the start; only what reconciles waits on it.
     let mut leadership = if args.leader_election {
-        leader::start(
-            client.clone(),
-            leader::LeaseConfig::new(&args.namespace, &args.lease_name, leader::identity()),
-            &registry,
-        )?
+        let mut lease =
+            leader::LeaseConfig::new(&args.namespace, &args.lease_name, leader::identity());
+        lease.owner = owner.clone();
+        leader::start(client.clone(), lease, &registry)?
     } else {
         tracing::warn!(
             "leader election is off: this replica reconciles as if it were the only one; run one replica"
@@ -438,6 +441,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
             );
             config.webhook_configuration =
                 Some(args.webhook_configuration.clone()).filter(|s| !s.is_empty());
+            config.owner = owner.clone().map(Box::new);
             CertSource::SelfManaged {
                 client: client.clone(),
                 config,

@@ -9,6 +9,8 @@ pub mod account;
 pub mod controlplane;
 pub mod install;
 #[cfg(feature = "operator")]
+pub mod node;
+#[cfg(feature = "operator")]
 pub mod operator;
 #[cfg(feature = "operator")]
 pub mod partition;

@@ -33,6 +33,10 @@ pub struct SelfManagedConfig {
     /// How often the background task re-checks the Secret (default 1 h; capped at a tenth of
     /// `validity` so a rotation is never missed).
     pub check_interval: Duration,
+    /// Set as the Secret's owner whenever it is written (the operator's ServiceAccount, so the
+    /// Secret goes with the install); `None`: no owner.
+    /// (Boxed: the other certificate source is small.)
+    pub owner: Option<Box<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>>,
 }
 
 impl SelfManagedConfig {
@@ -44,6 +48,7 @@ impl SelfManagedConfig {
             sans,
             validity: Duration::from_secs(365 * 24 * 3600),
             check_interval: Duration::from_secs(3600),
+            owner: None,
         }
     }
 
@@ -163,6 +168,7 @@ fn secret_object(
                 MANAGED_BY_VALUE.to_string(),
             )])),
             resource_version,
+            owner_references: config.owner.as_deref().cloned().map(|o| vec![o]),
             ..ObjectMeta::default()
         },
         type_: Some("kubernetes.io/tls".to_string()),

@@ -184,6 +184,7 @@ impl Elector {
                     )]
                     .into(),
                 ),
+                owner_references: self.config.owner.clone().map(|o| vec![o]),
                 ..ObjectMeta::default()
             },
             spec: Some(LeaseSpec {

@@ -53,7 +53,7 @@ const RELEASE_ATTEMPTS: u32 = 3;
 const FIELD_MANAGER: &str = "settle-leader";
 
 /// Which Lease to contend for, and under what name.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LeaseConfig {
     /// The Lease's namespace (the operator's `--namespace`).
     pub namespace: String,
@@ -61,6 +61,9 @@ pub struct LeaseConfig {
     pub name: String,
     /// This replica's `holderIdentity`, unique among the replicas ([`identity`]).
     pub identity: String,
+    /// Set as the Lease's owner when it is created (the operator's ServiceAccount, so the Lease
+    /// goes with the install); `None`: no owner.
+    pub owner: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>,
 }
 
 impl LeaseConfig {
@@ -73,6 +76,7 @@ impl LeaseConfig {
             namespace: namespace.into(),
             name: name.into(),
             identity: identity.into(),
+            owner: None,
         }
     }
 }
