@@ -15,51 +15,16 @@ use std::process::Command;
 
 use serde_json::Value;
 
-/// A node variable from the process environment or the environment's settle.env.
-fn node_var(key: &str) -> String {
-    if let Ok(v) = std::env::var(key) {
-        return v;
-    }
-    let dir = std::env::var_os("SETTLE_ENV_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| common::root().join("target/env"));
-    let file = dir.join("settle.env");
-    std::fs::read_to_string(&file)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.strip_prefix("export "))
-        .filter_map(|l| l.split_once('='))
-        .find(|(k, _)| *k == key)
-        .map(|(_, v)| v.to_string())
-        .unwrap_or_else(|| {
-            panic!(
-                "{key} is not set and {} does not define it: start the environment with the node, \
-                 `hack/env.sh up --node` (make test does)",
-                file.display()
-            )
-        })
-}
+use common::node::Node;
 
-fn node_kubectl(args: &[&str]) -> String {
-    let kubeconfig = node_var("SETTLE_NODE_KUBECONFIG");
-    let out = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(args)
-        .output()
-        .expect("run kubectl");
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} on the node's API server failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+fn node() -> Node {
+    Node::from_env()
 }
 
 /// The node's state directory: the kubeconfig is `<state>/cp/kubeconfig`.
 fn node_state() -> PathBuf {
-    let kubeconfig = PathBuf::from(node_var("SETTLE_NODE_KUBECONFIG"));
-    kubeconfig
+    node()
+        .kubeconfig
         .parent()
         .and_then(Path::parent)
         .expect("the node's kubeconfig lies in <state>/cp/")
@@ -75,10 +40,9 @@ fn pinned_release() -> String {
 
 #[test]
 fn the_node_is_ready_on_the_bridge_and_both_api_servers_say_the_pinned_release() {
-    let node_ip = node_var("SETTLE_NODE_IP");
-    let name = node_var("SETTLE_NODE_NAME");
-    let node: Value = serde_json::from_str(&node_kubectl(&["get", "node", &name, "-o", "json"]))
-        .expect("the node as JSON");
+    let n = node();
+    let (node_ip, name) = (n.ip.clone(), n.name.clone());
+    let node = n.get_json(&["get", "node", &name]);
     let ready = node["status"]["conditions"]
         .as_array()
         .into_iter()
@@ -105,17 +69,14 @@ fn the_node_is_ready_on_the_bridge_and_both_api_servers_say_the_pinned_release()
     );
 
     // Pods reach the API server through the `kubernetes` Service: its endpoint is the bridge.
-    let slices: Value = serde_json::from_str(&node_kubectl(&[
+    let slices = n.get_json(&[
         "get",
         "endpointslices",
         "-n",
         "default",
         "-l",
         "kubernetes.io/service-name=kubernetes",
-        "-o",
-        "json",
-    ]))
-    .expect("EndpointSlices as JSON");
+    ]);
     let endpoints: Vec<&Value> = slices["items"]
         .as_array()
         .into_iter()
@@ -125,7 +86,7 @@ fn the_node_is_ready_on_the_bridge_and_both_api_servers_say_the_pinned_release()
         .collect();
     assert_eq!(endpoints, vec![&Value::from(node_ip)], "{slices}");
 
-    let version: Value = serde_json::from_str(&node_kubectl(&["get", "--raw", "/version"]))
+    let version: Value = serde_json::from_str(&n.kubectl_ok(&["get", "--raw", "/version"], None))
         .expect("/version as JSON");
     assert_eq!(
         version["gitVersion"],
@@ -179,7 +140,7 @@ fn session_of(pid: &str) -> Option<String> {
 
 #[test]
 fn every_socket_the_node_listens_on_is_on_loopback_or_the_bridge() {
-    let node_ip = node_var("SETTLE_NODE_IP");
+    let node_ip = node().ip;
     let state = node_state();
     let sessions: BTreeSet<String> = std::fs::read_dir(&state)
         .expect("the node's state directory")
@@ -261,13 +222,16 @@ fn a_second_node_on_the_machine_is_refused_and_the_running_one_is_untouched() {
         "nothing was started for the second node"
     );
     // The running node still answers and is Ready.
-    let name = node_var("SETTLE_NODE_NAME");
-    let ready = node_kubectl(&[
-        "get",
-        "node",
-        &name,
-        "-o",
-        "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
-    ]);
+    let n = node();
+    let ready = n.kubectl_ok(
+        &[
+            "get",
+            "node",
+            &n.name,
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+        ],
+        None,
+    );
     assert_eq!(ready.trim(), "True");
 }
