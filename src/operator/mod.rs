@@ -102,10 +102,11 @@ pub struct OperatorArgs {
     /// a condition flipped) goes first, and once per interval even before it is due; the rest
     /// wait in turn, the newest patch per Subscription replacing the one that waited. The
     /// default, 20, is the client rate controller-runtime and kube-controller-manager default
-    /// to, which API Priority and Fairness's shares for a workload's controllers are sized
-    /// for: 200 Subscriptions changing within every 10 s interval are written at full
-    /// freshness; beyond, each waits its turn (5,000 changing: about every 250 s), while the
-    /// metrics keep full resolution.
+    /// to (QPS 20), the rate an API server is sized to take from one controller: under API
+    /// Priority and Fairness, well under one seat of the shared workload-low level. 200
+    /// Subscriptions changing within every 10 s interval are written at full freshness;
+    /// beyond, each waits its turn (5,000 changing: about every 250 s), while the metrics keep
+    /// full resolution.
     #[arg(long, env = "SETTLE_STATUS_WRITES_PER_SECOND", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub status_writes_per_second: u32,
     /// The Exhausting condition is True while Exhausted grew within this window.
