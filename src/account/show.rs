@@ -42,7 +42,8 @@ pub struct Showing {
 
 /// Shows `stats` for `sub` (namespace, name): notes the exhausted total in the loss log, sets the
 /// metrics, and sends a patch when status differs and the interval since the last write has
-/// passed, or at once when the change matters and no early write was sent within the interval. Returns whether the loss log changed (then it is persisted with the ledger).
+/// passed, or at once when the change matters and no early write was sent within the
+/// interval. Returns whether the loss log changed (then it is persisted with the ledger).
 pub fn show(
     round: &Round<'_>,
     key: &(String, String),
