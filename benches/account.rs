@@ -65,7 +65,11 @@ fn args() -> (usize, Option<u32>) {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let n = nums.first().and_then(|a| a.parse().ok()).unwrap_or(500).max(1);
+    let n = nums
+        .first()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(500)
+        .max(1);
     let rate = nums.get(1).and_then(|a| a.parse().ok());
     (n, rate)
 }
