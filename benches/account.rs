@@ -1,15 +1,22 @@
-//! Benchmark of the account on real parts: 500 Subscriptions on the environment's kube-apiserver
-//! and nats-server, `settle operator` (built by `cargo bench`, so optimised) as a process, and
-//! every Subscription's counters rising every second for a minute. The runtime's side is its
-//! documented wire format (docs/stats-report.md): one report per Subscription per second, put
-//! into the `settle-stats` bucket as 500 application instances would. Prints, asserts nothing:
+//! Benchmark of the account on real parts: N Subscriptions (500 unless `cargo bench --bench
+//! account -- N`) on the environment's kube-apiserver and nats-server, `settle operator` (built
+//! by `cargo bench`, so optimised) as a process with its default status budget
+//! (`--status-writes-per-second 20`, or `-- N RATE`), and every Subscription's counters rising
+//! every second for a minute, one of them losing a message each second (round robin). The
+//! runtime's side is its documented wire format (docs/stats-report.md): one report per
+//! Subscription per second, put into the `settle-stats` bucket as N application instances would.
+//! Beyond 1,000 Subscriptions they are spread over streams of 1,000 (one nats-server's
+//! default limit of consumers per stream is what would be measured otherwise). Prints, asserts
+//! nothing:
 //!
-//! - status writes per second over the minute (the interval bounds it at 500 / 10 s = 50/s);
-//! - the lag from a counter's change (its report put) to status showing it: p50, p99, max
-//!   (bounded by the interval, 10 s, plus the keeper's 1 s tick);
-//! - the operator's peak RSS.
+//! - status writes per second over the minute (bounded by the budget, and by N / 10 s);
+//! - the lag from a loss (Exhausted growing: its report put) to status showing it: p50, p99,
+//!   max (it goes before every other write);
+//! - the lag from any other counter's change to status showing it: p50, p99, max (bounded by
+//!   the interval, 10 s, plus the keeper's 1 s tick, and, past the budget, by N / rate);
+//! - the peak of `settle_account_status_backlog`, and the operator's peak RSS.
 //!
-//! Run with `make bench` (or `make env-up && cargo bench --bench account`).
+//! Run with `make bench` (or `make env-up && cargo bench --bench account -- 1000`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -23,10 +30,8 @@ use common::subs::{apply, backend_yaml};
 use futures::StreamExt;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
-use settle::api::{ConsumerStats, Mode, Subscription};
-use settle::bus::report::{REPORT_VERSION, StatsReport};
+use settle::api::{ConsumerStats, Subscription};
 
-const N: usize = 500;
 const STEADY: Duration = Duration::from_secs(60);
 const WARMUP: Duration = Duration::from_secs(15);
 
@@ -50,40 +55,110 @@ fn peak_rss_mib(pid: u32) -> f64 {
         .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
-/// Per Subscription: the acked values put and when, not yet seen in status.
+/// Per Subscription: the values put (acked, or exhausted for losses) and when, not yet seen in
+/// status.
 type Sent = Arc<Mutex<HashMap<String, Vec<(u64, Instant)>>>>;
+
+/// The positional numbers after `--` (cargo adds `--bench`): N, then the budget.
+fn args() -> (usize, Option<u32>) {
+    let nums: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let n = nums
+        .first()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(500)
+        .max(1);
+    let rate = nums.get(1).and_then(|a| a.parse().ok());
+    (n, rate)
+}
+
+/// Subscriptions per stream beyond which they are spread over more streams.
+const PER_STREAM: usize = 1000;
+
+/// Sees `value` of each Subscription's `read` in status, and records the lag of every put it
+/// covers.
+fn seen(sent: &Sent, lags: &Mutex<Vec<Duration>>, on: bool, name: &str, value: u64, now: Instant) {
+    let mut sent = sent.lock().expect("sent");
+    if let Some(list) = sent.get_mut(name) {
+        list.retain(|(v, at)| {
+            if *v <= value {
+                if on {
+                    lags.lock().expect("lags").push(now - *at);
+                }
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let (n, rate) = args();
     common::install_crds();
     let env = common::env();
     let ns = common::namespace("bench-account");
-    let stream = TestStream::new(&env.nats_url, "bench_account").await;
-    let op = Operator::start_with("bench-account", &ns, &["--leader-election=false"]);
+    let mut streams = Vec::new();
+    for _ in 0..n.div_ceil(PER_STREAM).max(1) {
+        streams.push(TestStream::new(&env.nats_url, "bench_account").await);
+    }
+    let rate_flag = rate.map(|r| r.to_string());
+    let mut flags = vec!["--leader-election=false"];
+    if let Some(r) = &rate_flag {
+        flags.extend(["--status-writes-per-second", r.as_str()]);
+    }
+    let budget = rate.unwrap_or(20);
+    let op = Operator::start_with("bench-account", &ns, &flags);
     apply(&ns, &backend_yaml("nats", &env.nats_url));
     let mut all = String::new();
-    for i in 0..N {
+    for i in 0..n {
         all.push_str(&format!(
             "---\napiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: s{i}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.s{i}.>\"\n  mode: AtLeastOnce\n  durableName: d{i}\n  maxDeliver: 5\n",
-            stream.prefix
+            streams[i / PER_STREAM].prefix
         ));
     }
     let file = common::root().join(format!("target/bench-account-{}.yaml", std::process::id()));
     std::fs::write(&file, all).expect("manifests");
-    let out = common::kubectl(&["apply", "-n", &ns, "-f", common::path_str(&file)], None);
+    let applied = Instant::now();
+    let out = common::kubectl(
+        &[
+            "apply",
+            "--server-side",
+            "-n",
+            &ns,
+            "-f",
+            common::path_str(&file),
+        ],
+        None,
+    );
     assert!(
         out.status.success(),
         "kubectl apply: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    println!(
+        "  ({n} Subscriptions applied in {:.1} s)",
+        applied.elapsed().as_secs_f64()
+    );
 
     let kube = common::kube_client().await;
     let api: Api<Subscription> = Api::namespaced(kube.clone(), &ns);
     let sent: Sent = Arc::default();
+    let losses: Sent = Arc::default();
     let lags = Arc::new(Mutex::new(Vec::<Duration>::new()));
+    let loss_lags = Arc::new(Mutex::new(Vec::<Duration>::new()));
     let measuring = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watch = {
-        let (sent, lags, measuring) = (sent.clone(), lags.clone(), measuring.clone());
+        let (sent, losses, lags, loss_lags, measuring) = (
+            sent.clone(),
+            losses.clone(),
+            lags.clone(),
+            loss_lags.clone(),
+            measuring.clone(),
+        );
         tokio::spawn(
             watcher(api.clone(), watcher::Config::default())
                 .touched_objects()
@@ -91,81 +166,97 @@ async fn main() {
                     if let Ok(s) = ev {
                         let now = Instant::now();
                         let name = s.metadata.name.clone().unwrap_or_default();
-                        let acked = s
-                            .status
-                            .and_then(|st| st.stats)
-                            .map_or(0, |st| st.counters.settlement.acked);
-                        let mut sent = sent.lock().expect("sent");
-                        if let Some(list) = sent.get_mut(&name) {
-                            let on = measuring.load(std::sync::atomic::Ordering::Relaxed);
-                            list.retain(|(v, at)| {
-                                if *v <= acked {
-                                    if on {
-                                        lags.lock().expect("lags").push(now - *at);
-                                    }
-                                    false
-                                } else {
-                                    true
-                                }
-                            });
-                        }
+                        let stats = s.status.and_then(|st| st.stats).unwrap_or_default();
+                        let on = measuring.load(std::sync::atomic::Ordering::Relaxed);
+                        seen(
+                            &sent,
+                            &lags,
+                            on,
+                            &name,
+                            stats.counters.settlement.acked,
+                            now,
+                        );
+                        seen(
+                            &losses,
+                            &loss_lags,
+                            on,
+                            &name,
+                            stats.counters.exhausted,
+                            now,
+                        );
                     }
                     futures::future::ready(())
                 }),
         )
     };
 
-    let kv = settle::backend::nats::capture::reports(&stream.js, Default::default())
+    let kv = settle::backend::nats::capture::reports(&streams[0].js, Default::default())
         .await
         .expect("the report bucket");
     let started = settle::bus::report::default_instance();
     let t0 = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
+    let mut exhausted = vec![0u64; n];
     let mut writes_before = 0.0;
     let mut measured_from = None;
+    let mut peak_backlog = 0.0f64;
+    let mut late_rounds = 0;
     while t0.elapsed() < WARMUP + STEADY {
         tick.tick().await;
+        let round = Instant::now();
         seq += 1;
         if measured_from.is_none() && t0.elapsed() >= WARMUP {
             measuring.store(true, std::sync::atomic::Ordering::Relaxed);
             writes_before = op.metric("settle_account_status_writes_total", &[]);
             measured_from = Some(Instant::now());
         }
-        for i in 0..N {
+        if measured_from.is_some() {
+            peak_backlog = peak_backlog.max(op.metric("settle_account_status_backlog", &[]));
+        }
+        // One Subscription loses a message this second (round robin).
+        let loser = (seq as usize) % n;
+        exhausted[loser] += 1;
+        let puts = (0..n).map(|i| {
             let stats = ConsumerStats {
                 offered: seq,
                 delivered: seq,
                 settlement: settle::api::Settlement {
-                    acked: seq,
+                    acked: seq - exhausted[i],
+                    nacked: exhausted[i],
                     ..Default::default()
                 },
+                exhausted: exhausted[i],
                 ..Default::default()
             };
-            let report = StatsReport {
-                version: REPORT_VERSION,
-                namespace: ns.clone(),
-                subscription: format!("s{i}"),
-                subscription_uid: None,
-                durable_name: Some(format!("d{i}")),
-                instance: started.clone(),
-                backend: "nats".into(),
-                mode: Mode::AtLeastOnce,
-                started_at_ms: 0,
-                reported_at_ms: 0,
-                sequence: seq,
-                stats,
-                runtime: Default::default(),
-            };
-            let body = serde_json::to_vec(&report).expect("json");
-            sent.lock()
-                .expect("sent")
-                .entry(format!("s{i}"))
-                .or_default()
-                .push((seq, Instant::now()));
-            kv.put(report.key(), body.into())
-                .await
-                .expect("put a report");
+            let name = format!("s{i}");
+            let (key, body) =
+                common::account::report_of(&ns, &name, &format!("d{i}"), &started, seq, stats);
+            let now = Instant::now();
+            if i == loser {
+                losses
+                    .lock()
+                    .expect("losses")
+                    .entry(name.clone())
+                    .or_default()
+                    .push((exhausted[i], now));
+            } else {
+                sent.lock()
+                    .expect("sent")
+                    .entry(name)
+                    .or_default()
+                    .push((seq - exhausted[i], now));
+            }
+            let kv = kv.clone();
+            async move { kv.put(key, body.into()).await.expect("put a report") }
+        });
+        futures::stream::iter(puts)
+            .buffer_unordered(64)
+            .collect::<Vec<_>>()
+            .await;
+        if round.elapsed() > Duration::from_secs(1) {
+            late_rounds += 1;
         }
     }
     let window = measured_from.map_or(STEADY, |t| t.elapsed());
@@ -173,26 +264,51 @@ async fn main() {
     // Let the last changes land.
     tokio::time::sleep(Duration::from_secs(13)).await;
     watch.abort();
-    let mut lags = lags.lock().expect("lags").clone();
-    lags.sort();
+    let sorted = |v: &Mutex<Vec<Duration>>| {
+        let mut v = v.lock().expect("lags").clone();
+        v.sort();
+        v
+    };
+    let (lags, loss_lags) = (sorted(&lags), sorted(&loss_lags));
+    let unseen = |s: &Sent| {
+        s.lock()
+            .expect("sent")
+            .values()
+            .filter(|l| !l.is_empty())
+            .count()
+    };
     println!(
-        "account, {N} Subscriptions, every counter rising every second, --stats-interval 10s:"
+        "account, {n} Subscriptions, every counter rising every second, one loss a second, --stats-interval 10s, --status-writes-per-second {budget}:"
     );
     println!(
-        "  status writes: {writes:.0} in {:.1} s = {:.1}/s (bound: {N} / 10 s = {:.0}/s)",
+        "  status writes: {writes:.0} in {:.1} s = {:.1}/s (budget {budget}/s; interval bound {n} / 10 s = {:.0}/s)",
         window.as_secs_f64(),
         writes / window.as_secs_f64(),
-        N as f64 / 10.0
+        n as f64 / 10.0
     );
+    let line = |what: &str, l: &[Duration]| {
+        println!(
+            "  {what} -> status: p50 {:.2} s, p99 {:.2} s, max {:.2} s ({} seen)",
+            pct(l, 0.50).as_secs_f64(),
+            pct(l, 0.99).as_secs_f64(),
+            l.last().copied().unwrap_or_default().as_secs_f64(),
+            l.len()
+        );
+    };
+    line("loss (exhausted grew)", &loss_lags);
+    line("other counter change", &lags);
     println!(
-        "  counter change -> status: p50 {:.2} s, p99 {:.2} s, max {:.2} s ({} changes seen)",
-        pct(&lags, 0.50).as_secs_f64(),
-        pct(&lags, 0.99).as_secs_f64(),
-        lags.last().copied().unwrap_or_default().as_secs_f64(),
-        lags.len()
+        "  peak backlog {peak_backlog:.0} Subscriptions; Subscriptions whose last change was not in status 13 s after the end: {} (losses: {})",
+        unseen(&sent),
+        unseen(&losses)
     );
+    if late_rounds > 0 {
+        println!("  ({late_rounds} rounds of puts took longer than their second)");
+    }
     println!("  operator peak RSS {:.1} MiB", peak_rss_mib(op.pid()));
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
     let _ = std::fs::remove_file(&file);
-    stream.delete().await;
+    for stream in streams {
+        stream.delete().await;
+    }
 }

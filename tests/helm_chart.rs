@@ -470,6 +470,7 @@ fn chart_renders_the_operator_settings_from_values() {
         ("SETTLE_RESYNC_INTERVAL", "5m"),
         ("SETTLE_CONCURRENCY", "4"),
         ("SETTLE_STATS_INTERVAL", "10s"),
+        ("SETTLE_STATUS_WRITES_PER_SECOND", "20"),
         ("SETTLE_LOSS_WINDOW", "15m"),
         ("SETTLE_WEBHOOK_CONFIGURATION", "settle"),
     ] {

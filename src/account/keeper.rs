@@ -451,6 +451,7 @@ impl Keeper {
                             queue_missing: None,
                         },
                         last_write: None,
+                        last_early: None,
                     },
                     // A ledger missing or unreadable is written at once, before status shows
                     // anything from this book: so status showing counters with no ledger there

@@ -1,14 +1,14 @@
 //! The account's Prometheus metrics: every Subscription's counters at full resolution
 //! (`settle_subscription_<counter>_total`, Prometheus counters because they never decrease), its
 //! broker gauges, whether it is losing messages now, and what the account itself does (status
-//! writes, advisories, reports).
+//! writes, their backlog and what the budget deferred, advisories, reports).
 //!
 //! It must not decide anything; it mirrors what the keeper computed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use prometheus::{IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use crate::api::{ConsumerStats, SubscriptionStats};
 
@@ -87,6 +87,16 @@ pub struct Metrics {
     /// `settle_status_writes_total{controller="account"}` is the controllers' metric; the
     /// account counts its own writes here, by result.
     pub writes: IntCounterVec,
+    /// `settle_account_status_urgent_writes_total`: the writes (counted in `writes` too) of a
+    /// change that matters, sent before the rest.
+    pub urgent_writes: IntCounter,
+    /// `settle_account_status_backlog`: Subscriptions whose status patch waits for the budget
+    /// (`--status-writes-per-second`) or for their previous write to end.
+    pub backlog: IntGauge,
+    /// `settle_account_status_writes_deferred_total{reason}`: patches that waited because the
+    /// budget was spent (`budget`), and waiting patches replaced by a newer one for the same
+    /// Subscription, never sent (`coalesced`: the newer carries the whole account).
+    pub deferred: IntCounterVec,
     /// `settle_account_advisories_total{kind}`: delivery advisories read from the capture.
     pub advisories: IntCounterVec,
     /// `settle_account_reports_total{outcome}`: runtime reports read, by what became of them
@@ -152,6 +162,27 @@ impl Metrics {
                 "Status writes of the account, by result (ok, error).",
                 &["result"],
             )?,
+            urgent_writes: {
+                let c = IntCounter::new(
+                    "settle_account_status_urgent_writes_total",
+                    "Status writes of a change that matters (Exhausted or Stranded grew, a condition flipped), sent before the rest; also in settle_account_status_writes_total.",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
+            backlog: {
+                let g = IntGauge::new(
+                    "settle_account_status_backlog",
+                    "Subscriptions whose status write waits (for the --status-writes-per-second budget, or for their previous write to end).",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            deferred: counter(
+                "settle_account_status_writes_deferred_total",
+                "Status patches deferred by the budget, by reason (budget: waited for --status-writes-per-second; coalesced: replaced while waiting by a newer one for the same Subscription, never sent).",
+                &["reason"],
+            )?,
             advisories: counter(
                 "settle_account_advisories_total",
                 "Delivery advisories read from the operator's capture, by kind.",
@@ -192,6 +223,9 @@ impl Metrics {
     fn exported_at_zero(self) -> Metrics {
         for result in ["ok", "error"] {
             self.writes.with_label_values(&[result]);
+        }
+        for reason in ["budget", "coalesced"] {
+            self.deferred.with_label_values(&[reason]);
         }
         for outcome in DROPPED_FOR_TENANCY {
             self.reports.with_label_values(&[outcome]);
@@ -297,6 +331,10 @@ mod tests {
         for line in [
             r#"settle_account_status_writes_total{result="ok"} 0"#,
             r#"settle_account_status_writes_total{result="error"} 0"#,
+            r#"settle_account_status_urgent_writes_total 0"#,
+            r#"settle_account_status_backlog 0"#,
+            r#"settle_account_status_writes_deferred_total{reason="budget"} 0"#,
+            r#"settle_account_status_writes_deferred_total{reason="coalesced"} 0"#,
             r#"settle_account_reports_total{outcome="misfiled"} 0"#,
             r#"settle_account_reports_total{outcome="sequence_jump"} 0"#,
             r#"settle_account_reports_total{outcome="from_the_future"} 0"#,

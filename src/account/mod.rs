@@ -13,7 +13,8 @@
 //!   ledgers (a snapshot per Subscription in its ledger queue), reads the gauges;
 //!   its `dead_letters` counts what the redrive moved to the dead-letter queue.
 //! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
-//! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`).
+//! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`),
+//!   within the cluster-wide budget of [`budget`] (pure: which waiting patch goes next, and when).
 //! - [`metrics`]: `settle_subscription_*` at full resolution.
 //!
 //! [`run`] keeps a keeper per Backend for as long as a leadership term lasts. This module
@@ -21,6 +22,7 @@
 //! `admission` (siblings); it reads the broker through `backend`, and is handed the controllers'
 //! caches and connections by the operator.
 
+pub mod budget;
 #[cfg(feature = "operator")]
 pub mod keeper;
 pub mod ledger;

@@ -580,6 +580,7 @@ impl RabbitKeeper {
                         loss,
                         trouble: Default::default(),
                         last_write: None,
+                        last_early: None,
                     },
                     dirty: false,
                     acks: Vec::new(),

@@ -19,6 +19,9 @@ use crate::policy::effective_capabilities;
 pub struct Config {
     /// At most one status write per Subscription this often (and only on change).
     pub stats_interval: Duration,
+    /// The account's status writes across all Subscriptions at most, per second (urgent ones
+    /// first, the rest coalesced and in turn).
+    pub status_writes_per_second: u32,
     /// `Exhausting` is True while Exhausted grew within this window.
     pub loss_window: Duration,
     /// An instance that has not reported for this long is folded into the retired total.
@@ -112,7 +115,11 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
     // A store wakes only its latest waiter (the controllers wait too): ask again until it is.
     wait_ready(|| term.subscriptions.wait_until_ready()).await;
     wait_ready(|| term.backends.wait_until_ready()).await;
-    let writer = writer::Writer::start(term.client.clone(), metrics.clone());
+    let writer = writer::Writer::start(
+        term.client.clone(),
+        metrics.clone(),
+        config.status_writes_per_second,
+    );
     tracing::info!(
         "account started: the books of every NATS, RabbitMQ and SQS Backend's Subscriptions"
     );

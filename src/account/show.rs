@@ -1,7 +1,9 @@
 //! What a keeper hands the writer for one Subscription, and when: the account's stats and
 //! conditions (`Exhausting` from the loss log, `Stranding`), the `settle_subscription_*`
 //! metrics, and a status patch only when what the Subscription shows differs, at most once per
-//! stats interval. Every keeper (NATS, RabbitMQ, SQS) decides through [`show`], so all show alike.
+//! stats interval; a change that matters (`status::matters`: a loss, a condition flipping) is
+//! marked urgent, and may go once more within the interval, at once. Every keeper (NATS,
+//! RabbitMQ, SQS) decides through [`show`], so all show alike.
 //!
 //! It must not count (the ledger does) nor write status itself (the writer does).
 
@@ -34,11 +36,14 @@ pub struct Showing {
     pub loss: LossLog,
     pub trouble: Trouble,
     pub last_write: Option<Instant>,
+    /// The last urgent write sent before the interval was up (at most one per interval).
+    pub last_early: Option<Instant>,
 }
 
 /// Shows `stats` for `sub` (namespace, name): notes the exhausted total in the loss log, sets the
 /// metrics, and sends a patch when status differs and the interval since the last write has
-/// passed. Returns whether the loss log changed (then it is persisted with the ledger).
+/// passed, or at once when the change matters and no early write was sent within the
+/// interval. Returns whether the loss log changed (then it is persisted with the ledger).
 pub fn show(
     round: &Round<'_>,
     key: &(String, String),
@@ -64,14 +69,20 @@ pub fn show(
 
     let current = sub.status.as_ref();
     let existing = current.map(|s| s.conditions.as_slice()).unwrap_or_default();
-    let differs = current.and_then(|s| s.stats.as_ref()) != Some(&stats)
-        || status::conditions_differ(existing, &wants);
-    let due = showing
-        .last_write
-        .is_none_or(|t| t.elapsed() >= config.stats_interval);
-    if differs && due {
-        showing.last_write = Some(Instant::now());
+    let shown = current.and_then(|s| s.stats.as_ref());
+    let differs = shown != Some(&stats) || status::conditions_differ(existing, &wants);
+    let interval = config.stats_interval;
+    let urgent = differs && status::matters(shown, existing, &stats, &wants);
+    let due = showing.last_write.is_none_or(|t| t.elapsed() >= interval);
+    let early = !due && urgent && showing.last_early.is_none_or(|t| t.elapsed() >= interval);
+    if differs && (due || early) {
+        let now = Instant::now();
+        showing.last_write = Some(now);
+        if early {
+            showing.last_early = Some(now);
+        }
         round.writer.send(Write {
+            urgent,
             namespace: key.0.clone(),
             name: key.1.clone(),
             body: status::patch(
@@ -152,6 +163,7 @@ pub fn show_gauges(
             .filter(|s| s.counters != Default::default())
             .map(|s| &s.counters);
         writer.send(Write {
+            urgent: false,
             namespace: key.0.clone(),
             name: key.1.clone(),
             body: status::gauges_patch(pending, ack_pending, counters, stamp),

@@ -292,6 +292,7 @@ impl SqsKeeper {
                         loss,
                         trouble: Default::default(),
                         last_write: None,
+                        last_early: None,
                     },
                     generation,
                     dead_letters: DeadLetters::default(),

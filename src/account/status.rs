@@ -334,6 +334,25 @@ pub fn conditions_differ(existing: &[Condition], want: &[Want]) -> bool {
     })
 }
 
+/// Whether showing `stats` and `want` where status shows `shown` and `existing` is a change that
+/// matters, written before every other under the status budget (semantics C21): Exhausted or
+/// Stranded grew (data loss, or a decline the broker could not take back), or one of the
+/// account's conditions is there with another status (a condition not written yet is not a
+/// flip: a new Subscription's first status waits its turn, unless it already shows a loss).
+pub fn matters(
+    shown: Option<&SubscriptionStats>,
+    existing: &[Condition],
+    stats: &SubscriptionStats,
+    want: &[Want],
+) -> bool {
+    let was = shown.map(|s| s.counters).unwrap_or_default();
+    stats.counters.exhausted > was.exhausted
+        || stats.counters.stranded > was.stranded
+        || want.iter().any(|w| {
+            condition::find(existing, w.type_).is_some_and(|c| c.status != w.status.as_str())
+        })
+}
+
 /// The status patch (server-side apply body) for `stats` and the account's conditions.
 pub fn patch(
     stats: &SubscriptionStats,
@@ -403,6 +422,42 @@ mod tests {
             },
             ..SubscriptionStats::default()
         }
+    }
+
+    #[test]
+    fn a_loss_a_stranding_or_a_flipped_condition_matters_other_counters_do_not() {
+        let now = Time(Timestamp::from_second(1_700_000_000).expect("time"));
+        let quiet = |s: &SubscriptionStats| wants(s, 0, WINDOW, Unseen::Never, &Trouble::default());
+        let shown = stats(2, 1);
+        let existing: Vec<Condition> = quiet(&shown)
+            .iter()
+            .map(|w| condition::settle(&[], w, Some(1), &now))
+            .collect();
+        // Acked, delivered, the gauges move: not urgent.
+        let mut moved = shown.clone();
+        moved.counters.offered = 100;
+        moved.counters.settlement.acked = 90;
+        moved.pending = 7;
+        assert!(!matters(Some(&shown), &existing, &moved, &quiet(&moved)));
+        // Exhausted grew: urgent, and so does Stranded.
+        let lost = stats(3, 1);
+        assert!(matters(Some(&shown), &existing, &lost, &quiet(&lost)));
+        let stranded = stats(2, 2);
+        assert!(matters(
+            Some(&shown),
+            &existing,
+            &stranded,
+            &quiet(&stranded)
+        ));
+        // Exhausting turns True with the same counts shown (the loss was shown, its condition
+        // not yet): a flip.
+        let losing = wants(&shown, 1, WINDOW, Unseen::Never, &Trouble::default());
+        assert!(matters(Some(&shown), &existing, &shown, &losing));
+        // A first status: urgent only if it shows a loss.
+        let mut first = stats(0, 0);
+        first.counters.settlement.acked = 5;
+        assert!(!matters(None, &[], &first, &quiet(&first)));
+        assert!(matters(None, &[], &lost, &quiet(&lost)));
     }
 
     #[test]

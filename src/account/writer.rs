@@ -2,15 +2,18 @@
 //! server-side apply (field manager `settle-account`, owning `status.stats`,
 //! `statsUpdatedAt` and the `Exhausting`/`Stranding` conditions, never the controllers' fields),
 //! a few at once but one at a time per Subscription, and when several patches for one
-//! Subscription wait, only the newest is sent.
+//! Subscription wait, only the newest is sent. Writes go out within the cluster-wide budget
+//! (`--status-writes-per-second`, [`super::budget`]): urgent patches first, the rest in the
+//! order they started waiting; `settle_account_status_backlog` counts the Subscriptions whose
+//! patch waits.
 //!
 //! It also records the account's Kubernetes Events (a ledger that cannot be saved, and saved
 //! again), so the account reaches the API server through this one place.
 //!
-//! How often a Subscription is written is the keeper's decision (at most once per stats
-//! interval, only on change); this module must not compute status.
+//! How often a Subscription is written, and whether its patch is urgent, is the keeper's
+//! decision (`show`: at most once per stats interval, only on change); this module must not
+//! compute status nor look inside a patch.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -19,7 +22,9 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
+use super::budget::{Bucket, Pushed, Queue};
 use super::metrics::Metrics;
 use super::status::FIELD_MANAGER;
 use crate::api::Subscription;
@@ -29,13 +34,18 @@ pub struct Write {
     pub namespace: String,
     pub name: String,
     pub body: serde_json::Value,
+    /// A change that matters (Exhausted or Stranded grew, a condition flipped: the keeper
+    /// decides): written before every patch that is not.
+    pub urgent: bool,
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// Ends the writer with its last handle; what waited is no longer this replica's to write.
+struct AbortOnDrop(tokio::task::JoinHandle<()>, Metrics);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+        self.1.backlog.set(0);
     }
 }
 
@@ -48,7 +58,8 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn start(client: Client, metrics: Metrics) -> Writer {
+    /// Starts the writer, sending at most `per_second` status writes a second.
+    pub fn start(client: Client, metrics: Metrics, per_second: u32) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
         let recorder = Recorder::new(
             client.clone(),
@@ -57,11 +68,11 @@ impl Writer {
                 instance: None,
             },
         );
-        let task = tokio::spawn(serve(client, metrics, rx));
+        let task = tokio::spawn(serve(client, metrics.clone(), per_second, rx));
         Writer {
             tx,
             recorder,
-            _task: Arc::new(AbortOnDrop(task)),
+            _task: Arc::new(AbortOnDrop(task, metrics)),
         }
     }
 
@@ -95,37 +106,65 @@ impl Writer {
 /// written within a second or two, few enough to be gentle on the API server.
 const CONCURRENCY: usize = 8;
 
-async fn serve(client: Client, metrics: Metrics, mut rx: mpsc::UnboundedReceiver<Write>) {
-    let mut order: VecDeque<(String, String)> = VecDeque::new();
-    let mut waiting: HashMap<(String, String), serde_json::Value> = HashMap::new();
-    let mut busy: HashSet<(String, String)> = HashSet::new();
+async fn serve(
+    client: Client,
+    metrics: Metrics,
+    per_second: u32,
+    mut rx: mpsc::UnboundedReceiver<Write>,
+) {
+    let mut queue: Queue<(String, String), serde_json::Value> = Queue::default();
+    let mut bucket = Bucket::new(per_second, Instant::now());
+    // When the budget last had no token for the next patch: a patch that waited since before
+    // then was deferred by the budget.
+    let mut refused_at: Option<Instant> = None;
     let mut inflight = FuturesUnordered::new();
     let mut open = true;
     loop {
-        // Start what may start: one patch per Subscription at a time, the newest one.
-        while inflight.len() < CONCURRENCY {
-            let Some(i) = order.iter().position(|k| !busy.contains(k)) else {
+        // Start what may start: one patch per Subscription at a time (the newest one), urgent
+        // ones first, each with a token of the budget.
+        let mut refill = None;
+        while inflight.len() < CONCURRENCY && queue.ready() {
+            let now = Instant::now();
+            if let Err(wait) = bucket.take(now) {
+                refused_at = Some(now);
+                refill = Some(now + wait);
+                break;
+            }
+            let Some((key, body, urgent, since)) = queue.pop() else {
                 break;
             };
-            let Some(key) = order.remove(i) else { break };
-            let Some(body) = waiting.remove(&key) else {
-                continue;
-            };
-            busy.insert(key.clone());
-            inflight.push(write(client.clone(), metrics.clone(), key, body));
+            if refused_at.is_some_and(|t| t >= since) {
+                metrics.deferred.with_label_values(&["budget"]).inc();
+            }
+            inflight.push(write(client.clone(), metrics.clone(), key, body, urgent));
         }
-        if !open && inflight.is_empty() {
+        metrics
+            .backlog
+            .set(i64::try_from(queue.backlog()).unwrap_or(i64::MAX));
+        if !open && inflight.is_empty() && queue.backlog() == 0 {
             return;
         }
         tokio::select! {
             w = rx.recv(), if open => match w {
-                Some(w) => take(&mut order, &mut waiting, w),
+                Some(w) => {
+                    let key = (w.namespace, w.name);
+                    if queue.push(key, w.body, w.urgent, Instant::now()) == Pushed::Coalesced {
+                        metrics.deferred.with_label_values(&["coalesced"]).inc();
+                    }
+                }
                 None => open = false,
             },
             Some(key) = inflight.next(), if !inflight.is_empty() => {
-                busy.remove(&key);
+                queue.done(&key);
             }
+            () = sleep_until(refill), if refill.is_some() => {}
         }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at).await;
     }
 }
 
@@ -134,6 +173,7 @@ async fn write(
     metrics: Metrics,
     key: (String, String),
     body: serde_json::Value,
+    urgent: bool,
 ) -> (String, String) {
     let api: Api<Subscription> = Api::namespaced(client, &key.0);
     let result = api
@@ -144,7 +184,12 @@ async fn write(
         )
         .await;
     match result {
-        Ok(_) => metrics.writes.with_label_values(&["ok"]).inc(),
+        Ok(_) => {
+            metrics.writes.with_label_values(&["ok"]).inc();
+            if urgent {
+                metrics.urgent_writes.inc();
+            }
+        }
         // Deleted meanwhile: nothing to account for any more.
         Err(kube::Error::Api(s)) if s.code == 404 => {}
         Err(e) => {
@@ -153,15 +198,4 @@ async fn write(
         }
     }
     key
-}
-
-fn take(
-    order: &mut VecDeque<(String, String)>,
-    waiting: &mut HashMap<(String, String), serde_json::Value>,
-    w: Write,
-) {
-    let key = (w.namespace, w.name);
-    if waiting.insert(key.clone(), w.body).is_none() {
-        order.push_back(key);
-    }
 }

@@ -98,6 +98,18 @@ pub struct OperatorArgs {
     /// (Prometheus metrics carry the full resolution).
     #[arg(long, env = "SETTLE_STATS_INTERVAL", default_value = "10s", value_parser = positive_duration)]
     pub stats_interval: Duration,
+    /// The account's status writes across all Subscriptions, at most, per second (a token
+    /// bucket with a burst of a fifth of it). A change that matters (Exhausted or Stranded grew,
+    /// a condition flipped) goes first, and once per interval even before it is due; the rest
+    /// wait in turn, the newest patch per Subscription replacing the one that waited. The
+    /// default, 20, is the client rate controller-runtime and kube-controller-manager default
+    /// to (QPS 20), the rate an API server is sized to take from one controller: under API
+    /// Priority and Fairness, well under one seat of the shared workload-low level. 200
+    /// Subscriptions changing within every 10 s interval are written at full freshness;
+    /// beyond, each waits its turn (5,000 changing: about every 250 s), while the metrics keep
+    /// full resolution.
+    #[arg(long, env = "SETTLE_STATUS_WRITES_PER_SECOND", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub status_writes_per_second: u32,
     /// The Exhausting condition is True while Exhausted grew within this window.
     #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
     pub loss_window: Duration,
@@ -499,6 +511,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         Some(account_hook(
             account::Config {
                 stats_interval: args.stats_interval,
+                status_writes_per_second: args.status_writes_per_second,
                 loss_window: args.loss_window,
                 fold_after: args.fold_after,
                 capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),

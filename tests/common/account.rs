@@ -591,3 +591,34 @@ impl AccountScene for Scene {
         &self.seen
     }
 }
+
+/// A runtime's stats report (its documented wire format, docs/stats-report.md) for the
+/// AtLeastOnce Subscription `sub` (durable name `durable`) in `ns`, from `instance`: the key it
+/// is put at in the NATS bucket `settle-stats`, and its body. The bench and the budget test put
+/// them as that many application instances would.
+pub fn report_of(
+    ns: &str,
+    sub: &str,
+    durable: &str,
+    instance: &str,
+    sequence: u64,
+    stats: ConsumerStats,
+) -> (String, Vec<u8>) {
+    let report = settle::bus::report::StatsReport {
+        version: settle::bus::report::REPORT_VERSION,
+        namespace: ns.to_string(),
+        subscription: sub.to_string(),
+        subscription_uid: None,
+        durable_name: Some(durable.to_string()),
+        instance: instance.to_string(),
+        backend: "nats".into(),
+        mode: settle::api::Mode::AtLeastOnce,
+        started_at_ms: 0,
+        reported_at_ms: 0,
+        sequence,
+        stats,
+        runtime: Default::default(),
+    };
+    let body = serde_json::to_vec(&report).expect("a report serialises");
+    (report.key(), body)
+}

@@ -1,0 +1,352 @@
+//! The cluster-wide status budget of the account: which waiting status patch goes out next, and
+//! when one may. A [`Queue`] holds at most one patch per Subscription (the newest: a newer one
+//! replaces the waiting one, as it carries the whole account), urgent ones (a loss, a
+//! condition flipping) before the rest, each class in the order it first waited; a [`Bucket`]
+//! gives out `--status-writes-per-second` tokens with a small burst.
+//!
+//! Pure: no I/O, and time comes in as an argument (Tokio's `Instant`, so tests run it on the
+//! paused clock). It must not decide whether a patch is urgent (the keepers' `show` does, from
+//! what the Subscription shows) nor look inside a patch.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::Hash;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// One waiting patch.
+struct Waiting<V> {
+    body: V,
+    urgent: bool,
+    /// When the Subscription's first waiting patch arrived (kept when a newer replaces it).
+    since: Instant,
+}
+
+/// What became of a patch handed to [`Queue::push`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Pushed {
+    /// The Subscription had nothing waiting: it joins the end of its class.
+    Queued,
+    /// It replaced the Subscription's waiting patch, which will never be sent (the newer one
+    /// carries everything it did); the place in line is kept, or moved ahead if now urgent.
+    Coalesced,
+}
+
+/// The patches waiting to be written, at most one per key, and the keys being written now.
+pub struct Queue<K, V> {
+    waiting: HashMap<K, Waiting<V>>,
+    urgent: VecDeque<K>,
+    normal: VecDeque<K>,
+    busy: HashSet<K>,
+}
+
+impl<K: Clone + Eq + Hash, V> Default for Queue<K, V> {
+    fn default() -> Self {
+        Queue {
+            waiting: HashMap::new(),
+            urgent: VecDeque::new(),
+            normal: VecDeque::new(),
+            busy: HashSet::new(),
+        }
+    }
+}
+
+impl<K: Clone + Eq + Hash, V> Queue<K, V> {
+    /// Takes the newest patch for `key`. An urgent patch, or one replacing an urgent one, is
+    /// urgent (what made the older one urgent is in the newer one too: counters never go back).
+    pub fn push(&mut self, key: K, body: V, urgent: bool, now: Instant) -> Pushed {
+        match self.waiting.get_mut(&key) {
+            Some(w) => {
+                w.body = body;
+                if urgent && !w.urgent {
+                    w.urgent = true;
+                    if let Some(i) = self.normal.iter().position(|k| *k == key) {
+                        self.normal.remove(i);
+                    }
+                    self.urgent.push_back(key);
+                }
+                Pushed::Coalesced
+            }
+            None => {
+                self.waiting.insert(
+                    key.clone(),
+                    Waiting {
+                        body,
+                        urgent,
+                        since: now,
+                    },
+                );
+                if urgent {
+                    self.urgent.push_back(key);
+                } else {
+                    self.normal.push_back(key);
+                }
+                Pushed::Queued
+            }
+        }
+    }
+
+    /// Whether a patch could start now (one waits whose key is not being written).
+    pub fn ready(&self) -> bool {
+        self.first(&self.urgent).is_some() || self.first(&self.normal).is_some()
+    }
+
+    /// The next patch to write: the first urgent one, else the first other one, whose key is
+    /// not being written (one write at a time per Subscription, so an older patch is never
+    /// applied after a newer one). Its key is busy until [`Queue::done`]. Returns the key, the
+    /// patch, whether it was urgent and when its Subscription started waiting.
+    pub fn pop(&mut self) -> Option<(K, V, bool, Instant)> {
+        let key = match self.first(&self.urgent) {
+            Some(i) => self.urgent.remove(i)?,
+            None => {
+                let i = self.first(&self.normal)?;
+                self.normal.remove(i)?
+            }
+        };
+        let w = self.waiting.remove(&key)?;
+        self.busy.insert(key.clone());
+        Some((key, w.body, w.urgent, w.since))
+    }
+
+    /// The write of `key` ended: its next patch may start.
+    pub fn done(&mut self, key: &K) {
+        self.busy.remove(key);
+    }
+
+    /// Subscriptions whose patch waits (`settle_account_status_backlog`).
+    pub fn backlog(&self) -> usize {
+        self.waiting.len()
+    }
+
+    fn first(&self, line: &VecDeque<K>) -> Option<usize> {
+        // At most the writes in flight are skipped (a handful).
+        line.iter().position(|k| !self.busy.contains(k))
+    }
+}
+
+/// A token bucket: `rate` tokens a second, at most `burst` saved up.
+#[derive(Debug)]
+pub struct Bucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    /// A full bucket for `per_second` writes a second (at least 1), with a burst of a fifth of
+    /// a second's worth, between 1 and 10: enough for a few urgent writes at once, small enough
+    /// that no second writes much past the rate.
+    pub fn new(per_second: u32, now: Instant) -> Bucket {
+        let rate = f64::from(per_second.max(1));
+        let burst = (rate / 5.0).clamp(1.0, 10.0).floor();
+        Bucket {
+            rate,
+            burst,
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    /// The burst: how many writes may go at once after a quiet time.
+    pub fn burst(&self) -> u32 {
+        // At most 10 (see `new`).
+        self.burst as u32
+    }
+
+    /// Takes a token if there is one; else says how long until there is.
+    pub fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Ok(())
+        } else {
+            // Rounded up to the millisecond, so the wake-up finds the token there.
+            let ms = ((1.0 - self.tokens) / self.rate * 1000.0).ceil().max(1.0);
+            Err(Duration::from_millis(ms as u64))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain(q: &mut Queue<&'static str, u32>) -> Vec<(&'static str, u32)> {
+        let mut out = Vec::new();
+        while let Some((k, v, _, _)) = q.pop() {
+            q.done(&k);
+            out.push((k, v));
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn urgent_patches_go_before_every_other_waiting_one() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        for (k, v) in [("a", 1), ("b", 1), ("c", 1)] {
+            q.push(k, v, false, now);
+        }
+        q.push("loss", 1, true, now);
+        q.push("d", 1, false, now);
+        q.push("flip", 1, true, now);
+        assert_eq!(q.backlog(), 6);
+        assert_eq!(
+            drain(&mut q),
+            [
+                ("loss", 1),
+                ("flip", 1),
+                ("a", 1),
+                ("b", 1),
+                ("c", 1),
+                ("d", 1)
+            ]
+        );
+        assert_eq!(q.backlog(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_newer_patch_replaces_the_waiting_one_and_keeps_its_place() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        assert_eq!(q.push("a", 1, false, now), Pushed::Queued);
+        assert_eq!(q.push("b", 1, false, now), Pushed::Queued);
+        assert_eq!(q.push("a", 2, false, now), Pushed::Coalesced);
+        assert_eq!(q.push("a", 3, false, now), Pushed::Coalesced);
+        assert_eq!(q.backlog(), 2);
+        // FIFO by first wait: coalescing does not send a busy Subscription to the back, nor
+        // let it overtake the ones that waited before it.
+        assert_eq!(drain(&mut q), [("a", 3), ("b", 1)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_patch_replacing_an_urgent_one_stays_urgent_and_an_upgrade_moves_ahead() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        q.push("a", 1, false, now);
+        q.push("b", 1, true, now);
+        q.push("c", 1, false, now);
+        // b's newer patch is not urgent by itself, but carries b's loss: still first.
+        q.push("b", 2, false, now);
+        // c became urgent: ahead of a, after b (urgent first, in the order they became so).
+        q.push("c", 2, true, now);
+        let popped: Vec<_> = std::iter::from_fn(|| {
+            let p = q.pop();
+            if let Some((k, ..)) = &p {
+                q.done(k);
+            }
+            p.map(|(k, v, urgent, _)| (k, v, urgent))
+        })
+        .collect();
+        assert_eq!(popped, [("b", 2, true), ("c", 2, true), ("a", 1, false)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscription_being_written_waits_and_its_newer_patch_is_never_overtaken() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        q.push("a", 1, true, now);
+        q.push("b", 1, false, now);
+        let (k, v, ..) = q.pop().expect("a");
+        assert_eq!((k, v), ("a", 1));
+        // While a's first patch is in flight, a newer urgent one for a waits; b goes first.
+        q.push("a", 2, true, now);
+        assert!(q.ready());
+        let (k, ..) = q.pop().expect("b");
+        assert_eq!(k, "b");
+        assert!(!q.ready(), "a is still being written");
+        assert!(q.pop().is_none());
+        q.done(&"a");
+        assert_eq!(q.pop().map(|(k, v, ..)| (k, v)), Some(("a", 2)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_waiting_time_is_from_the_first_patch_not_the_newest() {
+        let t0 = Instant::now();
+        let mut q = Queue::default();
+        q.push("a", 1, false, t0);
+        tokio::time::advance(Duration::from_secs(3)).await;
+        q.push("a", 2, false, Instant::now());
+        let (_, v, _, since) = q.pop().expect("a");
+        assert_eq!((v, since), (2, t0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_bucket_gives_its_burst_then_its_rate() {
+        let mut b = Bucket::new(20, Instant::now());
+        assert_eq!(b.burst(), 4);
+        for _ in 0..4 {
+            assert_eq!(b.take(Instant::now()), Ok(()));
+        }
+        assert_eq!(b.take(Instant::now()), Err(Duration::from_millis(50)));
+        tokio::time::advance(Duration::from_millis(50)).await;
+        assert_eq!(b.take(Instant::now()), Ok(()));
+        // A quiet minute saves only the burst.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let now = Instant::now();
+        let taken = (0..100).filter(|_| b.take(now).is_ok()).count();
+        assert_eq!(taken, 4);
+        // Small rates have a burst of one.
+        assert_eq!(Bucket::new(2, now).burst(), 1);
+        assert_eq!(Bucket::new(1000, now).burst(), 10);
+    }
+
+    /// The whole schedule on the paused clock: 200 Subscriptions waiting, 5 writes a second,
+    /// one loss arriving in the middle. Writes never pass the rate (plus the burst), the loss
+    /// goes out at the next token, and every Subscription is written once with its newest patch.
+    #[tokio::test(start_paused = true)]
+    async fn the_rate_is_honoured_and_a_loss_jumps_a_long_backlog() {
+        let start = Instant::now();
+        let rate = 5;
+        let mut bucket = Bucket::new(rate, start);
+        let mut q: Queue<usize, u32> = Queue::default();
+        for i in 0..200 {
+            q.push(i, 1, false, start);
+        }
+        let mut sent: Vec<(usize, u32, Instant)> = Vec::new();
+        let mut loss_sent = None;
+        while q.ready() {
+            let now = Instant::now();
+            if now.duration_since(start) >= Duration::from_secs(10) && loss_sent.is_none() {
+                // Subscription 150 loses a message and 199 moves again while they wait.
+                q.push(150, 2, true, now);
+                q.push(199, 2, false, now);
+                loss_sent = Some(now);
+            }
+            match bucket.take(now) {
+                Ok(()) => {
+                    let (k, v, ..) = q.pop().expect("ready");
+                    q.done(&k);
+                    sent.push((k, v, now));
+                }
+                Err(wait) => tokio::time::advance(wait).await,
+            }
+        }
+        assert_eq!(sent.len(), 200, "each Subscription written once");
+        let mut keys: Vec<_> = sent.iter().map(|(k, ..)| *k).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, (0..200).collect::<Vec<_>>());
+        assert!(sent.iter().any(|s| (s.0, s.1) == (199, 2)));
+        // The rate: in any window of w seconds, at most rate * w + burst writes.
+        for (i, (_, _, at)) in sent.iter().enumerate() {
+            for w in [1u64, 5, 20] {
+                let end = *at + Duration::from_secs(w);
+                let n = sent[i..].iter().take_while(|s| s.2 < end).count();
+                assert!(
+                    n as u64 <= u64::from(rate) * w + u64::from(bucket.burst()),
+                    "{n} writes in {w} s from write {i}"
+                );
+            }
+        }
+        // The whole backlog took about 200 / 5 = 40 s; the loss went out at the next token.
+        let last = sent.last().expect("sent").2;
+        assert!(last.duration_since(start) >= Duration::from_secs(39));
+        let (_, v, at) = sent.iter().find(|s| s.0 == 150).expect("the loss");
+        assert_eq!(*v, 2);
+        let queued = loss_sent.expect("pushed");
+        assert!(at.duration_since(queued) <= Duration::from_millis(200));
+    }
+}
