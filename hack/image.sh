@@ -138,13 +138,13 @@ stage() {
 
 # --- one image -------------------------------------------------------------------------------------
 build_image() {
-  local name="$1" bin title description archive rootfs epoch revision tree arch packages start=$SECONDS
+  local name="$1" exe bin title description archive rootfs epoch revision tree arch packages start=$SECONDS
   case "$name" in
     settle)
-      bin="$TARGET/release/settle"; title="settle"
+      exe=settle; bin="$TARGET/release/settle"; title="settle"
       description="Settle, the Kubernetes operator for message subscriptions" ;;
     example)
-      bin="$TARGET/release/examples/account_app"; title="settle-example"
+      exe=account_app; bin="$TARGET/release/examples/account_app"; title="settle-example"
       description="An application on Settle's handler runtime (examples/account_app.rs)" ;;
   esac
   archive="$(archive_of "$name")"
@@ -157,12 +157,12 @@ build_image() {
     x86_64) arch=amd64 ;; aarch64) arch=arm64 ;;
     *) echo "error: no OCI architecture known for $(uname -m)" >&2; exit 1 ;;
   esac
-  packages="$(stage "$rootfs" "$bin" "$name")"
+  packages="$(stage "$rootfs" "$bin" "$exe")"
 
   local args=(
     --rootfs "$rootfs" --out "$archive.new" --name "$(repo_of "$name"):$(tag_of "$name")"
     --arch "$arch" --epoch "$epoch" --user "$NONROOT:$NONROOT" --workdir /home/nonroot
-    --entrypoint "[\"/usr/local/bin/$name\"]"
+    --entrypoint "[\"/usr/local/bin/$exe\"]"
     --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
     --env SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
     --mode /tmp=1777 --mode /home/nonroot=0700 --owner "/home/nonroot=$NONROOT:$NONROOT"
@@ -222,13 +222,16 @@ case "$cmd" in
     # One build at a time per output directory (a test suite and `make image` may meet there).
     exec 9>"$OUT/.lock"
     flock 9
-    build=(cargo build --release --locked)
-    case "$which" in
-      settle) build+=(--bin settle) ;; example) build+=(--example account_app) ;;
-      all) build+=(--bin settle --example account_app) ;;
-    esac
-    "${build[@]}"
     case "$which" in all) names="settle example" ;; *) names="$which" ;; esac
+    # One cargo build per binary: built together, the operator would link a library compiled
+    # with the dev-dependencies' features (an example pulls them in), not the Dockerfile's
+    # `--bin settle` alone; apart, each keeps its own cached build and neither rebuilds.
+    for n in $names; do
+      case "$n" in
+        settle) cargo build --release --locked --bin settle ;;
+        example) cargo build --release --locked --example account_app ;;
+      esac
+    done
     for n in $names; do build_image "$n"; done ;;
   path|digest|ref)
     [ "$which" != all ] || usage
