@@ -225,7 +225,7 @@ case "$cmd" in
     case "$which" in all) names="settle example" ;; *) names="$which" ;; esac
     # One cargo build per binary: built together, the operator would link a library compiled
     # with the dev-dependencies' features (an example pulls them in), not the Dockerfile's
-    # `--bin settle` alone; apart, each keeps its own cached build and neither rebuilds.
+    # `--bin settle` alone; apart, each library variant is cached under its own hash.
     for n in $names; do
       case "$n" in
         settle) cargo build --release --locked --bin settle ;;
