@@ -1,5 +1,5 @@
 # Settle's two commands: `make demo` runs the main job locally, `make test` runs every test.
-.PHONY: test demo build crds tools env-up env-down env-status bench lint clean
+.PHONY: test demo build image crds tools env-up env-down env-status bench lint clean
 
 test:            ## build what is missing, start the real environment, run every test, stop it
 	hack/test.sh
@@ -9,6 +9,9 @@ demo:            ## run Settle locally against a real API server and brokers
 
 build:
 	cargo build --release
+
+image:           ## the operator and example images as OCI archives, offline and reproducible (target/image/)
+	hack/image.sh build
 
 crds:            ## regenerate crds/ and its copies (chart, kustomize) from the Rust types
 	cargo run --quiet -- crds > crds/settle.yaml

@@ -12,6 +12,7 @@ start=$SECONDS
 
 hack/tools.sh build
 cargo build --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
+hack/image.sh build                          # the images tests/image.rs and the pod suite read
 
 # The tests get an environment of their own (a developer's `make env-up` keeps running), and
 # read where it is from the variables its env file exports.

@@ -7,6 +7,8 @@
 #[cfg(feature = "operator")]
 pub mod account;
 pub mod controlplane;
+#[cfg(feature = "operator")]
+pub mod image;
 pub mod install;
 #[cfg(feature = "operator")]
 pub mod node;
