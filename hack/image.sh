@@ -14,7 +14,8 @@
 # SOURCE_DATE_EPOCH, default the commit's time; see hack/oci-image.py for the rest).
 #
 #   hack/image.sh build [settle|example|all] [--tag T] [--label K=V]... [--out DIR]
-#                          cargo build --release, then write the archive(s); prints size and digest
+#                          cargo build (--release for the operator), then write the archive(s);
+#                          prints size and digest
 #   hack/image.sh path settle|example [--tag T] [--out DIR]    the archive's path
 #   hack/image.sh digest settle|example [--tag T] [--out DIR]  its manifest digest (once built)
 #   hack/image.sh ref settle|example [--tag T]                 the image reference it carries
@@ -144,7 +145,7 @@ build_image() {
       exe=settle; bin="$TARGET/release/settle"; title="settle"
       description="Settle, the Kubernetes operator for message subscriptions" ;;
     example)
-      exe=account_app; bin="$TARGET/release/examples/account_app"; title="settle-example"
+      exe=account_app; bin="$TARGET/debug/examples/account_app"; title="settle-example"
       description="An application on Settle's handler runtime (examples/account_app.rs)" ;;
   esac
   archive="$(archive_of "$name")"
@@ -229,7 +230,9 @@ case "$cmd" in
     for n in $names; do
       case "$n" in
         settle) cargo build --release --locked --bin settle ;;
-        example) cargo build --release --locked --example account_app ;;
+        # The example is a test application: its dev build (the one `cargo build --all-targets`
+        # makes anyway) spares a cold CI run a second release build of the whole tree.
+        example) cargo build --locked --example account_app ;;
       esac
     done
     for n in $names; do build_image "$n"; done ;;
