@@ -63,7 +63,15 @@ PY
 
 step "Install the CRDs (generated from the Rust types)"
 "$SETTLE" crds | kubectl apply --server-side --force-conflicts -f -
-kubectl wait --for=condition=Established --timeout=60s crd/subscriptions.messaging.settle.dev crd/backends.messaging.settle.dev >/dev/null
+# Polled: `kubectl wait --for=condition` fails at once ("accessor error: <nil>") on a CRD created
+# a moment ago whose conditions are still null.
+established() {
+  [ "$(kubectl get "crd/$1" -o 'jsonpath={.status.conditions[?(@.type=="Established")].status}')" = True ]
+}
+for crd in subscriptions.messaging.settle.dev backends.messaging.settle.dev; do
+  for _ in $(seq 1 120); do established "$crd" && break; sleep 0.5; done
+  established "$crd" || { echo "error: CRD $crd is not Established after 60s" >&2; exit 1; }
+done
 
 step "Start settle operator; the API server reaches its webhook by url:"
 stop_one operator

@@ -646,16 +646,7 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
     assert!(!installed.contains("WARNING"), "{installed}");
 
     // The CRDs are the chart's doing: they were not there before.
-    cp.kubectl_ok(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/backends.messaging.settle.dev",
-            "crd/subscriptions.messaging.settle.dev",
-        ],
-        None,
-    );
+    common::wait_crds_established(|args| cp.kubectl_ok(args, None));
     let deployment = get_json(&cp, &["get", "deployment", "settle", "-n", "settle-system"]);
     let container = &deployment["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(container["image"], "ghcr.io/settle-dev/settle:test");

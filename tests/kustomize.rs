@@ -166,16 +166,7 @@ fn kustomize_default_applies_to_a_real_api_server() {
 
     // For real: the CRDs are served, and the operator's ServiceAccount may do what it needs.
     cp.kubectl_ok(&["apply", "--server-side", "-f", "-"], Some(&rendered));
-    cp.kubectl_ok(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/backends.messaging.settle.dev",
-            "crd/subscriptions.messaging.settle.dev",
-        ],
-        None,
-    );
+    common::wait_crds_established(|args| cp.kubectl_ok(args, None));
     let webhook: Value = serde_json::from_str(&cp.kubectl_ok(
         &[
             "get",

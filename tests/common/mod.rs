@@ -166,16 +166,32 @@ pub fn install_crds() {
         ],
         None,
     );
-    kubectl_ok(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/backends.messaging.settle.dev",
-            "crd/subscriptions.messaging.settle.dev",
-        ],
-        None,
-    );
+    wait_crds_established(|args| kubectl_ok(args, None));
+}
+
+/// Waits until Settle's CRDs are Established, asking with `kubectl` through `get`. Polled, not
+/// `kubectl wait --for=condition`: that fails at once ("accessor error: <nil> is of the type
+/// <nil>") on a CRD created a moment ago whose conditions are still null.
+pub fn wait_crds_established(get: impl Fn(&[&str]) -> String) {
+    for crd in [
+        "crd/backends.messaging.settle.dev",
+        "crd/subscriptions.messaging.settle.dev",
+    ] {
+        process::poll_until(
+            &format!("{crd} Established"),
+            std::time::Duration::from_secs(60),
+            || {
+                get(&[
+                    "get",
+                    crd,
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+                ])
+                .trim()
+                    == "True"
+            },
+        );
+    }
 }
 
 /// A fresh namespace for one test, so tests can share the API server.
