@@ -66,7 +66,7 @@ async fn settle_installs_with_helm_on_a_real_node_and_lives_through_day_two() {
     assert!(node.has_image(&operator_image) && node.has_image(&example_image));
     let nats = BridgeNats::start(&node, "plain", &[]);
     let tls_dir = tempfile::tempdir().expect("tempdir");
-    let (ca_pem, tls_args) = tls_files(tls_dir.path(), &node.ip);
+    let (ca_pem, tls_args) = common::nats_tls_files(tls_dir.path(), &node.ip);
     let tls_args: Vec<&str> = tls_args.iter().map(String::as_str).collect();
     let tls_nats = BridgeNats::start(&node, "tls", &tls_args);
     let js = async_nats::jetstream::new(
@@ -946,26 +946,9 @@ fn app_deployment(image: &str, nats_url: &str) -> Value {
     })
 }
 
+/// The pods' operator connects from a pod on a shared node: more time than the local one's 60 s.
 async fn wait_backend(api: &Api<Backend>, name: &str, status: &str, reason: &str) -> Backend {
-    poll(
-        &format!("Backend {name} to be Ready={status} ({reason})"),
-        Duration::from_secs(90),
-        || async {
-            let b = api
-                .get_opt(name)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("no such Backend")?;
-            let st = b.status.clone().unwrap_or_default();
-            let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
-            if s == status && r == reason {
-                Ok(b)
-            } else {
-                Err(format!("Ready={s} {r}: {m}"))
-            }
-        },
-    )
-    .await
+    common::subs::wait_backend_within(api, name, status, reason, Duration::from_secs(90)).await
 }
 
 /// Waits until Subscription `name` is Ready with a consumer in status, and that consumer is on the
@@ -1113,31 +1096,4 @@ impl Applier {
             refused,
         )
     }
-}
-
-/// `--tls` for the suite's TLS nats-server: a CA of its own and a certificate for the bridge
-/// address, written into `dir`; returns the CA (PEM) and the arguments.
-fn tls_files(dir: &std::path::Path, ip: &str) -> (String, Vec<String>) {
-    let bundle = settle::admission::certs::issue_for(
-        &settle::admission::certs::Sans {
-            dns_names: vec![],
-            ip_addresses: vec![ip.parse().expect("the node's IP")],
-        },
-        Duration::from_secs(3600),
-    )
-    .expect("issue a certificate");
-    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
-    std::fs::write(&cert, &bundle.cert_pem).expect("write server.crt");
-    std::fs::write(&key, &bundle.key_pem).expect("write server.key");
-    let path = |p: &std::path::Path| p.to_str().expect("utf-8 path").to_string();
-    (
-        bundle.ca_pem,
-        vec![
-            "--tls".into(),
-            "--tlscert".into(),
-            path(&cert),
-            "--tlskey".into(),
-            path(&key),
-        ],
-    )
 }

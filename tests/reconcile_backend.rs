@@ -160,33 +160,6 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 
-/// `--tls` for a nats-server of the test's own: a CA of its own and a certificate for 127.0.0.1,
-/// written into `dir` (the test's files; the operator writes none).
-fn tls_files(dir: &std::path::Path) -> (String, Vec<String>) {
-    let bundle = settle::admission::certs::issue_for(
-        &settle::admission::certs::Sans {
-            dns_names: vec![],
-            ip_addresses: vec!["127.0.0.1".parse().expect("ip")],
-        },
-        Duration::from_secs(3600),
-    )
-    .expect("issue a certificate");
-    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
-    std::fs::write(&cert, &bundle.cert_pem).expect("write server.crt");
-    std::fs::write(&key, &bundle.key_pem).expect("write server.key");
-    let path = |p: &std::path::Path| p.to_str().expect("utf-8 path").to_string();
-    (
-        bundle.ca_pem,
-        vec![
-            "--tls".into(),
-            "--tlscert".into(),
-            path(&cert),
-            "--tlskey".into(),
-            path(&key),
-        ],
-    )
-}
-
 fn ca_secret(ns: &str, name: &str, ca_pem: &str) {
     let secret = serde_json::json!({
         "apiVersion": "v1",
@@ -208,7 +181,7 @@ async fn a_nats_backend_with_a_ca_connects_over_tls_without_writing_a_file() {
     install_crds();
     let ns = namespace("rec-backend-tls");
     let files = tempfile::tempdir().expect("tempdir");
-    let (ca_pem, tls_args) = tls_files(files.path());
+    let (ca_pem, tls_args) = common::nats_tls_files(files.path(), "127.0.0.1");
     let args: Vec<&str> = tls_args.iter().map(String::as_str).collect();
     let server = NatsServer::start(&args);
     // As on the chart's read-only root filesystem: no directory to write a file into. TMPDIR

@@ -32,6 +32,19 @@ pub fn tool(name: &str) -> PathBuf {
     path
 }
 
+/// [`kubectl_at`] that must succeed; returns stdout.
+pub fn kubectl_ok_at(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl_at(kubeconfig, args, stdin);
+    assert!(
+        out.status.success(),
+        "kubectl --kubeconfig {} {args:?} failed: {}{}",
+        kubeconfig.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Runs real kubectl against the API server of `kubeconfig`.
 pub fn kubectl_at(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
     use std::io::Write;
@@ -146,14 +159,7 @@ impl ControlPlane {
 
     /// kubectl that must succeed; returns stdout.
     pub fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> String {
-        let out = self.kubectl(args, stdin);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        kubectl_ok_at(&self.kubeconfig, args, stdin)
     }
 }
 

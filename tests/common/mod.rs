@@ -49,6 +49,33 @@ pub fn root() -> PathBuf {
 /// A TCP port on 127.0.0.1 that was free a moment ago, for a process a test starts. Someone
 /// else can take it before that process binds it; the environment's own servers never trust a
 /// chosen port (README, Ports), and a test that starts its own server fails loudly if it is taken.
+/// `--tls` arguments for a nats-server a test starts: a CA of its own and a certificate for
+/// `ip`, written into `dir`; returns the CA (PEM) and the arguments.
+pub fn nats_tls_files(dir: &Path, ip: &str) -> (String, Vec<String>) {
+    let bundle = settle::admission::certs::issue_for(
+        &settle::admission::certs::Sans {
+            dns_names: vec![],
+            ip_addresses: vec![ip.parse().expect("an IP address")],
+        },
+        std::time::Duration::from_secs(3600),
+    )
+    .expect("issue a certificate");
+    let (cert, key) = (dir.join("server.crt"), dir.join("server.key"));
+    std::fs::write(&cert, &bundle.cert_pem).expect("write server.crt");
+    std::fs::write(&key, &bundle.key_pem).expect("write server.key");
+    let path = |p: &Path| p.to_str().expect("utf-8 path").to_string();
+    (
+        bundle.ca_pem,
+        vec![
+            "--tls".into(),
+            "--tlscert".into(),
+            path(&cert),
+            "--tlskey".into(),
+            path(&key),
+        ],
+    )
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::controlplane::kubectl_at;
+use super::controlplane::{kubectl_at, kubectl_ok_at};
 use super::install::{helm, helm_run};
 use super::root;
 
@@ -88,14 +88,7 @@ impl Node {
 
     /// kubectl that must succeed; returns stdout.
     pub fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> String {
-        let out = self.kubectl(args, stdin);
-        assert!(
-            out.status.success(),
-            "kubectl (node) {args:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        kubectl_ok_at(&self.kubeconfig, args, stdin)
     }
 
     /// `kubectl get ARGS -o json`.

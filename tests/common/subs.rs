@@ -166,9 +166,20 @@ pub fn sub_yaml_on(backend: &str, name: &str, spec: &str) -> String {
 
 /// Waits until Backend `name`'s Ready condition has `status` and `reason`; returns it.
 pub async fn wait_backend(api: &Api<Backend>, name: &str, status: &str, reason: &str) -> Backend {
+    wait_backend_within(api, name, status, reason, Duration::from_secs(60)).await
+}
+
+/// [`wait_backend`], for at most `limit`.
+pub async fn wait_backend_within(
+    api: &Api<Backend>,
+    name: &str,
+    status: &str,
+    reason: &str,
+    limit: Duration,
+) -> Backend {
     poll(
         &format!("Backend {name} to be Ready={status} ({reason})"),
-        Duration::from_secs(60),
+        limit,
         || async {
             let b = api
                 .get_opt(name)
