@@ -95,8 +95,10 @@ webhooks:
     clientConfig: {url: "https://127.0.0.1:$WEBHOOK_PORT/validate"}
 YAML
   # --stats-interval 2s: the account reaches status within seconds here (10s by default).
+  # --shutdown-delay 0s: one local process behind a url:, no Service to leave before it stops.
   spawn operator "$SETTLE" operator --log-format text --namespace "$NS" --watch-namespaces "$NS" --webhook-configuration settle \
-    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" --probe-addr 127.0.0.1:0 --stats-interval 2s
+    --webhook-ips 127.0.0.1 --webhook-addr "127.0.0.1:$WEBHOOK_PORT" --metrics-addr "127.0.0.1:$METRICS_PORT" --probe-addr 127.0.0.1:0 --stats-interval 2s \
+    --shutdown-delay 0s
 }
 operator_ready() { http_ok "http://127.0.0.1:$METRICS_PORT/readyz"; }
 operator_ports() { echo "$WEBHOOK_PORT $METRICS_PORT"; }

@@ -473,6 +473,7 @@ fn chart_renders_the_operator_settings_from_values() {
         ("SETTLE_STATUS_WRITES_PER_SECOND", "20"),
         ("SETTLE_LOSS_WINDOW", "15m"),
         ("SETTLE_WEBHOOK_CONFIGURATION", "settle"),
+        ("SETTLE_SHUTDOWN_DELAY", "5s"),
     ] {
         assert!(
             env.contains(&(name.to_string(), value.to_string())),
@@ -491,6 +492,8 @@ fn chart_renders_the_operator_settings_from_values() {
     );
     let pod = &deployment["spec"]["template"]["spec"];
     let container = &pod["containers"][0];
+    // The kubelet's grace outlasts the shutdown delay: the replica closes its ports itself.
+    assert_eq!(pod["terminationGracePeriodSeconds"], 30);
     assert_eq!(pod["securityContext"]["runAsUser"], 65532);
     assert_eq!(pod["securityContext"]["runAsGroup"], 65532);
     assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);

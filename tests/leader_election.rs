@@ -468,6 +468,8 @@ impl Operator {
             .args(["--webhook-configuration", "", "--webhook-ips", "127.0.0.1"])
             // Its controllers reconcile only its own namespace, never another test's objects.
             .args(["--watch-namespaces", ns])
+            // The Lease is released at the signal either way; nothing routes reviews here.
+            .args(["--shutdown-delay", "0s"])
             .args(extra)
             .env("KUBECONFIG", &test_env.kubeconfig)
             .env("POD_NAME", name)

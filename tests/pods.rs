@@ -2,7 +2,7 @@
 //! user does, then operated through day two. One flow, in the order a platform team lives it,
 //! because every step stands on the install before it (issue 20, items 3 and 4):
 //!
-//! 1. the images `make image` built, imported into the node's containerd; brokers of the suite's
+//! 1. the images `hack/image.sh build` makes (or brings up to date: a no-op after `make image`), imported into the node's containerd; brokers of the suite's
 //!    own on the bridge address (a plain nats-server with JetStream, and one over TLS);
 //! 2. `helm install --wait` of charts/settle with the chart's default image: 2 replicas Ready on
 //!    the node; the webhook registered by `service:` with the operator's own CA;
@@ -28,7 +28,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::node::{BridgeNats, LogFollower, Node, archive_reference, image_archive};
+use common::image::image_archive;
+use common::node::{BridgeNats, LogFollower, Node, archive_reference};
 use common::operator::{condition, poll};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;

@@ -769,6 +769,94 @@ async fn past_the_connection_cap_a_new_connection_is_refused_at_once_and_counted
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
 }
 
+/// A replica told to stop (the kubelet's SIGTERM in a rolling update) keeps answering reviews,
+/// on the connections it has and on new ones, for its shutdown delay, while `/readyz` says 503
+/// so the endpoints controller takes it out of the webhook's Service: closing at once would
+/// fail the reviews the API server still routes to it, and with `failurePolicy: Fail` the
+/// `kubectl apply` behind each. A second signal closes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_replica_answers_reviews_until_its_shutdown_delay_ends() {
+    common::install_crds();
+    let ns = common::namespace("webhook-drain");
+    // Far longer than the test: only the second signal can end it early.
+    let mut op = Operator::start("drain", &ns, "", &["--shutdown-delay=10m"]);
+    let port = op.webhook_port;
+    let ca = webhook_ca(&ns).await;
+    let h2 = tls_config(&ca, &[b"h2"]);
+    let spec = json!({"backendRef": {"name": "nats"}, "pattern": "a.>"});
+    let (mut held, held_conn) = h2_connect(port, h2.clone()).await;
+    let answer = post_h2(&mut held, port, review_body("before", &ns, spec.clone())).await;
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+
+    let pid = op.child.id().to_string();
+    let kill = |signal: &str| {
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal}");
+    };
+    kill("-TERM");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let readyz = get_on(op.probe_port, "/readyz").unwrap_or_default();
+        if readyz.starts_with("HTTP/1.1 503") {
+            assert!(readyz.contains("shutting down"), "{readyz}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz still answers {readyz:?} 30s after SIGTERM; see {}",
+            op.log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let healthz = get_on(op.probe_port, "/healthz").unwrap_or_default();
+    assert!(
+        healthz.starts_with("HTTP/1.1 200"),
+        "a stopping replica is alive, not to be restarted: {healthz}"
+    );
+    // Reviews are still answered: on the connection the API server holds, and on a new one
+    // (kube-proxy routes a new one to it until the endpoint is gone).
+    let answer = post_h2(&mut held, port, review_body("held", &ns, spec.clone())).await;
+    assert_eq!(answer["response"]["uid"], "held");
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    let (mut fresh, _fresh_conn) = h2_connect(port, h2).await;
+    let answer = post_h2(&mut fresh, port, review_body("fresh", &ns, spec)).await;
+    assert_eq!(answer["response"]["uid"], "fresh");
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+    assert!(
+        matches!(op.child.try_wait(), Ok(None)),
+        "the operator runs on through its shutdown delay"
+    );
+
+    // A second signal: the ports close and the process ends, long before the delay would.
+    kill("-TERM");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = op.child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the operator still runs 60s after a second SIGTERM; see {}",
+            op.log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        status.success(),
+        "a stop on signals is a clean exit: {status}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), held_conn)
+        .await
+        .expect("the held connection is closed with the process")
+        .expect("connection task");
+    let log = std::fs::read_to_string(&op.log).unwrap_or_default();
+    assert!(log.contains("a second signal: closing at once"), "{log}");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
+}
+
 /// Raises this test process's RLIMIT_NOFILE to `n` (soft and hard) with `prlimit`, or fails
 /// saying what it has, if it is below `n` and cannot be raised.
 fn raise_open_files(n: u64) {

@@ -12,6 +12,9 @@
 //!   the PodDisruptionBudget, and a replica that just took the Lease serves admission as well as
 //!   before while its controllers sync.
 //!
+//! From the shutdown signal on, both `/readyz` answer 503 while the ports stay open for the
+//! shutdown delay (`operator::run` closes them).
+//!
 //! No body is ever read: anything but `GET` is answered 405. It must not serve anything that
 //! changes state.
 
@@ -27,6 +30,7 @@ use hyper::body::Incoming;
 use kube::runtime::reflector::Store;
 use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use super::auth::{Authorizer, Verdict};
@@ -62,6 +66,9 @@ pub struct HealthConfig {
 struct Ready {
     backends: Store<Backend>,
     controllers: Readiness,
+    /// True from the shutdown signal on: `/readyz` answers 503 so the replica leaves the
+    /// webhook's Service while it still answers reviews.
+    stopping: watch::Receiver<bool>,
 }
 
 /// Both ports, bound.
@@ -87,6 +94,7 @@ impl Server {
         registry: Registry,
         backends: Store<Backend>,
         controllers: Readiness,
+        stopping: watch::Receiver<bool>,
         auth: Option<(Authorizer, Arc<CertResolver>)>,
     ) -> Result<Self, HealthError> {
         let metrics_listener = listen(config.metrics_addr).await?;
@@ -149,6 +157,7 @@ impl Server {
             ready: Ready {
                 backends,
                 controllers,
+                stopping,
             },
             auth,
         })
@@ -234,26 +243,30 @@ fn probe_answer(
         return Ok(text(StatusCode::OK, "ok\n", PLAIN));
     }
     // A Store is ready once its first list has arrived.
-    Ok(
-        if !matches!(
-            ready.backends.wait_until_ready().now_or_never(),
-            Some(Ok(()))
-        ) {
-            text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the Backend cache has not synced yet\n",
-                PLAIN,
-            )
-        } else if controllers == Controllers::Awaited && !ready.controllers.ready() {
-            text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "leading, and the controllers' caches have not synced yet\n",
-                PLAIN,
-            )
-        } else {
-            text(StatusCode::OK, "ok\n", PLAIN)
-        },
-    )
+    Ok(if *ready.stopping.borrow() {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting down: admission is still answered until the shutdown delay ends\n",
+            PLAIN,
+        )
+    } else if !matches!(
+        ready.backends.wait_until_ready().now_or_never(),
+        Some(Ok(()))
+    ) {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the Backend cache has not synced yet\n",
+            PLAIN,
+        )
+    } else if controllers == Controllers::Awaited && !ready.controllers.ready() {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "leading, and the controllers' caches have not synced yet\n",
+            PLAIN,
+        )
+    } else {
+        text(StatusCode::OK, "ok\n", PLAIN)
+    })
 }
 
 async fn metrics_answer(

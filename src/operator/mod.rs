@@ -110,6 +110,15 @@ pub struct OperatorArgs {
     /// full resolution.
     #[arg(long, env = "SETTLE_STATUS_WRITES_PER_SECOND", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub status_writes_per_second: u32,
+    /// After SIGTERM or SIGINT, how long this replica keeps answering admission reviews before
+    /// it closes its ports (a Kubernetes duration; 0s closes at once). Its Lease is released
+    /// and its controllers stop at once, and the probe port's `/readyz` answers 503, so the
+    /// endpoints controller and kube-proxy stop routing reviews to it meanwhile: a review sent
+    /// to a closed port fails, and with `failurePolicy: Fail` so does the `kubectl apply`
+    /// behind it. A second signal closes at once. Keep the pod's
+    /// terminationGracePeriodSeconds above it (the chart does).
+    #[arg(long, env = "SETTLE_SHUTDOWN_DELAY", default_value = "5s")]
+    pub shutdown_delay: crate::api::Duration,
     /// The Exhausting condition is True while Exhausted grew within this window.
     #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
     pub loss_window: Duration,
@@ -392,18 +401,33 @@ pub fn init_logging(format: LogFormat) {
 pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let client = Client::try_default().await?;
     let registry = Registry::new();
+    // Two moments: `stopping` (the signal: the Lease and the controllers stop, `/readyz` turns
+    // 503) and `closed` (the shutdown delay later: the ports close).
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (close_tx, close_rx) = watch::channel(false);
+    let delay = args.shutdown_delay.get();
     tokio::spawn(async move {
         shutdown_signal().await;
-        tracing::info!("shutting down");
+        tracing::info!(
+            shutdown_delay = ?delay,
+            "shutting down: the Lease is released now, admission is answered until the delay ends"
+        );
         let _ = stop_tx.send(true);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {},
+            () = shutdown_signal() => tracing::info!("a second signal: closing at once"),
+        }
+        let _ = close_tx.send(true);
     });
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
+    let until = |rx: &watch::Receiver<bool>| {
+        let mut rx = rx.clone();
         async move {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
+    let stopping_rx = stop_rx.clone();
+    let stopped = move || until(&stop_rx);
+    let closed = move || until(&close_rx);
 
     // The Backends admission resolves capabilities from, cached by a watch of the watched
     // namespaces only (a Backend elsewhere is looked up with one GET when a review names it).
@@ -491,6 +515,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         registry.clone(),
         store.clone(),
         readiness.clone(),
+        stopping_rx,
         metrics_auth,
     )
     .await?;
@@ -554,8 +579,8 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         }
     };
     let result = tokio::try_join!(
-        async { webhook.run(stopped()).await.map_err(OperatorError::from) },
-        async { health.run(stopped()).await.map_err(OperatorError::from) },
+        async { webhook.run(closed()).await.map_err(OperatorError::from) },
+        async { health.run(closed()).await.map_err(OperatorError::from) },
         async {
             controllers.await;
             Ok(())

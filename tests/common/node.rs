@@ -252,32 +252,6 @@ impl Node {
     }
 }
 
-/// The archive `hack/image.sh path NAME` names (`settle` or `example`), built by `make image`.
-pub fn image_archive(name: &str) -> PathBuf {
-    let script = root().join("hack/image.sh");
-    assert!(
-        script.is_file(),
-        "{} is missing: the pod suite needs the images `make image` builds",
-        script.display()
-    );
-    let out = Command::new(&script)
-        .args(["path", name])
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "hack/image.sh path {name}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    assert!(
-        path.is_file(),
-        "the {name} image is not built at {}: run `make image` (with the same CARGO_TARGET_DIR)",
-        path.display()
-    );
-    path
-}
-
 /// The image reference an OCI archive names (its index's `io.containerd.image.name`).
 pub fn archive_reference(archive: &Path) -> String {
     let out = Command::new("tar")

@@ -93,6 +93,8 @@ impl Operator {
             ("--webhook-configuration", ""),
             ("--webhook-ips", "127.0.0.1"),
             ("--watch-namespaces", watch),
+            // Stopped by the tests, not by a rolling update: nothing routes reviews to it.
+            ("--shutdown-delay", "0s"),
         ];
         for (flag, value) in defaults {
             if !extra.contains(&flag) {
