@@ -2,8 +2,9 @@
 //! user does, then operated through day two. One flow, in the order a platform team lives it,
 //! because every step stands on the install before it (issue 20, items 3 and 4):
 //!
-//! 1. the images `hack/image.sh build` makes (or brings up to date: a no-op after `make image`), imported into the node's containerd; brokers of the suite's
-//!    own on the bridge address (a plain nats-server with JetStream, and one over TLS);
+//! 1. the images `hack/image.sh build` makes (or brings up to date: a no-op after `make image`),
+//!    imported into the node's containerd; brokers of the suite's own on the bridge address (a
+//!    plain nats-server with JetStream, and one over TLS);
 //! 2. `helm install --wait` of charts/settle with the chart's default image: 2 replicas Ready on
 //!    the node; the webhook registered by `service:` with the operator's own CA;
 //! 3. an invalid Subscription denied through that webhook; a Backend and Subscriptions whose
