@@ -2,14 +2,43 @@
 //!
 //! `memory` (in process, for tests and local development), `nats` (JetStream), `rabbitmq`
 //! (AMQP 0-9-1) and `sqs` (Amazon SQS and compatible servers; the `sqs` feature). Anything that
-//! names a broker's subject, header or config field lives under its folder here. This module must
-//! not decide policy (that is `policy`) nor talk to Kubernetes.
+//! names a broker's subject, header or config field lives under its folder here. Each broker's
+//! folder has the same files: `mod.rs` (the `Broker`), `connect.rs` (connecting, TLS,
+//! credentials), `consume.rs` (fetching and settling deliveries), its one spec → consumer
+//! mapping (`nats/consumer.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
+//! (`nats/jsapi.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
+//! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
+//! controllers map no broker's error by hand. This module must not decide policy (that is
+//! `policy`) nor talk to Kubernetes.
 
 pub mod memory;
 pub mod nats;
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+
+/// The class of a failed connection or broker call, whatever the broker: what a status reason
+/// and a retry depend on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// Nothing answered (down, refused the connection, timed out, unresolvable, reconnecting):
+    /// tried again.
+    Unreachable,
+    /// The broker refused the credentials (or their permissions, or the vhost).
+    AuthFailed,
+    /// The broker answered and refused the call, or the settings cannot be used at all.
+    Refused,
+}
+
+/// A broker error that names its [`Failure`] class.
+pub trait Classify {
+    fn class(&self) -> Failure;
+
+    /// Whether the broker could not be asked at all.
+    fn is_unreachable(&self) -> bool {
+        self.class() == Failure::Unreachable
+    }
+}
 
 /// The controllers' live handle on a Backend's broker, by the Backend's namespace and name, as
 /// they hand it to the account each leadership term: a NATS connection.
