@@ -35,7 +35,7 @@ use futures::{FutureExt, StreamExt};
 
 use super::{NatsBroker, consumer, err, jsapi};
 use crate::bus::{
-    BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
+    self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, SubscriptionCtx,
 };
 
@@ -145,49 +145,41 @@ impl NatsBroker {
     async fn await_operator(&self, ctx: &SubscriptionCtx) -> (String, String) {
         let b = ctx.binding();
         let p = ctx.policy();
-        let mut wait = Duration::from_millis(250);
-        let mut said = String::new();
-        loop {
-            let why = match jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await {
-                Err(e) => e.to_string(),
-                Ok(stream) => {
-                    let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
-                    match jsapi::consumer_info(&self.js, &stream, &want.name).await {
-                        Ok(Some(info)) => {
-                            let live = consumer::normalise(&stream, &want.name, &info.config);
-                            // The object mark is the operator's own, not the application's policy.
-                            let want = want.marked_as(&live);
-                            let d = consumer::diff(&want, &live);
-                            if !d.is_empty() {
-                                let all: Vec<String> = d
-                                    .immutable
-                                    .iter()
-                                    .chain(&d.editable)
-                                    .map(ToString::to_string)
-                                    .collect();
-                                tracing::warn!(subscription = %ctx.name(), consumer = %want.name, differences = %all.join("; "), "the operator's consumer differs from the policy this application runs: bound anyway; check that the Subscription resource and the application agree");
-                            }
-                            return (stream, want.name);
-                        }
-                        Ok(None) => format!(
-                            "consumer {} on stream {stream} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
-                            want.name,
-                            b.namespace,
-                            ctx.name(),
-                            ctx.name(),
-                            b.namespace
-                        ),
-                        Err(e) => e.to_string(),
+        let js = &self.js;
+        bus::await_operator(ctx.name(), "consumer", move || async move {
+            let stream = jsapi::resolve_stream(js, b.stream.as_deref(), &p.pattern)
+                .await
+                .map_err(|e| e.to_string())?;
+            let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
+            match jsapi::consumer_info(js, &stream, &want.name).await {
+                Ok(Some(info)) => {
+                    let live = consumer::normalise(&stream, &want.name, &info.config);
+                    // The object mark is the operator's own, not the application's policy.
+                    let want = want.marked_as(&live);
+                    let d = consumer::diff(&want, &live);
+                    if !d.is_empty() {
+                        let all: Vec<String> = d
+                            .immutable
+                            .iter()
+                            .chain(&d.editable)
+                            .map(ToString::to_string)
+                            .collect();
+                        tracing::warn!(subscription = %ctx.name(), consumer = %want.name, differences = %all.join("; "), "the operator's consumer differs from the policy this application runs: bound anyway; check that the Subscription resource and the application agree");
                     }
+                    Ok((stream, want.name))
                 }
-            };
-            if why != said {
-                tracing::info!(subscription = %ctx.name(), reason = %why, "waiting for the operator's consumer");
-                said = why;
+                Ok(None) => Err(format!(
+                    "consumer {} on stream {stream} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
+                    want.name,
+                    b.namespace,
+                    ctx.name(),
+                    ctx.name(),
+                    b.namespace
+                )),
+                Err(e) => Err(e.to_string()),
             }
-            tokio::time::sleep(wait).await;
-            wait = (wait * 2).min(Duration::from_secs(5));
-        }
+        })
+        .await
     }
 }
 

@@ -3,7 +3,7 @@
 //! it), the long poll that receives while the subscription has free slots, each message turned
 //! into a `Delivery`, and its settlement with visibility timeouts (docs/semantics.md Q1–Q6).
 //!
-//! What it sends, and why (receiving and settling):
+//! What it sends, and why:
 //! - Receive: a long poll for at most as many messages as the subscription has free slots
 //!   (maxInFlight), hiding each for ackWait; the attempt is `ApproximateReceiveCount`.
 //! - Ack: DeleteMessage. Decline: ChangeMessageVisibility to the delay (0: at once), cut to what
@@ -14,9 +14,8 @@
 //! - ExtendLease: ChangeMessageVisibility to ackWait, bounded by the same twelve hours;
 //!   Redeliver: nothing. Release at close: visible again at once.
 //! - AtMostOnce: DeleteMessage as the message is handed out (SQS forgets it on delivery).
-//! - Publish: SendMessage to the queue `<prefix><subject>`: a subject is a queue's name.
-//! - Stats reports: SendMessage to the Subscription's report queue, which the operator makes
-//!   beside its queue ([`report`]); the object's UID is read from the queue's `settle-object` tag.
+//! - The stats reports go to the Subscription's report queue beside the operator's queue, or
+//!   nowhere for a code-defined subscription ([`report`]).
 //!
 //! It must not count anything (the settle path does), decide what a queue looks like (that is
 //! [`super::queue`]) nor make or change an operator-owned queue.
@@ -199,9 +198,8 @@ impl SqsBroker {
     /// An operator-owned queue: waits, logging why, until it exists; warns (never silently) when
     /// it differs from the policy this runtime runs.
     async fn await_operator(&self, ctx: &SubscriptionCtx) -> Result<(String, bool), SqsError> {
-        let want = queue::desired(&self.prefix, ctx.policy())?;
+        let want = &queue::desired(&self.prefix, ctx.policy())?;
         let b = ctx.binding();
-        let want = &want;
         let found = bus::await_operator(ctx.name(), "queue", move || async move {
             let url = match self.queue_url(&want.name).await {
                 Ok(Some(url)) => url,
@@ -238,7 +236,7 @@ impl SqsBroker {
     }
 }
 
-/// What a consumer's deliveries share.
+/// The queue a consumer is bound to, and what its deliveries share.
 struct BoundQueue {
     client: Client,
     url: String,
