@@ -103,3 +103,112 @@ impl QueueGauges {
         }
     }
 }
+
+#[cfg(all(test, feature = "operator"))]
+mod tests {
+    use super::{Classify, Failure};
+
+    /// What the Backends' and Subscriptions' reasons were matched on, variant by variant, before
+    /// each error named its class: a credentials refusal is AuthFailed, settings that cannot be
+    /// used and a broker's refusal are Refused, silence is Unreachable.
+    #[test]
+    fn every_broker_error_names_the_class_it_was_mapped_to() {
+        use super::nats::connect::ConnectFailure as Nats;
+        use super::nats::jsapi::NatsError;
+        use super::rabbitmq::admin::AdminError as Amqp;
+        use super::rabbitmq::connect::ConnectFailure as Rabbit;
+        use super::rabbitmq::management::ManagementError as Mgmt;
+        use super::sqs::admin::AdminError as Sqs;
+        let s = String::new;
+        let classes: Vec<(Box<dyn Classify>, Failure)> = vec![
+            (
+                Box::new(Nats::Unreachable {
+                    servers: s(),
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (Box::new(Nats::AuthFailed(s())), Failure::AuthFailed),
+            (Box::new(Nats::BadConfig(s())), Failure::Refused),
+            (
+                Box::new(Rabbit::Unreachable {
+                    urls: s(),
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (Box::new(Rabbit::AuthFailed(s())), Failure::AuthFailed),
+            (Box::new(Rabbit::BadConfig(s())), Failure::Refused),
+            (Box::new(Amqp::Unreachable(s())), Failure::Unreachable),
+            (
+                Box::new(Amqp::Differs {
+                    queue: s(),
+                    text: s(),
+                }),
+                Failure::Refused,
+            ),
+            (
+                Box::new(Amqp::Refused {
+                    what: s(),
+                    text: s(),
+                }),
+                Failure::Refused,
+            ),
+            (
+                Box::new(Mgmt::Unreachable {
+                    url: s(),
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (
+                Box::new(Mgmt::Unauthorized {
+                    url: s(),
+                    status: 401,
+                }),
+                Failure::AuthFailed,
+            ),
+            (
+                Box::new(Mgmt::Status {
+                    path: s(),
+                    status: 500,
+                    detail: s(),
+                }),
+                Failure::Refused,
+            ),
+            (Box::new(Mgmt::BadConfig(s())), Failure::Refused),
+            (
+                Box::new(Sqs::Unreachable {
+                    operation: "ListQueues",
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (
+                Box::new(Sqs::AuthFailed {
+                    operation: "ListQueues",
+                    detail: s(),
+                }),
+                Failure::AuthFailed,
+            ),
+            (
+                Box::new(Sqs::Refused {
+                    operation: "ListQueues",
+                    detail: s(),
+                }),
+                Failure::Refused,
+            ),
+            (Box::new(NatsError::Unreachable(s())), Failure::Unreachable),
+            (Box::new(NatsError::JetStreamDisabled), Failure::Refused),
+            (Box::new(NatsError::StreamNotFound(s())), Failure::Refused),
+        ];
+        for (i, (e, class)) in classes.iter().enumerate() {
+            assert_eq!(e.class(), *class, "row {i}");
+            assert_eq!(
+                e.is_unreachable(),
+                *class == Failure::Unreachable,
+                "row {i}"
+            );
+        }
+    }
+}

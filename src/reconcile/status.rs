@@ -47,7 +47,7 @@ impl std::fmt::Display for BrokerError {
 
 impl BrokerError {
     /// A RabbitMQ or SQS error (a connection, an AMQP or management call, an SQS call), by the
-    /// class it names.
+    /// class it names. A NATS error goes in whole ([`BrokerError::Nats`]): its reasons are finer.
     pub fn of<E: Classify + std::fmt::Display>(e: E) -> BrokerError {
         let message = e.to_string();
         match e.class() {
