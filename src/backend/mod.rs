@@ -2,14 +2,43 @@
 //!
 //! `memory` (in process, for tests and local development), `nats` (JetStream), `rabbitmq`
 //! (AMQP 0-9-1) and `sqs` (Amazon SQS and compatible servers; the `sqs` feature). Anything that
-//! names a broker's subject, header or config field lives under its folder here. This module must
-//! not decide policy (that is `policy`) nor talk to Kubernetes.
+//! names a broker's subject, header or config field lives under its folder here. Each broker's
+//! folder has the same files: `mod.rs` (the `Broker`), `connect.rs` (connecting, TLS,
+//! credentials), `consume.rs` (fetching and settling deliveries), its one spec → consumer
+//! mapping (`nats/consumer.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
+//! (`nats/jsapi.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
+//! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
+//! controllers map no broker's error by hand. This module must not decide policy (that is
+//! `policy`) nor talk to Kubernetes.
 
 pub mod memory;
 pub mod nats;
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+
+/// The class of a failed connection or broker call, whatever the broker: what a status reason
+/// and a retry depend on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// Nothing answered (down, refused the connection, timed out, unresolvable, reconnecting):
+    /// tried again.
+    Unreachable,
+    /// The broker refused the credentials (or their permissions, or the vhost).
+    AuthFailed,
+    /// The broker answered and refused the call, or the settings cannot be used at all.
+    Refused,
+}
+
+/// A broker error that names its [`Failure`] class.
+pub trait Classify {
+    fn class(&self) -> Failure;
+
+    /// Whether the broker could not be asked at all.
+    fn is_unreachable(&self) -> bool {
+        self.class() == Failure::Unreachable
+    }
+}
 
 /// The controllers' live handle on a Backend's broker, by the Backend's namespace and name, as
 /// they hand it to the account each leadership term: a NATS connection.
@@ -71,6 +100,115 @@ impl QueueGauges {
                 .await
                 .map_err(|e| e.to_string()),
             QueueGauges::Sqs(_) => Ok(Vec::new()),
+        }
+    }
+}
+
+#[cfg(all(test, feature = "operator"))]
+mod tests {
+    use super::{Classify, Failure};
+
+    /// What the Backends' and Subscriptions' reasons were matched on, variant by variant, before
+    /// each error named its class: a credentials refusal is AuthFailed, settings that cannot be
+    /// used and a broker's refusal are Refused, silence is Unreachable.
+    #[test]
+    fn every_broker_error_names_the_class_it_was_mapped_to() {
+        use super::nats::connect::ConnectFailure as Nats;
+        use super::nats::jsapi::NatsError;
+        use super::rabbitmq::admin::AdminError as Amqp;
+        use super::rabbitmq::connect::ConnectFailure as Rabbit;
+        use super::rabbitmq::management::ManagementError as Mgmt;
+        use super::sqs::admin::AdminError as Sqs;
+        let s = String::new;
+        let classes: Vec<(Box<dyn Classify>, Failure)> = vec![
+            (
+                Box::new(Nats::Unreachable {
+                    servers: s(),
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (Box::new(Nats::AuthFailed(s())), Failure::AuthFailed),
+            (Box::new(Nats::BadConfig(s())), Failure::Refused),
+            (
+                Box::new(Rabbit::Unreachable {
+                    urls: s(),
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (Box::new(Rabbit::AuthFailed(s())), Failure::AuthFailed),
+            (Box::new(Rabbit::BadConfig(s())), Failure::Refused),
+            (Box::new(Amqp::Unreachable(s())), Failure::Unreachable),
+            (
+                Box::new(Amqp::Differs {
+                    queue: s(),
+                    text: s(),
+                }),
+                Failure::Refused,
+            ),
+            (
+                Box::new(Amqp::Refused {
+                    what: s(),
+                    text: s(),
+                }),
+                Failure::Refused,
+            ),
+            (
+                Box::new(Mgmt::Unreachable {
+                    url: s(),
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (
+                Box::new(Mgmt::Unauthorized {
+                    url: s(),
+                    status: 401,
+                }),
+                Failure::AuthFailed,
+            ),
+            (
+                Box::new(Mgmt::Status {
+                    path: s(),
+                    status: 500,
+                    detail: s(),
+                }),
+                Failure::Refused,
+            ),
+            (Box::new(Mgmt::BadConfig(s())), Failure::Refused),
+            (
+                Box::new(Sqs::Unreachable {
+                    operation: "ListQueues",
+                    detail: s(),
+                }),
+                Failure::Unreachable,
+            ),
+            (
+                Box::new(Sqs::AuthFailed {
+                    operation: "ListQueues",
+                    detail: s(),
+                }),
+                Failure::AuthFailed,
+            ),
+            (
+                Box::new(Sqs::Refused {
+                    operation: "ListQueues",
+                    detail: s(),
+                }),
+                Failure::Refused,
+            ),
+            (Box::new(NatsError::Unreachable(s())), Failure::Unreachable),
+            (Box::new(NatsError::JetStreamDisabled), Failure::Refused),
+            (Box::new(NatsError::StreamNotFound(s())), Failure::Refused),
+        ];
+        for (i, (e, class)) in classes.iter().enumerate() {
+            assert_eq!(e.class(), *class, "row {i}");
+            assert_eq!(
+                e.is_unreachable(),
+                *class == Failure::Unreachable,
+                "row {i}"
+            );
         }
     }
 }

@@ -5,9 +5,11 @@
 //! - [`Delivery`]: one attempt; `ack`/`nack`/`nack_after`; exactly one settlement across clones.
 //! - [`settle`] / [`settle_with`]: the one settle path (handlers, the bus, the conformance suite).
 //! - [`Broker`] / [`Consumer`]: the seam a broker implements (`backend::memory`, `backend::nats`,
-//!   `backend::rabbitmq`).
+//!   `backend::rabbitmq`, `backend::sqs`).
 //! - [`conformance::run`]: the conformance rows (semantics T1–T6) for any AtLeastOnce backend.
 //! - [`report`]: the versioned stats report for the operator.
+//! - [`await_operator`]: the one loop a broker waits in for the consumer or queue the operator
+//!   makes.
 //!
 //! This module must not know a particular broker, and must not re-state the admission rules:
 //! it calls `policy::validate_runtime` when a subscription is added.
@@ -19,6 +21,7 @@ pub mod report;
 mod seam;
 mod spec;
 mod stats;
+mod waiting;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -42,6 +45,7 @@ pub use envelope::{EnvelopeEvent, Foreign, Format};
 pub use seam::{Broker, BusError, Consumer, StatsSink};
 pub use spec::{ConsumerOwner, Handler, HandlerError, Subscriber, handler};
 pub use stats::RuntimeStats;
+pub use waiting::await_operator;
 
 use crate::api::{Capabilities, ConsumerStats, SlowHandler};
 use report::{ReportTarget, StatsReporter};

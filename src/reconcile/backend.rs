@@ -33,10 +33,10 @@ use crate::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec};
 use crate::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
 use crate::backend::nats::jsapi;
 use crate::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
-use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{DEFAULT_EXCHANGE, Exchanges};
-use crate::backend::sqs::admin::{self as sqs_admin, AdminError};
+use crate::backend::sqs::admin as sqs_admin;
 use crate::backend::sqs::{SqsCredentials, SqsSettings};
+use crate::backend::{Classify, Failure};
 use crate::policy::{
     BackendKind, CREDENTIALS_LABEL, CREDENTIALS_LABEL_VALUE, SecretView, backend_access,
     capabilities_of, secrets_named,
@@ -332,7 +332,7 @@ async fn observe_rabbitmq(
     let down = |reason: &'static str, message: String| Ok(BackendOutcome::Down { reason, message });
     let conn = match ctx.conns.ensure_rabbitmq(key, &spec).await {
         Ok(c) => c,
-        Err(f) => return down(amqp_reason(&f), amqp_message(&f)),
+        Err(f) => return down(down_reason(f.class()), amqp_message(&f)),
     };
     let Conn::Rabbitmq(conn) = &*conn else {
         return Err(Error::Waiting(
@@ -341,7 +341,7 @@ async fn observe_rabbitmq(
     };
     ctx.metrics.js("amqp.connect");
     if let Err(f) = conn.connection().await {
-        return down(amqp_reason(&f), amqp_message(&f));
+        return down(down_reason(f.class()), amqp_message(&f));
     }
     let Some(m) = &conn.management else {
         return Ok(BackendOutcome::Reached {
@@ -360,36 +360,31 @@ async fn observe_rabbitmq(
             detail: "AMQP and the management API answer".into(),
         },
         Err(e) => BackendOutcome::Down {
-            reason: match e {
-                ManagementError::Unreachable { .. } => reasons::UNREACHABLE,
-                ManagementError::Unauthorized { .. } => reasons::AUTH_FAILED,
-                ManagementError::Status { .. } | ManagementError::BadConfig(_) => {
-                    reasons::BAD_CONFIG
-                }
-            },
+            reason: down_reason(e.class()),
             message: format!("AMQP answers, but: {e}"),
         },
     })
 }
 
-fn amqp_reason(f: &amqp::ConnectFailure) -> &'static str {
-    match f {
-        amqp::ConnectFailure::Unreachable { .. } => reasons::UNREACHABLE,
-        amqp::ConnectFailure::AuthFailed(_) => reasons::AUTH_FAILED,
-        amqp::ConnectFailure::BadConfig(_) => reasons::BAD_CONFIG,
+/// A RabbitMQ or SQS Backend's `Ready` reason when it is not reached, by the failure's class.
+fn down_reason(class: Failure) -> &'static str {
+    match class {
+        Failure::Unreachable => reasons::UNREACHABLE,
+        Failure::AuthFailed => reasons::AUTH_FAILED,
+        Failure::Refused => reasons::BAD_CONFIG,
     }
 }
 
 fn amqp_message(f: &amqp::ConnectFailure) -> String {
-    match f {
-        amqp::ConnectFailure::Unreachable { .. } => {
+    match f.class() {
+        Failure::Unreachable => {
             format!("{f}: check spec.rabbitmq.urls and that the broker runs; Settle keeps trying")
         }
-        amqp::ConnectFailure::AuthFailed(_) => format!(
+        Failure::AuthFailed => format!(
             "{f}: fix the credentials Secret (spec.rabbitmq.credentialsSecretRef) or spec.rabbitmq.vhost; \
              Settle picks up the change"
         ),
-        amqp::ConnectFailure::BadConfig(_) => f.to_string(),
+        Failure::Refused => f.to_string(),
     }
 }
 
@@ -459,19 +454,15 @@ async fn observe_sqs(
                 detail: format!("ListQueues answers at {at}"),
             },
             Err(e) => BackendOutcome::Down {
-                reason: match e {
-                    AdminError::Unreachable { .. } => reasons::UNREACHABLE,
-                    AdminError::AuthFailed { .. } => reasons::AUTH_FAILED,
-                    AdminError::Refused { .. } => reasons::BAD_CONFIG,
-                },
-                message: match e {
-                    AdminError::Unreachable { .. } => format!(
+                reason: down_reason(e.class()),
+                message: match e.class() {
+                    Failure::Unreachable => format!(
                         "{e}: check spec.sqs.endpoint or spec.sqs.region; Settle keeps trying"
                     ),
-                    AdminError::AuthFailed { .. } => format!(
+                    Failure::AuthFailed => format!(
                         "{e}: fix the credentials (spec.sqs.credentialsSecretRef, or the pod's identity)"
                     ),
-                    AdminError::Refused { .. } => e.to_string(),
+                    Failure::Refused => e.to_string(),
                 },
             },
         },

@@ -13,6 +13,7 @@ use super::connections::NatsConn;
 use super::status::{ADOPT_ANNOTATION, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
+use crate::backend::Classify;
 use crate::backend::nats::advisory::ChangeKind as Own;
 use crate::backend::nats::consumer;
 use crate::backend::nats::jsapi::{self, NatsError};
@@ -180,9 +181,7 @@ async fn create(
 
 fn broker_failure(error: NatsError, known: Option<ConsumerRef>) -> SubOutcome {
     // Only while the broker cannot answer is the consumer known from before still shown.
-    let consumer = matches!(error, NatsError::Unreachable(_))
-        .then_some(known)
-        .flatten();
+    let consumer = error.is_unreachable().then_some(known).flatten();
     SubOutcome::Broker {
         error: error.into(),
         consumer,

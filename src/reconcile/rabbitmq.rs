@@ -28,40 +28,12 @@ use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::api::Mode;
+use crate::backend::Classify;
 use crate::backend::rabbitmq::admin::{self, AdminError};
-use crate::backend::rabbitmq::connect::ConnectFailure;
 use crate::backend::rabbitmq::deadletter;
-use crate::backend::rabbitmq::management::ManagementError;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
 use crate::policy::BackendKind;
-
-fn connect_error(e: ConnectFailure) -> BrokerError {
-    match e {
-        ConnectFailure::Unreachable { .. } => BrokerError::Unreachable(e.to_string()),
-        ConnectFailure::AuthFailed(_) => BrokerError::AuthFailed(e.to_string()),
-        ConnectFailure::BadConfig(_) => BrokerError::Refused(e.to_string()),
-    }
-}
-
-fn admin_error(e: AdminError) -> BrokerError {
-    match e {
-        AdminError::Unreachable(_) => BrokerError::Unreachable(e.to_string()),
-        AdminError::Differs { .. } | AdminError::Refused { .. } => {
-            BrokerError::Refused(e.to_string())
-        }
-    }
-}
-
-fn management_error(e: ManagementError) -> BrokerError {
-    match e {
-        ManagementError::Unreachable { .. } => BrokerError::Unreachable(e.to_string()),
-        ManagementError::Unauthorized { .. } => BrokerError::AuthFailed(e.to_string()),
-        ManagementError::Status { .. } | ManagementError::BadConfig(_) => {
-            BrokerError::Refused(e.to_string())
-        }
-    }
-}
 
 fn failure(error: BrokerError, known: Option<ConsumerRef>) -> SubOutcome {
     // Only while the broker cannot answer is the queue known from before still shown.
@@ -185,7 +157,7 @@ async fn find(
             match m.queue(&conn.vhost, name).await {
                 Ok(Some(l)) => Ok(Found::Shown(l)),
                 Ok(None) => Ok(Found::Missing),
-                Err(e) => Err(management_error(e)),
+                Err(e) => Err(BrokerError::of(e)),
             }
         }
         None => {
@@ -193,7 +165,7 @@ async fn find(
             match admin::exists(amqp, name).await {
                 Ok(true) => Ok(Found::Exists),
                 Ok(false) => Ok(Found::Missing),
-                Err(e) => Err(admin_error(e)),
+                Err(e) => Err(BrokerError::of(e)),
             }
         }
     }
@@ -257,7 +229,7 @@ async fn converge(
     };
     let amqp = match conn.connection().await {
         Ok(c) => c,
-        Err(e) => return failure(connect_error(e), known),
+        Err(e) => return failure(BrokerError::of(e), known),
     };
     let found = match find(ctx, conn, &amqp, &want.name).await {
         Ok(f) => f,
@@ -323,11 +295,11 @@ async fn converge(
                     )],
                 };
             }
-            Err(e) => return failure(admin_error(e), known),
+            Err(e) => return failure(BrokerError::of(e), known),
         }
         ctx.metrics.js("queue.bind");
         if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
-            return failure(admin_error(e), known);
+            return failure(BrokerError::of(e), known);
         }
         return ready();
     };
@@ -341,7 +313,7 @@ async fn converge(
             if bind {
                 ctx.metrics.js("queue.bind");
                 if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
-                    return failure(admin_error(e), known);
+                    return failure(BrokerError::of(e), known);
                 }
                 edits.push(format!(
                     "bound it to exchange {} with {}",
@@ -351,7 +323,7 @@ async fn converge(
             for b in &unbind {
                 ctx.metrics.js("queue.unbind");
                 if let Err(e) = admin::unbind(&amqp, &want.name, b).await {
-                    return failure(admin_error(e), known);
+                    return failure(BrokerError::of(e), known);
                 }
                 edits.push(format!(
                     "removed its binding to {} with {}",
@@ -462,11 +434,11 @@ async fn create(
             }
             return Err(failure(BrokerError::Refused(text), known.clone()));
         }
-        Err(e) => return Err(failure(admin_error(e), known.clone())),
+        Err(e) => return Err(failure(BrokerError::of(e), known.clone())),
     }
     ctx.metrics.js("queue.bind");
     if let Err(e) = admin::bind(amqp, &want.name, &want.binding).await {
-        return Err(failure(admin_error(e), known.clone()));
+        return Err(failure(BrokerError::of(e), known.clone()));
     }
     let again = known.as_ref() == Some(here);
     let (kind, note) = if again {

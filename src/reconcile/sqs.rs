@@ -22,21 +22,14 @@ use super::connections::SqsConn;
 use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, SQS_STREAM, Target};
 use crate::api::ConsumerRef;
+use crate::backend::Classify;
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
 use crate::backend::sqs::report;
 use crate::policy::BackendKind;
 
-fn broker_error(e: AdminError) -> BrokerError {
-    match e {
-        AdminError::Unreachable { .. } => BrokerError::Unreachable(e.to_string()),
-        AdminError::AuthFailed { .. } => BrokerError::AuthFailed(e.to_string()),
-        AdminError::Refused { .. } => BrokerError::Refused(e.to_string()),
-    }
-}
-
 fn failure(e: AdminError, known: &Option<ConsumerRef>) -> SubOutcome {
-    let error = broker_error(e);
+    let error = BrokerError::of(e);
     let consumer = error.is_unreachable().then(|| known.clone()).flatten();
     SubOutcome::Broker { error, consumer }
 }

@@ -13,6 +13,7 @@ use crate::api::{BackendStatus, Capabilities, ConsumerRef, SubscriptionStatus};
 use crate::backend::nats::connect::ConnectFailure;
 use crate::backend::nats::consumer::FieldDiff;
 use crate::backend::nats::jsapi::NatsError;
+use crate::backend::{Classify, Failure};
 use crate::policy::BackendKind;
 
 /// A broker call that failed, by kind.
@@ -45,6 +46,17 @@ impl std::fmt::Display for BrokerError {
 }
 
 impl BrokerError {
+    /// A RabbitMQ or SQS error (a connection, an AMQP or management call, an SQS call), by the
+    /// class it names. A NATS error goes in whole ([`BrokerError::Nats`]): its reasons are finer.
+    pub fn of<E: Classify + std::fmt::Display>(e: E) -> BrokerError {
+        let message = e.to_string();
+        match e.class() {
+            Failure::Unreachable => BrokerError::Unreachable(message),
+            Failure::AuthFailed => BrokerError::AuthFailed(message),
+            Failure::Refused => BrokerError::Refused(message),
+        }
+    }
+
     /// Whether the broker could not be asked at all (what it holds is then not known).
     pub fn is_unreachable(&self) -> bool {
         matches!(
@@ -442,22 +454,22 @@ impl BackendOutcome {
             BackendOutcome::SecretMissing(m) => {
                 r(Status::False, reasons::SECRET_MISSING, m.clone())
             }
-            BackendOutcome::Connect(f) => match f {
-                ConnectFailure::Unreachable { .. } => r(
+            BackendOutcome::Connect(f) => match f.class() {
+                Failure::Unreachable => r(
                     Status::False,
                     reasons::UNREACHABLE,
                     format!(
                         "{f}: check spec.nats.servers and that the server runs; Settle keeps trying"
                     ),
                 ),
-                ConnectFailure::AuthFailed(_) => r(
+                Failure::AuthFailed => r(
                     Status::False,
                     reasons::AUTH_FAILED,
                     format!(
                         "{f}: fix the credentials Secret (spec.nats.credentialsSecretRef); Settle picks up the change"
                     ),
                 ),
-                ConnectFailure::BadConfig(_) => r(
+                Failure::Refused => r(
                     Status::False,
                     reasons::SECRET_MISSING,
                     format!("{f}: fix the Secret or spec.nats"),

@@ -1,9 +1,11 @@
-//! Connecting to NATS from plain data: server URLs, the credential forms a Backend documents
-//! (`creds`, `nkey`, `token`, or `user` + `password`) and an optional CA. The operator reads the
-//! Secrets and hands their bytes here; this module knows NATS, not Kubernetes.
+//! Connecting to NATS: an application's [`NatsBroker`] from one URL (a user and password in it
+//! given to the client), and the operator's client from plain data: server URLs, the credential
+//! forms a Backend documents (`creds`, `nkey`, `token`, or `user` + `password`) and an optional
+//! CA. The operator reads the Secrets and hands their bytes here; this module knows NATS, not
+//! Kubernetes.
 //!
 //! It must not read Kubernetes objects nor decide what a failure means for a resource's status
-//! (it only classifies it as a [`ConnectFailure`]), and must not write files: the CA goes into the
+//! (it only classifies it as a [`ConnectFailure`], which names its [`Failure`] class), and must not write files: the CA goes into the
 //! client's TLS configuration in memory, so the operator runs on a read-only root filesystem.
 
 use std::collections::BTreeMap;
@@ -15,6 +17,10 @@ use async_nats::rustls::pki_types::CertificateDer;
 use async_nats::rustls::pki_types::pem::PemObject;
 use async_nats::rustls::{self, ClientConfig, RootCertStore};
 use async_nats::{ConnectErrorKind, ConnectOptions};
+
+use super::{NatsBroker, err};
+use crate::backend::{Classify, Failure};
+use crate::bus::BusError;
 
 /// Credentials, as the Secret's keys spell them. `Debug` shows the form and a user name, never
 /// a secret.
@@ -120,6 +126,16 @@ pub enum ConnectFailure {
     BadConfig(String),
 }
 
+impl Classify for ConnectFailure {
+    fn class(&self) -> Failure {
+        match self {
+            ConnectFailure::Unreachable { .. } => Failure::Unreachable,
+            ConnectFailure::AuthFailed(_) => Failure::AuthFailed,
+            ConnectFailure::BadConfig(_) => Failure::Refused,
+        }
+    }
+}
+
 /// How long one connection attempt may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long one request (a JetStream API call) waits for its answer.
@@ -219,6 +235,50 @@ pub fn tls_config(pem: &str) -> Result<ClientConfig, ConnectFailure> {
     )
 }
 
+impl NatsBroker {
+    /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
+    pub async fn connect(url: &str) -> Result<NatsBroker, BusError> {
+        // The client does not read a user and password from the URL: taken out and given to it,
+        // so an application connects as its tenant's user (`nats://team-a:secret@host:4222`).
+        let (url, user) = split_user(url);
+        let mut options = async_nats::ConnectOptions::new();
+        if let Some((user, password)) = user {
+            options = options.user_and_password(user, password);
+        }
+        let client = options
+            .connect(url.as_str())
+            .await
+            .map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
+        Ok(NatsBroker::from_client(client))
+    }
+}
+
+/// A NATS URL without its `user:password@` (every server of a comma-separated list), and that
+/// user and password (the first given).
+fn split_user(url: &str) -> (String, Option<(String, String)>) {
+    let mut user = None;
+    let servers: Vec<String> = url
+        .split(',')
+        .map(|server| {
+            let Some((scheme, rest)) = server.split_once("://") else {
+                return server.to_string();
+            };
+            match rest.split_once('@') {
+                Some((info, host)) => {
+                    if user.is_none()
+                        && let Some((u, p)) = info.split_once(':')
+                    {
+                        user = Some((u.to_string(), p.to_string()));
+                    }
+                    format!("{scheme}://{host}")
+                }
+                None => server.to_string(),
+            }
+        })
+        .collect();
+    (servers.join(","), user)
+}
+
 /// The server's version as it announced it, once connected.
 pub fn server_version(client: &async_nats::Client) -> Option<String> {
     client
@@ -235,6 +295,25 @@ pub fn is_connected(client: &async_nats::Client) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_user_in_the_url_is_taken_out_and_given_to_the_client() {
+        assert_eq!(
+            split_user("nats://team-a:pw@127.0.0.1:4222"),
+            (
+                "nats://127.0.0.1:4222".to_string(),
+                Some(("team-a".to_string(), "pw".to_string()))
+            )
+        );
+        assert_eq!(
+            split_user("nats://127.0.0.1:4222,nats://u:p@h:1"),
+            (
+                "nats://127.0.0.1:4222,nats://h:1".to_string(),
+                Some(("u".to_string(), "p".to_string()))
+            )
+        );
+        assert_eq!(split_user("nats://h:1"), ("nats://h:1".to_string(), None));
+    }
 
     #[test]
     fn debug_never_prints_a_secret() {

@@ -1,5 +1,7 @@
 //! Typed calls to the JetStream API for streams and consumers, with errors a caller can tell
-//! apart (a stream that does not exist is not a server that cannot be reached).
+//! apart (a stream that does not exist is not a server that cannot be reached). NATS's file of
+//! the operator's calls (create, inspect, update, delete a consumer; find a stream), as
+//! `rabbitmq/admin.rs` and `sqs/admin.rs` are theirs.
 //!
 //! Used by the runtime (to create or bind a consumer) and the controller (to converge one). It
 //! must not decide what a consumer looks like (that is `consumer`) nor retry: callers choose.
@@ -9,6 +11,7 @@ use async_nats::jetstream::{ErrorCode, context::RequestErrorKind};
 use serde::{Deserialize, Serialize};
 
 use super::consumer::ConsumerConfig;
+use crate::backend::{Classify, Failure};
 use crate::bus::BusError;
 use crate::policy::BackendKind;
 
@@ -36,6 +39,17 @@ pub enum NatsError {
     /// The JetStream API refused the call.
     #[error("the JetStream API refused: {description} (error code {code})")]
     Api { code: u64, description: String },
+}
+
+/// Only a server that does not answer is unreachable; the rest are the server's (or the
+/// platform's) refusals, each with its own reason in status.
+impl Classify for NatsError {
+    fn class(&self) -> Failure {
+        match self {
+            NatsError::Unreachable(_) => Failure::Unreachable,
+            _ => Failure::Refused,
+        }
+    }
 }
 
 impl NatsError {

@@ -1,54 +1,39 @@
-//! The NATS JetStream backend: binds a subscription to a pull consumer on the stream whose
-//! subjects cover its pattern, turns each JetStream message into a `Delivery`, and performs
-//! settlements with JetStream's ack protocol. Also the stats-report sink (a KV bucket).
+//! The NATS JetStream backend: [`NatsBroker`], the `bus::Broker` that binds a subscription to a
+//! pull consumer on the stream whose subjects cover its pattern, turns each JetStream message
+//! into a `Delivery`, settles with JetStream's ack protocol (docs/semantics.md J1–J7), and
+//! publishes with JetStream's publish acknowledgement. Also the stats-report sink (a KV bucket).
 //!
-//! What it sends, and why (docs/semantics.md J1–J7):
-//! - Ack: `+ACK`, fire-and-forget (as any JetStream client does). A late ack after the consumer
-//!   was retired by this process is Refused locally.
-//! - Decline: a bare `-NAK` for a zero delay (a `{"delay":0}` is not immediate on a consumer with
-//!   a `backoff` list), else `-NAK {"delay":<ns>}`. Sent as a request, so the server confirms it:
-//!   when nobody answers (the consumer was deleted) the decline is Refused and, since the broker
-//!   cannot be asked to try again, Stranded.
-//! - Last attempt declined (attempt == maxDeliver): `+TERM`. The runtime has already counted it
-//!   Exhausted at message grain; terminating frees its max-ack-pending slot at once instead of
-//!   holding it until the server notices max_deliver at the next pull, and the server's
-//!   `MSG_TERMINATED` advisory tells the operator the same story. The consumer's `max_deliver` is
-//!   still set, so attempts spent without a handler (a crash, AckWait) also stop there.
-//! - ExtendLease: `+WPI` (the bus decides when); Redeliver: nothing. Release at close: bare `-NAK`.
-//! - The consumer's `backoff` list is never set: the server would lengthen every nak delay by it;
-//!   the schedule is paced client-side with delayed naks.
+//! Its files, the same as every broker's: [`connect`] (an application's URL, and a Backend's
+//! servers, credentials and CA, to a client), `consume` (the consumer bound to, each delivery
+//! and its settlement), [`consumer`] (the one spec → consumer mapping) and [`jsapi`] (the typed
+//! JetStream calls: the operator's, and the runtime's for its own consumers). Beside them:
+//! [`advisory`] (the advisories the operator reads: consumer changes, delivery outcomes) and
+//! [`capture`] (where the account reads and keeps its facts on the server).
 //!
 //! It must not count anything (the settle path does) nor create streams (the platform or the
 //! operator owns them); it creates or binds the consumer only.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, kv};
-use async_nats::{Client, HeaderMap, RequestErrorKind, Subject};
+use async_nats::jetstream::{self, kv};
+use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
+use futures::FutureExt;
 use futures::future::BoxFuture;
-use futures::{FutureExt, StreamExt};
 use tokio::sync::OnceCell;
 
 pub mod advisory;
 pub mod capture;
 pub mod connect;
+mod consume;
 pub mod consumer;
 pub mod jsapi;
 
-use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
-use crate::bus::{
-    Broker, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
-    Performed, Refusal, StatsSink, SubscriptionCtx,
-};
-use crate::policy::BackendKind;
+pub use consume::nak_body;
 
-const ACK: &[u8] = b"+ACK";
-const NAK: &[u8] = b"-NAK";
-const TERM: &[u8] = b"+TERM";
-const WPI: &[u8] = b"+WPI";
+use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
+use crate::bus::{Broker, BusError, Consumer, StatsSink, SubscriptionCtx};
+use crate::policy::BackendKind;
 
 fn err(e: impl std::fmt::Display) -> BusError {
     BusError::backend(BackendKind::Nats, e)
@@ -64,22 +49,6 @@ pub struct NatsBroker {
 }
 
 impl NatsBroker {
-    /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
-    pub async fn connect(url: &str) -> Result<NatsBroker, BusError> {
-        // The client does not read a user and password from the URL: taken out and given to it,
-        // so an application connects as its tenant's user (`nats://team-a:secret@host:4222`).
-        let (url, user) = split_user(url);
-        let mut options = async_nats::ConnectOptions::new();
-        if let Some((user, password)) = user {
-            options = options.user_and_password(user, password);
-        }
-        let client = options
-            .connect(url.as_str())
-            .await
-            .map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
-        Ok(NatsBroker::from_client(client))
-    }
-
     /// Uses an existing connection.
     pub fn from_client(client: Client) -> NatsBroker {
         let js = jetstream::new(client.clone());
@@ -135,137 +104,6 @@ impl NatsBroker {
     }
 }
 
-impl NatsBroker {
-    /// Finds or makes the subscription's consumer (through the one mapping in `consumer`) and
-    /// starts pulling from it. A code-defined subscription creates its consumer, or brings an
-    /// existing one in line (refusing when only a new consumer could); one the operator owns is
-    /// only bound to, waiting while it does not exist.
-    async fn bind(&self, ctx: &SubscriptionCtx) -> Result<pull::Stream, BusError> {
-        let (stream, name) = match ctx.binding().owner {
-            ConsumerOwner::Runtime => self.converge_own(ctx).await?,
-            ConsumerOwner::Operator => self.await_operator(ctx).await,
-        };
-        let p = ctx.policy();
-        let mut consumer: jetstream::consumer::PullConsumer = self
-            .js
-            .get_consumer_from_stream(&name, &stream)
-            .await
-            .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
-        if ctx.binding().owner == ConsumerOwner::Operator {
-            // The object the operator made this consumer for: the counts from here on are its.
-            let info = consumer
-                .info()
-                .await
-                .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
-            ctx.bound_to(
-                info.config
-                    .metadata
-                    .get(consumer::UID_KEY)
-                    .map(String::as_str),
-            );
-        }
-        // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
-        // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
-        let batch = p.max_in_flight.clamp(2, 1000);
-        let messages = consumer
-            .stream()
-            .max_messages_per_batch(batch)
-            // Short pulls: after a broker restart the client re-pulls when a pull expires, so
-            // this bounds how long a subscription can sit idle (semantics J7).
-            .expires(Duration::from_secs(10))
-            .heartbeat(Duration::from_secs(3))
-            .messages()
-            .await
-            .map_err(|e| err(format!("cannot pull from stream {stream}: {e}")))?;
-        tracing::info!(subscription = %ctx.name(), %stream, consumer = %name, owner = ?ctx.binding().owner, "bound to a JetStream pull consumer");
-        Ok(messages)
-    }
-
-    /// A code-defined subscription's consumer: created from the mapping, or updated to it.
-    async fn converge_own(&self, ctx: &SubscriptionCtx) -> Result<(String, String), BusError> {
-        let b = ctx.binding();
-        let p = ctx.policy();
-        let stream = jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await?;
-        let want = consumer::desired_by_runtime(&b.namespace, ctx.name(), &stream, p);
-        match jsapi::consumer_info(&self.js, &stream, &want.name).await? {
-            None => {
-                jsapi::create_consumer(&self.js, &want).await?;
-            }
-            Some(info) => {
-                let live = consumer::normalise(&stream, &want.name, &info.config);
-                let d = consumer::diff(&want, &live);
-                if !d.immutable.is_empty() {
-                    return Err(err(format!(
-                        "consumer {} on stream {stream} exists with a config that cannot change in place ({}): \
-                         delete it, or choose another durableName",
-                        want.name,
-                        d.immutable
-                            .iter()
-                            .map(ToString::to_string)
-                            .collect::<Vec<_>>()
-                            .join("; ")
-                    )));
-                }
-                if !d.editable.is_empty() {
-                    tracing::info!(subscription = %ctx.name(), consumer = %want.name, changes = %d.editable.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "), "updating the consumer to the subscription's policy");
-                    jsapi::update_consumer(&self.js, &want).await?;
-                }
-            }
-        }
-        Ok((stream, want.name))
-    }
-
-    /// An operator-owned consumer: waits, logging why, until the stream and the consumer exist;
-    /// warns (never silently) when the consumer differs from the policy this runtime runs.
-    async fn await_operator(&self, ctx: &SubscriptionCtx) -> (String, String) {
-        let b = ctx.binding();
-        let p = ctx.policy();
-        let mut wait = Duration::from_millis(250);
-        let mut said = String::new();
-        loop {
-            let why = match jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await {
-                Err(e) => e.to_string(),
-                Ok(stream) => {
-                    let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
-                    match jsapi::consumer_info(&self.js, &stream, &want.name).await {
-                        Ok(Some(info)) => {
-                            let live = consumer::normalise(&stream, &want.name, &info.config);
-                            // The object mark is the operator's own, not the application's policy.
-                            let want = want.marked_as(&live);
-                            let d = consumer::diff(&want, &live);
-                            if !d.is_empty() {
-                                let all: Vec<String> = d
-                                    .immutable
-                                    .iter()
-                                    .chain(&d.editable)
-                                    .map(ToString::to_string)
-                                    .collect();
-                                tracing::warn!(subscription = %ctx.name(), consumer = %want.name, differences = %all.join("; "), "the operator's consumer differs from the policy this application runs: bound anyway; check that the Subscription resource and the application agree");
-                            }
-                            return (stream, want.name);
-                        }
-                        Ok(None) => format!(
-                            "consumer {} on stream {stream} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
-                            want.name,
-                            b.namespace,
-                            ctx.name(),
-                            ctx.name(),
-                            b.namespace
-                        ),
-                        Err(e) => e.to_string(),
-                    }
-                }
-            };
-            if why != said {
-                tracing::info!(subscription = %ctx.name(), reason = %why, "waiting for the operator's consumer");
-                said = why;
-            }
-            tokio::time::sleep(wait).await;
-            wait = (wait * 2).min(Duration::from_secs(5));
-        }
-    }
-}
-
 impl Broker for NatsBroker {
     fn kind(&self) -> BackendKind {
         BackendKind::Nats
@@ -279,18 +117,7 @@ impl Broker for NatsBroker {
         &self,
         ctx: Arc<SubscriptionCtx>,
     ) -> BoxFuture<'_, Result<Box<dyn Consumer>, BusError>> {
-        async move {
-            let messages = self.bind(&ctx).await?;
-            Ok(Box::new(NatsConsumer {
-                broker: self.clone(),
-                client: Arc::new(self.client.clone()),
-                acks: ctx.policy().at_least_once(),
-                ctx,
-                messages: Some(messages),
-                retired: Arc::default(),
-            }) as Box<dyn Consumer>)
-        }
-        .boxed()
+        self.consume(ctx).boxed()
     }
 
     fn publish(
@@ -321,32 +148,6 @@ impl Broker for NatsBroker {
     }
 }
 
-/// A NATS URL without its `user:password@` (every server of a comma-separated list), and that
-/// user and password (the first given).
-fn split_user(url: &str) -> (String, Option<(String, String)>) {
-    let mut user = None;
-    let servers: Vec<String> = url
-        .split(',')
-        .map(|server| {
-            let Some((scheme, rest)) = server.split_once("://") else {
-                return server.to_string();
-            };
-            match rest.split_once('@') {
-                Some((info, host)) => {
-                    if user.is_none()
-                        && let Some((u, p)) = info.split_once(':')
-                    {
-                        user = Some((u.to_string(), p.to_string()));
-                    }
-                    format!("{scheme}://{host}")
-                }
-                None => server.to_string(),
-            }
-        })
-        .collect();
-    (servers.join(","), user)
-}
-
 impl StatsSink for NatsBroker {
     fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
         async move {
@@ -355,213 +156,5 @@ impl StatsSink for NatsBroker {
             Ok(())
         }
         .boxed()
-    }
-}
-
-struct NatsConsumer {
-    broker: NatsBroker,
-    client: Arc<Client>,
-    ctx: Arc<SubscriptionCtx>,
-    messages: Option<pull::Stream>,
-    retired: Arc<AtomicBool>,
-    acks: bool,
-}
-
-impl NatsConsumer {
-    fn delivery(&self, m: jetstream::Message) -> Delivery {
-        let attempt = m
-            .info()
-            .map_or(1, |i| u32::try_from(i.delivered).unwrap_or(u32::MAX));
-        let msg: async_nats::Message = m.into();
-        let headers = msg
-            .headers
-            .as_ref()
-            .map(|h| {
-                h.iter()
-                    .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let on_settle = NatsSettler {
-            client: Arc::clone(&self.client),
-            reply: msg.reply,
-            retired: Arc::clone(&self.retired),
-            acks: self.acks,
-        };
-        Delivery::new(
-            &self.ctx,
-            DeliveryOptions {
-                subject: msg.subject.as_str().to_owned(),
-                headers,
-                payload: msg.payload,
-                attempt,
-                on_settle: Box::new(on_settle),
-            },
-        )
-    }
-}
-
-impl Consumer for NatsConsumer {
-    fn next(&mut self) -> BoxFuture<'_, Option<Delivery>> {
-        async move {
-            loop {
-                let messages = self.messages.as_mut()?;
-                match messages.next().await {
-                    Some(Ok(m)) => return Some(self.delivery(m)),
-                    Some(Err(e)) => {
-                        use pull::MessagesErrorKind as K;
-                        match e.kind() {
-                            K::ConsumerDeleted | K::NoResponders | K::PushBasedConsumer => {
-                                self.messages = None;
-                                if self.ctx.binding().owner == ConsumerOwner::Operator && !self.retired.load(Ordering::Acquire) {
-                                    // The operator repairs a deleted consumer while its Subscription exists:
-                                    // bind again when it is back (or wait until the bus closes).
-                                    tracing::warn!(subscription = %self.ctx.name(), error = %e, "the operator's consumer is gone; waiting for it to come back");
-                                    match self.broker.bind(&self.ctx).await {
-                                        Ok(m) => {
-                                            self.messages = Some(m);
-                                            continue;
-                                        }
-                                        Err(e) => tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot bind again"),
-                                    }
-                                    return None;
-                                }
-                                tracing::error!(subscription = %self.ctx.name(), error = %e, "the JetStream consumer is gone");
-                                return None;
-                            }
-                            _ => tracing::warn!(subscription = %self.ctx.name(), error = %e, "pulling from JetStream"),
-                        }
-                    }
-                    None => {
-                        self.messages = None;
-                        return None;
-                    }
-                }
-            }
-        }
-        .boxed()
-    }
-
-    fn stop(&mut self) -> BoxFuture<'_, ()> {
-        self.messages = None;
-        futures::future::ready(()).boxed()
-    }
-
-    fn retire(&mut self) -> BoxFuture<'_, ()> {
-        self.retired.store(true, Ordering::Release);
-        self.messages = None;
-        futures::future::ready(()).boxed()
-    }
-}
-
-struct NatsSettler {
-    client: Arc<Client>,
-    reply: Option<Subject>,
-    retired: Arc<AtomicBool>,
-    acks: bool,
-}
-
-impl NatsSettler {
-    fn reply(&self) -> Result<Subject, Refusal> {
-        if self.retired.load(Ordering::Acquire) {
-            return Err(Refusal {
-                reason: "the consumer that offered this delivery was retired by this process; the server offers the message again after ackWait".into(),
-                stranded: false,
-            });
-        }
-        if !self.acks {
-            return Err(Refusal {
-                reason: "the consumer does not take acknowledgements (ack policy none)".into(),
-                stranded: false,
-            });
-        }
-        self.reply.clone().ok_or_else(|| Refusal {
-            reason: "the message has no reply subject: not a JetStream delivery".into(),
-            stranded: true,
-        })
-    }
-
-    async fn publish(&self, body: &'static [u8]) -> Result<(), Refusal> {
-        let reply = self.reply()?;
-        self.client
-            .publish(reply, Bytes::from_static(body))
-            .await
-            .map_err(|e| Refusal {
-                reason: format!("cannot send to the server: {e}"),
-                stranded: false,
-            })
-    }
-
-    /// Sends and waits for the server's confirmation.
-    async fn confirmed(&self, body: Bytes) -> Result<(), Refusal> {
-        let reply = self.reply()?;
-        match self.client.request(reply, body).await {
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == RequestErrorKind::NoResponders => Err(Refusal {
-                reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
-                stranded: true,
-            }),
-            Err(e) => Err(Refusal { reason: format!("the server did not confirm: {e}"), stranded: false }),
-        }
-    }
-}
-
-/// The body of a decline: a bare `-NAK` for zero (immediate), else `-NAK {"delay":<ns>}`.
-pub fn nak_body(delay: Duration) -> Bytes {
-    if delay.is_zero() {
-        Bytes::from_static(NAK)
-    } else {
-        Bytes::from(format!("-NAK {{\"delay\":{}}}", delay.as_nanos()))
-    }
-}
-
-impl OnSettle for NatsSettler {
-    fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>> {
-        async move {
-            match action {
-                BrokerAction::Ack => self.publish(ACK).await?,
-                BrokerAction::Decline(delay) => self.confirmed(nak_body(delay)).await?,
-                BrokerAction::Terminate => self.confirmed(Bytes::from_static(TERM)).await?,
-            }
-            Ok(Performed::AsAsked)
-        }
-        .boxed()
-    }
-
-    fn progress(&self) -> BoxFuture<'_, Result<(), Refusal>> {
-        self.publish(WPI).boxed()
-    }
-
-    fn release(&self) -> BoxFuture<'_, ()> {
-        async move {
-            if let Err(r) = self.publish(NAK).await {
-                tracing::debug!(reason = %r.reason, "release not sent; the server offers the message again after ackWait");
-            }
-        }
-        .boxed()
-    }
-}
-
-#[cfg(test)]
-mod url_tests {
-    use super::split_user;
-
-    #[test]
-    fn a_user_in_the_url_is_taken_out_and_given_to_the_client() {
-        assert_eq!(
-            split_user("nats://team-a:pw@127.0.0.1:4222"),
-            (
-                "nats://127.0.0.1:4222".to_string(),
-                Some(("team-a".to_string(), "pw".to_string()))
-            )
-        );
-        assert_eq!(
-            split_user("nats://127.0.0.1:4222,nats://u:p@h:1"),
-            (
-                "nats://127.0.0.1:4222,nats://h:1".to_string(),
-                Some(("u".to_string(), "p".to_string()))
-            )
-        );
-        assert_eq!(split_user("nats://h:1"), ("nats://h:1".to_string(), None));
     }
 }

@@ -10,6 +10,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 
 use super::queue::{Binding, QueueSpec};
+use crate::backend::{Classify, Failure};
 
 /// A refused or failed AMQP call.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -26,9 +27,12 @@ pub enum AdminError {
     Refused { what: String, text: String },
 }
 
-impl AdminError {
-    pub fn is_unreachable(&self) -> bool {
-        matches!(self, AdminError::Unreachable(_))
+impl Classify for AdminError {
+    fn class(&self) -> Failure {
+        match self {
+            AdminError::Unreachable(_) => Failure::Unreachable,
+            AdminError::Differs { .. } | AdminError::Refused { .. } => Failure::Refused,
+        }
     }
 }
 

@@ -1,6 +1,8 @@
-//! Connecting to RabbitMQ from a Backend's settings: the AMQP URLs (tried in order), the vhost,
-//! the credentials and CA read from its Secrets, and a failure told apart as unreachable, refused
-//! credentials or unusable settings, so the Backend's `Ready` says which.
+//! Connecting to RabbitMQ: an application's [`RabbitBroker`] from one AMQP URL (over TLS with a
+//! CA), and the operator's connection from a Backend's settings: the AMQP URLs (tried in order),
+//! the vhost, the credentials and CA read from its Secrets, and a failure told apart as
+//! unreachable, refused credentials or unusable settings (its [`Failure`] class), so the
+//! Backend's `Ready` says which.
 //!
 //! It must not read Kubernetes objects (the caller passes the Secrets' data) nor declare queues.
 
@@ -14,6 +16,9 @@ use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
 use super::queue::Exchanges;
+use super::{RabbitBroker, RabbitError, amqp, broker_err};
+use crate::backend::{Classify, Failure};
+use crate::bus::BusError;
 
 /// The Secret key holding the CA certificate (PEM).
 pub const CA_KEY: &str = "ca.crt";
@@ -167,6 +172,16 @@ pub enum ConnectFailure {
     BadConfig(String),
 }
 
+impl Classify for ConnectFailure {
+    fn class(&self) -> Failure {
+        match self {
+            ConnectFailure::Unreachable { .. } => Failure::Unreachable,
+            ConnectFailure::AuthFailed(_) => Failure::AuthFailed,
+            ConnectFailure::BadConfig(_) => Failure::Refused,
+        }
+    }
+}
+
 /// Connects to the first URL that answers.
 pub async fn connect(spec: &RabbitConnectSpec) -> Result<Connection, ConnectFailure> {
     let uris = spec.uris()?;
@@ -211,6 +226,61 @@ pub async fn connect(spec: &RabbitConnectSpec) -> Result<Connection, ConnectFail
             .join(","),
         detail: last.unwrap_or_else(|| "no URL given".into()),
     })
+}
+
+impl RabbitBroker {
+    /// Connects to a broker (for example `amqp://guest:guest@127.0.0.1:5672/%2f`; the path is
+    /// the vhost), publishing to and binding on `amq.topic`.
+    pub async fn connect(url: &str) -> Result<RabbitBroker, BusError> {
+        let conn = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .map_err(|source| {
+                broker_err(RabbitError::Connect {
+                    url: hide_password(url),
+                    source,
+                })
+            })?;
+        Ok(RabbitBroker::from_connection(conn).with_user(url_user(url)))
+    }
+
+    /// Connects over TLS (`amqps://`), trusting the CA certificate(s) in `ca_pem`.
+    pub async fn connect_with_ca(url: &str, ca_pem: &str) -> Result<RabbitBroker, BusError> {
+        let runtime = lapin::runtime::default_runtime().map_err(amqp("no async runtime"))?;
+        let tls = lapin::tcp::OwnedTLSConfig {
+            identity: None,
+            cert_chain: Some(ca_pem.to_string()),
+        };
+        let conn =
+            Connection::connect_with_config(url, ConnectionProperties::default(), tls, runtime)
+                .await
+                .map_err(|source| {
+                    broker_err(RabbitError::Connect {
+                        url: hide_password(url),
+                        source,
+                    })
+                })?;
+        Ok(RabbitBroker::from_connection(conn).with_user(url_user(url)))
+    }
+}
+
+/// The user an AMQP URL authenticates as (RabbitMQ's default `guest` when it names none).
+fn url_user(url: &str) -> String {
+    url.parse::<lapin::uri::AMQPUri>()
+        .map(|u| u.authority.userinfo.username)
+        .unwrap_or_else(|_| "guest".to_string())
+}
+
+/// The URL without its password (`***`), for an application's connect errors; the operator's
+/// messages use [`redact`].
+fn hide_password(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or_default();
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
 }
 
 /// The URL without its password, for messages.
@@ -305,6 +375,18 @@ mod tests {
                 Credentials::from_secret_data(&data(&[("username", "u"), ("password", "p")]))
             ),
             "Ok(Credentials(u:<redacted>))"
+        );
+    }
+
+    #[test]
+    fn urls_lose_their_password_in_messages() {
+        assert_eq!(
+            hide_password("amqp://guest:secret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(
+            hide_password("amqp://127.0.0.1:5672"),
+            "amqp://127.0.0.1:5672"
         );
     }
 

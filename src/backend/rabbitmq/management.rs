@@ -18,6 +18,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use super::queue::{Binding, LiveQueue, normalise};
+use crate::backend::{Classify, Failure};
 
 /// How much of an unexpected answer's body the DEBUG log shows.
 const BODY_LOG_MAX: usize = 256;
@@ -51,9 +52,13 @@ pub enum ManagementError {
     BadConfig(String),
 }
 
-impl ManagementError {
-    pub fn is_unreachable(&self) -> bool {
-        matches!(self, ManagementError::Unreachable { .. })
+impl Classify for ManagementError {
+    fn class(&self) -> Failure {
+        match self {
+            ManagementError::Unreachable { .. } => Failure::Unreachable,
+            ManagementError::Unauthorized { .. } => Failure::AuthFailed,
+            ManagementError::Status { .. } | ManagementError::BadConfig(_) => Failure::Refused,
+        }
     }
 }
 

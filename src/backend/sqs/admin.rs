@@ -14,6 +14,7 @@ use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::QueueAttributeName;
 
 use super::queue_missing;
+use crate::backend::{Classify, Failure};
 
 /// The tag naming the Subscription (`namespace/name`) a queue (or dead-letter queue) belongs to.
 pub const OWNER_TAG: &str = "settle-subscription";
@@ -53,9 +54,13 @@ pub enum AdminError {
     },
 }
 
-impl AdminError {
-    pub fn is_unreachable(&self) -> bool {
-        matches!(self, AdminError::Unreachable { .. })
+impl Classify for AdminError {
+    fn class(&self) -> Failure {
+        match self {
+            AdminError::Unreachable { .. } => Failure::Unreachable,
+            AdminError::AuthFailed { .. } => Failure::AuthFailed,
+            AdminError::Refused { .. } => Failure::Refused,
+        }
     }
 }
 

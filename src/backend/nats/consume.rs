@@ -1,0 +1,368 @@
+//! Consuming from JetStream: the pull consumer a subscription binds to (created from the
+//! mapping, or brought in line with it, for a code-defined subscription; waited for when the
+//! operator makes it), each JetStream message turned into a `Delivery`, and its settlement with
+//! JetStream's ack protocol.
+//!
+//! What it sends, and why (docs/semantics.md J1–J7):
+//! - Ack: `+ACK`, fire-and-forget (as any JetStream client does). A late ack after the consumer
+//!   was retired by this process is Refused locally.
+//! - Decline: a bare `-NAK` for a zero delay (a `{"delay":0}` is not immediate on a consumer with
+//!   a `backoff` list), else `-NAK {"delay":<ns>}`. Sent as a request, so the server confirms it:
+//!   when nobody answers (the consumer was deleted) the decline is Refused and, since the broker
+//!   cannot be asked to try again, Stranded.
+//! - Last attempt declined (attempt == maxDeliver): `+TERM`. The runtime has already counted it
+//!   Exhausted at message grain; terminating frees its max-ack-pending slot at once instead of
+//!   holding it until the server notices max_deliver at the next pull, and the server's
+//!   `MSG_TERMINATED` advisory tells the operator the same story. The consumer's `max_deliver` is
+//!   still set, so attempts spent without a handler (a crash, AckWait) also stop there.
+//! - ExtendLease: `+WPI` (the bus decides when); Redeliver: nothing. Release at close: bare `-NAK`.
+//! - The consumer's `backoff` list is never set: the server would lengthen every nak delay by it;
+//!   the schedule is paced client-side with delayed naks.
+//!
+//! It must not count anything (the settle path does), create streams (the platform or the
+//! operator owns them), decide what a consumer looks like (that is [`super::consumer`]) nor
+//! change a consumer the operator owns.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull};
+use async_nats::{Client, RequestErrorKind, Subject};
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+
+use super::{NatsBroker, consumer, err, jsapi};
+use crate::bus::{
+    self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
+    Performed, Refusal, SubscriptionCtx,
+};
+
+const ACK: &[u8] = b"+ACK";
+const NAK: &[u8] = b"-NAK";
+const TERM: &[u8] = b"+TERM";
+const WPI: &[u8] = b"+WPI";
+
+impl NatsBroker {
+    /// A consumer pulling from the subscription's JetStream consumer (see [`NatsBroker::bind`]).
+    pub(super) async fn consume(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> Result<Box<dyn Consumer>, BusError> {
+        let messages = self.bind(&ctx).await?;
+        Ok(Box::new(NatsConsumer {
+            broker: self.clone(),
+            client: Arc::new(self.client.clone()),
+            acks: ctx.policy().at_least_once(),
+            ctx,
+            messages: Some(messages),
+            retired: Arc::default(),
+        }))
+    }
+
+    /// Finds or makes the subscription's consumer (through the one mapping in `consumer`) and
+    /// starts pulling from it. A code-defined subscription creates its consumer, or brings an
+    /// existing one in line (refusing when only a new consumer could); one the operator owns is
+    /// only bound to, waiting while it does not exist.
+    async fn bind(&self, ctx: &SubscriptionCtx) -> Result<pull::Stream, BusError> {
+        let (stream, name) = match ctx.binding().owner {
+            ConsumerOwner::Runtime => self.converge_own(ctx).await?,
+            ConsumerOwner::Operator => self.await_operator(ctx).await,
+        };
+        let p = ctx.policy();
+        let mut consumer: jetstream::consumer::PullConsumer = self
+            .js
+            .get_consumer_from_stream(&name, &stream)
+            .await
+            .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+        if ctx.binding().owner == ConsumerOwner::Operator {
+            // The object the operator made this consumer for: the counts from here on are its.
+            let info = consumer
+                .info()
+                .await
+                .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+            ctx.bound_to(
+                info.config
+                    .metadata
+                    .get(consumer::UID_KEY)
+                    .map(String::as_str),
+            );
+        }
+        // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
+        // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
+        let batch = p.max_in_flight.clamp(2, 1000);
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(batch)
+            // Short pulls: after a broker restart the client re-pulls when a pull expires, so
+            // this bounds how long a subscription can sit idle (semantics J7).
+            .expires(Duration::from_secs(10))
+            .heartbeat(Duration::from_secs(3))
+            .messages()
+            .await
+            .map_err(|e| err(format!("cannot pull from stream {stream}: {e}")))?;
+        tracing::info!(subscription = %ctx.name(), %stream, consumer = %name, owner = ?ctx.binding().owner, "bound to a JetStream pull consumer");
+        Ok(messages)
+    }
+
+    /// A code-defined subscription's consumer: created from the mapping, or updated to it.
+    async fn converge_own(&self, ctx: &SubscriptionCtx) -> Result<(String, String), BusError> {
+        let b = ctx.binding();
+        let p = ctx.policy();
+        let stream = jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await?;
+        let want = consumer::desired_by_runtime(&b.namespace, ctx.name(), &stream, p);
+        match jsapi::consumer_info(&self.js, &stream, &want.name).await? {
+            None => {
+                jsapi::create_consumer(&self.js, &want).await?;
+            }
+            Some(info) => {
+                let live = consumer::normalise(&stream, &want.name, &info.config);
+                let d = consumer::diff(&want, &live);
+                if !d.immutable.is_empty() {
+                    return Err(err(format!(
+                        "consumer {} on stream {stream} exists with a config that cannot change in place ({}): \
+                         delete it, or choose another durableName",
+                        want.name,
+                        d.immutable
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    )));
+                }
+                if !d.editable.is_empty() {
+                    tracing::info!(subscription = %ctx.name(), consumer = %want.name, changes = %d.editable.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "), "updating the consumer to the subscription's policy");
+                    jsapi::update_consumer(&self.js, &want).await?;
+                }
+            }
+        }
+        Ok((stream, want.name))
+    }
+
+    /// An operator-owned consumer: waits, logging why, until the stream and the consumer exist;
+    /// warns (never silently) when the consumer differs from the policy this runtime runs.
+    async fn await_operator(&self, ctx: &SubscriptionCtx) -> (String, String) {
+        let b = ctx.binding();
+        let p = ctx.policy();
+        let js = &self.js;
+        bus::await_operator(ctx.name(), "consumer", move || async move {
+            let stream = jsapi::resolve_stream(js, b.stream.as_deref(), &p.pattern)
+                .await
+                .map_err(|e| e.to_string())?;
+            let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
+            match jsapi::consumer_info(js, &stream, &want.name).await {
+                Ok(Some(info)) => {
+                    let live = consumer::normalise(&stream, &want.name, &info.config);
+                    // The object mark is the operator's own, not the application's policy.
+                    let want = want.marked_as(&live);
+                    let d = consumer::diff(&want, &live);
+                    if !d.is_empty() {
+                        let all: Vec<String> = d
+                            .immutable
+                            .iter()
+                            .chain(&d.editable)
+                            .map(ToString::to_string)
+                            .collect();
+                        tracing::warn!(subscription = %ctx.name(), consumer = %want.name, differences = %all.join("; "), "the operator's consumer differs from the policy this application runs: bound anyway; check that the Subscription resource and the application agree");
+                    }
+                    Ok((stream, want.name))
+                }
+                Ok(None) => Err(format!(
+                    "consumer {} on stream {stream} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
+                    want.name,
+                    b.namespace,
+                    ctx.name(),
+                    ctx.name(),
+                    b.namespace
+                )),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+    }
+}
+
+struct NatsConsumer {
+    broker: NatsBroker,
+    client: Arc<Client>,
+    ctx: Arc<SubscriptionCtx>,
+    messages: Option<pull::Stream>,
+    retired: Arc<AtomicBool>,
+    acks: bool,
+}
+
+impl NatsConsumer {
+    fn delivery(&self, m: jetstream::Message) -> Delivery {
+        let attempt = m
+            .info()
+            .map_or(1, |i| u32::try_from(i.delivered).unwrap_or(u32::MAX));
+        let msg: async_nats::Message = m.into();
+        let headers = msg
+            .headers
+            .as_ref()
+            .map(|h| {
+                h.iter()
+                    .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let on_settle = NatsSettler {
+            client: Arc::clone(&self.client),
+            reply: msg.reply,
+            retired: Arc::clone(&self.retired),
+            acks: self.acks,
+        };
+        Delivery::new(
+            &self.ctx,
+            DeliveryOptions {
+                subject: msg.subject.as_str().to_owned(),
+                headers,
+                payload: msg.payload,
+                attempt,
+                on_settle: Box::new(on_settle),
+            },
+        )
+    }
+}
+
+impl Consumer for NatsConsumer {
+    fn next(&mut self) -> BoxFuture<'_, Option<Delivery>> {
+        async move {
+            loop {
+                let messages = self.messages.as_mut()?;
+                match messages.next().await {
+                    Some(Ok(m)) => return Some(self.delivery(m)),
+                    Some(Err(e)) => {
+                        use pull::MessagesErrorKind as K;
+                        match e.kind() {
+                            K::ConsumerDeleted | K::NoResponders | K::PushBasedConsumer => {
+                                self.messages = None;
+                                if self.ctx.binding().owner == ConsumerOwner::Operator && !self.retired.load(Ordering::Acquire) {
+                                    // The operator repairs a deleted consumer while its Subscription exists:
+                                    // bind again when it is back (or wait until the bus closes).
+                                    tracing::warn!(subscription = %self.ctx.name(), error = %e, "the operator's consumer is gone; waiting for it to come back");
+                                    match self.broker.bind(&self.ctx).await {
+                                        Ok(m) => {
+                                            self.messages = Some(m);
+                                            continue;
+                                        }
+                                        Err(e) => tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot bind again"),
+                                    }
+                                    return None;
+                                }
+                                tracing::error!(subscription = %self.ctx.name(), error = %e, "the JetStream consumer is gone");
+                                return None;
+                            }
+                            _ => tracing::warn!(subscription = %self.ctx.name(), error = %e, "pulling from JetStream"),
+                        }
+                    }
+                    None => {
+                        self.messages = None;
+                        return None;
+                    }
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn stop(&mut self) -> BoxFuture<'_, ()> {
+        self.messages = None;
+        futures::future::ready(()).boxed()
+    }
+
+    fn retire(&mut self) -> BoxFuture<'_, ()> {
+        self.retired.store(true, Ordering::Release);
+        self.messages = None;
+        futures::future::ready(()).boxed()
+    }
+}
+
+struct NatsSettler {
+    client: Arc<Client>,
+    reply: Option<Subject>,
+    retired: Arc<AtomicBool>,
+    acks: bool,
+}
+
+impl NatsSettler {
+    fn reply(&self) -> Result<Subject, Refusal> {
+        if self.retired.load(Ordering::Acquire) {
+            return Err(Refusal {
+                reason: "the consumer that offered this delivery was retired by this process; the server offers the message again after ackWait".into(),
+                stranded: false,
+            });
+        }
+        if !self.acks {
+            return Err(Refusal {
+                reason: "the consumer does not take acknowledgements (ack policy none)".into(),
+                stranded: false,
+            });
+        }
+        self.reply.clone().ok_or_else(|| Refusal {
+            reason: "the message has no reply subject: not a JetStream delivery".into(),
+            stranded: true,
+        })
+    }
+
+    async fn publish(&self, body: &'static [u8]) -> Result<(), Refusal> {
+        let reply = self.reply()?;
+        self.client
+            .publish(reply, Bytes::from_static(body))
+            .await
+            .map_err(|e| Refusal {
+                reason: format!("cannot send to the server: {e}"),
+                stranded: false,
+            })
+    }
+
+    /// Sends and waits for the server's confirmation.
+    async fn confirmed(&self, body: Bytes) -> Result<(), Refusal> {
+        let reply = self.reply()?;
+        match self.client.request(reply, body).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == RequestErrorKind::NoResponders => Err(Refusal {
+                reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
+                stranded: true,
+            }),
+            Err(e) => Err(Refusal { reason: format!("the server did not confirm: {e}"), stranded: false }),
+        }
+    }
+}
+
+/// The body of a decline: a bare `-NAK` for zero (immediate), else `-NAK {"delay":<ns>}`.
+pub fn nak_body(delay: Duration) -> Bytes {
+    if delay.is_zero() {
+        Bytes::from_static(NAK)
+    } else {
+        Bytes::from(format!("-NAK {{\"delay\":{}}}", delay.as_nanos()))
+    }
+}
+
+impl OnSettle for NatsSettler {
+    fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>> {
+        async move {
+            match action {
+                BrokerAction::Ack => self.publish(ACK).await?,
+                BrokerAction::Decline(delay) => self.confirmed(nak_body(delay)).await?,
+                BrokerAction::Terminate => self.confirmed(Bytes::from_static(TERM)).await?,
+            }
+            Ok(Performed::AsAsked)
+        }
+        .boxed()
+    }
+
+    fn progress(&self) -> BoxFuture<'_, Result<(), Refusal>> {
+        self.publish(WPI).boxed()
+    }
+
+    fn release(&self) -> BoxFuture<'_, ()> {
+        async move {
+            if let Err(r) = self.publish(NAK).await {
+                tracing::debug!(reason = %r.reason, "release not sent; the server offers the message again after ackWait");
+            }
+        }
+        .boxed()
+    }
+}

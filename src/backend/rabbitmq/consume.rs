@@ -1,0 +1,477 @@
+//! Consuming from RabbitMQ: the queue a subscription consumes from (declared and bound from the
+//! mapping for a code-defined subscription, waited for when the operator makes it), the AMQP
+//! consumer with its prefetch and acknowledgement mode, each delivery turned into a `Delivery`,
+//! and its settlement with AMQP's acknowledgements.
+//!
+//! What it sends, and why (docs/semantics.md R1–R7):
+//! - AtMostOnce consumes with automatic acknowledgement (`no_ack`, RabbitMQ's `none`): the
+//!   broker forgets a message once it is sent, and nothing is ever acked or nacked.
+//! - AtLeastOnce consumes with manual acknowledgement (RabbitMQ's `manual`, never `auto`), with
+//!   `basic.qos` prefetch = maxInFlight. Ack: `basic.ack`. A decline (a Nack, or silence: the
+//!   forgotten ack is settled by the runtime): `basic.nack` with requeue, at once (RabbitMQ has
+//!   no delayed requeue). The last declined attempt (attempt == maxDeliver, counted Exhausted by
+//!   the runtime): `basic.reject` without requeue, so the queue's dead-letter exchange gets it
+//!   when one is set. Release at close: `basic.nack` with requeue.
+//! - The attempt is the quorum queue's `x-delivery-count` header + 1.
+//! - Retiring closes the consumer's channel: the broker requeues everything unsettled on it, so
+//!   a later settlement is Refused and never Stranded.
+//!
+//! It must not count anything (the settle path does), build queue arguments (that is
+//! [`super::queue`]) nor declare or bind a queue the operator owns.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    BasicRejectOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel};
+
+use super::admin::reply_code;
+use super::queue::{self, QueueSpec};
+use super::{RabbitBroker, RabbitError, amqp, broker_err, report};
+use crate::bus::{
+    self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
+    Performed, Refusal, SubscriptionCtx,
+};
+use crate::policy::RABBITMQ_MAX_PREFETCH;
+
+impl RabbitBroker {
+    /// A consumer on the subscription's queue (see [`RabbitBroker::bind`]).
+    pub(super) async fn consume(
+        &self,
+        ctx: Arc<SubscriptionCtx>,
+    ) -> Result<Box<dyn Consumer>, BusError> {
+        let (channel, consumer) = self.bind(&ctx).await?;
+        Ok(Box::new(RabbitConsumer {
+            broker: self.clone(),
+            acks: ctx.policy().at_least_once(),
+            ctx,
+            channel,
+            consumer: Some(consumer),
+            retired: Arc::default(),
+        }))
+    }
+
+    /// Opens a channel with the queue this subscription consumes from, declared (code-defined)
+    /// or found (operator-made), bound, and consuming.
+    async fn bind(&self, ctx: &SubscriptionCtx) -> Result<(Channel, lapin::Consumer), BusError> {
+        let b = ctx.binding();
+        let p = ctx.policy();
+        let want = match b.owner {
+            ConsumerOwner::Runtime => {
+                let want = queue::desired_by_runtime(&b.namespace, ctx.name(), p, &self.exchanges);
+                self.declare(&want).await?;
+                want
+            }
+            ConsumerOwner::Operator => {
+                let want = self.await_operator(ctx).await;
+                // The object the operator made this queue for: the counts from here on are its.
+                ctx.bound_to(
+                    report::read_object(&self.conn, &b.namespace, ctx.name())
+                        .await
+                        .as_deref(),
+                );
+                want
+            }
+        };
+        let ch = self
+            .conn
+            .create_channel()
+            .await
+            .map_err(amqp("cannot open a channel"))?;
+        let alo = p.at_least_once();
+        if alo {
+            // P1: maxInFlight is the prefetch (admission refuses more than 16 bits hold).
+            let prefetch = u16::try_from(p.max_in_flight.min(RABBITMQ_MAX_PREFETCH as usize))
+                .unwrap_or(u16::MAX);
+            ch.basic_qos(prefetch, BasicQosOptions { global: false })
+                .await
+                .map_err(amqp("basic.qos"))?;
+        }
+        let tag = format!(
+            "settle-{}-{}-{}",
+            ctx.name(),
+            std::process::id(),
+            self.tags.fetch_add(1, Ordering::Relaxed)
+        );
+        let consumer = ch
+            .basic_consume(
+                ShortString::from(want.name.as_str()),
+                ShortString::from(tag.as_str()),
+                BasicConsumeOptions {
+                    no_ack: !alo,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(amqp(format!("cannot consume from queue {:?}", want.name)))?;
+        tracing::info!(subscription = %ctx.name(), queue = %want.name, routing_key = %want.binding.routing_key, exchange = %want.binding.exchange, owner = ?b.owner, ack = if alo { "manual" } else { "none" }, "consuming from a RabbitMQ queue");
+        Ok((ch, consumer))
+    }
+
+    /// A code-defined subscription's queue: declared from the mapping (RabbitMQ refuses, with
+    /// 406, a queue of that name with other arguments) and bound by the pattern.
+    async fn declare(&self, want: &QueueSpec) -> Result<(), BusError> {
+        // A failed declare closes its channel: use one of its own.
+        let ch = self
+            .conn
+            .create_channel()
+            .await
+            .map_err(amqp("cannot open a channel"))?;
+        let declared = ch
+            .queue_declare(
+                ShortString::from(want.name.as_str()),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                want.arguments_table(),
+            )
+            .await;
+        match declared {
+            Ok(_) => {}
+            Err(e) if reply_code(&e) == Some(406) => {
+                return Err(broker_err(RabbitError::QueueDiffers {
+                    queue: want.name.clone(),
+                    reason: e.to_string(),
+                }));
+            }
+            Err(e) => return Err(amqp(format!("cannot declare queue {:?}", want.name))(e)),
+        }
+        ch.queue_bind(
+            ShortString::from(want.name.as_str()),
+            ShortString::from(want.binding.exchange.as_str()),
+            ShortString::from(want.binding.routing_key.as_str()),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(amqp(format!(
+            "cannot bind queue {:?} to exchange {:?}",
+            want.name, want.binding.exchange
+        )))?;
+        let _ = ch.close(200, ShortString::from("declared")).await;
+        Ok(())
+    }
+
+    /// An operator-made queue: waits, logging why, until it exists (a passive declare), and
+    /// never declares or binds it itself.
+    async fn await_operator(&self, ctx: &SubscriptionCtx) -> QueueSpec {
+        let b = ctx.binding();
+        let want = queue::desired(&b.namespace, ctx.name(), ctx.policy(), &self.exchanges);
+        let (conn, name) = (&self.conn, want.name.as_str());
+        bus::await_operator(ctx.name(), "queue", move || async move {
+            let ch = conn
+                .create_channel()
+                .await
+                .map_err(|e| format!("cannot open a channel: {e}"))?;
+            let found = ch
+                .queue_declare(
+                    ShortString::from(name),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            match found {
+                Ok(_) => {
+                    let _ = ch.close(200, ShortString::from("found")).await;
+                    Ok(())
+                }
+                Err(e) if reply_code(&e) == Some(404) => Err(format!(
+                    "queue {name} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
+                    b.namespace,
+                    ctx.name(),
+                    ctx.name(),
+                    b.namespace
+                )),
+                Err(e) => Err(format!("cannot look up queue {name}: {e}")),
+            }
+        })
+        .await;
+        want
+    }
+}
+
+/// An AMQP delivery's properties and headers as transport headers (the inverse of
+/// [`properties`]): the properties first, then the headers table, values as text.
+pub fn transport_headers(props: &BasicProperties) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (name, value) in [
+        ("content-type", props.content_type()),
+        ("correlation-id", props.correlation_id()),
+        ("message-id", props.message_id()),
+    ] {
+        if let Some(v) = value {
+            out.push((name.to_string(), v.as_str().to_string()));
+        }
+    }
+    if let Some(table) = props.headers() {
+        for (k, v) in table.inner() {
+            out.push((k.as_str().to_string(), text(v)));
+        }
+    }
+    out
+}
+
+fn text(v: &AMQPValue) -> String {
+    match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_string(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// The attempt of a delivery: the quorum queue's `x-delivery-count` (returns so far) + 1; a
+/// redelivery without the header (a classic queue) is at least the second attempt.
+pub fn attempt(props: &BasicProperties, redelivered: bool) -> u32 {
+    let count = props.headers().as_ref().and_then(|t| {
+        t.inner()
+            .get(&ShortString::from("x-delivery-count"))
+            .and_then(|v| text(v).parse::<u32>().ok())
+    });
+    match count {
+        Some(n) => n.saturating_add(1),
+        None if redelivered => 2,
+        None => 1,
+    }
+}
+
+struct RabbitConsumer {
+    broker: RabbitBroker,
+    ctx: Arc<SubscriptionCtx>,
+    channel: Channel,
+    consumer: Option<lapin::Consumer>,
+    retired: Arc<AtomicBool>,
+    acks: bool,
+}
+
+impl RabbitConsumer {
+    fn delivery(&self, m: lapin::message::Delivery) -> Delivery {
+        let attempt = attempt(&m.properties, m.redelivered);
+        let headers = transport_headers(&m.properties);
+        Delivery::new(
+            &self.ctx,
+            DeliveryOptions {
+                subject: m.routing_key.as_str().to_string(),
+                headers,
+                payload: Bytes::from(m.data),
+                attempt,
+                on_settle: Box::new(RabbitSettler {
+                    acker: m.acker,
+                    retired: Arc::clone(&self.retired),
+                    acks: self.acks,
+                }),
+            },
+        )
+    }
+}
+
+impl Consumer for RabbitConsumer {
+    fn next(&mut self) -> BoxFuture<'_, Option<Delivery>> {
+        async move {
+            loop {
+                let consumer = self.consumer.as_mut()?;
+                match consumer.next().await {
+                    Some(Ok(m)) => return Some(self.delivery(m)),
+                    Some(Err(e)) => {
+                        tracing::warn!(subscription = %self.ctx.name(), error = %e, "consuming from RabbitMQ");
+                    }
+                    None => {
+                        self.consumer = None;
+                        if self.ctx.binding().owner == ConsumerOwner::Operator
+                            && !self.retired.load(Ordering::Acquire)
+                        {
+                            // The operator repairs a deleted queue while its Subscription
+                            // exists: consume again when it is back.
+                            tracing::warn!(subscription = %self.ctx.name(), "the operator's queue is gone or the channel closed; waiting for it to come back");
+                            match self.broker.bind(&self.ctx).await {
+                                Ok((ch, c)) => {
+                                    self.channel = ch;
+                                    self.consumer = Some(c);
+                                    continue;
+                                }
+                                Err(e) => {
+                                    tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot consume again")
+                                }
+                            }
+                            return None;
+                        }
+                        tracing::error!(subscription = %self.ctx.name(), "the RabbitMQ consumer was cancelled or its channel closed");
+                        return None;
+                    }
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn stop(&mut self) -> BoxFuture<'_, ()> {
+        async move {
+            if let Some(c) = self.consumer.take() {
+                // Settlements still work on the channel; what was sent but not taken stays
+                // unsettled until retire closes the channel, which requeues it.
+                let _ = self
+                    .channel
+                    .basic_cancel(c.tag(), BasicCancelOptions::default())
+                    .await;
+            }
+        }
+        .boxed()
+    }
+
+    fn retire(&mut self) -> BoxFuture<'_, ()> {
+        async move {
+            self.retired.store(true, Ordering::Release);
+            self.consumer = None;
+            // Closing the channel requeues every unsettled delivery on it (semantics R5).
+            if let Err(e) = self.channel.close(200, ShortString::from("retired")).await {
+                tracing::debug!(subscription = %self.ctx.name(), error = %e, "closing the consumer's channel");
+            }
+        }
+        .boxed()
+    }
+}
+
+struct RabbitSettler {
+    acker: lapin::Acker,
+    retired: Arc<AtomicBool>,
+    acks: bool,
+}
+
+impl RabbitSettler {
+    fn check(&self) -> Result<(), Refusal> {
+        if self.retired.load(Ordering::Acquire) {
+            return Err(Refusal {
+                reason: "the consumer that offered this delivery was retired and its channel closed; the broker requeued the message".into(),
+                stranded: false,
+            });
+        }
+        if !self.acks {
+            return Err(Refusal {
+                reason: "the consumer takes no acknowledgements (automatic acknowledgement)".into(),
+                stranded: false,
+            });
+        }
+        Ok(())
+    }
+
+    /// The broker's answer to a settlement, as the settle path needs it.
+    fn done(what: &str, r: Result<bool, lapin::Error>) -> Result<(), Refusal> {
+        match r {
+            Ok(true) => Ok(()),
+            // Already used, or the channel closed: the broker requeued the message itself.
+            Ok(false) => Err(Refusal {
+                reason: format!(
+                    "{what} not sent: the channel that received the delivery is closed, and the broker requeued the message"
+                ),
+                stranded: false,
+            }),
+            Err(e) => Err(Refusal {
+                reason: format!(
+                    "{what} failed: {e} (the broker requeues the message when the channel closes)"
+                ),
+                stranded: false,
+            }),
+        }
+    }
+
+    async fn requeue(&self) -> Result<(), Refusal> {
+        let r = self
+            .acker
+            .nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            })
+            .await;
+        Self::done("basic.nack", r)
+    }
+}
+
+impl OnSettle for RabbitSettler {
+    fn settle(&self, action: BrokerAction) -> BoxFuture<'_, Result<Performed, Refusal>> {
+        async move {
+            self.check()?;
+            match action {
+                BrokerAction::Ack => {
+                    Self::done(
+                        "basic.ack",
+                        self.acker.ack(BasicAckOptions::default()).await,
+                    )?;
+                    Ok(Performed::AsAsked)
+                }
+                BrokerAction::Decline(delay) => {
+                    self.requeue().await?;
+                    // No delayed requeue on RabbitMQ (admission refuses schedules here).
+                    Ok(if delay.is_zero() {
+                        Performed::AsAsked
+                    } else {
+                        Performed::DelayShortened
+                    })
+                }
+                BrokerAction::Terminate => {
+                    let r = self
+                        .acker
+                        .reject(BasicRejectOptions { requeue: false })
+                        .await;
+                    Self::done("basic.reject", r)?;
+                    Ok(Performed::AsAsked)
+                }
+            }
+        }
+        .boxed()
+    }
+
+    fn progress(&self) -> BoxFuture<'_, Result<(), Refusal>> {
+        // Nothing to extend: the broker never hands the message on while the channel lives.
+        futures::future::ready(Ok(())).boxed()
+    }
+
+    fn release(&self) -> BoxFuture<'_, ()> {
+        async move {
+            if self.check().is_ok()
+                && let Err(r) = self.requeue().await
+            {
+                tracing::debug!(reason = %r.reason, "release not sent; the broker requeues the message when the channel closes");
+            }
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_attempt_is_the_delivery_count_plus_one() {
+        let with = |v: AMQPValue| {
+            let mut t = FieldTable::default();
+            t.insert(ShortString::from("x-delivery-count"), v);
+            BasicProperties::default().with_headers(t)
+        };
+        assert_eq!(attempt(&BasicProperties::default(), false), 1);
+        assert_eq!(attempt(&BasicProperties::default(), true), 2);
+        assert_eq!(attempt(&with(AMQPValue::LongLongInt(0)), false), 1);
+        assert_eq!(attempt(&with(AMQPValue::LongLongInt(2)), true), 3);
+        assert_eq!(attempt(&with(AMQPValue::LongInt(4)), true), 5);
+    }
+}
