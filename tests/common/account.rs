@@ -609,12 +609,13 @@ pub async fn stalled_scenario<S: AccountScene>(scene: &S) {
         "settle_subscription_stalled to read 0",
         Duration::from_secs(30),
         || async {
-            match scene
+            let v = scene
                 .operator()
-                .metric("settle_subscription_stalled", &labels)
-            {
-                v if v == 0.0 => Ok(()),
-                v => Err(format!("{v}")),
+                .metric("settle_subscription_stalled", &labels);
+            if v == 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{v}"))
             }
         },
     )
