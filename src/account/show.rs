@@ -121,9 +121,11 @@ fn stall_condition(
     existing: &[Condition],
     showing: &mut Showing,
 ) -> Want {
+    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
     let window = stall::window(
         round.config.stall_window,
-        ResolvedPolicy::resolve(&sub.spec.policy).ack_wait,
+        policy.ack_wait,
+        policy.nack_ceiling(),
     );
     // A paused Subscription (spec.paused, issue 23) delivers nothing by choice: when it comes,
     // it is judged here, before the watch (no stall while paused, the watch begun again on

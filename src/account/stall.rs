@@ -2,11 +2,12 @@
 //! plus delivered and not settled) and no handler returned (Delivered did not grow) for the
 //! stall window; and the `Stalled` condition that says so, with what is owed and since when.
 //!
-//! The window is the larger of `--stall-window` and three ackWaits of the Subscription: a
-//! healthy handler returns within an ackWait (or has its lease extended and returns within
-//! maxProcessingTime), so three of them without one return, while messages wait, is not a slow
-//! handler. The watch starts again whenever nothing is owed: a message published after an idle
-//! hour is not an hour late.
+//! The window is the larger of `--stall-window` and three ackWaits of the Subscription past its
+//! longest decline delay (maxNackDelay, else the backoff's max): a healthy handler returns
+//! within an ackWait (or has its lease extended and returns within maxProcessingTime), and a
+//! declined message comes back within that delay, so that long without one return, while
+//! messages wait, is not a slow handler nor a backoff. The watch starts again whenever nothing
+//! is owed: a message published after an idle hour is not an hour late.
 //!
 //! Pure: no I/O and no clock of its own (times come in as arguments, on Tokio's clock so the
 //! tests run on a paused one). It must not count (that is the ledger) nor write (that is the
@@ -41,9 +42,14 @@ pub const DEFAULT_FLOOR: Duration = Duration::from_secs(300);
 /// How many ackWaits without a handler returning make a stall (above the floor).
 pub const ACK_WAITS: u32 = 3;
 
-/// The stall window of a Subscription whose resolved ackWait is `ack_wait`.
-pub fn window(floor: Duration, ack_wait: Duration) -> Duration {
-    floor.max(ack_wait.saturating_mul(ACK_WAITS))
+/// The stall window of a Subscription whose resolved ackWait is `ack_wait` and whose longest
+/// decline delay is `longest_delay` (`ResolvedPolicy::nack_ceiling`).
+pub fn window(floor: Duration, ack_wait: Duration, longest_delay: Option<Duration>) -> Duration {
+    floor.max(
+        longest_delay
+            .unwrap_or_default()
+            .saturating_add(ack_wait.saturating_mul(ACK_WAITS)),
+    )
 }
 
 /// One Subscription's watch: when a handler was last seen returning, or nothing was last owed.
@@ -211,11 +217,14 @@ mod tests {
     }
 
     #[test]
-    fn the_window_is_the_floor_or_three_ack_waits_whichever_is_longer() {
-        assert_eq!(window(secs(300), secs(30)), secs(300));
-        assert_eq!(window(secs(300), secs(120)), secs(360));
-        assert_eq!(window(secs(3), secs(1)), secs(3));
-        assert_eq!(window(secs(1), secs(2)), secs(6));
+    fn the_window_is_the_floor_or_three_ack_waits_past_the_longest_delay_whichever_is_longer() {
+        assert_eq!(window(secs(300), secs(30), None), secs(300));
+        assert_eq!(window(secs(300), secs(120), None), secs(360));
+        assert_eq!(window(secs(3), secs(1), None), secs(3));
+        assert_eq!(window(secs(1), secs(2), None), secs(6));
+        // A message waiting out a 10-minute backoff is no stall.
+        assert_eq!(window(secs(300), secs(30), Some(secs(600))), secs(690));
+        assert_eq!(window(secs(300), secs(30), Some(secs(60))), secs(300));
     }
 
     #[tokio::test(start_paused = true)]

@@ -115,7 +115,7 @@ pub struct OperatorArgs {
     pub loss_window: Duration,
     /// The floor of the stall window: the Stalled condition is True while messages are pending
     /// (or delivered and not settled) and no handler returned for the larger of this and three
-    /// of the Subscription's ackWaits (semantics C22).
+    /// of the Subscription's ackWaits past its longest decline delay (semantics C22).
     #[arg(long, env = "SETTLE_STALL_WINDOW", default_value = "5m", value_parser = positive_duration)]
     pub stall_window: Duration,
     /// An application instance that has not reported for this long is folded: its last counts
