@@ -36,9 +36,6 @@ pub mod reasons {
     pub const NOTHING_PENDING: &str = "NothingPending";
 }
 
-/// The default of `--stall-window`: the floor of every Subscription's window.
-pub const DEFAULT_FLOOR: Duration = Duration::from_secs(300);
-
 /// How many ackWaits without a handler returning make a stall (above the floor).
 pub const ACK_WAITS: u32 = 3;
 
@@ -366,6 +363,55 @@ mod tests {
         let mut watch = Watch::start(Instant::now(), now_ms, 9, Some(9), &[], W);
         watch.observe(Instant::now(), now_ms, 9, 2);
         assert_eq!(watch.verdict(Instant::now(), 2, 0, W), Verdict::Delivering);
+    }
+
+    #[test]
+    fn a_stall_beginning_or_ending_is_a_change_that_matters_its_count_moving_is_not() {
+        let now = Time(Timestamp::from_second(1_700_000_000).expect("time"));
+        let stats = crate::api::SubscriptionStats::default();
+        let stalled = |pending| {
+            want(
+                Verdict::Stalled {
+                    pending,
+                    ack_pending: 0,
+                    since_ms: T0_MS,
+                },
+                W,
+            )
+        };
+        let delivering = want(Verdict::Delivering, W);
+        let shown = |w: &Want| vec![condition::settle(&[], w, Some(1), &now)];
+        // A flip either way goes first under the status budget (semantics C21).
+        assert!(super::super::status::matters(
+            Some(&stats),
+            &shown(&delivering),
+            &stats,
+            std::slice::from_ref(&stalled(3))
+        ));
+        assert!(super::super::status::matters(
+            Some(&stats),
+            &shown(&stalled(3)),
+            &stats,
+            std::slice::from_ref(&delivering)
+        ));
+        // More pending while stalled: a change to write in turn, not an urgent one.
+        assert!(!super::super::status::matters(
+            Some(&stats),
+            &shown(&stalled(3)),
+            &stats,
+            std::slice::from_ref(&stalled(4))
+        ));
+        assert!(super::super::status::conditions_differ(
+            &shown(&stalled(3)),
+            std::slice::from_ref(&stalled(4))
+        ));
+        // Delivering and nothing pending are both False: no flip.
+        assert!(!super::super::status::matters(
+            Some(&stats),
+            &shown(&delivering),
+            &stats,
+            &[want(Verdict::NothingPending, W)]
+        ));
     }
 
     #[tokio::test(start_paused = true)]
