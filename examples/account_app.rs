@@ -20,12 +20,16 @@
 //!   - `demo`: acks orders, declines a body containing `bad` (Exhausted at maxDeliver), returns
 //!     silently once on a body containing `slow`.
 //!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work.
+//!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
+//!     Subscription stalls);
+//!   - `ack`: acks every message at once.
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
 //! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
 //! SIGTERM or Ctrl-C is the graceful stop (`settle::bus::stop_signal`, then `Bus::close`):
 //! handlers in flight finish, the last report is confirmed, then it prints `closed` and exits.
-//! It prints `ready` once subscribed, `held <body>` when it starts holding a last attempt, and
+//! It prints `ready` once subscribed, `held <body>` when it starts holding an attempt (a last
+//! one under `nack-then-hold`, every one under `hold`), and
 //! `working <body>` when a `slow-ack` handler starts.
 
 use settle::api;
@@ -41,6 +45,8 @@ enum Behaviour {
     NackThenHold,
     Demo,
     SlowAck(u64),
+    Hold,
+    Ack,
 }
 
 async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), HandlerError> {
@@ -67,6 +73,12 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
             std::future::pending::<()>().await;
             Ok(())
         }
+        Behaviour::Hold => {
+            println!("held {body}");
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+        Behaviour::Ack => Ok(d.ack().await?),
         Behaviour::SlowAck(ms) => {
             println!("working {body}");
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
@@ -108,9 +120,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
         Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
+        Ok("hold") => Behaviour::Hold,
+        Ok("ack") => Behaviour::Ack,
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack or demo"
             )
             .into());
         }

@@ -2,13 +2,17 @@
 //! nats-server, an application built on the `settle` library (`examples/account_app.rs`) as
 //! another process, messages published to the broker, and `status.stats` read back through the
 //! API (and `kubectl describe`). Every counter is asserted exactly, and every status observed
-//! during a run is checked to never go down.
+//! during a run is checked to never go down. A handler blocked forever raises `Stalled` (the
+//! scenario every broker runs, `common::account::stalled_scenario`).
 
 mod common;
 
 use std::time::Duration;
 
-use common::account::{Halfway, NACK_SPEC, Scene, always_nack_scenario, bodies};
+use common::account::{
+    Halfway, NACK_SPEC, OPERATOR_FLAGS, STALL_SPEC, Scene, always_nack_scenario, bodies,
+    stall_flags, stalled_scenario,
+};
 use common::kubectl_ok;
 use common::operator::{condition, poll};
 
@@ -197,5 +201,17 @@ async fn a_last_attempt_no_handler_finished_counts_exhausted_once_through_the_br
         "the held attempts never returned: {later:?}"
     );
     scene.assert_never_decreased();
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_blocked_forever_raises_stalled_until_one_acks() {
+    let scene = Scene::with_flags(
+        "acct-stall",
+        &format!("  durableName: orders\n{STALL_SPEC}"),
+        &stall_flags(&OPERATOR_FLAGS),
+    )
+    .await;
+    stalled_scenario(&scene).await;
     scene.finish().await;
 }

@@ -8,13 +8,18 @@
 //! and consumed again, and both queues go with the Subscription. With a dead-letter exchange on
 //! the Backend, the operator counts what the quorum queue dead-letters from a copy of it
 //! (semantics R9–R12): a last attempt a crash spent is counted once, the user's own dead-letter
-//! queue keeps every message, and the runtime's rejected last attempts are not counted twice.
+//! queue keeps every message, and the runtime's rejected last attempts are not counted twice. A
+//! handler blocked forever raises `Stalled` (the scenario every broker runs,
+//! `common::account::stalled_scenario`).
 
 mod common;
 
 use std::time::Duration;
 
-use common::account::{App, OPERATOR_FLAGS, assert_never_decreased, wait_until, watch};
+use common::account::{
+    AccountScene, App, OPERATOR_FLAGS, STALL_SPEC, Seen, assert_never_decreased, stall_flags,
+    stalled_scenario, wait_until, watch,
+};
 use common::operator::{Operator, condition, poll};
 use common::rabbitmq::{management, management_with, queue};
 use common::subs::{apply, backends, delete_by_hand, subs, wait_backend, wait_gone, wait_ready};
@@ -43,19 +48,26 @@ struct Scene {
     /// The Backend's dead-letter exchange (a topic exchange of this test's) and the user's own
     /// dead-letter queue bound to it with `#`, when the scene has them.
     dead: Option<(String, String)>,
+    /// The operator's flags (for a restart).
+    flags: Vec<&'static str>,
 }
+
+/// The scenes' policy: always-nack's, three attempts.
+const NACK_POLICY: &str = "  mode: AtLeastOnce\n  maxDeliver: 3\n";
 
 impl Scene {
     async fn new(test: &str) -> Scene {
-        Scene::build(test, false).await
+        Scene::build(test, false, NACK_POLICY, &OPERATOR_FLAGS).await
     }
 
     /// With a dead-letter exchange on the Backend, and the user's dead-letter queue on it.
     async fn with_dead_letters(test: &str) -> Scene {
-        Scene::build(test, true).await
+        Scene::build(test, true, NACK_POLICY, &OPERATOR_FLAGS).await
     }
 
-    async fn build(test: &str, with_dead: bool) -> Scene {
+    /// Subscription `orders` with `policy` (after its durableName), the operator with `flags`,
+    /// with a dead-letter exchange on the Backend when `with_dead`.
+    async fn build(test: &str, with_dead: bool, policy: &str, flags: &[&'static str]) -> Scene {
         install_crds();
         let ns = namespace(test);
         let env = common::env();
@@ -89,7 +101,7 @@ impl Scene {
             }
             (dlx, dlq)
         });
-        let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
+        let op = Operator::start_with(test, &ns, flags);
         let dead_line = dead
             .as_ref()
             .map(|(dlx, _)| format!("    deadLetterExchange: {dlx}\n"))
@@ -103,7 +115,7 @@ impl Scene {
         );
         wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
         let manifest_text = format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  mode: AtLeastOnce\n  durableName: {tag}\n  maxDeliver: 3\n"
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  durableName: {tag}\n{policy}"
         );
         apply(&ns, &manifest_text);
         let api = subs(&ns).await;
@@ -128,6 +140,7 @@ impl Scene {
             seen,
             watcher,
             dead,
+            flags: flags.to_vec(),
         }
     }
 
@@ -144,19 +157,26 @@ impl Scene {
         )
     }
 
-    /// Publishes `n` messages to `amq.topic` on this test's routing keys (publisher confirms).
+    /// Publishes `n` messages (bodies 1..=n) to `amq.topic` on this test's routing keys.
     async fn publish(&self, n: usize) {
+        self.publish_bodies((1..=n).map(|i| i.to_string()).collect())
+            .await;
+    }
+
+    /// Publishes `bodies` to `amq.topic` on this test's routing keys (publisher confirms).
+    async fn publish_bodies(&self, bodies: Vec<String>) {
         let ch = self.amqp.create_channel().await.expect("channel");
         ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
             .await
             .expect("confirms");
-        for i in 1..=n {
+        for (i, body) in bodies.iter().enumerate() {
+            let i = i + 1;
             let confirm = ch
                 .basic_publish(
                     "amq.topic".into(),
                     format!("{}.m{i}", self.tag).as_str().into(),
                     BasicPublishOptions::default(),
-                    i.to_string().as_bytes(),
+                    body.as_bytes(),
                     lapin::BasicProperties::default(),
                 )
                 .await
@@ -262,7 +282,7 @@ impl Scene {
             // The new instance reports into the report queue while the operator is down.
             self.publish(5).await;
             tokio::time::sleep(Duration::from_secs(2)).await;
-            self.op = Operator::start_with(&self.test, &self.ns, &OPERATOR_FLAGS);
+            self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
         } else {
             self.publish(5).await;
         }
@@ -306,6 +326,45 @@ impl Scene {
         }
         let _ = std::fs::remove_file(&self.manifest);
         kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+impl AccountScene for Scene {
+    fn app(&self, handler: &str) -> App {
+        Scene::app_with(self, handler)
+    }
+
+    async fn replace_app(&self, mut app: App) -> App {
+        app.kill9();
+        Scene::app_with(self, "nack")
+    }
+
+    async fn publish(&self, bodies: Vec<String>) {
+        Scene::publish_bodies(self, bodies).await;
+    }
+
+    async fn stats(&self) -> ConsumerStats {
+        Scene::stats(self).await.unwrap_or_default()
+    }
+
+    fn kill_operator(&mut self) {
+        self.op.kill9();
+    }
+
+    fn restart_operator(&mut self) {
+        self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
+    }
+
+    fn seen(&self) -> &Seen {
+        &self.seen
+    }
+
+    fn api(&self) -> &Api<Subscription> {
+        &self.api
+    }
+
+    fn operator(&self) -> &Operator {
+        &self.op
     }
 }
 
@@ -1005,4 +1064,17 @@ async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchan
         management("DELETE", &format!("/api/queues/%2f/{q}"));
         management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_blocked_forever_on_rabbitmq_raises_stalled_until_one_acks() {
+    let scene = Scene::build(
+        "acctrq-stall",
+        false,
+        STALL_SPEC,
+        &stall_flags(&OPERATOR_FLAGS),
+    )
+    .await;
+    stalled_scenario(&scene).await;
+    scene.finish().await;
 }

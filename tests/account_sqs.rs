@@ -9,16 +9,19 @@
 //! queue deleted on the server is made again and the reports flow again; forged reports
 //! (misfiled, sequence_jump) are dropped; messages the redrive moved to the dead-letter queue
 //! after a crash are counted once, through the broker side, and stay there for the user; the
-//! account queues go with the Subscription.
+//! account queues go with the Subscription; a handler blocked forever raises `Stalled` (the
+//! scenario every broker runs, `common::account::stalled_scenario`).
 
 mod common;
 
 use std::time::Duration;
 
-use common::account::{Halfway, always_nack_scenario, bodies};
+use common::account::{
+    Halfway, STALL_SPEC, always_nack_scenario, bodies, stall_flags, stalled_scenario,
+};
 use common::kubectl_ok;
 use common::operator::{condition, poll};
-use common::sqs::{SqsScene, message_ids, url};
+use common::sqs::{SQS_OPERATOR_FLAGS, SqsScene, message_ids, url};
 use settle::backend::sqs::report::{ledger_queue, report_queue};
 
 const NACK: &str = "  mode: AtLeastOnce\n  maxDeliver: 3\n  ackWait: 2s\n";
@@ -410,5 +413,18 @@ async fn a_dead_letter_queue_holding_more_than_can_be_remembered_is_said_in_exha
         .send()
         .await
         .expect("purge");
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_blocked_forever_on_sqs_raises_stalled_until_one_acks() {
+    let scene = SqsScene::with_flags(
+        "acctsqs-stall",
+        STALL_SPEC,
+        &[],
+        &stall_flags(&SQS_OPERATOR_FLAGS),
+    )
+    .await;
+    stalled_scenario(&scene).await;
     scene.finish().await;
 }

@@ -472,6 +472,7 @@ fn chart_renders_the_operator_settings_from_values() {
         ("SETTLE_STATS_INTERVAL", "10s"),
         ("SETTLE_STATUS_WRITES_PER_SECOND", "20"),
         ("SETTLE_LOSS_WINDOW", "15m"),
+        ("SETTLE_STALL_WINDOW", "5m"),
         ("SETTLE_WEBHOOK_CONFIGURATION", "settle"),
         ("SETTLE_SHUTDOWN_DELAY", "5s"),
     ] {
@@ -814,7 +815,7 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
     let dry = helm(kubeconfig, &monitored);
     for line in [
         "ServiceMonitor other: Prometheus scrapes /metrics on port 8080 of every replica.",
-        "PrometheusRule other: SettleMessagesExhausted, SettleMessagesStranded, SettleSubscriptionNotReady, SettleNoLeader.",
+        "PrometheusRule other: SettleMessagesExhausted, SettleMessagesStranded, SettleSubscriptionNotReady, SettleSubscriptionStalled, SettleNoLeader.",
         "Grafana dashboard \"Settle\": ConfigMap other-dashboard in settle-other.",
     ] {
         assert!(dry.contains(line), "NOTES lack {line:?}:\n{dry}");
@@ -889,7 +890,7 @@ const SUBSCRIPTION_COUNTERS: [&str; 13] = [
 ];
 
 /// Its gauges, `settle_subscription_<name>{namespace,subscription}`.
-const SUBSCRIPTION_GAUGES: [&str; 4] = ["pending", "ack_pending", "ready", "exhausting"];
+const SUBSCRIPTION_GAUGES: [&str; 5] = ["pending", "ack_pending", "ready", "exhausting", "stalled"];
 
 /// The account's own: its status writes, by result.
 const ACCOUNT_METRICS: [&str; 1] = ["settle_account_status_writes_total"];
@@ -1142,6 +1143,7 @@ fn monitoring_objects_are_off_by_default_and_render_when_enabled() {
             "SettleMessagesExhausted",
             "SettleMessagesStranded",
             "SettleSubscriptionNotReady",
+            "SettleSubscriptionStalled",
             "SettleNoLeader"
         ]
     );
@@ -1173,6 +1175,7 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
         &[],
         &[
             "controller.lossWindow=1h30m",
+            "controller.stallWindow=45m",
             "monitoring.prometheusRule.notReadyFor=30m",
             "monitoring.prometheusRule.noLeaderFor=2m",
             "monitoring.prometheusRule.leaderSelector=job=\"settle\"\\,cluster=\"eu\"",
@@ -1190,11 +1193,12 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
             &["check", "rules", "--lint-fatal", "rules.yaml"],
         );
         assert!(ok, "promtool check rules with {sets:?}:\n{out}");
-        assert!(out.contains("SUCCESS: 4 rules found"), "{sets:?}:\n{out}");
+        assert!(out.contains("SUCCESS: 5 rules found"), "{sets:?}:\n{out}");
         if !sets.is_empty() {
             let text = serde_json::to_string(&spec).expect("json");
             for part in [
                 "[1h30m]",
+                "the larger of 45m",
                 "settle_leader{job=\\\"settle\\\",cluster=\\\"eu\\\"}",
                 "\"for\":\"30m\"",
                 "\"for\":\"2m\"",
@@ -1343,6 +1347,7 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
         "SettleMessagesExhausted",
         "SettleMessagesStranded",
         "SettleSubscriptionNotReady",
+        "SettleSubscriptionStalled",
     ] {
         assert!(
             description(alert).contains(
@@ -1387,6 +1392,7 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
         "settle_subscription_ack_pending",
         "settle_subscription_ready",
         "settle_subscription_exhausting",
+        "settle_subscription_stalled",
         "settle_reconcile_total",
         "settle_status_writes_total",
         "settle_leader",

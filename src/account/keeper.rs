@@ -452,6 +452,7 @@ impl Keeper {
                         },
                         last_write: None,
                         last_early: None,
+                        stall: None,
                     },
                     // A ledger missing or unreadable is written at once, before status shows
                     // anything from this book: so status showing counters with no ledger there

@@ -84,6 +84,8 @@ pub struct Metrics {
     pending: IntGaugeVec,
     ack_pending: IntGaugeVec,
     exhausting: IntGaugeVec,
+    /// `settle_subscription_stalled`: 1 while `Stalled` is True.
+    stalled: IntGaugeVec,
     /// `settle_status_writes_total{controller="account"}` is the controllers' metric; the
     /// account counts its own writes here, by result.
     pub writes: IntCounterVec,
@@ -156,6 +158,10 @@ impl Metrics {
             exhausting: gauge(
                 "settle_subscription_exhausting",
                 "1 while the Subscription's Exhausting condition is True (messages ran out of attempts within the loss window).",
+            )?,
+            stalled: gauge(
+                "settle_subscription_stalled",
+                "1 while the Subscription's Stalled condition is True (messages pending and no handler returned within the stall window).",
             )?,
             writes: counter(
                 "settle_account_status_writes_total",
@@ -268,13 +274,25 @@ impl Metrics {
             .set(i64::from(exhausting));
     }
 
+    /// Mirrors one Subscription's `Stalled` condition.
+    pub fn stalled(&self, namespace: &str, name: &str, stalled: bool) {
+        self.stalled
+            .with_label_values(&[namespace, name])
+            .set(i64::from(stalled));
+    }
+
     /// Forgets a deleted Subscription.
     pub fn forget(&self, namespace: &str, name: &str) {
         let labels = [namespace, name];
         for c in &self.counters {
             let _ = c.remove_label_values(&labels);
         }
-        for g in [&self.pending, &self.ack_pending, &self.exhausting] {
+        for g in [
+            &self.pending,
+            &self.ack_pending,
+            &self.exhausting,
+            &self.stalled,
+        ] {
             let _ = g.remove_label_values(&labels);
         }
         self.exported
@@ -309,6 +327,7 @@ mod tests {
         m.show("shop", "orders", &s, true);
         s.counters.exhausted = 12;
         m.show("shop", "orders", &s, true);
+        m.stalled("shop", "orders", true);
         let t = text(&r);
         for line in [
             r#"settle_subscription_nacked_total{namespace="shop",subscription="orders"} 30"#,
@@ -316,6 +335,7 @@ mod tests {
             r#"settle_subscription_acked_total{namespace="shop",subscription="orders"} 0"#,
             r#"settle_subscription_pending{namespace="shop",subscription="orders"} 4"#,
             r#"settle_subscription_exhausting{namespace="shop",subscription="orders"} 1"#,
+            r#"settle_subscription_stalled{namespace="shop",subscription="orders"} 1"#,
         ] {
             assert!(t.contains(line), "missing {line} in\n{t}");
         }

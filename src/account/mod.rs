@@ -4,6 +4,8 @@
 //! - [`ledger`]: the pure arithmetic of one Subscription's account (which source counts what,
 //!   restarts, folding, the never-backwards floor), tested directly with many cases.
 //! - [`status`]: the pure part of what is written (stats, `Exhausting`, `Stranding`) and when.
+//! - [`stall`]: the pure stall watch (`Stalled`: messages owed, no handler returned within the
+//!   window).
 //! - [`keeper`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
 //! - [`rabbit`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue, keeps
@@ -33,6 +35,7 @@ pub mod rabbit;
 pub mod show;
 #[cfg(feature = "operator")]
 pub mod sqs;
+pub mod stall;
 pub mod status;
 #[cfg(feature = "operator")]
 pub mod writer;

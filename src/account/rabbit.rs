@@ -581,6 +581,7 @@ impl RabbitKeeper {
                         trouble: Default::default(),
                         last_write: None,
                         last_early: None,
+                        stall: None,
                     },
                     dirty: false,
                     acks: Vec::new(),

@@ -24,6 +24,10 @@ pub struct Config {
     pub status_writes_per_second: u32,
     /// `Exhausting` is True while Exhausted grew within this window.
     pub loss_window: Duration,
+    /// The floor of every Subscription's stall window (semantics C22): `Stalled` is True while
+    /// messages are owed and no handler returned for the larger of this and three ackWaits past
+    /// the longest decline delay.
+    pub stall_window: Duration,
     /// An instance that has not reported for this long is folded into the retired total.
     pub fold_after: Duration,
     /// The advisory capture's size limit on each NATS server, in bytes.

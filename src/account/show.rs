@@ -1,5 +1,6 @@
 //! What a keeper hands the writer for one Subscription, and when: the account's stats and
-//! conditions (`Exhausting` from the loss log, `Stranding`), the `settle_subscription_*`
+//! conditions (`Exhausting` from the loss log, `Stranding`, `Accounted`, and `Stalled` from the
+//! stall watch of [`super::stall`]), the `settle_subscription_*`
 //! metrics, and a status patch only when what the Subscription shows differs, at most once per
 //! stats interval; a change that matters (`status::matters`: a loss, a condition flipping) is
 //! marked urgent, and may go once more within the interval, at once. Every keeper (NATS,
@@ -9,13 +10,16 @@
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use super::Config;
 use super::metrics::Metrics;
+use super::stall;
 use super::status::{self, LossLog, Trouble};
 use super::writer::{Write, Writer};
+use crate::api::condition::{Status, Want};
 use crate::api::{ConsumerStats, Subscription, SubscriptionStats};
+use crate::policy::ResolvedPolicy;
 
 /// What every Subscription of one keeper's round shares.
 pub struct Round<'a> {
@@ -38,6 +42,9 @@ pub struct Showing {
     pub last_write: Option<Instant>,
     /// The last urgent write sent before the interval was up (at most one per interval).
     pub last_early: Option<Instant>,
+    /// Since when nothing was delivered while messages were owed (in memory: begun anew by
+    /// each operator, carrying a stall status shows).
+    pub stall: Option<stall::Watch>,
 }
 
 /// Shows `stats` for `sub` (namespace, name): notes the exhausted total in the loss log, sets the
@@ -58,18 +65,24 @@ pub fn show(
         .observe(round.now_ms, stats.counters.exhausted, config.loss_window);
     let loss_changed = showing.loss != before;
     let lost = showing.loss.lost_within(round.now_ms, config.loss_window);
-    let wants = status::wants(
+    let current = sub.status.as_ref();
+    let existing = current.map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let shown = current.and_then(|s| s.stats.as_ref());
+
+    let mut wants = status::wants(
         &stats,
         lost,
         config.loss_window,
         round.unseen_attempts,
         &showing.trouble,
-    );
+    )
+    .to_vec();
+    let stall = stall_condition(round, sub, &stats, shown, existing, showing);
     round.metrics.show(&key.0, &key.1, &stats, lost > 0);
-
-    let current = sub.status.as_ref();
-    let existing = current.map(|s| s.conditions.as_slice()).unwrap_or_default();
-    let shown = current.and_then(|s| s.stats.as_ref());
+    round
+        .metrics
+        .stalled(&key.0, &key.1, stall.status == Status::True);
+    wants.push(stall);
     let differs = shown != Some(&stats) || status::conditions_differ(existing, &wants);
     let interval = config.stats_interval;
     let urgent = differs && status::matters(shown, existing, &stats, &wants);
@@ -95,6 +108,46 @@ pub fn show(
         });
     }
     loss_changed
+}
+
+/// The `Stalled` condition of `sub` now (semantics C22): its stall watch (begun on the first
+/// call, from what status shows) notes Delivered and what is owed, and judges against the
+/// Subscription's window.
+fn stall_condition(
+    round: &Round<'_>,
+    sub: &Subscription,
+    stats: &SubscriptionStats,
+    shown: Option<&SubscriptionStats>,
+    existing: &[Condition],
+    showing: &mut Showing,
+) -> Want {
+    let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+    let window = stall::window(
+        round.config.stall_window,
+        policy.ack_wait,
+        policy.nack_ceiling(),
+    );
+    // A paused Subscription (spec.paused, issue 23) delivers nothing by choice: when it comes,
+    // it is judged here, before the watch (no stall while paused, the watch begun again on
+    // resume).
+    let now = tokio::time::Instant::now();
+    let delivered = stats.counters.delivered;
+    let watch = showing.stall.get_or_insert_with(|| {
+        stall::Watch::start(
+            now,
+            round.now_ms,
+            delivered,
+            shown.map(|s| s.counters.delivered),
+            existing,
+            window,
+        )
+    });
+    let owed = stats.pending.saturating_add(stats.ack_pending);
+    watch.observe(now, round.now_ms, delivered, owed);
+    stall::want(
+        watch.verdict(now, stats.pending, stats.ack_pending, window),
+        window,
+    )
 }
 
 /// Shows one report-fed Subscription (RabbitMQ, SQS): its counters (`totals`) with the broker's

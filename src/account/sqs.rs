@@ -293,6 +293,7 @@ impl SqsKeeper {
                         trouble: Default::default(),
                         last_write: None,
                         last_early: None,
+                        stall: None,
                     },
                     generation,
                     dead_letters: DeadLetters::default(),

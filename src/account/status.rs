@@ -3,7 +3,7 @@
 //! ran out of attempts within the loss window: data loss), `Stranding` (messages were declined
 //! where the broker could not take them back) and `Accounted` (whether the account is kept
 //! whole: saved on the broker, nothing missed from the capture, no source lost within the loss
-//! window).
+//! window). `Stalled`, written beside them, is decided in [`super::stall`].
 //!
 //! Pure: no I/O and no clock (times come in as arguments). It must not count (that is the
 //! ledger) nor send anything (that is the writer).

@@ -122,6 +122,11 @@ pub struct OperatorArgs {
     /// The Exhausting condition is True while Exhausted grew within this window.
     #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
     pub loss_window: Duration,
+    /// The floor of the stall window: the Stalled condition is True while messages are pending
+    /// (or delivered and not settled) and no handler returned for the larger of this and three
+    /// of the Subscription's ackWaits past its longest decline delay (semantics C22).
+    #[arg(long, env = "SETTLE_STALL_WINDOW", default_value = "5m", value_parser = positive_duration)]
+    pub stall_window: Duration,
     /// An application instance that has not reported for this long is folded: its last counts
     /// kept, its unfinished attempts counted given up (live ones re-report every 5 minutes).
     #[arg(long, env = "SETTLE_FOLD_AFTER", default_value = "1h", value_parser = positive_duration)]
@@ -538,6 +543,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 stats_interval: args.stats_interval,
                 status_writes_per_second: args.status_writes_per_second,
                 loss_window: args.loss_window,
+                stall_window: args.stall_window,
                 fold_after: args.fold_after,
                 capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),
                 limits: account::Limits {

@@ -439,6 +439,10 @@ pub trait AccountScene {
     fn restart_operator(&mut self);
     /// Every status the watcher saw.
     fn seen(&self) -> &Seen;
+    /// The scene's Subscriptions.
+    fn api(&self) -> &Api<Subscription>;
+    /// The scene's operator.
+    fn operator(&self) -> &Operator;
 }
 
 /// What may happen halfway through the always-nack scenario.
@@ -508,6 +512,115 @@ pub async fn always_nack_scenario<S: AccountScene>(
     assert_never_decreased(scene.seen());
     drop(app);
     s
+}
+
+/// The stall window the stall scenario's operator runs with, as `--stall-window` gives it.
+pub const STALL_WINDOW: &str = "3s";
+
+/// The stall scenario's operator flags: `--stall-window` beside a scene's own `flags`.
+pub fn stall_flags(flags: &[&'static str]) -> Vec<&'static str> {
+    let mut all = flags.to_vec();
+    all.extend(["--stall-window", STALL_WINDOW]);
+    all
+}
+
+/// The stall scenario's policy: ackWait 1s, so three ackWaits are within [`STALL_WINDOW`] and
+/// the window is the flag's.
+pub const STALL_SPEC: &str = "  mode: AtLeastOnce\n  ackWait: 1s\n";
+
+/// Waits until the scene's Subscription shows `Stalled` with `status`; returns its reason and
+/// message.
+pub async fn wait_stalled<S: AccountScene>(scene: &S, status: &str) -> (String, String) {
+    poll(
+        &format!("Stalled={status}"),
+        Duration::from_secs(60),
+        || async {
+            let sub = scene.api().get("orders").await.map_err(|e| e.to_string())?;
+            let conditions = sub.status.map(|s| s.conditions).unwrap_or_default();
+            match super::operator::condition(&conditions, "Stalled") {
+                Some((s, reason, message)) if s == status => Ok((reason, message)),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await
+}
+
+/// A handler that blocks forever with three messages pending (semantics C22): once
+/// `--stall-window` passed without a handler returning, `Stalled` is True (reason
+/// `NothingDelivered`), its message names the three messages and the window, and
+/// `settle_subscription_stalled` reads 1; the blocked application replaced by one that acks,
+/// the three are acked and `Stalled` turns False, the gauge 0. Delivered stays 0 while blocked,
+/// and no status observed ever went down.
+pub async fn stalled_scenario<S: AccountScene>(scene: &S) {
+    let held = scene.app("hold");
+    held.wait_ready().await;
+    scene.publish(bodies(3)).await;
+    // All three handed to handlers that never return.
+    held.wait_count("held", 3, Duration::from_secs(60)).await;
+    let (reason, message) = wait_stalled(scene, "True").await;
+    println!("Stalled=True ({reason}): {message}");
+    assert_eq!(reason, "NothingDelivered", "{message}");
+    assert!(
+        message.starts_with("3 message(s) pending, nothing delivered since "),
+        "the message names what is pending: {message}"
+    );
+    assert!(
+        message.contains(&format!("(window {STALL_WINDOW})")),
+        "the message names the window: {message}"
+    );
+    let ns = scene
+        .api()
+        .get("orders")
+        .await
+        .expect("get")
+        .metadata
+        .namespace;
+    let ns = ns.unwrap_or_default();
+    let labels = [("namespace", ns.as_str()), ("subscription", "orders")];
+    assert_eq!(
+        scene
+            .operator()
+            .metric("settle_subscription_stalled", &labels),
+        1.0,
+        "settle_subscription_stalled while Stalled=True"
+    );
+    assert_eq!(
+        scene.stats().await.delivered,
+        0,
+        "no handler returned while they were held"
+    );
+
+    // Unblocked: the holder goes (SIGKILL), an application that acks takes the three.
+    drop(held);
+    let acking = scene.app("ack");
+    acking.wait_ready().await;
+    wait_for(scene, "the three messages acked in status", |s| {
+        s.settlement.acked >= 3
+    })
+    .await;
+    let (reason, message) = wait_stalled(scene, "False").await;
+    println!("Stalled=False ({reason}): {message}");
+    assert!(
+        matches!(reason.as_str(), "Delivering" | "NothingPending"),
+        "{reason}: {message}"
+    );
+    poll(
+        "settle_subscription_stalled to read 0",
+        Duration::from_secs(30),
+        || async {
+            let v = scene
+                .operator()
+                .metric("settle_subscription_stalled", &labels);
+            if v == 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{v}"))
+            }
+        },
+    )
+    .await;
+    assert_never_decreased(scene.seen());
 }
 
 /// Waits until a scene's status shows `want(stats)`; returns it.
@@ -589,6 +702,14 @@ impl AccountScene for Scene {
 
     fn seen(&self) -> &Seen {
         &self.seen
+    }
+
+    fn api(&self) -> &Api<Subscription> {
+        &self.api
+    }
+
+    fn operator(&self) -> &Operator {
+        &self.op
     }
 }
 

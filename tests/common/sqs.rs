@@ -126,6 +126,8 @@ pub struct SqsScene {
     pub sqs: Client,
     pub seen: Seen,
     pub app_env: Vec<(String, String)>,
+    /// The operator's flags (for a restart).
+    flags: Vec<&'static str>,
     watcher: tokio::task::JoinHandle<()>,
 }
 
@@ -133,10 +135,20 @@ impl SqsScene {
     /// The scene with Subscription `orders` (`spec` after `backendRef`, pattern and
     /// durableName `orders`), and `app_env` for every application.
     pub async fn new(test: &str, spec: &str, app_env: &[(&str, &str)]) -> SqsScene {
+        SqsScene::with_flags(test, spec, app_env, &SQS_OPERATOR_FLAGS).await
+    }
+
+    /// As [`SqsScene::new`], the operator running with `flags`.
+    pub async fn with_flags(
+        test: &str,
+        spec: &str,
+        app_env: &[(&str, &str)],
+        flags: &[&'static str],
+    ) -> SqsScene {
         install_crds();
         let ns = namespace(test);
         let env = super::env();
-        let op = Operator::start_with(test, &ns, &SQS_OPERATOR_FLAGS);
+        let op = Operator::start_with(test, &ns, flags);
         let prefix = format!("{}{}-", test.replace('-', ""), std::process::id());
         kubectl_ok(
             &[
@@ -185,6 +197,7 @@ impl SqsScene {
             sqs: client().await,
             seen,
             app_env: all,
+            flags: flags.to_vec(),
             watcher,
         }
     }
@@ -205,7 +218,7 @@ impl SqsScene {
 
     /// The operator again, with the scene's flags (after a kill).
     pub fn restart_operator(&mut self) {
-        self.op = Operator::start_with(&self.test, &self.ns, &SQS_OPERATOR_FLAGS);
+        self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
     }
 
     /// Sends `bodies` to the Subscription's queue.
@@ -297,5 +310,13 @@ impl AccountScene for SqsScene {
 
     fn seen(&self) -> &Seen {
         &self.seen
+    }
+
+    fn api(&self) -> &Api<Subscription> {
+        &self.api
+    }
+
+    fn operator(&self) -> &Operator {
+        &self.op
     }
 }
