@@ -10,6 +10,11 @@ pub mod nats;
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+#[cfg(feature = "operator")]
+pub mod term;
+
+#[cfg(feature = "operator")]
+pub use term::Term;
 
 /// The controllers' live handle on a Backend's broker, by the Backend's namespace and name, as
 /// they hand it to the account each leadership term: a NATS connection.
