@@ -32,11 +32,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The in-memory backend. Clones share one store.
 #[derive(Clone, Default)]
 pub struct MemoryBroker {
-    shared: Arc<Shared>,
+    store: Arc<Store>,
 }
 
+/// The one store every clone of a [`MemoryBroker`] reads and writes.
 #[derive(Default)]
-struct Shared {
+struct Store {
     state: Mutex<State>,
     reports: Mutex<BTreeMap<String, Bytes>>,
     ids: AtomicU64,
@@ -112,12 +113,12 @@ impl MemoryBroker {
 
     /// The stats reports published to this backend, by key.
     pub fn reports(&self) -> BTreeMap<String, Bytes> {
-        lock(&self.shared.reports).clone()
+        lock(&self.store.reports).clone()
     }
 
     /// Messages of a durable consumer waiting to be offered (ready or delayed).
     pub fn pending(&self, durable_name: &str) -> usize {
-        let state = lock(&self.shared.state);
+        let state = lock(&self.store.state);
         state.consumers.get(durable_name).map_or(0, |c| {
             let q = lock(&c.queue);
             q.ready.len() + q.delayed.len()
@@ -125,7 +126,7 @@ impl MemoryBroker {
     }
 
     fn id(&self) -> u64 {
-        self.shared.ids.fetch_add(1, Ordering::Relaxed) + 1
+        self.store.ids.fetch_add(1, Ordering::Relaxed) + 1
     }
 }
 
@@ -146,7 +147,7 @@ impl Broker for MemoryBroker {
             let policy = ctx.policy();
             let attachment = self.id();
             let cs = {
-                let mut state = lock(&self.shared.state);
+                let mut state = lock(&self.store.state);
                 let key = match &policy.durable_name {
                     Some(d) => d.clone(),
                     None => format!("_ephemeral-{attachment}"),
@@ -188,7 +189,7 @@ impl Broker for MemoryBroker {
         headers: Vec<(String, String)>,
         payload: Bytes,
     ) -> BoxFuture<'_, Result<(), BusError>> {
-        let mut state = lock(&self.shared.state);
+        let mut state = lock(&self.store.state);
         let seq = state.log.len();
         for cs in state.consumers.values() {
             if subject_matches(&cs.pattern, &subject) {
@@ -211,7 +212,7 @@ impl Broker for MemoryBroker {
 
 impl StatsSink for MemoryBroker {
     fn put(&self, key: String, value: Bytes) -> BoxFuture<'_, Result<(), BusError>> {
-        lock(&self.shared.reports).insert(key, value);
+        lock(&self.store.reports).insert(key, value);
         futures::future::ready(Ok(())).boxed()
     }
 }
@@ -266,7 +267,7 @@ impl MemoryConsumer {
 
     fn delivery(&self, p: Pending, token: u64) -> Delivery {
         let (subject, headers, payload) = {
-            let state = lock(&self.backend.shared.state);
+            let state = lock(&self.backend.store.state);
             match state.log.get(p.seq) {
                 Some(m) => (m.subject.clone(), m.headers.clone(), m.payload.clone()),
                 None => (String::new(), Vec::new(), Bytes::new()),
