@@ -605,6 +605,32 @@ mod tests {
         ]);
     }
 
+    /// Word for word as status showed them before every kind's outcome was made one.
+    #[test]
+    fn nats_failures_say_what_they_said_before() {
+        let message = |o: BackendOutcome| o.want().message;
+        assert_eq!(
+            message(nats_down(&ConnectFailure::Unreachable {
+                servers: "nats://127.0.0.1:1".into(),
+                detail: "refused".into(),
+            })),
+            "no NATS server answered at nats://127.0.0.1:1: refused: check spec.nats.servers and that the server runs; Settle keeps trying"
+        );
+        assert_eq!(
+            message(nats_down(&ConnectFailure::AuthFailed(
+                "authorization violation".into()
+            ))),
+            "the NATS server refused the credentials: authorization violation: fix the credentials Secret (spec.nats.credentialsSecretRef); Settle picks up the change"
+        );
+        let bad = nats_down(&ConnectFailure::BadConfig("bad".into()));
+        assert_eq!(bad.want().reason, reasons::SECRET_MISSING);
+        assert_eq!(message(bad), "bad: fix the Secret or spec.nats");
+        assert_eq!(
+            message(jetstream_down(NatsError::JetStreamDisabled, None)),
+            "JetStream is not enabled on the NATS server (start nats-server with -js)"
+        );
+    }
+
     #[test]
     fn a_nats_backend_without_jetstream_shows_the_version_it_reached() {
         assert_eq!(

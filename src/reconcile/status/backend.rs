@@ -251,7 +251,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn a_nats_backend_says_which_server_it_reached() {
+    fn a_connected_backend_says_what_it_reached_word_for_word() {
         let [with, without] = [Some("2.15.3".to_string()), None].map(|version| {
             BackendOutcome::Connected {
                 kind: BackendKind::Nats,
@@ -262,6 +262,28 @@ pub(crate) mod tests {
             .message
         });
         assert_eq!(with, "connected to nats-server 2.15.3 with JetStream");
+        let [rabbitmq, sqs] = [
+            (
+                BackendKind::Rabbitmq,
+                Some("3.10.8".to_string()),
+                "AMQP and the management API answer",
+            ),
+            (BackendKind::Sqs, None, "ListQueues answers at http://x"),
+        ]
+        .map(|(kind, version, detail)| {
+            BackendOutcome::Connected {
+                kind,
+                version,
+                detail: detail.into(),
+            }
+            .want()
+            .message
+        });
+        assert_eq!(
+            rabbitmq,
+            "connected to rabbitmq 3.10.8: AMQP and the management API answer"
+        );
+        assert_eq!(sqs, "connected to sqs: ListQueues answers at http://x");
         assert_eq!(
             without,
             "connected to nats-server (version not announced) with JetStream"

@@ -464,41 +464,6 @@ mod tests {
     }
 
     #[test]
-    fn reasons_map_from_broker_errors() {
-        let cases = [
-            (NatsError::Unreachable("x".into()), reasons::UNREACHABLE),
-            (NatsError::JetStreamDisabled, reasons::JETSTREAM_DISABLED),
-            (
-                NatsError::StreamNotFound("S".into()),
-                reasons::STREAM_NOT_FOUND,
-            ),
-            (
-                NatsError::NoStreamFor("a".into()),
-                reasons::STREAM_NOT_FOUND,
-            ),
-            (
-                NatsError::StreamAmbiguous {
-                    pattern: "a".into(),
-                    streams: vec![],
-                },
-                reasons::STREAM_AMBIGUOUS,
-            ),
-            (
-                NatsError::Api {
-                    code: 1,
-                    description: "d".into(),
-                },
-                reasons::BROKER_REFUSED,
-            ),
-        ];
-        for (e, want) in cases {
-            let (reason, message) = broker_reason(&BrokerError::from(e.clone()));
-            assert_eq!(reason, want, "{e:?}");
-            assert!(!message.is_empty());
-        }
-    }
-
-    #[test]
     fn an_immutable_difference_names_the_field_and_the_way_out() {
         let o = &outcomes()[11];
         let [_, ready] = o.wants();
