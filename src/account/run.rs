@@ -4,13 +4,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use kube::Client;
 use kube::ResourceExt;
-use kube::runtime::reflector::Store;
 
 use super::ledger::Account;
 use super::{Metrics, keeper, rabbit, sqs, writer};
-use crate::api::{Backend, Subscription};
 use crate::bus::report::StatsReport;
 use crate::policy::effective_capabilities;
 
@@ -100,19 +97,10 @@ impl Limits {
     }
 }
 
+/// What one leadership term hands the account: the controllers' caches and connections.
+pub use crate::backend::Term;
 pub use crate::backend::nats::capture::BucketLimits;
 pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
-
-/// What one leadership term hands the account: the controllers' caches and connections.
-#[derive(Clone)]
-pub struct Term {
-    pub client: Client,
-    pub subscriptions: Store<Subscription>,
-    pub backends: Store<Backend>,
-    pub nats: NatsLookup,
-    pub queues: QueueLookup,
-    pub rabbitmq: AmqpLookup,
-}
 
 /// Keeps one keeper per Backend until dropped (the end of the leadership term).
 pub async fn run(term: Term, config: Config, metrics: Metrics) {

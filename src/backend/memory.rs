@@ -35,7 +35,8 @@ pub struct MemoryBroker {
     store: Arc<Store>,
 }
 
-/// What the clones share: the message log, the consumers, the stats reports.
+/// The one store every clone of a [`MemoryBroker`] reads and writes: the message log, the
+/// consumers, the stats reports.
 #[derive(Default)]
 struct Store {
     state: Mutex<State>,

@@ -16,6 +16,11 @@ pub mod nats;
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+#[cfg(feature = "operator")]
+pub mod term;
+
+#[cfg(feature = "operator")]
+pub use term::Term;
 
 /// The class of a failed connection or broker call, whatever the broker: what a status reason
 /// and a retry depend on.

@@ -602,15 +602,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
 
 /// The account runs beside the controllers, on their caches and connections, term by term.
 fn account_hook(config: account::Config, metrics: account::Metrics) -> reconcile::TermHook {
-    Arc::new(move |shared: reconcile::Shared| {
-        let term = account::Term {
-            client: shared.client,
-            subscriptions: shared.subscriptions,
-            backends: shared.backends,
-            nats: shared.nats,
-            queues: shared.queues,
-            rabbitmq: shared.rabbitmq,
-        };
+    Arc::new(move |term: reconcile::Term| {
         Box::pin(account::run(term, config.clone(), metrics.clone()))
     })
 }

@@ -27,11 +27,11 @@ use kube::{Api, Resource, ResourceExt};
 use super::conditions::reasons;
 use super::connections::{Conn, Key};
 use super::metrics::BACKEND;
-use super::status::{BackendOutcome, backend_status};
+use super::status::{BackendOutcome, BrokerError, backend_status, broker_reason};
 use super::{Ctx, Error, FIELD_MANAGER};
 use crate::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec};
 use crate::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
-use crate::backend::nats::jsapi;
+use crate::backend::nats::jsapi::{self, NatsError};
 use crate::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
 use crate::backend::rabbitmq::queue::{DEFAULT_EXCHANGE, Exchanges};
 use crate::backend::sqs::admin as sqs_admin;
@@ -102,9 +102,7 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     // A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
     let plaintext = crate::policy::plaintext_with_credentials(s);
     let outcome = match outcome {
-        BackendOutcome::Connected { version } | BackendOutcome::Reached { version, .. }
-            if !plaintext.is_empty() =>
-        {
+        BackendOutcome::Connected { version, .. } if !plaintext.is_empty() => {
             let message = format!(
                 "connected, but the credentials travel unencrypted: {}",
                 plaintext
@@ -153,13 +151,7 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
             Err(e) => return Err(e.into()),
         }
     }
-    let healthy = matches!(
-        outcome,
-        BackendOutcome::Connected { .. }
-            | BackendOutcome::Reached { .. }
-            | BackendOutcome::Plaintext { .. }
-            | BackendOutcome::InProcess
-    );
+    let healthy = outcome.is_ready();
     let fkey = format!("backend/{}/{}", key.0, key.1);
     Ok(if healthy {
         ctx.succeeded(&fkey);
@@ -188,7 +180,7 @@ async fn refused(
     ctx.conns.fail(key, message.clone());
     tracing::warn!(backend = %format!("{}/{}", key.0, key.1), %reason, %message, "Backend refused: not connecting");
     warn_event(ctx, b, reason, &message).await;
-    BackendOutcome::Down { reason, message }
+    BackendOutcome::down(reason, message)
 }
 
 /// A Warning Event on the Backend (the Recorder folds repeats into a series).
@@ -245,12 +237,12 @@ async fn observe(
         Ok(spec) => spec,
         Err(message) => {
             ctx.conns.fail(key, message.clone());
-            return Ok(BackendOutcome::SecretMissing(message));
+            return Ok(BackendOutcome::down(reasons::SECRET_MISSING, message));
         }
     };
     let conn = match ctx.conns.ensure(key, &spec).await {
         Ok(c) => c,
-        Err(f) => return Ok(BackendOutcome::Connect(f)),
+        Err(f) => return Ok(nats_down(&f)),
     };
     let Conn::Nats(conn) = &*conn else {
         return Err(Error::Waiting(
@@ -259,16 +251,51 @@ async fn observe(
     };
     let version = connect::server_version(&conn.client);
     if !conn.connected() {
-        return Ok(BackendOutcome::Connect(ConnectFailure::Unreachable {
+        return Ok(nats_down(&ConnectFailure::Unreachable {
             servers: spec.servers.join(","),
             detail: "the connection dropped; reconnecting".into(),
         }));
     }
     ctx.metrics.js("account");
     Ok(match jsapi::account_info(&conn.js).await {
-        Ok(()) => BackendOutcome::Connected { version },
-        Err(error) => BackendOutcome::Broker { error, version },
+        Ok(()) => BackendOutcome::Connected {
+            kind: BackendKind::Nats,
+            version,
+            detail: "with JetStream".into(),
+        },
+        Err(error) => jetstream_down(error, version),
     })
+}
+
+/// NATS could not be connected to: the reason, and what to do.
+fn nats_down(f: &ConnectFailure) -> BackendOutcome {
+    let (reason, message) = match f.class() {
+        Failure::Unreachable => (
+            reasons::UNREACHABLE,
+            format!("{f}: check spec.nats.servers and that the server runs; Settle keeps trying"),
+        ),
+        Failure::AuthFailed => (
+            reasons::AUTH_FAILED,
+            format!(
+                "{f}: fix the credentials Secret (spec.nats.credentialsSecretRef); Settle picks up the change"
+            ),
+        ),
+        Failure::Refused => (
+            reasons::SECRET_MISSING,
+            format!("{f}: fix the Secret or spec.nats"),
+        ),
+    };
+    BackendOutcome::down(reason, message)
+}
+
+/// Connected to NATS (`version`), but JetStream does not answer as it should.
+fn jetstream_down(error: NatsError, version: Option<String>) -> BackendOutcome {
+    let (reason, message) = broker_reason(&BrokerError::Nats(error));
+    BackendOutcome::Down {
+        reason,
+        message,
+        version,
+    }
 }
 
 /// Connects to RabbitMQ (or reuses the connection) and, when the Backend names it, asks the
@@ -281,7 +308,7 @@ async fn observe_rabbitmq(
 ) -> Result<BackendOutcome, Error> {
     let missing = |message: String| {
         ctx.conns.fail(key, message.clone());
-        Ok(BackendOutcome::SecretMissing(message))
+        Ok(BackendOutcome::down(reasons::SECRET_MISSING, message))
     };
     let credentials = match &r.credentials_secret_ref {
         None => None,
@@ -329,7 +356,7 @@ async fn observe_rabbitmq(
         },
         name: ctx.conns.client_name.clone(),
     };
-    let down = |reason: &'static str, message: String| Ok(BackendOutcome::Down { reason, message });
+    let down = |reason: &'static str, message: String| Ok(BackendOutcome::down(reason, message));
     let conn = match ctx.conns.ensure_rabbitmq(key, &spec).await {
         Ok(c) => c,
         Err(f) => return down(down_reason(f.class()), amqp_message(&f)),
@@ -344,7 +371,7 @@ async fn observe_rabbitmq(
         return down(down_reason(f.class()), amqp_message(&f));
     }
     let Some(m) = &conn.management else {
-        return Ok(BackendOutcome::Reached {
+        return Ok(BackendOutcome::Connected {
             kind: BackendKind::Rabbitmq,
             version: None,
             detail: "AMQP answers (no spec.rabbitmq.managementUrl: the version, queue arguments, owners and \
@@ -354,15 +381,12 @@ async fn observe_rabbitmq(
     };
     ctx.metrics.js("management.overview");
     Ok(match m.version().await {
-        Ok(version) => BackendOutcome::Reached {
+        Ok(version) => BackendOutcome::Connected {
             kind: BackendKind::Rabbitmq,
             version,
             detail: "AMQP and the management API answer".into(),
         },
-        Err(e) => BackendOutcome::Down {
-            reason: down_reason(e.class()),
-            message: format!("AMQP answers, but: {e}"),
-        },
+        Err(e) => BackendOutcome::down(down_reason(e.class()), format!("AMQP answers, but: {e}")),
     })
 }
 
@@ -400,7 +424,7 @@ async fn observe_sqs(
         Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
             Err(m) => {
                 ctx.conns.fail(key, m.clone());
-                return Ok(BackendOutcome::SecretMissing(m));
+                return Ok(BackendOutcome::down(reasons::SECRET_MISSING, m));
             }
             Ok(data) => {
                 let text = |k: &str| {
@@ -419,7 +443,7 @@ async fn observe_sqs(
                             sr.name
                         );
                         ctx.conns.fail(key, m.clone());
-                        return Ok(BackendOutcome::SecretMissing(m));
+                        return Ok(BackendOutcome::down(reasons::SECRET_MISSING, m));
                     }
                 }
             }
@@ -429,10 +453,7 @@ async fn observe_sqs(
     let conn = match ctx.conns.ensure_sqs(key, &settings).await {
         Ok(c) => c,
         Err(m) => {
-            return Ok(BackendOutcome::Down {
-                reason: reasons::BAD_CONFIG,
-                message: m,
-            });
+            return Ok(BackendOutcome::down(reasons::BAD_CONFIG, m));
         }
     };
     let Conn::Sqs(conn) = &*conn else {
@@ -448,14 +469,14 @@ async fn observe_sqs(
     ctx.metrics.js("sqs.list");
     Ok(
         match sqs_admin::ping(conn.broker.client(), conn.broker.queue_prefix()).await {
-            Ok(_) => BackendOutcome::Reached {
+            Ok(_) => BackendOutcome::Connected {
                 kind: BackendKind::Sqs,
                 version: None,
                 detail: format!("ListQueues answers at {at}"),
             },
-            Err(e) => BackendOutcome::Down {
-                reason: down_reason(e.class()),
-                message: match e.class() {
+            Err(e) => BackendOutcome::down(
+                down_reason(e.class()),
+                match e.class() {
                     Failure::Unreachable => format!(
                         "{e}: check spec.sqs.endpoint or spec.sqs.region; Settle keeps trying"
                     ),
@@ -464,7 +485,7 @@ async fn observe_sqs(
                     ),
                     Failure::Refused => e.to_string(),
                 },
-            },
+            ),
         },
     )
 }
@@ -538,5 +559,73 @@ fn secret_data(
             "Secret {name:?} does not exist in namespace {ns}: create it (with the label \
              {CREDENTIALS_LABEL}={CREDENTIALS_LABEL_VALUE}), or fix the Backend's Secret reference"
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::status::backend::tests::assert_maps_and_settles;
+
+    #[test]
+    fn nats_failures_map_to_reasons_and_settle() {
+        assert_maps_and_settles(vec![
+            (
+                nats_down(&ConnectFailure::Unreachable {
+                    servers: "nats://127.0.0.1:1".into(),
+                    detail: "refused".into(),
+                }),
+                "False",
+                reasons::UNREACHABLE,
+            ),
+            (
+                nats_down(&ConnectFailure::AuthFailed(
+                    "authorization violation".into(),
+                )),
+                "False",
+                reasons::AUTH_FAILED,
+            ),
+            (
+                jetstream_down(NatsError::JetStreamDisabled, Some("2.15.3".into())),
+                "False",
+                reasons::JETSTREAM_DISABLED,
+            ),
+        ]);
+    }
+
+    /// Word for word as status showed them before every kind's outcome was made one.
+    #[test]
+    fn nats_failures_say_what_they_said_before() {
+        let message = |o: BackendOutcome| o.want().message;
+        assert_eq!(
+            message(nats_down(&ConnectFailure::Unreachable {
+                servers: "nats://127.0.0.1:1".into(),
+                detail: "refused".into(),
+            })),
+            "no NATS server answered at nats://127.0.0.1:1: refused: check spec.nats.servers and that the server runs; Settle keeps trying"
+        );
+        assert_eq!(
+            message(nats_down(&ConnectFailure::AuthFailed(
+                "authorization violation".into()
+            ))),
+            "the NATS server refused the credentials: authorization violation: fix the credentials Secret (spec.nats.credentialsSecretRef); Settle picks up the change"
+        );
+        let bad = nats_down(&ConnectFailure::BadConfig("bad".into()));
+        assert_eq!(bad.want().reason, reasons::SECRET_MISSING);
+        assert_eq!(message(bad), "bad: fix the Secret or spec.nats");
+        assert_eq!(
+            message(jetstream_down(NatsError::JetStreamDisabled, None)),
+            "JetStream is not enabled on the NATS server (start nats-server with -js)"
+        );
+    }
+
+    #[test]
+    fn a_nats_backend_without_jetstream_shows_the_version_it_reached() {
+        assert_eq!(
+            jetstream_down(NatsError::JetStreamDisabled, Some("2.15.3".into()))
+                .version()
+                .map(String::as_str),
+            Some("2.15.3")
+        );
     }
 }

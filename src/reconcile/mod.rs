@@ -7,7 +7,8 @@
 //! - [`subscription`]: the Subscription controller (validate → broker → status), one pipeline;
 //!   its broker step by kind in [`nats`], [`rabbitmq`] and [`sqs`].
 //! - [`connections`]: one shared connection per Backend, and the broker events that trigger reconciles.
-//! - [`status`], [`conditions`], [`index`]: the pure parts (status values, reasons, which object a change concerns).
+//! - [`status`], [`conditions`], [`index`]: the pure parts (each outcome, one per meaning for
+//!   every kind, and the status it means; reasons; which object a change concerns).
 //!
 //! [`run`] runs both controllers while this replica leads, and stops them when it does not.
 //! This module imports `backend`, `bus`, `policy` and `api` only, never `admission` or
@@ -160,21 +161,12 @@ impl Readiness {
 }
 
 /// What a leadership term shares with the rest of the operator (the account): the controllers'
-/// caches, and each NATS Backend's live connection by namespace and name.
-#[derive(Clone)]
-pub struct Shared {
-    pub client: Client,
-    pub subscriptions: Store<Subscription>,
-    pub backends: Store<Backend>,
-    pub nats: NatsLookup,
-    pub queues: QueueLookup,
-    pub rabbitmq: AmqpLookup,
-}
-
+/// caches, and each Backend's live broker handles by namespace and name.
+pub use crate::backend::Term;
 pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
 
 /// Work that runs beside the controllers for each leadership term, and stops with it.
-pub type TermHook = Arc<dyn Fn(Shared) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+pub type TermHook = Arc<dyn Fn(Term) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
 
 /// Runs the controllers whenever `leader` says this replica leads, until `shutdown` resolves (then
 /// in-flight reconciles finish first). `beside` runs with them, term by term.
@@ -449,7 +441,7 @@ async fn run_term(
     };
     let beside = beside.map(|hook| {
         let lookup = conns.clone();
-        AbortOnDrop(tokio::spawn(hook(Shared {
+        AbortOnDrop(tokio::spawn(hook(Term {
             client: client.clone(),
             subscriptions: sub_store.clone(),
             backends: backend_store.clone(),

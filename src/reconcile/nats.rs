@@ -10,7 +10,7 @@
 
 use super::Ctx;
 use super::connections::NatsConn;
-use super::status::{ADOPT_ANNOTATION, SubOutcome};
+use super::status::{ADOPT_ANNOTATION, Holder, ObjectKind, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
@@ -82,7 +82,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
         };
         tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = kind.op(), "consumer");
         changes.push(kind, note);
-        return SubOutcome::Ready(here);
+        return ready(here);
     };
     let live = consumer::normalise(&stream, &want.name, &info.config);
     let owner = t.owner.as_str();
@@ -104,7 +104,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
         );
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
         changes.push(ChangeKind::Recreated, note);
-        return SubOutcome::Ready(here);
+        return ready(here);
     }
     // Kept (Retain) by an earlier object of this name: taken over only when the adopt annotation
     // names that object's UID; its marks are then updated in place (metadata is editable).
@@ -115,14 +115,16 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
     if !adopted && !live.belongs_to(owner, uid) {
         // Another's, or kept by an earlier object of this name (its UID differs).
         let by = match (live.owner(), live.owner_uid()) {
-            (Some(o), Some(u)) if o == owner => Some(format!(
-                "{o} (an earlier object of this name, uid {u}, kept by its deletionPolicy Retain; \
-                 to take it over with its position, annotate this Subscription {ADOPT_ANNOTATION}: \"{u}\")"
-            )),
-            (o, _) => o.map(str::to_string),
+            (Some(o), Some(u)) if o == owner => Holder::Earlier {
+                owner: o.to_string(),
+                uid: u.to_string(),
+            },
+            (Some(o), _) => Holder::Other(o.to_string()),
+            (None, _) => Holder::Unmarked,
         };
         return SubOutcome::Conflict {
-            consumer: here,
+            kind: ObjectKind::Consumer,
+            object: here,
             owner: by,
         };
     }
@@ -137,9 +139,10 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
     }
     let d = consumer::diff(&want, &live);
     if !d.immutable.is_empty() {
-        return SubOutcome::ImmutableField {
-            consumer: here,
-            fields: d.immutable,
+        return SubOutcome::Immutable {
+            kind: ObjectKind::Consumer,
+            object: here,
+            fields: d.immutable.iter().map(ToString::to_string).collect(),
         };
     }
     if !d.editable.is_empty() {
@@ -159,7 +162,14 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
             format!("updated consumer {} in place: {edits}", want.name),
         );
     }
-    SubOutcome::Ready(here)
+    ready(here)
+}
+
+fn ready(object: ConsumerRef) -> SubOutcome {
+    SubOutcome::Ready {
+        kind: ObjectKind::Consumer,
+        object,
+    }
 }
 
 async fn create(

@@ -24,7 +24,7 @@
 
 use super::Ctx;
 use super::connections::RabbitConn;
-use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::api::Mode;
@@ -33,7 +33,6 @@ use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::deadletter;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
-use crate::policy::BackendKind;
 
 fn failure(error: BrokerError, known: Option<ConsumerRef>) -> SubOutcome {
     // Only while the broker cannot answer is the queue known from before still shown.
@@ -81,7 +80,7 @@ pub enum Claim {
     /// annotation: from now on this object's.
     Adopted(String),
     /// Not this object's: neither bound nor deleted.
-    NotOurs(QueueHolder),
+    NotOurs(Holder),
 }
 
 /// Decides whose a live queue is (pure; docs/semantics.md R8). The UID decides: a queue is this
@@ -92,8 +91,8 @@ pub enum Claim {
 /// the management API, a queue nothing marks is not Settle's.
 pub fn claim(ev: &Evidence, owner: &str, uid: Option<&str>, adopt: Option<&str>) -> Claim {
     match &ev.owner_arg {
-        Some(None) => return Claim::NotOurs(QueueHolder::Unmarked),
-        Some(Some(o)) if o != owner => return Claim::NotOurs(QueueHolder::Other(o.clone())),
+        Some(None) => return Claim::NotOurs(Holder::Unmarked),
+        Some(Some(o)) if o != owner => return Claim::NotOurs(Holder::Other(o.clone())),
         _ => {}
     }
     let Some(uid) = uid else {
@@ -105,9 +104,12 @@ pub fn claim(ev: &Evidence, owner: &str, uid: Option<&str>, adopt: Option<&str>)
     }
     match ev.mark.as_ref().or(ev.object_arg.as_ref()) {
         Some(old) if adopt == Some(old.as_str()) => Claim::Adopted(old.clone()),
-        Some(old) => Claim::NotOurs(QueueHolder::Earlier(old.clone())),
+        Some(old) => Claim::NotOurs(Holder::Earlier {
+            owner: owner.to_string(),
+            uid: old.clone(),
+        }),
         None if ev.owner_arg.is_some() => Claim::Ours,
-        None => Claim::NotOurs(QueueHolder::Unproven),
+        None => Claim::NotOurs(Holder::Unproven),
     }
 }
 
@@ -223,9 +225,9 @@ async fn converge(
         stream: want.binding.exchange.clone(),
         name: want.name.clone(),
     };
-    let ready = || SubOutcome::QueueReady {
-        kind: BackendKind::Rabbitmq,
-        queue: here.clone(),
+    let ready = || SubOutcome::Ready {
+        kind: ObjectKind::RabbitmqQueue,
+        object: here.clone(),
     };
     let amqp = match conn.connection().await {
         Ok(c) => c,
@@ -251,10 +253,10 @@ async fn converge(
     let (claimed, mark) = claim_found(t, ctx, &amqp, &found, shown).await;
     match &claimed {
         Claim::NotOurs(holder) => {
-            return SubOutcome::QueueConflict {
-                kind: BackendKind::Rabbitmq,
-                queue: want.name,
-                holder: holder.clone(),
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner: holder.clone(),
             };
         }
         Claim::Ours | Claim::Adopted(_) => {
@@ -282,8 +284,9 @@ async fn converge(
         match admin::declare(&amqp, &want).await {
             Ok(()) => {}
             Err(AdminError::Differs { text, .. }) => {
-                return SubOutcome::QueueImmutable {
-                    queue: here,
+                return SubOutcome::Immutable {
+                    kind: ObjectKind::RabbitmqQueue,
+                    object: here,
                     fields: vec![format!(
                         "one of {} ({text})",
                         want.arguments
@@ -304,8 +307,9 @@ async fn converge(
         return ready();
     };
     match judge(&want, &live) {
-        Verdict::Immutable(fields) => SubOutcome::QueueImmutable {
-            queue: here,
+        Verdict::Immutable(fields) => SubOutcome::Immutable {
+            kind: ObjectKind::RabbitmqQueue,
+            object: here,
             fields,
         },
         Verdict::Repair { bind, unbind } => {
@@ -555,11 +559,11 @@ mod tests {
         e.shown = true;
         assert_eq!(
             claim(&e, o, Some("u-1"), Some("u-1")),
-            Claim::NotOurs(QueueHolder::Other("other/orders".into()))
+            Claim::NotOurs(Holder::Other("other/orders".into()))
         );
         assert_eq!(
             claim(&ev(Some(None), None, Some("u-1")), o, Some("u-1"), None),
-            Claim::NotOurs(QueueHolder::Unmarked)
+            Claim::NotOurs(Holder::Unmarked)
         );
     }
 
@@ -585,12 +589,18 @@ mod tests {
         for e in [ev(managed, Some("u-0"), None), ev(None, None, Some("u-0"))] {
             assert_eq!(
                 claim(&e, o, me, None),
-                Claim::NotOurs(QueueHolder::Earlier("u-0".into())),
+                Claim::NotOurs(Holder::Earlier {
+                    owner: o.into(),
+                    uid: "u-0".into(),
+                }),
                 "{e:?}"
             );
             assert_eq!(
                 claim(&e, o, me, Some("u-9")),
-                Claim::NotOurs(QueueHolder::Earlier("u-0".into())),
+                Claim::NotOurs(Holder::Earlier {
+                    owner: o.into(),
+                    uid: "u-0".into(),
+                }),
                 "another UID in the annotation takes nothing: {e:?}"
             );
             assert_eq!(claim(&e, o, me, Some("u-0")), Claim::Adopted("u-0".into()));
@@ -612,12 +622,12 @@ mod tests {
         );
         assert_eq!(
             claim(&ev(None, None, None), o, me, None),
-            Claim::NotOurs(QueueHolder::Unproven),
+            Claim::NotOurs(Holder::Unproven),
             "another application's same-named queue without the management API"
         );
         assert_eq!(
             claim(&ev(None, None, None), o, me, Some("anything")),
-            Claim::NotOurs(QueueHolder::Unproven),
+            Claim::NotOurs(Holder::Unproven),
             "nothing to adopt: no UID to name"
         );
     }

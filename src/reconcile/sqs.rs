@@ -19,14 +19,13 @@ use aws_sdk_sqs::Client;
 
 use super::Ctx;
 use super::connections::SqsConn;
-use super::status::{ADOPT_ANNOTATION, BrokerError, QueueHolder, SubOutcome};
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, SQS_STREAM, Target};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
 use crate::backend::sqs::report;
-use crate::policy::BackendKind;
 
 fn failure(e: AdminError, known: &Option<ConsumerRef>) -> SubOutcome {
     let error = BrokerError::of(e);
@@ -54,10 +53,10 @@ pub fn owned(
     owner: &str,
     uid: Option<&str>,
     adopt: Option<&str>,
-) -> Result<Take, QueueHolder> {
+) -> Result<Take, Holder> {
     match &tags.subscription {
-        None => return Err(QueueHolder::Unmarked),
-        Some(t) if t != owner => return Err(QueueHolder::Other(t.clone())),
+        None => return Err(Holder::Unmarked),
+        Some(t) if t != owner => return Err(Holder::Other(t.clone())),
         Some(_) => {}
     }
     match (&tags.object, uid) {
@@ -65,7 +64,10 @@ pub fn owned(
         (None, Some(_)) => Ok(Take::Untagged),
         (Some(o), Some(u)) if o == u => Ok(Take::Ours),
         (Some(o), _) if adopt == Some(o.as_str()) => Ok(Take::Adopted(o.clone())),
-        (Some(o), _) => Err(QueueHolder::Earlier(o.clone())),
+        (Some(o), _) => Err(Holder::Earlier {
+            owner: owner.to_string(),
+            uid: o.clone(),
+        }),
     }
 }
 
@@ -89,7 +91,7 @@ async fn judged(
     ctx: &Ctx,
     t: &Target<'_>,
     url: &str,
-) -> Result<Result<Take, QueueHolder>, AdminError> {
+) -> Result<Result<Take, Holder>, AdminError> {
     ctx.metrics.js("sqs.tags");
     let tags = admin::owner(client, url).await?;
     Ok(owned(&tags, &t.owner, t.uid(), t.adopt()))
@@ -121,10 +123,13 @@ async fn find_or_create(
     let take = match judged(client, ctx, t, &url).await {
         Err(e) => return Err(failure(e, known)),
         Ok(Err(holder)) => {
-            return Err(SubOutcome::QueueConflict {
-                kind: BackendKind::Sqs,
-                queue: name.to_string(),
-                holder,
+            return Err(SubOutcome::Conflict {
+                kind: ObjectKind::SqsQueue,
+                object: ConsumerRef {
+                    stream: SQS_STREAM.into(),
+                    name: name.to_string(),
+                },
+                owner: holder,
             });
         }
         Ok(Ok(take)) => take,
@@ -286,9 +291,9 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
         tracing::info!(subscription = %owner, %made, op = kind.op(), "SQS queue");
         changes.push(kind, note);
     }
-    SubOutcome::QueueReady {
-        kind: BackendKind::Sqs,
-        queue: here,
+    SubOutcome::Ready {
+        kind: ObjectKind::SqsQueue,
+        object: here,
     }
 }
 
@@ -414,11 +419,11 @@ mod tests {
         assert_eq!(owned(&tags(Some(o), me), o, me, None), Ok(Take::Ours));
         assert_eq!(
             owned(&tags(Some("shop/other"), me), o, me, None),
-            Err(QueueHolder::Other("shop/other".into()))
+            Err(Holder::Other("shop/other".into()))
         );
         assert_eq!(
             owned(&tags(None, me), o, me, Some("u-1")),
-            Err(QueueHolder::Unmarked)
+            Err(Holder::Unmarked)
         );
         // Made by a Settle from before UIDs: this Subscription's (and tagged now).
         assert_eq!(owned(&tags(Some(o), None), o, me, None), Ok(Take::Untagged));
@@ -426,11 +431,17 @@ mod tests {
         let left = tags(Some(o), Some("u-0"));
         assert_eq!(
             owned(&left, o, me, None),
-            Err(QueueHolder::Earlier("u-0".into()))
+            Err(Holder::Earlier {
+                owner: o.into(),
+                uid: "u-0".into(),
+            })
         );
         assert_eq!(
             owned(&left, o, me, Some("u-7")),
-            Err(QueueHolder::Earlier("u-0".into()))
+            Err(Holder::Earlier {
+                owner: o.into(),
+                uid: "u-0".into(),
+            })
         );
         assert_eq!(
             owned(&left, o, me, Some("u-0")),

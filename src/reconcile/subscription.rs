@@ -84,15 +84,18 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
             ctx.succeeded(&fkey);
             Action::requeue(if polled { ctx.drift } else { ctx.resync })
         }
-        // Nothing on the broker announces that these were fixed there: looked at again.
-        SubOutcome::QueueImmutable { .. } | SubOutcome::QueueConflict { .. } => {
+        // Nothing on the broker announces that these were fixed there (a queue): looked at
+        // again.
+        SubOutcome::Immutable { kind, .. } | SubOutcome::Conflict { kind, .. }
+            if !kind.announced() =>
+        {
             ctx.succeeded(&fkey);
             Action::requeue(ctx.drift)
         }
         // Only a change of the spec (or of the consumer, by its advisory) can help these: never
         // retried in a loop.
         SubOutcome::Invalid(_)
-        | SubOutcome::ImmutableField { .. }
+        | SubOutcome::Immutable { .. }
         | SubOutcome::Conflict { .. }
         | SubOutcome::BackendNotFound(_) => {
             ctx.succeeded(&fkey);

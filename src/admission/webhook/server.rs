@@ -125,7 +125,9 @@ pub enum WebhookError {
     Io(#[from] std::io::Error),
 }
 
-struct Shared {
+/// What every review is answered with: the Backends to judge against, the metrics, the limits,
+/// and the turns to read a body.
+struct Reviewer {
     backends: Arc<dyn BackendLookup>,
     metrics: WebhookMetrics,
     config: WebhookConfig,
@@ -138,7 +140,7 @@ struct Shared {
 pub struct Server {
     listener: TcpListener,
     acceptor: TlsAcceptor,
-    shared: Arc<Shared>,
+    reviewer: Arc<Reviewer>,
 }
 
 impl Server {
@@ -168,7 +170,7 @@ impl Server {
         Ok(Server {
             listener,
             acceptor: TlsAcceptor::from(Arc::new(tls)),
-            shared: Arc::new(Shared {
+            reviewer: Arc::new(Reviewer {
                 backends,
                 metrics,
                 reading: Semaphore::new(config.max_concurrent_reviews),
@@ -187,9 +189,9 @@ impl Server {
         let Server {
             listener,
             acceptor,
-            shared,
+            reviewer,
         } = self;
-        let config = shared.config.clone();
+        let config = reviewer.config.clone();
         tracing::info!(
             addr = %listener.local_addr()?,
             max_connections = config.max_connections,
@@ -201,14 +203,14 @@ impl Server {
             listener,
             tls: Some(acceptor),
             limits: config.limits(),
-            metrics: shared.metrics.connections.clone(),
+            metrics: reviewer.metrics.connections.clone(),
             what: "admission webhook",
             cap_flag: "--webhook-max-connections",
         };
         server
             .run(shutdown, move |req| {
-                let shared = shared.clone();
-                async move { handle(&shared, req).await }
+                let reviewer = reviewer.clone();
+                async move { handle(&reviewer, req).await }
             })
             .await;
         tracing::info!("admission webhook stopped");
@@ -226,10 +228,10 @@ fn plain(status: StatusCode, text: impl Into<Bytes>) -> Response<Full<Bytes>> {
     response
 }
 
-async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn handle(reviewer: &Reviewer, req: Request<Incoming>) -> Response<Full<Bytes>> {
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => plain(StatusCode::OK, "ok\n"),
-        (&Method::POST, "/validate") => validate(shared, req).await,
+        (&Method::POST, "/validate") => validate(reviewer, req).await,
         (_, "/validate" | "/healthz") => {
             plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }
@@ -242,12 +244,12 @@ async fn handle(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>
 
 /// `POST /validate`: wait for a turn, read and parse the body, give the turn back, then decide
 /// (the Backend lookup may wait on the API server; it holds no body).
-async fn validate(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
-    let config = &shared.config;
+async fn validate(reviewer: &Reviewer, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let config = &reviewer.config;
     let started = Instant::now();
     let deadline = tokio::time::Instant::from_std(started) + config.body_timeout;
     let reject = |why: Rejected, status: StatusCode, text: String| {
-        shared.metrics.request_rejected(why);
+        reviewer.metrics.request_rejected(why);
         tracing::warn!(
             reason = why.label(),
             status = status.as_u16(),
@@ -268,8 +270,8 @@ async fn validate(shared: &Shared, req: Request<Incoming>) -> Response<Full<Byte
             format!("the body is larger than {} bytes\n", config.max_body_bytes),
         );
     }
-    let waiting = shared.metrics.waiting();
-    let turn = tokio::time::timeout_at(deadline, shared.reading.acquire()).await;
+    let waiting = reviewer.metrics.waiting();
+    let turn = tokio::time::timeout_at(deadline, reviewer.reading.acquire()).await;
     drop(waiting);
     let Ok(Ok(turn)) = turn else {
         return reject(
@@ -281,7 +283,7 @@ async fn validate(shared: &Shared, req: Request<Incoming>) -> Response<Full<Byte
             ),
         );
     };
-    let reading = shared.metrics.reading();
+    let reading = reviewer.metrics.reading();
     let capacity = declared.map_or(0, |n| n as usize);
     let body = match tokio::time::timeout_at(
         deadline,
@@ -319,14 +321,14 @@ async fn validate(shared: &Shared, req: Request<Incoming>) -> Response<Full<Byte
         Ok(review) => {
             review::answer(
                 review,
-                shared.backends.as_ref(),
-                &shared.config.backend_rules,
+                reviewer.backends.as_ref(),
+                &reviewer.config.backend_rules,
             )
             .await
         }
         Err(bad_request) => bad_request,
     };
-    shared.metrics.observe(&answer, started.elapsed());
+    reviewer.metrics.observe(&answer, started.elapsed());
     let content_type = if answer.status == StatusCode::OK {
         "application/json"
     } else {

@@ -1,0 +1,245 @@
+//! What a broker object of a Subscription is ([`ObjectKind`]: a JetStream consumer, a RabbitMQ
+//! queue, an SQS queue) and whose an existing one is ([`Holder`]): the words every broker step's
+//! outcome is made of, and the sentences a person reads in `Ready` for each kind (ready, differs
+//! where the broker cannot change it, not this Subscription's).
+//!
+//! Pure: no I/O. It must not decide what a step does, nor which reason a condition carries
+//! ([`super::subscription`] does).
+
+use crate::api::ConsumerRef;
+
+/// The annotation by which a Subscription takes over the queues an earlier object of its name
+/// left behind (a queue or a kept consumer): its value is that object's UID (docs/semantics.md
+/// J8, R8, Q7).
+pub const ADOPT_ANNOTATION: &str = "settle.dev/adopt";
+
+/// What a broker object of a Subscription is. With it goes a [`ConsumerRef`], as status shows
+/// it: a consumer's stream, a RabbitMQ queue's exchange, `sqs` for an SQS queue; and its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectKind {
+    /// A JetStream consumer on its stream.
+    Consumer,
+    /// A RabbitMQ quorum queue, bound on an exchange.
+    RabbitmqQueue,
+    /// An SQS queue (or its dead-letter queue).
+    SqsQueue,
+}
+
+/// Whose a broker object Settle leaves alone is (docs/semantics.md J8, R8, Q7), and so the way
+/// out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holder {
+    /// Another Subscription (`namespace/name`, its owner mark, argument or tag).
+    Other(String),
+    /// No Subscription: it carries no owner mark, so Settle did not make it.
+    Unmarked,
+    /// RabbitMQ without the management API: the queue exists and no mark says Settle made it
+    /// for this object; its owner argument cannot be read.
+    Unproven,
+    /// An earlier object of this Subscription's name (`owner`, the `namespace/name` both have;
+    /// `uid`, that object's UID) made it and left it behind or kept it.
+    Earlier { owner: String, uid: String },
+}
+
+impl ObjectKind {
+    /// Whether the broker announces a change of it (JetStream's advisories): if not, a wrong
+    /// one is looked at again on the drift interval.
+    pub fn announced(self) -> bool {
+        matches!(self, ObjectKind::Consumer)
+    }
+
+    /// `Ready=True`: it exists and matches the spec.
+    pub fn ready_message(self, o: &ConsumerRef) -> String {
+        match self {
+            ObjectKind::Consumer => format!(
+                "consumer {} on stream {} matches the spec",
+                o.name, o.stream
+            ),
+            ObjectKind::RabbitmqQueue => format!(
+                "rabbitmq queue {} bound on exchange {} matches the spec",
+                o.name, o.stream
+            ),
+            ObjectKind::SqsQueue => format!("SQS queue {} matches the spec", o.name),
+        }
+    }
+
+    /// `ImmutableField`: it differs where the broker cannot change it in place (`fields`: each
+    /// difference, naming the broker's field and the spec's), and the way out.
+    pub fn immutable_message(self, o: &ConsumerRef, fields: &[String]) -> String {
+        let fields = fields.join("; ");
+        match self {
+            ObjectKind::Consumer => format!(
+                "consumer {} on stream {} differs where JetStream cannot change it in place ({fields}); \
+                 Settle leaves it as it is: delete the consumer (nats consumer rm {} {}) and Settle makes it again \
+                 (its unsettled messages are redelivered from the stream), or recreate the Subscription",
+                o.name, o.stream, o.stream, o.name,
+            ),
+            ObjectKind::RabbitmqQueue | ObjectKind::SqsQueue => format!(
+                "queue {} differs where {} cannot change it in place ({fields}); Settle leaves it as it is: \
+                 delete the queue (its messages go with it) and Settle makes it again, or give the \
+                 Subscription another durableName",
+                o.name,
+                if self == ObjectKind::SqsQueue {
+                    "SQS"
+                } else {
+                    "RabbitMQ"
+                },
+            ),
+        }
+    }
+
+    /// `ConsumerConflict`: it is not this Subscription object's, whose it is, and the way out.
+    pub fn conflict_message(self, o: &ConsumerRef, owner: &Holder) -> String {
+        let (what, noun) = match self {
+            ObjectKind::Consumer => (
+                format!("consumer {} on stream {}", o.name, o.stream),
+                "consumer",
+            ),
+            ObjectKind::RabbitmqQueue => (format!("rabbitmq queue {}", o.name), "queue"),
+            ObjectKind::SqsQueue => (format!("sqs queue {}", o.name), "queue"),
+        };
+        match owner {
+            Holder::Other(other) => {
+                format!("{what} belongs to Subscription {other}: choose another durableName")
+            }
+            Holder::Unmarked => format!(
+                "{what} exists and Settle did not make it: choose another durableName, \
+                 or delete that {noun} so Settle can make its own"
+            ),
+            Holder::Unproven => format!(
+                "{what} exists and nothing shows Settle made it for this Subscription \
+                 (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): \
+                 it is neither bound nor deleted. Choose another durableName, or set \
+                 spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is"
+            ),
+            // A kept consumer has its position: taken over with it.
+            Holder::Earlier { owner, uid } if self == ObjectKind::Consumer => format!(
+                "{what} belongs to Subscription {owner} (an earlier object of this name, uid {uid}, kept by \
+                 its deletionPolicy Retain; to take it over with its position, annotate this Subscription \
+                 {ADOPT_ANNOTATION}: \"{uid}\"): choose another durableName"
+            ),
+            Holder::Earlier { uid, .. } => format!(
+                "{what} was made for an earlier Subscription of this name (uid {uid}) \
+                 and left behind (deletionPolicy Retain, or deleted while no operator ran): it is \
+                 neither used nor deleted. To take it over with what it holds, annotate this \
+                 Subscription {ADOPT_ANNOTATION}: \"{uid}\"; or choose another durableName"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(stream: &str, name: &str) -> ConsumerRef {
+        ConsumerRef {
+            stream: stream.into(),
+            name: name.into(),
+        }
+    }
+
+    fn earlier() -> Holder {
+        Holder::Earlier {
+            owner: "shop/orders".into(),
+            uid: "u-0".into(),
+        }
+    }
+
+    /// Every sentence, word for word as status showed it before the outcomes of the three brokers
+    /// were made one (users and alerts read these).
+    #[test]
+    fn every_kind_says_what_it_said_before() {
+        use ObjectKind::{Consumer, RabbitmqQueue, SqsQueue};
+        let (c, q, s) = (
+            at("ORDERS", "orders"),
+            at("amq.topic", "orders"),
+            at("sqs", "orders-dlq"),
+        );
+        let other = Holder::Other("other/orders".into());
+        let cases = [
+            (
+                Consumer.ready_message(&c),
+                "consumer orders on stream ORDERS matches the spec",
+            ),
+            (
+                RabbitmqQueue.ready_message(&q),
+                "rabbitmq queue orders bound on exchange amq.topic matches the spec",
+            ),
+            (
+                SqsQueue.ready_message(&at("sqs", "orders")),
+                "SQS queue orders matches the spec",
+            ),
+            (
+                Consumer.immutable_message(
+                    &c,
+                    &[
+                        "ack_policy (spec.mode): wants Explicit, the consumer has None".into(),
+                        "deliver_policy: wants All, the consumer has New".into(),
+                    ],
+                ),
+                "consumer orders on stream ORDERS differs where JetStream cannot change it in place (ack_policy (spec.mode): wants Explicit, the consumer has None; deliver_policy: wants All, the consumer has New); Settle leaves it as it is: delete the consumer (nats consumer rm ORDERS orders) and Settle makes it again (its unsettled messages are redelivered from the stream), or recreate the Subscription",
+            ),
+            (
+                RabbitmqQueue.immutable_message(
+                    &q,
+                    &[
+                        "x-delivery-limit (spec.maxDeliver): wants 4, the queue has 9".into(),
+                        "x-b".into(),
+                    ],
+                ),
+                "queue orders differs where RabbitMQ cannot change it in place (x-delivery-limit (spec.maxDeliver): wants 4, the queue has 9; x-b); Settle leaves it as it is: delete the queue (its messages go with it) and Settle makes it again, or give the Subscription another durableName",
+            ),
+            (
+                Consumer.conflict_message(&c, &other),
+                "consumer orders on stream ORDERS belongs to Subscription other/orders: choose another durableName",
+            ),
+            (
+                Consumer.conflict_message(&c, &Holder::Unmarked),
+                "consumer orders on stream ORDERS exists and Settle did not make it: choose another durableName, or delete that consumer so Settle can make its own",
+            ),
+            (
+                Consumer.conflict_message(&c, &earlier()),
+                "consumer orders on stream ORDERS belongs to Subscription shop/orders (an earlier object of this name, uid u-0, kept by its deletionPolicy Retain; to take it over with its position, annotate this Subscription settle.dev/adopt: \"u-0\"): choose another durableName",
+            ),
+            (
+                RabbitmqQueue.conflict_message(&q, &other),
+                "rabbitmq queue orders belongs to Subscription other/orders: choose another durableName",
+            ),
+            (
+                RabbitmqQueue.conflict_message(&q, &Holder::Unmarked),
+                "rabbitmq queue orders exists and Settle did not make it: choose another durableName, or delete that queue so Settle can make its own",
+            ),
+            (
+                RabbitmqQueue.conflict_message(&q, &Holder::Unproven),
+                "rabbitmq queue orders exists and nothing shows Settle made it for this Subscription (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): it is neither bound nor deleted. Choose another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is",
+            ),
+            (
+                RabbitmqQueue.conflict_message(&q, &earlier()),
+                "rabbitmq queue orders was made for an earlier Subscription of this name (uid u-0) and left behind (deletionPolicy Retain, or deleted while no operator ran): it is neither used nor deleted. To take it over with what it holds, annotate this Subscription settle.dev/adopt: \"u-0\"; or choose another durableName",
+            ),
+            (
+                SqsQueue.conflict_message(&s, &other),
+                "sqs queue orders-dlq belongs to Subscription other/orders: choose another durableName",
+            ),
+            (
+                SqsQueue.conflict_message(&s, &Holder::Unmarked),
+                "sqs queue orders-dlq exists and Settle did not make it: choose another durableName, or delete that queue so Settle can make its own",
+            ),
+            (
+                SqsQueue.conflict_message(&s, &earlier()),
+                "sqs queue orders-dlq was made for an earlier Subscription of this name (uid u-0) and left behind (deletionPolicy Retain, or deleted while no operator ran): it is neither used nor deleted. To take it over with what it holds, annotate this Subscription settle.dev/adopt: \"u-0\"; or choose another durableName",
+            ),
+        ];
+        for (got, want) in cases {
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn only_a_consumer_is_announced_by_its_broker() {
+        assert!(ObjectKind::Consumer.announced());
+        assert!(!ObjectKind::RabbitmqQueue.announced());
+        assert!(!ObjectKind::SqsQueue.announced());
+    }
+}
