@@ -405,3 +405,26 @@ fn kubectl_runs_the_plugin_from_path_as_kubectl_settle() {
         ["30", "17", "12", "1", "10", "2", "5", "3"]
     );
 }
+
+#[test]
+fn the_krew_manifest_installs_this_binary_on_each_platform() {
+    let manifest = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/.krew.yaml"))
+        .expect("the krew manifest .krew.yaml at the repository's root");
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_kubectl-settle"))
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("the plugin binary's name");
+    assert!(manifest.contains("kind: Plugin") && manifest.contains("  name: settle\n"));
+    let platforms = manifest.matches("- selector:").count();
+    assert!(platforms >= 1, "{manifest}");
+    assert_eq!(
+        manifest.matches(&format!("bin: {bin}\n")).count(),
+        platforms,
+        "every platform runs the binary cargo builds ({bin}):\n{manifest}"
+    );
+    assert_eq!(
+        manifest.matches(&format!("/{bin}-linux-")).count(),
+        platforms,
+        "every platform's archive is named for the binary:\n{manifest}"
+    );
+}
