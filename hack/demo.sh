@@ -6,7 +6,8 @@
 # again when one is deleted on the broker), then an application on the runtime consuming a few
 # hundred orders (some declined until they run out of attempts) and the account in status:
 # `kubectl get subscriptions`, `kubectl describe subscription orders`, the Exhausting condition;
-# then the same application on an SQS Subscription, its counters next to the NATS one's.
+# then the same application on an SQS Subscription, its counters next to the NATS one's, and both
+# accounts in one table with `kubectl settle status`.
 # Exits non-zero on any failure. Leaves the environment and the operator running so you can keep
 # going; `make env-down` stops it all.
 set -euo pipefail
@@ -14,7 +15,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 # shellcheck source=hack/lib.sh
 . "$ROOT/hack/lib.sh"
-cargo build --quiet --bin settle --example account_app
+cargo build --quiet --bin settle --bin kubectl-settle --example account_app
 hack/env.sh up >/dev/null
 ENV_DIR="${SETTLE_ENV_DIR:-$ROOT/target/env}"
 # shellcheck disable=SC1091
@@ -246,6 +247,9 @@ YAML
 kubectl wait -n "$NS" --for=condition=Ready --timeout=60s backend/sqs subscription/invoices >/dev/null
 kubectl get subscription invoices -n "$NS" -o yaml >"$ENV_DIR/demo-invoices.yaml"
 stop_one demo-sqs-app
+
+step "The whole account in one command: kubectl settle status (the plugin, found on PATH)"
+PATH="${CARGO_TARGET_DIR:-$ROOT/target}/debug:$PATH" kubectl settle status -n "$NS"
 SETTLE_SQS_ENDPOINT="$SETTLE_SQS_ENDPOINT" SETTLE_SQS_QUEUE_PREFIX="settle-demo-$$-" \
   SETTLE_SUBSCRIPTION_FILE="$ENV_DIR/demo-invoices.yaml" SETTLE_APP_HANDLER=demo SETTLE_REPORT_INTERVAL=500ms \
   spawn demo-sqs-app env -u SETTLE_NATS_URL -u SETTLE_RABBITMQ_URL "$APP"

@@ -7,6 +7,9 @@
 //! main → operator → {admission, reconcile, account} → backend → bus → policy → api
 //! ```
 //!
+//! [`plugin`] (`kubectl settle`) is a top-level like `main`, beside `operator`: it reads what the
+//! lower layers define and neither of the two imports the other.
+//!
 //! [`serve`] sits at the bottom beside `api`: it imports nothing of the crate, so the webhook
 //! (`admission`) and the metrics and probe ports (`operator`) share it.
 //!
@@ -21,6 +24,7 @@
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
 //! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
+//! - [`plugin`]: `kubectl settle` (`status`, `explain`), rendering what status already says.
 
 // No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
 #![warn(clippy::unwrap_used)]
@@ -32,6 +36,8 @@ pub mod backend;
 pub mod bus;
 #[cfg(feature = "operator")]
 pub mod operator;
+#[cfg(feature = "operator")]
+pub mod plugin;
 pub mod policy;
 #[cfg(feature = "operator")]
 pub mod reconcile;

@@ -76,6 +76,14 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
             "the metrics",
             "settle_subscription_exhausted_total{namespace=\"settle-demo\",subscription=\"orders\"} 20",
         ),
+        (
+            "kubectl settle status: the header",
+            "NAME BACKEND READY DELIVERED ACKED NACKED SILENT EXHAUSTED STRANDED",
+        ),
+        (
+            "kubectl settle status: the NATS Subscription's account",
+            "orders nats True 390 280 100 10 20 0",
+        ),
         ("what is still running", "Still running"),
         ("how to stop it", "make env-down"),
     ] {

@@ -12,7 +12,8 @@ const LAYERS: &[&[&str]] = &[
     &["bus"],
     &["backend"],
     &["admission", "reconcile", "account"],
-    &["operator"],
+    // `plugin` (`kubectl settle`) is a top-level like main, beside the operator.
+    &["operator", "plugin"],
 ];
 
 fn level(module: &str) -> Option<usize> {
