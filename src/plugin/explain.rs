@@ -23,9 +23,7 @@ fn next_step(reason: &str, sub: &Subscription) -> String {
     let ns = sub.metadata.namespace.as_deref().unwrap_or("default");
     let backend = &sub.spec.backend_ref.name;
     match reason {
-        reconcile::INVALID => format!(
-            "fix the field the message names (the admission rules below say the same; `settle check -f` checks a manifest offline), then `kubectl apply` it again"
-        ),
+        reconcile::INVALID => "fix the field the message names (the admission rules below say the same; `settle check -f` checks a manifest offline), then `kubectl apply` it again".into(),
         reconcile::NOT_ACCEPTED => "Ready follows Accepted: fix what Accepted says first".into(),
         reconcile::BACKEND_NOT_FOUND => format!(
             "create Backend {backend:?} in namespace {ns}, or point spec.backendRef.name at one (`kubectl get backends -n {ns}`)"
