@@ -25,12 +25,14 @@
 //! caches and connections by the operator.
 
 pub mod budget;
-#[cfg(feature = "operator")]
-pub mod keeper;
 pub mod ledger;
 pub mod metrics;
 #[cfg(feature = "operator")]
-pub mod rabbit;
+pub mod nats;
+#[cfg(feature = "operator")]
+pub mod queue_keeper;
+#[cfg(feature = "operator")]
+pub mod rabbitmq;
 #[cfg(feature = "operator")]
 pub mod show;
 #[cfg(feature = "operator")]
