@@ -543,7 +543,7 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
 async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowledged() {
     use async_nats::jetstream::AckKind;
     use futures::StreamExt;
-    use settle::account::keeper::{legacy_reader_name, reader_name};
+    use settle::account::nats::{legacy_reader_name, reader_name};
     use settle::backend::nats::capture;
 
     let server = NatsServer::start(&[]);

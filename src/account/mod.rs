@@ -6,14 +6,15 @@
 //! - [`status`]: the pure part of what is written (stats, `Exhausting`, `Stranding`) and when.
 //! - [`stall`]: the pure stall watch (`Stalled`: messages owed, no handler returned within the
 //!   window).
-//! - [`keeper`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
+//! - [`nats`]: one loop per NATS Backend: reads the reports and the advisory capture, keeps the
 //!   ledgers (persisted on the broker), reads the gauges, asks the writer to write.
-//! - [`rabbit`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue, keeps
-//!   the ledgers (a snapshot per Subscription on the broker), reads the gauges; its
+//! - [`rabbitmq`]: one loop per RabbitMQ Backend: consumes each Subscription's report queue,
+//!   keeps the ledgers (a snapshot per Subscription on the broker), reads the gauges; its
 //!   `dead_letters` counts the Backend's dead letters from a copy of its dead-letter exchange.
 //! - [`sqs`]: one loop per SQS Backend: receives each Subscription's report queue, keeps the
 //!   ledgers (a snapshot per Subscription in its ledger queue), reads the gauges;
 //!   its `dead_letters` counts what the redrive moved to the dead-letter queue.
+//! - [`queue_keeper`]: what the two report-queue keepers (`rabbitmq`, `sqs`) share, written once.
 //! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`),
 //!   within the cluster-wide budget of [`budget`] (pure: which waiting patch goes next, and when).
@@ -25,12 +26,14 @@
 //! caches and connections by the operator.
 
 pub mod budget;
-#[cfg(feature = "operator")]
-pub mod keeper;
 pub mod ledger;
 pub mod metrics;
 #[cfg(feature = "operator")]
-pub mod rabbit;
+pub mod nats;
+#[cfg(feature = "operator")]
+pub mod queue_keeper;
+#[cfg(feature = "operator")]
+pub mod rabbitmq;
 #[cfg(feature = "operator")]
 pub mod show;
 #[cfg(feature = "operator")]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kube::ResourceExt;
 
 use super::ledger::Account;
-use super::{Metrics, keeper, rabbit, sqs, writer};
+use super::{Metrics, nats, rabbitmq, sqs, writer};
 use crate::bus::report::StatsReport;
 use crate::policy::effective_capabilities;
 
@@ -152,7 +152,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             let unseen = match kinds.get(&key) {
                 Some(Kind::Nats { unseen }) => *unseen,
                 Some(Kind::Rabbitmq { unseen }) => {
-                    let r = rabbit::RabbitKeeper::new(
+                    let r = rabbitmq::RabbitKeeper::new(
                         key.clone(),
                         term.backends.clone(),
                         term.rabbitmq.clone(),
@@ -192,7 +192,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                 tracing::debug!(backend = %format!("{}/{}", key.0, key.1), "account: the Backend has no connection yet");
                 continue;
             };
-            let k = keeper::Keeper::new(
+            let k = nats::NatsKeeper::new(
                 key.clone(),
                 client,
                 term.subscriptions.clone(),

@@ -29,51 +29,37 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, QueueAttributeName};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
-use serde::{Deserialize, Serialize};
 
 mod dead_letters;
-use super::ledger::{Account, Outcome, Snapshot};
+mod ledger_queue;
+use super::ledger::Account;
 use super::metrics::Metrics;
+use super::queue_keeper::{self, Gauges, SubKey, who};
 use super::show::{self, Showing};
-use super::status::{LossLog, Unseen};
+use super::status::Unseen;
 use super::writer::Writer;
 use super::{Config, QueueLookup};
 use crate::api::{Backend, Subscription};
 use crate::backend::QueueGauges;
 use crate::backend::sqs::{admin, queue, report};
-use crate::bus::report::{StatsReport, now_ms};
+use crate::bus::report::now_ms;
 use crate::policy::ResolvedPolicy;
 use dead_letters::DeadLetters;
-
-/// A Subscription, by namespace and name.
-type SubKey = (String, String);
+use ledger_queue::{Loaded, Saved, delete_all, load, prune, secs, store};
 
 /// How long a received report stays hidden from another receive while the keeper holds it
 /// (counted, waiting for the snapshot that holds it to be saved, then deleted).
 pub const REPORT_HIDE: Duration = Duration::from_secs(30);
-/// How long a snapshot read (at load, or to delete older ones) stays hidden at most.
-const LEDGER_HIDE_SECS: i32 = 5;
 /// Receives of (at most 10) reports per Subscription per second, at most: 300 reports a
 /// second; more wait in the queue for the next second.
 pub const REPORT_RECEIVES_PER_TICK: usize = 30;
 /// SQS's largest batch.
-const BATCH: i32 = 10;
+pub(super) const BATCH: i32 = 10;
 /// How often the keeper receives, folds, saves, deletes and decides what to write.
 const TICK: Duration = Duration::from_secs(1);
-
-/// What is kept in a Subscription's ledger queue.
-#[derive(Default, Serialize, Deserialize)]
-struct Saved {
-    /// Each save's number, one more than the last: the highest is the newest.
-    generation: u64,
-    ledger: Snapshot,
-    loss: LossLog,
-}
 
 /// One Subscription's account as the keeper holds it.
 struct Book {
@@ -95,9 +81,7 @@ struct Book {
     ledger_url: String,
     /// The Subscription has a dead-letter queue the redrive moves exhausted messages to.
     redrives: bool,
-    gauges: Option<(u64, u64)>,
-    gauges_at: Option<Instant>,
-    gauges_written: Option<Instant>,
+    gauges: Gauges,
 }
 
 pub struct SqsKeeper {
@@ -153,19 +137,6 @@ impl SqsKeeper {
         }
     }
 
-    /// The Subscriptions of this Backend now.
-    fn members(&self) -> HashMap<SubKey, Arc<Subscription>> {
-        self.subs
-            .state()
-            .into_iter()
-            .filter(|s| {
-                s.namespace().as_deref() == Some(self.backend.0.as_str())
-                    && s.spec.backend_ref.name == self.backend.1
-            })
-            .map(|s| ((self.backend.0.clone(), s.name_any()), s))
-            .collect()
-    }
-
     /// Runs until aborted.
     pub async fn run(self) {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
@@ -185,7 +156,7 @@ impl SqsKeeper {
                 tracing::info!(backend = %self.name(), "account keeper started (SQS report queues)");
                 connected = Some(true);
             }
-            let members = self.members();
+            let members = queue_keeper::members(&self.subs, &self.backend);
             // Gone, moved to another Backend, or deleted and applied again (another object):
             // the book is dropped (reports it counted but did not save were not deleted: they
             // come back to whichever book counts them next).
@@ -195,7 +166,7 @@ impl SqsKeeper {
                     .is_some_and(|s| book.account.persisted().belongs_to(s.metadata.uid.as_deref()));
                 if !keep && !members.contains_key(key) {
                     self.metrics.forget(&key.0, &key.1);
-                    tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription is gone from this Backend: its account is dropped here");
+                    tracing::info!(subscription = %who(key), "the Subscription is gone from this Backend: its account is dropped here");
                 }
                 keep
             });
@@ -229,7 +200,7 @@ impl SqsKeeper {
             let Ok(want) = queue::desired(prefix, &policy) else {
                 continue;
             };
-            let who = format!("{}/{}", key.0, key.1);
+            let who = who(key);
             let (report_q, ledger_q) = (
                 report::report_queue(&want.name),
                 report::ledger_queue(&want.name),
@@ -260,12 +231,6 @@ impl SqsKeeper {
                     continue;
                 }
             };
-            let floor = sub
-                .status
-                .as_ref()
-                .and_then(|s| s.stats.as_ref())
-                .map(|s| s.counters)
-                .unwrap_or_default();
             // A snapshot of an earlier object of this name is not this one's (semantics C15).
             let saved = match saved.map(|s| *s) {
                 Some(s) if !s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref()) => {
@@ -280,9 +245,7 @@ impl SqsKeeper {
                 ledger,
                 mut loss,
             } = saved.unwrap_or_default();
-            loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
-            let mut account = Account::restore(ledger, floor);
-            account.claim(sub.metadata.uid.clone());
+            let account = queue_keeper::open(sub, ledger, &mut loss, &self.config);
             tracing::info!(subscription = %who, generation, "counting the Subscription's SQS reports");
             books.insert(
                 key.clone(),
@@ -290,10 +253,7 @@ impl SqsKeeper {
                     account,
                     showing: Showing {
                         loss,
-                        trouble: Default::default(),
-                        last_write: None,
-                        last_early: None,
-                        stall: None,
+                        ..Default::default()
                     },
                     generation,
                     dead_letters: DeadLetters::default(),
@@ -304,9 +264,7 @@ impl SqsKeeper {
                     report_url,
                     ledger_url,
                     redrives: want.redrive.is_some(),
-                    gauges: None,
-                    gauges_at: None,
-                    gauges_written: None,
+                    gauges: Gauges::default(),
                 },
             );
         }
@@ -314,7 +272,7 @@ impl SqsKeeper {
 
     /// Receives what is waiting in one Subscription's report queue (bounded) and counts it.
     async fn receive(&self, client: &Client, key: &SubKey, book: &mut Book) {
-        let who = format!("{}/{}", key.0, key.1);
+        let who = who(key);
         for _ in 0..REPORT_RECEIVES_PER_TICK {
             let got = client
                 .receive_message()
@@ -372,12 +330,8 @@ impl SqsKeeper {
 
     /// Counts one report; it is deleted once the snapshot holding it is saved.
     fn on_report(&self, key: &SubKey, book: &mut Book, body: &[u8]) {
-        let who = format!("{}/{}", key.0, key.1);
-        let report = if self.config.limits.too_large(body.len()) {
-            None
-        } else {
-            Some(serde_json::from_slice::<StatsReport>(body))
-        };
+        let who = who(key);
+        let report = queue_keeper::parse(&self.config, body);
         let refused = match &report {
             None => Some("too_large"),
             // A report counts only in its own Subscription's queue (semantics C18).
@@ -386,31 +340,14 @@ impl SqsKeeper {
             Some(Err(_)) => None,
         };
         if let Some(why) = refused {
-            self.metrics.reports.with_label_values(&[why]).inc();
-            tracing::warn!(subscription = %who, reason = why, "a stats report past the account's bounds: dropped");
+            queue_keeper::refused(&self.metrics, &who, why);
             return;
         }
         let Some(report) = report else { return };
-        let label = match report {
-            Err(e) => {
-                tracing::warn!(subscription = %who, error = %e, "a stats report is unreadable: skipped");
-                "unreadable"
-            }
-            Ok(r) => match book.account.report(&r) {
-                Outcome::Counted => {
-                    book.dirty = true;
-                    book.counting = true;
-                    "counted"
-                }
-                Outcome::Stale => "stale",
-                Outcome::OtherObject => "other_object",
-                Outcome::UnknownVersion => {
-                    tracing::warn!(subscription = %who, version = r.version, "a stats report of a version this operator does not know: skipped (upgrade the operator)");
-                    "unknown_version"
-                }
-            },
-        };
-        self.metrics.reports.with_label_values(&[label]).inc();
+        if queue_keeper::count(&self.metrics, &who, &mut book.account, report) {
+            book.dirty = true;
+            book.counting = true;
+        }
     }
 
     /// Once a second: receive, look at the dead letters, fold, save, delete, gauges, status.
@@ -460,15 +397,9 @@ impl SqsKeeper {
             let Some(sub) = members.get(key) else {
                 continue;
             };
-            if budget > 0 && book.gauges_at.is_none_or(|t| t.elapsed() >= interval) {
-                budget -= 1;
-                book.gauges_at = Some(Instant::now());
-                match admin::queue_gauges(client, &book.queue).await {
-                    Ok(g) => book.gauges = Some(g.unwrap_or((0, 0))),
-                    Err(e) => {
-                        tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot read the queue's gauges")
-                    }
-                }
+            if book.gauges.due(&mut budget, interval) {
+                let got = admin::queue_gauges(client, &book.queue).await;
+                book.gauges.note(&who(key), got);
             }
             let unseen = match (self.unseen, book.redrives, book.dead_letters.too_many()) {
                 (false, _, _) => Unseen::Never,
@@ -491,9 +422,9 @@ impl SqsKeeper {
                 key,
                 sub,
                 totals,
-                book.gauges,
+                book.gauges.read,
                 &mut book.showing,
-                &mut book.gauges_written,
+                &mut book.gauges.written,
             ) {
                 book.dirty = true;
             }
@@ -508,7 +439,7 @@ impl SqsKeeper {
         sub: Option<&Arc<Subscription>>,
         book: &mut Book,
     ) {
-        let who = format!("{}/{}", key.0, key.1);
+        let who = who(key);
         if book.dirty {
             let saved = Saved {
                 generation: book.generation + 1,
@@ -517,36 +448,33 @@ impl SqsKeeper {
             };
             match store(client, &book.ledger_url, &saved).await {
                 Ok(()) => {
-                    self.metrics.saves.with_label_values(&["ok"]).inc();
                     book.generation = saved.generation;
                     book.dirty = false;
-                    if book.showing.trouble.unsaved.take().is_some() {
-                        tracing::info!(subscription = %who, "the Subscription's ledger is saved again");
-                        if let Some(sub) = sub {
-                            self.writer.event(
-                                sub,
-                                false,
-                                "LedgerSaved",
-                                "the account's ledger is saved on the broker again".into(),
-                            );
-                        }
-                    }
+                    queue_keeper::saved(
+                        &self.writer,
+                        &self.metrics,
+                        &who,
+                        sub,
+                        &mut book.showing.trouble,
+                    );
                 }
                 Err(e) => {
-                    self.metrics.saves.with_label_values(&["error"]).inc();
-                    if book.showing.trouble.unsaved.is_none() {
-                        tracing::warn!(subscription = %who, error = %e, "cannot save the Subscription's ledger; its reports stay in the report queue until it can");
-                        if let Some(sub) = sub {
-                            self.writer.event(sub, true, super::status::reasons::LEDGER_NOT_SAVED, format!("the account's ledger cannot be saved on the broker ({e}); counts are still shown and nothing is lost meanwhile"));
-                        }
-                        // The ledger queue may have been deleted on the server: look it up again.
-                        if let Ok(Some(url)) =
+                    let first = queue_keeper::not_saved(
+                        &self.writer,
+                        &self.metrics,
+                        &who,
+                        sub,
+                        &mut book.showing.trouble,
+                        e,
+                        "its reports stay in the report queue until it can",
+                    );
+                    // The ledger queue may have been deleted on the server: look it up again.
+                    if first
+                        && let Ok(Some(url)) =
                             admin::queue_url(client, &report::ledger_queue(&book.queue)).await
-                        {
-                            book.ledger_url = url;
-                        }
+                    {
+                        book.ledger_url = url;
                     }
-                    book.showing.trouble.unsaved = Some(e);
                     // Receipts past the hide time are let go: those reports are back in the queue.
                     book.acks.retain(|(_, at)| at.elapsed() < REPORT_HIDE);
                     return;
@@ -563,180 +491,4 @@ impl SqsKeeper {
             tracing::debug!(subscription = %who, error = %e, "cannot delete counted reports; they come back and are skipped");
         }
     }
-}
-
-fn secs(d: Duration) -> i32 {
-    i32::try_from(d.as_secs()).unwrap_or(i32::MAX)
-}
-
-/// What a ledger queue held.
-enum Loaded {
-    /// The newest snapshot (none: never saved, or lost).
-    Saved(Option<Box<Saved>>),
-    /// A snapshot is in flight (another reader holds it for a few seconds): read again later,
-    /// as a receive now could miss it.
-    Busy,
-}
-
-/// Reads the newest snapshot of a ledger queue, deleting older ones, and leaves the newest
-/// there (visible again at once). The queue is FIFO with one message group, oldest first.
-async fn load(client: &Client, url: &str) -> Result<Loaded, String> {
-    let attrs = client
-        .get_queue_attributes()
-        .queue_url(url)
-        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
-        .send()
-        .await
-        .map_err(|e| format!("GetQueueAttributes: {}", e.into_service_error()))?;
-    let in_flight = attrs
-        .attributes
-        .as_ref()
-        .and_then(|a| a.get(&QueueAttributeName::ApproximateNumberOfMessagesNotVisible))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    if in_flight > 0 {
-        return Ok(Loaded::Busy);
-    }
-    let mut best: Option<(Saved, String)> = None;
-    // Bounded: each round deletes all but one of up to ten.
-    for _ in 0..100 {
-        let got = client
-            .receive_message()
-            .queue_url(url)
-            .max_number_of_messages(BATCH)
-            .visibility_timeout(LEDGER_HIDE_SECS)
-            .wait_time_seconds(0)
-            .send()
-            .await
-            .map_err(|e| format!("ReceiveMessage: {}", e.into_service_error()))?;
-        let messages = got.messages.unwrap_or_default();
-        let full = messages.len() >= usize::try_from(BATCH).unwrap_or(10);
-        let mut older = Vec::new();
-        for m in messages {
-            let Some(receipt) = m.receipt_handle else {
-                continue;
-            };
-            match serde_json::from_str::<Saved>(m.body.as_deref().unwrap_or_default()) {
-                Ok(s)
-                    if best
-                        .as_ref()
-                        .is_none_or(|(b, _)| s.generation >= b.generation) =>
-                {
-                    if let Some((_, r)) = best.replace((s, receipt.clone()))
-                        && r != receipt
-                    {
-                        older.push(r);
-                    }
-                }
-                Ok(_) => older.push(receipt),
-                Err(e) => {
-                    tracing::warn!(error = %e, "an unreadable snapshot in a ledger queue: skipped and deleted");
-                    older.push(receipt);
-                }
-            }
-        }
-        delete_all(client, url, &older).await?;
-        if let Some((_, receipt)) = &best {
-            let _ = client
-                .change_message_visibility()
-                .queue_url(url)
-                .receipt_handle(receipt)
-                .visibility_timeout(0)
-                .send()
-                .await;
-        }
-        if !full {
-            break;
-        }
-    }
-    Ok(Loaded::Saved(best.map(|(s, _)| Box::new(s))))
-}
-
-/// Sends a snapshot to its ledger queue.
-async fn store(client: &Client, url: &str, saved: &Saved) -> Result<(), String> {
-    let body = serde_json::to_string(saved).map_err(|e| format!("encoding a ledger: {e}"))?;
-    if body.len() > report::LEDGER_MAX_BYTES as usize {
-        return Err(format!(
-            "the snapshot is {} bytes, past SQS's largest message ({} bytes): fewer live instances (--max-instances-per-subscription, --fold-after) keep it smaller",
-            body.len(),
-            report::LEDGER_MAX_BYTES
-        ));
-    }
-    client
-        .send_message()
-        .queue_url(url)
-        .message_body(body)
-        .message_group_id(report::LEDGER_GROUP)
-        .send()
-        .await
-        .map_err(|e| {
-            format!(
-                "SendMessage to the ledger queue: {}",
-                e.into_service_error()
-            )
-        })?;
-    Ok(())
-}
-
-/// Deletes the snapshots older than `generation` from a ledger queue (the oldest come first);
-/// the newest is made visible again at once.
-async fn prune(client: &Client, url: &str, generation: u64) -> Result<(), String> {
-    let got = client
-        .receive_message()
-        .queue_url(url)
-        .max_number_of_messages(BATCH)
-        .visibility_timeout(LEDGER_HIDE_SECS)
-        .wait_time_seconds(0)
-        .send()
-        .await
-        .map_err(|e| format!("ReceiveMessage: {}", e.into_service_error()))?;
-    let mut older = Vec::new();
-    for m in got.messages.unwrap_or_default() {
-        let Some(receipt) = m.receipt_handle else {
-            continue;
-        };
-        let g = serde_json::from_str::<Saved>(m.body.as_deref().unwrap_or_default())
-            .map_or(0, |s| s.generation);
-        if g < generation {
-            older.push(receipt);
-        } else {
-            let _ = client
-                .change_message_visibility()
-                .queue_url(url)
-                .receipt_handle(&receipt)
-                .visibility_timeout(0)
-                .send()
-                .await;
-        }
-    }
-    delete_all(client, url, &older).await
-}
-
-/// Deletes the messages of these receipts, ten at a time.
-pub(super) async fn delete_all(
-    client: &Client,
-    url: &str,
-    receipts: &[String],
-) -> Result<(), String> {
-    for chunk in receipts.chunks(10) {
-        let entries: Vec<DeleteMessageBatchRequestEntry> = chunk
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| {
-                DeleteMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .receipt_handle(r)
-                    .build()
-                    .ok()
-            })
-            .collect();
-        client
-            .delete_message_batch()
-            .queue_url(url)
-            .set_entries(Some(entries))
-            .send()
-            .await
-            .map_err(|e| format!("DeleteMessageBatch: {}", e.into_service_error()))?;
-    }
-    Ok(())
 }

@@ -1,0 +1,459 @@
+//! One NATS Backend's account keeper. It reads two sources and keeps one ledger per
+//! Subscription of that Backend:
+//!
+//! - the runtime's stats reports (the `settle-stats` bucket, latest value per instance, then
+//!   every update), and
+//! - the broker's delivery advisories, from the operator's capture stream through this
+//!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down),
+//!   named for this Backend alone ([`reader_name`]); the reader of an operator before that
+//!   naming is taken over at start, the new one continuing after what it acknowledged.
+//!
+//! Twice a second it folds idle instances, persists the ledgers that changed (bucket
+//! `settle-account`, each write checked against the revision it read, so two operators at a
+//! leader handover cannot overwrite each other), and only then acknowledges the advisories each
+//! ledger applied, so a restart re-applies nothing twice (the ledger skips a capture sequence it
+//! already counted). A save that fails holds back that Subscription's advisories only and is
+//! said in its `Accounted` condition; every other Subscription goes on. It reads the broker's
+//! gauges once per stats interval and hands the writer a status patch when what the
+//! Subscription shows differs from the account, at most once per stats interval.
+//!
+//! A source lost (semantics C17): once the report bucket's history is replayed (the watch's
+//! initial values are in), each Subscription loaded in this session is checked once: when what
+//! its saved ledger and the reports sum to is below what status shows (the ledger missing or
+//! unreadable, the reports gone), the ledger continues from status as an offset, saved with the
+//! ledger, and `Accounted` says so (reason `SourceLost`) for the loss window.
+//!
+//! A report counts only under its own key (a body naming another is dropped, `misfiled`) and
+//! within the account's bounds ([`super::Limits`]: an implausible sequence or time included).
+//!
+//! An account belongs to one Subscription object (its UID): a report or saved ledger of an
+//! earlier object of the same name is dropped, never counted. The broker's advisories and
+//! gauges count for a Subscription only through the consumer the controller verified as its own
+//! (`status.consumer`), never by a name alone.
+//!
+//! This file holds the keeper, its session and its loop, and loads each Subscription's book;
+//! [`count`] counts what comes in (reports, advisories), [`settle`] is the round (save, then
+//! acknowledge, gauges, status), [`names`] names the ledger keys and the durable reader.
+//!
+//! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+use serde::{Deserialize, Serialize};
+
+mod count;
+mod names;
+mod settle;
+use super::Config;
+use super::ledger::{Account, Persisted};
+use super::metrics::Metrics;
+use super::show::Showing;
+use super::status::LossLog;
+use super::writer::Writer;
+use crate::api::Subscription;
+use crate::backend::nats::capture;
+use crate::backend::nats::jsapi::NatsError;
+use crate::bus::report::{now_ms, report_key};
+use crate::policy::ResolvedPolicy;
+use names::ledger_key;
+pub use names::{legacy_reader_name, reader_name};
+
+/// How often the keeper folds, persists, acknowledges and decides what to write: a change
+/// reaches status within the stats interval plus this (and the write).
+const TICK: Duration = Duration::from_millis(500);
+
+/// Reports held back for a Subscription not in the cache yet, at most.
+const EARLY_REPORTS: usize = 10_000;
+
+/// An empty report bucket delivers no initial value at all: when none has come this long after
+/// the watch started, its replay is complete.
+const EMPTY_REPLAY: Duration = Duration::from_secs(5);
+
+/// How long after its session starts a keeper deletes the reader of its legacy name: two
+/// Backends whose legacy names were alike shared that reader, and the other's keeper takes it
+/// over when its Backend connects.
+const LEGACY_READER_GRACE: Duration = Duration::from_secs(600);
+
+/// A Subscription, by namespace and name.
+type SubKey = (String, String);
+
+/// What is persisted per Subscription.
+#[derive(Default, Serialize, Deserialize)]
+struct Saved {
+    ledger: Persisted,
+    loss: LossLog,
+    /// Advisories dropped from the capture before they were read, while this was counted.
+    #[serde(default)]
+    missed_advisories: u64,
+}
+
+/// One Subscription's account as the keeper holds it.
+struct Book {
+    account: Account,
+    showing: Showing,
+    /// Something persisted changed since the last save.
+    dirty: bool,
+    /// The ledger's revision in the bucket as last read or written (None: no ledger there).
+    revision: Option<u64>,
+    /// Advisories this book applied since its last save: acknowledged once it is saved.
+    acks: Vec<jetstream::Message>,
+    /// The bucket revision of each live instance's latest report (to drop folded ones).
+    revisions: HashMap<String, u64>,
+    gauges: (u64, u64),
+    gauges_at: Option<Instant>,
+    /// Whether a source may have been lost, to check once the report replay is complete:
+    /// `Some(ledger_lost)` on a book's first load in a session (a book read again after a lost
+    /// race has no replay of its reports coming, so it is not checked).
+    check: Option<bool>,
+    /// When the consumer this book counts through was made (the server's clock), once read: a
+    /// delivery advisory written before it is an earlier consumer's of the same name (an earlier
+    /// object's, its advisories still unread when no operator ran), never this object's.
+    consumer_since: Option<((String, String), i128)>,
+}
+
+/// A Subscription of this Backend, and the consumer the controller verified as its own.
+struct Member {
+    sub: Arc<Subscription>,
+    uid: Option<String>,
+    /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
+    consumer: Option<(String, String)>,
+    max_deliver: Option<u32>,
+    mode: crate::api::Mode,
+}
+
+pub struct NatsKeeper {
+    backend: SubKey,
+    client: async_nats::Client,
+    subs: Store<Subscription>,
+    writer: Writer,
+    config: Config,
+    metrics: Metrics,
+    unseen_attempts: super::status::Unseen,
+    /// The Subscriptions whose book was loaded in this session.
+    loaded: std::sync::Mutex<std::collections::HashSet<SubKey>>,
+}
+
+fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
+    NatsError::Unreachable(format!("{what}: {e}"))
+}
+
+impl NatsKeeper {
+    pub fn new(
+        backend: SubKey,
+        client: async_nats::Client,
+        subs: Store<Subscription>,
+        writer: Writer,
+        config: Config,
+        metrics: Metrics,
+        unseen_attempts: super::status::Unseen,
+    ) -> NatsKeeper {
+        NatsKeeper {
+            backend,
+            client,
+            subs,
+            writer,
+            config,
+            metrics,
+            unseen_attempts,
+            loaded: Default::default(),
+        }
+    }
+
+    /// Runs until aborted; a broken session (the broker went away) starts again.
+    pub async fn run(self) {
+        loop {
+            if let Err(e) = self.session().await {
+                tracing::warn!(backend = %format!("{}/{}", self.backend.0, self.backend.1), error = %e, "the account lost its broker session; starting it again in 2s");
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+
+    /// This Backend's durable reader of the capture (one per Backend: two Backends on one
+    /// server each read every advisory).
+    fn reader(&self) -> String {
+        reader_name(&self.backend.0, &self.backend.1)
+    }
+
+    /// The Subscriptions of this Backend now.
+    fn members(&self) -> HashMap<SubKey, Member> {
+        let mut out = HashMap::new();
+        for sub in self.subs.state() {
+            let ns = sub.namespace().unwrap_or_default();
+            if ns != self.backend.0 || sub.spec.backend_ref.name != self.backend.1 {
+                continue;
+            }
+            let name = sub.name_any();
+            let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+            let member = Member {
+                uid: sub.metadata.uid.clone(),
+                consumer: sub
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.consumer.as_ref())
+                    .map(|c| (c.stream.clone(), c.name.clone())),
+                max_deliver: policy.max_deliver,
+                mode: policy.mode,
+                sub,
+            };
+            out.insert((ns, name), member);
+        }
+        out
+    }
+
+    /// Subscription `ns/name` in the cache now (of any Backend).
+    fn cached(&self, ns: &str, name: &str) -> Option<Arc<Subscription>> {
+        self.subs
+            .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+    }
+
+    /// Removes the ledgers of this namespace's Subscriptions that no longer exist (deleted while
+    /// no operator ran): the next object of the same name starts at zero.
+    async fn sweep(&self, ledgers: &kv::Store) {
+        let Ok(keys) = ledgers.keys().await else {
+            return;
+        };
+        let keys: Vec<String> = keys.filter_map(|k| async move { k.ok() }).collect().await;
+        // Keys are `<namespace>.<subscription>.ledger`, each part reduced to the key alphabet.
+        let prefix = match report_key(&self.backend.0, "_", "_").split_once('.') {
+            Some((ns, _)) => format!("{ns}."),
+            None => return,
+        };
+        let alive: Vec<String> = self
+            .subs
+            .state()
+            .iter()
+            .filter(|s| s.namespace().as_deref() == Some(self.backend.0.as_str()))
+            .map(|s| ledger_key(&(self.backend.0.clone(), s.name_any())))
+            .collect();
+        for key in keys {
+            if key.starts_with(&prefix) && key.ends_with(".ledger") && !alive.contains(&key) {
+                match ledgers.purge(&key).await {
+                    Ok(()) => {
+                        tracing::info!(key = %key, "removed the ledger of a Subscription deleted while no operator ran")
+                    }
+                    Err(e) => {
+                        tracing::debug!(key = %key, error = %e, "cannot remove a leftover ledger")
+                    }
+                }
+            }
+        }
+    }
+
+    async fn session(&self) -> Result<(), NatsError> {
+        let js = jetstream::new(self.client.clone());
+        let reports = capture::reports(&js, self.config.limits.report_bucket).await?;
+        let ledgers = capture::ledgers(&js).await?;
+        // An operator before unambiguous reader names read through the legacy name: that
+        // reader is the checkpoint, so the new one starts right after what it acknowledged.
+        let legacy = legacy_reader_name(&self.backend.0, &self.backend.1);
+        capture::take_over_reader(&js, &legacy, &self.reader()).await?;
+        // Deleted once every Backend that shared the legacy name had the time to take it over.
+        let mut legacy_dropped = false;
+        let session_started = Instant::now();
+        let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
+        if let Ok(mut loaded) = self.loaded.lock() {
+            loaded.clear();
+        }
+        // The replay of the report bucket's history is complete when the watch says it has seen
+        // the current values, or at once when the bucket is empty.
+        let mut replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
+        let mut initial_values = 0u64;
+        let watch_started = Instant::now();
+        let mut watch = reports
+            .watch_with_history(">")
+            .await
+            .map_err(|e| broken("watching the report bucket", e))?;
+        let mut advisories = reader
+            .messages()
+            .await
+            .map_err(|e| broken("reading the advisory capture", e))?;
+        tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), reader = %self.reader(), "account keeper started");
+        // Where new advisories start: a first delivery past it by more than one was dropped by
+        // the capture's limits before this reader got to it.
+        let mut read_to = match reader.clone().info().await {
+            Ok(info) => info.delivered.stream_sequence,
+            Err(e) => return Err(broken("reading the capture reader", e)),
+        };
+        self.sweep(&ledgers).await;
+
+        let mut books: HashMap<SubKey, Book> = HashMap::new();
+        let mut members = self.members();
+        // Reports of Subscriptions not in the cache yet (applied and the app reported first).
+        let mut early: HashMap<String, kv::Entry> = HashMap::new();
+        // Advisories that counted for no book: acknowledged at the next round.
+        let mut loose: Vec<jetstream::Message> = Vec::new();
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                entry = watch.next() => {
+                    let entry = entry
+                        .ok_or_else(|| broken("the report watch", "ended"))?
+                        .map_err(|e| broken("the report watch", e))?;
+                    initial_values += 1;
+                    replayed |= entry.seen_current;
+                    if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
+                        let held: usize = early.values().map(|e| e.value.len()).sum();
+                        if early.len() < EARLY_REPORTS
+                            && held + entry.value.len() <= self.config.limits.max_early_bytes
+                        {
+                            early.insert(entry.key.clone(), entry);
+                        } else {
+                            self.metrics.reports.with_label_values(&["early_dropped"]).inc();
+                        }
+                    }
+                }
+                msg = advisories.next() => {
+                    let msg = msg
+                        .ok_or_else(|| broken("the advisory capture", "ended"))?
+                        .map_err(|e| broken("the advisory capture", e))?;
+                    if let Ok(info) = msg.info()
+                        && info.delivered == 1
+                        && info.stream_sequence > read_to
+                    {
+                        let missed = info.stream_sequence.saturating_sub(read_to + 1);
+                        if missed > 0 && read_to > 0 {
+                            self.missed(&mut books, &members, &ledgers, missed).await?;
+                        }
+                        read_to = info.stream_sequence;
+                    }
+                    match self.on_advisory(&ledgers, &members, &mut books, &msg).await? {
+                        Some(key) => match books.get_mut(&key) {
+                            Some(book) => book.acks.push(msg),
+                            None => loose.push(msg),
+                        },
+                        None => loose.push(msg),
+                    }
+                }
+                _ = tick.tick() => {
+                    if !legacy_dropped && session_started.elapsed() >= LEGACY_READER_GRACE {
+                        match capture::drop_reader(&js, &legacy).await {
+                            Ok(()) => legacy_dropped = true,
+                            Err(e) => tracing::debug!(reader = %legacy, error = %e, "cannot delete the account's former reader yet"),
+                        }
+                    }
+                    if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
+                        replayed = true;
+                    }
+                    members = self.members();
+                    for (_, entry) in std::mem::take(&mut early) {
+                        if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
+                            early.insert(entry.key.clone(), entry);
+                        }
+                    }
+                    for msg in loose.drain(..) {
+                        if let Err(e) = msg.ack().await {
+                            tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+                        }
+                    }
+                    self.settle(&js, &ledgers, &reports, &members, &mut books, replayed).await?;
+                }
+            }
+        }
+    }
+
+    /// The book of `key` for the Subscription object `m` is, loaded from the ledger bucket the
+    /// first time; a book or saved ledger of an earlier object of that name is dropped.
+    async fn book<'a>(
+        &self,
+        ledgers: &kv::Store,
+        books: &'a mut HashMap<SubKey, Book>,
+        key: &SubKey,
+        m: &Member,
+    ) -> Result<&'a mut Book, NatsError> {
+        let name = || format!("{}/{}", key.0, key.1);
+        if let Some(book) = books.get(key)
+            && !book.account.persisted().belongs_to(m.uid.as_deref())
+        {
+            tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
+            let old = books.remove(key);
+            for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
+                let report = report_key(&key.0, &key.1, instance);
+                let _ =
+                    capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
+                        .await;
+            }
+        }
+        if !books.contains_key(key) {
+            let sub = &m.sub;
+            let entry = ledgers
+                .entry(ledger_key(key))
+                .await
+                .map_err(|e| broken("reading a ledger", e))?;
+            let revision = entry.as_ref().map(|e| e.revision);
+            let mut ledger_lost = false;
+            let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
+                Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
+                    tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
+                    ledger_lost = true;
+                    Saved::default()
+                }),
+                None => {
+                    ledger_lost = true;
+                    Saved::default()
+                }
+            };
+            let saved = if saved.ledger.belongs_to(m.uid.as_deref()) {
+                saved
+            } else {
+                tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
+                Saved::default()
+            };
+            let floor = sub
+                .status
+                .as_ref()
+                .and_then(|s| s.stats.as_ref())
+                .map(|s| s.counters)
+                .unwrap_or_default();
+            let mut loss = saved.loss;
+            loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
+            let first_load = self
+                .loaded
+                .lock()
+                .map(|mut loaded| loaded.insert(key.clone()))
+                .unwrap_or(false);
+            let mut account = Account::resume(saved.ledger, floor);
+            account.claim(m.uid.clone());
+            books.insert(
+                key.clone(),
+                Book {
+                    account,
+                    showing: Showing {
+                        loss,
+                        trouble: super::status::Trouble {
+                            unsaved: None,
+                            missed_advisories: saved.missed_advisories,
+                            source_lost: None,
+                            dead_letters: None,
+                            queue_missing: None,
+                        },
+                        last_write: None,
+                        last_early: None,
+                        stall: None,
+                    },
+                    // A ledger missing or unreadable is written at once, before status shows
+                    // anything from this book: so status showing counters with no ledger there
+                    // means the ledger was lost.
+                    dirty: ledger_lost,
+                    revision,
+                    acks: Vec::new(),
+                    revisions: HashMap::new(),
+                    consumer_since: None,
+                    gauges: (0, 0),
+                    gauges_at: None,
+                    check: first_load.then_some(ledger_lost),
+                },
+            );
+        }
+        books
+            .get_mut(key)
+            .ok_or_else(|| broken("a ledger", "missing after loading"))
+    }
+}
