@@ -6,6 +6,7 @@
 
 #[cfg(feature = "operator")]
 pub mod account;
+pub mod bus;
 pub mod controlplane;
 #[cfg(feature = "operator")]
 pub mod image;
