@@ -186,67 +186,44 @@ pub fn assert_never_decreased_or_empty(seen: &Seen) {
 /// The operator flags of the account scenes: no leader election, status written every second.
 pub const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
 
-/// Everything one NATS scenario needs: a namespace, a stream, the operator, a Subscription
-/// `orders` (its manifest also on disk for the application), and the watcher.
-pub struct Scene {
+/// What every broker's account scene holds: the test's name and namespace, the operator and
+/// its flags (for a restart), Subscription `orders` (its manifest also on disk for the
+/// application), and the watcher of its status. A broker's scene derefs to it, so
+/// `scene.ns`, `scene.op` and `scene.stats()` read the same on every broker.
+pub struct Base {
     pub test: String,
     pub ns: String,
-    pub stream: TestStream,
     pub manifest: std::path::PathBuf,
-    pub manifest_text: String,
     pub api: Api<Subscription>,
-    pub nats_url: String,
     pub op: Operator,
     pub flags: Vec<String>,
     pub seen: Seen,
     watcher: tokio::task::JoinHandle<()>,
 }
 
-impl Scene {
-    pub async fn new(test: &str, spec: &str) -> Scene {
-        Scene::with_flags(test, spec, &OPERATOR_FLAGS).await
-    }
-
-    /// A scene whose operator runs with `flags`.
-    pub async fn with_flags(test: &str, spec: &str, flags: &[&str]) -> Scene {
-        Scene::build(test, spec, flags, &[], None).await
-    }
-
-    /// A scene whose operator runs with `flags` and the variables `op_env`, on the nats-server
-    /// at `nats_url` (default: the environment's).
-    pub async fn build(
+impl Base {
+    /// Applies Subscription `orders` (`manifest_text`) in `ns`, where `op` runs with `flags`,
+    /// waits until it is Ready, writes the manifest where the application reads it, and starts
+    /// watching its status.
+    pub async fn subscribe(
         test: &str,
-        spec: &str,
+        ns: String,
+        op: Operator,
         flags: &[&str],
-        op_env: &[(&str, &str)],
-        nats_url: Option<String>,
-    ) -> Scene {
-        install_crds();
-        let ns = namespace(test);
-        let nats_url = nats_url.unwrap_or_else(|| super::env().nats_url);
-        let stream = TestStream::new(&nats_url, test).await;
-        let op = Operator::spawn_env(test, &ns, flags, op_env);
-        op.wait_ready();
-        apply(&ns, &backend_yaml("nats", &nats_url));
-        let manifest_text = format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
-            stream.prefix
-        );
-        apply(&ns, &manifest_text);
+        manifest_text: &str,
+    ) -> Base {
+        apply(&ns, manifest_text);
         let api = subs(&ns).await;
         wait_ready(&api, "orders").await;
         let manifest =
             super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
-        std::fs::write(&manifest, &manifest_text).expect("manifest");
+        std::fs::write(&manifest, manifest_text).expect("manifest");
         let (seen, watcher) = watch(&api, "orders");
-        Scene {
+        Base {
             test: test.to_string(),
             ns,
-            stream,
             manifest,
-            manifest_text,
             api,
-            nats_url,
             op,
             flags: flags.iter().map(|f| f.to_string()).collect(),
             seen,
@@ -260,39 +237,8 @@ impl Scene {
         self.op = Operator::start_with(&self.test, &self.ns, &flags);
     }
 
-    pub fn app(&self, handler: &str) -> App {
-        self.app_with(handler, &[])
-    }
-
-    /// Another Subscription `name` in the scene's namespace, on a stream of its own.
-    pub async fn another(&self, name: &str, spec: &str) -> Other {
-        let stream = TestStream::new(&self.nats_url, &format!("{}-{name}", self.test)).await;
-        let text = format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}, namespace: {}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
-            self.ns, stream.prefix
-        );
-        apply(&self.ns, &text);
-        wait_ready(&self.api, name).await;
-        let manifest = super::root().join(format!(
-            "target/account-{}-{name}-{}.yaml",
-            self.test,
-            std::process::id()
-        ));
-        std::fs::write(&manifest, &text).expect("manifest");
-        Other { manifest, stream }
-    }
-
-    /// An application on another Subscription's manifest.
-    pub fn app_on(&self, other: &Other, handler: &str) -> App {
-        App::start(
-            &[("SETTLE_NATS_URL", self.nats_url.as_str())],
-            &other.manifest,
-            handler,
-        )
-    }
-
-    /// Subscription `name`'s counters in status.
-    pub async fn stats_of(&self, name: &str) -> ConsumerStats {
+    /// Subscription `name`'s counters in status, `None` while status has none.
+    pub async fn reported_of(&self, name: &str) -> Option<ConsumerStats> {
         self.api
             .get(name)
             .await
@@ -300,17 +246,16 @@ impl Scene {
             .and_then(|s| s.status)
             .and_then(|s| s.stats)
             .map(|s| s.counters)
-            .unwrap_or_default()
     }
 
-    pub fn app_with(&self, handler: &str, env: &[(&str, &str)]) -> App {
-        let mut all = vec![("SETTLE_NATS_URL", self.nats_url.as_str())];
-        all.extend_from_slice(env);
-        App::start(&all, &self.manifest, handler)
+    /// Subscription `orders`' counters in status, `None` while status has none.
+    pub async fn reported(&self) -> Option<ConsumerStats> {
+        self.reported_of("orders").await
     }
 
-    pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
-        publish_to(&self.stream, bodies).await;
+    /// Subscription `name`'s counters in status (zero while status has none).
+    pub async fn stats_of(&self, name: &str) -> ConsumerStats {
+        self.reported_of(name).await.unwrap_or_default()
     }
 
     /// The Subscription now.
@@ -348,10 +293,117 @@ impl Scene {
         assert_never_decreased(&self.seen);
     }
 
-    pub async fn finish(self) {
+    /// Stops watching, removes the manifest, deletes the namespace (not waiting).
+    pub fn finish(self) {
         self.watcher.abort();
         let _ = std::fs::remove_file(&self.manifest);
         kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+/// Everything one NATS scenario needs: [`Base`] on a stream of the test's own.
+pub struct Scene {
+    pub base: Base,
+    pub stream: TestStream,
+    pub manifest_text: String,
+    pub nats_url: String,
+}
+
+impl std::ops::Deref for Scene {
+    type Target = Base;
+    fn deref(&self) -> &Base {
+        &self.base
+    }
+}
+
+impl std::ops::DerefMut for Scene {
+    fn deref_mut(&mut self) -> &mut Base {
+        &mut self.base
+    }
+}
+
+impl Scene {
+    pub async fn new(test: &str, spec: &str) -> Scene {
+        Scene::with_flags(test, spec, &OPERATOR_FLAGS).await
+    }
+
+    /// A scene whose operator runs with `flags`.
+    pub async fn with_flags(test: &str, spec: &str, flags: &[&str]) -> Scene {
+        Scene::build(test, spec, flags, &[], None).await
+    }
+
+    /// A scene whose operator runs with `flags` and the variables `op_env`, on the nats-server
+    /// at `nats_url` (default: the environment's).
+    pub async fn build(
+        test: &str,
+        spec: &str,
+        flags: &[&str],
+        op_env: &[(&str, &str)],
+        nats_url: Option<String>,
+    ) -> Scene {
+        install_crds();
+        let ns = namespace(test);
+        let nats_url = nats_url.unwrap_or_else(|| super::env().nats_url);
+        let stream = TestStream::new(&nats_url, test).await;
+        let op = Operator::spawn_env(test, &ns, flags, op_env);
+        op.wait_ready();
+        apply(&ns, &backend_yaml("nats", &nats_url));
+        let manifest_text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
+            stream.prefix
+        );
+        let base = Base::subscribe(test, ns, op, flags, &manifest_text).await;
+        Scene {
+            base,
+            stream,
+            manifest_text,
+            nats_url,
+        }
+    }
+
+    pub fn app(&self, handler: &str) -> App {
+        self.app_with(handler, &[])
+    }
+
+    /// Another Subscription `name` in the scene's namespace, on a stream of its own.
+    pub async fn another(&self, name: &str, spec: &str) -> Other {
+        let stream = TestStream::new(&self.nats_url, &format!("{}-{name}", self.test)).await;
+        let text = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}, namespace: {}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
+            self.ns, stream.prefix
+        );
+        apply(&self.ns, &text);
+        wait_ready(&self.api, name).await;
+        let manifest = super::root().join(format!(
+            "target/account-{}-{name}-{}.yaml",
+            self.test,
+            std::process::id()
+        ));
+        std::fs::write(&manifest, &text).expect("manifest");
+        Other { manifest, stream }
+    }
+
+    /// An application on another Subscription's manifest.
+    pub fn app_on(&self, other: &Other, handler: &str) -> App {
+        App::start(
+            &[("SETTLE_NATS_URL", self.nats_url.as_str())],
+            &other.manifest,
+            handler,
+        )
+    }
+
+    pub fn app_with(&self, handler: &str, env: &[(&str, &str)]) -> App {
+        let mut all = vec![("SETTLE_NATS_URL", self.nats_url.as_str())];
+        all.extend_from_slice(env);
+        App::start(&all, &self.manifest, handler)
+    }
+
+    pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
+        publish_to(&self.stream, bodies).await;
+    }
+
+    pub async fn finish(self) {
+        self.base.finish();
         self.stream.delete().await;
     }
 }
@@ -423,7 +475,8 @@ pub fn forged(real: &serde_json::Value, edits: &[(&str, serde_json::Value)]) -> 
 }
 
 /// What a broker's account scene offers the scenarios written once for every broker (the NATS
-/// [`Scene`], `super::sqs::SqsScene`): an application, messages, status, the operator.
+/// [`Scene`], `super::sqs::SqsScene`, RabbitMQ's in `account_rabbitmq.rs`): an application,
+/// messages, and its [`Base`] (status, the operator).
 pub trait AccountScene {
     /// An application with `handler` on the scene's Subscription `orders`.
     fn app(&self, handler: &str) -> App;
@@ -433,16 +486,31 @@ pub trait AccountScene {
     fn replace_app(&self, app: App) -> impl std::future::Future<Output = App>;
     /// Publishes `bodies` to the Subscription, each stored before the next.
     fn publish(&self, bodies: Vec<String>) -> impl std::future::Future<Output = ()>;
+    fn base(&self) -> &Base;
+    fn base_mut(&mut self) -> &mut Base;
+
     /// The Subscription's counters in status.
-    fn stats(&self) -> impl std::future::Future<Output = ConsumerStats>;
-    fn kill_operator(&mut self);
-    fn restart_operator(&mut self);
+    fn stats(&self) -> impl std::future::Future<Output = ConsumerStats> {
+        self.base().stats()
+    }
+    fn kill_operator(&mut self) {
+        self.base_mut().op.kill9();
+    }
+    fn restart_operator(&mut self) {
+        self.base_mut().restart_operator();
+    }
     /// Every status the watcher saw.
-    fn seen(&self) -> &Seen;
+    fn seen(&self) -> &Seen {
+        &self.base().seen
+    }
     /// The scene's Subscriptions.
-    fn api(&self) -> &Api<Subscription>;
+    fn api(&self) -> &Api<Subscription> {
+        &self.base().api
+    }
     /// The scene's operator.
-    fn operator(&self) -> &Operator;
+    fn operator(&self) -> &Operator {
+        &self.base().op
+    }
 }
 
 /// What may happen halfway through the always-nack scenario.
@@ -688,28 +756,12 @@ impl AccountScene for Scene {
         Scene::publish(self, bodies).await;
     }
 
-    async fn stats(&self) -> ConsumerStats {
-        Scene::stats(self).await
+    fn base(&self) -> &Base {
+        &self.base
     }
 
-    fn kill_operator(&mut self) {
-        self.op.kill9();
-    }
-
-    fn restart_operator(&mut self) {
-        Scene::restart_operator(self);
-    }
-
-    fn seen(&self) -> &Seen {
-        &self.seen
-    }
-
-    fn api(&self) -> &Api<Subscription> {
-        &self.api
-    }
-
-    fn operator(&self) -> &Operator {
-        &self.op
+    fn base_mut(&mut self) -> &mut Base {
+        &mut self.base
     }
 }
 

@@ -7,15 +7,11 @@
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
-use kube::Api;
-use settle::api::{ConsumerStats, Subscription};
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 
-use super::account::{
-    AccountScene, App, Seen, assert_never_decreased, settled_at, wait_until, watch,
-};
+use super::account::{AccountScene, App, Base};
 use super::operator::Operator;
-use super::subs::{apply, backends, subs, wait_backend, wait_ready};
+use super::subs::{apply, backends, wait_backend};
 use super::{install_crds, kubectl_ok, namespace};
 
 /// An SQS client on the environment's ElasticMQ.
@@ -116,19 +112,25 @@ pub const SQS_OPERATOR_FLAGS: [&str; 5] = [
     "10s",
 ];
 
+/// An account scene on ElasticMQ: [`Base`] on a queue prefix of the test's own.
 pub struct SqsScene {
-    pub test: String,
-    pub ns: String,
+    pub base: Base,
     pub prefix: String,
-    pub manifest: std::path::PathBuf,
-    pub api: Api<Subscription>,
-    pub op: Operator,
     pub sqs: Client,
-    pub seen: Seen,
     pub app_env: Vec<(String, String)>,
-    /// The operator's flags (for a restart).
-    flags: Vec<&'static str>,
-    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl std::ops::Deref for SqsScene {
+    type Target = Base;
+    fn deref(&self) -> &Base {
+        &self.base
+    }
+}
+
+impl std::ops::DerefMut for SqsScene {
+    fn deref_mut(&mut self) -> &mut Base {
+        &mut self.base
+    }
 }
 
 impl SqsScene {
@@ -175,30 +177,17 @@ impl SqsScene {
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: sqs}}\n  pattern: orders\n  durableName: orders\n{spec}"
         );
-        apply(&ns, &manifest_text);
-        let api = subs(&ns).await;
-        wait_ready(&api, "orders").await;
-        let manifest =
-            super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
-        std::fs::write(&manifest, &manifest_text).expect("manifest");
-        let (seen, watcher) = watch(&api, "orders");
+        let base = Base::subscribe(test, ns, op, flags, &manifest_text).await;
         let mut all = vec![
             ("SETTLE_SQS_ENDPOINT".to_string(), env.sqs_endpoint.clone()),
             ("SETTLE_SQS_QUEUE_PREFIX".to_string(), prefix.clone()),
         ];
         all.extend(app_env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         SqsScene {
-            test: test.to_string(),
-            ns,
+            base,
             prefix,
-            manifest,
-            api,
-            op,
             sqs: client().await,
-            seen,
             app_env: all,
-            flags: flags.to_vec(),
-            watcher,
         }
     }
 
@@ -214,11 +203,6 @@ impl SqsScene {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         App::start(&env, &self.manifest, handler)
-    }
-
-    /// The operator again, with the scene's flags (after a kill).
-    pub fn restart_operator(&mut self) {
-        self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
     }
 
     /// Sends `bodies` to the Subscription's queue.
@@ -237,44 +221,8 @@ impl SqsScene {
         }
     }
 
-    pub async fn stats(&self) -> ConsumerStats {
-        self.api
-            .get("orders")
-            .await
-            .ok()
-            .and_then(|s| s.status)
-            .and_then(|s| s.stats)
-            .map(|s| s.counters)
-            .unwrap_or_default()
-    }
-
-    pub async fn wait_stats(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        wait_until(what, limit, || self.stats(), want).await
-    }
-
-    /// Waits until status shows `want(stats)`, then that it stays so for 3 s.
-    pub async fn settled(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        settled_at(what, limit, || self.stats(), want).await
-    }
-
-    pub fn assert_never_decreased(&self) {
-        assert_never_decreased(&self.seen);
-    }
-
     pub async fn finish(self) {
-        self.watcher.abort();
-        let _ = std::fs::remove_file(&self.manifest);
-        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.base.finish();
     }
 }
 
@@ -296,27 +244,11 @@ impl AccountScene for SqsScene {
         SqsScene::publish(self, bodies).await;
     }
 
-    async fn stats(&self) -> ConsumerStats {
-        SqsScene::stats(self).await
+    fn base(&self) -> &Base {
+        &self.base
     }
 
-    fn kill_operator(&mut self) {
-        self.op.kill9();
-    }
-
-    fn restart_operator(&mut self) {
-        SqsScene::restart_operator(self);
-    }
-
-    fn seen(&self) -> &Seen {
-        &self.seen
-    }
-
-    fn api(&self) -> &Api<Subscription> {
-        &self.api
-    }
-
-    fn operator(&self) -> &Operator {
-        &self.op
+    fn base_mut(&mut self) -> &mut Base {
+        &mut self.base
     }
 }
