@@ -18,12 +18,12 @@ use std::time::Duration;
 
 use common::account::{
     AccountScene, App, Base, Halfway, OPERATOR_FLAGS, STALL_SPEC, always_nack_scenario,
-    stall_flags, stalled_scenario,
+    assert_always_nack_shown, stall_flags, stalled_scenario,
 };
 use common::operator::{Operator, condition, poll};
-use common::rabbitmq::{management, management_with, queue};
+use common::rabbitmq::{env_backend_yaml, management, management_with, publish_topic, queue};
 use common::subs::{apply, backends, delete_by_hand, wait_backend, wait_gone, wait_ready};
-use common::{install_crds, kubectl_ok, namespace};
+use common::{install_crds, namespace};
 use kube::api::DeleteParams;
 use lapin::options::BasicPublishOptions;
 use serde_json::Value;
@@ -108,13 +108,7 @@ impl Scene {
             .as_ref()
             .map(|(dlx, _)| format!("    deadLetterExchange: {dlx}\n"))
             .unwrap_or_default();
-        apply(
-            &ns,
-            &format!(
-                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: rabbit}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n    managementUrl: \"{}\"\n{dead_line}",
-                env.rabbitmq_url, env.rabbitmq_management_url
-            ),
-        );
+        apply(&ns, &env_backend_yaml("rabbit", &dead_line));
         wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  durableName: {tag}\n{policy}"
@@ -153,27 +147,8 @@ impl Scene {
 
     /// Publishes `bodies` to `amq.topic` on this test's routing keys (publisher confirms).
     async fn publish_bodies(&self, bodies: Vec<String>) {
-        let ch = self.amqp.create_channel().await.expect("channel");
-        ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
-            .await
-            .expect("confirms");
-        for (i, body) in bodies.iter().enumerate() {
-            let i = i + 1;
-            let confirm = ch
-                .basic_publish(
-                    "amq.topic".into(),
-                    format!("{}.m{i}", self.tag).as_str().into(),
-                    BasicPublishOptions::default(),
-                    body.as_bytes(),
-                    lapin::BasicProperties::default(),
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("confirmed");
-            assert!(confirm.is_ack(), "the broker took message {i}");
-        }
-        let _ = ch.close(200, "published".into()).await;
+        let keys = (1..).map(|i| format!("{}.m{i}", self.tag));
+        publish_topic(&self.amqp, keys.zip(bodies)).await;
     }
 
     /// The user's dead-letter queue: its messages, read and put back (management API), once it
@@ -237,21 +212,8 @@ impl AccountScene for Scene {
         Scene::app_with(self, handler)
     }
 
-    async fn replace_app(&self, mut app: App) -> App {
-        app.kill9();
-        Scene::app_with(self, "nack")
-    }
-
     async fn publish(&self, bodies: Vec<String>) {
         Scene::publish_bodies(self, bodies).await;
-    }
-
-    fn base(&self) -> &Base {
-        &self.base
-    }
-
-    fn base_mut(&mut self) -> &mut Base {
-        &mut self.base
     }
 }
 
@@ -259,24 +221,7 @@ impl AccountScene for Scene {
 async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
     let mut scene = Scene::new("acctrq-nack").await;
     always_nack_scenario(&mut scene, Halfway::Nothing).await;
-    let st = scene
-        .api
-        .get("orders")
-        .await
-        .expect("get")
-        .status
-        .expect("status");
-    let (status, reason, message) =
-        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
-    assert_eq!(
-        (status.as_str(), reason.as_str()),
-        ("True", "MessagesExhausted"),
-        "{message}"
-    );
-    assert!(
-        message.starts_with("10 message(s) ran out of attempts"),
-        "{message}"
-    );
+    let (st, message) = assert_always_nack_shown(&scene).await;
     assert!(
         !message.contains("advisories"),
         "RabbitMQ has no advisories: {message}"
@@ -286,30 +231,6 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         "without a dead-letter exchange the condition says how to count a crash's losses: {message}"
     );
     assert!(st.stats_updated_at.is_some(), "statsUpdatedAt is set");
-    let described = kubectl_ok(
-        &["describe", "subscription", "orders", "-n", &scene.ns],
-        None,
-    );
-    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
-    for want in [
-        "Delivered: 30",
-        "Exhausted: 10",
-        "Nacked: 30",
-        "Type: Exhausting",
-        "Reason: MessagesExhausted",
-    ] {
-        assert!(
-            flat.contains(want),
-            "kubectl describe lacks {want:?}:\n{described}"
-        );
-    }
-    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
-    assert_eq!(
-        scene
-            .op
-            .metric("settle_subscription_exhausted_total", &labels),
-        10.0
-    );
 
     // The report queue was consumed and acknowledged to the end; the ledger queue holds one
     // snapshot; both are bounded drop-head queues.

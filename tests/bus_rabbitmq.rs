@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::bus::{BusScene, Message, Seen, at_least_once, stats, sub, until};
-use common::rabbitmq::management;
+use common::rabbitmq::{bindings, encode, management, management_json};
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
@@ -84,7 +84,7 @@ impl Scope {
 
     /// Deletes every queue bound to the exchange, then the exchange.
     async fn cleanup(self) {
-        let bindings = mgmt(
+        let bindings = management_json(
             "GET",
             &format!(
                 "/api/exchanges/%2f/{}/bindings/source",
@@ -108,22 +108,12 @@ impl Scope {
     }
 }
 
-fn encode(s: &str) -> String {
-    s.replace('%', "%25").replace('/', "%2f")
-}
-
 fn mgmt_status(method: &str, path: &str) -> u16 {
     management(method, path).0
 }
 
-fn mgmt(method: &str, path: &str) -> Value {
-    let (status, body) = management(method, path);
-    assert_eq!(status, 200, "{method} {path}: {body}");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{method} {path}: {e}: {body}"))
-}
-
 fn queue_info(name: &str) -> Value {
-    mgmt("GET", &format!("/api/queues/%2f/{}", encode(name)))
+    management_json("GET", &format!("/api/queues/%2f/{}", encode(name)))
 }
 
 /// The shared scenarios' view of a scope: subscription `name` listens on `orders.>` with a
@@ -165,7 +155,7 @@ async fn until_queue(name: &str, what: &str, f: impl Fn(&Value) -> bool) {
 async fn consumer_of(name: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let all = mgmt("GET", "/api/consumers/%2f");
+        let all = management_json("GET", "/api/consumers/%2f");
         if let Some(c) = all
             .as_array()
             .and_then(|a| a.iter().find(|c| c["queue"]["name"] == name))
@@ -227,19 +217,13 @@ async fn a_code_defined_subscription_declares_exactly_the_mapped_quorum_queue_an
     assert_eq!(arguments["x-delivery-limit"], 2, "{q}");
     assert_eq!(arguments["x-queue-type"], "quorum");
     assert_eq!(arguments["x-settle-subscription"], "default/decl");
-    let bindings: Vec<Binding> = mgmt(
-        "GET",
-        &format!("/api/queues/%2f/{}/bindings", encode(&name)),
-    )
-    .as_array()
-    .unwrap()
-    .iter()
-    .filter(|b| b["source"] != "") // the default exchange's implicit binding
-    .map(|b| Binding {
-        exchange: b["source"].as_str().unwrap().into(),
-        routing_key: b["routing_key"].as_str().unwrap().into(),
-    })
-    .collect();
+    let bindings: Vec<Binding> = bindings(&name)
+        .into_iter()
+        .map(|(exchange, routing_key)| Binding {
+            exchange,
+            routing_key,
+        })
+        .collect();
     assert_eq!(
         bindings,
         [Binding {

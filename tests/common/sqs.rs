@@ -1,12 +1,16 @@
-//! The account's SQS scene: a namespace, an SQS Backend on the environment's ElasticMQ (its
-//! credentials in a labelled Secret) with a queue prefix of the test's own, the operator, a
+//! SQS as the tests reach it, and the account's SQS scene. Reached with the AWS SDK on the
+//! environment's ElasticMQ, not through Settle's controllers: a broker or client, a queue's URL,
+//! attributes, depth and messages, and an SQS Backend (its credentials in a labelled Secret)
+//! with a queue prefix of the test's own. The scene: a namespace, that Backend, the operator, a
 //! Subscription `orders` (its manifest on disk for the application), the application on the
 //! `settle` library (`examples/account_app.rs`) on SQS, messages sent straight to the queue with
 //! the AWS SDK, and the never-decreasing watcher of `tests/common/account.rs`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
+use aws_sdk_sqs::types::QueueAttributeName;
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 
 use super::account::{AccountScene, App, Base};
@@ -14,21 +18,56 @@ use super::operator::Operator;
 use super::subs::{apply, backends, wait_backend};
 use super::{install_crds, kubectl_ok, namespace};
 
-/// An SQS client on the environment's ElasticMQ.
-pub async fn client() -> Client {
+/// A broker on the environment's ElasticMQ, with queue prefix `prefix`.
+pub async fn broker(prefix: &str) -> SqsBroker {
+    let endpoint = super::env().sqs_endpoint;
     SqsBroker::connect(SqsSettings {
         region: Some("elasticmq".into()),
-        endpoint: Some(super::env().sqs_endpoint),
+        endpoint: Some(endpoint.clone()),
         credentials: SqsCredentials::Static {
             access_key_id: "test".into(),
             secret_access_key: "test".into(),
         },
-        queue_prefix: String::new(),
+        queue_prefix: prefix.to_string(),
     })
     .await
-    .expect("an SQS client")
-    .client()
-    .clone()
+    .unwrap_or_else(|e| panic!("an SQS client on ElasticMQ at {endpoint}: {e}"))
+}
+
+/// An SQS client on the environment's ElasticMQ.
+pub async fn client() -> Client {
+    broker("").await.client().clone()
+}
+
+/// Backend `sqs` in `ns` on the environment's ElasticMQ with queue prefix `prefix`, its
+/// credentials in Secret `aws` (made here, labelled for Backends). Does not wait for it.
+pub fn sqs_backend(ns: &str, prefix: &str) {
+    aws_secret(ns);
+    apply(
+        ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
+            super::env().sqs_endpoint
+        ),
+    );
+}
+
+/// Secret `aws` in `ns`, labelled for Backends: ElasticMQ's test credentials.
+fn aws_secret(ns: &str) {
+    kubectl_ok(
+        &[
+            "create",
+            "secret",
+            "generic",
+            "aws",
+            "-n",
+            ns,
+            "--from-literal=accessKeyId=test",
+            "--from-literal=secretAccessKey=test",
+        ],
+        None,
+    );
+    super::label_backend_secret(ns, "aws");
 }
 
 /// The URL of queue `name`, if it exists.
@@ -41,25 +80,44 @@ pub async fn url(c: &Client, name: &str) -> Option<String> {
         .and_then(|o| o.queue_url)
 }
 
-/// Queue `name`'s messages, visible and in flight (0 when it does not exist).
-pub async fn depth(c: &Client, name: &str) -> u64 {
-    let Some(u) = url(c, name).await else {
-        return 0;
-    };
+/// Queue `name`'s attributes by name, `None` when it does not exist.
+pub async fn attributes_of(c: &Client, name: &str) -> Option<BTreeMap<String, String>> {
+    let u = url(c, name).await?;
     let a = c
         .get_queue_attributes()
         .queue_url(u)
-        .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
+        .attribute_names(QueueAttributeName::All)
         .send()
         .await
         .expect("attributes")
         .attributes
         .unwrap_or_default();
-    let n = |k: aws_sdk_sqs::types::QueueAttributeName| {
-        a.get(&k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+    Some(
+        a.into_iter()
+            .map(|(k, v)| (k.as_str().to_string(), v))
+            .collect(),
+    )
+}
+
+/// Queue `name`'s attributes by name; the queue must exist.
+pub async fn attributes(c: &Client, name: &str) -> BTreeMap<String, String> {
+    attributes_of(c, name)
+        .await
+        .unwrap_or_else(|| panic!("queue {name} exists"))
+}
+
+/// Queue `name`'s messages, visible and in flight (0 when it does not exist).
+pub async fn depth(c: &Client, name: &str) -> u64 {
+    let Some(a) = attributes_of(c, name).await else {
+        return 0;
     };
-    n(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages)
-        + n(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+    let n = |k: QueueAttributeName| {
+        a.get(k.as_str())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    n(QueueAttributeName::ApproximateNumberOfMessages)
+        + n(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
 }
 
 /// Every message of queue `name` (ids), looked at with a short visibility timeout and made
@@ -152,27 +210,7 @@ impl SqsScene {
         let env = super::env();
         let op = Operator::start_with(test, &ns, flags);
         let prefix = format!("{}{}-", test.replace('-', ""), std::process::id());
-        kubectl_ok(
-            &[
-                "create",
-                "secret",
-                "generic",
-                "aws",
-                "-n",
-                &ns,
-                "--from-literal=accessKeyId=test",
-                "--from-literal=secretAccessKey=test",
-            ],
-            None,
-        );
-        super::label_backend_secret(&ns, "aws");
-        apply(
-            &ns,
-            &format!(
-                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
-                env.sqs_endpoint
-            ),
-        );
+        sqs_backend(&ns, &prefix);
         wait_backend(&backends(&ns).await, "sqs", "True", "PlaintextCredentials").await;
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: sqs}}\n  pattern: orders\n  durableName: orders\n{spec}"
@@ -242,13 +280,5 @@ impl AccountScene for SqsScene {
 
     async fn publish(&self, bodies: Vec<String>) {
         SqsScene::publish(self, bodies).await;
-    }
-
-    fn base(&self) -> &Base {
-        &self.base
-    }
-
-    fn base_mut(&mut self) -> &mut Base {
-        &mut self.base
     }
 }
