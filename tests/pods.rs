@@ -953,12 +953,7 @@ async fn assert_consumer(api: &Api<Subscription>, js: &async_nats::jetstream::Co
         &format!("Subscription {name} to be Ready with its consumer"),
         Duration::from_secs(90),
         || async {
-            let s = api
-                .get_opt(name)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("no such Subscription")?;
-            let st = s.status.clone().unwrap_or_default();
+            let (s, st) = common::subs::sub_status(api, name).await?;
             let (cs, cr, m) = condition(&st.conditions, "Ready").ok_or("no Ready yet")?;
             match st.consumer {
                 Some(c) if cs == "True" && st.observed_generation == s.metadata.generation => Ok(c),

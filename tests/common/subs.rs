@@ -6,7 +6,7 @@ use std::time::Duration;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::ListParams;
-use settle::api::{Backend, Subscription};
+use settle::api::{Backend, Subscription, SubscriptionStatus};
 
 use super::kubectl_ok;
 use super::operator::{condition, poll};
@@ -68,12 +68,7 @@ pub async fn wait_condition(
         &format!("Subscription {name} to show {type_}={status} ({reason})"),
         limit,
         || async {
-            let s = api
-                .get_opt(name)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("no such Subscription")?;
-            let st = s.status.clone().unwrap_or_default();
+            let (s, st) = sub_status(api, name).await?;
             if st.observed_generation != s.metadata.generation {
                 return Err(format!(
                     "observedGeneration {:?}, generation {:?}",
@@ -207,6 +202,21 @@ pub async fn wait_backend_within(
         },
     )
     .await
+}
+
+/// Subscription `name` now, and its status (empty while it has none); `Err` says why there is
+/// no such Subscription.
+pub async fn sub_status(
+    api: &Api<Subscription>,
+    name: &str,
+) -> Result<(Subscription, SubscriptionStatus), String> {
+    let s = api
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no such Subscription")?;
+    let st = s.status.clone().unwrap_or_default();
+    Ok((s, st))
 }
 
 /// Backend `name`'s Ready condition now, as (status, reason, message), and the Backend; `Err`
