@@ -10,11 +10,10 @@ mod common;
 use std::time::Duration;
 
 use common::account::{
-    Halfway, NACK_SPEC, OPERATOR_FLAGS, STALL_SPEC, Scene, always_nack_scenario, bodies,
-    stall_flags, stalled_scenario,
+    Halfway, NACK_SPEC, OPERATOR_FLAGS, Patience, STALL_SPEC, Scene, always_nack_scenario,
+    assert_always_nack_shown, bodies, held_last_attempts_scenario, stall_flags, stalled_scenario,
 };
-use common::kubectl_ok;
-use common::operator::{condition, poll};
+use common::operator::condition;
 
 /// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them (the
 /// scenario every broker runs, `common::account::always_nack_scenario`): the final account is
@@ -40,19 +39,7 @@ async fn always_nack(test: &str, halfway: Halfway) -> Scene {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn always_nack_exhausts_every_message_and_raises_exhausting() {
     let scene = always_nack("acct-nack", Halfway::Nothing).await;
-    let sub = scene.api.get("orders").await.expect("get");
-    let st = sub.status.expect("status");
-    let (status, reason, message) =
-        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
-    assert_eq!(
-        (status.as_str(), reason.as_str()),
-        ("True", "MessagesExhausted"),
-        "{message}"
-    );
-    assert!(
-        message.starts_with("10 message(s) ran out of attempts"),
-        "{message}"
-    );
+    let (st, _) = assert_always_nack_shown(&scene).await;
     let (status, reason, _) =
         condition(&st.conditions, "Stranding").expect("a Stranding condition");
     assert_eq!(
@@ -66,31 +53,7 @@ async fn always_nack_exhausts_every_message_and_raises_exhausting() {
         Some("True".into())
     );
 
-    let described = kubectl_ok(
-        &["describe", "subscription", "orders", "-n", &scene.ns],
-        None,
-    );
-    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
-    for want in [
-        "Delivered: 30",
-        "Exhausted: 10",
-        "Nacked: 30",
-        "Type: Exhausting",
-        "Reason: MessagesExhausted",
-    ] {
-        assert!(
-            flat.contains(want),
-            "kubectl describe lacks {want:?}:\n{described}"
-        );
-    }
-    // The same numbers at full resolution on /metrics.
     let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
-    assert_eq!(
-        scene
-            .op
-            .metric("settle_subscription_exhausted_total", &labels),
-        10.0
-    );
     assert_eq!(
         scene.op.metric("settle_subscription_nacked_total", &labels),
         30.0
@@ -155,52 +118,18 @@ async fn a_last_attempt_no_handler_finished_counts_exhausted_once_through_the_br
         "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n  ackWait: 2s\n",
     )
     .await;
-    let mut app = scene.app("nack-then-hold");
-    app.wait_ready().await;
-    scene.publish(bodies(4)).await;
-    poll(
-        "the application to hold four last attempts",
-        Duration::from_secs(40),
-        || async {
-            match app.count("held") {
-                4 => Ok(()),
-                n => Err(format!("{n} held")),
-            }
-        },
-    )
-    .await;
-    scene
-        .wait_stats(
-            "the first two attempts' nacks in status",
-            Duration::from_secs(30),
-            |s| s.settlement.nacked == 8,
-        )
-        .await;
     // The process dies holding four messages on their last attempt: the runtime never counts them.
     // nats-server notices that their attempts ran out when the consumer is next pulled from (the
     // instance that replaces this one, as a Deployment would start it), and says so once.
-    app.kill9();
-    let replacement = scene.app("nack-then-hold");
-    replacement.wait_ready().await;
-    let s = scene
-        .wait_stats(
-            "four messages exhausted, from the broker's advisories",
-            Duration::from_secs(40),
-            |s| s.exhausted >= 4,
-        )
-        .await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let later = scene.stats().await;
-    assert_eq!(
-        later.exhausted, 4,
-        "counted once each: {s:?} then {later:?}"
-    );
-    assert_eq!(later.settlement.nacked, 8);
-    assert_eq!(
-        later.delivered, 8,
-        "the held attempts never returned: {later:?}"
-    );
-    scene.assert_never_decreased();
+    let (_replacement, _) = held_last_attempts_scenario(
+        &scene,
+        Patience {
+            limit: Duration::from_secs(40),
+            quiet: Duration::from_secs(4),
+            from: "the broker's advisories",
+        },
+    )
+    .await;
     scene.finish().await;
 }
 

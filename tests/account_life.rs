@@ -15,7 +15,6 @@ use futures::StreamExt;
 use settle::api::ConsumerStats;
 
 use common::account::{NACK_SPEC, Scene, bodies, watch};
-use common::kubectl_ok;
 use common::operator::{condition, poll};
 use common::subs::{apply, backend_yaml, delete_by_hand, wait_condition, wait_gone, wait_ready};
 
@@ -44,22 +43,6 @@ async fn exhausting(scene: &Scene) -> String {
     condition(&st.conditions, "Exhausting")
         .map(|c| c.2)
         .unwrap_or_default()
-}
-
-/// Deletes the Subscription and waits until it is gone.
-async fn delete_orders(scene: &Scene) {
-    kubectl_ok(
-        &[
-            "delete",
-            "subscription",
-            "orders",
-            "-n",
-            &scene.ns,
-            "--wait=false",
-        ],
-        None,
-    );
-    wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
 }
 
 async fn purge(scene: &Scene) {
@@ -96,7 +79,7 @@ async fn recreated(test: &str, while_down: bool) {
         delete_by_hand(&scene.ns, "orders");
         wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
     } else {
-        delete_orders(&scene).await;
+        scene.delete_orders(Duration::from_secs(30)).await;
     }
     // The old object's messages are gone from the stream too: only new ones can be counted.
     purge(&scene).await;

@@ -17,39 +17,41 @@ mod common;
 use std::time::Duration;
 
 use common::account::{
-    AccountScene, App, OPERATOR_FLAGS, STALL_SPEC, Seen, assert_never_decreased, stall_flags,
-    stalled_scenario, wait_until, watch,
+    AccountScene, App, Base, Halfway, OPERATOR_FLAGS, STALL_SPEC, always_nack_scenario,
+    assert_always_nack_shown, stall_flags, stalled_scenario,
 };
 use common::operator::{Operator, condition, poll};
-use common::rabbitmq::{management, management_with, queue};
-use common::subs::{apply, backends, delete_by_hand, subs, wait_backend, wait_gone, wait_ready};
-use common::{install_crds, kubectl_ok, namespace};
-use kube::Api;
+use common::rabbitmq::{env_backend_yaml, management, management_with, publish_topic, queue};
+use common::subs::{apply, backends, delete_by_hand, wait_backend, wait_gone, wait_ready};
+use common::{install_crds, namespace};
 use kube::api::DeleteParams;
 use lapin::options::BasicPublishOptions;
 use serde_json::Value;
-use settle::api::{ConsumerStats, Subscription};
 use settle::backend::rabbitmq::deadletter::copy_queue;
 use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
 
 /// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
 /// maxDeliver 3) on a routing key of this test's own.
 struct Scene {
-    test: String,
-    ns: String,
+    base: Base,
     tag: String,
-    manifest: std::path::PathBuf,
-    api: Api<Subscription>,
-    op: Operator,
     amqp: lapin::Connection,
-    /// Every `status.stats` counters observed, in order, with the object's UID.
-    seen: common::account::Seen,
-    watcher: tokio::task::JoinHandle<()>,
     /// The Backend's dead-letter exchange (a topic exchange of this test's) and the user's own
     /// dead-letter queue bound to it with `#`, when the scene has them.
     dead: Option<(String, String)>,
-    /// The operator's flags (for a restart).
-    flags: Vec<&'static str>,
+}
+
+impl std::ops::Deref for Scene {
+    type Target = Base;
+    fn deref(&self) -> &Base {
+        &self.base
+    }
+}
+
+impl std::ops::DerefMut for Scene {
+    fn deref_mut(&mut self) -> &mut Base {
+        &mut self.base
+    }
 }
 
 /// The scenes' policy: always-nack's, three attempts.
@@ -106,41 +108,21 @@ impl Scene {
             .as_ref()
             .map(|(dlx, _)| format!("    deadLetterExchange: {dlx}\n"))
             .unwrap_or_default();
-        apply(
-            &ns,
-            &format!(
-                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: rabbit}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n    managementUrl: \"{}\"\n{dead_line}",
-                env.rabbitmq_url, env.rabbitmq_management_url
-            ),
-        );
+        apply(&ns, &env_backend_yaml("rabbit", &dead_line));
         wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  durableName: {tag}\n{policy}"
         );
-        apply(&ns, &manifest_text);
-        let api = subs(&ns).await;
-        wait_ready(&api, "orders").await;
-        let manifest =
-            common::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
-        std::fs::write(&manifest, &manifest_text).expect("manifest");
+        let base = Base::subscribe(test, ns, op, flags, &manifest_text).await;
         let amqp =
             lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())
                 .await
                 .expect("connect to RabbitMQ");
-
-        let (seen, watcher) = watch(&api, "orders");
         Scene {
-            test: test.to_string(),
-            ns,
+            base,
             tag,
-            manifest,
-            api,
-            op,
             amqp,
-            seen,
-            watcher,
             dead,
-            flags: flags.to_vec(),
         }
     }
 
@@ -165,52 +147,8 @@ impl Scene {
 
     /// Publishes `bodies` to `amq.topic` on this test's routing keys (publisher confirms).
     async fn publish_bodies(&self, bodies: Vec<String>) {
-        let ch = self.amqp.create_channel().await.expect("channel");
-        ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
-            .await
-            .expect("confirms");
-        for (i, body) in bodies.iter().enumerate() {
-            let i = i + 1;
-            let confirm = ch
-                .basic_publish(
-                    "amq.topic".into(),
-                    format!("{}.m{i}", self.tag).as_str().into(),
-                    BasicPublishOptions::default(),
-                    body.as_bytes(),
-                    lapin::BasicProperties::default(),
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("confirmed");
-            assert!(confirm.is_ack(), "the broker took message {i}");
-        }
-        let _ = ch.close(200, "published".into()).await;
-    }
-
-    async fn stats(&self) -> Option<ConsumerStats> {
-        self.api
-            .get("orders")
-            .await
-            .ok()
-            .and_then(|s| s.status)
-            .and_then(|s| s.stats)
-            .map(|s| s.counters)
-    }
-
-    async fn wait_stats(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        wait_until(
-            what,
-            limit,
-            || async { self.stats().await.unwrap_or_default() },
-            want,
-        )
-        .await
+        let keys = (1..).map(|i| format!("{}.m{i}", self.tag));
+        publish_topic(&self.amqp, keys.zip(bodies)).await;
     }
 
     /// The user's dead-letter queue: its messages, read and put back (management API), once it
@@ -256,66 +194,7 @@ impl Scene {
             .metric("settle_account_dead_letters_total", &[("outcome", outcome)])
     }
 
-    fn assert_never_decreased(&self) {
-        assert_never_decreased(&self.seen);
-    }
-
-    /// Always nack, 10 messages in two halves; with `kill` the operator is SIGKILLed after the
-    /// first half, the application replaced by a new instance (so the first instance's counts
-    /// live only in the operator's saved ledger), the second half published while the operator
-    /// is down, and the operator started again.
-    async fn always_nack(&mut self, kill: bool) -> ConsumerStats {
-        let mut app = self.app();
-        app.wait_ready().await;
-        self.publish(5).await;
-        self.wait_stats(
-            "the first five messages exhausted in status",
-            Duration::from_secs(60),
-            |s| s.exhausted == 5 && s.settlement.nacked == 15,
-        )
-        .await;
-        if kill {
-            self.op.kill9();
-            drop(app);
-            app = self.app();
-            app.wait_ready().await;
-            // The new instance reports into the report queue while the operator is down.
-            self.publish(5).await;
-            tokio::time::sleep(Duration::from_secs(2)).await;
-            self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
-        } else {
-            self.publish(5).await;
-        }
-        let s = self
-            .wait_stats(
-                "all ten messages exhausted in status",
-                Duration::from_secs(90),
-                |s| s.exhausted >= 10 && s.settlement.nacked >= 30,
-            )
-            .await;
-        // Settle a little longer: nothing more may arrive.
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        assert_eq!(
-            self.stats().await,
-            Some(s),
-            "the account kept moving after the work was done"
-        );
-        assert_eq!(s.exhausted, 10, "{s:?}");
-        assert_eq!(s.settlement.nacked, 30, "{s:?}");
-        assert_eq!(s.delivered, 30, "{s:?}");
-        assert_eq!(s.offered, 30, "{s:?}");
-        assert_eq!(s.settlement.acked, 0, "{s:?}");
-        assert!(
-            s.balanced(),
-            "offered == delivered + released + lost: {s:?}"
-        );
-        self.assert_never_decreased();
-        drop(app);
-        s
-    }
-
     async fn finish(self) {
-        self.watcher.abort();
         if let Some((dlx, dlq)) = &self.dead {
             management("DELETE", &format!("/api/queues/%2f/{dlq}"));
             management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
@@ -324,8 +203,7 @@ impl Scene {
                 &format!("/api/queues/%2f/{}", copy_queue(&self.ns, "rabbit")),
             );
         }
-        let _ = std::fs::remove_file(&self.manifest);
-        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.base.finish();
     }
 }
 
@@ -334,62 +212,16 @@ impl AccountScene for Scene {
         Scene::app_with(self, handler)
     }
 
-    async fn replace_app(&self, mut app: App) -> App {
-        app.kill9();
-        Scene::app_with(self, "nack")
-    }
-
     async fn publish(&self, bodies: Vec<String>) {
         Scene::publish_bodies(self, bodies).await;
-    }
-
-    async fn stats(&self) -> ConsumerStats {
-        Scene::stats(self).await.unwrap_or_default()
-    }
-
-    fn kill_operator(&mut self) {
-        self.op.kill9();
-    }
-
-    fn restart_operator(&mut self) {
-        self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
-    }
-
-    fn seen(&self) -> &Seen {
-        &self.seen
-    }
-
-    fn api(&self) -> &Api<Subscription> {
-        &self.api
-    }
-
-    fn operator(&self) -> &Operator {
-        &self.op
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
     let mut scene = Scene::new("acctrq-nack").await;
-    scene.always_nack(false).await;
-    let st = scene
-        .api
-        .get("orders")
-        .await
-        .expect("get")
-        .status
-        .expect("status");
-    let (status, reason, message) =
-        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
-    assert_eq!(
-        (status.as_str(), reason.as_str()),
-        ("True", "MessagesExhausted"),
-        "{message}"
-    );
-    assert!(
-        message.starts_with("10 message(s) ran out of attempts"),
-        "{message}"
-    );
+    always_nack_scenario(&mut scene, Halfway::Nothing).await;
+    let (st, message) = assert_always_nack_shown(&scene).await;
     assert!(
         !message.contains("advisories"),
         "RabbitMQ has no advisories: {message}"
@@ -399,30 +231,6 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
         "without a dead-letter exchange the condition says how to count a crash's losses: {message}"
     );
     assert!(st.stats_updated_at.is_some(), "statsUpdatedAt is set");
-    let described = kubectl_ok(
-        &["describe", "subscription", "orders", "-n", &scene.ns],
-        None,
-    );
-    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
-    for want in [
-        "Delivered: 30",
-        "Exhausted: 10",
-        "Nacked: 30",
-        "Type: Exhausting",
-        "Reason: MessagesExhausted",
-    ] {
-        assert!(
-            flat.contains(want),
-            "kubectl describe lacks {want:?}:\n{described}"
-        );
-    }
-    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
-    assert_eq!(
-        scene
-            .op
-            .metric("settle_subscription_exhausted_total", &labels),
-        10.0
-    );
 
     // The report queue was consumed and acknowledged to the end; the ledger queue holds one
     // snapshot; both are bounded drop-head queues.
@@ -561,7 +369,7 @@ async fn always_nack_on_rabbitmq_is_counted_exactly_and_raises_exhausting() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_killed_halfway_on_rabbitmq_loses_and_doubles_nothing() {
     let mut scene = Scene::new("acctrq-opkill").await;
-    scene.always_nack(true).await;
+    always_nack_scenario(&mut scene, Halfway::OperatorKilledAppReplaced).await;
     scene.finish().await;
 }
 
@@ -598,7 +406,7 @@ async fn a_subscription_deleted_and_applied_again_on_rabbitmq_starts_at_zero_whi
         )
         .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(scene.stats().await, Some(s), "nothing more arrives");
+    assert_eq!(scene.reported().await, Some(s), "nothing more arrives");
     assert_eq!(
         (s.exhausted, s.settlement.nacked, s.delivered, s.offered),
         (2, 6, 6, 6),
@@ -680,7 +488,7 @@ async fn an_instances_final_report_survives_a_flood_of_other_reports_while_the_o
         )
         .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(scene.stats().await, Some(s), "nothing more arrives");
+    assert_eq!(scene.reported().await, Some(s), "nothing more arrives");
     assert_eq!(
         (s.exhausted, s.settlement.nacked, s.delivered, s.offered),
         (5, 15, 15, 15),
@@ -754,7 +562,7 @@ async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_
             |s| s.settlement.nacked == 8,
         )
         .await;
-    assert_eq!(scene.stats().await.map(|s| s.exhausted), Some(0));
+    assert_eq!(scene.reported().await.map(|s| s.exhausted), Some(0));
     // Killed holding four last attempts: the runtime never saw them end. The channel's close
     // returns them, past x-delivery-limit, so the quorum queue dead-letters them.
     app.kill9();
@@ -766,7 +574,7 @@ async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_
         )
         .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(scene.stats().await, Some(s), "nothing more arrives");
+    assert_eq!(scene.reported().await, Some(s), "nothing more arrives");
     assert_eq!(
         (s.exhausted, s.settlement.nacked, s.delivered, s.offered),
         (4, 8, 8, 12),
@@ -884,7 +692,7 @@ async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_
     )
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = scene.stats().await.expect("stats");
+    let after = scene.reported().await.expect("stats");
     assert_eq!(
         (after.exhausted, after.settlement.nacked),
         (4, 8),
@@ -908,7 +716,7 @@ async fn last_attempts_a_crash_spent_on_rabbitmq_are_counted_once_from_the_dead_
 async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_dead_letters() {
     let mut scene = Scene::with_dead_letters("acctrq-dlxnack").await;
     // Exhausted exactly 10 (not 20): the runtime's count and the copy's are of the same messages.
-    let s = scene.always_nack(false).await;
+    let s = always_nack_scenario(&mut scene, Halfway::Nothing).await;
     assert_eq!(s.exhausted, 10, "{s:?}");
     poll(
         "the copy counted the ten rejected last attempts too",
@@ -957,7 +765,7 @@ async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_
     assert!(message.contains("deleted on the broker"), "{message}");
     assert_eq!(scene.dead_letter_metric("copy_queue_lost"), 1.0);
     // Counting goes on through the new copy queue: the same 10, and no more.
-    assert_eq!(scene.stats().await.map(|s| s.exhausted), Some(10));
+    assert_eq!(scene.reported().await.map(|s| s.exhausted), Some(10));
     scene.assert_never_decreased();
 
     // The Backend's last AtLeastOnce Subscription deleted: its copy queue goes too; the

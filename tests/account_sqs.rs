@@ -17,9 +17,9 @@ mod common;
 use std::time::Duration;
 
 use common::account::{
-    Halfway, STALL_SPEC, always_nack_scenario, bodies, stall_flags, stalled_scenario,
+    Halfway, Patience, STALL_SPEC, always_nack_scenario, assert_always_nack_shown, bodies,
+    held_last_attempts_scenario, stall_flags, stalled_scenario,
 };
-use common::kubectl_ok;
 use common::operator::{condition, poll};
 use common::sqs::{SQS_OPERATOR_FLAGS, SqsScene, message_ids, url};
 use settle::backend::sqs::report::{ledger_queue, report_queue};
@@ -31,54 +31,21 @@ async fn always_nack_on_sqs_is_counted_exactly_and_raises_exhausting() {
     let mut scene = SqsScene::new("acctsqs-nack", NACK, &[]).await;
     let s = always_nack_scenario(&mut scene, Halfway::Nothing).await;
     println!("always-nack on SQS: {s:?}");
-    let st = scene
-        .api
-        .get("orders")
-        .await
-        .expect("get")
-        .status
-        .expect("status");
-    let (status, reason, message) =
-        condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
-    assert_eq!(
-        (status.as_str(), reason.as_str()),
-        ("True", "MessagesExhausted"),
-        "{message}"
-    );
-    assert!(
-        message.starts_with("10 message(s) ran out of attempts"),
-        "{message}"
-    );
+    let (st, message) = assert_always_nack_shown(&scene).await;
     assert!(
         message.contains("counted where the broker dead-letters them"),
         "the broker side is watched on SQS: {message}"
     );
     let (status, reason, _) = condition(&st.conditions, "Accounted").expect("Accounted");
     assert_eq!((status.as_str(), reason.as_str()), ("True", "Kept"));
-    let described = kubectl_ok(
-        &["describe", "subscription", "orders", "-n", &scene.ns],
-        None,
-    );
-    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
-    for want in [
-        "Delivered: 30",
-        "Exhausted: 10",
-        "Nacked: 30",
-        "Type: Exhausting",
-        "Reason: MessagesExhausted",
-    ] {
-        assert!(
-            flat.contains(want),
-            "kubectl describe lacks {want:?}:\n{described}"
-        );
-    }
     let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
-    for (metric, want) in [
-        ("settle_subscription_exhausted_total", 10.0),
-        ("settle_subscription_delivered_total", 30.0),
-    ] {
-        assert_eq!(scene.op.metric(metric, &labels), want, "{metric}");
-    }
+    assert_eq!(
+        scene
+            .op
+            .metric("settle_subscription_delivered_total", &labels),
+        30.0,
+        "settle_subscription_delivered_total"
+    );
     // The dead-letter queue still holds all ten: the operator only looked.
     let dlq = format!("{}-dlq", scene.queue());
     assert_eq!(message_ids(&scene.sqs, &dlq).await.len(), 10);
@@ -192,60 +159,26 @@ async fn acked_silent_and_delay_shortened_on_sqs_are_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn last_attempts_spent_by_a_crash_count_once_through_the_dead_letter_queue() {
     let scene = SqsScene::new("acctsqs-crash", NACK, &[]).await;
-    let mut app = scene.app("nack-then-hold");
-    app.wait_ready().await;
-    scene.publish(bodies(4)).await;
-    poll(
-        "the application to hold four last attempts",
-        Duration::from_secs(60),
-        || async {
-            match app.count("held") {
-                4 => Ok(()),
-                n => Err(format!("{n} held")),
-            }
-        },
-    )
-    .await;
-    scene
-        .wait_stats(
-            "the first two attempts' nacks in status",
-            Duration::from_secs(30),
-            |s| s.settlement.nacked == 8,
-        )
-        .await;
     // The process dies holding four messages on their last attempt: the runtime never counts
     // them. Their visibility runs out (ackWait), and the replacement's next receive finds them
     // past maxReceiveCount: the redrive moves them to the dead-letter queue, where the operator
     // counts each once.
-    app.kill9();
-    let replacement = scene.app("nack-then-hold");
-    replacement.wait_ready().await;
-    let s = scene
-        .wait_stats(
-            "four messages exhausted, from the dead-letter queue",
-            Duration::from_secs(60),
-            |s| s.exhausted >= 4,
-        )
-        .await;
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    let later = scene.stats().await;
+    let (replacement, later) = held_last_attempts_scenario(
+        &scene,
+        Patience {
+            limit: Duration::from_secs(60),
+            quiet: Duration::from_secs(5),
+            from: "the dead-letter queue",
+        },
+    )
+    .await;
     println!("crash holding 4 last attempts on SQS: {later:?}");
-    assert_eq!(
-        later.exhausted, 4,
-        "counted once each: {s:?} then {later:?}"
-    );
-    assert_eq!(later.settlement.nacked, 8);
-    assert_eq!(
-        later.delivered, 8,
-        "the held attempts never returned: {later:?}"
-    );
     let dlq = format!("{}-dlq", scene.queue());
     assert_eq!(
         message_ids(&scene.sqs, &dlq).await.len(),
         4,
         "the user's dead-letter queue still holds all four"
     );
-    scene.assert_never_decreased();
     drop(replacement);
     scene.finish().await;
 }
@@ -319,18 +252,7 @@ async fn a_forged_report_is_dropped_and_the_account_queues_go_with_the_subscript
     scene.assert_never_decreased();
     // Deleting the Subscription deletes its account queues with its queue (and its empty
     // dead-letter queue).
-    kubectl_ok(
-        &[
-            "delete",
-            "subscription",
-            "orders",
-            "-n",
-            &scene.ns,
-            "--wait=false",
-        ],
-        None,
-    );
-    common::subs::wait_gone(&scene.api, "orders", Duration::from_secs(60)).await;
+    scene.delete_orders(Duration::from_secs(60)).await;
     for q in [
         scene.queue(),
         format!("{}-dlq", scene.queue()),

@@ -14,10 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::account::{
-    App, NACK_SPEC, OPERATOR_FLAGS, forged, publish_to, settled_at, wait_dropped, watch,
+    App, NACK_SPEC, OPERATOR_FLAGS, forged, publish_to, settled_at, stats_in, wait_dropped, watch,
 };
 use common::operator::{NatsServer, Operator, TestStream, poll};
-use common::rabbitmq::{User, management};
+use common::rabbitmq::{User, env_backend_yaml, management, publish_topic};
 use common::subs::{apply, subs, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -38,23 +38,19 @@ fn nacked(n: u64) -> impl Fn(&ConsumerStats) -> bool {
     }
 }
 
-async fn stats(api: &kube::Api<Subscription>) -> ConsumerStats {
-    api.get("orders")
-        .await
-        .ok()
-        .and_then(|s| s.status)
-        .and_then(|s| s.stats)
-        .map(|s| s.counters)
-        .unwrap_or_default()
-}
-
 /// Waits until status shows `want`, then that it stays so for 3 s; returns it.
 async fn settled(
     api: &kube::Api<Subscription>,
     what: &str,
     want: impl Fn(&ConsumerStats) -> bool,
 ) -> ConsumerStats {
-    settled_at(what, Duration::from_secs(90), || stats(api), want).await
+    settled_at(
+        what,
+        Duration::from_secs(90),
+        || stats_in(api, "orders"),
+        want,
+    )
+    .await
 }
 
 /// The nats-server configuration: the operator's user, and per tenant namespace `(ns, stream)`
@@ -309,7 +305,7 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
     wait_dropped(&op, "from_the_future", 1.0).await;
 
     assert_eq!(
-        stats(&api).await,
+        stats_in(&api, "orders").await,
         before,
         "a forgery moved the victim's status"
     );
@@ -389,9 +385,9 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
     let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
     apply(
         &ns,
-        &format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: rabbit}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n    managementUrl: \"{}\"\n    reportUsers: [\"{}\"]\n",
-            env.rabbitmq_url, env.rabbitmq_management_url, victim.name
+        &env_backend_yaml(
+            "rabbit",
+            &format!("    reportUsers: [\"{}\"]\n", victim.name),
         ),
     );
     let tag = format!("tenants{pid}");
@@ -415,29 +411,7 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
         lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())
             .await
             .expect("connect to RabbitMQ");
-    let publish = |n: usize| {
-        let guest = &guest;
-        let tag = tag.clone();
-        async move {
-            let ch = guest.create_channel().await.expect("channel");
-            ch.confirm_select(ConfirmSelectOptions::default())
-                .await
-                .expect("confirms");
-            let confirm = ch
-                .basic_publish(
-                    "amq.topic".into(),
-                    format!("{tag}.m{n}").as_str().into(),
-                    BasicPublishOptions::default(),
-                    n.to_string().as_bytes(),
-                    lapin::BasicProperties::default(),
-                )
-                .await
-                .expect("publish")
-                .await
-                .expect("confirmed");
-            assert!(confirm.is_ack(), "the broker took message {n}");
-        }
-    };
+    let publish = |n: usize| publish_topic(&guest, [(format!("{tag}.m{n}"), n.to_string())]);
     publish(1).await;
     publish(2).await;
     // The victim's runtime reports as its own user, which the Backend lists: counted.
@@ -513,7 +487,7 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
     wait_dropped(&op, "sequence_jump", 1.0).await;
 
     assert_eq!(
-        stats(&api).await,
+        stats_in(&api, "orders").await,
         before,
         "a forgery moved the victim's status"
     );

@@ -1,31 +1,29 @@
 //! The handler runtime on the in-memory backend: one test per rule of docs/semantics.md that the
 //! runtime implements, each citing its rule. Time is Tokio's paused clock, so "at once" and
-//! "after one second" are exact and the suite runs in milliseconds of wall time.
+//! "after one second" are exact and the suite runs in milliseconds of wall time. The scenarios
+//! every broker runs are `common::bus`'s; this suite runs them on [`Memory`].
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::bus::{BusScene, Message, Seen, stats, sub, until_paused as until};
 use futures::future::BoxFuture;
 use settle::api::{self, Backoff, Capabilities, ConsumerStats, DeliveryPolicy, Mode, SlowHandler};
 use settle::backend::memory::MemoryBroker;
 use settle::bus::{
-    self, Broker, Bus, BusError, Consumer, Decision, Delivery, Format, SettleError, StatsSink,
-    Subscriber, SubscriptionCtx, handler,
+    self, Broker, Bus, BusBuilder, BusError, Consumer, Decision, Delivery, Format, SettleError,
+    StatsSink, Subscriber, SubscriptionCtx, handler,
 };
 use settle::policy::{self, BackendKind};
-use tokio::time::Instant;
 
 // ---------------------------------------------------------------- helpers
 
 fn alo(pattern: &str) -> DeliveryPolicy {
-    DeliveryPolicy {
-        pattern: pattern.into(),
-        mode: Mode::AtLeastOnce,
-        durable_name: Some(format!("d-{}", pattern.replace(['.', '>', '*'], "_"))),
-        max_deliver: Some(5),
-        ..DeliveryPolicy::default()
-    }
+    let durable = format!("d-{}", pattern.replace(['.', '>', '*'], "_"));
+    common::bus::at_least_once(pattern, &durable)
 }
 
 fn amo(pattern: &str) -> DeliveryPolicy {
@@ -47,57 +45,34 @@ fn bus(backend: &MemoryBroker) -> Bus {
     Bus::builder(backend.clone()).without_reports().build()
 }
 
-/// What a handler saw: (payload, attempt, when).
-#[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
-
-impl Seen {
-    fn record(&self, d: &Delivery) {
-        self.0.lock().unwrap().push((
-            String::from_utf8_lossy(d.payload()).into_owned(),
-            d.attempt(),
-            Instant::now(),
-        ));
-    }
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|e| e.1).collect()
-    }
-    fn times(&self) -> Vec<Instant> {
-        self.0.lock().unwrap().iter().map(|e| e.2).collect()
-    }
-    fn gaps(&self) -> Vec<Duration> {
-        let t = self.times();
-        t.windows(2).map(|w| w[1] - w[0]).collect()
-    }
-}
-
-/// Waits (on the paused clock) until `f` holds; panics with `what` after ten minutes of virtual time.
-async fn until(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 /// Lets the bus run for a while of virtual time.
 async fn settle_for(d: Duration) {
     tokio::time::sleep(d).await;
 }
 
-fn stats(bus: &Bus, name: &str) -> ConsumerStats {
-    bus.stats(name).expect("subscription exists")
-}
+/// The shared scenarios' view of one in-memory broker: subscription `name` listens on
+/// `name.>` (its durable name from [`alo`]), and message `n` is published to `name.n`.
+struct Memory(MemoryBroker);
 
-fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> Subscriber
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
-{
-    Subscriber::new(name, policy, handler(f))
+impl BusScene for Memory {
+    async fn builder(&self) -> BusBuilder {
+        Bus::builder(self.0.clone()).without_reports()
+    }
+
+    fn alo(&self, name: &str) -> DeliveryPolicy {
+        alo(&format!("{name}.>"))
+    }
+
+    async fn send(&self, bus: &Bus, m: Message<'_>) {
+        let subject = format!("{}.{}", m.name, m.n);
+        bus.publish_with_headers(subject, m.headers, m.body.to_string())
+            .await
+            .unwrap();
+    }
+
+    async fn until(&self, what: &str, f: impl Fn() -> bool) {
+        until(what, f).await;
+    }
 }
 
 // ---------------------------------------------------------------- spec and defaults
@@ -344,20 +319,10 @@ async fn at_least_once_redelivers_nack_and_silence_with_higher_attempts_up_to_ma
 async fn exhausted_is_counted_once_per_message() {
     // semantics C7: a message declined on its last attempt is Exhausted, once per message
     // (message grain): real data loss.
-    let mem = MemoryBroker::new();
-    let bus = bus(&mem);
+    let scene = Memory(MemoryBroker::new());
     let mut p = alo("orders.>");
     p.max_deliver = Some(3);
-    bus.subscribe(sub("orders", p, |d| async move {
-        d.nack().await?;
-        Ok(())
-    }))
-    .await
-    .unwrap();
-    for i in 0..2 {
-        bus.publish(format!("orders.{i}"), "a").await.unwrap();
-    }
-    until("both exhausted", || stats(&bus, "orders").exhausted == 2).await;
+    let (bus, _) = common::bus::always_nack_until_exhausted(&scene, "orders", p, 2).await;
     settle_for(Duration::from_secs(10)).await;
     let st = stats(&bus, "orders");
     assert_eq!(
@@ -376,14 +341,10 @@ async fn at_least_once_requires_a_durable_name_on_the_memory_backend_too() {
     // semantics M3: durableName is required under AtLeastOnce on every backend, memory included,
     // so the spec tested against memory is the spec run against a broker.
     let mem = MemoryBroker::new();
-    let bus = bus(&mem);
     let mut p = alo("orders.>");
     p.durable_name = None;
     let expected = settle::policy::validate_policy(&p, &mem.capabilities()).error_text();
-    let err = bus
-        .subscribe(sub("orders", p, |_d| async { Ok(()) }))
-        .await
-        .unwrap_err();
+    let err = common::bus::refused_without_a_durable_name(&Memory(mem), "orders").await;
     match &err {
         BusError::Refused {
             reason, backend, ..
@@ -764,29 +725,15 @@ async fn the_memory_backend_never_hands_a_message_on_while_its_handler_runs() {
     // semantics H4: the in-memory backend never hands a message on while its handler runs, so
     // neither slowHandler setting does anything there.
     for slow in [SlowHandler::ExtendLease, SlowHandler::Redeliver] {
-        let mem = MemoryBroker::new();
-        let bus = bus(&mem);
-        let seen = Seen::default();
-        let s = seen.clone();
         let mut p = alo("o.>");
         p.slow_handler = Some(slow);
         p.ack_wait = Some(api::Duration::from_secs(1));
         p.max_processing_time = Some(api::Duration::from_secs(2));
-        bus.subscribe(sub("o", p, move |d| {
-            let s = s.clone();
-            async move {
-                s.record(&d);
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                d.ack().await?;
-                Ok(())
-            }
-        }))
-        .await
-        .unwrap();
-        bus.publish("o.1", "a").await.unwrap();
-        until("acked", || stats(&bus, "o").settlement.acked == 1).await;
-        assert_eq!(seen.attempts(), [1], "{slow:?}: not handed on");
-        assert_eq!(stats(&bus, "o").lease_expired, 0);
+        let scene = Memory(MemoryBroker::new());
+        let (bus, _) =
+            common::bus::a_slow_handler_keeps_its_message(&scene, "o", p, Duration::from_secs(30))
+                .await;
+        assert_eq!(stats(&bus, "o").settlement.acked, 1, "{slow:?}");
     }
 }
 
@@ -884,7 +831,7 @@ async fn the_returned_error_never_decides_settlement() {
     let st = stats(&bus, "o");
     assert_eq!((st.settlement.acked, st.settlement.nacked), (2, 1));
     assert_eq!(bus.runtime_stats("o").unwrap().handler_errors, 1);
-    let runs: Vec<String> = seen.0.lock().unwrap().iter().map(|e| e.0.clone()).collect();
+    let runs: Vec<String> = seen.all().into_iter().map(|e| e.0).collect();
     assert_eq!(
         runs.iter().filter(|r| *r == "ack-then-err").count(),
         1,
@@ -998,40 +945,15 @@ async fn a_refused_nack_moves_nacked_and_refused() {
 async fn released_attempts_are_owed_back_and_redelivered_under_at_least_once() {
     // semantics C3: Released counts attempts given up before their handler returned; the backend
     // owes them back.
-    let mem = MemoryBroker::new();
-    let bus1 = Bus::builder(mem.clone())
-        .without_reports()
-        .close_grace(Duration::from_millis(100))
-        .build();
-    bus1.subscribe(sub("o", alo("o.>"), |_d| async move {
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-        Ok(())
-    }))
-    .await
-    .unwrap();
-    bus1.publish("o.1", "a").await.unwrap();
-    until("offered", || stats(&bus1, "o").offered == 1).await;
-    bus1.close().await;
-    let st = stats(&bus1, "o");
-    assert_eq!((st.released, st.delivered, st.lost), (1, 0, 0));
-    assert!(st.balanced());
-
-    // The same durable on a new bus gets it back, with a higher attempt.
-    let bus2 = bus(&mem);
-    let seen = Seen::default();
-    let s = seen.clone();
-    bus2.subscribe(sub("o", alo("o.>"), move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    until("redelivered", || seen.len() == 1).await;
-    assert_eq!(seen.attempts(), [2]);
+    let attempts = common::bus::released_at_close_comes_back(
+        &Memory(MemoryBroker::new()),
+        "o",
+        alo("o.>"),
+        Duration::from_millis(100),
+        async |st| assert_eq!((st.released, st.delivered, st.lost), (1, 0, 0)),
+    )
+    .await;
+    assert_eq!(attempts, [2]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1337,33 +1259,10 @@ async fn a_forgotten_ack_is_counted_silent_and_never_stalls_the_consumer() {
     // semantics P3: a forgotten ack does not hold its slot (with a prefetch of 1 a consumer would
     // otherwise stop after one message): it is counted Silent and, under AtLeastOnce,
     // redelivered, so it never stalls a consumer unseen.
-    let mem = MemoryBroker::new();
-    let bus = bus(&mem);
-    let runs = Arc::new(AtomicU32::new(0));
-    let r = runs.clone();
-    let mut p = alo("o.>");
-    p.max_in_flight = Some(1);
-    p.max_deliver = Some(2);
-    bus.subscribe(sub("o", p, move |_d| {
-        let r = r.clone();
-        async move {
-            r.fetch_add(1, Ordering::SeqCst);
-            Ok(()) // forgot to ack
-        }
-    }))
-    .await
-    .unwrap();
-    for i in 0..5 {
-        bus.publish(format!("o.{i}"), "x").await.unwrap();
-    }
-    until("all five exhausted", || stats(&bus, "o").exhausted == 5).await;
-    let st = stats(&bus, "o");
-    assert_eq!(st.settlement.silent, 10, "every forgotten ack is visible");
-    assert_eq!(
-        runs.load(Ordering::SeqCst),
-        10,
-        "the consumer went past the first message"
-    );
+    let scene = Memory(MemoryBroker::new());
+    let (_bus, runs) =
+        common::bus::a_forgotten_ack_with_prefetch_one_never_stalls(&scene, "o", 5).await;
+    assert_eq!(runs, 10, "the consumer went past the first message");
 }
 
 // ---------------------------------------------------------------- the seam and conformance

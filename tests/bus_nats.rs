@@ -10,10 +10,11 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::bus::{BusScene, Message, Seen, at_least_once, stats, sub, until};
 use futures::StreamExt;
-use settle::api::{self, Backoff, ConsumerStats, DeliveryPolicy, Mode, SlowHandler};
+use settle::api::{self, Backoff, DeliveryPolicy, Mode, SlowHandler};
 use settle::backend::nats::NatsBroker;
-use settle::bus::{self, Bus, BusError, Delivery, SettleError, Subscriber, handler};
+use settle::bus::{self, Bus, BusBuilder, SettleError};
 use tokio::time::Instant;
 
 // ---------------------------------------------------------------- helpers
@@ -109,13 +110,7 @@ impl Scope {
     }
 
     fn alo(&self, durable: &str) -> DeliveryPolicy {
-        DeliveryPolicy {
-            pattern: self.pattern(),
-            mode: Mode::AtLeastOnce,
-            durable_name: Some(durable.into()),
-            max_deliver: Some(5),
-            ..DeliveryPolicy::default()
-        }
+        at_least_once(&self.pattern(), durable)
     }
 
     async fn publish(&self, s: &str, body: &str) {
@@ -141,47 +136,30 @@ impl Scope {
     }
 }
 
-#[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
+/// The shared scenarios' view of a scope: subscription `name` listens on the scope's subjects
+/// with durable name `name`, and message `n` goes to `<prefix>.n` straight through JetStream.
+impl BusScene for Scope {
+    async fn builder(&self) -> BusBuilder {
+        Bus::builder(self.backend().await).without_reports()
+    }
 
-impl Seen {
-    fn record(&self, d: &Delivery) {
-        self.0.lock().unwrap().push((
-            String::from_utf8_lossy(d.payload()).into_owned(),
-            d.attempt(),
-            Instant::now(),
-        ));
+    fn alo(&self, name: &str) -> DeliveryPolicy {
+        Scope::alo(self, name)
     }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|e| e.1).collect()
-    }
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn gaps(&self) -> Vec<Duration> {
-        let v = self.0.lock().unwrap();
-        v.windows(2).map(|w| w[1].2 - w[0].2).collect()
-    }
-}
 
-async fn until(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    async fn send(&self, _bus: &Bus, m: Message<'_>) {
+        let mut headers = async_nats::HeaderMap::new();
+        for (k, v) in &m.headers {
+            headers.insert(k.as_str(), v.as_str());
+        }
+        let subject = self.subject(&m.n.to_string());
+        self.js
+            .publish_with_headers(subject, headers, m.body.to_string().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
     }
-}
-
-fn stats(bus: &Bus, name: &str) -> ConsumerStats {
-    bus.stats(name).expect("subscription exists")
-}
-
-fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> Subscriber
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
-{
-    Subscriber::new(name, policy, handler(f))
 }
 
 fn ms(v: u64) -> api::Duration {
@@ -248,17 +226,7 @@ async fn the_consumer_carries_the_policy_and_never_a_backoff_list() {
 async fn at_least_once_requires_a_durable_name_on_nats() {
     // semantics M3: durableName is required under AtLeastOnce, on every backend.
     let scope = Scope::new("durable").await;
-    let bus = scope.bus().await;
-    let mut p = scope.alo("x");
-    p.durable_name = None;
-    let err = bus
-        .subscribe(sub("x", p, |_d| async { Ok(()) }))
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&err, BusError::Refused { reason, .. } if reason.contains("spec.durableName")),
-        "{err}"
-    );
+    common::bus::refused_without_a_durable_name(&scope, "x").await;
     scope.drop_stream().await;
 }
 
@@ -391,23 +359,9 @@ async fn a_message_declined_on_its_last_attempt_is_exhausted_and_terminated() {
     // semantics C7: declined on its last attempt, a message is Exhausted once (message grain).
     // J3: on JetStream the runtime then sends +TERM.
     let scope = Scope::new("exhaust").await;
-    let bus = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
     let mut p = scope.alo("ex");
     p.max_deliver = Some(3);
-    bus.subscribe(sub("ex", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.nack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    scope.publish("1", "a").await;
-    until("exhausted", || stats(&bus, "ex").exhausted == 1).await;
+    let (bus, seen) = common::bus::always_nack_until_exhausted(&scope, "ex", p, 1).await;
     // Once the server has the +TERM it offers the message no more: wait for it on the wire.
     until("+TERM on the wire", || scope.wire.count("+TERM") == 1).await;
     assert_eq!(
@@ -427,29 +381,18 @@ async fn at_most_once_sends_nothing_and_nothing_comes_back() {
     // semantics M1: under AtMostOnce every settlement is counted and none is acted on: nothing
     // is sent, and a Nack does not bring the message back.
     let scope = Scope::new("amo").await;
-    let bus = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
     let p = DeliveryPolicy {
         pattern: scope.pattern(),
         ..DeliveryPolicy::default()
     };
-    bus.subscribe(sub("amo", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.nack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    scope.publish("1", "a").await;
-    scope.publish("2", "b").await;
-    until("two", || stats(&bus, "amo").delivered == 2).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(seen.len(), 2);
-    assert_eq!(stats(&bus, "amo").settlement.nacked, 2);
+    let (bus, _) = common::bus::at_most_once_nacks_bring_nothing_back(
+        &scope,
+        "amo",
+        p,
+        2,
+        Duration::from_millis(500),
+    )
+    .await;
     assert!(
         scope.wire.bodies().is_empty(),
         "nothing is sent under AtMostOnce: {:?}",
@@ -466,30 +409,16 @@ async fn extend_lease_keeps_a_slow_message_with_its_handler() {
     // semantics H1: ExtendLease keeps the message with its handler for up to maxProcessingTime.
     // J4: by +WPI, which restarts the full ack wait.
     let scope = Scope::new("extend").await;
-    let bus = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
     let mut p = scope.alo("ext");
     // ackWait 2 s and a handler of three ackWaits: without +WPI the server would hand the
     // message on twice while the handler runs, with seconds of slack on a loaded machine.
     p.ack_wait = Some(ms(2000));
     p.max_processing_time = Some(api::Duration::from_secs(60));
-    bus.subscribe(sub("ext", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            tokio::time::sleep(Duration::from_millis(6000)).await;
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    scope.publish("1", "a").await;
-    until("acked", || stats(&bus, "ext").settlement.acked == 1).await;
-    assert_eq!(seen.attempts(), [1], "the broker did not hand it on");
+    let (bus, _) =
+        common::bus::a_slow_handler_keeps_its_message(&scope, "ext", p, Duration::from_secs(6))
+            .await;
+    assert_eq!(stats(&bus, "ext").settlement.acked, 1);
     assert!(scope.wire.count("+WPI") >= 2, "{:?}", scope.wire.bodies());
-    assert_eq!(stats(&bus, "ext").lease_expired, 0);
     bus.close().await;
     scope.drop_stream().await;
 }
@@ -671,46 +600,20 @@ async fn an_attempt_given_up_at_close_is_released_and_comes_back() {
     // semantics C3: an attempt given up before its handler returned is Released; the backend
     // owes it back (J4: a bare -NAK).
     let scope = Scope::new("release").await;
-    let bus1 = Bus::builder(scope.backend().await)
-        .without_reports()
-        .close_grace(Duration::from_millis(200))
-        .build();
     let mut p = scope.alo("rel");
     p.ack_wait = Some(ms(1000));
-    bus1.subscribe(sub("rel", p.clone(), |_d| async move {
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-        Ok(())
-    }))
-    .await
-    .unwrap();
-    scope.publish("1", "a").await;
-    until("offered", || stats(&bus1, "rel").offered == 1).await;
-    bus1.close().await;
-    let st = stats(&bus1, "rel");
-    assert_eq!((st.released, st.delivered), (1, 0));
-    assert!(st.balanced());
-    until("released on the wire", || scope.wire.count("-NAK") == 1).await;
-
-    let bus2 = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
-    bus2.subscribe(sub("rel", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    until("redelivered", || seen.len() == 1).await;
+    let attempts = common::bus::released_at_close_comes_back(
+        &scope,
+        "rel",
+        p,
+        Duration::from_millis(200),
+        async |_| until("released on the wire", || scope.wire.count("-NAK") == 1).await,
+    )
+    .await;
     assert!(
-        seen.attempts()[0] >= 2,
-        "comes back as a later attempt: {:?}",
-        seen.attempts()
+        attempts[0] >= 2,
+        "comes back as a later attempt: {attempts:?}"
     );
-    bus2.close().await;
     scope.drop_stream().await;
 }
 
@@ -744,41 +647,8 @@ async fn a_masstransit_envelope_contradicted_by_a_nats_header_counts_a_foreign_c
     // semantics C11: a transport correlation-id header that differs from the MassTransit
     // envelope's correlationId is a ForeignConflict.
     let scope = Scope::new("foreign").await;
-    let bus = scope.bus().await;
-    let got = Arc::new(Mutex::new(None));
-    let g = got.clone();
-    bus.subscribe(sub("f", scope.alo("f"), move |d| {
-        let g = g.clone();
-        async move {
-            *g.lock().unwrap() = Some((
-                d.event().correlation_id.clone(),
-                d.foreign().get("correlation-id").map(str::to_string),
-            ));
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("content-type", "application/vnd.masstransit+json");
-    headers.insert("correlation-id", "from-broker");
-    let body =
-        r#"{"messageId":"m","correlationId":"from-envelope","messageType":["x"],"message":{}}"#;
-    scope
-        .js
-        .publish_with_headers(scope.subject("1"), headers, body.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    until("handled", || got.lock().unwrap().is_some()).await;
-    assert_eq!(
-        got.lock().unwrap().clone().unwrap(),
-        (Some("from-envelope".into()), Some("from-broker".into()))
-    );
-    assert_eq!(stats(&bus, "f").foreign_conflicts, 1);
-    bus.close().await;
+    common::bus::a_masstransit_envelope_contradicted_by_a_header_is_a_foreign_conflict(&scope)
+        .await;
     scope.drop_stream().await;
 }
 
@@ -789,19 +659,8 @@ async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_nats() {
     // semantics P3: with maxInFlight 1 a forgotten ack would stop the consumer after one message;
     // in Settle it is counted Silent and redelivered, so the consumer goes on.
     let scope = Scope::new("forgotten").await;
-    let bus = scope.bus().await;
-    let mut p = scope.alo("fg");
-    p.max_in_flight = Some(1);
-    p.max_deliver = Some(2);
-    bus.subscribe(sub("fg", p, |_d| async move { Ok(()) }))
-        .await
-        .unwrap();
-    for i in 0..4 {
-        scope.publish(&i.to_string(), "x").await;
-    }
-    until("all exhausted", || stats(&bus, "fg").exhausted == 4).await;
-    let st = stats(&bus, "fg");
-    assert_eq!(st.settlement.silent, 8);
+    let (bus, _) =
+        common::bus::a_forgotten_ack_with_prefetch_one_never_stalls(&scope, "fg", 4).await;
     assert_eq!(scope.consumer_config("fg").await.max_ack_pending, 1);
     bus.close().await;
     scope.drop_stream().await;
@@ -812,10 +671,7 @@ async fn the_bus_keeps_consuming_across_a_broker_restart() {
     // semantics J7: the runtime survives a broker restart (durable consumer, file storage).
     let env = common::env();
     let dir = tempfile::tempdir().unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = common::free_port();
     // Killed when dropped: a failed assertion leaves no nats-server behind.
     let start = || {
         common::process::Killed::spawn(

@@ -7,18 +7,18 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::rabbitmq::management;
+use common::bus::{BusScene, Message, Seen, at_least_once, stats, sub, until};
+use common::rabbitmq::{bindings, encode, management, management_json};
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
-use settle::api::{Backoff, ConsumerStats, DeliveryPolicy, Mode};
+use settle::api::{Backoff, DeliveryPolicy};
 use settle::backend::rabbitmq::RabbitBroker;
 use settle::backend::rabbitmq::queue::{self, Binding, Exchanges, LiveQueue};
-use settle::bus::{self, Bus, BusError, Delivery, Subscriber, handler};
+use settle::bus::{self, Bus, BusBuilder, BusError, Delivery, Subscriber, handler};
 use settle::policy::ResolvedPolicy;
 use tokio::time::Instant;
 
@@ -75,13 +75,7 @@ impl Scope {
     }
 
     fn alo(&self, durable: &str) -> DeliveryPolicy {
-        DeliveryPolicy {
-            pattern: "orders.>".into(),
-            mode: Mode::AtLeastOnce,
-            durable_name: Some(self.durable(durable)),
-            max_deliver: Some(5),
-            ..DeliveryPolicy::default()
-        }
+        at_least_once("orders.>", &self.durable(durable))
     }
 
     async fn publish(&self, bus: &Bus, subject: &str, body: &str) {
@@ -90,7 +84,7 @@ impl Scope {
 
     /// Deletes every queue bound to the exchange, then the exchange.
     async fn cleanup(self) {
-        let bindings = mgmt(
+        let bindings = management_json(
             "GET",
             &format!(
                 "/api/exchanges/%2f/{}/bindings/source",
@@ -114,47 +108,30 @@ impl Scope {
     }
 }
 
-fn encode(s: &str) -> String {
-    s.replace('%', "%25").replace('/', "%2f")
-}
-
 fn mgmt_status(method: &str, path: &str) -> u16 {
     management(method, path).0
 }
 
-fn mgmt(method: &str, path: &str) -> Value {
-    let (status, body) = management(method, path);
-    assert_eq!(status, 200, "{method} {path}: {body}");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{method} {path}: {e}: {body}"))
-}
-
 fn queue_info(name: &str) -> Value {
-    mgmt("GET", &format!("/api/queues/%2f/{}", encode(name)))
+    management_json("GET", &format!("/api/queues/%2f/{}", encode(name)))
 }
 
-#[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, u32)>>>);
+/// The shared scenarios' view of a scope: subscription `name` listens on `orders.>` with a
+/// durable name of this test's own, and message `n` is published to `orders.n` through the bus.
+impl BusScene for Scope {
+    async fn builder(&self) -> BusBuilder {
+        Bus::builder(self.backend().await).without_reports()
+    }
 
-impl Seen {
-    fn record(&self, d: &Delivery) {
-        self.0.lock().unwrap().push((
-            String::from_utf8_lossy(d.payload()).into_owned(),
-            d.attempt(),
-        ));
+    fn alo(&self, name: &str) -> DeliveryPolicy {
+        Scope::alo(self, name)
     }
-    fn all(&self) -> Vec<(String, u32)> {
-        self.0.lock().unwrap().clone()
-    }
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-}
 
-async fn until(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    async fn send(&self, bus: &Bus, m: Message<'_>) {
+        let subject = format!("orders.{}", m.n);
+        bus.publish_with_headers(subject, m.headers, m.body.to_string())
+            .await
+            .unwrap();
     }
 }
 
@@ -178,7 +155,7 @@ async fn until_queue(name: &str, what: &str, f: impl Fn(&Value) -> bool) {
 async fn consumer_of(name: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let all = mgmt("GET", "/api/consumers/%2f");
+        let all = management_json("GET", "/api/consumers/%2f");
         if let Some(c) = all
             .as_array()
             .and_then(|a| a.iter().find(|c| c["queue"]["name"] == name))
@@ -191,18 +168,6 @@ async fn consumer_of(name: &str) -> Value {
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-fn stats(bus: &Bus, name: &str) -> ConsumerStats {
-    bus.stats(name).expect("subscription exists")
-}
-
-fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> Subscriber
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
-{
-    Subscriber::new(name, policy, handler(f))
 }
 
 // ---------------------------------------------------------------- conformance
@@ -252,19 +217,13 @@ async fn a_code_defined_subscription_declares_exactly_the_mapped_quorum_queue_an
     assert_eq!(arguments["x-delivery-limit"], 2, "{q}");
     assert_eq!(arguments["x-queue-type"], "quorum");
     assert_eq!(arguments["x-settle-subscription"], "default/decl");
-    let bindings: Vec<Binding> = mgmt(
-        "GET",
-        &format!("/api/queues/%2f/{}/bindings", encode(&name)),
-    )
-    .as_array()
-    .unwrap()
-    .iter()
-    .filter(|b| b["source"] != "") // the default exchange's implicit binding
-    .map(|b| Binding {
-        exchange: b["source"].as_str().unwrap().into(),
-        routing_key: b["routing_key"].as_str().unwrap().into(),
-    })
-    .collect();
+    let bindings: Vec<Binding> = bindings(&name)
+        .into_iter()
+        .map(|(exchange, routing_key)| Binding {
+            exchange,
+            routing_key,
+        })
+        .collect();
     assert_eq!(
         bindings,
         [Binding {
@@ -341,27 +300,9 @@ async fn always_nack_with_max_deliver_three_exhausts_every_message_after_three_a
     // semantics M2, C7, R3: each decline is a requeue; the third is the last attempt, counted
     // Exhausted and rejected without requeue, so nothing comes back and the queue is empty.
     let scope = Scope::new("exhaust").await;
-    let bus = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
     let mut p = scope.alo("ex");
     p.max_deliver = Some(3);
-    bus.subscribe(sub("ex", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.nack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    for i in 0..10 {
-        scope
-            .publish(&bus, &format!("orders.{i}"), &i.to_string())
-            .await;
-    }
-    until("10 exhausted", || stats(&bus, "ex").exhausted == 10).await;
+    let (bus, seen) = common::bus::always_nack_until_exhausted(&scope, "ex", p, 10).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     let st = stats(&bus, "ex");
     assert_eq!((st.exhausted, st.settlement.nacked), (10, 30), "{st:?}");
@@ -452,29 +393,19 @@ async fn at_most_once_consumes_with_automatic_ack_and_a_nack_brings_nothing_back
     // semantics M1, P4, R2: AtMostOnce is RabbitMQ's `none`: the broker forgets each message
     // when it sends it. A Nack is counted and changes nothing.
     let scope = Scope::new("amo").await;
-    let bus = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
     let p = DeliveryPolicy {
         pattern: "orders.>".into(),
         durable_name: Some(scope.durable("amo")),
         ..DeliveryPolicy::default()
     };
-    bus.subscribe(sub("amo", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.nack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    scope.publish(&bus, "orders.1", "a").await;
-    scope.publish(&bus, "orders.2", "b").await;
-    until("two delivered", || stats(&bus, "amo").delivered == 2).await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(seen.len(), 2, "not redelivered: {:?}", seen.all());
+    let (bus, _) = common::bus::at_most_once_nacks_bring_nothing_back(
+        &scope,
+        "amo",
+        p,
+        2,
+        Duration::from_millis(700),
+    )
+    .await;
     let st = stats(&bus, "amo");
     assert_eq!(
         (st.settlement.nacked, st.exhausted, st.settlement.refused),
@@ -499,40 +430,15 @@ async fn closing_with_a_handler_still_running_releases_and_the_broker_redelivers
     // semantics C3, R5: an attempt given up at close is Released; the broker requeues it, and it
     // comes back to the next consumer as a later attempt.
     let scope = Scope::new("release").await;
-    let bus1 = Bus::builder(scope.backend().await)
-        .without_reports()
-        .close_grace(Duration::from_millis(200))
-        .build();
-    let p = scope.alo("rel");
-    bus1.subscribe(sub("rel", p.clone(), |_d| async move {
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-        Ok(())
-    }))
-    .await
-    .unwrap();
-    scope.publish(&bus1, "orders.1", "a").await;
-    until("offered", || stats(&bus1, "rel").offered == 1).await;
-    bus1.close().await;
-    let st = stats(&bus1, "rel");
-    assert_eq!((st.released, st.delivered, st.stranded), (1, 0, 0));
-    assert!(st.balanced());
-
-    let bus2 = scope.bus().await;
-    let seen = Seen::default();
-    let s = seen.clone();
-    bus2.subscribe(sub("rel", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    until("redelivered", || seen.len() == 1).await;
-    assert!(seen.all()[0].1 >= 2, "a later attempt: {:?}", seen.all());
-    bus2.close().await;
+    let attempts = common::bus::released_at_close_comes_back(
+        &scope,
+        "rel",
+        scope.alo("rel"),
+        Duration::from_millis(200),
+        async |st| assert_eq!((st.released, st.delivered, st.stranded), (1, 0, 0)),
+    )
+    .await;
+    assert!(attempts[0] >= 2, "a later attempt: {attempts:?}");
     scope.cleanup().await;
 }
 
@@ -542,44 +448,8 @@ async fn a_correlation_id_property_contradicting_a_masstransit_envelope_is_a_for
     // from the MassTransit envelope's correlationId the envelope wins and the attempt counts a
     // ForeignConflict.
     let scope = Scope::new("foreign").await;
-    let bus = scope.bus().await;
-    let got = Arc::new(Mutex::new(None));
-    let g = got.clone();
-    bus.subscribe(sub("f", scope.alo("f"), move |d| {
-        let g = g.clone();
-        async move {
-            *g.lock().unwrap() = Some((
-                d.event().correlation_id.clone(),
-                d.foreign().get("correlation-id").map(str::to_string),
-            ));
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    let body =
-        r#"{"messageId":"m","correlationId":"from-envelope","messageType":["x"],"message":{}}"#;
-    bus.publish_with_headers(
-        "orders.1",
-        vec![
-            (
-                "content-type".into(),
-                "application/vnd.masstransit+json".into(),
-            ),
-            ("correlation-id".into(), "from-broker".into()),
-        ],
-        body,
-    )
-    .await
-    .unwrap();
-    until("handled", || got.lock().unwrap().is_some()).await;
-    assert_eq!(
-        got.lock().unwrap().clone().unwrap(),
-        (Some("from-envelope".into()), Some("from-broker".into()))
-    );
-    assert_eq!(stats(&bus, "f").foreign_conflicts, 1);
-    bus.close().await;
+    common::bus::a_masstransit_envelope_contradicted_by_a_header_is_a_foreign_conflict(&scope)
+        .await;
     scope.cleanup().await;
 }
 

@@ -10,11 +10,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use settle::api::{self, ConsumerStats, DeliveryPolicy, Mode};
+use common::bus::{BusScene, Message, Seen, at_least_once, stats, sub, until};
+use settle::api::{self, DeliveryPolicy};
 use settle::backend::sqs::hold::{HOLD_LIMIT, Hold, hold};
 use settle::backend::sqs::queue::parse_redrive;
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
-use settle::bus::{self, Bus, BusError, Delivery, Subscriber, handler};
+use settle::bus::{self, Bus, BusBuilder, BusError, Delivery, Subscriber, handler};
 use tokio::time::Instant;
 
 // ---------------------------------------------------------------- helpers
@@ -81,54 +82,26 @@ impl Scope {
 
 /// An AtLeastOnce policy whose pattern is its durable name (a queue's name, semantics A12).
 fn alo(name: &str) -> DeliveryPolicy {
-    DeliveryPolicy {
-        pattern: name.into(),
-        mode: Mode::AtLeastOnce,
-        durable_name: Some(name.into()),
-        max_deliver: Some(5),
-        ..DeliveryPolicy::default()
-    }
+    at_least_once(name, name)
 }
 
-/// Every attempt a handler saw: (payload, attempt, when).
-#[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, u32, Instant)>>>);
-
-impl Seen {
-    fn record(&self, d: &Delivery) {
-        self.0.lock().unwrap().push((
-            String::from_utf8_lossy(d.payload()).into_owned(),
-            d.attempt(),
-            Instant::now(),
-        ));
+/// The shared scenarios' view of a scope: subscription `name` consumes queue `name` (the
+/// subject is the queue's name), so message `n` is published to `name` whatever `n` is.
+impl BusScene for Scope {
+    async fn builder(&self) -> BusBuilder {
+        Bus::builder(self.broker().await).without_reports()
     }
-    fn attempts(&self) -> Vec<u32> {
-        self.0.lock().unwrap().iter().map(|x| x.1).collect()
-    }
-    fn gaps(&self) -> Vec<Duration> {
-        let v = self.0.lock().unwrap();
-        v.windows(2).map(|w| w[1].2 - w[0].2).collect()
-    }
-}
 
-async fn until(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    fn alo(&self, name: &str) -> DeliveryPolicy {
+        alo(name)
     }
-}
 
-fn stats(bus: &Bus, name: &str) -> ConsumerStats {
-    bus.stats(name).expect("subscription exists")
-}
-
-fn sub<F, Fut>(name: &str, policy: DeliveryPolicy, f: F) -> Subscriber
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), bus::HandlerError>> + Send + 'static,
-{
-    Subscriber::new(name, policy, handler(f))
+    async fn send(&self, bus: &Bus, m: Message<'_>) {
+        let body = m.body.to_string();
+        bus.publish_with_headers(m.name, m.headers, body)
+            .await
+            .unwrap();
+    }
 }
 
 // ---------------------------------------------------------------- conformance
@@ -231,26 +204,10 @@ async fn always_nack_with_max_deliver_3_exhausts_every_message_into_the_dead_let
     // redrive moves them to the dead-letter queue, and none is offered a fourth time.
     let scope = Scope::new("exhaust");
     let broker = scope.broker().await;
-    let bus = Bus::builder(broker.clone()).without_reports().build();
     let mut p = alo("nack3");
     p.max_deliver = Some(3);
     p.max_in_flight = Some(20);
-    let seen = Seen::default();
-    let s = seen.clone();
-    bus.subscribe(sub("nack3", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.nack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    for i in 0..10 {
-        bus.publish("nack3", format!("m{i}")).await.unwrap();
-    }
-    until("10 exhausted", || stats(&bus, "nack3").exhausted == 10).await;
+    let (bus, seen) = common::bus::always_nack_until_exhausted(&scope, "nack3", p, 10).await;
     let dlq = || async {
         scope.attributes(&broker, "nack3-dlq").await["ApproximateNumberOfMessages"]
             .parse::<u64>()
@@ -315,25 +272,12 @@ async fn nack_after_two_seconds_is_not_offered_again_before_two_seconds() {
 async fn extend_lease_keeps_a_three_second_handler_with_ack_wait_one_second() {
     // semantics H1, Q5: the visibility is extended while the handler runs; no duplicate.
     let scope = Scope::new("extend");
-    let bus = scope.bus().await;
     let mut p = alo("slow");
     p.ack_wait = Some(api::Duration::from_secs(1));
     p.max_processing_time = Some(api::Duration::from_secs(20));
-    let seen = Seen::default();
-    let s = seen.clone();
-    bus.subscribe(sub("slow", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            d.ack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    bus.publish("slow", "m").await.unwrap();
-    until("acked", || stats(&bus, "slow").settlement.acked >= 1).await;
+    let (bus, seen) =
+        common::bus::a_slow_handler_keeps_its_message(&scope, "slow", p, Duration::from_secs(3))
+            .await;
     tokio::time::sleep(Duration::from_millis(2000)).await;
     assert_eq!(
         seen.attempts(),
@@ -486,28 +430,20 @@ async fn at_most_once_deletes_on_delivery_and_nothing_comes_back() {
     // semantics M1, Q3: a nack is recorded, never acted on.
     let scope = Scope::new("amo");
     let broker = scope.broker().await;
-    let bus = Bus::builder(broker.clone()).without_reports().build();
     let p = DeliveryPolicy {
         pattern: "feed".into(),
         ack_wait: Some(api::Duration::from_secs(1)),
         ..DeliveryPolicy::default()
     };
-    let seen = Seen::default();
-    let s = seen.clone();
-    bus.subscribe(sub("feed", p, move |d| {
-        let s = s.clone();
-        async move {
-            s.record(&d);
-            d.nack().await?;
-            Ok(())
-        }
-    }))
-    .await
-    .unwrap();
-    bus.publish("feed", "m").await.unwrap();
-    until("nacked", || stats(&bus, "feed").settlement.nacked == 1).await;
-    // Past ackWait: a message SQS still had would be visible again by now.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Past ackWait (the quiet time): a message SQS still had would be visible again by then.
+    let (bus, seen) = common::bus::at_most_once_nacks_bring_nothing_back(
+        &scope,
+        "feed",
+        p,
+        1,
+        Duration::from_millis(2500),
+    )
+    .await;
     assert_eq!(seen.attempts(), [1]);
     let q = scope.attributes(&broker, "feed").await;
     assert_eq!(

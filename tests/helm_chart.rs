@@ -590,12 +590,6 @@ fn chart_renders_the_operator_settings_from_values() {
     );
 }
 
-fn get_json(cp: &ControlPlane, args: &[&str]) -> Value {
-    let mut all = args.to_vec();
-    all.extend(["-o", "json"]);
-    serde_json::from_str(&cp.kubectl_ok(&all, None)).expect("kubectl -o json")
-}
-
 /// Polls until `kubectl get` of the object fails (it is gone).
 fn wait_gone(cp: &ControlPlane, args: &[&str], what: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -651,7 +645,7 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
 
     // The CRDs are the chart's doing: they were not there before.
     common::wait_crds_established(|args| cp.kubectl_ok(args, None));
-    let deployment = get_json(&cp, &["get", "deployment", "settle", "-n", "settle-system"]);
+    let deployment = cp.get_json(&["get", "deployment", "settle", "-n", "settle-system"]);
     let container = &deployment["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(container["image"], "ghcr.io/settle-dev/settle:test");
     assert_eq!(container["args"], json!(["operator"]));
@@ -673,16 +667,13 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
     ] {
         assert!(env.contains(&var), "{var} missing from {env:?}");
     }
-    let pdb = get_json(
-        &cp,
-        &[
-            "get",
-            "poddisruptionbudget",
-            "settle",
-            "-n",
-            "settle-system",
-        ],
-    );
+    let pdb = cp.get_json(&[
+        "get",
+        "poddisruptionbudget",
+        "settle",
+        "-n",
+        "settle-system",
+    ]);
     assert_eq!(pdb["spec"]["selector"], deployment["spec"]["selector"]);
     cp.kubectl_ok(
         &["get", "service", "settle-webhook", "-n", "settle-system"],
@@ -690,7 +681,7 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
     );
 
     // The webhook configuration as the API server stored it behaves as the shipped one.
-    let webhook = get_json(&cp, &["get", "validatingwebhookconfiguration", "settle"]);
+    let webhook = cp.get_json(&["get", "validatingwebhookconfiguration", "settle"]);
     assert_settle_webhook("the chart's webhook configuration", &webhook);
     assert_eq!(
         webhook_behaviour(&webhook),
@@ -727,7 +718,7 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
             "rbac.secretsClusterWide=true",
         ],
     );
-    let deployment = get_json(&cp, &["get", "deployment", "settle", "-n", "settle-system"]);
+    let deployment = cp.get_json(&["get", "deployment", "settle", "-n", "settle-system"]);
     assert_eq!(deployment["spec"]["replicas"], 3);
     assert_eq!(
         deployment["spec"]["template"]["spec"]["containers"][0]["image"],

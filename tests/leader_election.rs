@@ -500,16 +500,7 @@ impl Operator {
     }
 
     fn get(&self, path: &str) -> Option<String> {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some(out)
+        common::http_get(self.metrics_port, path)
     }
 
     /// What `settle_leader` reads on /metrics, if the process answers.
@@ -522,11 +513,7 @@ impl Operator {
     }
 
     fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {}", self.child.id());
+        common::process::sigterm(&self.child);
     }
 
     fn wait_exit(&mut self, limit: Duration) -> ExitStatus {

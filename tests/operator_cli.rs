@@ -5,7 +5,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -121,15 +120,7 @@ fn every_operator_flag_has_the_env_fallback_and_default_the_readme_gives() {
 
 /// GET `path` on 127.0.0.1:`port`: (status code, body), or None while nothing answers.
 fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
+    let out = common::http_get(port, path)?;
     let code = out.split(' ').nth(1)?.parse().ok()?;
     let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
     Some((code, body))

@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use common::image::image_archive;
 use common::node::{BridgeNats, LogFollower, Node, archive_reference};
 use common::operator::{condition, poll};
+use common::subs::{backend_yaml, nats_backend_yaml, nats_tls, sub_yaml_on};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -217,7 +218,7 @@ async fn consumers_made_by_the_operator_pod(
     nats: &BridgeNats,
 ) {
     step("a Backend and Subscriptions: consumers made by the operator pod");
-    node.apply(TEAM, &backend_yaml("nats", &nats.url(), None));
+    node.apply(TEAM, &backend_yaml("nats", &nats.url()));
     let backends: Api<Backend> = Api::namespaced(client.clone(), TEAM);
     wait_backend(&backends, "nats", "True", "Connected").await;
     node.apply(
@@ -257,7 +258,10 @@ async fn tls_backend_ready_on_a_read_only_root(
     });
     node.apply(TEAM, &secret.to_string());
     let url = format!("tls://{}:{}", tls_nats.ip, tls_nats.port);
-    node.apply(TEAM, &backend_yaml("nats-tls", &url, Some("nats-ca")));
+    node.apply(
+        TEAM,
+        &nats_backend_yaml("nats-tls", &url, &nats_tls("nats-ca")),
+    );
     let backends: Api<Backend> = Api::namespaced(client.clone(), TEAM);
     let b = wait_backend(&backends, "nats-tls", "True", "Connected").await;
     assert!(
@@ -365,7 +369,7 @@ impl Prober {
     }
 
     async fn stats(&self) -> ConsumerStats {
-        stats_of(&self.subs, "prober").await
+        common::account::stats_in(&self.subs, "prober").await
     }
 
     /// Waits until status shows `want` messages acked and nothing lost, exhausted or stranded,
@@ -896,20 +900,9 @@ fn pod_names(node: &Node, ns: &str, selector: &str) -> Vec<String> {
     names
 }
 
-fn backend_yaml(name: &str, server: &str, ca_secret: Option<&str>) -> String {
-    let tls = ca_secret
-        .map(|s| format!("\n    tls: {{caSecretRef: {{name: {s}}}}}"))
-        .unwrap_or_default();
-    format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{server}\"]{tls}\n"
-    )
-}
-
 /// Subscription `name` on `backend` for `pattern`, then `spec` (indented two spaces).
 fn sub_yaml(name: &str, backend: &str, pattern: &str, spec: &str) -> String {
-    format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n  backendRef: {{name: {backend}}}\n  pattern: \"{pattern}\"\n{spec}"
-    )
+    sub_yaml_on(backend, name, &format!("  pattern: \"{pattern}\"\n{spec}"))
 }
 
 /// The example application's Deployment: one replica on Subscription `prober` (its manifest
@@ -970,12 +963,7 @@ async fn assert_consumer(api: &Api<Subscription>, js: &async_nats::jetstream::Co
         &format!("Subscription {name} to be Ready with its consumer"),
         Duration::from_secs(90),
         || async {
-            let s = api
-                .get_opt(name)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("no such Subscription")?;
-            let st = s.status.clone().unwrap_or_default();
+            let (s, st) = common::subs::sub_status(api, name).await?;
             let (cs, cr, m) = condition(&st.conditions, "Ready").ok_or("no Ready yet")?;
             match st.consumer {
                 Some(c) if cs == "True" && st.observed_generation == s.metadata.generation => Ok(c),
@@ -1024,16 +1012,6 @@ async fn pod_ready(pods: &Api<Pod>, name: &str) -> bool {
         .and_then(|p| p.status)
         .and_then(|s| s.conditions)
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-async fn stats_of(api: &Api<Subscription>, name: &str) -> ConsumerStats {
-    api.get(name)
-        .await
-        .ok()
-        .and_then(|s| s.status)
-        .and_then(|s| s.stats)
-        .map(|s| s.counters)
-        .unwrap_or_default()
 }
 
 /// `kubectl apply` of valid Subscriptions in loops (three at once, each on a Subscription of its

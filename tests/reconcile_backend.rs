@@ -9,49 +9,12 @@ mod common;
 use std::time::Duration;
 
 use common::operator::{NatsServer, Operator, condition, poll};
+use common::subs::{
+    backend_ready, backend_yaml, nats_backend_yaml, nats_credentials, nats_tls, wait_backend,
+};
 use common::{free_port, install_crds, kubectl_ok, namespace};
 use kube::Api;
 use settle::api::Backend;
-
-async fn ready_of(
-    api: &Api<Backend>,
-    name: &str,
-) -> Result<(String, String, String, Backend), String> {
-    let b = api
-        .get_opt(name)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or("no such Backend")?;
-    let st = b.status.clone().unwrap_or_default();
-    let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
-    Ok((s, r, m, b))
-}
-
-/// Waits until Backend `name`'s Ready condition has `status` and `reason`.
-async fn wait_ready(api: &Api<Backend>, name: &str, status: &str, reason: &str) -> Backend {
-    poll(
-        &format!("Backend {name} to be Ready={status} ({reason})"),
-        Duration::from_secs(60),
-        || async {
-            let (s, r, m, b) = ready_of(api, name).await?;
-            if s == status && r == reason {
-                Ok(b)
-            } else {
-                Err(format!("Ready={s} {r}: {m}"))
-            }
-        },
-    )
-    .await
-}
-
-fn backend_yaml(name: &str, servers: &str, secret: Option<&str>) -> String {
-    let creds = secret
-        .map(|s| format!("\n    credentialsSecretRef: {{name: {s}}}"))
-        .unwrap_or_default();
-    format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]{creds}\n"
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_secret() {
@@ -64,9 +27,9 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     // Reachable: Ready, with the server's version and the capabilities of its kind.
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&backend_yaml("good", &env.nats_url, None)),
+        Some(&backend_yaml("good", &env.nats_url)),
     );
-    let good = wait_ready(&api, "good", "True", "Connected").await;
+    let good = wait_backend(&api, "good", "True", "Connected").await;
     let st = good.status.expect("status");
     let version = st.server_version.expect("serverVersion");
     assert!(version.starts_with("2."), "serverVersion {version}");
@@ -82,9 +45,9 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     let closed = format!("nats://127.0.0.1:{}", free_port());
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&backend_yaml("closed", &closed, None)),
+        Some(&backend_yaml("closed", &closed)),
     );
-    let b = wait_ready(&api, "closed", "False", "Unreachable").await;
+    let b = wait_backend(&api, "closed", "False", "Unreachable").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert!(m.contains("spec.nats.servers"), "{m}");
 
@@ -106,9 +69,13 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
     common::label_backend_secret(&ns, "creds");
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&backend_yaml("auth", &server.url(), Some("creds"))),
+        Some(&nats_backend_yaml(
+            "auth",
+            &server.url(),
+            &nats_credentials("creds"),
+        )),
     );
-    let b = wait_ready(&api, "auth", "False", "AuthFailed").await;
+    let b = wait_backend(&api, "auth", "False", "AuthFailed").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert!(m.contains("credentialsSecretRef"), "{m}");
 
@@ -130,14 +97,18 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
         None,
     );
     kubectl_ok(&["apply", "-n", &ns, "-f", "-"], Some(&fixed));
-    wait_ready(&api, "auth", "True", "PlaintextCredentials").await;
+    wait_backend(&api, "auth", "True", "PlaintextCredentials").await;
 
     // A Secret that does not exist: SecretMissing, naming it.
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&backend_yaml("nosecret", &env.nats_url, Some("absent"))),
+        Some(&nats_backend_yaml(
+            "nosecret",
+            &env.nats_url,
+            &nats_credentials("absent"),
+        )),
     );
-    let b = wait_ready(&api, "nosecret", "False", "SecretMissing").await;
+    let b = wait_backend(&api, "nosecret", "False", "SecretMissing").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert!(m.contains("\"absent\""), "{m}");
 
@@ -148,7 +119,7 @@ async fn backends_report_connected_unreachable_auth_failed_and_pick_up_a_fixed_s
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {name: mem}\nspec:\n  memory: {}\n",
         ),
     );
-    let b = wait_ready(&api, "mem", "True", "InProcess").await;
+    let b = wait_backend(&api, "mem", "True", "InProcess").await;
     let st = b.status.expect("status");
     assert_eq!(st.server_version, None);
     assert_eq!(
@@ -168,12 +139,6 @@ fn ca_secret(ns: &str, name: &str, ca_pem: &str) {
         "stringData": {"ca.crt": ca_pem},
     });
     kubectl_ok(&["apply", "-n", ns, "-f", "-"], Some(&secret.to_string()));
-}
-
-fn tls_backend_yaml(name: &str, servers: &str, ca_secret: &str) -> String {
-    format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]\n    tls: {{caSecretRef: {{name: {ca_secret}}}}}\n"
-    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,9 +166,13 @@ async fn a_nats_backend_with_a_ca_connects_over_tls_without_writing_a_file() {
     ca_secret(&ns, "nats-ca", &ca_pem);
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&tls_backend_yaml("tls", &server.url(), "nats-ca")),
+        Some(&nats_backend_yaml(
+            "tls",
+            &server.url(),
+            &nats_tls("nats-ca"),
+        )),
     );
-    let b = wait_ready(&api, "tls", "True", "Connected").await;
+    let b = wait_backend(&api, "tls", "True", "Connected").await;
     assert!(
         b.status
             .and_then(|s| s.server_version)
@@ -223,13 +192,17 @@ async fn a_nats_backend_with_a_ca_connects_over_tls_without_writing_a_file() {
     ca_secret(&ns, "other-ca", &other.ca_pem);
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&tls_backend_yaml("wrong-ca", &server.url(), "other-ca")),
+        Some(&nats_backend_yaml(
+            "wrong-ca",
+            &server.url(),
+            &nats_tls("other-ca"),
+        )),
     );
     let m = poll(
         "Backend wrong-ca to be Ready=False",
         Duration::from_secs(60),
         || async {
-            let (s, r, m, _) = ready_of(&api, "wrong-ca").await?;
+            let (s, r, m, _) = backend_ready(&api, "wrong-ca").await?;
             if s == "False" {
                 Ok(m)
             } else {
@@ -245,9 +218,13 @@ async fn a_nats_backend_with_a_ca_connects_over_tls_without_writing_a_file() {
     ca_secret(&ns, "junk-ca", "not a certificate\n");
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
-        Some(&tls_backend_yaml("junk-ca", &server.url(), "junk-ca")),
+        Some(&nats_backend_yaml(
+            "junk-ca",
+            &server.url(),
+            &nats_tls("junk-ca"),
+        )),
     );
-    let b = wait_ready(&api, "junk-ca", "False", "SecretMissing").await;
+    let b = wait_backend(&api, "junk-ca", "False", "SecretMissing").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
     assert_eq!(
         m,

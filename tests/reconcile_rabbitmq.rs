@@ -19,7 +19,7 @@ mod common;
 use std::time::Duration;
 
 use common::operator::{Operator, condition, poll};
-use common::rabbitmq::{management, queue};
+use common::rabbitmq::{bindings, env_backend_yaml, management, queue, rabbitmq_backend_yaml};
 use common::subs::{
     apply, backends, sub_yaml_on, subs, wait_backend, wait_condition, wait_event, wait_gone,
     wait_ready,
@@ -30,39 +30,12 @@ use serde_json::Value;
 use settle::api::ConsumerRef;
 use settle::policy::{BackendKind, capabilities_of};
 
-/// Queue `name`'s bindings other than the default exchange's, as (exchange, routing key).
-fn bindings(name: &str) -> Vec<(String, String)> {
-    let (status, body) = management("GET", &format!("/api/queues/%2f/{name}/bindings"));
-    assert_eq!(status, 200, "{body}");
-    let v: Value = serde_json::from_str(&body).expect("JSON");
-    let mut out: Vec<(String, String)> = v
-        .as_array()
-        .expect("a list")
-        .iter()
-        .filter(|b| b["source"] != "")
-        .map(|b| {
-            (
-                b["source"].as_str().unwrap_or_default().to_string(),
-                b["routing_key"].as_str().unwrap_or_default().to_string(),
-            )
-        })
-        .collect();
-    out.sort();
-    out
-}
-
 fn delete_queue(name: &str) {
     let (status, body) = management("DELETE", &format!("/api/queues/%2f/{name}"));
     assert!(
         status == 204 || status == 404,
         "DELETE queue {name}: {status} {body}"
     );
-}
-
-fn backend_yaml(name: &str, url: &str, management: &str) -> String {
-    format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  rabbitmq:\n    urls: [\"{url}\"]\n    managementUrl: \"{management}\"\n"
-    )
 }
 
 async fn wait_queue(name: &str, what: &str, f: impl Fn(&Option<Value>) -> bool) -> Option<Value> {
@@ -86,10 +59,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     let tag = format!("rec{}", std::process::id());
 
     // The Backend: Ready with the broker's version and the kind's capabilities.
-    apply(
-        &ns,
-        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
-    );
+    apply(&ns, &env_backend_yaml("rabbit", ""));
     let b = wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
     let st = b.status.expect("status");
     let version = st.server_version.clone().expect("a version");
@@ -111,7 +81,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
         &ns,
         &format!(
             "{}    credentialsSecretRef: {{name: rabbit-creds}}\n",
-            backend_yaml("secured", &bare, &env.rabbitmq_management_url)
+            rabbitmq_backend_yaml("secured", &bare, &env.rabbitmq_management_url, "")
         ),
     );
     wait_backend(&backends(&ns).await, "secured", "False", "AuthFailed").await;
@@ -127,7 +97,7 @@ async fn a_rabbitmq_subscription_becomes_the_mapped_quorum_queue_and_is_repaired
     let closed = format!("amqp://guest:guest@127.0.0.1:{}/%2f", common::free_port());
     apply(
         &ns,
-        &backend_yaml("closed", &closed, &env.rabbitmq_management_url),
+        &rabbitmq_backend_yaml("closed", &closed, &env.rabbitmq_management_url, ""),
     );
     let b = wait_backend(&backends(&ns).await, "closed", "False", "Unreachable").await;
     let (_, _, m) = condition(&b.status.expect("status").conditions, "Ready").expect("Ready");
@@ -401,10 +371,7 @@ async fn the_runtime_consumes_from_the_operators_queue_and_again_after_it_is_mad
         &["--leader-election=false", "--drift-interval", "1s"],
     );
     let tag = format!("rt{}", std::process::id());
-    apply(
-        &ns,
-        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
-    );
+    apply(&ns, &env_backend_yaml("rabbit", ""));
     let durable = format!("{tag}-jobs");
     apply(
         &ns,
@@ -655,10 +622,7 @@ async fn the_queues_gauges_reach_status_and_no_counter_is_invented() {
         &ns,
         &["--leader-election=false", "--stats-interval", "1s"],
     );
-    apply(
-        &ns,
-        &backend_yaml("rabbit", &env.rabbitmq_url, &env.rabbitmq_management_url),
-    );
+    apply(&ns, &env_backend_yaml("rabbit", ""));
     wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
     let tag = format!("gauge{}", std::process::id());
     apply(
@@ -767,10 +731,7 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
             env.rabbitmq_url
         ),
     );
-    apply(
-        &ns,
-        &backend_yaml("managed", &env.rabbitmq_url, &env.rabbitmq_management_url),
-    );
+    apply(&ns, &env_backend_yaml("managed", ""));
     let backends_api = backends(&ns).await;
     wait_backend(&backends_api, "plain", "True", "Connected").await;
     wait_backend(&backends_api, "managed", "True", "Connected").await;

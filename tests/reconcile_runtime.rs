@@ -11,18 +11,8 @@ use std::time::Duration;
 
 use common::operator::{Operator, TestStream, poll};
 use common::subs::{apply, backend_yaml, subs, wait_gone, wait_ready};
-use common::{install_crds, kubectl_ok, namespace};
+use common::{example, install_crds, kubectl_ok, namespace};
 use kube::api::DeleteParams;
-
-/// The example binary `cargo test` built beside this test.
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    dir.join("examples").join(name)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_consumes_from_the_operators_consumer_and_leaves_none_behind_when_deleted() {

@@ -18,57 +18,14 @@ use std::time::Duration;
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::QueueAttributeName;
 use common::operator::poll;
+use common::sqs::{attributes, broker, client, sqs_backend, url};
 use common::subs::{
     apply, backends, sub_yaml_on, subs, wait_backend, wait_event, wait_gone, wait_ready,
 };
 use common::{install_crds, kubectl_ok, namespace};
 use kube::api::DeleteParams;
 use settle::api::ConsumerRef;
-use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 use settle::policy::{BackendKind, capabilities_of};
-
-async fn client() -> Client {
-    let env = common::env();
-    SqsBroker::connect(SqsSettings {
-        region: Some("elasticmq".into()),
-        endpoint: Some(env.sqs_endpoint.clone()),
-        credentials: SqsCredentials::Static {
-            access_key_id: "test".into(),
-            secret_access_key: "test".into(),
-        },
-        queue_prefix: String::new(),
-    })
-    .await
-    .expect("an SQS client")
-    .client()
-    .clone()
-}
-
-async fn url(c: &Client, name: &str) -> Option<String> {
-    c.get_queue_url()
-        .queue_name(name)
-        .send()
-        .await
-        .ok()
-        .and_then(|o| o.queue_url)
-}
-
-async fn attributes(c: &Client, name: &str) -> BTreeMap<String, String> {
-    let u = url(c, name)
-        .await
-        .unwrap_or_else(|| panic!("queue {name} exists"));
-    c.get_queue_attributes()
-        .queue_url(u)
-        .attribute_names(QueueAttributeName::All)
-        .send()
-        .await
-        .expect("attributes")
-        .attributes
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| (k.as_str().to_string(), v))
-        .collect()
-}
 
 async fn tags(c: &Client, name: &str) -> BTreeMap<String, String> {
     let u = url(c, name).await.expect("queue exists");
@@ -106,7 +63,6 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
  {
     install_crds();
     let ns = namespace("rec-sqs");
-    let env = common::env();
     let _op = common::operator::Operator::start_with(
         "sqs",
         &ns,
@@ -115,27 +71,7 @@ async fn an_sqs_subscription_becomes_the_mapped_queue_and_dead_letter_queue_and_
     let c = client().await;
     let prefix = format!("rec{}-", std::process::id());
 
-    kubectl_ok(
-        &[
-            "create",
-            "secret",
-            "generic",
-            "aws",
-            "-n",
-            &ns,
-            "--from-literal=accessKeyId=test",
-            "--from-literal=secretAccessKey=test",
-        ],
-        None,
-    );
-    common::label_backend_secret(&ns, "aws");
-    apply(
-        &ns,
-        &format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
-            env.sqs_endpoint
-        ),
-    );
+    sqs_backend(&ns, &prefix);
     let b = wait_backend(&backends(&ns).await, "sqs", "True", "PlaintextCredentials").await;
     let caps = b.status.and_then(|s| s.capabilities).expect("capabilities");
     assert_eq!(caps, capabilities_of(BackendKind::Sqs));
@@ -395,34 +331,13 @@ async fn the_runtime_consumes_from_the_operators_queue_and_an_exhausted_message_
 
     install_crds();
     let ns = namespace("rec-sqs-rt");
-    let env = common::env();
     let _op = common::operator::Operator::start_with(
         "sqs-runtime",
         &ns,
         &["--leader-election=false", "--drift-interval", "1s"],
     );
     let prefix = format!("rt{}-", std::process::id());
-    kubectl_ok(
-        &[
-            "create",
-            "secret",
-            "generic",
-            "aws",
-            "-n",
-            &ns,
-            "--from-literal=accessKeyId=test",
-            "--from-literal=secretAccessKey=test",
-        ],
-        None,
-    );
-    common::label_backend_secret(&ns, "aws");
-    apply(
-        &ns,
-        &format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
-            env.sqs_endpoint
-        ),
-    );
+    sqs_backend(&ns, &prefix);
     apply(
         &ns,
         &sub_yaml_on(
@@ -436,18 +351,7 @@ async fn the_runtime_consumes_from_the_operators_queue_and_an_exhausted_message_
 
     // The runtime from the same resource binds to the operator's queue.
     let c = client().await;
-    let broker = SqsBroker::connect(SqsSettings {
-        region: Some("elasticmq".into()),
-        endpoint: Some(env.sqs_endpoint.clone()),
-        credentials: SqsCredentials::Static {
-            access_key_id: "test".into(),
-            secret_access_key: "test".into(),
-        },
-        queue_prefix: prefix.clone(),
-    })
-    .await
-    .expect("an SQS client")
-    .with_long_poll(Duration::from_secs(1));
+    let broker = broker(&prefix).await.with_long_poll(Duration::from_secs(1));
     let bus = Bus::builder(broker).without_reports().build();
     let seen = Arc::new(Mutex::new(Vec::<(String, u32)>::new()));
     let s = seen.clone();

@@ -65,16 +65,7 @@ impl Operator {
     }
 
     fn get(&self, path: &str) -> Option<String> {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some(out)
+        common::http_get(self.metrics_port, path)
     }
 
     fn wait_ready(&self) {

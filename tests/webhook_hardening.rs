@@ -19,7 +19,7 @@
 
 mod common;
 
-use std::io::{BufRead, Read, Write};
+use std::io::BufRead;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -187,16 +187,7 @@ impl Operator {
 /// One plain HTTP/1.1 GET on a local port: the whole response, or `None` if the connection was
 /// refused, closed without an answer, or slower than 5 s.
 fn get_on(port: u16, path: &str) -> Option<String> {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out).filter(|o| !o.is_empty())
+    common::http_get(port, path).filter(|o| !o.is_empty())
 }
 
 impl Drop for Operator {
@@ -335,18 +326,14 @@ async fn kubectl(args: Vec<String>, stdin: Option<String>) -> std::process::Outp
 }
 
 async fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
-    let out = kubectl(
-        args.iter().map(|s| s.to_string()).collect(),
-        stdin.map(str::to_string),
-    )
-    .await;
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let stdin = stdin.map(str::to_string);
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::kubectl_ok(&args, stdin.as_deref())
+    })
+    .await
+    .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
 }
 
 /// A ValidatingWebhookConfiguration for Subscriptions in the namespaces labelled `label=value`,

@@ -10,21 +10,11 @@ use std::time::{Duration, Instant};
 
 use kube::Api;
 use settle::account::ledger::dominates;
-use settle::api::{ConsumerStats, Subscription};
+use settle::api::{ConsumerStats, Subscription, SubscriptionStatus};
 
 use super::operator::{Operator, TestStream, poll};
 use super::subs::{apply, backend_yaml, subs, wait_ready};
 use super::{install_crds, kubectl_ok, namespace};
-
-/// The example binary `cargo test` built beside the running test.
-pub fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    let dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    dir.join("examples").join(name)
-}
 
 /// The test application, killed when dropped; its stdout lines are collected, its log kept
 /// beside the test's.
@@ -41,7 +31,7 @@ impl App {
     /// the broker (`SETTLE_NATS_URL`, `SETTLE_RABBITMQ_URL` or `SETTLE_SQS_ENDPOINT`: none is
     /// inherited).
     pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
-        let bin = example("account_app");
+        let bin = super::example("account_app");
         let log = super::root().join(format!(
             "target/account-app-{}-{}.log",
             std::process::id(),
@@ -111,11 +101,7 @@ impl App {
 
     /// SIGTERM, as Kubernetes stops a pod: the application closes its bus gracefully.
     pub fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {}", self.child.id());
+        super::process::sigterm(&self.child);
     }
 
     /// Waits for the process to exit by itself; true when it said `closed` (a graceful stop).
@@ -183,23 +169,169 @@ pub fn assert_never_decreased_or_empty(seen: &Seen) {
     }
 }
 
+/// Subscription `name`'s counters in status, `None` while status has none (or it cannot be
+/// read).
+pub async fn reported_in(api: &Api<Subscription>, name: &str) -> Option<ConsumerStats> {
+    api.get(name)
+        .await
+        .ok()
+        .and_then(|s| s.status)
+        .and_then(|s| s.stats)
+        .map(|s| s.counters)
+}
+
+/// Subscription `name`'s counters in status (zero while status has none).
+pub async fn stats_in(api: &Api<Subscription>, name: &str) -> ConsumerStats {
+    reported_in(api, name).await.unwrap_or_default()
+}
+
 /// The operator flags of the account scenes: no leader election, status written every second.
 pub const OPERATOR_FLAGS: [&str; 3] = ["--leader-election=false", "--stats-interval", "1s"];
 
-/// Everything one NATS scenario needs: a namespace, a stream, the operator, a Subscription
-/// `orders` (its manifest also on disk for the application), and the watcher.
-pub struct Scene {
+/// What every broker's account scene holds: the test's name and namespace, the operator and
+/// its flags (for a restart), Subscription `orders` (its manifest also on disk for the
+/// application), and the watcher of its status. A broker's scene derefs to it, so
+/// `scene.ns`, `scene.op` and `scene.stats()` read the same on every broker.
+pub struct Base {
     pub test: String,
     pub ns: String,
-    pub stream: TestStream,
     pub manifest: std::path::PathBuf,
-    pub manifest_text: String,
     pub api: Api<Subscription>,
-    pub nats_url: String,
     pub op: Operator,
     pub flags: Vec<String>,
     pub seen: Seen,
     watcher: tokio::task::JoinHandle<()>,
+}
+
+impl Base {
+    /// Applies Subscription `orders` (`manifest_text`) in `ns`, where `op` runs with `flags`,
+    /// waits until it is Ready, writes the manifest where the application reads it, and starts
+    /// watching its status.
+    pub async fn subscribe(
+        test: &str,
+        ns: String,
+        op: Operator,
+        flags: &[&str],
+        manifest_text: &str,
+    ) -> Base {
+        apply(&ns, manifest_text);
+        let api = subs(&ns).await;
+        wait_ready(&api, "orders").await;
+        let manifest =
+            super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
+        std::fs::write(&manifest, manifest_text).expect("manifest");
+        let (seen, watcher) = watch(&api, "orders");
+        Base {
+            test: test.to_string(),
+            ns,
+            manifest,
+            api,
+            op,
+            flags: flags.iter().map(|f| f.to_string()).collect(),
+            seen,
+            watcher,
+        }
+    }
+
+    /// The operator again, with the scene's flags (after a kill).
+    pub fn restart_operator(&mut self) {
+        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        self.op = Operator::start_with(&self.test, &self.ns, &flags);
+    }
+
+    /// Subscription `name`'s counters in status, `None` while status has none.
+    pub async fn reported_of(&self, name: &str) -> Option<ConsumerStats> {
+        reported_in(&self.api, name).await
+    }
+
+    /// Subscription `orders`' counters in status, `None` while status has none.
+    pub async fn reported(&self) -> Option<ConsumerStats> {
+        self.reported_of("orders").await
+    }
+
+    /// Subscription `name`'s counters in status (zero while status has none).
+    pub async fn stats_of(&self, name: &str) -> ConsumerStats {
+        stats_in(&self.api, name).await
+    }
+
+    /// The Subscription now.
+    pub async fn sub(&self) -> Subscription {
+        self.api.get("orders").await.expect("get the Subscription")
+    }
+
+    pub async fn stats(&self) -> ConsumerStats {
+        self.stats_of("orders").await
+    }
+
+    /// Waits until status shows `want(stats)`.
+    pub async fn wait_stats(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        wait_until(what, limit, || self.stats(), want).await
+    }
+
+    /// Waits until status shows `want(stats)`, then that it stays so for 3 s (nothing more
+    /// arrives), and returns it.
+    pub async fn settled(
+        &self,
+        what: &str,
+        limit: Duration,
+        want: impl Fn(&ConsumerStats) -> bool,
+    ) -> ConsumerStats {
+        settled_at(what, limit, || self.stats(), want).await
+    }
+
+    /// Deletes Subscription `orders` and waits at most `limit` until it is gone.
+    pub async fn delete_orders(&self, limit: Duration) {
+        kubectl_ok(
+            &[
+                "delete",
+                "subscription",
+                "orders",
+                "-n",
+                &self.ns,
+                "--wait=false",
+            ],
+            None,
+        );
+        super::subs::wait_gone(&self.api, "orders", limit).await;
+    }
+
+    /// The counters never went down in any status observed.
+    pub fn assert_never_decreased(&self) {
+        assert_never_decreased(&self.seen);
+    }
+
+    /// Stops watching, removes the manifest, deletes the namespace (not waiting).
+    pub fn finish(self) {
+        self.watcher.abort();
+        let _ = std::fs::remove_file(&self.manifest);
+        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+    }
+}
+
+/// Everything one NATS scenario needs: [`Base`] on a stream of the test's own.
+pub struct Scene {
+    pub base: Base,
+    pub stream: TestStream,
+    pub manifest_text: String,
+    pub nats_url: String,
+}
+
+impl std::ops::Deref for Scene {
+    type Target = Base;
+    fn deref(&self) -> &Base {
+        &self.base
+    }
+}
+
+impl std::ops::DerefMut for Scene {
+    fn deref_mut(&mut self) -> &mut Base {
+        &mut self.base
+    }
 }
 
 impl Scene {
@@ -232,32 +364,13 @@ impl Scene {
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n{spec}",
             stream.prefix
         );
-        apply(&ns, &manifest_text);
-        let api = subs(&ns).await;
-        wait_ready(&api, "orders").await;
-        let manifest =
-            super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
-        std::fs::write(&manifest, &manifest_text).expect("manifest");
-        let (seen, watcher) = watch(&api, "orders");
+        let base = Base::subscribe(test, ns, op, flags, &manifest_text).await;
         Scene {
-            test: test.to_string(),
-            ns,
+            base,
             stream,
-            manifest,
             manifest_text,
-            api,
             nats_url,
-            op,
-            flags: flags.iter().map(|f| f.to_string()).collect(),
-            seen,
-            watcher,
         }
-    }
-
-    /// The operator again, with the scene's flags (after a kill).
-    pub fn restart_operator(&mut self) {
-        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
-        self.op = Operator::start_with(&self.test, &self.ns, &flags);
     }
 
     pub fn app(&self, handler: &str) -> App {
@@ -291,18 +404,6 @@ impl Scene {
         )
     }
 
-    /// Subscription `name`'s counters in status.
-    pub async fn stats_of(&self, name: &str) -> ConsumerStats {
-        self.api
-            .get(name)
-            .await
-            .ok()
-            .and_then(|s| s.status)
-            .and_then(|s| s.stats)
-            .map(|s| s.counters)
-            .unwrap_or_default()
-    }
-
     pub fn app_with(&self, handler: &str, env: &[(&str, &str)]) -> App {
         let mut all = vec![("SETTLE_NATS_URL", self.nats_url.as_str())];
         all.extend_from_slice(env);
@@ -313,45 +414,8 @@ impl Scene {
         publish_to(&self.stream, bodies).await;
     }
 
-    /// The Subscription now.
-    pub async fn sub(&self) -> Subscription {
-        self.api.get("orders").await.expect("get the Subscription")
-    }
-
-    pub async fn stats(&self) -> ConsumerStats {
-        self.stats_of("orders").await
-    }
-
-    /// Waits until status shows `want(stats)`.
-    pub async fn wait_stats(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        wait_until(what, limit, || self.stats(), want).await
-    }
-
-    /// Waits until status shows `want(stats)`, then that it stays so for 3 s (nothing more
-    /// arrives), and returns it.
-    pub async fn settled(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        settled_at(what, limit, || self.stats(), want).await
-    }
-
-    /// The counters never went down in any status observed.
-    pub fn assert_never_decreased(&self) {
-        assert_never_decreased(&self.seen);
-    }
-
     pub async fn finish(self) {
-        self.watcher.abort();
-        let _ = std::fs::remove_file(&self.manifest);
-        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.base.finish();
         self.stream.delete().await;
     }
 }
@@ -423,26 +487,22 @@ pub fn forged(real: &serde_json::Value, edits: &[(&str, serde_json::Value)]) -> 
 }
 
 /// What a broker's account scene offers the scenarios written once for every broker (the NATS
-/// [`Scene`], `super::sqs::SqsScene`): an application, messages, status, the operator.
-pub trait AccountScene {
+/// [`Scene`], `super::sqs::SqsScene`, RabbitMQ's in `account_rabbitmq.rs`): an application,
+/// messages, and its [`Base`] (status, the operator), which it derefs to.
+pub trait AccountScene: std::ops::DerefMut<Target = Base> {
     /// An application with `handler` on the scene's Subscription `orders`.
     fn app(&self, handler: &str) -> App;
-    /// Replaces a running application by a new instance, as the broker's rollout would: NATS
-    /// kills it (SIGKILL); on SQS it is stopped gracefully (a SIGKILLed one's open long poll can
-    /// spend an attempt unseen, semantics Q6, which a test of its own covers).
-    fn replace_app(&self, app: App) -> impl std::future::Future<Output = App>;
     /// Publishes `bodies` to the Subscription, each stored before the next.
     fn publish(&self, bodies: Vec<String>) -> impl std::future::Future<Output = ()>;
-    /// The Subscription's counters in status.
-    fn stats(&self) -> impl std::future::Future<Output = ConsumerStats>;
-    fn kill_operator(&mut self);
-    fn restart_operator(&mut self);
-    /// Every status the watcher saw.
-    fn seen(&self) -> &Seen;
-    /// The scene's Subscriptions.
-    fn api(&self) -> &Api<Subscription>;
-    /// The scene's operator.
-    fn operator(&self) -> &Operator;
+
+    /// Replaces a running application by a new instance, as the broker's rollout would: it is
+    /// killed (SIGKILL), and a new one that nacks started. SQS stops it gracefully instead (a
+    /// SIGKILLed one's open long poll can spend an attempt unseen, semantics Q6, which a test of
+    /// its own covers).
+    fn replace_app(&self, mut app: App) -> impl std::future::Future<Output = App> {
+        app.kill9();
+        std::future::ready(self.app("nack"))
+    }
 }
 
 /// What may happen halfway through the always-nack scenario.
@@ -477,7 +537,7 @@ pub async fn always_nack_scenario<S: AccountScene>(
         Halfway::OperatorKilled | Halfway::OperatorKilledAppReplaced
     );
     if down {
-        scene.kill_operator();
+        scene.op.kill9();
     }
     if matches!(
         halfway,
@@ -509,9 +569,119 @@ pub async fn always_nack_scenario<S: AccountScene>(
         s.balanced(),
         "offered == delivered + released + lost: {s:?}"
     );
-    assert_never_decreased(scene.seen());
+    scene.assert_never_decreased();
     drop(app);
     s
+}
+
+/// What every broker shows a user after [`always_nack_scenario`] ran with [`Halfway::Nothing`]:
+/// `Exhausting` True (MessagesExhausted), its message saying ten messages ran out of attempts;
+/// `kubectl describe` with the counts and the condition; ten exhausted on /metrics. Returns the
+/// status and that message, for what each broker asserts of its own.
+pub async fn assert_always_nack_shown(base: &Base) -> (SubscriptionStatus, String) {
+    let st = base.sub().await.status.expect("status");
+    let (status, reason, message) =
+        super::operator::condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "MessagesExhausted"),
+        "{message}"
+    );
+    assert!(
+        message.starts_with("10 message(s) ran out of attempts"),
+        "{message}"
+    );
+    let described = kubectl_ok(
+        &["describe", "subscription", "orders", "-n", &base.ns],
+        None,
+    );
+    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "Delivered: 30",
+        "Exhausted: 10",
+        "Nacked: 30",
+        "Type: Exhausting",
+        "Reason: MessagesExhausted",
+    ] {
+        assert!(
+            flat.contains(want),
+            "kubectl describe lacks {want:?}:\n{described}"
+        );
+    }
+    // The same numbers at full resolution on /metrics.
+    let labels = [("namespace", base.ns.as_str()), ("subscription", "orders")];
+    assert_eq!(
+        base.op
+            .metric("settle_subscription_exhausted_total", &labels),
+        10.0,
+        "settle_subscription_exhausted_total"
+    );
+    (st, message)
+}
+
+/// How long [`held_last_attempts_scenario`] waits on a broker, and what counts the exhausted.
+pub struct Patience {
+    /// For the four last attempts to be held, and then for them to be counted exhausted.
+    pub limit: Duration,
+    /// How long nothing more may arrive once they are.
+    pub quiet: Duration,
+    /// Where the exhausted are counted from, as the wait names it.
+    pub from: &'static str,
+}
+
+/// An application that nacks twice, then holds the last attempt (maxDeliver 3), dies (SIGKILL)
+/// holding four: the runtime never counts them. The broker finds their attempts spent when the
+/// replacement (started as a Deployment would) next takes from it, and the operator counts each
+/// exhausted once: exhausted 4, nacked 8, delivered 8, and no status observed ever went down.
+/// Returns the replacement and the final counts.
+pub async fn held_last_attempts_scenario<S: AccountScene>(
+    scene: &S,
+    patience: Patience,
+) -> (App, ConsumerStats) {
+    let mut app = scene.app("nack-then-hold");
+    app.wait_ready().await;
+    scene.publish(bodies(4)).await;
+    poll(
+        "the application to hold four last attempts",
+        patience.limit,
+        || async {
+            match app.count("held") {
+                4 => Ok(()),
+                n => Err(format!("{n} held")),
+            }
+        },
+    )
+    .await;
+    scene
+        .wait_stats(
+            "the first two attempts' nacks in status",
+            Duration::from_secs(30),
+            |s| s.settlement.nacked == 8,
+        )
+        .await;
+    app.kill9();
+    let replacement = scene.app("nack-then-hold");
+    replacement.wait_ready().await;
+    let s = scene
+        .wait_stats(
+            &format!("four messages exhausted, from {}", patience.from),
+            patience.limit,
+            |s| s.exhausted >= 4,
+        )
+        .await;
+    tokio::time::sleep(patience.quiet).await;
+    let later = scene.stats().await;
+    assert_eq!(
+        later.exhausted, 4,
+        "counted once each: {s:?} then {later:?}"
+    );
+    assert_eq!(later.settlement.nacked, 8);
+    assert_eq!(
+        later.delivered, 8,
+        "the held attempts never returned: {later:?}"
+    );
+    scene.assert_never_decreased();
+    (replacement, later)
 }
 
 /// The stall window the stall scenario's operator runs with, as `--stall-window` gives it.
@@ -535,7 +705,7 @@ pub async fn wait_stalled<S: AccountScene>(scene: &S, status: &str) -> (String, 
         &format!("Stalled={status}"),
         Duration::from_secs(60),
         || async {
-            let sub = scene.api().get("orders").await.map_err(|e| e.to_string())?;
+            let sub = scene.api.get("orders").await.map_err(|e| e.to_string())?;
             let conditions = sub.status.map(|s| s.conditions).unwrap_or_default();
             match super::operator::condition(&conditions, "Stalled") {
                 Some((s, reason, message)) if s == status => Ok((reason, message)),
@@ -569,19 +739,9 @@ pub async fn stalled_scenario<S: AccountScene>(scene: &S) {
         message.contains(&format!("(window {STALL_WINDOW})")),
         "the message names the window: {message}"
     );
-    let ns = scene
-        .api()
-        .get("orders")
-        .await
-        .expect("get")
-        .metadata
-        .namespace;
-    let ns = ns.unwrap_or_default();
-    let labels = [("namespace", ns.as_str()), ("subscription", "orders")];
+    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
     assert_eq!(
-        scene
-            .operator()
-            .metric("settle_subscription_stalled", &labels),
+        scene.op.metric("settle_subscription_stalled", &labels),
         1.0,
         "settle_subscription_stalled while Stalled=True"
     );
@@ -609,9 +769,7 @@ pub async fn stalled_scenario<S: AccountScene>(scene: &S) {
         "settle_subscription_stalled to read 0",
         Duration::from_secs(30),
         || async {
-            let v = scene
-                .operator()
-                .metric("settle_subscription_stalled", &labels);
+            let v = scene.op.metric("settle_subscription_stalled", &labels);
             if v == 0.0 {
                 Ok(())
             } else {
@@ -620,7 +778,7 @@ pub async fn stalled_scenario<S: AccountScene>(scene: &S) {
         },
     )
     .await;
-    assert_never_decreased(scene.seen());
+    scene.assert_never_decreased();
 }
 
 /// Waits until a scene's status shows `want(stats)`; returns it.
@@ -679,37 +837,8 @@ impl AccountScene for Scene {
         Scene::app(self, handler)
     }
 
-    async fn replace_app(&self, mut app: App) -> App {
-        app.kill9();
-        Scene::app(self, "nack")
-    }
-
     async fn publish(&self, bodies: Vec<String>) {
         Scene::publish(self, bodies).await;
-    }
-
-    async fn stats(&self) -> ConsumerStats {
-        Scene::stats(self).await
-    }
-
-    fn kill_operator(&mut self) {
-        self.op.kill9();
-    }
-
-    fn restart_operator(&mut self) {
-        Scene::restart_operator(self);
-    }
-
-    fn seen(&self) -> &Seen {
-        &self.seen
-    }
-
-    fn api(&self) -> &Api<Subscription> {
-        &self.api
-    }
-
-    fn operator(&self) -> &Operator {
-        &self.op
     }
 }
 

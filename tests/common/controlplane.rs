@@ -45,6 +45,13 @@ pub fn kubectl_ok_at(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> S
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `kubectl get ARGS -o json` against the API server of `kubeconfig`, which must succeed.
+pub fn get_json_at(kubeconfig: &Path, args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.extend(["-o", "json"]);
+    serde_json::from_str(&kubectl_ok_at(kubeconfig, &all, None)).expect("kubectl -o json")
+}
+
 /// Runs real kubectl against the API server of `kubeconfig`.
 pub fn kubectl_at(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
     use std::io::Write;
@@ -160,6 +167,11 @@ impl ControlPlane {
     /// kubectl that must succeed; returns stdout.
     pub fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> String {
         kubectl_ok_at(&self.kubeconfig, args, stdin)
+    }
+
+    /// `kubectl get ARGS -o json`.
+    pub fn get_json(&self, args: &[&str]) -> serde_json::Value {
+        get_json_at(&self.kubeconfig, args)
     }
 }
 

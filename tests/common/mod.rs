@@ -1,11 +1,13 @@
 //! Shared by the integration tests: finds the environment `hack/env.sh up` started (real
-//! kube-apiserver + etcd, nats-server, RabbitMQ, ElasticMQ) and runs real `kubectl` against it.
+//! kube-apiserver + etcd, nats-server, RabbitMQ, ElasticMQ) and runs real `kubectl` against it;
+//! a free port, one plain HTTP GET on a local port, and the example binaries beside the test.
 //!
 //! Tests that need the environment fail (never skip) with a message saying how to start it.
 #![allow(dead_code)]
 
 #[cfg(feature = "operator")]
 pub mod account;
+pub mod bus;
 pub mod controlplane;
 #[cfg(feature = "operator")]
 pub mod image;
@@ -25,7 +27,7 @@ pub mod subs;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
 /// Where the environment is.
 #[derive(Clone, Debug)]
@@ -46,9 +48,16 @@ pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago, for a process a test starts. Someone
-/// else can take it before that process binds it; the environment's own servers never trust a
-/// chosen port (README, Ports), and a test that starts its own server fails loudly if it is taken.
+/// The example binary `cargo test` built beside the running test.
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>");
+    dir.join("examples").join(name)
+}
+
 /// `--tls` arguments for a nats-server a test starts: a CA of its own and a certificate for
 /// `ip`, written into `dir`; returns the CA (PEM) and the arguments.
 pub fn nats_tls_files(dir: &Path, ip: &str) -> (String, Vec<String>) {
@@ -76,11 +85,30 @@ pub fn nats_tls_files(dir: &Path, ip: &str) -> (String, Vec<String>) {
     )
 }
 
+/// A TCP port on 127.0.0.1 that was free a moment ago, for a process a test starts. Someone
+/// else can take it before that process binds it; the environment's own servers never trust a
+/// chosen port (README, Ports), and a test that starts its own server fails loudly if it is taken.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("bind a free port on 127.0.0.1")
         .port()
+}
+
+/// One `GET path` (HTTP/1.1, `Connection: close`) on 127.0.0.1:`port`, waiting at most 5 s for
+/// the answer: all of it (status line, headers, body), or `None` while nothing answers.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut s, &mut out).ok()?;
+    Some(out)
 }
 
 /// The environment, from the process environment (`source target/env/settle.env`; `make test`
@@ -118,37 +146,12 @@ pub fn env() -> Env {
 
 /// Runs real kubectl against the environment's API server, with `stdin` piped in if given.
 pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
-    let env = env();
-    let mut cmd = Command::new("kubectl");
-    cmd.arg("--kubeconfig").arg(&env.kubeconfig).args(args);
-    cmd.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    });
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("kubectl must be on PATH");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(input.as_bytes())
-            .expect("write stdin");
-    }
-    child.wait_with_output().expect("kubectl ran")
+    controlplane::kubectl_at(&env().kubeconfig, args, stdin)
 }
 
 /// kubectl that must succeed; returns stdout.
 pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
-    let out = kubectl(args, stdin);
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    controlplane::kubectl_ok_at(&env().kubeconfig, args, stdin)
 }
 
 /// A ValidatingWebhookConfiguration `configuration` (fails closed) for the Subscriptions of the
@@ -169,8 +172,14 @@ pub fn register_subscription_webhook(configuration: &str, label: &str, value: &s
 /// A kube client for the environment's API server (the client needs the `operator` feature).
 #[cfg(feature = "operator")]
 pub async fn kube_client() -> kube::Client {
-    let env = env();
-    let kubeconfig = kube::config::Kubeconfig::read_from(&env.kubeconfig).expect("read kubeconfig");
+    let kubeconfig =
+        kube::config::Kubeconfig::read_from(&env().kubeconfig).expect("read kubeconfig");
+    kube_client_of(kubeconfig).await
+}
+
+/// A kube client for the API server `kubeconfig` names (its current context).
+#[cfg(feature = "operator")]
+pub async fn kube_client_of(kubeconfig: kube::config::Kubeconfig) -> kube::Client {
     let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
         &kube::config::KubeConfigOptions::default(),

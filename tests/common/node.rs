@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::controlplane::{kubectl_at, kubectl_ok_at};
+use super::controlplane::{get_json_at, kubectl_at, kubectl_ok_at};
 use super::install::{helm, helm_run};
 use super::root;
 
@@ -93,9 +93,7 @@ impl Node {
 
     /// `kubectl get ARGS -o json`.
     pub fn get_json(&self, args: &[&str]) -> Value {
-        let mut all = args.to_vec();
-        all.extend(["-o", "json"]);
-        serde_json::from_str(&self.kubectl_ok(&all, None)).expect("kubectl -o json")
+        get_json_at(&self.kubeconfig, args)
     }
 
     /// Applies `yaml` (kubectl apply -f -) in `ns`.

@@ -118,17 +118,7 @@ impl Operator {
     }
 
     pub fn get(&self, path: &str) -> Option<String> {
-        use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some(out)
+        super::http_get(self.metrics_port, path)
     }
 
     pub fn wait_ready(&self) {
@@ -189,11 +179,7 @@ impl Operator {
     /// SIGKILL: no chance to release anything.
     /// SIGTERM: the operator releases its Lease and ends its term.
     pub fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {}", self.child.id());
+        super::process::sigterm(&self.child);
     }
 
     pub fn kill9(&mut self) {

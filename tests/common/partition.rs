@@ -75,13 +75,7 @@ impl Partition {
                 cluster.server = Some(format!("https://127.0.0.1:{}", self.port));
             }
         }
-        let config = kube::Config::from_custom_kubeconfig(
-            kubeconfig,
-            &kube::config::KubeConfigOptions::default(),
-        )
-        .await
-        .expect("kubeconfig is valid");
-        kube::Client::try_from(config).expect("client")
+        super::kube_client_of(kubeconfig).await
     }
 }
 

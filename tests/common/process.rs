@@ -43,6 +43,15 @@ impl Drop for Killed {
     }
 }
 
+/// Sends `child` SIGTERM (`kill -TERM`), as Kubernetes stops a pod; it must be delivered.
+pub fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -TERM {}", child.id());
+}
+
 /// Polls `ok` every 100 ms until it holds; panics with `what` after `limit`.
 pub fn poll_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;

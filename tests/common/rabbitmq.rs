@@ -1,9 +1,11 @@
-//! RabbitMQ's management API as the tests read it, never through Settle: one raw call (HTTP/1.0,
-//! user guest) to the environment's management URL, a queue by name, a queue made as
-//! another application would make it, and users of a test's own. What a test asserts
-//! about a queue's arguments, bindings or messages is read back through here.
+//! RabbitMQ as the tests read it, never through Settle: one raw management API call (HTTP/1.0,
+//! user guest) to the environment's management URL and one that must answer 200, a queue and
+//! its bindings by name, a queue made as another application would make it, users of a test's
+//! own, and a RabbitMQ Backend's manifest. What a test asserts about a queue's arguments,
+//! bindings or messages is read back through here.
 //!
-//! It must not decide what a test expects (a status code, a body): callers assert that.
+//! It must not decide what a test expects of Settle: the only statuses it asserts are those of
+//! its own calls working (a read answering, a queue or user made); callers assert the rest.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -41,6 +43,81 @@ pub fn management_with(method: &str, path: &str, json: &str) -> (u16, String) {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
     (status, body.to_string())
+}
+
+/// `s` as one segment of a management API path (`%` and `/` escaped).
+pub fn encode(s: &str) -> String {
+    s.replace('%', "%25").replace('/', "%2f")
+}
+
+/// A management API call that must answer 200: its body, parsed.
+pub fn management_json(method: &str, path: &str) -> Value {
+    let (status, body) = management(method, path);
+    assert_eq!(status, 200, "{method} {path}: {body}");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{method} {path}: {e}: {body}"))
+}
+
+/// Queue `name`'s bindings other than the default exchange's implicit one, as (exchange,
+/// routing key), sorted.
+pub fn bindings(name: &str) -> Vec<(String, String)> {
+    let v = management_json("GET", &format!("/api/queues/%2f/{}/bindings", encode(name)));
+    let mut out: Vec<(String, String)> = v
+        .as_array()
+        .expect("a list")
+        .iter()
+        .filter(|b| b["source"] != "")
+        .map(|b| {
+            (
+                b["source"].as_str().unwrap_or_default().to_string(),
+                b["routing_key"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Publishes each `(routing key, body)` to `amq.topic` on a channel of `conn`'s own, each
+/// confirmed by the broker (publisher confirms) before the next.
+pub async fn publish_topic(
+    conn: &lapin::Connection,
+    messages: impl IntoIterator<Item = (String, String)>,
+) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    for (key, body) in messages {
+        let confirm = ch
+            .basic_publish(
+                "amq.topic".into(),
+                key.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                lapin::BasicProperties::default(),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirmed");
+        assert!(confirm.is_ack(), "the broker took the message to {key}");
+    }
+    let _ = ch.close(200, "published".into()).await;
+}
+
+/// [`rabbitmq_backend_yaml`] on the environment's RabbitMQ.
+pub fn env_backend_yaml(name: &str, more: &str) -> String {
+    let env = super::env();
+    rabbitmq_backend_yaml(name, &env.rabbitmq_url, &env.rabbitmq_management_url, more)
+}
+
+/// A RabbitMQ Backend `name` on `url`, its management API at `management`, then `more` (lines
+/// of `spec.rabbitmq`, indented four spaces).
+pub fn rabbitmq_backend_yaml(name: &str, url: &str, management: &str, more: &str) -> String {
+    format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  rabbitmq:\n    urls: [\"{url}\"]\n    managementUrl: \"{management}\"\n{more}"
+    )
 }
 
 /// Makes quorum queue `name` on the default vhost as another application would (no Settle

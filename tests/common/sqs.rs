@@ -1,38 +1,73 @@
-//! The account's SQS scene: a namespace, an SQS Backend on the environment's ElasticMQ (its
-//! credentials in a labelled Secret) with a queue prefix of the test's own, the operator, a
+//! SQS as the tests reach it, and the account's SQS scene. Reached with the AWS SDK on the
+//! environment's ElasticMQ, not through Settle's controllers: a broker or client, a queue's URL,
+//! attributes, depth and messages, and an SQS Backend (its credentials in a labelled Secret)
+//! with a queue prefix of the test's own. The scene: a namespace, that Backend, the operator, a
 //! Subscription `orders` (its manifest on disk for the application), the application on the
 //! `settle` library (`examples/account_app.rs`) on SQS, messages sent straight to the queue with
 //! the AWS SDK, and the never-decreasing watcher of `tests/common/account.rs`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
-use kube::Api;
-use settle::api::{ConsumerStats, Subscription};
+use aws_sdk_sqs::types::QueueAttributeName;
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 
-use super::account::{
-    AccountScene, App, Seen, assert_never_decreased, settled_at, wait_until, watch,
-};
+use super::account::{AccountScene, App, Base};
 use super::operator::Operator;
-use super::subs::{apply, backends, subs, wait_backend, wait_ready};
+use super::subs::{apply, backends, wait_backend};
 use super::{install_crds, kubectl_ok, namespace};
 
-/// An SQS client on the environment's ElasticMQ.
-pub async fn client() -> Client {
+/// A broker on the environment's ElasticMQ, with queue prefix `prefix`.
+pub async fn broker(prefix: &str) -> SqsBroker {
+    let endpoint = super::env().sqs_endpoint;
     SqsBroker::connect(SqsSettings {
         region: Some("elasticmq".into()),
-        endpoint: Some(super::env().sqs_endpoint),
+        endpoint: Some(endpoint.clone()),
         credentials: SqsCredentials::Static {
             access_key_id: "test".into(),
             secret_access_key: "test".into(),
         },
-        queue_prefix: String::new(),
+        queue_prefix: prefix.to_string(),
     })
     .await
-    .expect("an SQS client")
-    .client()
-    .clone()
+    .unwrap_or_else(|e| panic!("an SQS client on ElasticMQ at {endpoint}: {e}"))
+}
+
+/// An SQS client on the environment's ElasticMQ.
+pub async fn client() -> Client {
+    broker("").await.client().clone()
+}
+
+/// Backend `sqs` in `ns` on the environment's ElasticMQ with queue prefix `prefix`, its
+/// credentials in Secret `aws` (made here, labelled for Backends). Does not wait for it.
+pub fn sqs_backend(ns: &str, prefix: &str) {
+    aws_secret(ns);
+    apply(
+        ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
+            super::env().sqs_endpoint
+        ),
+    );
+}
+
+/// Secret `aws` in `ns`, labelled for Backends: ElasticMQ's test credentials.
+fn aws_secret(ns: &str) {
+    kubectl_ok(
+        &[
+            "create",
+            "secret",
+            "generic",
+            "aws",
+            "-n",
+            ns,
+            "--from-literal=accessKeyId=test",
+            "--from-literal=secretAccessKey=test",
+        ],
+        None,
+    );
+    super::label_backend_secret(ns, "aws");
 }
 
 /// The URL of queue `name`, if it exists.
@@ -45,25 +80,44 @@ pub async fn url(c: &Client, name: &str) -> Option<String> {
         .and_then(|o| o.queue_url)
 }
 
-/// Queue `name`'s messages, visible and in flight (0 when it does not exist).
-pub async fn depth(c: &Client, name: &str) -> u64 {
-    let Some(u) = url(c, name).await else {
-        return 0;
-    };
+/// Queue `name`'s attributes by name, `None` when it does not exist.
+pub async fn attributes_of(c: &Client, name: &str) -> Option<BTreeMap<String, String>> {
+    let u = url(c, name).await?;
     let a = c
         .get_queue_attributes()
         .queue_url(u)
-        .attribute_names(aws_sdk_sqs::types::QueueAttributeName::All)
+        .attribute_names(QueueAttributeName::All)
         .send()
         .await
         .expect("attributes")
         .attributes
         .unwrap_or_default();
-    let n = |k: aws_sdk_sqs::types::QueueAttributeName| {
-        a.get(&k).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+    Some(
+        a.into_iter()
+            .map(|(k, v)| (k.as_str().to_string(), v))
+            .collect(),
+    )
+}
+
+/// Queue `name`'s attributes by name; the queue must exist.
+pub async fn attributes(c: &Client, name: &str) -> BTreeMap<String, String> {
+    attributes_of(c, name)
+        .await
+        .unwrap_or_else(|| panic!("queue {name} exists"))
+}
+
+/// Queue `name`'s messages, visible and in flight (0 when it does not exist).
+pub async fn depth(c: &Client, name: &str) -> u64 {
+    let Some(a) = attributes_of(c, name).await else {
+        return 0;
     };
-    n(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessages)
-        + n(aws_sdk_sqs::types::QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+    let n = |k: QueueAttributeName| {
+        a.get(k.as_str())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    n(QueueAttributeName::ApproximateNumberOfMessages)
+        + n(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
 }
 
 /// Every message of queue `name` (ids), looked at with a short visibility timeout and made
@@ -116,19 +170,25 @@ pub const SQS_OPERATOR_FLAGS: [&str; 5] = [
     "10s",
 ];
 
+/// An account scene on ElasticMQ: [`Base`] on a queue prefix of the test's own.
 pub struct SqsScene {
-    pub test: String,
-    pub ns: String,
+    pub base: Base,
     pub prefix: String,
-    pub manifest: std::path::PathBuf,
-    pub api: Api<Subscription>,
-    pub op: Operator,
     pub sqs: Client,
-    pub seen: Seen,
     pub app_env: Vec<(String, String)>,
-    /// The operator's flags (for a restart).
-    flags: Vec<&'static str>,
-    watcher: tokio::task::JoinHandle<()>,
+}
+
+impl std::ops::Deref for SqsScene {
+    type Target = Base;
+    fn deref(&self) -> &Base {
+        &self.base
+    }
+}
+
+impl std::ops::DerefMut for SqsScene {
+    fn deref_mut(&mut self) -> &mut Base {
+        &mut self.base
+    }
 }
 
 impl SqsScene {
@@ -150,55 +210,22 @@ impl SqsScene {
         let env = super::env();
         let op = Operator::start_with(test, &ns, flags);
         let prefix = format!("{}{}-", test.replace('-', ""), std::process::id());
-        kubectl_ok(
-            &[
-                "create",
-                "secret",
-                "generic",
-                "aws",
-                "-n",
-                &ns,
-                "--from-literal=accessKeyId=test",
-                "--from-literal=secretAccessKey=test",
-            ],
-            None,
-        );
-        super::label_backend_secret(&ns, "aws");
-        apply(
-            &ns,
-            &format!(
-                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
-                env.sqs_endpoint
-            ),
-        );
+        sqs_backend(&ns, &prefix);
         wait_backend(&backends(&ns).await, "sqs", "True", "PlaintextCredentials").await;
         let manifest_text = format!(
             "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: sqs}}\n  pattern: orders\n  durableName: orders\n{spec}"
         );
-        apply(&ns, &manifest_text);
-        let api = subs(&ns).await;
-        wait_ready(&api, "orders").await;
-        let manifest =
-            super::root().join(format!("target/account-{test}-{}.yaml", std::process::id()));
-        std::fs::write(&manifest, &manifest_text).expect("manifest");
-        let (seen, watcher) = watch(&api, "orders");
+        let base = Base::subscribe(test, ns, op, flags, &manifest_text).await;
         let mut all = vec![
             ("SETTLE_SQS_ENDPOINT".to_string(), env.sqs_endpoint.clone()),
             ("SETTLE_SQS_QUEUE_PREFIX".to_string(), prefix.clone()),
         ];
         all.extend(app_env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         SqsScene {
-            test: test.to_string(),
-            ns,
+            base,
             prefix,
-            manifest,
-            api,
-            op,
             sqs: client().await,
-            seen,
             app_env: all,
-            flags: flags.to_vec(),
-            watcher,
         }
     }
 
@@ -214,11 +241,6 @@ impl SqsScene {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         App::start(&env, &self.manifest, handler)
-    }
-
-    /// The operator again, with the scene's flags (after a kill).
-    pub fn restart_operator(&mut self) {
-        self.op = Operator::start_with(&self.test, &self.ns, &self.flags);
     }
 
     /// Sends `bodies` to the Subscription's queue.
@@ -237,44 +259,8 @@ impl SqsScene {
         }
     }
 
-    pub async fn stats(&self) -> ConsumerStats {
-        self.api
-            .get("orders")
-            .await
-            .ok()
-            .and_then(|s| s.status)
-            .and_then(|s| s.stats)
-            .map(|s| s.counters)
-            .unwrap_or_default()
-    }
-
-    pub async fn wait_stats(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        wait_until(what, limit, || self.stats(), want).await
-    }
-
-    /// Waits until status shows `want(stats)`, then that it stays so for 3 s.
-    pub async fn settled(
-        &self,
-        what: &str,
-        limit: Duration,
-        want: impl Fn(&ConsumerStats) -> bool,
-    ) -> ConsumerStats {
-        settled_at(what, limit, || self.stats(), want).await
-    }
-
-    pub fn assert_never_decreased(&self) {
-        assert_never_decreased(&self.seen);
-    }
-
     pub async fn finish(self) {
-        self.watcher.abort();
-        let _ = std::fs::remove_file(&self.manifest);
-        kubectl_ok(&["delete", "namespace", &self.ns, "--wait=false"], None);
+        self.base.finish();
     }
 }
 
@@ -294,29 +280,5 @@ impl AccountScene for SqsScene {
 
     async fn publish(&self, bodies: Vec<String>) {
         SqsScene::publish(self, bodies).await;
-    }
-
-    async fn stats(&self) -> ConsumerStats {
-        SqsScene::stats(self).await
-    }
-
-    fn kill_operator(&mut self) {
-        self.op.kill9();
-    }
-
-    fn restart_operator(&mut self) {
-        SqsScene::restart_operator(self);
-    }
-
-    fn seen(&self) -> &Seen {
-        &self.seen
-    }
-
-    fn api(&self) -> &Api<Subscription> {
-        &self.api
-    }
-
-    fn operator(&self) -> &Operator {
-        &self.op
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::ListParams;
-use settle::api::{Backend, Subscription};
+use settle::api::{Backend, Subscription, SubscriptionStatus};
 
 use super::kubectl_ok;
 use super::operator::{condition, poll};
@@ -16,10 +16,27 @@ pub fn apply(ns: &str, yaml: &str) {
     kubectl_ok(&["apply", "-n", ns, "-f", "-"], Some(yaml));
 }
 
+/// A NATS Backend `name` on `servers`.
 pub fn backend_yaml(name: &str, servers: &str) -> String {
+    nats_backend_yaml(name, servers, "")
+}
+
+/// A NATS Backend `name` on `servers`, then `nats` (more lines of `spec.nats`, indented four
+/// spaces: [`nats_tls`], [`nats_credentials`]).
+pub fn nats_backend_yaml(name: &str, servers: &str, nats: &str) -> String {
     format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]\n"
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]\n{nats}"
     )
+}
+
+/// `spec.nats`'s line trusting the CA in Secret `ca_secret`.
+pub fn nats_tls(ca_secret: &str) -> String {
+    format!("    tls: {{caSecretRef: {{name: {ca_secret}}}}}\n")
+}
+
+/// `spec.nats`'s line naming the credentials in Secret `secret`.
+pub fn nats_credentials(secret: &str) -> String {
+    format!("    credentialsSecretRef: {{name: {secret}}}\n")
 }
 
 /// A Subscription `name` on Backend `nats` with `spec` (indented two spaces, after backendRef).
@@ -51,12 +68,7 @@ pub async fn wait_condition(
         &format!("Subscription {name} to show {type_}={status} ({reason})"),
         limit,
         || async {
-            let s = api
-                .get_opt(name)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("no such Subscription")?;
-            let st = s.status.clone().unwrap_or_default();
+            let (s, st) = sub_status(api, name).await?;
             if st.observed_generation != s.metadata.generation {
                 return Err(format!(
                     "observedGeneration {:?}, generation {:?}",
@@ -181,13 +193,7 @@ pub async fn wait_backend_within(
         &format!("Backend {name} to be Ready={status} ({reason})"),
         limit,
         || async {
-            let b = api
-                .get_opt(name)
-                .await
-                .map_err(|e| e.to_string())?
-                .ok_or("no such Backend")?;
-            let st = b.status.clone().unwrap_or_default();
-            let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
+            let (s, r, m, b) = backend_ready(api, name).await?;
             if s == status && r == reason {
                 Ok(b)
             } else {
@@ -196,4 +202,35 @@ pub async fn wait_backend_within(
         },
     )
     .await
+}
+
+/// Subscription `name` now, and its status (empty while it has none); `Err` says why there is
+/// no such Subscription.
+pub async fn sub_status(
+    api: &Api<Subscription>,
+    name: &str,
+) -> Result<(Subscription, SubscriptionStatus), String> {
+    let s = api
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no such Subscription")?;
+    let st = s.status.clone().unwrap_or_default();
+    Ok((s, st))
+}
+
+/// Backend `name`'s Ready condition now, as (status, reason, message), and the Backend; `Err`
+/// says why there is none yet.
+pub async fn backend_ready(
+    api: &Api<Backend>,
+    name: &str,
+) -> Result<(String, String, String, Backend), String> {
+    let b = api
+        .get_opt(name)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no such Backend")?;
+    let st = b.status.clone().unwrap_or_default();
+    let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
+    Ok((s, r, m, b))
 }
