@@ -10,9 +10,16 @@ cd "$ROOT"
 need cargo "install Rust 1.89+ (rustup.rs)"
 start=$SECONDS
 
-hack/tools.sh build
+# Each phase's wall time, printed at the end (a cold run's figures in the README come from here).
+phases=""
+phase() { phases="$phases $1 $((SECONDS - mark))s,"; mark=$SECONDS; }
+mark=$SECONDS
+
+hack/tools.sh build; phase tools
 cargo build --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
+phase build
 hack/image.sh build                          # the images tests/image.rs and the pod suite read
+phase images
 
 # The tests get an environment of their own (a developer's `make env-up` keeps running), and
 # read where it is from the variables its env file exports.
@@ -20,6 +27,7 @@ export SETTLE_ENV_DIR="$ROOT/target/test-env"
 hack/env.sh down >/dev/null 2>&1 || true
 trap 'hack/env.sh down >/dev/null 2>&1 || true' EXIT
 hack/env.sh up --node
+phase environment
 # shellcheck disable=SC1091
 source "$SETTLE_ENV_DIR/settle.env"
 
@@ -33,10 +41,13 @@ log="$ROOT/target/test-output.log"
     | python3 hack/run-tests.py "${SETTLE_TEST_JOBS:-3}"
   cargo test --locked --doc
 } 2>&1 | tee "$log"
+phase tests
 # The node changed the host (a bridge, iptables chains, sysctls): its `down` must undo all of it.
 trap - EXIT
 hack/env.sh down >/dev/null
 hack/node.sh check
 counts="$(awk '/^test result:/ {p += $4; f += $6} END {printf "%d passed, %d failed", p, f}' "$log")"
-echo "make test: every suite green in $((SECONDS - start))s"
+phase down
+phases="${phases%,}"
+echo "make test: every suite green in $((SECONDS - start))s (${phases# })"
 echo "settle: $counts"
