@@ -141,3 +141,204 @@ fn lib_rs_states_the_same_order() {
         "src/lib.rs must state the order this test checks"
     );
 }
+
+/// The names a file's code uses right after `prefix` (`super::super::`, `crate::reconcile::`):
+/// `prefix{a::X, b}` names `a` and `b`. A match inside a longer path (`super::` within
+/// `super::super::x`) does not count.
+fn names_after(code: &str, prefix: &str) -> Vec<String> {
+    let chars: Vec<char> = code.chars().collect();
+    let ident = |from: usize| -> String {
+        chars[from..]
+            .iter()
+            .take_while(|c| c.is_ascii_alphanumeric() || **c == '_')
+            .collect()
+    };
+    let mut found = Vec::new();
+    let mut i = 0;
+    while let Some(at) = code[i..].find(prefix).map(|k| i + k) {
+        i = at + prefix.len();
+        let before = code[..at].chars().last();
+        if before.is_some_and(|c| c == ':' || c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        let start = code[..at].chars().count() + prefix.len();
+        if chars.get(start) == Some(&'{') {
+            let (mut depth, mut j, mut expect_name) = (1, start + 1, true);
+            while j < chars.len() && depth > 0 {
+                match chars[j] {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    ',' if depth == 1 => expect_name = true,
+                    c if expect_name && (c.is_ascii_alphanumeric() || c == '_') => {
+                        found.push(ident(j));
+                        expect_name = false;
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        } else {
+            found.push(ident(start));
+        }
+    }
+    // `super::super::x` read with the prefix `super::` names no sibling.
+    found.retain(|n| n != "super");
+    found
+}
+
+fn code_only(text: &str) -> String {
+    text.lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// What the files beside a folder's `mod.rs` use of each other: sibling → the siblings it names.
+/// `mod.rs` itself is the parent (its vocabulary, such as reconcile's `Ctx`, may be used by all).
+fn sibling_imports(src: &Path, dir: &Path) -> std::collections::BTreeMap<String, Vec<String>> {
+    let module = dir
+        .strip_prefix(src)
+        .expect("under src")
+        .components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .collect::<Vec<_>>()
+        .join("::");
+    let mut siblings = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(dir).expect("read dir") {
+        let path = entry.expect("dir entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .trim_end_matches(".rs")
+            .to_string();
+        if name == "mod" || !(path.is_dir() || path.extension().is_some_and(|e| e == "rs")) {
+            continue;
+        }
+        let mut files = Vec::new();
+        if path.is_dir() {
+            rust_files(&path, &mut files);
+        } else {
+            files.push(path.clone());
+        }
+        siblings.insert(name, files);
+    }
+    let names: Vec<String> = siblings.keys().cloned().collect();
+    let mut uses = std::collections::BTreeMap::new();
+    for (name, files) in &siblings {
+        let mut used = Vec::new();
+        for file in files {
+            // How deep the file's module sits below `dir`: `s.rs` and `s/mod.rs` are 1, `s/x.rs` 2.
+            let rel = file.strip_prefix(dir).expect("under dir");
+            let mut depth = rel.components().count();
+            if rel.file_name().is_some_and(|n| n == "mod.rs") {
+                depth -= 1;
+            }
+            let code = code_only(&std::fs::read_to_string(file).expect("read file"));
+            let mut found = names_after(&code, &"super::".repeat(depth));
+            if !module.is_empty() {
+                found.extend(names_after(&code, &format!("crate::{module}::")));
+            }
+            used.extend(found.into_iter().filter(|n| n != name && names.contains(n)));
+        }
+        used.sort();
+        used.dedup();
+        uses.insert(name.clone(), used);
+    }
+    uses
+}
+
+/// A circle in `uses`, if there is one, as the names around it.
+fn circle(uses: &std::collections::BTreeMap<String, Vec<String>>) -> Option<Vec<String>> {
+    fn visit(
+        at: &str,
+        uses: &std::collections::BTreeMap<String, Vec<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(k) = path.iter().position(|p| p == at) {
+            let mut c = path[k..].to_vec();
+            c.push(at.to_string());
+            return Some(c);
+        }
+        if done.contains(at) {
+            return None;
+        }
+        path.push(at.to_string());
+        for next in uses.get(at).into_iter().flatten() {
+            if let Some(c) = visit(next, uses, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(at.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    uses.keys()
+        .find_map(|k| visit(k, uses, &mut Vec::new(), &mut done))
+}
+
+/// Inside every folder of `src/`, the files beside `mod.rs` use each other in no circle: a step
+/// does not call back up into the pipeline that runs it (as `reconcile/nats.rs` once imported
+/// `publish` from `reconcile/subscription.rs`, which calls it), and the webhook's parts do not
+/// lean on each other both ways.
+#[test]
+fn no_folder_has_an_import_circle_among_its_files() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut folders: Vec<_> = files
+        .iter()
+        .filter(|f| f.file_name().is_some_and(|n| n == "mod.rs"))
+        .filter_map(|f| f.parent().map(Path::to_path_buf))
+        .collect();
+    folders.sort();
+    let mut edges = 0;
+    let mut circles = Vec::new();
+    for dir in &folders {
+        let uses = sibling_imports(&src, dir);
+        edges += uses.values().map(Vec::len).sum::<usize>();
+        if let Some(c) = circle(&uses) {
+            circles.push(format!(
+                "src/{}: {}",
+                dir.strip_prefix(&src).expect("under src").display(),
+                c.join(" → ")
+            ));
+        }
+    }
+    let reconcile = sibling_imports(&src, &src.join("reconcile"));
+    assert!(
+        reconcile["subscription"].contains(&"nats".to_string())
+            && reconcile["nats"].contains(&"step".to_string()),
+        "the grep must see the pipeline use its steps and a step use step.rs: {reconcile:?}"
+    );
+    assert!(
+        folders.len() >= 10 && edges >= 30,
+        "{} folders, {edges} uses",
+        folders.len()
+    );
+    assert!(
+        circles.is_empty(),
+        "import circles:\n{}",
+        circles.join("\n")
+    );
+}
+
+#[test]
+fn the_circle_check_finds_a_circle_and_reads_nested_paths() {
+    let uses = std::collections::BTreeMap::from([
+        ("a".to_string(), vec!["b".to_string()]),
+        ("b".to_string(), vec!["c".to_string()]),
+        ("c".to_string(), vec!["a".to_string()]),
+        ("d".to_string(), vec![]),
+    ]);
+    assert_eq!(
+        circle(&uses),
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+    let code = "use super::super::x::Y;\nuse super::{step::T, status};\nlet z = crate::reconcile::nats::f();";
+    assert_eq!(names_after(code, "super::"), ["step", "status"]);
+    assert_eq!(names_after(code, "super::super::"), ["x"]);
+    assert_eq!(names_after(code, "crate::reconcile::"), ["nats"]);
+}

@@ -305,8 +305,11 @@ mod tests {
             ["shop", "fresh", "nats", "-"],
             "no Backend: kind -"
         );
-        assert!(row[5..16].iter().all(|c| *c == "-"), "{row:?}");
-        assert_eq!(row[16], "Exhausting:MessagesExhausted");
+        // NAMESPACE NAME BACKEND KIND READY, then the twelve counters and gauges (OFFERED to
+        // ACKPENDING), then CONDITIONS.
+        assert_eq!(row.len(), 18, "{row:?}");
+        assert!(row[5..17].iter().all(|c| *c == "-"), "{row:?}");
+        assert_eq!(row[17], "Exhausting:MessagesExhausted");
     }
 
     #[test]

@@ -234,18 +234,7 @@ impl Node {
     pub fn strip_finalizers(&self, ns: &str) {
         let out = self.kubectl(&["get", "subscriptions", "-n", ns, "-o", "name"], None);
         for name in String::from_utf8_lossy(&out.stdout).lines() {
-            let _ = self.kubectl(
-                &[
-                    "patch",
-                    name,
-                    "-n",
-                    ns,
-                    "--type=merge",
-                    "-p",
-                    r#"{"metadata":{"finalizers":null}}"#,
-                ],
-                None,
-            );
+            let _ = self.kubectl(&super::subs::no_finalizers(name, ns), None);
         }
     }
 }

@@ -108,19 +108,21 @@ pub fn delete_by_hand(ns: &str, name: &str) {
         &["delete", "subscription", name, "-n", ns, "--wait=false"],
         None,
     );
-    kubectl_ok(
-        &[
-            "patch",
-            "subscription",
-            name,
-            "-n",
-            ns,
-            "--type=merge",
-            "-p",
-            r#"{"metadata":{"finalizers":null}}"#,
-        ],
-        None,
-    );
+    let target = format!("subscription/{name}");
+    kubectl_ok(&no_finalizers(&target, ns), None);
+}
+
+/// The `kubectl` arguments that take the finalizers off `target` (`KIND/NAME`) in `ns`.
+pub fn no_finalizers<'a>(target: &'a str, ns: &'a str) -> [&'a str; 7] {
+    [
+        "patch",
+        target,
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        r#"{"metadata":{"finalizers":null}}"#,
+    ]
 }
 
 pub async fn wait_gone(api: &Api<Subscription>, name: &str, limit: Duration) {
