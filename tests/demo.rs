@@ -2,6 +2,8 @@
 //! kube-apiserver+etcd, nats-server, RabbitMQ and ElasticMQ, started by the demo itself), then
 //! stopped with `hack/env.sh down`, which must leave nothing behind.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -23,7 +25,9 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = root.join(format!("target/demo-test-{}", std::process::id()));
     let down = Down(dir.clone());
-    let out = Command::new("make")
+    // The demo runs cargo: without the variables cargo set for this test, or it rebuilds the
+    // TLS crates (common::process::without_cargo_test_env).
+    let out = common::process::without_cargo_test_env(&mut Command::new("make"))
         .arg("demo")
         .current_dir(root)
         .env("SETTLE_ENV_DIR", &dir)

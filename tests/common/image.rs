@@ -14,7 +14,7 @@ use std::sync::{Mutex, OnceLock};
 
 /// `hack/image.sh ARGS`, its output returned whatever its status.
 pub fn image_script(args: &[&str]) -> Output {
-    Command::new(root().join("hack/image.sh"))
+    super::process::without_cargo_test_env(&mut Command::new(root().join("hack/image.sh")))
         .args(args)
         .stdin(Stdio::null())
         .output()

@@ -79,3 +79,32 @@ pub async fn poll_until_async<F: std::future::Future<Output = bool>>(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Takes off `cmd` the variables cargo sets for a test process (`CARGO_PKG_NAME`,
+/// `CARGO_MANIFEST_DIR`, `OUT_DIR`, …), for a command that runs cargo itself (`hack/image.sh`,
+/// `make demo`). Cargo compares the variables a build script watches with its own environment:
+/// ring's (through the cc crate) watches these, so a cargo started from a test rebuilt ring and
+/// every TLS crate above it, and the next ordinary build rebuilt them again.
+pub fn without_cargo_test_env(cmd: &mut Command) -> &mut Command {
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let set_by_cargo = name == "CARGO"
+            || name == "OUT_DIR"
+            || name == "CARGO_PRIMARY_PACKAGE"
+            || name == "CARGO_TARGET_TMPDIR"
+            || name == "CARGO_RUSTC_CURRENT_DIR"
+            || [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_CRATE_",
+                "CARGO_BIN_",
+                "CARGO_CFG_",
+            ]
+            .iter()
+            .any(|p| name.starts_with(p));
+        if set_by_cargo {
+            cmd.env_remove(name);
+        }
+    }
+    cmd
+}
