@@ -34,6 +34,13 @@ fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
 /// The `crate::<module>` paths a file uses, outside comments, with their line numbers;
 /// `use crate::{a::X, b}` names both `a` and `b`.
 fn crate_paths(text: &str) -> Vec<(usize, String)> {
+    paths_after(text, "crate::")
+}
+
+/// The names a file's code uses right after `prefix` (`crate::`, `super::super::`,
+/// `crate::reconcile::`), outside comments, with their line numbers: `prefix{a::X, b}` names `a`
+/// and `b`. A match inside a longer path (`super::` within `super::super::x`) does not count.
+fn paths_after(text: &str, prefix: &str) -> Vec<(usize, String)> {
     // Keep code only, and remember each character's line.
     let mut code = String::new();
     let mut lines = Vec::new();
@@ -52,9 +59,14 @@ fn crate_paths(text: &str) -> Vec<(usize, String)> {
     };
     let mut found = Vec::new();
     let mut i = 0;
-    while let Some(at) = code[i..].find("crate::").map(|k| i + k) {
-        // `code` is ASCII wherever `crate::` can match, so byte and char offsets agree there.
-        let start = code[..at].chars().count() + "crate::".len();
+    while let Some(at) = code[i..].find(prefix).map(|k| i + k) {
+        i = at + prefix.len();
+        let before = code[..at].chars().last();
+        if before.is_some_and(|c| c == ':' || c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        // `code` is ASCII wherever `prefix` can match, so byte and char offsets agree there.
+        let start = code[..at].chars().count() + prefix.len();
         if chars.get(start) == Some(&'{') {
             // A group: every name at depth one, up to its closing brace.
             let (mut depth, mut j, mut expect_name) = (1, start + 1, true);
@@ -77,8 +89,9 @@ fn crate_paths(text: &str) -> Vec<(usize, String)> {
                 found.push((lines[start], name));
             }
         }
-        i = at + "crate::".len();
     }
+    // `super::super::x` read with the prefix `super::` names no sibling.
+    found.retain(|(_, n)| n != "super");
     found
 }
 
@@ -142,57 +155,6 @@ fn lib_rs_states_the_same_order() {
     );
 }
 
-/// The names a file's code uses right after `prefix` (`super::super::`, `crate::reconcile::`):
-/// `prefix{a::X, b}` names `a` and `b`. A match inside a longer path (`super::` within
-/// `super::super::x`) does not count.
-fn names_after(code: &str, prefix: &str) -> Vec<String> {
-    let chars: Vec<char> = code.chars().collect();
-    let ident = |from: usize| -> String {
-        chars[from..]
-            .iter()
-            .take_while(|c| c.is_ascii_alphanumeric() || **c == '_')
-            .collect()
-    };
-    let mut found = Vec::new();
-    let mut i = 0;
-    while let Some(at) = code[i..].find(prefix).map(|k| i + k) {
-        i = at + prefix.len();
-        let before = code[..at].chars().last();
-        if before.is_some_and(|c| c == ':' || c.is_ascii_alphanumeric() || c == '_') {
-            continue;
-        }
-        let start = code[..at].chars().count() + prefix.len();
-        if chars.get(start) == Some(&'{') {
-            let (mut depth, mut j, mut expect_name) = (1, start + 1, true);
-            while j < chars.len() && depth > 0 {
-                match chars[j] {
-                    '{' => depth += 1,
-                    '}' => depth -= 1,
-                    ',' if depth == 1 => expect_name = true,
-                    c if expect_name && (c.is_ascii_alphanumeric() || c == '_') => {
-                        found.push(ident(j));
-                        expect_name = false;
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-        } else {
-            found.push(ident(start));
-        }
-    }
-    // `super::super::x` read with the prefix `super::` names no sibling.
-    found.retain(|n| n != "super");
-    found
-}
-
-fn code_only(text: &str) -> String {
-    text.lines()
-        .map(|l| l.split("//").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
 /// What the files beside a folder's `mod.rs` use of each other: sibling → the siblings it names.
 /// `mod.rs` itself is the parent (its vocabulary, such as reconcile's `Ctx`, may be used by all).
 fn sibling_imports(src: &Path, dir: &Path) -> std::collections::BTreeMap<String, Vec<String>> {
@@ -234,12 +196,17 @@ fn sibling_imports(src: &Path, dir: &Path) -> std::collections::BTreeMap<String,
             if rel.file_name().is_some_and(|n| n == "mod.rs") {
                 depth -= 1;
             }
-            let code = code_only(&std::fs::read_to_string(file).expect("read file"));
-            let mut found = names_after(&code, &"super::".repeat(depth));
+            let text = std::fs::read_to_string(file).expect("read file");
+            let mut found = paths_after(&text, &"super::".repeat(depth));
             if !module.is_empty() {
-                found.extend(names_after(&code, &format!("crate::{module}::")));
+                found.extend(paths_after(&text, &format!("crate::{module}::")));
             }
-            used.extend(found.into_iter().filter(|n| n != name && names.contains(n)));
+            used.extend(
+                found
+                    .into_iter()
+                    .map(|(_, n)| n)
+                    .filter(|n| n != name && names.contains(n)),
+            );
         }
         used.sort();
         used.dedup();
@@ -338,7 +305,13 @@ fn the_circle_check_finds_a_circle_and_reads_nested_paths() {
         Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
     );
     let code = "use super::super::x::Y;\nuse super::{step::T, status};\nlet z = crate::reconcile::nats::f();";
-    assert_eq!(names_after(code, "super::"), ["step", "status"]);
-    assert_eq!(names_after(code, "super::super::"), ["x"]);
-    assert_eq!(names_after(code, "crate::reconcile::"), ["nats"]);
+    let names = |prefix| -> Vec<String> {
+        paths_after(code, prefix)
+            .into_iter()
+            .map(|(_, n)| n)
+            .collect()
+    };
+    assert_eq!(names("super::"), ["step", "status"]);
+    assert_eq!(names("super::super::"), ["x"]);
+    assert_eq!(names("crate::reconcile::"), ["nats"]);
 }
