@@ -18,6 +18,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 
 use crate::account::metrics::Metrics;
+use crate::backend::rabbitmq::admin;
 use crate::backend::rabbitmq::deadletter::{self, Copy};
 
 /// How long a Backend has no AtLeastOnce Subscription before its copy queue is deleted (a
@@ -245,7 +246,7 @@ impl DeadLetters {
         }
         if self.consumer.is_some()
             && due
-            && let Ok(Some(n)) = deadletter::depth(conn, &self.queue).await
+            && let Ok(Some(n)) = admin::depth(conn, &self.queue).await
             && i64::from(n) >= self.max_length
         {
             metrics

@@ -1,5 +1,6 @@
-//! The AMQP calls the operator makes on queues Settle manages: is a queue there (a passive
-//! declare), declare it from the mapping, bind and unbind it, delete it. Each call uses a channel
+//! The AMQP calls the operator makes on queues Settle manages: is a queue there and how many
+//! messages it holds ready (a passive declare, which the runtime's wait for an operator-made queue
+//! asks too), declare it from the mapping, bind and unbind it, delete it. Each call uses a channel
 //! of its own (a refused call closes its channel), closed after.
 //!
 //! It must not decide what a queue looks like (that is [`super::queue`]) nor what to do about a
@@ -70,6 +71,11 @@ pub(super) async fn done(ch: Channel) {
 
 /// Whether queue `name` exists (a passive declare).
 pub async fn exists(conn: &Connection, name: &str) -> Result<bool, AdminError> {
+    Ok(depth(conn, name).await?.is_some())
+}
+
+/// How many messages queue `name` holds ready (`None`: it is gone), by a passive declare.
+pub async fn depth(conn: &Connection, name: &str) -> Result<Option<u32>, AdminError> {
     let ch = channel(conn).await?;
     let r = ch
         .queue_declare(
@@ -82,11 +88,11 @@ pub async fn exists(conn: &Connection, name: &str) -> Result<bool, AdminError> {
         )
         .await;
     match r {
-        Ok(_) => {
+        Ok(q) => {
             done(ch).await;
-            Ok(true)
+            Ok(Some(q.message_count()))
         }
-        Err(e) if reply_code(&e) == Some(404) => Ok(false),
+        Err(e) if reply_code(&e) == Some(404) => Ok(None),
         Err(e) => Err(classify(format!("looking up queue {name:?}"), &e)),
     }
 }

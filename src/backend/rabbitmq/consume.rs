@@ -32,7 +32,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
-use super::admin::reply_code;
+use super::admin::{self, reply_code};
 use super::queue::{self, QueueSpec};
 use super::{RabbitBroker, RabbitError, amqp, broker_err, report};
 use crate::bus::{
@@ -168,33 +168,16 @@ impl RabbitBroker {
         let want = queue::desired(&b.namespace, ctx.name(), ctx.policy(), &self.exchanges);
         let (conn, name) = (&self.conn, want.name.as_str());
         bus::await_operator(ctx.name(), "queue", move || async move {
-            let ch = conn
-                .create_channel()
-                .await
-                .map_err(|e| format!("cannot open a channel: {e}"))?;
-            let found = ch
-                .queue_declare(
-                    ShortString::from(name),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            match found {
-                Ok(_) => {
-                    let _ = ch.close(200, ShortString::from("found")).await;
-                    Ok(())
-                }
-                Err(e) if reply_code(&e) == Some(404) => Err(format!(
+            match admin::exists(conn, name).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(format!(
                     "queue {name} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
                     b.namespace,
                     ctx.name(),
                     ctx.name(),
                     b.namespace
                 )),
-                Err(e) => Err(format!("cannot look up queue {name}: {e}")),
+                Err(e) => Err(e.to_string()),
             }
         })
         .await;

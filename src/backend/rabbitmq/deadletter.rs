@@ -282,29 +282,6 @@ pub async fn ensure_copy(
     })
 }
 
-/// How many copies queue `name` holds ready (`None`: it is gone), by a passive declare.
-pub async fn depth(conn: &Connection, name: &str) -> Result<Option<u32>, AdminError> {
-    let ch = channel(conn).await?;
-    let r = ch
-        .queue_declare(
-            ShortString::from(name),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
-    match r {
-        Ok(q) => {
-            done(ch).await;
-            Ok(Some(q.message_count()))
-        }
-        Err(e) if reply_code(&e) == Some(404) => Ok(None),
-        Err(e) => Err(classify(format!("looking up queue {name:?}"), &e)),
-    }
-}
-
 /// The dead-lettering that put a message where it is now: the newest `x-death` entry (RabbitMQ
 /// keeps them newest first, one per queue and reason, with a count).
 #[derive(Clone, Debug, PartialEq, Eq)]
