@@ -25,6 +25,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::measure::{pct, peak_rss_mib};
 use common::operator::{Operator, TestStream};
 use common::subs::{apply, backend_yaml};
 use futures::StreamExt;
@@ -35,42 +36,15 @@ use settle::api::{ConsumerStats, Subscription};
 const STEADY: Duration = Duration::from_secs(60);
 const WARMUP: Duration = Duration::from_secs(15);
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i]
-}
-
-fn peak_rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
-
 /// Per Subscription: the values put (acked, or exhausted for losses) and when, not yet seen in
 /// status.
 type Sent = Arc<Mutex<HashMap<String, Vec<(u64, Instant)>>>>;
 
-/// The positional numbers after `--` (cargo adds `--bench`): N, then the budget.
+/// The positional numbers after `--`: N (500), then the budget.
 fn args() -> (usize, Option<u32>) {
-    let nums: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let n = nums
-        .first()
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(500)
-        .max(1);
-    let rate = nums.get(1).and_then(|a| a.parse().ok());
+    let nums = common::measure::numbers();
+    let n = nums.first().map_or(500, |&n| n as usize).max(1);
+    let rate = nums.get(1).and_then(|&r| u32::try_from(r).ok());
     (n, rate)
 }
 

@@ -1,17 +1,23 @@
-//! Benchmark of the controllers on real parts: 1,000 Subscriptions in one `kubectl apply -f` of a
-//! multi-document file, through the registered webhook, against the environment's
+//! Benchmark of the controllers on real parts, and their cost curve: N Subscriptions (1,000
+//! unless `cargo bench --bench reconcile -- N`) server-side applied in chunks of 500 (as a
+//! GitOps tool applies a folder), through the registered webhook, against the environment's
 //! kube-apiserver and nats-server, with `settle operator` (built by `cargo bench`, so optimised)
-//! running as a process. Prints, asserts nothing:
+//! running as a process. Beyond 1,000 Subscriptions they are spread over streams of 1,000 (a
+//! nats-server allows 1,000 consumers per stream by default: past it the curve would measure
+//! that limit, not Settle). Prints, asserts nothing, per N:
 //!
 //! - seconds from the start of the apply until all are Ready (and how long the apply took);
 //! - the lag from each object's creation to its Ready (p50/p95/max), timed by one watch (API
 //!   timestamps have 1 s resolution);
+//! - an update of every spec (maxDeliver 5 -> 6, in place): seconds until all show it;
 //! - seconds to repair 10 consumers deleted on the broker;
-//! - API requests and consumer-API calls per Subscription (the operator's own counters);
+//! - API requests and consumer-API calls per Subscription on create and on update (the
+//!   operator's own counters);
 //! - status writes during 60 s of steady state;
-//! - the operator's peak RSS.
+//! - the operator's resident memory before, after the update phase and at its peak, the growth
+//!   per Subscription, and its CPU seconds per phase.
 //!
-//! Run with `make bench` (or `make env-up && cargo bench --bench reconcile`).
+//! Run with `make bench` (or `make env-up && cargo bench --bench reconcile -- 10000`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -21,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::free_port;
+use common::measure::{cpu_seconds, load_average, pct, peak_rss_mib, rss_mib};
 use common::operator::{Operator, TestStream};
 use common::subs::{apply, backend_yaml};
 use futures::StreamExt;
@@ -29,14 +36,19 @@ use kube::runtime::{WatchStreamExt, watcher};
 use settle::api::Subscription;
 use settle::backend::nats::jsapi;
 
-const N: usize = 1_000;
 const REPAIRS: usize = 10;
 const STEADY: Duration = Duration::from_secs(60);
+/// Subscriptions per stream beyond which they are spread over more streams.
+const PER_STREAM: usize = 1000;
+/// Objects per server-side apply.
+const CHUNK: usize = 500;
 
 #[derive(Default)]
 struct Seen {
     created: HashMap<String, Instant>,
     ready: HashMap<String, Instant>,
+    /// First seen Ready at generation 2 (the update).
+    updated: HashMap<String, Instant>,
 }
 
 fn ready(s: &Subscription) -> bool {
@@ -46,28 +58,69 @@ fn ready(s: &Subscription) -> bool {
         .is_some_and(|c| c.0 == "True")
 }
 
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i]
+fn observed(s: &Subscription) -> i64 {
+    s.status
+        .as_ref()
+        .and_then(|st| st.observed_generation)
+        .unwrap_or(0)
 }
 
-fn peak_rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
+/// The N Subscriptions' manifests with `max_deliver`, server-side applied in chunks; returns
+/// how long it took.
+fn apply_all(ns: &str, prefixes: &[String], n: usize, max_deliver: u32) -> Duration {
+    let t = Instant::now();
+    for (c, start) in (0..n).step_by(CHUNK).enumerate() {
+        let mut docs = String::new();
+        for i in start..(start + CHUNK).min(n) {
+            docs.push_str(&format!(
+                "---\napiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: s{i}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.s{i}.>\"\n  mode: AtLeastOnce\n  durableName: d{i}\n  maxDeliver: {max_deliver}\n",
+                prefixes[i / PER_STREAM]
+            ));
+        }
+        let file = common::root().join(format!(
+            "target/bench-reconcile-{}-{c}.yaml",
+            std::process::id()
+        ));
+        std::fs::write(&file, docs).expect("manifests");
+        let out = common::kubectl(
+            &[
+                "apply",
+                "--server-side",
+                "--field-manager=bench-gitops",
+                "-n",
+                ns,
+                "-f",
+                common::path_str(&file),
+            ],
+            None,
+        );
+        let _ = std::fs::remove_file(&file);
+        assert!(
+            out.status.success(),
+            "kubectl apply: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    t.elapsed()
+}
+
+/// Waits until `count(seen)` reaches `n` (at most 30 min).
+async fn until(seen: &Mutex<Seen>, n: usize, since: Instant, count: impl Fn(&Seen) -> usize) {
+    while count(&seen.lock().expect("seen")) < n {
+        assert!(
+            since.elapsed() < Duration::from_secs(1800),
+            "not all there after 30 min"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let n = common::measure::numbers()
+        .first()
+        .map_or(1000, |&n| n as usize)
+        .max(1);
     common::install_crds();
     let env = common::env();
     let ns = common::namespace("bench-reconcile");
@@ -79,19 +132,27 @@ async fn main() {
     let configuration = format!("settle-bench-{}", std::process::id());
     let mut vwc = common::install::shipped_webhook_configuration();
     vwc["metadata"]["name"] = serde_json::json!(configuration);
-    let hook = &mut vwc["webhooks"][0];
-    let path = hook["clientConfig"]["service"]["path"]
-        .as_str()
-        .unwrap_or("/validate")
-        .to_string();
-    hook["clientConfig"] =
-        serde_json::json!({"url": format!("https://127.0.0.1:{webhook_port}{path}")});
-    hook["namespaceSelector"] = serde_json::json!({
-        "matchLabels": {"settle.dev/bench-reconcile": std::process::id().to_string()}
-    });
+    // Every webhook of it (Subscriptions and Backends), each for this namespace only.
+    let hooks = vwc["webhooks"].as_array_mut().expect("webhooks");
+    for hook in hooks {
+        let path = hook["clientConfig"]["service"]["path"]
+            .as_str()
+            .unwrap_or("/validate")
+            .to_string();
+        hook["clientConfig"] =
+            serde_json::json!({"url": format!("https://127.0.0.1:{webhook_port}{path}")});
+        hook["namespaceSelector"] = serde_json::json!({
+            "matchLabels": {"settle.dev/bench-reconcile": std::process::id().to_string()}
+        });
+    }
     common::kubectl_ok(&["apply", "-f", "-"], Some(&vwc.to_string()));
 
-    let stream = TestStream::new(&env.nats_url, "bench").await;
+    let mut streams = Vec::new();
+    for _ in 0..n.div_ceil(PER_STREAM) {
+        streams.push(TestStream::new(&env.nats_url, "bench").await);
+    }
+    let prefixes: Vec<String> = streams.iter().map(|s| s.prefix.clone()).collect();
+    let stream = &streams[0];
     let op = Operator::start_with(
         "bench",
         &ns,
@@ -158,6 +219,9 @@ async fn main() {
                         let mut seen = seen.lock().expect("seen");
                         seen.created.entry(name.clone()).or_insert(now);
                         if ready(&s) {
+                            if observed(&s) >= 2 {
+                                seen.updated.entry(name.clone()).or_insert(now);
+                            }
                             seen.ready.entry(name).or_insert(now);
                         }
                     }
@@ -167,44 +231,19 @@ async fn main() {
     };
     tokio::time::sleep(Duration::from_secs(1)).await;
 
-    let mut all = String::new();
-    for i in 0..N {
-        all.push_str(&format!(
-            "---\napiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: s{i}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.s{i}.>\"\n  mode: AtLeastOnce\n  durableName: d{i}\n  maxDeliver: 5\n",
-            stream.prefix
-        ));
-    }
-    let file = common::root().join(format!(
-        "target/bench-reconcile-{}.yaml",
-        std::process::id()
-    ));
-    std::fs::write(&file, all).expect("manifests");
-
+    let pid = op.pid();
+    let (rss_before, cpu_before) = (rss_mib(pid), cpu_seconds(pid));
     let kube_before = op.metric("settle_kube_requests_total", &[]);
     let js_before = op.metric("settle_consumer_api_calls_total", &[]);
     let t0 = Instant::now();
-    let out = common::kubectl(&["apply", "-n", &ns, "-f", common::path_str(&file)], None);
-    let applied = t0.elapsed();
-    assert!(
-        out.status.success(),
-        "kubectl apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    loop {
-        if seen.lock().expect("seen").ready.len() >= N {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(600),
-            "not all Ready after 600 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let applied = apply_all(&ns, &prefixes, n, 5);
+    until(&seen, n, t0, |s| s.ready.len()).await;
     let all_ready = t0.elapsed();
     // Let the last status writes and advisories land before counting.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let kube_calls = op.metric("settle_kube_requests_total", &[]) - kube_before;
     let js_calls = op.metric("settle_consumer_api_calls_total", &[]) - js_before;
+    let (rss_created, cpu_created) = (rss_mib(pid), cpu_seconds(pid));
     let mut lags: Vec<Duration> = {
         let s = seen.lock().expect("seen");
         s.ready
@@ -213,6 +252,20 @@ async fn main() {
             .collect()
     };
     lags.sort();
+
+    // Update: every spec changed in place.
+    let (kube_before, js_before) = (
+        op.metric("settle_kube_requests_total", &[]),
+        op.metric("settle_consumer_api_calls_total", &[]),
+    );
+    let t2 = Instant::now();
+    let update_applied = apply_all(&ns, &prefixes, n, 6);
+    until(&seen, n, t2, |s| s.updated.len()).await;
+    let all_updated = t2.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let kube_update = op.metric("settle_kube_requests_total", &[]) - kube_before;
+    let js_update = op.metric("settle_consumer_api_calls_total", &[]) - js_before;
+    let (rss_updated, cpu_updated) = (rss_mib(pid), cpu_seconds(pid));
 
     // Repair: 10 consumers deleted on the broker.
     let mut before = HashMap::new();
@@ -256,15 +309,17 @@ async fn main() {
     tokio::time::sleep(STEADY).await;
     let steady_writes = op.metric("settle_status_writes_total", &[]) - writes_before;
     let steady_ops = op.metric("settle_consumer_operations_total", &[]) - ops_before;
-    let rss = peak_rss_mib(op.pid());
+    let (rss_steady, cpu_steady) = (rss_mib(pid), cpu_seconds(pid));
+    let peak = peak_rss_mib(pid);
 
-    println!("reconcile benchmark: {N} Subscriptions in one kubectl apply -f (webhook registered)");
     println!(
-        "  kubectl apply took                 {:.2} s",
-        applied.as_secs_f64()
+        "reconcile benchmark: {n} Subscriptions on {} stream(s), server-side applied in chunks of {CHUNK} (webhook registered; load average {})",
+        streams.len(),
+        load_average()
     );
     println!(
-        "  all Ready after the apply started  {:.2} s",
+        "  apply took {:.1} s; all Ready {:.1} s after it started",
+        applied.as_secs_f64(),
         all_ready.as_secs_f64()
     );
     println!(
@@ -275,22 +330,40 @@ async fn main() {
         lags.len()
     );
     println!(
+        "  update of every spec: apply {:.1} s; all Ready at generation 2 {:.1} s after it started",
+        update_applied.as_secs_f64(),
+        all_updated.as_secs_f64()
+    );
+    println!(
         "  repair of {REPAIRS} consumers deleted on the broker  {:.3} s",
         repaired.as_secs_f64()
     );
     println!(
-        "  per Subscription: {:.2} API requests, {:.2} consumer-API calls",
-        kube_calls / N as f64,
-        js_calls / N as f64
+        "  per Subscription on create: {:.2} API requests, {:.2} consumer-API calls; on update: {:.2}, {:.2}",
+        kube_calls / n as f64,
+        js_calls / n as f64,
+        kube_update / n as f64,
+        js_update / n as f64
     );
     println!(
-        "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations",
-        STEADY.as_secs()
+        "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations, {:.2} CPU s",
+        STEADY.as_secs(),
+        cpu_steady - cpu_updated
     );
-    println!("  operator peak RSS                  {rss:.1} MiB");
+    println!(
+        "  CPU seconds: create {:.1}, update {:.1}",
+        cpu_created - cpu_before,
+        cpu_updated - cpu_created
+    );
+    println!(
+        "  RSS: {rss_before:.1} MiB before, {rss_created:.1} after create, {rss_updated:.1} after update, {rss_steady:.1} at rest, peak {peak:.1}; {:.1} KiB per Subscription (at rest - before)",
+        (rss_steady - rss_before) * 1024.0 / n as f64
+    );
 
     watch.abort();
-    stream.delete().await;
+    for s in streams {
+        s.delete().await;
+    }
     common::kubectl_ok(
         &[
             "delete",
@@ -307,6 +380,5 @@ async fn main() {
         None,
     );
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
-    let _ = std::fs::remove_file(&file);
     drop(op);
 }

@@ -12,6 +12,7 @@ pub mod controlplane;
 #[cfg(feature = "operator")]
 pub mod image;
 pub mod install;
+pub mod measure;
 #[cfg(feature = "operator")]
 pub mod node;
 #[cfg(feature = "operator")]

@@ -79,7 +79,19 @@ impl Operator {
             std::process::id()
         ));
         let home = watch.split(',').next().unwrap_or("default");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_settle"));
+        // A profiler to run the operator under (`SETTLE_OPERATOR_WRAPPER="heaptrack -o
+        // target/heap"`, for a benchmark): its words, then the binary. The pid is then the
+        // wrapper's.
+        let wrapper = std::env::var("SETTLE_OPERATOR_WRAPPER").unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        let mut cmd = match words.next() {
+            Some(program) => {
+                let mut c = Command::new(program);
+                c.args(words).arg(env!("CARGO_BIN_EXE_settle"));
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_settle")),
+        };
         cmd.args(["operator", "--log-format", "text"]);
         // The defaults, each unless `extra` sets it.
         let webhook_addr = format!("127.0.0.1:{}", free_port());
