@@ -17,10 +17,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use tokio::sync::Mutex;
 use settle::api::ConsumerStats;
 use settle::backend::nats::capture::CAPTURE_STREAM;
 use settle::backend::nats::{consumer, jsapi};
@@ -30,11 +30,9 @@ use common::account::{App, Scene};
 use common::nats_cluster::{Cluster, cluster, index_of, publish_through};
 use common::operator::{condition, poll};
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
+/// Held for a whole scenario (each test has its own runtime; a tokio lock is not poisoned by a
+/// failed one).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
 
 /// The account's operator flags, with its capture and buckets at three replicas.
 const FLAGS: [&str; 5] = [
@@ -212,13 +210,15 @@ async fn drift_repaired(scene: &Scene, js: &jetstream::Context) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consumer_leader_killed_mid_flow_loses_no_count_and_strands_nothing() {
-    let _one = one_at_a_time();
+    let _one = ONE_AT_A_TIME.lock().await;
     let (cluster, scene, js) = scene("cl-leader", NACK_FIRST_SPEC).await;
     let kills: usize = std::env::var("SETTLE_CLUSTER_KILLS")
         .ok()
         .and_then(|k| k.parse().ok())
         .unwrap_or(2);
-    let app = scene.app("nack-first");
+    // Each handler takes a second: the declines of those running when the leader dies are sent
+    // while the consumer has none (nobody answers them, or the answer comes late).
+    let app = scene.app_with("nack-first", &[("SETTLE_APP_HANDLE_MS", "1000")]);
     app.wait_ready().await;
     let mut sent = Vec::new();
     for k in 0..kills {
@@ -263,7 +263,7 @@ async fn the_consumer_leader_killed_mid_flow_loses_no_count_and_strands_nothing(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_under_the_capture_stream_loses_no_advisory() {
-    let _one = one_at_a_time();
+    let _one = ONE_AT_A_TIME.lock().await;
     let (cluster, scene, js) = scene(
         "cl-capture",
         "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 2\n  ackWait: 2s\n",
@@ -325,7 +325,7 @@ async fn a_server_killed_under_the_capture_stream_loses_no_advisory() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_paused_for_thirty_seconds_converges_with_exact_counts() {
-    let _one = one_at_a_time();
+    let _one = ONE_AT_A_TIME.lock().await;
     let (cluster, scene, js) = scene("cl-pause", NACK_FIRST_SPEC).await;
     let app = scene.app("nack-first");
     app.wait_ready().await;

@@ -150,8 +150,9 @@ impl Cluster {
             .append(true)
             .open(self.file(i, "log"))
             .expect("the server's log");
-        // As hack/lib.sh's spawn: a session of its own, its pid written from inside.
-        Command::new("setsid")
+        // As hack/lib.sh's spawn: a session of its own, its pid written from inside. It
+        // outlives the test (the environment's `down` stops it); reaped here if it dies first.
+        let mut child = Command::new("setsid")
             .args(["sh", "-c", "echo $$ >\"$0\"; exec \"$@\""])
             .arg(self.file(i, "pid"))
             .arg(&self.nats_server)
@@ -162,6 +163,7 @@ impl Cluster {
             .stderr(log)
             .spawn()
             .expect("start nats-server");
+        std::thread::spawn(move || child.wait());
         eprintln!("{} started again", SERVERS[i]);
     }
 
