@@ -140,7 +140,10 @@ pub fn env() -> Env {
     let get = |key: &str| -> String {
         match setting(key) {
             (Some(v), _) => v,
-            (None, file) => panic!("{key} is not set and {} does not define it: start the environment with `make env-up` (or run `make test`)", file.display()),
+            (None, file) => panic!(
+                "{key} is not set and {} does not define it: start the environment with `make env-up` (or run `make test`)",
+                file.display()
+            ),
         }
     };
     Env {

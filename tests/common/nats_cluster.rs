@@ -120,7 +120,11 @@ impl Cluster {
         signal("-KILL", pid);
         let deadline = Instant::now() + Duration::from_secs(10);
         while running(pid) {
-            assert!(Instant::now() < deadline, "{} still runs after SIGKILL", SERVERS[i]);
+            assert!(
+                Instant::now() < deadline,
+                "{} still runs after SIGKILL",
+                SERVERS[i]
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         eprintln!("{} SIGKILLed (pid {pid})", SERVERS[i]);

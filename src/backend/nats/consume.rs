@@ -10,8 +10,9 @@
 //!   a `backoff` list), else `-NAK {"delay":<ns>}`. Sent as a request, so the server confirms it:
 //!   when nobody answers (the consumer was deleted) the decline is Refused and, since the broker
 //!   cannot be asked to try again, Stranded. Nobody answers a clustered consumer for the few
-//!   seconds it has no leader either (its leader's server lost): while the JetStream API does
-//!   not say the consumer is gone, the decline is sent again for up to [`LEADERLESS_GRACE`].
+//!   seconds it has no leader either (its leader's server lost): unless the JetStream API says
+//!   the consumer is gone for [`GONE_CONFIRMED`] running, the decline is sent again for up to
+//!   [`LEADERLESS_GRACE`].
 //! - Last attempt declined (attempt == maxDeliver): `+TERM`. The runtime has already counted it
 //!   Exhausted at message grain; terminating frees its max-ack-pending slot at once instead of
 //!   holding it until the server notices max_deliver at the next pull, and the server's
@@ -48,8 +49,12 @@ const WPI: &[u8] = b"+WPI";
 
 /// How long a decline nobody answered is sent again while the consumer may still exist: a
 /// clustered consumer whose leader was lost has none until its replicas elect one (nats-server
-/// waits 4–9 s of silence, then votes). A consumer the API says is gone is Stranded at once.
+/// waits 4–9 s of silence, then votes; 6–18 s on the test cluster).
 pub const LEADERLESS_GRACE: Duration = Duration::from_secs(15);
+/// How long the JetStream API must say the consumer is gone, running, before such a decline is
+/// Stranded: a server that has just become meta leader can answer "not found" for a consumer
+/// it has not applied yet (seen on the test cluster after a restart).
+pub const GONE_CONFIRMED: Duration = Duration::from_secs(5);
 
 impl NatsBroker {
     /// A consumer pulling from the subscription's JetStream consumer (see [`NatsBroker::bind`]).
@@ -329,29 +334,48 @@ impl NatsSettler {
     }
 
     /// Sends and waits for the server's confirmation; sent again while nobody answers and the
-    /// consumer may still exist (a clustered one between leaders), for [`LEADERLESS_GRACE`].
+    /// consumer may still exist (a clustered one between leaders), for [`LEADERLESS_GRACE`], or
+    /// until the API has said it is gone for [`GONE_CONFIRMED`].
     async fn confirmed(&self, body: Bytes) -> Result<(), Refusal> {
         let reply = self.reply()?;
         let started = std::time::Instant::now();
         let mut retried = false;
+        let mut gone_since = None;
+        let stranded = || {
+            Refusal {
+            reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
+            stranded: true,
+        }
+        };
         loop {
             match self.client.request(reply.clone(), body.clone()).await {
                 Ok(_) => return Ok(()),
                 Err(e) if e.kind() == RequestErrorKind::NoResponders => {
-                    if started.elapsed() < LEADERLESS_GRACE && self.consumer_may_exist(&reply).await {
+                    if started.elapsed() < LEADERLESS_GRACE {
+                        if self.consumer_may_exist(&reply).await {
+                            gone_since = None;
+                        } else if gone_since
+                            .get_or_insert_with(std::time::Instant::now)
+                            .elapsed()
+                            >= GONE_CONFIRMED
+                        {
+                            return Err(stranded());
+                        }
                         if !retried {
-                            tracing::info!(%reply, "nobody answered a decline, and the consumer still exists (between leaders?): sending it again");
+                            tracing::info!(%reply, "nobody answered a decline (a consumer between leaders, or deleted): sending it again");
                             retried = true;
                         }
                         tokio::time::sleep(Duration::from_millis(250)).await;
                         continue;
                     }
+                    return Err(stranded());
+                }
+                Err(e) => {
                     return Err(Refusal {
-                        reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
-                        stranded: true,
+                        reason: format!("the server did not confirm: {e}"),
+                        stranded: false,
                     });
                 }
-                Err(e) => return Err(Refusal { reason: format!("the server did not confirm: {e}"), stranded: false }),
             }
         }
     }
