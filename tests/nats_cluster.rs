@@ -241,12 +241,7 @@ async fn the_consumer_leader_killed_mid_flow_loses_no_count_and_strands_nothing(
         // Mid-flow: some handled, some waiting, declines coming back.
         app.wait_count("seen ", before + 5, Duration::from_secs(30))
             .await;
-        let leader = poll("the consumer's leader", Duration::from_secs(30), || async {
-            Cluster::consumer_leader(&js, &scene.stream.name, "orders")
-                .await
-                .ok_or_else(|| "none".to_string())
-        })
-        .await;
+        let leader = Cluster::wait_consumer_leader(&js, &scene.stream.name, "orders", "").await;
         let down = cluster.kill(index_of(&leader));
         let killed = Instant::now();
         publish_through(&js, &scene.stream.prefix, &messages[10..]).await;
@@ -361,12 +356,7 @@ async fn a_node_paused_for_thirty_seconds_converges_with_exact_counts() {
     let messages = batch("p", 20);
     publish_through(&js, &scene.stream.prefix, &messages[..10]).await;
     app.wait_count("seen ", 5, Duration::from_secs(30)).await;
-    let leader = poll("the consumer's leader", Duration::from_secs(30), || async {
-        Cluster::consumer_leader(&js, &scene.stream.name, "orders")
-            .await
-            .ok_or_else(|| "none".to_string())
-    })
-    .await;
+    let leader = Cluster::wait_consumer_leader(&js, &scene.stream.name, "orders", "").await;
     // Cut off as a partition would: its connections stay open and silent. The test's own
     // client is one of the other two servers'; the application's and the operator's are
     // wherever they were.

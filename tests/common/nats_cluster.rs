@@ -231,7 +231,8 @@ impl Cluster {
             .filter(|l| !l.is_empty())
     }
 
-    /// Waits until consumer `name` of `stream` has a leader other than `not`; returns it.
+    /// Waits until consumer `name` of `stream` has a leader other than `not` (`""`: any);
+    /// returns it.
     pub async fn wait_consumer_leader(
         js: &jetstream::Context,
         stream: &str,
