@@ -23,6 +23,9 @@
 //!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
 //!     Subscription stalls);
 //!   - `ack`: acks every message at once.
+//!   - `nack-first`: declines a message's first attempt and acks every later one, after
+//!     `SETTLE_APP_HANDLE_MS` (default 0) ms, printing `seen <body> <attempt>` as each attempt
+//!     starts (the cluster tests count attempts by it).
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
 //! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
@@ -47,6 +50,7 @@ enum Behaviour {
     SlowAck(u64),
     Hold,
     Ack,
+    NackFirst(u64),
 }
 
 async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), HandlerError> {
@@ -79,6 +83,17 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
             Ok(())
         }
         Behaviour::Ack => Ok(d.ack().await?),
+        Behaviour::NackFirst(ms) => {
+            println!("seen {body} {}", d.attempt());
+            if ms > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+            }
+            if d.attempt() == 1 {
+                Ok(d.nack().await?)
+            } else {
+                Ok(d.ack().await?)
+            }
+        }
         Behaviour::SlowAck(ms) => {
             println!("working {body}");
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
@@ -122,9 +137,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
         Ok("hold") => Behaviour::Hold,
         Ok("ack") => Behaviour::Ack,
+        Ok("nack-first") => Behaviour::NackFirst(handle_ms(0)),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack, nack-first or demo"
             )
             .into());
         }

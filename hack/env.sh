@@ -7,6 +7,9 @@
 #   hack/env.sh up --node  the same plus a real Kubernetes node with its own API server
 #                        (hack/node.sh: kubelet, containerd, kube-proxy; root, one per machine),
 #                        for the pod suite; `make test` starts it
+#   hack/env.sh up --nats-cluster  the same plus a JetStream cluster of three more nats-servers
+#                        (settle-c1..c3, routes on loopback), for tests/nats_cluster.rs; the
+#                        single nats-server stays what every other suite uses. Flags combine.
 #   hack/env.sh down     stop them all (the node too) and remove their state
 #   hack/env.sh status   say what runs
 # `up` is idempotent: if the environment is already up and healthy it only prints how to use it.
@@ -61,6 +64,118 @@ export SETTLE_NATS_MONITOR_URL=http://127.0.0.1:$NATS_MON_PORT
 export SETTLE_NATS_SERVER=$nats
 ENV
   echo "nats-server ready on 127.0.0.1:$NATS_PORT"
+}
+
+# --- a JetStream cluster of three nats-servers (`up --nats-cluster`) -------------------------
+# Each runs from its own config file, $ENV_DIR/nats-cluster/cN.conf (client, monitor and route
+# ports fixed there, so a test can SIGKILL one by its pid file and start it again with the same
+# config and store), as process nats-cluster/cN (pid and log beside the config). Routes need
+# their ports known up front: chosen free, and all three started again on new ones when one is
+# taken.
+CLUSTER_NODES="c1 c2 c3"
+cluster_dir() { echo "$ENV_DIR/nats-cluster"; }
+launch_nats_cluster() {
+  local d n i=0 routes=""
+  d="$(cluster_dir)"
+  read -r -a CLUSTER_PORTS < <(free_ports 9)
+  for n in $CLUSTER_NODES; do
+    routes="$routes, \"nats-route://127.0.0.1:${CLUSTER_PORTS[$((i * 3 + 2))]}\""; i=$((i + 1))
+  done
+  i=0
+  for n in $CLUSTER_NODES; do
+    rm -rf "${d:?}/$n"; mkdir -p "$d/$n"
+    cat >"$d/$n.conf" <<CONF
+server_name: settle-$n
+listen: 127.0.0.1:${CLUSTER_PORTS[$((i * 3))]}
+http: 127.0.0.1:${CLUSTER_PORTS[$((i * 3 + 1))]}
+jetstream { store_dir: "$d/$n" }
+cluster {
+  name: settle-cluster
+  listen: 127.0.0.1:${CLUSTER_PORTS[$((i * 3 + 2))]}
+  routes: [${routes#, }]
+}
+CONF
+    spawn "nats-cluster/$n" "$1" -c "$d/$n.conf"
+    i=$((i + 1))
+  done
+}
+cluster_monitor() { echo "http://127.0.0.1:${CLUSTER_PORTS[$(($1 * 3 + 1))]}"; }
+# Every server has JetStream on and names the same meta leader.
+cluster_ready() {
+  python3 - "$(cluster_monitor 0)" "$(cluster_monitor 1)" "$(cluster_monitor 2)" <<'PY'
+import json, sys, urllib.request
+leaders = set()
+try:
+    for m in sys.argv[1:]:
+        with urllib.request.urlopen(m + "/healthz?js-enabled-only=true", timeout=2) as r:
+            if r.status != 200:
+                sys.exit(1)
+        with urllib.request.urlopen(m + "/jsz", timeout=2) as r:
+            leaders.add((json.load(r).get("meta_cluster") or {}).get("leader", ""))
+except Exception:
+    sys.exit(1)
+sys.exit(0 if len(leaders) == 1 and "" not in leaders else 1)
+PY
+}
+# 0: ready; 1: not yet; 2: a server exited or found its port taken.
+cluster_state() {
+  local n
+  for n in $CLUSTER_NODES; do
+    alive "nats-cluster/$n" || return 2
+    ! bind_failed "nats-cluster/$n" || return 2
+  done
+  cluster_ready || return 1
+}
+stop_nats_cluster() {
+  local n pids=()
+  for n in $CLUSTER_NODES; do stop_one "nats-cluster/$n" & pids+=($!); done
+  for n in "${pids[@]}"; do wait "$n" || true; done
+}
+start_nats_cluster() {
+  local nats d attempt rc n i start
+  nats="$("$ROOT/hack/tools.sh" path nats-server)"
+  d="$(cluster_dir)"
+  mkdir -p "$d"
+  for attempt in 1 2 3 4 5; do
+    launch_nats_cluster "$nats"
+    start=$SECONDS; rc=1
+    while (( SECONDS - start < 90 )); do
+      rc=0; cluster_state || rc=$?
+      [ "$rc" = 1 ] || break
+      sleep 0.5
+    done
+    if [ "$rc" = 0 ]; then
+      i=0
+      for n in $CLUSTER_NODES; do
+        # shellcheck disable=SC2046 # the port list is split on purpose
+        ports_owned "$(cat "$d/$n.pid")" $(printf '%s ' "${CLUSTER_PORTS[@]:$((i * 3)):3}") >/dev/null || rc=3
+        i=$((i + 1))
+      done
+      [ "$rc" = 0 ] && break
+    fi
+    stop_nats_cluster
+    if [ "$rc" != 3 ] && ! grep -qiE "$BIND_FAILED" "$d"/c?.log 2>/dev/null; then
+      echo "error: the nats-server cluster did not start (rc $rc); last lines of $d/c?.log:" >&2
+      tail -n 10 "$d"/c?.log >&2 || true
+      return 1
+    fi
+    echo "nats-cluster: a port was taken; retrying on new ports ($attempt/5)" >&2
+    for n in $CLUSTER_NODES; do mv "$d/$n.log" "$d/$n.log.$attempt"; done
+    [ "$attempt" != 5 ] || { echo "error: the nats-server cluster found its ports taken 5 times" >&2; return 1; }
+  done
+  local urls="" mons=""
+  i=0
+  for n in $CLUSTER_NODES; do
+    urls="$urls,nats://127.0.0.1:${CLUSTER_PORTS[$((i * 3))]}"
+    mons="$mons,$(cluster_monitor "$i")"
+    i=$((i + 1))
+  done
+  cat >"$ENV_DIR/nats_cluster.env" <<ENV
+export SETTLE_NATS_CLUSTER_URLS=${urls#,}
+export SETTLE_NATS_CLUSTER_MONITOR_URLS=${mons#,}
+export SETTLE_NATS_CLUSTER_DIR=$d
+ENV
+  echo "nats-server cluster settle-c1..c3 ready on ${urls#,}"
 }
 
 # --- RabbitMQ: its own epmd first, then the node; both restarted on new ports when taken ------
@@ -174,6 +289,11 @@ healthy() {
   for p in controlplane nats epmd rabbitmq elasticmq; do alive "$p" || return 1; done
   [ -f "$ENV_FILE" ] && api_ready
 }
+# The cluster's servers all run (a test stops one only for a moment, and starts it again).
+cluster_alive() {
+  local n
+  for n in $CLUSTER_NODES; do alive "nats-cluster/$n" || return 1; done
+}
 
 BRIDGE_NOTE="10.244.0.1 (hack/node.sh)"
 # The node, with `up --node`: started beside the other parts, its variables in settle.env.
@@ -187,10 +307,24 @@ write_env_file() {
 }
 
 up() {
-  if [ "${1:-}" = --node ]; then PARTS="$PARTS node"; fi
+  local flag
+  for flag in "$@"; do
+    case "$flag" in
+      --node) PARTS="$PARTS node" ;;
+      --nats-cluster) PARTS="$PARTS nats_cluster" ;;
+      *) echo "usage: hack/env.sh up [--node] [--nats-cluster]" >&2; return 2 ;;
+    esac
+  done
+  # A cluster started before stays part of the environment (its variables in settle.env).
+  if [ -f "$ENV_DIR/nats_cluster.env" ] && [[ " $PARTS " != *" nats_cluster "* ]]; then
+    PARTS="$PARTS nats_cluster"
+  fi
   if healthy; then
-    # Up already: add the node when it is asked for and missing.
+    # Up already: add the node and the cluster when they are asked for and missing.
     case " $PARTS " in *" node "*) start_node; write_env_file ;; esac
+    case " $PARTS " in *" nats_cluster "*)
+      cluster_alive || { stop_nats_cluster; start_nats_cluster; }; write_env_file ;;
+    esac
     print_usage; return 0
   fi
   down >/dev/null
@@ -199,6 +333,7 @@ up() {
   local start=$SECONDS part pids=() failed=""
   echo "starting kube-apiserver+etcd, nats-server, RabbitMQ and ElasticMQ on 127.0.0.1"
   case " $PARTS " in *" node "*) echo "and a Kubernetes node on the bridge $BRIDGE_NOTE" ;; esac
+  case " $PARTS " in *" nats_cluster "*) echo "and a JetStream cluster of three nats-servers" ;; esac
   # Side by side: together they take as long as the slowest, not the sum.
   for part in $PARTS; do
     ( set -e; t=$SECONDS; "start_$part"; echo "  ($part: $((SECONDS - t))s)" ) & pids+=($!)
@@ -230,6 +365,7 @@ down_processes() {
       *) stop_one "$p" & pids+=($!) ;;
     esac
   done
+  [ ! -d "$(cluster_dir)" ] || { stop_nats_cluster & pids+=($!); }
   for p in "${pids[@]}"; do wait "$p" || true; done
   stop_one epmd   # last: the RabbitMQ node deregisters from it as it stops
 }
@@ -248,14 +384,21 @@ status() {
     if alive "$p"; then echo "$p: running (pid $(cat "$ENV_DIR/$p.pid"), log $ENV_DIR/$p.log)"
     elif [ "$p" != operator ]; then echo "$p: stopped"; fi
   done
+  if [ -d "$(cluster_dir)" ]; then
+    for p in $CLUSTER_NODES; do
+      if alive "nats-cluster/$p"; then
+        echo "nats-cluster/$p: running (pid $(cat "$(cluster_dir)/$p.pid"), log $(cluster_dir)/$p.log, config $(cluster_dir)/$p.conf)"
+      else echo "nats-cluster/$p: stopped"; fi
+    done
+  fi
   [ ! -d "$ENV_DIR/node" ] || "$ROOT/hack/node.sh" status
   [ -f "$ENV_FILE" ] && sed -n 's/^export /  /p' "$ENV_FILE"
   return 0
 }
 
 case "${1:-}" in
-  up) up "${2:-}" ;;
+  up) shift; up "$@" ;;
   down) down ;;
   status) status ;;
-  *) echo "usage: hack/env.sh up [--node] | down | status" >&2; exit 2 ;;
+  *) echo "usage: hack/env.sh up [--node] [--nats-cluster] | down | status" >&2; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: builds what is missing, brings up the real environment (kube-apiserver + etcd,
-# nats-server, RabbitMQ, ElasticMQ, and a Kubernetes node for the pod suite), runs every test, and
+# nats-server, RabbitMQ, ElasticMQ, a JetStream cluster of three nats-servers for
+# tests/nats_cluster.rs, and a Kubernetes node for the pod suite), runs every test, and
 # always brings the environment down again (the node puts the host back as it was).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -26,7 +27,7 @@ phase images
 export SETTLE_ENV_DIR="$ROOT/target/test-env"
 hack/env.sh down >/dev/null 2>&1 || true
 trap 'hack/env.sh down >/dev/null 2>&1 || true' EXIT
-hack/env.sh up --node
+hack/env.sh up --node --nats-cluster
 phase environment
 # shellcheck disable=SC1091
 source "$SETTLE_ENV_DIR/settle.env"

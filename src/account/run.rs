@@ -29,6 +29,8 @@ pub struct Config {
     pub fold_after: Duration,
     /// The advisory capture's size limit on each NATS server, in bytes.
     pub capture_max_bytes: i64,
+    /// The replicas of the capture stream and the account's buckets on each NATS server.
+    pub replicas: usize,
     /// What the account takes in at most (reports are written by anyone who can write to the
     /// broker: each bound keeps a flood from taking the operator, and its webhook, down).
     pub limits: Limits,

@@ -118,6 +118,12 @@ pub struct OperatorArgs {
     /// are captured for the account (the oldest go first; a gap is said in status).
     #[arg(long, env = "SETTLE_CAPTURE_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub capture_max_bytes: u64,
+    /// The replicas of the streams the account keeps on each NATS server (the advisory capture
+    /// and the buckets `settle-account` and `settle-stats`): 3 on a JetStream cluster of three
+    /// or more servers, so a server lost loses no advisory, ledger or report; 1 on a single
+    /// server. Streams made before are brought to it in place.
+    #[arg(long, env = "SETTLE_ACCOUNT_REPLICAS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub account_replicas: u8,
     /// A stats report larger than this many bytes is dropped unread (a real one is under 1 KiB).
     #[arg(long, env = "SETTLE_MAX_REPORT_BYTES", default_value_t = 65_536)]
     pub max_report_bytes: u64,

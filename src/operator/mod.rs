@@ -211,6 +211,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 stall_window: args.stall_window,
                 fold_after: args.fold_after,
                 capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),
+                replicas: usize::from(args.account_replicas),
                 limits: account::Limits {
                     max_report_bytes: usize::try_from(args.max_report_bytes).unwrap_or(usize::MAX),
                     max_instances: usize::try_from(args.max_instances_per_subscription)

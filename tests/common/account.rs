@@ -61,6 +61,17 @@ impl App {
         App { child, lines, log }
     }
 
+    /// Every line printed so far that starts with `prefix`.
+    pub fn lines(&self, prefix: &str) -> Vec<String> {
+        self.lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .cloned()
+            .collect()
+    }
+
     pub fn count(&self, prefix: &str) -> usize {
         self.lines
             .lock()
@@ -353,10 +364,24 @@ impl Scene {
         op_env: &[(&str, &str)],
         nats_url: Option<String>,
     ) -> Scene {
+        let nats_url = nats_url.unwrap_or_else(|| super::env().nats_url);
+        Scene::build_on(test, spec, flags, op_env, &nats_url, 1).await
+    }
+
+    /// As [`Scene::build`], on the servers `nats_url` (comma-separated: a JetStream cluster),
+    /// the stream with `replicas`.
+    pub async fn build_on(
+        test: &str,
+        spec: &str,
+        flags: &[&str],
+        op_env: &[(&str, &str)],
+        nats_url: &str,
+        replicas: usize,
+    ) -> Scene {
         install_crds();
         let ns = namespace(test);
-        let nats_url = nats_url.unwrap_or_else(|| super::env().nats_url);
-        let stream = TestStream::new(&nats_url, test).await;
+        let nats_url = nats_url.to_string();
+        let stream = TestStream::replicated(&nats_url, test, replicas).await;
         let op = Operator::spawn_env(test, &ns, flags, op_env);
         op.wait_ready();
         apply(&ns, &backend_yaml("nats", &nats_url));

@@ -14,6 +14,8 @@ pub mod image;
 pub mod install;
 pub mod measure;
 #[cfg(feature = "operator")]
+pub mod nats_cluster;
+#[cfg(feature = "operator")]
 pub mod node;
 #[cfg(feature = "operator")]
 pub mod operator;
@@ -112,27 +114,38 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
     Some(out)
 }
 
-/// The environment, from the process environment (`source target/env/settle.env`; `make test`
-/// exports it) or, failing that, from `$SETTLE_ENV_DIR/settle.env` (default `target/env`).
-pub fn env() -> Env {
+/// The environment's variable `key`, from the process environment (`source
+/// target/env/settle.env`; `make test` exports it) or, failing that, from
+/// `$SETTLE_ENV_DIR/settle.env` (default `target/env`); `None` where neither has it. Also the
+/// file it looked in.
+pub fn setting(key: &str) -> (Option<String>, PathBuf) {
     let dir = std::env::var_os("SETTLE_ENV_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target/env"));
     let file = dir.join("settle.env");
+    if let Ok(v) = std::env::var(key) {
+        return (Some(v), file);
+    }
     let from_file = std::fs::read_to_string(&file).unwrap_or_default();
+    let found = from_file
+        .lines()
+        .filter_map(|l| l.strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v.to_string());
+    (found, file)
+}
+
+/// The environment (see [`setting`]).
+pub fn env() -> Env {
     let get = |key: &str| -> String {
-        if let Ok(v) = std::env::var(key) {
-            return v;
+        match setting(key) {
+            (Some(v), _) => v,
+            (None, file) => panic!(
+                "{key} is not set and {} does not define it: start the environment with `make env-up` (or run `make test`)",
+                file.display()
+            ),
         }
-        from_file
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| l.split_once('='))
-            .find(|(k, _)| *k == key)
-            .map(|(_, v)| v.to_string())
-            .unwrap_or_else(|| {
-                panic!("{key} is not set and {} does not define it: start the environment with `make env-up` (or run `make test`)", file.display())
-            })
     };
     Env {
         kubeconfig: PathBuf::from(get("KUBECONFIG")),

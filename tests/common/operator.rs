@@ -310,7 +310,12 @@ pub struct TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, test: &str) -> TestStream {
-        let client = async_nats::connect(url)
+        TestStream::replicated(url, test, 1).await
+    }
+
+    /// A stream of `replicas` (on a JetStream cluster, `url` a comma-separated list).
+    pub async fn replicated(url: &str, test: &str, replicas: usize) -> TestStream {
+        let client = async_nats::connect(url.split(',').collect::<Vec<_>>())
             .await
             .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
         let js = async_nats::jetstream::new(client);
@@ -326,6 +331,7 @@ impl TestStream {
             name: name.clone(),
             subjects: vec![format!("{prefix}.>")],
             storage: async_nats::jetstream::stream::StorageType::File,
+            num_replicas: replicas,
             ..Default::default()
         })
         .await

@@ -21,11 +21,17 @@ pub fn backend_yaml(name: &str, servers: &str) -> String {
     nats_backend_yaml(name, servers, "")
 }
 
-/// A NATS Backend `name` on `servers`, then `nats` (more lines of `spec.nats`, indented four
-/// spaces: [`nats_tls`], [`nats_credentials`]).
+/// A NATS Backend `name` on `servers` (one URL, or a comma-separated list: one entry each),
+/// then `nats` (more lines of `spec.nats`, indented four spaces: [`nats_tls`],
+/// [`nats_credentials`]).
 pub fn nats_backend_yaml(name: &str, servers: &str, nats: &str) -> String {
+    let servers = servers
+        .split(',')
+        .map(|s| format!("\"{s}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
     format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [\"{servers}\"]\n{nats}"
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  nats:\n    servers: [{servers}]\n{nats}"
     )
 }
 

@@ -258,6 +258,7 @@ impl NatsKeeper {
         let mut legacy_dropped = false;
         let session_started = Instant::now();
         let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
+        capture::replicate(&js, self.config.replicas).await?;
         if let Ok(mut loaded) = self.loaded.lock() {
             loaded.clear();
         }

@@ -59,6 +59,12 @@ pub async fn open(
                 || info.config.max_bytes != config.max_bytes
                 || info.config.max_messages != config.max_messages
             {
+                // Its replicas kept: a config without them would scale a clustered capture to
+                // one (`replicate` sets them).
+                let config = stream::Config {
+                    num_replicas: info.config.num_replicas,
+                    ..config
+                };
                 js.update_stream(&config)
                     .await
                     .map_err(|e| unreachable("updating the capture stream", e))?;
@@ -74,6 +80,38 @@ pub async fn open(
         .get_or_create_consumer(reader, reader_config(reader, consumer::DeliverPolicy::All))
         .await
         .map_err(|e| unreachable("creating the account's reader of the capture stream", e))
+}
+
+/// Brings the capture stream and the account's buckets (`settle-account`, `settle-stats`) that
+/// exist to `replicas` in place (a JetStream cluster moves or copies their data; the reader
+/// consumer follows its stream). A stream missing is left to whoever makes it.
+pub async fn replicate(js: &jetstream::Context, replicas: usize) -> Result<(), NatsError> {
+    for name in [
+        CAPTURE_STREAM.to_string(),
+        format!("KV_{ACCOUNT_BUCKET}"),
+        format!("KV_{REPORT_BUCKET}"),
+    ] {
+        let Ok(mut stream) = js.get_stream(&name).await else {
+            continue;
+        };
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| unreachable(&format!("reading stream {name}"), e))?;
+        // Zero is how a config made without replicas reads: one.
+        if info.config.num_replicas.max(1) == replicas {
+            continue;
+        }
+        let config = stream::Config {
+            num_replicas: replicas,
+            ..info.config.clone()
+        };
+        js.update_stream(&config)
+            .await
+            .map_err(|e| unreachable(&format!("setting the replicas of stream {name}"), e))?;
+        tracing::info!(stream = %name, from = info.config.num_replicas, to = replicas, "brought the account's stream to its replicas");
+    }
+    Ok(())
 }
 
 /// A durable reader of the capture, delivering from `from`.

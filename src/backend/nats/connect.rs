@@ -236,7 +236,8 @@ pub fn tls_config(pem: &str) -> Result<ClientConfig, ConnectFailure> {
 }
 
 impl NatsBroker {
-    /// Connects to a NATS server (for example `nats://127.0.0.1:4222`).
+    /// Connects to a NATS server (for example `nats://127.0.0.1:4222`), or to any of a
+    /// comma-separated list of them (the servers of a cluster).
     pub async fn connect(url: &str) -> Result<NatsBroker, BusError> {
         // The client does not read a user and password from the URL: taken out and given to it,
         // so an application connects as its tenant's user (`nats://team-a:secret@host:4222`).
@@ -245,8 +246,9 @@ impl NatsBroker {
         if let Some((user, password)) = user {
             options = options.user_and_password(user, password);
         }
+        let servers: Vec<&str> = url.split(',').collect();
         let client = options
-            .connect(url.as_str())
+            .connect(servers)
             .await
             .map_err(|e| err(format!("cannot connect to {url}: {e}")))?;
         Ok(NatsBroker::from_client(client))

@@ -9,7 +9,10 @@
 //! - Decline: a bare `-NAK` for a zero delay (a `{"delay":0}` is not immediate on a consumer with
 //!   a `backoff` list), else `-NAK {"delay":<ns>}`. Sent as a request, so the server confirms it:
 //!   when nobody answers (the consumer was deleted) the decline is Refused and, since the broker
-//!   cannot be asked to try again, Stranded.
+//!   cannot be asked to try again, Stranded. Nobody answers a clustered consumer for the few
+//!   seconds it has no leader either (its leader's server lost): unless the JetStream API says
+//!   the consumer is gone for [`GONE_CONFIRMED`] running, the decline is sent again for up to
+//!   [`LEADERLESS_GRACE`].
 //! - Last attempt declined (attempt == maxDeliver): `+TERM`. The runtime has already counted it
 //!   Exhausted at message grain; terminating frees its max-ack-pending slot at once instead of
 //!   holding it until the server notices max_deliver at the next pull, and the server's
@@ -44,6 +47,15 @@ const NAK: &[u8] = b"-NAK";
 const TERM: &[u8] = b"+TERM";
 const WPI: &[u8] = b"+WPI";
 
+/// How long a decline nobody answered is sent again while the consumer may still exist: a
+/// clustered consumer whose leader was lost has none until its replicas elect one (nats-server
+/// waits 4–9 s of silence, then votes; 6–18 s on the test cluster).
+pub const LEADERLESS_GRACE: Duration = Duration::from_secs(15);
+/// How long the JetStream API must say the consumer is gone, running, before such a decline is
+/// Stranded: a server that has just become meta leader can answer "not found" for a consumer
+/// it has not applied yet (seen on the test cluster after a restart).
+pub const GONE_CONFIRMED: Duration = Duration::from_secs(5);
+
 impl NatsBroker {
     /// A consumer pulling from the subscription's JetStream consumer (see [`NatsBroker::bind`]).
     pub(super) async fn consume(
@@ -54,6 +66,7 @@ impl NatsBroker {
         Ok(Box::new(NatsConsumer {
             broker: self.clone(),
             client: Arc::new(self.client.clone()),
+            js: Arc::new(self.js.clone()),
             acks: ctx.policy().at_least_once(),
             ctx,
             messages: Some(messages),
@@ -186,6 +199,7 @@ impl NatsBroker {
 struct NatsConsumer {
     broker: NatsBroker,
     client: Arc<Client>,
+    js: Arc<jetstream::Context>,
     ctx: Arc<SubscriptionCtx>,
     messages: Option<pull::Stream>,
     retired: Arc<AtomicBool>,
@@ -209,6 +223,7 @@ impl NatsConsumer {
             .unwrap_or_default();
         let on_settle = NatsSettler {
             client: Arc::clone(&self.client),
+            js: Arc::clone(&self.js),
             reply: msg.reply,
             retired: Arc::clone(&self.retired),
             acks: self.acks,
@@ -281,6 +296,7 @@ impl Consumer for NatsConsumer {
 
 struct NatsSettler {
     client: Arc<Client>,
+    js: Arc<jetstream::Context>,
     reply: Option<Subject>,
     retired: Arc<AtomicBool>,
     acks: bool,
@@ -317,17 +333,72 @@ impl NatsSettler {
             })
     }
 
-    /// Sends and waits for the server's confirmation.
+    /// Sends and waits for the server's confirmation; sent again while nobody answers and the
+    /// consumer may still exist (a clustered one between leaders), for [`LEADERLESS_GRACE`], or
+    /// until the API has said it is gone for [`GONE_CONFIRMED`].
     async fn confirmed(&self, body: Bytes) -> Result<(), Refusal> {
         let reply = self.reply()?;
-        match self.client.request(reply, body).await {
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == RequestErrorKind::NoResponders => Err(Refusal {
-                reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
-                stranded: true,
-            }),
-            Err(e) => Err(Refusal { reason: format!("the server did not confirm: {e}"), stranded: false }),
+        let started = std::time::Instant::now();
+        let mut retried = false;
+        let mut gone_since = None;
+        let stranded = || {
+            Refusal {
+            reason: "no such consumer on the server any more (deleted?): the message cannot be offered again on it".into(),
+            stranded: true,
         }
+        };
+        loop {
+            match self.client.request(reply.clone(), body.clone()).await {
+                Ok(_) => return Ok(()),
+                Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                    if started.elapsed() < LEADERLESS_GRACE {
+                        if self.consumer_may_exist(&reply).await {
+                            gone_since = None;
+                        } else if gone_since
+                            .get_or_insert_with(std::time::Instant::now)
+                            .elapsed()
+                            >= GONE_CONFIRMED
+                        {
+                            return Err(stranded());
+                        }
+                        if !retried {
+                            tracing::info!(%reply, "nobody answered a decline (a consumer between leaders, or deleted): sending it again");
+                            retried = true;
+                        }
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                        continue;
+                    }
+                    return Err(stranded());
+                }
+                Err(e) => {
+                    return Err(Refusal {
+                        reason: format!("the server did not confirm: {e}"),
+                        stranded: false,
+                    });
+                }
+            }
+        }
+    }
+
+    /// False when the JetStream API says the consumer `reply` acknowledges for is gone; true
+    /// while it exists or cannot say (no leader, no answer).
+    async fn consumer_may_exist(&self, reply: &str) -> bool {
+        let Some((stream, name)) = ack_subject_names(reply) else {
+            return false;
+        };
+        !matches!(jsapi::consumer_info(&self.js, stream, name).await, Ok(None))
+    }
+}
+
+/// The stream and consumer an ack subject names: `$JS.ACK.<stream>.<consumer>.<delivered>.
+/// <sseq>.<cseq>.<ts>.<pending>`, or with a domain and account hash before the stream (11 or 12
+/// tokens).
+fn ack_subject_names(reply: &str) -> Option<(&str, &str)> {
+    let t: Vec<&str> = reply.split('.').collect();
+    match t.len() {
+        9 => Some((t[2], t[3])),
+        n if n >= 11 => Some((t[4], t[5])),
+        _ => None,
     }
 }
 
@@ -364,5 +435,23 @@ impl OnSettle for NatsSettler {
             }
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ack_subject_names;
+
+    #[test]
+    fn an_ack_subject_names_its_stream_and_consumer_in_either_form() {
+        assert_eq!(
+            ack_subject_names("$JS.ACK.ORDERS.orders.1.22.22.1700000000000000000.0"),
+            Some(("ORDERS", "orders"))
+        );
+        assert_eq!(
+            ack_subject_names("$JS.ACK.hub.ACCHASH.ORDERS.orders.1.22.22.1700000000000000000.0.r"),
+            Some(("ORDERS", "orders"))
+        );
+        assert_eq!(ack_subject_names("_INBOX.abc"), None);
     }
 }
