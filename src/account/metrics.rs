@@ -3,12 +3,19 @@
 //! broker gauges, whether it is losing messages now, and what the account itself does (status
 //! writes, their backlog and what the budget deferred, advisories, reports).
 //!
+//! The per-Subscription series are one compact row per Subscription ([`PerSubscription`]),
+//! made into metric families only when scraped: a metric vector keeps, for every series, its
+//! own copy of the name, help and labels (about a kilobyte each; 17 series per Subscription,
+//! so most of an idle operator's memory at thousands of Subscriptions, issue: scale).
+//!
 //! It must not decide anything; it mirrors what the keeper computed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, MetricFamily, MetricType};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 use crate::api::{ConsumerStats, SubscriptionStats};
 
@@ -78,14 +85,145 @@ pub const DROPPED_FOR_TENANCY: [&str; 4] = [
     "wrong_writer",
 ];
 
+/// The gauges of a Subscription: their names and helps, in [`Row::gauges`] order.
+const GAUGES: [(&str, &str); 3] = [
+    (
+        "settle_subscription_pending",
+        "Messages on the broker not yet delivered to the Subscription's consumer.",
+    ),
+    (
+        "settle_subscription_ack_pending",
+        "Messages delivered and not yet settled.",
+    ),
+    (
+        "settle_subscription_exhausting",
+        "1 while the Subscription's Exhausting condition is True (messages ran out of attempts within the loss window).",
+    ),
+];
+
+const STALLED: (&str, &str) = (
+    "settle_subscription_stalled",
+    "1 while the Subscription's Stalled condition is True (messages pending and no handler returned within the stall window).",
+);
+
+/// What one Subscription's series show. A part is exported once it was first set.
+#[derive(Clone, Copy, Default)]
+struct Row {
+    /// In [`COUNTERS`] order; each the highest shown (a counter never goes back).
+    counters: Option<[u64; COUNTERS.len()]>,
+    /// pending, ack_pending, exhausting.
+    gauges: Option<[i64; 3]>,
+    stalled: Option<i64>,
+}
+
+/// Every Subscription's series: `settle_subscription_<counter>_total`, its gauges and
+/// `settle_subscription_stalled`, labelled `namespace` and `subscription`.
+#[derive(Clone)]
+struct PerSubscription {
+    rows: Arc<Mutex<HashMap<(String, String), Row>>>,
+    /// The counters', then the gauges', then stalled's.
+    descs: Vec<Desc>,
+}
+
+impl PerSubscription {
+    fn new() -> Result<PerSubscription, prometheus::Error> {
+        let labels = || vec!["namespace".to_string(), "subscription".to_string()];
+        let mut descs = Vec::new();
+        for (stem, help, _) in COUNTERS {
+            descs.push(Desc::new(
+                format!("settle_subscription_{stem}_total"),
+                help.to_string(),
+                labels(),
+                HashMap::new(),
+            )?);
+        }
+        for (name, help) in GAUGES.into_iter().chain([STALLED]) {
+            descs.push(Desc::new(
+                name.to_string(),
+                help.to_string(),
+                labels(),
+                HashMap::new(),
+            )?);
+        }
+        Ok(PerSubscription {
+            rows: Arc::default(),
+            descs,
+        })
+    }
+
+    fn rows(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Row>> {
+        self.rows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// One family of `kind` from `desc`, a value of each row that has one.
+fn family(
+    desc: &Desc,
+    kind: MetricType,
+    rows: &HashMap<(String, String), Row>,
+    value: impl Fn(&Row) -> Option<f64>,
+) -> MetricFamily {
+    let mut f = MetricFamily::default();
+    f.set_name(desc.fq_name.clone());
+    f.set_help(desc.help.clone());
+    f.set_field_type(kind);
+    let label = |name: &str, value: &str| {
+        let mut l = proto::LabelPair::default();
+        l.set_name(name.to_string());
+        l.set_value(value.to_string());
+        l
+    };
+    for ((ns, name), row) in rows {
+        let Some(v) = value(row) else { continue };
+        let mut m = proto::Metric::default();
+        m.set_label(vec![label("namespace", ns), label("subscription", name)]);
+        if kind == MetricType::COUNTER {
+            let mut c = proto::Counter::default();
+            c.set_value(v);
+            m.set_counter(c);
+        } else {
+            let mut g = proto::Gauge::default();
+            g.set_value(v);
+            m.set_gauge(g);
+        }
+        f.mut_metric().push(m);
+    }
+    f
+}
+
+impl Collector for PerSubscription {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let rows = self.rows();
+        let n = COUNTERS.len();
+        let mut out = Vec::with_capacity(self.descs.len());
+        for (i, desc) in self.descs[..n].iter().enumerate() {
+            out.push(family(desc, MetricType::COUNTER, &rows, |r| {
+                r.counters.map(|c| c[i] as f64)
+            }));
+        }
+        for (i, desc) in self.descs[n..n + GAUGES.len()].iter().enumerate() {
+            out.push(family(desc, MetricType::GAUGE, &rows, |r| {
+                r.gauges.map(|g| g[i] as f64)
+            }));
+        }
+        if let Some(desc) = self.descs.last() {
+            out.push(family(desc, MetricType::GAUGE, &rows, |r| {
+                r.stalled.map(|s| s as f64)
+            }));
+        }
+        out
+    }
+}
+
 #[derive(Clone)]
 pub struct Metrics {
-    counters: Vec<IntCounterVec>,
-    pending: IntGaugeVec,
-    ack_pending: IntGaugeVec,
-    exhausting: IntGaugeVec,
-    /// `settle_subscription_stalled`: 1 while `Stalled` is True.
-    stalled: IntGaugeVec,
+    subscriptions: PerSubscription,
     /// `settle_status_writes_total{controller="account"}` is the controllers' metric; the
     /// account counts its own writes here, by result.
     pub writes: IntCounterVec,
@@ -118,27 +256,12 @@ pub struct Metrics {
     /// beyond `--dead-letter-copy-max-length` were dropped; `copy_queue_lost`: it was deleted on
     /// the broker and made again).
     pub dead_letters: IntCounterVec,
-    /// What was exported per Subscription, so counters are raised by exactly the growth.
-    exported: Arc<Mutex<HashMap<(String, String), ConsumerStats>>>,
 }
 
 impl Metrics {
     pub fn new(registry: &Registry) -> Result<Metrics, prometheus::Error> {
-        let labels = ["namespace", "subscription"];
-        let mut counters = Vec::new();
-        for (stem, help, _) in COUNTERS {
-            let c = IntCounterVec::new(
-                Opts::new(format!("settle_subscription_{stem}_total"), help),
-                &labels,
-            )?;
-            registry.register(Box::new(c.clone()))?;
-            counters.push(c);
-        }
-        let gauge = |name: &str, help: &str| -> Result<IntGaugeVec, prometheus::Error> {
-            let g = IntGaugeVec::new(Opts::new(name, help), &labels)?;
-            registry.register(Box::new(g.clone()))?;
-            Ok(g)
-        };
+        let subscriptions = PerSubscription::new()?;
+        registry.register(Box::new(subscriptions.clone()))?;
         let counter =
             |name: &str, help: &str, l: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
                 let c = IntCounterVec::new(Opts::new(name, help), l)?;
@@ -146,23 +269,7 @@ impl Metrics {
                 Ok(c)
             };
         Ok(Metrics {
-            counters,
-            pending: gauge(
-                "settle_subscription_pending",
-                "Messages on the broker not yet delivered to the Subscription's consumer.",
-            )?,
-            ack_pending: gauge(
-                "settle_subscription_ack_pending",
-                "Messages delivered and not yet settled.",
-            )?,
-            exhausting: gauge(
-                "settle_subscription_exhausting",
-                "1 while the Subscription's Exhausting condition is True (messages ran out of attempts within the loss window).",
-            )?,
-            stalled: gauge(
-                "settle_subscription_stalled",
-                "1 while the Subscription's Stalled condition is True (messages pending and no handler returned within the stall window).",
-            )?,
+            subscriptions,
             writes: counter(
                 "settle_account_status_writes_total",
                 "Status writes of the account, by result (ok, error).",
@@ -219,7 +326,6 @@ impl Metrics {
                 "Copies of RabbitMQ dead letters read by the account, by outcome (counted, duplicate, not_exhausted, not_ours), and the times the copy queue was found full (copy_queue_full) or deleted (copy_queue_lost).",
                 &["outcome"],
             )?,
-            exported: Arc::default(),
         }
         .exported_at_zero())
     }
@@ -242,62 +348,38 @@ impl Metrics {
         self
     }
 
-    /// Mirrors one Subscription's account: counters rise by their growth since the last call.
+    /// Mirrors one Subscription's account (a counter shows the highest value it was given).
     pub fn show(&self, namespace: &str, name: &str, stats: &SubscriptionStats, exhausting: bool) {
-        let labels = [namespace, name];
-        let mut exported = self
-            .exported
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let before = exported
+        let mut rows = self.subscriptions.rows();
+        let row = rows
             .entry((namespace.to_string(), name.to_string()))
             .or_default();
-        for ((_, _, read), counter) in COUNTERS.iter().zip(&self.counters) {
-            let grown = read(&stats.counters).saturating_sub(read(before));
-            if grown > 0 {
-                counter.with_label_values(&labels).inc_by(grown);
-            } else {
-                // Present from the start, so rate() sees the first increase.
-                counter.with_label_values(&labels);
-            }
+        let mut counters = row.counters.unwrap_or_default();
+        for ((_, _, read), shown) in COUNTERS.iter().zip(counters.iter_mut()) {
+            *shown = (*shown).max(read(&stats.counters));
         }
-        *before = stats.counters;
+        row.counters = Some(counters);
         let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        self.pending
-            .with_label_values(&labels)
-            .set(gauge(stats.pending));
-        self.ack_pending
-            .with_label_values(&labels)
-            .set(gauge(stats.ack_pending));
-        self.exhausting
-            .with_label_values(&labels)
-            .set(i64::from(exhausting));
+        row.gauges = Some([
+            gauge(stats.pending),
+            gauge(stats.ack_pending),
+            i64::from(exhausting),
+        ]);
     }
 
     /// Mirrors one Subscription's `Stalled` condition.
     pub fn stalled(&self, namespace: &str, name: &str, stalled: bool) {
-        self.stalled
-            .with_label_values(&[namespace, name])
-            .set(i64::from(stalled));
+        self.subscriptions
+            .rows()
+            .entry((namespace.to_string(), name.to_string()))
+            .or_default()
+            .stalled = Some(i64::from(stalled));
     }
 
     /// Forgets a deleted Subscription.
     pub fn forget(&self, namespace: &str, name: &str) {
-        let labels = [namespace, name];
-        for c in &self.counters {
-            let _ = c.remove_label_values(&labels);
-        }
-        for g in [
-            &self.pending,
-            &self.ack_pending,
-            &self.exhausting,
-            &self.stalled,
-        ] {
-            let _ = g.remove_label_values(&labels);
-        }
-        self.exported
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.subscriptions
+            .rows()
             .remove(&(namespace.to_string(), name.to_string()));
     }
 }
@@ -339,6 +421,21 @@ mod tests {
         ] {
             assert!(t.contains(line), "missing {line} in\n{t}");
         }
+        // A lower value (a source lost and continued) never takes a counter back.
+        s.counters.exhausted = 3;
+        m.show("shop", "orders", &s, true);
+        assert!(text(&r).contains(
+            r#"settle_subscription_exhausted_total{namespace="shop",subscription="orders"} 12"#
+        ));
+        // Stalled alone makes no counter series.
+        m.stalled("shop", "idle", false);
+        let t = text(&r);
+        assert!(
+            t.contains(r#"settle_subscription_stalled{namespace="shop",subscription="idle"} 0"#)
+        );
+        assert!(
+            !t.contains(r#"settle_subscription_acked_total{namespace="shop",subscription="idle"}"#)
+        );
         m.forget("shop", "orders");
         assert!(!text(&r).contains(r#"subscription="orders""#));
     }
