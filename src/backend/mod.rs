@@ -8,9 +8,11 @@
 //! mapping (`nats/consumer.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
 //! (`nats/jsapi.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
 //! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
-//! controllers map no broker's error by hand. This module must not decide policy (that is
-//! `policy`) nor talk to Kubernetes.
+//! controllers map no broker's error by hand; a refusal for a broker's limit (a stream's
+//! `max_consumers`, a vhost's `max-queues`) is typed once, in [`limit`]. This module must not
+//! decide policy (that is `policy`) nor talk to Kubernetes.
 
+pub mod limit;
 pub mod memory;
 pub mod nats;
 pub mod rabbitmq;

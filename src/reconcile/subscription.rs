@@ -61,6 +61,10 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
             cleanup(&target, &ctx).await?;
             remove_finalizer(&api, &sub, &ctx).await?;
         }
+        ctx.conns.gates.forget(
+            &(ns.clone(), sub.spec.backend_ref.name.clone()),
+            &(ns.clone(), name.clone()),
+        );
         ctx.metrics.forget_subscription(ns, name);
         ctx.succeeded(&fkey);
         return Ok(Action::await_change());
@@ -91,6 +95,12 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         {
             ctx.succeeded(&fkey);
             Action::requeue(ctx.drift)
+        }
+        // Refused for a broker's limit: the Backend's gate for that limit triggers it again
+        // (a place freed, or its delay over); the resync is only the safety net.
+        SubOutcome::Broker { error, .. } if error.limit().is_some() => {
+            ctx.succeeded(&fkey);
+            Action::requeue(ctx.resync)
         }
         // Only a change of the spec (or of the consumer, by its advisory) can help these: never
         // retried in a loop.

@@ -298,6 +298,12 @@ pub struct TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, test: &str) -> TestStream {
+        TestStream::with_max_consumers(url, test, 0).await
+    }
+
+    /// A stream as [`TestStream::new`] makes, that allows at most `max_consumers` consumers
+    /// (`0`: no limit of its own).
+    pub async fn with_max_consumers(url: &str, test: &str, max_consumers: i32) -> TestStream {
         let client = async_nats::connect(url)
             .await
             .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
@@ -314,6 +320,7 @@ impl TestStream {
             name: name.clone(),
             subjects: vec![format!("{prefix}.>")],
             storage: async_nats::jetstream::stream::StorageType::File,
+            max_consumers,
             ..Default::default()
         })
         .await
