@@ -341,35 +341,8 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 
-/// The JetStream consumer API calls the Subscription controller made so far.
-fn consumer_calls(op: &Operator) -> f64 {
-    ["stream", "info", "create", "update", "delete"]
-        .iter()
-        .map(|call| op.metric("settle_consumer_api_calls_total", &[("call", call)]))
-        .sum()
-}
-
-/// Each Subscription's Ready condition, by name.
-async fn readiness(
-    api: &kube::Api<settle::api::Subscription>,
-    names: &[String],
-) -> Vec<(String, Option<(String, String, String)>)> {
-    let mut all = Vec::new();
-    for n in names {
-        let ready = api
-            .get_opt(n)
-            .await
-            .ok()
-            .flatten()
-            .and_then(|s| s.status)
-            .and_then(|st| condition(&st.conditions, "Ready"));
-        all.push((n.clone(), ready));
-    }
-    all
-}
-
 /// How many of `seen` show Ready=True, and how many Ready=False `BrokerLimit` naming the limit.
-fn tally(seen: &[(String, Option<(String, String, String)>)], stream: &str) -> (usize, usize) {
+fn tally(seen: &common::subs::Readiness, stream: &str) -> (usize, usize) {
     let ready = seen
         .iter()
         .filter(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
@@ -417,7 +390,7 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
         "3 Subscriptions Ready and 3 refused by the stream's limit",
         Duration::from_secs(60),
         || async {
-            let seen = readiness(&api, &names).await;
+            let seen = common::subs::readiness(&api, &names).await;
             match tally(&seen, &name) {
                 (3, 3) => Ok(()),
                 _ => Err(format!("{seen:?}")),
@@ -431,18 +404,21 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
     // a growing delay (1 s doubling, with jitter; past its first quick tries, at most three in
     // the next 20 s, three calls each), where each used to retry on its own (45 calls in 20 s).
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let before = consumer_calls(&op);
+    let before = op.consumer_api_calls();
     tokio::time::sleep(Duration::from_secs(20)).await;
-    let during = consumer_calls(&op) - before;
+    let during = op.consumer_api_calls() - before;
     eprintln!("consumer API calls over 20 s at the limit: {during}");
     assert!(
         during <= 10.0,
         "{during} consumer API calls in 20 s against a stream at its limit"
     );
-    assert_eq!(tally(&readiness(&api, &names).await, &name), (3, 3));
+    assert_eq!(
+        tally(&common::subs::readiness(&api, &names).await, &name),
+        (3, 3)
+    );
 
     // A Ready one goes: its slot is taken by one refused Subscription at once.
-    let seen = readiness(&api, &names).await;
+    let seen = common::subs::readiness(&api, &names).await;
     let (gone, _) = seen
         .iter()
         .find(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
@@ -457,7 +433,7 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
         "a refused Subscription to take the freed slot",
         Duration::from_secs(5),
         || async {
-            let seen = readiness(&api, &rest).await;
+            let seen = common::subs::readiness(&api, &rest).await;
             match tally(&seen, &name) {
                 (3, 2) => Ok(()),
                 _ => Err(format!("{seen:?}")),
@@ -466,7 +442,10 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(tally(&readiness(&api, &rest).await, &name), (3, 2));
+    assert_eq!(
+        tally(&common::subs::readiness(&api, &rest).await, &name),
+        (3, 2)
+    );
     assert_eq!(stream.consumer_names().await.len(), 3);
 
     stream.delete().await;

@@ -54,7 +54,12 @@ pub enum LimitScope {
 }
 
 /// Every [`BrokerLimit::label`].
-pub const LABELS: [&str; 4] = ["max_consumers", "jetstream_resources", "max_queues", "cluster_queue_limit"];
+pub const LABELS: [&str; 4] = [
+    "max_consumers",
+    "jetstream_resources",
+    "max_queues",
+    "cluster_queue_limit",
+];
 
 impl BrokerLimit {
     pub fn scope(&self) -> LimitScope {
@@ -124,8 +129,9 @@ mod tests {
             set_by: SetBy::Stream,
         };
         assert!(
-            s.to_string()
-                .starts_with("the stream ORDERS allows at most 1000 consumers (max_consumers); raise it"),
+            s.to_string().starts_with(
+                "the stream ORDERS allows at most 1000 consumers (max_consumers); raise it"
+            ),
             "{s}"
         );
         assert_eq!(s.scope(), LimitScope::Stream("ORDERS".into()));
@@ -134,12 +140,20 @@ mod tests {
             max: Some(10),
             set_by: SetBy::Account,
         };
-        assert!(a.to_string().contains("account's JetStream limits allow at most 10"), "{a}");
+        assert!(
+            a.to_string()
+                .contains("account's JetStream limits allow at most 10"),
+            "{a}"
+        );
         let v = BrokerLimit::VhostQueues {
             vhost: "shop".into(),
             max: Some(5),
         };
-        assert!(v.to_string().contains("vhost shop allows at most 5 queues (max-queues)"), "{v}");
+        assert!(
+            v.to_string()
+                .contains("vhost shop allows at most 5 queues (max-queues)"),
+            "{v}"
+        );
         assert_eq!(v.scope(), LimitScope::Backend);
         for l in [s, a, v] {
             assert!(l.to_string().contains("raise"), "{l}");

@@ -112,7 +112,14 @@ impl Gate {
 
     /// Refused again (by `who`, the probe or a create that passed before the gate closed): the
     /// next delay, longer, from `unit`'s jitter.
-    pub fn refused(&mut self, limit: BrokerLimit, who: Who, now: Instant, unit: f64, epoch: u64) -> Duration {
+    pub fn refused(
+        &mut self,
+        limit: BrokerLimit,
+        who: Who,
+        now: Instant,
+        unit: f64,
+        epoch: u64,
+    ) -> Duration {
         self.refusals = self.refusals.saturating_add(1);
         let delay = jittered(backoff(self.refusals), unit);
         self.limit = limit;
@@ -259,7 +266,10 @@ impl Gates {
             Some(g) => g.refused(limit, who.clone(), now, random_unit(), epoch),
             None => {
                 let delay = jittered(backoff(1), random_unit());
-                map.insert(key.clone(), Gate::new(limit, who.clone(), now, delay, epoch));
+                map.insert(
+                    key.clone(),
+                    Gate::new(limit, who.clone(), now, delay, epoch),
+                );
                 delay
             }
         };
@@ -350,7 +360,8 @@ impl Gates {
         let mut by: HashMap<&'static str, i64> = HashMap::new();
         for ((b, _), g) in map.iter() {
             if b == backend {
-                let n = i64::try_from(g.waiting.len() + usize::from(g.probe.is_some())).unwrap_or(i64::MAX);
+                let n = i64::try_from(g.waiting.len() + usize::from(g.probe.is_some()))
+                    .unwrap_or(i64::MAX);
                 *by.entry(g.limit.label()).or_default() += n;
             }
         }
@@ -430,7 +441,11 @@ mod tests {
         let t1 = Instant::now();
         assert_eq!(g.due(t1), Some(who("a")), "the first waiting one probes");
         assert_eq!(g.check(&who("a"), t1), Verdict::Pass);
-        assert_eq!(g.check(&who("b"), t1), Verdict::Wait(limit()), "one probe at a time");
+        assert_eq!(
+            g.check(&who("b"), t1),
+            Verdict::Wait(limit()),
+            "one probe at a time"
+        );
         assert_eq!(g.due(t1), None, "the probe runs");
         // Refused again: closed for longer (2 s with jitter: 1 to 2 s).
         let d = g.refused(limit(), who("a"), t1, 0.5, 2);
@@ -469,7 +484,11 @@ mod tests {
         let d = gates.refused(&b, limit(), &who("a"));
         assert!(d >= Duration::from_millis(500) && d <= FIRST, "{d:?}");
         assert_eq!(gates.check(&b, "ORDERS", &who("b")), Some(limit()));
-        assert_eq!(gates.check(&b, "OTHER", &who("c")), None, "another stream is not held");
+        assert_eq!(
+            gates.check(&b, "OTHER", &who("c")),
+            None,
+            "another stream is not held"
+        );
         assert_eq!(gates.held(&b, &who("b")), Some(limit()));
         assert_eq!(gates.held(&b, &who("c")), None);
         assert!(rx.try_recv().is_err(), "nothing triggered while closed");
@@ -477,18 +496,29 @@ mod tests {
         let probe = rx.try_recv().expect("a trigger");
         assert_eq!(probe.name, "a");
         assert!(rx.try_recv().is_err(), "only one probe");
-        assert_eq!(gates.held(&b, &who("b")), Some(limit()), "b still waits while a probes");
+        assert_eq!(
+            gates.held(&b, &who("b")),
+            Some(limit()),
+            "b still waits while a probes"
+        );
         gates.created(&b, "ORDERS");
         let woken = rx.try_recv().expect("a trigger");
         assert_eq!(woken.name, "b");
         assert_eq!(gates.held(&b, &who("b")), None);
-        assert_eq!(gates.check(&b, "ORDERS", &who("b")), None, "the gate is gone");
+        assert_eq!(
+            gates.check(&b, "ORDERS", &who("b")),
+            None,
+            "the gate is gone"
+        );
 
         // Closed again, then a consumer deleted on the stream: one probes at once.
         gates.refused(&b, limit(), &who("a"));
         gates.check(&b, "ORDERS", &who("b"));
         gates.freed(&b, Some("OTHER"));
-        assert!(rx.try_recv().is_err(), "another stream's consumer frees nothing here");
+        assert!(
+            rx.try_recv().is_err(),
+            "another stream's consumer frees nothing here"
+        );
         gates.freed(&b, Some("ORDERS"));
         assert_eq!(rx.try_recv().expect("a trigger").name, "a");
         assert!(rx.try_recv().is_err());

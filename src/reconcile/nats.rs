@@ -10,9 +10,9 @@
 
 use super::Ctx;
 use super::connections::NatsConn;
+use super::gate::{BackendKey, Who};
 use super::status::{ADOPT_ANNOTATION, Holder, ObjectKind, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, Target};
-use super::gate::{BackendKey, Who};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
 use crate::backend::limit::{BrokerLimit, LimitScope, SetBy};
@@ -199,18 +199,24 @@ fn limited(limit: BrokerLimit) -> SubOutcome {
 async fn refused(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, limit: BrokerLimit) -> SubOutcome {
     let (backend, who) = keys(t);
     let limit = match limit {
-        BrokerLimit::StreamConsumers { stream, max: None, .. } => {
-            match ctx.conns.gates.known(&backend, &LimitScope::Stream(stream.clone())) {
+        BrokerLimit::StreamConsumers {
+            stream, max: None, ..
+        } => {
+            match ctx
+                .conns
+                .gates
+                .known(&backend, &LimitScope::Stream(stream.clone()))
+            {
                 Some(known) => known,
                 None => {
                     ctx.metrics.js("stream");
-                    jsapi::consumer_limit(&conn.js, &stream)
-                        .await
-                        .unwrap_or(BrokerLimit::StreamConsumers {
+                    jsapi::consumer_limit(&conn.js, &stream).await.unwrap_or(
+                        BrokerLimit::StreamConsumers {
                             stream,
                             max: None,
                             set_by: SetBy::Unknown,
-                        })
+                        },
+                    )
                 }
             }
         }
@@ -301,9 +307,7 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Removal {
         return waiting(e);
     }
     // A place on the stream: a create its limit refused may go now.
-    ctx.conns
-        .gates
-        .freed(&keys(t).0, Some(&target.stream));
+    ctx.conns.gates.freed(&keys(t).0, Some(&target.stream));
     tracing::info!(subscription = %owner, stream = %target.stream, consumer = %target.name, "deleted the consumer");
     Removal::Deleted(format!(
         "deleted consumer {} on stream {}",

@@ -160,6 +160,16 @@ impl Operator {
         metric_sum(&text, name, labels)
     }
 
+    /// The JetStream consumer API calls the Subscription controller made so far
+    /// (`settle_consumer_api_calls_total`: stream, info, create, update, delete).
+    pub fn consumer_api_calls(&self) -> f64 {
+        let text = self.get("/metrics").unwrap_or_default();
+        ["stream", "info", "create", "update", "delete"]
+            .iter()
+            .map(|call| metric_sum(&text, "settle_consumer_api_calls_total", &[("call", call)]))
+            .sum()
+    }
+
     /// Whether `/metrics` exports metric `name` at all: [`Operator::metric`] reads a missing one
     /// as 0, so an assertion that something stayed at 0 checks this first.
     pub fn exports(&self, name: &str) -> bool {

@@ -287,7 +287,10 @@ struct AccountMax {
 /// Which limit refused a consumer on `stream` (error 10026): the stream's own `max_consumers`
 /// when the stream holds that many, else the account's (one or two calls: STREAM.INFO, then
 /// INFO).
-pub async fn consumer_limit(js: &jetstream::Context, stream: &str) -> Result<BrokerLimit, NatsError> {
+pub async fn consumer_limit(
+    js: &jetstream::Context,
+    stream: &str,
+) -> Result<BrokerLimit, NatsError> {
     let info: StreamLimits = call(js, format!("STREAM.INFO.{stream}"), &serde_json::json!({}))
         .await?
         .map_err(|e| refused(&e))?;
@@ -306,7 +309,11 @@ pub async fn consumer_limit(js: &jetstream::Context, stream: &str) -> Result<Bro
     Ok(BrokerLimit::StreamConsumers {
         stream: stream.to_string(),
         max: (max > 0).then_some(max),
-        set_by: if max > 0 { SetBy::Account } else { SetBy::Unknown },
+        set_by: if max > 0 {
+            SetBy::Account
+        } else {
+            SetBy::Unknown
+        },
     })
 }
 

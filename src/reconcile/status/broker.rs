@@ -185,7 +185,10 @@ mod tests {
             max: Some(1000),
             set_by: crate::backend::limit::SetBy::Stream,
         };
-        for e in [BrokerError::from(NatsError::Limit(l.clone())), BrokerError::Limit(l)] {
+        for e in [
+            BrokerError::from(NatsError::Limit(l.clone())),
+            BrokerError::Limit(l),
+        ] {
             let (reason, m) = broker_reason(&e);
             assert_eq!(reason, reasons::BROKER_LIMIT);
             assert_eq!(
