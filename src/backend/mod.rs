@@ -41,6 +41,12 @@ pub enum Failure {
 pub trait Classify {
     fn class(&self) -> Failure;
 
+    /// The limit that refused the call, when that is why it failed (a [`Failure::Refused`]
+    /// that asking again will not help until a place frees).
+    fn limit(&self) -> Option<limit::BrokerLimit> {
+        None
+    }
+
     /// Whether the broker could not be asked at all.
     fn is_unreachable(&self) -> bool {
         self.class() == Failure::Unreachable

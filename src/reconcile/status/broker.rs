@@ -45,6 +45,9 @@ impl BrokerError {
     /// A RabbitMQ or SQS error (a connection, an AMQP or management call, an SQS call), by the
     /// class it names. A NATS error goes in whole ([`BrokerError::Nats`]): its reasons are finer.
     pub fn of<E: Classify + std::fmt::Display>(e: E) -> BrokerError {
+        if let Some(l) = e.limit() {
+            return BrokerError::Limit(l);
+        }
         let message = e.to_string();
         match e.class() {
             Failure::Unreachable => BrokerError::Unreachable(message),
