@@ -867,3 +867,135 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
     }
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// The default vhost's `max-queues` limit, set for one test and taken off when dropped.
+struct QueueLimit;
+
+impl QueueLimit {
+    fn set(max: usize) -> QueueLimit {
+        let (status, body) = common::rabbitmq::management_with(
+            "PUT",
+            "/api/vhost-limits/%2f/max-queues",
+            &serde_json::json!({ "value": max }).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "set max-queues: {status} {body}"
+        );
+        QueueLimit
+    }
+}
+
+impl Drop for QueueLimit {
+    fn drop(&mut self) {
+        let _ = common::rabbitmq::management("DELETE", "/api/vhost-limits/%2f/max-queues");
+    }
+}
+
+#[tokio::test]
+async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed_place_is_taken_at_once()
+ {
+    install_crds();
+    let ns = namespace("rec-rabbit-limit");
+    let op = Operator::start_with(
+        "rabbitmq-limit",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "10m"],
+    );
+    let tag = format!("lim{}", std::process::id());
+    apply(&ns, &env_backend_yaml("rabbit", ""));
+    wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
+    let api = subs(&ns).await;
+    let spec = |n: &str| {
+        format!("  pattern: \"{tag}.{n}.>\"\n  mode: AtLeastOnce\n  durableName: {tag}-{n}\n")
+    };
+    let names: Vec<String> = (0..5).map(|i| format!("q{i}")).collect();
+    for n in &names[..2] {
+        apply(&ns, &sub_yaml_on("rabbit", n, &spec(n)));
+        wait_condition(
+            &api,
+            n,
+            "Ready",
+            "True",
+            "ConsumerReady",
+            Duration::from_secs(60),
+        )
+        .await;
+    }
+    // No room for another queue in the vhost.
+    let queues = common::rabbitmq::management_json("GET", "/api/queues/%2f")
+        .as_array()
+        .map_or(0, Vec::len);
+    let _limit = QueueLimit::set(queues);
+    for n in &names[2..] {
+        apply(&ns, &sub_yaml_on("rabbit", n, &spec(n)));
+    }
+    let refused = |seen: &common::subs::Readiness| {
+        seen.iter()
+            .filter(|(_, c)| {
+                c.as_ref().is_some_and(|(s, r, m)| {
+                    s == "False"
+                        && r == "BrokerLimit"
+                        && m.contains(&format!(
+                            "the vhost / allows at most {queues} queues (max-queues)"
+                        ))
+                })
+            })
+            .count()
+    };
+    let ready = |seen: &common::subs::Readiness| {
+        seen.iter()
+            .filter(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
+            .count()
+    };
+    common::operator::poll(
+        "2 Subscriptions Ready and 3 refused by the vhost's limit",
+        Duration::from_secs(60),
+        || async {
+            let seen = common::subs::readiness(&api, &names).await;
+            match (ready(&seen), refused(&seen)) {
+                (2, 3) => Ok(()),
+                _ => Err(format!("{seen:?}")),
+            }
+        },
+    )
+    .await;
+
+    // While the limit holds, the refused three barely call the broker.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = op.metric("settle_consumer_api_calls_total", &[]);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let during = op.metric("settle_consumer_api_calls_total", &[]) - before;
+    eprintln!("RabbitMQ calls over 20 s at the vhost's limit: {during}");
+    assert!(
+        during <= 10.0,
+        "{during} RabbitMQ calls in 20 s against a vhost at its limit"
+    );
+
+    // A Ready one goes (its queue and its object mark): one refused Subscription takes the place.
+    api.delete("q0", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "q0", Duration::from_secs(30)).await;
+    let rest = &names[1..];
+    common::operator::poll(
+        "a refused Subscription to take the freed place",
+        Duration::from_secs(10),
+        || async {
+            let seen = common::subs::readiness(&api, rest).await;
+            match (ready(&seen), refused(&seen)) {
+                (2, 2) => Ok(()),
+                _ => Err(format!("{seen:?}")),
+            }
+        },
+    )
+    .await;
+    for n in rest {
+        let _ = api.delete(n, &DeleteParams::default()).await;
+    }
+    drop(_limit);
+    for n in rest {
+        wait_gone(&api, n, Duration::from_secs(30)).await;
+    }
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
