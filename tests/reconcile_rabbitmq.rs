@@ -19,7 +19,10 @@ mod common;
 use std::time::Duration;
 
 use common::operator::{Operator, condition, poll};
-use common::rabbitmq::{bindings, env_backend_yaml, management, queue, rabbitmq_backend_yaml};
+use common::rabbitmq::{
+    bindings, env_backend_yaml, management, management_json, management_with, queue,
+    rabbitmq_backend_yaml,
+};
 use common::subs::{
     apply, backends, sub_yaml_on, subs, wait_backend, wait_condition, wait_event, wait_gone,
     wait_ready,
@@ -868,27 +871,52 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 
-/// The default vhost's `max-queues` limit, set for one test and taken off when dropped.
-struct QueueLimit;
+/// A vhost of one test's own (guest may use it), whose `max-queues` the test sets; deleted,
+/// with its queues, when dropped. Its limit then holds back no other test's queues.
+struct LimitedVhost(String);
 
-impl QueueLimit {
-    fn set(max: usize) -> QueueLimit {
-        let (status, body) = common::rabbitmq::management_with(
+impl LimitedVhost {
+    fn create(name: &str) -> LimitedVhost {
+        let (status, body) = management_with("PUT", &format!("/api/vhosts/{name}"), "{}");
+        assert!(
+            matches!(status, 201 | 204),
+            "create vhost {name}: {status} {body}"
+        );
+        let (status, body) = management_with(
             "PUT",
-            "/api/vhost-limits/%2f/max-queues",
+            &format!("/api/permissions/{name}/guest"),
+            &serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "permissions on {name}: {status} {body}"
+        );
+        LimitedVhost(name.to_string())
+    }
+
+    /// How many queues it holds now.
+    fn queues(&self) -> usize {
+        management_json("GET", &format!("/api/queues/{}", self.0))
+            .as_array()
+            .map_or(0, Vec::len)
+    }
+
+    fn limit(&self, max: usize) {
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/vhost-limits/{}/max-queues", self.0),
             &serde_json::json!({ "value": max }).to_string(),
         );
         assert!(
             matches!(status, 201 | 204),
             "set max-queues: {status} {body}"
         );
-        QueueLimit
     }
 }
 
-impl Drop for QueueLimit {
+impl Drop for LimitedVhost {
     fn drop(&mut self) {
-        let _ = common::rabbitmq::management("DELETE", "/api/vhost-limits/%2f/max-queues");
+        let _ = management("DELETE", &format!("/api/vhosts/{}", self.0));
     }
 }
 
@@ -903,7 +931,11 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
         &["--leader-election=false", "--drift-interval", "10m"],
     );
     let tag = format!("lim{}", std::process::id());
-    apply(&ns, &env_backend_yaml("rabbit", ""));
+    let vhost = LimitedVhost::create(&format!("settle-limit-{}", std::process::id()));
+    apply(
+        &ns,
+        &env_backend_yaml("rabbit", &format!("    vhost: {}\n", vhost.0)),
+    );
     wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
     let api = subs(&ns).await;
     let spec = |n: &str| {
@@ -923,10 +955,8 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
         .await;
     }
     // No room for another queue in the vhost.
-    let queues = common::rabbitmq::management_json("GET", "/api/queues/%2f")
-        .as_array()
-        .map_or(0, Vec::len);
-    let _limit = QueueLimit::set(queues);
+    let queues = vhost.queues();
+    vhost.limit(queues);
     for n in &names[2..] {
         apply(&ns, &sub_yaml_on("rabbit", n, &spec(n)));
     }
@@ -937,7 +967,8 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
                     s == "False"
                         && r == "BrokerLimit"
                         && m.contains(&format!(
-                            "the vhost / allows at most {queues} queues (max-queues)"
+                            "the vhost {} allows at most {queues} queues (max-queues)",
+                            vhost.0
                         ))
                 })
             })
@@ -993,7 +1024,6 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
     for n in rest {
         let _ = api.delete(n, &DeleteParams::default()).await;
     }
-    drop(_limit);
     for n in rest {
         wait_gone(&api, n, Duration::from_secs(30)).await;
     }
