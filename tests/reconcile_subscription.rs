@@ -448,6 +448,36 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
     );
     assert_eq!(stream.consumer_names().await.len(), 3);
 
+    // The stream's limit raised: the two still refused get theirs at once (its update's
+    // advisory opens the gate), not after the gate's delay.
+    let mut config = stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .cached_info()
+        .config
+        .clone();
+    config.max_consumers = 10;
+    stream
+        .js
+        .update_stream(config)
+        .await
+        .expect("raise max_consumers");
+    common::operator::poll(
+        "the refused two to get a consumer once the limit is raised",
+        Duration::from_secs(5),
+        || async {
+            let seen = common::subs::readiness(&api, &rest).await;
+            match tally(&seen, &name) {
+                (5, 0) => Ok(()),
+                _ => Err(format!("{seen:?}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(stream.consumer_names().await.len(), 5);
+
     stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }

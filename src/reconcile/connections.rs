@@ -453,6 +453,7 @@ async fn listen(
         advisory::CONSUMER_DELETED,
         advisory::CONSUMER_CREATED,
         advisory::API_AUDIT,
+        advisory::STREAM_UPDATED,
     ] {
         match client.subscribe(subject).await {
             Ok(s) => subs.push(s),
@@ -463,6 +464,13 @@ async fn listen(
     }
     let mut all = futures::stream::select_all(subs);
     while let Some(msg) = all.next().await {
+        // A stream updated (its max_consumers raised, perhaps): a refused create may go now.
+        if let Some(stream) = advisory::updated_stream(msg.subject.as_str()) {
+            if let Some(conns) = conns.upgrade() {
+                conns.gates.freed(&key, Some(stream));
+            }
+            continue;
+        }
         let Some(change) = advisory::parse(msg.subject.as_str(), &msg.payload) else {
             continue;
         };
