@@ -19,10 +19,7 @@ mod common;
 use std::time::Duration;
 
 use common::operator::{Operator, condition, poll};
-use common::rabbitmq::{
-    bindings, env_backend_yaml, management, management_json, management_with, queue,
-    rabbitmq_backend_yaml,
-};
+use common::rabbitmq::{bindings, env_backend_yaml, management, queue, rabbitmq_backend_yaml};
 use common::subs::{
     apply, backends, sub_yaml_on, subs, wait_backend, wait_condition, wait_event, wait_gone,
     wait_ready,
@@ -871,55 +868,6 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 
-/// A vhost of one test's own (guest may use it), whose `max-queues` the test sets; deleted,
-/// with its queues, when dropped. Its limit then holds back no other test's queues.
-struct LimitedVhost(String);
-
-impl LimitedVhost {
-    fn create(name: &str) -> LimitedVhost {
-        let (status, body) = management_with("PUT", &format!("/api/vhosts/{name}"), "{}");
-        assert!(
-            matches!(status, 201 | 204),
-            "create vhost {name}: {status} {body}"
-        );
-        let (status, body) = management_with(
-            "PUT",
-            &format!("/api/permissions/{name}/guest"),
-            &serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}).to_string(),
-        );
-        assert!(
-            matches!(status, 201 | 204),
-            "permissions on {name}: {status} {body}"
-        );
-        LimitedVhost(name.to_string())
-    }
-
-    /// How many queues it holds now.
-    fn queues(&self) -> usize {
-        management_json("GET", &format!("/api/queues/{}", self.0))
-            .as_array()
-            .map_or(0, Vec::len)
-    }
-
-    fn limit(&self, max: usize) {
-        let (status, body) = management_with(
-            "PUT",
-            &format!("/api/vhost-limits/{}/max-queues", self.0),
-            &serde_json::json!({ "value": max }).to_string(),
-        );
-        assert!(
-            matches!(status, 201 | 204),
-            "set max-queues: {status} {body}"
-        );
-    }
-}
-
-impl Drop for LimitedVhost {
-    fn drop(&mut self) {
-        let _ = management("DELETE", &format!("/api/vhosts/{}", self.0));
-    }
-}
-
 #[tokio::test]
 async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed_place_is_taken_at_once()
  {
@@ -931,7 +879,8 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
         &["--leader-election=false", "--drift-interval", "10m"],
     );
     let tag = format!("lim{}", std::process::id());
-    let vhost = LimitedVhost::create(&format!("settle-limit-{}", std::process::id()));
+    let vhost =
+        common::rabbitmq::LimitedVhost::create(&format!("settle-limit-{}", std::process::id()));
     apply(
         &ns,
         &env_backend_yaml("rabbit", &format!("    vhost: {}\n", vhost.0)),
@@ -979,16 +928,12 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
             .filter(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
             .count()
     };
-    common::operator::poll(
+    common::subs::wait_readiness(
+        &api,
+        &names,
         "2 Subscriptions Ready and 3 refused by the vhost's limit",
         Duration::from_secs(60),
-        || async {
-            let seen = common::subs::readiness(&api, &names).await;
-            match (ready(&seen), refused(&seen)) {
-                (2, 3) => Ok(()),
-                _ => Err(format!("{seen:?}")),
-            }
-        },
+        |seen| (ready(seen), refused(seen)) == (2, 3),
     )
     .await;
 
@@ -1009,16 +954,12 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
         .expect("delete");
     wait_gone(&api, "q0", Duration::from_secs(30)).await;
     let rest = &names[1..];
-    common::operator::poll(
+    common::subs::wait_readiness(
+        &api,
+        rest,
         "a refused Subscription to take the freed place",
         Duration::from_secs(10),
-        || async {
-            let seen = common::subs::readiness(&api, rest).await;
-            match (ready(&seen), refused(&seen)) {
-                (2, 2) => Ok(()),
-                _ => Err(format!("{seen:?}")),
-            }
-        },
+        |seen| (ready(seen), refused(seen)) == (2, 2),
     )
     .await;
     for n in rest {

@@ -386,16 +386,12 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
     }
     // Three get the stream's three consumers; three say which limit refused them.
     let name = stream.name.clone();
-    common::operator::poll(
+    common::subs::wait_readiness(
+        &api,
+        &names,
         "3 Subscriptions Ready and 3 refused by the stream's limit",
         Duration::from_secs(60),
-        || async {
-            let seen = common::subs::readiness(&api, &names).await;
-            match tally(&seen, &name) {
-                (3, 3) => Ok(()),
-                _ => Err(format!("{seen:?}")),
-            }
-        },
+        |seen| tally(seen, &name) == (3, 3),
     )
     .await;
     assert_eq!(stream.consumer_names().await.len(), 3);
@@ -429,16 +425,12 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
         .expect("delete");
     wait_gone(&api, &gone, Duration::from_secs(30)).await;
     let rest: Vec<String> = names.iter().filter(|n| **n != gone).cloned().collect();
-    common::operator::poll(
+    common::subs::wait_readiness(
+        &api,
+        &rest,
         "a refused Subscription to take the freed slot",
         Duration::from_secs(5),
-        || async {
-            let seen = common::subs::readiness(&api, &rest).await;
-            match tally(&seen, &name) {
-                (3, 2) => Ok(()),
-                _ => Err(format!("{seen:?}")),
-            }
-        },
+        |seen| tally(seen, &name) == (3, 2),
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -464,16 +456,12 @@ async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_f
         .update_stream(config)
         .await
         .expect("raise max_consumers");
-    common::operator::poll(
+    common::subs::wait_readiness(
+        &api,
+        &rest,
         "the refused two to get a consumer once the limit is raised",
         Duration::from_secs(5),
-        || async {
-            let seen = common::subs::readiness(&api, &rest).await;
-            match tally(&seen, &name) {
-                (5, 0) => Ok(()),
-                _ => Err(format!("{seen:?}")),
-            }
-        },
+        |seen| tally(seen, &name) == (5, 0),
     )
     .await;
     assert_eq!(stream.consumer_names().await.len(), 5);

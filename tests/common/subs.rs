@@ -256,3 +256,22 @@ pub async fn readiness(api: &Api<Subscription>, names: &[String]) -> Readiness {
     }
     all
 }
+
+/// Waits until the Ready conditions of `names` satisfy `done`.
+pub async fn wait_readiness(
+    api: &Api<Subscription>,
+    names: &[String],
+    what: &str,
+    limit: Duration,
+    done: impl Fn(&Readiness) -> bool,
+) {
+    poll(what, limit, || async {
+        let seen = readiness(api, names).await;
+        if done(&seen) {
+            Ok(())
+        } else {
+            Err(format!("{seen:?}"))
+        }
+    })
+    .await
+}
