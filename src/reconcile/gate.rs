@@ -110,8 +110,9 @@ impl Gate {
         Verdict::Wait(self.limit.clone())
     }
 
-    /// Refused again (by `who`, the probe or a create that passed before the gate closed): the
-    /// next delay, longer, from `unit`'s jitter.
+    /// Refused again: by the probe (or a create once the gate was open), the next delay, longer,
+    /// from `unit`'s jitter; by a create that passed before the gate closed (many reconcile at
+    /// once), `None`: it only waits too, and the delay does not grow for it.
     pub fn refused(
         &mut self,
         limit: BrokerLimit,
@@ -119,7 +120,12 @@ impl Gate {
         now: Instant,
         unit: f64,
         epoch: u64,
-    ) -> Duration {
+    ) -> Option<Duration> {
+        let probed = now >= self.opens_at || self.probe.as_ref().is_some_and(|(p, _)| *p == who);
+        if !probed {
+            self.waiting.insert(who);
+            return None;
+        }
         self.refusals = self.refusals.saturating_add(1);
         let delay = jittered(backoff(self.refusals), unit);
         self.limit = limit;
@@ -127,7 +133,7 @@ impl Gate {
         self.probe = None;
         self.waiting.insert(who);
         self.epoch = epoch;
-        delay
+        Some(delay)
     }
 
     /// The gate's time has come: the waiting Subscription that probes now (to be triggered), if
@@ -262,20 +268,25 @@ impl Gates {
         let epoch = self.epoch();
         let key = (backend.clone(), limit.scope());
         let mut map = lock(&self.inner);
-        let delay = match map.get_mut(&key) {
-            Some(g) => g.refused(limit, who.clone(), now, random_unit(), epoch),
+        let (delay, armed) = match map.get_mut(&key) {
+            Some(g) => match g.refused(limit, who.clone(), now, random_unit(), epoch) {
+                Some(delay) => (delay, true),
+                None => (g.opens_at.saturating_duration_since(now), false),
+            },
             None => {
                 let delay = jittered(backoff(1), random_unit());
                 map.insert(
                     key.clone(),
                     Gate::new(limit, who.clone(), now, delay, epoch),
                 );
-                delay
+                (delay, true)
             }
         };
         self.publish(&map, backend);
         drop(map);
-        self.arm(key, epoch, now + delay);
+        if armed {
+            self.arm(key, epoch, now + delay);
+        }
         delay
     }
 
@@ -447,12 +458,24 @@ mod tests {
             "one probe at a time"
         );
         assert_eq!(g.due(t1), None, "the probe runs");
-        // Refused again: closed for longer (2 s with jitter: 1 to 2 s).
-        let d = g.refused(limit(), who("a"), t1, 0.5, 2);
+        // The probe refused again: closed for longer (2 s with jitter: 1 to 2 s).
+        let d = g
+            .refused(limit(), who("a"), t1, 0.5, 2)
+            .expect("a new delay");
         assert_eq!(d, Duration::from_millis(1500));
         assert_eq!(g.opens_at(), t1 + d);
         assert_eq!(g.waiting().len(), 2);
-        let d = g.refused(limit(), who("a"), t1, 1.0, 3);
+        // A create that passed before the gate closed, refused too: it waits, the delay is
+        // the same (a thousand at once do not push it to five minutes).
+        assert_eq!(g.refused(limit(), who("c"), t1, 1.0, 3), None);
+        assert_eq!(g.opens_at(), t1 + d);
+        assert_eq!(g.waiting().len(), 3);
+        tokio::time::advance(d).await;
+        let t2 = Instant::now();
+        assert_eq!(g.check(&who("b"), t2), Verdict::Pass, "open: b probes");
+        let d = g
+            .refused(limit(), who("b"), t2, 1.0, 4)
+            .expect("a new delay");
         assert_eq!(d, Duration::from_secs(4), "doubling");
     }
 

@@ -73,6 +73,14 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         add_finalizer(&api, &sub, &ctx).await?;
     }
 
+    // A changed spec (another stream, perhaps) is not held back by the gate its old one waited
+    // on: it asks the broker afresh (and waits again if the same limit refuses it).
+    if sub.status.as_ref().and_then(|s| s.observed_generation) != sub.metadata.generation {
+        ctx.conns.gates.forget(
+            &(ns.clone(), sub.spec.backend_ref.name.clone()),
+            &(ns.clone(), name.clone()),
+        );
+    }
     let Some(outcome) = converge(&target, &ctx).await else {
         // The Backend's connection is being made; its first event reconciles this again.
         return Ok(Action::requeue(Duration::from_secs(1)));
