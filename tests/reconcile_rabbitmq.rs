@@ -867,3 +867,106 @@ async fn a_queue_settle_did_not_make_for_this_object_is_never_bound_or_deleted_u
     }
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+#[tokio::test]
+async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed_place_is_taken_at_once()
+ {
+    install_crds();
+    let ns = namespace("rec-rabbit-limit");
+    let op = Operator::start_with(
+        "rabbitmq-limit",
+        &ns,
+        &["--leader-election=false", "--drift-interval", "10m"],
+    );
+    let tag = format!("lim{}", std::process::id());
+    let vhost =
+        common::rabbitmq::LimitedVhost::create(&format!("settle-limit-{}", std::process::id()));
+    apply(
+        &ns,
+        &env_backend_yaml("rabbit", &format!("    vhost: {}\n", vhost.0)),
+    );
+    wait_backend(&backends(&ns).await, "rabbit", "True", "Connected").await;
+    let api = subs(&ns).await;
+    let spec = |n: &str| {
+        format!("  pattern: \"{tag}.{n}.>\"\n  mode: AtLeastOnce\n  durableName: {tag}-{n}\n")
+    };
+    let names: Vec<String> = (0..5).map(|i| format!("q{i}")).collect();
+    for n in &names[..2] {
+        apply(&ns, &sub_yaml_on("rabbit", n, &spec(n)));
+        wait_condition(
+            &api,
+            n,
+            "Ready",
+            "True",
+            "ConsumerReady",
+            Duration::from_secs(60),
+        )
+        .await;
+    }
+    // No room for another queue in the vhost.
+    let queues = vhost.queues();
+    vhost.limit(queues);
+    for n in &names[2..] {
+        apply(&ns, &sub_yaml_on("rabbit", n, &spec(n)));
+    }
+    let refused = |seen: &common::subs::Readiness| {
+        seen.iter()
+            .filter(|(_, c)| {
+                c.as_ref().is_some_and(|(s, r, m)| {
+                    s == "False"
+                        && r == "BrokerLimit"
+                        && m.contains(&format!(
+                            "the vhost {} allows at most {queues} queues (max-queues)",
+                            vhost.0
+                        ))
+                })
+            })
+            .count()
+    };
+    let ready = |seen: &common::subs::Readiness| {
+        seen.iter()
+            .filter(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
+            .count()
+    };
+    common::subs::wait_readiness(
+        &api,
+        &names,
+        "2 Subscriptions Ready and 3 refused by the vhost's limit",
+        Duration::from_secs(60),
+        |seen| (ready(seen), refused(seen)) == (2, 3),
+    )
+    .await;
+
+    // While the limit holds, the refused three barely call the broker.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = op.metric("settle_consumer_api_calls_total", &[]);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let during = op.metric("settle_consumer_api_calls_total", &[]) - before;
+    eprintln!("RabbitMQ calls over 20 s at the vhost's limit: {during}");
+    assert!(
+        during <= 10.0,
+        "{during} RabbitMQ calls in 20 s against a vhost at its limit"
+    );
+
+    // A Ready one goes (its queue and its object mark): one refused Subscription takes the place.
+    api.delete("q0", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "q0", Duration::from_secs(30)).await;
+    let rest = &names[1..];
+    common::subs::wait_readiness(
+        &api,
+        rest,
+        "a refused Subscription to take the freed place",
+        Duration::from_secs(10),
+        |seen| (ready(seen), refused(seen)) == (2, 2),
+    )
+    .await;
+    for n in rest {
+        let _ = api.delete(n, &DeleteParams::default()).await;
+    }
+    for n in rest {
+        wait_gone(&api, n, Duration::from_secs(30)).await;
+    }
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

@@ -340,3 +340,132 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
     stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// How many of `seen` show Ready=True, and how many Ready=False `BrokerLimit` naming the limit.
+fn tally(seen: &common::subs::Readiness, stream: &str) -> (usize, usize) {
+    let ready = seen
+        .iter()
+        .filter(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
+        .count();
+    let limited = seen
+        .iter()
+        .filter(|(_, c)| {
+            c.as_ref().is_some_and(|(s, r, m)| {
+                s == "False"
+                    && r == "BrokerLimit"
+                    && m.contains(&format!("the stream {stream} allows at most 3 consumers"))
+                    && m.contains("max_consumers")
+            })
+        })
+        .count();
+    (ready, limited)
+}
+
+#[tokio::test]
+async fn a_stream_at_its_consumer_limit_costs_the_broker_next_to_nothing_and_a_freed_slot_is_taken_at_once()
+ {
+    install_crds();
+    let ns = namespace("rec-limit");
+    let env = common::env();
+    let stream = TestStream::with_max_consumers(&env.nats_url, "limit", 3).await;
+    let op = Operator::start("limit", &ns);
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let api = subs(&ns).await;
+    let names: Vec<String> = (0..6).map(|i| format!("s{i}")).collect();
+    for n in &names {
+        apply(
+            &ns,
+            &sub_yaml(
+                n,
+                &format!(
+                    "  pattern: \"{}.{n}.>\"\n  stream: {}\n  mode: AtLeastOnce\n  durableName: {n}\n",
+                    stream.prefix, stream.name
+                ),
+            ),
+        );
+    }
+    // Three get the stream's three consumers; three say which limit refused them.
+    let name = stream.name.clone();
+    common::subs::wait_readiness(
+        &api,
+        &names,
+        "3 Subscriptions Ready and 3 refused by the stream's limit",
+        Duration::from_secs(60),
+        |seen| tally(seen, &name) == (3, 3),
+    )
+    .await;
+    assert_eq!(stream.consumer_names().await.len(), 3);
+
+    // While the limit holds, the refused three barely call the broker: one of them asks after
+    // a growing delay (1 s doubling, with jitter; past its first quick tries, at most three in
+    // the next 20 s, three calls each), where each used to retry on its own (45 calls in 20 s).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = op.consumer_api_calls();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let during = op.consumer_api_calls() - before;
+    eprintln!("consumer API calls over 20 s at the limit: {during}");
+    assert!(
+        during <= 10.0,
+        "{during} consumer API calls in 20 s against a stream at its limit"
+    );
+    assert_eq!(
+        tally(&common::subs::readiness(&api, &names).await, &name),
+        (3, 3)
+    );
+
+    // A Ready one goes: its slot is taken by one refused Subscription at once.
+    let seen = common::subs::readiness(&api, &names).await;
+    let (gone, _) = seen
+        .iter()
+        .find(|(_, c)| c.as_ref().is_some_and(|c| c.0 == "True"))
+        .expect("a Ready Subscription");
+    let gone = gone.clone();
+    api.delete(&gone, &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, &gone, Duration::from_secs(30)).await;
+    let rest: Vec<String> = names.iter().filter(|n| **n != gone).cloned().collect();
+    common::subs::wait_readiness(
+        &api,
+        &rest,
+        "a refused Subscription to take the freed slot",
+        Duration::from_secs(5),
+        |seen| tally(seen, &name) == (3, 2),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        tally(&common::subs::readiness(&api, &rest).await, &name),
+        (3, 2)
+    );
+    assert_eq!(stream.consumer_names().await.len(), 3);
+
+    // The stream's limit raised: the two still refused get theirs at once (its update's
+    // advisory opens the gate), not after the gate's delay.
+    let mut config = stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .cached_info()
+        .config
+        .clone();
+    config.max_consumers = 10;
+    stream
+        .js
+        .update_stream(config)
+        .await
+        .expect("raise max_consumers");
+    common::subs::wait_readiness(
+        &api,
+        &rest,
+        "the refused two to get a consumer once the limit is raised",
+        Duration::from_secs(5),
+        |seen| tally(seen, &name) == (5, 0),
+    )
+    .await;
+    assert_eq!(stream.consumer_names().await.len(), 5);
+
+    stream.delete().await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

@@ -8,9 +8,11 @@
 //! mapping (`nats/consumer.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
 //! (`nats/jsapi.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
 //! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
-//! controllers map no broker's error by hand. This module must not decide policy (that is
-//! `policy`) nor talk to Kubernetes.
+//! controllers map no broker's error by hand; a refusal for a broker's limit (a stream's
+//! `max_consumers`, a vhost's `max-queues`) is typed once, in [`limit`]. This module must not
+//! decide policy (that is `policy`) nor talk to Kubernetes.
 
+pub mod limit;
 pub mod memory;
 pub mod nats;
 pub mod rabbitmq;
@@ -38,6 +40,12 @@ pub enum Failure {
 /// A broker error that names its [`Failure`] class.
 pub trait Classify {
     fn class(&self) -> Failure;
+
+    /// The limit that refused the call, when that is why it failed (a [`Failure::Refused`]
+    /// that asking again will not help until a place frees).
+    fn limit(&self) -> Option<limit::BrokerLimit> {
+        None
+    }
 
     /// Whether the broker could not be asked at all.
     fn is_unreachable(&self) -> bool {

@@ -38,6 +38,7 @@ fn next_step(reason: &str, sub: &Subscription) -> String {
         reconcile::IMMUTABLE_FIELD => "put the spec back as the live consumer has it, or delete the consumer on the broker (its position goes with it) so Settle makes it again".into(),
         reconcile::CONSUMER_CONFLICT => "another owner holds a consumer (or queue) of that name: choose another spec.durableName, or remove the other one".into(),
         reconcile::BROKER_REFUSED => "the message carries the broker's own words: check its permissions and logs".into(),
+        reconcile::BROKER_LIMIT => "the message names the broker's limit and what to change (raise it, or spread Subscriptions over streams); deleting a consumer on that stream frees a place at once, and Settle asks again by itself".into(),
         reconcile::UNREACHABLE
         | reconcile::AUTH_FAILED
         | reconcile::JETSTREAM_DISABLED

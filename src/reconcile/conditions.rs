@@ -40,6 +40,10 @@ pub mod reasons {
     pub const CONSUMER_CONFLICT: &str = "ConsumerConflict";
     /// The broker refused a call for a reason not listed here (the message carries its words).
     pub const BROKER_REFUSED: &str = "BrokerRefused";
+    /// The broker refused to make the consumer (or queue) for one of its limits (a stream's
+    /// `max_consumers`, the account's resources, a vhost's `max-queues`): the message names it
+    /// and what to change. Settle asks again after a growing delay, once per Backend and limit.
+    pub const BROKER_LIMIT: &str = "BrokerLimit";
     /// The Backend's kind runs its consumers inside the application (memory).
     pub const IN_PROCESS: &str = "InProcess";
 
@@ -188,6 +192,7 @@ mod tests {
             reasons::IMMUTABLE_FIELD,
             reasons::CONSUMER_CONFLICT,
             reasons::BROKER_REFUSED,
+            reasons::BROKER_LIMIT,
             reasons::IN_PROCESS,
             reasons::CONNECTED,
             reasons::UNREACHABLE,

@@ -24,6 +24,7 @@ use futures::channel::mpsc::UnboundedSender;
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::task::JoinHandle;
 
+use super::gate::Gates;
 use super::index;
 use super::metrics::Metrics;
 use crate::api::{Backend, Subscription};
@@ -181,6 +182,9 @@ pub struct Connections {
     sub_trigger: UnboundedSender<ObjectRef<Subscription>>,
     backend_trigger: UnboundedSender<ObjectRef<Backend>>,
     metrics: Metrics,
+    /// Each Backend's gates on creates its broker refused for a limit; a consumer deleted on the
+    /// broker opens them, a reconnect drops them.
+    pub gates: Gates,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -199,6 +203,7 @@ impl Connections {
             entries: Mutex::default(),
             client_name,
             subs,
+            gates: Gates::new(sub_trigger.clone(), metrics.clone()),
             sub_trigger,
             backend_trigger,
             metrics,
@@ -383,9 +388,10 @@ impl Connections {
     }
 
     /// A connection dropped or came back (`source`: disconnect, reconnect): the Backend and its
-    /// Subscriptions are checked again.
+    /// Subscriptions are checked again, and its gates go (a restarted broker may allow more).
     fn dropped(&self, key: &Key, source: &str) {
         self.metrics.triggers.with_label_values(&[source]).inc();
+        self.gates.drop_backend(key);
         let _ = self
             .backend_trigger
             .unbounded_send(ObjectRef::new(&key.1).within(&key.0));
@@ -447,6 +453,7 @@ async fn listen(
         advisory::CONSUMER_DELETED,
         advisory::CONSUMER_CREATED,
         advisory::API_AUDIT,
+        advisory::STREAM_UPDATED,
     ] {
         match client.subscribe(subject).await {
             Ok(s) => subs.push(s),
@@ -457,12 +464,23 @@ async fn listen(
     }
     let mut all = futures::stream::select_all(subs);
     while let Some(msg) = all.next().await {
+        // A stream updated (its max_consumers raised, perhaps): a refused create may go now.
+        if let Some(stream) = advisory::updated_stream(msg.subject.as_str()) {
+            if let Some(conns) = conns.upgrade() {
+                conns.gates.freed(&key, Some(stream));
+            }
+            continue;
+        }
         let Some(change) = advisory::parse(msg.subject.as_str(), &msg.payload) else {
             continue;
         };
         let Some(conns) = conns.upgrade() else {
             return;
         };
+        // A consumer gone from the stream, whoever deleted it: a place for a refused create.
+        if change.kind == ChangeKind::Deleted {
+            conns.gates.freed(&key, Some(&change.stream));
+        }
         let own_write = match change.kind {
             ChangeKind::Written => change.client.as_deref() == Some(conns.client_name.as_str()),
             kind => {

@@ -48,6 +48,12 @@ pub struct Metrics {
     /// `settle_subscription_ready{namespace,subscription}`: 1 while Ready=True, else 0; gone
     /// with the Subscription.
     pub ready: IntGaugeVec,
+    /// `settle_reconcile_refusals_gated_total{limit}`: creates not sent to the broker because a
+    /// limit's gate was closed (`reconcile::gate`).
+    pub refusals_gated: IntCounterVec,
+    /// `settle_backend_gated{namespace,backend,limit}`: Subscriptions waiting on a Backend's
+    /// gate for that limit; gone when none waits.
+    pub backend_gated: IntGaugeVec,
 }
 
 impl Metrics {
@@ -112,7 +118,23 @@ impl Metrics {
                 ),
                 &["namespace", "subscription"],
             )?,
+            refusals_gated: IntCounterVec::new(
+                Opts::new(
+                    "settle_reconcile_refusals_gated_total",
+                    "Creates not sent to the broker because the broker refused one for this limit and its gate is closed.",
+                ),
+                &["limit"],
+            )?,
+            backend_gated: IntGaugeVec::new(
+                Opts::new(
+                    "settle_backend_gated",
+                    "Subscriptions waiting for a Backend's broker limit to free a place.",
+                ),
+                &["namespace", "backend", "limit"],
+            )?,
         };
+        registry.register(Box::new(m.refusals_gated.clone()))?;
+        registry.register(Box::new(m.backend_gated.clone()))?;
         registry.register(Box::new(m.ready.clone()))?;
         registry.register(Box::new(m.reconciles.clone()))?;
         registry.register(Box::new(m.duration.clone()))?;
@@ -132,6 +154,9 @@ impl Metrics {
         }
         for op in OPS {
             m.consumer_ops.with_label_values(&[op]);
+        }
+        for limit in crate::backend::limit::LABELS {
+            m.refusals_gated.with_label_values(&[limit]);
         }
         Ok(m)
     }
@@ -155,6 +180,33 @@ impl Metrics {
     /// The Subscription is gone: its series go too.
     pub fn forget_subscription(&self, namespace: &str, subscription: &str) {
         let _ = self.ready.remove_label_values(&[namespace, subscription]);
+    }
+
+    /// One create held back by a closed gate.
+    pub fn gated(&self, limit: &str) {
+        self.refusals_gated.with_label_values(&[limit]).inc();
+    }
+
+    /// How many Subscriptions wait on Backend `namespace/backend`'s gates, by limit.
+    pub fn backend_gated(
+        &self,
+        namespace: &str,
+        backend: &str,
+        by: &std::collections::HashMap<&'static str, i64>,
+    ) {
+        for limit in crate::backend::limit::LABELS {
+            match by.get(limit) {
+                Some(n) if *n > 0 => self
+                    .backend_gated
+                    .with_label_values(&[namespace, backend, limit])
+                    .set(*n),
+                _ => {
+                    let _ = self
+                        .backend_gated
+                        .remove_label_values(&[namespace, backend, limit]);
+                }
+            }
+        }
     }
 
     pub fn op(&self, op: &str) {
@@ -200,6 +252,7 @@ mod tests {
             r#"settle_consumer_operations_total{op="update"} 0"#,
             r#"settle_consumer_operations_total{op="delete"} 0"#,
             r#"settle_consumer_operations_total{op="recreate"} 0"#,
+            r#"settle_reconcile_refusals_gated_total{limit="max_consumers"} 0"#,
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }

@@ -7,6 +7,8 @@
 //! - [`subscription`]: the Subscription controller (validate → broker → status), one pipeline;
 //!   its broker step by kind in [`nats`], [`rabbitmq`] and [`sqs`].
 //! - [`connections`]: one shared connection per Backend, and the broker events that trigger reconciles.
+//! - [`gate`]: after a broker refused a create for one of its limits, further creates held by
+//!   that limit wait (one probe after a growing delay), so a full stream costs the broker nothing.
 //! - [`status`], [`conditions`], [`index`]: the pure parts (each outcome, one per meaning for
 //!   every kind, and the status it means; reasons; which object a change concerns).
 //!
@@ -17,6 +19,7 @@
 pub mod backend;
 pub mod conditions;
 pub mod connections;
+pub mod gate;
 pub mod index;
 pub mod metrics;
 pub mod nats;
@@ -338,6 +341,7 @@ async fn run_term(
                     let key = (b.namespace().unwrap_or_default(), b.name_any());
                     conns.remove(&key);
                     lock(&seen).remove(&key);
+                    conns.gates.drop_backend(&key);
                     conns.trigger_all(&key);
                 }
                 watcher::Event::Apply(b) | watcher::Event::InitApply(b) => {
@@ -350,6 +354,7 @@ async fn run_term(
                     let now = (b.metadata.generation, ready);
                     let changed = lock(&seen).insert(key.clone(), now.clone()) != Some(now);
                     if changed {
+                        conns.gates.drop_backend(&key);
                         conns.trigger_all(&key);
                     }
                 }

@@ -10,10 +10,12 @@
 
 use super::Ctx;
 use super::connections::NatsConn;
+use super::gate::{BackendKey, Who};
 use super::status::{ADOPT_ANNOTATION, Holder, ObjectKind, SubOutcome};
 use super::step::{ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
+use crate::backend::limit::{BrokerLimit, LimitScope, SetBy};
 use crate::backend::nats::advisory::ChangeKind as Own;
 use crate::backend::nats::consumer;
 use crate::backend::nats::jsapi::{self, NatsError};
@@ -35,6 +37,11 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
             error: NatsError::Unreachable("the connection is down; reconnecting".into()).into(),
             consumer: known,
         };
+    }
+    // Refused for a limit before and its gate still closed: not a single broker call.
+    let (backend, who) = keys(t);
+    if let Some(limit) = ctx.conns.gates.held(&backend, &who) {
+        return limited(limit);
     }
     let policy = &t.policy;
     ctx.metrics.js("stream");
@@ -63,9 +70,16 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
     let Some(info) = live else {
         // Missing: made for the first time, or again after someone (or a lost stream) removed it.
         let again = known.as_ref() == Some(&here);
-        if let Err(error) = create(conn, ctx, &want).await {
-            return broker_failure(error, known);
+        if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
+            return limited(limit);
         }
+        if let Err(error) = create(conn, ctx, &want).await {
+            return match error {
+                NatsError::Limit(limit) => refused(t, ctx, conn, limit).await,
+                error => broker_failure(error, known),
+            };
+        }
+        ctx.conns.gates.created(&backend, &stream);
         let (kind, note) = if again {
             (
                 ChangeKind::Recreated,
@@ -165,6 +179,54 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
     ready(here)
 }
 
+/// The Backend's and the Subscription's keys, as the gates know them.
+fn keys(t: &Target<'_>) -> (BackendKey, Who) {
+    (
+        (t.namespace.clone(), t.sub.spec.backend_ref.name.clone()),
+        (t.namespace.clone(), t.name.clone()),
+    )
+}
+
+fn limited(limit: BrokerLimit) -> SubOutcome {
+    SubOutcome::Broker {
+        error: NatsError::Limit(limit).into(),
+        consumer: None,
+    }
+}
+
+/// A create refused for `limit`: named (which limit, read once while the gate is closed) and
+/// its gate closed.
+async fn refused(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, limit: BrokerLimit) -> SubOutcome {
+    let (backend, who) = keys(t);
+    let limit = match limit {
+        BrokerLimit::StreamConsumers {
+            stream, max: None, ..
+        } => {
+            match ctx
+                .conns
+                .gates
+                .known(&backend, &LimitScope::Stream(stream.clone()))
+            {
+                Some(known) => known,
+                None => {
+                    ctx.metrics.js("stream");
+                    jsapi::consumer_limit(&conn.js, &stream).await.unwrap_or(
+                        BrokerLimit::StreamConsumers {
+                            stream,
+                            max: None,
+                            set_by: SetBy::Unknown,
+                        },
+                    )
+                }
+            }
+        }
+        other => other,
+    };
+    let delay = ctx.conns.gates.refused(&backend, limit.clone(), &who);
+    tracing::info!(subscription = %t.owner, limit = limit.label(), retry_in = ?delay, "the broker refused the consumer for a limit: creates it holds back wait");
+    limited(limit)
+}
+
 fn ready(object: ConsumerRef) -> SubOutcome {
     SubOutcome::Ready {
         kind: ObjectKind::Consumer,
@@ -244,6 +306,8 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Removal {
     if let Err(e) = jsapi::delete_consumer(&conn.js, &target.stream, &target.name).await {
         return waiting(e);
     }
+    // A place on the stream: a create its limit refused may go now.
+    ctx.conns.gates.freed(&keys(t).0, Some(&target.stream));
     tracing::info!(subscription = %owner, stream = %target.stream, consumer = %target.name, "deleted the consumer");
     Removal::Deleted(format!(
         "deleted consumer {} on stream {}",

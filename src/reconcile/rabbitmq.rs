@@ -229,6 +229,12 @@ async fn converge(
         kind: ObjectKind::RabbitmqQueue,
         object: here.clone(),
     };
+    // Refused for a limit before and its gate still closed: not a single broker call.
+    let backend = (t.namespace.clone(), t.sub.spec.backend_ref.name.clone());
+    let who = (t.namespace.clone(), t.name.clone());
+    if let Some(limit) = ctx.conns.gates.held(&backend, &who) {
+        return failure(BrokerError::Limit(limit), None);
+    }
     let amqp = match conn.connection().await {
         Ok(c) => c,
         Err(e) => return failure(BrokerError::of(e), known),
@@ -238,15 +244,31 @@ async fn converge(
         Err(e) => return failure(e, known),
     };
     if matches!(found, Found::Missing) {
+        if let Some(limit) = ctx
+            .conns
+            .gates
+            .check(&backend, &want.binding.exchange, &who)
+        {
+            return failure(BrokerError::Limit(limit), None);
+        }
         if policy.mode == Mode::AtLeastOnce {
             copy_dead_letters(t, ctx, conn, &amqp, &want).await;
         }
         return match create(t, ctx, &amqp, &want, &here).await {
             Ok(change) => {
+                ctx.conns.gates.created(&backend, &want.binding.exchange);
                 changes.push(change.kind, change.note);
                 ready()
             }
-            Err(o) => o,
+            Err(o) => {
+                if let SubOutcome::Broker { error, .. } = &o
+                    && let Some(limit) = error.limit()
+                {
+                    let delay = ctx.conns.gates.refused(&backend, limit.clone(), &who);
+                    tracing::info!(subscription = %t.owner, limit = limit.label(), retry_in = ?delay, "the broker refused the queue for a limit: creates it holds back wait");
+                }
+                o
+            }
         };
     }
     let shown = known.as_ref().is_some_and(|k| k.name == want.name);
@@ -397,10 +419,12 @@ async fn mark_object(
     report::mark_object(amqp, &t.namespace, &t.name, uid)
         .await
         .map_err(|e| {
-            Box::new(failure(
-                BrokerError::Unreachable(format!("cannot mark the queue's object: {e}")),
-                None,
-            ))
+            // The mark is a queue too: a vhost's queue limit refuses it first.
+            let error = match admin::limit_of(&e.to_string()) {
+                Some(l) => BrokerError::Limit(l),
+                None => BrokerError::Unreachable(format!("cannot mark the queue's object: {e}")),
+            };
+            Box::new(failure(error, None))
         })
 }
 
@@ -497,6 +521,10 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
                 tracing::debug!(queue = %object, error = %e, "cannot delete the object mark");
             }
             tracing::info!(subscription = %owner, queue = %queue_name, "deleted the queue");
+            // Two queues fewer in the vhost: a create its limit refused may go now.
+            ctx.conns
+                .gates
+                .freed(&(ns.clone(), t.sub.spec.backend_ref.name.clone()), None);
             Removal::Deleted(format!(
                 "deleted queue {queue_name} (with any messages it held)"
             ))

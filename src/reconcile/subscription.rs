@@ -61,6 +61,10 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
             cleanup(&target, &ctx).await?;
             remove_finalizer(&api, &sub, &ctx).await?;
         }
+        ctx.conns.gates.forget(
+            &(ns.clone(), sub.spec.backend_ref.name.clone()),
+            &(ns.clone(), name.clone()),
+        );
         ctx.metrics.forget_subscription(ns, name);
         ctx.succeeded(&fkey);
         return Ok(Action::await_change());
@@ -69,6 +73,14 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         add_finalizer(&api, &sub, &ctx).await?;
     }
 
+    // A changed spec (another stream, perhaps) is not held back by the gate its old one waited
+    // on: it asks the broker afresh (and waits again if the same limit refuses it).
+    if sub.status.as_ref().and_then(|s| s.observed_generation) != sub.metadata.generation {
+        ctx.conns.gates.forget(
+            &(ns.clone(), sub.spec.backend_ref.name.clone()),
+            &(ns.clone(), name.clone()),
+        );
+    }
     let Some(outcome) = converge(&target, &ctx).await else {
         // The Backend's connection is being made; its first event reconciles this again.
         return Ok(Action::requeue(Duration::from_secs(1)));
@@ -91,6 +103,12 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         {
             ctx.succeeded(&fkey);
             Action::requeue(ctx.drift)
+        }
+        // Refused for a broker's limit: the Backend's gate for that limit triggers it again
+        // (a place freed, or its delay over); the resync is only the safety net.
+        SubOutcome::Broker { error, .. } if error.limit().is_some() => {
+            ctx.succeeded(&fkey);
+            Action::requeue(ctx.resync)
         }
         // Only a change of the spec (or of the consumer, by its advisory) can help these: never
         // retried in a loop.

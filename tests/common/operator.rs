@@ -172,6 +172,16 @@ impl Operator {
         metric_sum(&text, name, labels)
     }
 
+    /// The JetStream consumer API calls the Subscription controller made so far
+    /// (`settle_consumer_api_calls_total`: stream, info, create, update, delete).
+    pub fn consumer_api_calls(&self) -> f64 {
+        let text = self.get("/metrics").unwrap_or_default();
+        ["stream", "info", "create", "update", "delete"]
+            .iter()
+            .map(|call| metric_sum(&text, "settle_consumer_api_calls_total", &[("call", call)]))
+            .sum()
+    }
+
     /// Whether `/metrics` exports metric `name` at all: [`Operator::metric`] reads a missing one
     /// as 0, so an assertion that something stayed at 0 checks this first.
     pub fn exports(&self, name: &str) -> bool {
@@ -310,11 +320,21 @@ pub struct TestStream {
 
 impl TestStream {
     pub async fn new(url: &str, test: &str) -> TestStream {
-        TestStream::replicated(url, test, 1).await
+        TestStream::make(url, test, 1, 0).await
     }
 
     /// A stream of `replicas` (on a JetStream cluster, `url` a comma-separated list).
     pub async fn replicated(url: &str, test: &str, replicas: usize) -> TestStream {
+        TestStream::make(url, test, replicas, 0).await
+    }
+
+    /// A stream as [`TestStream::new`] makes, that allows at most `max_consumers` consumers
+    /// (`0`: no limit of its own).
+    pub async fn with_max_consumers(url: &str, test: &str, max_consumers: i32) -> TestStream {
+        TestStream::make(url, test, 1, max_consumers).await
+    }
+
+    async fn make(url: &str, test: &str, replicas: usize, max_consumers: i32) -> TestStream {
         let client = async_nats::connect(url.split(',').collect::<Vec<_>>())
             .await
             .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
@@ -332,6 +352,7 @@ impl TestStream {
             subjects: vec![format!("{prefix}.>")],
             storage: async_nats::jetstream::stream::StorageType::File,
             num_replicas: replicas,
+            max_consumers,
             ..Default::default()
         })
         .await

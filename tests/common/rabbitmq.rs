@@ -1,11 +1,11 @@
 //! RabbitMQ as the tests read it, never through Settle: one raw management API call (HTTP/1.0,
 //! user guest) to the environment's management URL and one that must answer 200, a queue and
-//! its bindings by name, a queue made as another application would make it, users of a test's
-//! own, and a RabbitMQ Backend's manifest. What a test asserts about a queue's arguments,
-//! bindings or messages is read back through here.
+//! its bindings by name, a queue made as another application would make it, users and vhosts
+//! (with a queue limit) of a test's own, and a RabbitMQ Backend's manifest. What a test asserts
+//! about a queue's arguments, bindings or messages is read back through here.
 //!
 //! It must not decide what a test expects of Settle: the only statuses it asserts are those of
-//! its own calls working (a read answering, a queue or user made); callers assert the rest.
+//! its own calls working (a read answering, a queue, user or vhost made); callers assert the rest.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -208,5 +208,54 @@ impl User {
 impl Drop for User {
     fn drop(&mut self) {
         let _ = management("DELETE", &format!("/api/users/{}", self.name));
+    }
+}
+
+/// A vhost of one test's own (guest may use it), whose `max-queues` the test sets; deleted,
+/// with its queues, when dropped. Its limit then holds back no other test's queues.
+pub struct LimitedVhost(pub String);
+
+impl LimitedVhost {
+    pub fn create(name: &str) -> LimitedVhost {
+        let (status, body) = management_with("PUT", &format!("/api/vhosts/{name}"), "{}");
+        assert!(
+            matches!(status, 201 | 204),
+            "create vhost {name}: {status} {body}"
+        );
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/permissions/{name}/guest"),
+            &serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "permissions on {name}: {status} {body}"
+        );
+        LimitedVhost(name.to_string())
+    }
+
+    /// How many queues it holds now.
+    pub fn queues(&self) -> usize {
+        management_json("GET", &format!("/api/queues/{}", self.0))
+            .as_array()
+            .map_or(0, Vec::len)
+    }
+
+    pub fn limit(&self, max: usize) {
+        let (status, body) = management_with(
+            "PUT",
+            &format!("/api/vhost-limits/{}/max-queues", self.0),
+            &serde_json::json!({ "value": max }).to_string(),
+        );
+        assert!(
+            matches!(status, 201 | 204),
+            "set max-queues: {status} {body}"
+        );
+    }
+}
+
+impl Drop for LimitedVhost {
+    fn drop(&mut self) {
+        let _ = management("DELETE", &format!("/api/vhosts/{}", self.0));
     }
 }

@@ -242,3 +242,42 @@ pub async fn backend_ready(
     let (s, r, m) = condition(&st.conditions, "Ready").ok_or("no Ready condition yet")?;
     Ok((s, r, m, b))
 }
+
+/// Each Subscription's Ready condition `(status, reason, message)`, by name (`None`: none yet,
+/// or the object is gone).
+pub type Readiness = Vec<(String, Option<(String, String, String)>)>;
+
+/// The Ready condition of each of `names`.
+pub async fn readiness(api: &Api<Subscription>, names: &[String]) -> Readiness {
+    let mut all = Vec::new();
+    for n in names {
+        let ready = api
+            .get_opt(n)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|s| s.status)
+            .and_then(|st| condition(&st.conditions, "Ready"));
+        all.push((n.clone(), ready));
+    }
+    all
+}
+
+/// Waits until the Ready conditions of `names` satisfy `done`.
+pub async fn wait_readiness(
+    api: &Api<Subscription>,
+    names: &[String],
+    what: &str,
+    limit: Duration,
+    done: impl Fn(&Readiness) -> bool,
+) {
+    poll(what, limit, || async {
+        let seen = readiness(api, names).await;
+        if done(&seen) {
+            Ok(())
+        } else {
+            Err(format!("{seen:?}"))
+        }
+    })
+    .await
+}

@@ -1,7 +1,8 @@
 //! The JetStream advisories the operator reads: those that say a consumer changed on the broker
 //! (deleted, created, or created/updated through the API: the audit advisory), which repair drift
 //! within about a second, and those that say what became of a delivery (its attempts ran out, it
-//! was terminated, it was nacked), which the account captures into a stream it owns.
+//! was terminated, it was nacked), which the account captures into a stream it owns; and a
+//! stream's update (its limits may have been raised).
 //!
 //! Pure: subjects and parsing only. It must not decide what to do about a change.
 
@@ -9,6 +10,16 @@ use serde::Deserialize;
 
 /// A consumer was deleted: `…DELETED.<stream>.<consumer>`.
 pub const CONSUMER_DELETED: &str = "$JS.EVENT.ADVISORY.CONSUMER.DELETED.>";
+/// A stream was updated (its `max_consumers` may have been raised): `…STREAM.UPDATED.<stream>`.
+pub const STREAM_UPDATED: &str = "$JS.EVENT.ADVISORY.STREAM.UPDATED.*";
+
+/// The stream a [`STREAM_UPDATED`] advisory names.
+pub fn updated_stream(subject: &str) -> Option<&str> {
+    subject
+        .strip_prefix("$JS.EVENT.ADVISORY.STREAM.UPDATED.")
+        .filter(|s| !s.is_empty() && !s.contains('.'))
+}
+
 /// A consumer was created: `…CREATED.<stream>.<consumer>`.
 pub const CONSUMER_CREATED: &str = "$JS.EVENT.ADVISORY.CONSUMER.CREATED.>";
 /// Every JetStream API call (the audit advisory); consumer updates show only here.
@@ -170,6 +181,19 @@ pub fn parse_delivery(subject: &str, payload: &[u8]) -> Option<DeliveryEvent> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_update_names_its_stream() {
+        assert_eq!(
+            updated_stream("$JS.EVENT.ADVISORY.STREAM.UPDATED.ORDERS"),
+            Some("ORDERS")
+        );
+        assert_eq!(updated_stream("$JS.EVENT.ADVISORY.STREAM.UPDATED."), None);
+        assert_eq!(
+            updated_stream("$JS.EVENT.ADVISORY.STREAM.CREATED.ORDERS"),
+            None
+        );
+    }
 
     #[test]
     fn delivery_advisories_name_the_message_and_its_attempt() {

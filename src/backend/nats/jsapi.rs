@@ -11,6 +11,7 @@ use async_nats::jetstream::{ErrorCode, context::RequestErrorKind};
 use serde::{Deserialize, Serialize};
 
 use super::consumer::ConsumerConfig;
+use crate::backend::limit::{BrokerLimit, SetBy};
 use crate::backend::{Classify, Failure};
 use crate::bus::BusError;
 use crate::policy::BackendKind;
@@ -39,6 +40,35 @@ pub enum NatsError {
     /// The JetStream API refused the call.
     #[error("the JetStream API refused: {description} (error code {code})")]
     Api { code: u64, description: String },
+    /// The JetStream API refused a create for a limit ([`LIMIT_CODES`]): asking again will not
+    /// help until a consumer goes or the limit is raised.
+    #[error(transparent)]
+    Limit(BrokerLimit),
+}
+
+/// JetStream's "maximum consumers limit reached" (the stream's `max_consumers`, or the
+/// account's when lower; server/errors.json `JSMaximumConsumersLimitErr`).
+pub const MAX_CONSUMERS: u64 = 10_026;
+
+/// The error codes of a create refused for a limit: 10026 (above), and the account's or
+/// server's resources: 10002 (`JSAccountResourcesExceededErr`), 10023
+/// (`JSInsufficientResourcesErr`), 10028 (`JSMemoryResourcesExceededErr`), 10047
+/// (`JSStorageResourcesExceededErr`).
+pub const LIMIT_CODES: [u64; 5] = [MAX_CONSUMERS, 10_002, 10_023, 10_028, 10_047];
+
+/// A create's refusal, typed: a limit (by its code) or another refusal.
+fn create_refusal(stream: &str, code: u64, description: String) -> NatsError {
+    match code {
+        MAX_CONSUMERS => NatsError::Limit(BrokerLimit::StreamConsumers {
+            stream: stream.to_string(),
+            max: None,
+            set_by: SetBy::Unknown,
+        }),
+        c if LIMIT_CODES.contains(&c) => {
+            NatsError::Limit(BrokerLimit::Resources { code, description })
+        }
+        _ => NatsError::Api { code, description },
+    }
 }
 
 /// Only a server that does not answer is unreachable; the rest are the server's (or the
@@ -76,6 +106,16 @@ impl NatsError {
     pub fn code(&self) -> Option<u64> {
         match self {
             NatsError::Api { code, .. } => Some(*code),
+            NatsError::Limit(BrokerLimit::Resources { code, .. }) => Some(*code),
+            NatsError::Limit(BrokerLimit::StreamConsumers { .. }) => Some(MAX_CONSUMERS),
+            _ => None,
+        }
+    }
+
+    /// The limit that refused a create, if that is why it failed.
+    pub fn limit(&self) -> Option<&BrokerLimit> {
+        match self {
+            NatsError::Limit(l) => Some(l),
             _ => None,
         }
     }
@@ -199,12 +239,82 @@ async fn put(
     .map_err(|e| refused(&e))
 }
 
-/// Creates the consumer. Fails if one of that name exists with another config.
+/// Creates the consumer. Fails if one of that name exists with another config, and with
+/// [`NatsError::Limit`] when a limit refuses it (which limit: [`consumer_limit`]).
 pub async fn create_consumer(
     js: &jetstream::Context,
     c: &ConsumerConfig,
 ) -> Result<consumer::Info, NatsError> {
-    put(js, c, "create").await
+    match put(js, c, "create").await {
+        Err(NatsError::Api { code, description }) => {
+            Err(create_refusal(&c.stream, code, description))
+        }
+        other => other,
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamLimits {
+    config: StreamMax,
+    #[serde(default)]
+    state: StreamCount,
+}
+
+#[derive(Deserialize)]
+struct StreamMax {
+    #[serde(default)]
+    max_consumers: i64,
+}
+
+#[derive(Default, Deserialize)]
+struct StreamCount {
+    #[serde(default)]
+    consumer_count: i64,
+}
+
+#[derive(Deserialize)]
+struct AccountLimits {
+    #[serde(default)]
+    limits: AccountMax,
+}
+
+#[derive(Default, Deserialize)]
+struct AccountMax {
+    #[serde(default)]
+    max_consumers: i64,
+}
+
+/// Which limit refused a consumer on `stream` (error 10026): the stream's own `max_consumers`
+/// when the stream holds that many, else the account's (one or two calls: STREAM.INFO, then
+/// INFO).
+pub async fn consumer_limit(
+    js: &jetstream::Context,
+    stream: &str,
+) -> Result<BrokerLimit, NatsError> {
+    let info: StreamLimits = call(js, format!("STREAM.INFO.{stream}"), &serde_json::json!({}))
+        .await?
+        .map_err(|e| refused(&e))?;
+    let (own, count) = (info.config.max_consumers, info.state.consumer_count);
+    if own > 0 && count >= own {
+        return Ok(BrokerLimit::StreamConsumers {
+            stream: stream.to_string(),
+            max: Some(own),
+            set_by: SetBy::Stream,
+        });
+    }
+    let account: AccountLimits = call(js, "INFO".to_string(), &serde_json::json!({}))
+        .await?
+        .map_err(|e| refused(&e))?;
+    let max = account.limits.max_consumers;
+    Ok(BrokerLimit::StreamConsumers {
+        stream: stream.to_string(),
+        max: (max > 0).then_some(max),
+        set_by: if max > 0 {
+            SetBy::Account
+        } else {
+            SetBy::Unknown
+        },
+    })
 }
 
 /// Updates the consumer's editable fields in place. Fails if it does not exist.

@@ -11,6 +11,7 @@ use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 
 use super::queue::{Binding, QueueSpec};
+use crate::backend::limit::BrokerLimit;
 use crate::backend::{Classify, Failure};
 
 /// A refused or failed AMQP call.
@@ -26,15 +27,49 @@ pub enum AdminError {
     /// The broker refused the call (the reply code and text say why).
     #[error("RabbitMQ refused {what}: {text}")]
     Refused { what: String, text: String },
+    /// A declare refused for a limit (a vhost's `max-queues`, the cluster's
+    /// `cluster_queue_limit`): `406 PRECONDITION_FAILED` (RabbitMQ) or `403` (LavinMQ), its text
+    /// naming the limit ([`limit_of`]).
+    #[error(transparent)]
+    Limit(BrokerLimit),
 }
 
 impl Classify for AdminError {
     fn class(&self) -> Failure {
         match self {
             AdminError::Unreachable(_) => Failure::Unreachable,
-            AdminError::Differs { .. } | AdminError::Refused { .. } => Failure::Refused,
+            AdminError::Differs { .. } | AdminError::Refused { .. } | AdminError::Limit(_) => {
+                Failure::Refused
+            }
         }
     }
+
+    fn limit(&self) -> Option<BrokerLimit> {
+        match self {
+            AdminError::Limit(l) => Some(l.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// The limit a refused declare names, from the broker's text: "queue limit in vhost 'V' (N) is
+/// reached", "queue limit in cluster (N) is reached" (rabbit_amqqueue's wording).
+pub fn limit_of(text: &str) -> Option<BrokerLimit> {
+    let number = |rest: &str| -> Option<i64> {
+        let inner = rest.strip_prefix('(')?.split(')').next()?;
+        inner.replace(',', "").trim().parse().ok()
+    };
+    if let Some((_, rest)) = text.split_once("queue limit in vhost '") {
+        let (vhost, after) = rest.split_once('\'')?;
+        return Some(BrokerLimit::VhostQueues {
+            vhost: vhost.to_string(),
+            max: number(after.trim_start()),
+        });
+    }
+    let (_, rest) = text.split_once("queue limit in cluster")?;
+    Some(BrokerLimit::ClusterQueues {
+        max: number(rest.trim_start()),
+    })
 }
 
 /// The AMQP reply code of a channel-level refusal, if the broker sent one.
@@ -116,6 +151,12 @@ pub async fn declare(conn: &Connection, want: &QueueSpec) -> Result<(), AdminErr
             done(ch).await;
             Ok(())
         }
+        Err(e)
+            if matches!(reply_code(&e), Some(403 | 406))
+                && let Some(l) = limit_of(&e.to_string()) =>
+        {
+            Err(AdminError::Limit(l))
+        }
         Err(e) if reply_code(&e) == Some(406) => Err(AdminError::Differs {
             queue: want.name.clone(),
             text: e.to_string(),
@@ -187,5 +228,33 @@ pub async fn delete(conn: &Connection, name: &str) -> Result<(), AdminError> {
         }
         Err(e) if reply_code(&e) == Some(404) => Ok(()),
         Err(e) => Err(classify(format!("deleting queue {name:?}"), &e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_limit_is_read_from_the_brokers_words() {
+        assert_eq!(
+            limit_of(
+                "PRECONDITION_FAILED - cannot declare queue 'q1': queue limit in vhost 'shop' (10) is reached"
+            ),
+            Some(BrokerLimit::VhostQueues {
+                vhost: "shop".into(),
+                max: Some(10)
+            })
+        );
+        assert_eq!(
+            limit_of(
+                "PRECONDITION_FAILED - cannot declare queue 'q': queue limit in cluster (10,000) is reached"
+            ),
+            Some(BrokerLimit::ClusterQueues { max: Some(10_000) })
+        );
+        assert_eq!(
+            limit_of("PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue 'q'"),
+            None
+        );
     }
 }
