@@ -7,11 +7,17 @@
 //! 2. Memory: the settle path alone (`settle(Ack)` on deliveries already handed out), the seam
 //!    (`next` + `settle`), and the whole bus (publish → handler → ack), in ns per message.
 //!
-//! Uses SETTLE_NATS_URL (from the environment or target/env/settle.env), or starts its own
-//! nats-server from SETTLE_NATS_SERVER on a free 127.0.0.1 port. N from SETTLE_BENCH_N (default
-//! 50,000). Prints figures; asserts nothing about timing. Run: `cargo bench --bench runtime`.
+//! 3. `-- matrix [nats|rabbitmq|sqs]...` instead: the runtime against each broker's bare client
+//!    as a matrix (payload × maxInFlight × Subscriptions; the scenario is `matrix`'s), each
+//!    broker named or all three. SETTLE_MATRIX_ONLY keeps the cells whose label contains it
+//!    (e.g. "64 KiB"), SETTLE_MATRIX_ROUNDS sets the rounds (default 5).
+//!
+//! Uses SETTLE_NATS_URL (from the environment or $SETTLE_ENV_DIR/settle.env, default
+//! target/env/settle.env), or starts its own nats-server from SETTLE_NATS_SERVER on a free
+//! 127.0.0.1 port; the matrix also SETTLE_RABBITMQ_URL and SETTLE_SQS_ENDPOINT (`make env-up`).
+//! N from SETTLE_BENCH_N (default 50,000). Prints figures; asserts nothing about timing.
+//! Run: `cargo bench --bench runtime`, `cargo bench --bench runtime -- matrix nats`.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,21 +31,11 @@ use settle::backend::nats::NatsBroker;
 use settle::bus::{self, Broker, Bus, Decision, Subscriber, SubscriptionCtx, handler};
 use tokio::sync::Notify;
 
+mod matrix;
+use matrix::env_value;
+
 const IN_FLIGHT: i64 = 250;
 const ROUNDS: usize = 3;
-
-fn env_value(key: &str) -> Option<String> {
-    if let Ok(v) = std::env::var(key) {
-        return Some(v);
-    }
-    let file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/env/settle.env");
-    let text = std::fs::read_to_string(file).ok()?;
-    text.lines()
-        .filter_map(|l| l.strip_prefix("export "))
-        .filter_map(|l| l.split_once('='))
-        .find(|(k, _)| *k == key)
-        .map(|(_, v)| v.to_string())
-}
 
 /// A nats-server this benchmark started (and its store, removed with it); killed on drop.
 struct OwnServer {
@@ -314,7 +310,35 @@ async fn memory_bench(n: u64) {
     );
 }
 
+async fn matrix_bench(brokers: &[String]) {
+    let all = brokers.is_empty();
+    let wants = |b: &str| all || brokers.iter().any(|x| x == b);
+    if wants("nats") {
+        let (url, _own) = server().await;
+        matrix::run(&mut matrix::nats::Nats::connect(&url).await).await;
+    }
+    if wants("rabbitmq") {
+        let url = env_value("SETTLE_RABBITMQ_URL").unwrap_or_else(|| {
+            panic!("SETTLE_RABBITMQ_URL is not set: start the environment with `make env-up`")
+        });
+        let mut rabbit = matrix::rabbitmq::Rabbit::connect(&url).await;
+        matrix::run(&mut rabbit).await;
+        rabbit.close().await;
+    }
+    #[cfg(feature = "sqs")]
+    if wants("sqs") {
+        let endpoint = env_value("SETTLE_SQS_ENDPOINT").unwrap_or_else(|| {
+            panic!("SETTLE_SQS_ENDPOINT is not set: start the environment with `make env-up`")
+        });
+        matrix::run(&mut matrix::sqs::Sqs::connect(&endpoint).await).await;
+    }
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let n: u64 = std::env::var("SETTLE_BENCH_N")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -324,7 +348,11 @@ fn main() {
         .build()
         .expect("tokio runtime");
     rt.block_on(async {
-        jetstream_bench(n).await;
-        memory_bench(n).await;
+        if args.first().is_some_and(|a| a == "matrix") {
+            matrix_bench(&args[1..]).await;
+        } else {
+            jetstream_bench(n).await;
+            memory_bench(n).await;
+        }
     });
 }

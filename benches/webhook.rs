@@ -3,15 +3,17 @@
 //!
 //! In process (the real HTTPS server on 127.0.0.1, a self-made certificate, a map-backed
 //! Backend lookup; a mix of allowed, denied and warned reviews): p50/p99/max latency and
-//! throughput for (1) `review` without a network, (2) a paced run at 1,000 requests/s for 10 s,
-//! (3) an unthrottled run.
+//! throughput for (1) `review` without a network, (2) a paced run at 1,000 requests/s (or the
+//! rate given after `paced`, e.g. `-- paced 5000`) for 10 s over one HTTP/2 connection, as the
+//! API server sends them, (3) an unthrottled run (HTTP/1.1 or HTTP/2, as negotiated).
+//! SETTLE_BENCH_RUNS repeats the paced run and prints the median of each figure.
 //!
 //! Burst (needs the environment, `make env-up`: it runs `settle operator` as a process against
 //! the API server): eight 3 MiB reviews holding about 200,000 annotations each, sent at once,
 //! then 1,000 normal ones; prints the operator's RSS before, at its peak (VmHWM) and after, from
 //! /proc/<pid>/status, and the latencies.
 //!
-//! `cargo bench --bench webhook` runs both; `-- paced` or `-- burst` runs one.
+//! `cargo bench --bench webhook` runs both; `-- paced [RATE]` or `-- burst` runs one.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -29,7 +31,7 @@ use settle::api::Backend;
 use tokio::sync::Semaphore;
 
 const NS: &str = "bench";
-/// The paced run: this many requests per second, for this long.
+/// The paced run: this many requests per second (unless given after `paced`), for this long.
 const RATE: u64 = 1_000;
 const PACED: Duration = Duration::from_secs(10);
 /// The unthrottled run: this many concurrent clients, at most this many requests or this long.
@@ -116,6 +118,11 @@ fn lookup() -> StaticLookup {
 }
 
 fn client(ca_pem: &str) -> HttpsClient {
+    client_with(ca_pem, false)
+}
+
+/// A client of `ca_pem`'s server; `h2_only`: every request over one HTTP/2 connection.
+fn client_with(ca_pem: &str, h2_only: bool) -> HttpsClient {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
@@ -139,6 +146,7 @@ fn client(ca_pem: &str) -> HttpsClient {
         .wrap_connector(http);
     Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(CONCURRENCY * 2)
+        .http2_only(h2_only)
         .build(https)
 }
 
@@ -179,22 +187,31 @@ struct Stats {
     wall: Duration,
 }
 
-fn print(title: &str, mut s: Stats) {
-    s.latencies.sort_unstable();
-    let n = s.latencies.len();
-    let pct = |p: f64| -> Duration {
+/// p50, p99 and max in ms, and the errors, of a run.
+fn figures_of(s: &Stats) -> [f64; 4] {
+    let mut l = s.latencies.clone();
+    l.sort_unstable();
+    let n = l.len();
+    let pct = |p: f64| -> f64 {
         if n == 0 {
-            return Duration::ZERO;
+            return 0.0;
         }
-        s.latencies[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1]
+        l[(((n as f64) * p).ceil() as usize).clamp(1, n) - 1].as_secs_f64() * 1e3
     };
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    [
+        pct(0.50),
+        pct(0.99),
+        l.last().map_or(0.0, |d| d.as_secs_f64() * 1e3),
+        s.errors as f64,
+    ]
+}
+
+fn print(title: &str, s: Stats) {
+    let [p50, p99, max, _] = figures_of(&s);
+    let n = s.latencies.len();
     println!(
-        "{title:<34} n={n:>6} errors={:<3} p50={:>7.3} ms  p99={:>7.3} ms  max={:>8.3} ms  throughput={:>8.0} req/s",
+        "{title:<34} n={n:>6} errors={:<3} p50={p50:>7.3} ms  p99={p99:>7.3} ms  max={max:>8.3} ms  throughput={:>8.0} req/s",
         s.errors,
-        ms(pct(0.50)),
-        ms(pct(0.99)),
-        ms(s.latencies.last().copied().unwrap_or_default()),
         n as f64 / s.wall.as_secs_f64(),
     );
     if let Some(e) = s.first_error {
@@ -224,10 +241,10 @@ async fn in_process(bodies: &[(Bytes, Expect)]) -> Stats {
     }
 }
 
-async fn paced(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)]) -> Stats {
-    let total = (RATE * PACED.as_secs()) as usize;
+async fn paced(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)], rate: u64) -> Stats {
+    let total = (rate * PACED.as_secs()) as usize;
     let gate = Arc::new(Semaphore::new(PACED_IN_FLIGHT));
-    let mut ticker = tokio::time::interval(Duration::from_nanos(1_000_000_000 / RATE));
+    let mut ticker = tokio::time::interval(Duration::from_nanos(1_000_000_000 / rate));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut tasks = Vec::with_capacity(total);
     let started = Instant::now();
@@ -328,8 +345,19 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let rate = args
+        .iter()
+        .skip_while(|a| *a != "paced")
+        .nth(1)
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(RATE);
+    let runs = std::env::var("SETTLE_BENCH_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1usize)
+        .max(1);
     if only("paced")
-        && let Err(e) = runtime.block_on(run())
+        && let Err(e) = runtime.block_on(run(rate, runs))
     {
         eprintln!("benchmark failed: {e}");
         std::process::exit(1);
@@ -342,7 +370,7 @@ fn main() {
     }
 }
 
-async fn run() -> Result<(), Box<dyn std::error::Error>> {
+async fn run(rate: u64, runs: usize) -> Result<(), Box<dyn std::error::Error>> {
     let sans = Sans {
         dns_names: vec!["localhost".into()],
         ip_addresses: vec![IpAddr::V4(Ipv4Addr::LOCALHOST)],
@@ -383,10 +411,36 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     );
     // Warm up connections and caches.
     let _ = unthrottled_warmup(&client, &url, &bodies).await;
-    print(
-        &format!("HTTPS paced at {RATE} req/s for {}s", PACED.as_secs()),
-        paced(&client, &url, &bodies).await,
-    );
+    let h2 = client_with(&bundle.ca_pem, true);
+    let _ = unthrottled_warmup(&h2, &url, &bodies).await;
+    let mut figures = Vec::new();
+    for run in 1..=runs {
+        let s = paced(&h2, &url, &bodies, rate).await;
+        figures.push(figures_of(&s));
+        print(
+            &format!(
+                "HTTP/2 paced at {rate} req/s for {}s{}",
+                PACED.as_secs(),
+                if runs > 1 { format!(" ({run}/{runs})") } else { String::new() }
+            ),
+            s,
+        );
+    }
+    if runs > 1 {
+        let med = |i: usize| {
+            let mut v: Vec<f64> = figures.iter().map(|f: &[f64; 4]| f[i]).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "median of {runs} paced runs: p50={:.3} ms  p99={:.3} ms  max={:.3} ms  errors={:.0}; load average {}",
+            med(0),
+            med(1),
+            med(2),
+            med(3),
+            std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+        );
+    }
     print(
         &format!("HTTPS unthrottled, {CONCURRENCY} concurrent"),
         unthrottled(&client, &url, &bodies).await,

@@ -1,0 +1,287 @@
+//! The runtime against the bare client of each broker, as a matrix (issue 21, item 4): payload
+//! 16 B / 1 KiB / 64 KiB × maxInFlight 1 / 250 × 1 / 10 Subscriptions. Each cell: a short
+//! warm-up of both sides sizes the rounds (so each round takes at least [`MIN_ROUND`] at the
+//! faster side's rate), then [`ROUNDS`] rounds of each side, interleaved (bare, settle, settle,
+//! bare, ...), and the medians. Prints a table per broker (cell, settle msg/s, bare msg/s, ratio,
+//! the shortest round) with the load average before and after; asserts nothing.
+//!
+//! The scenario is written here once; each broker's file (`nats`, `rabbitmq`, `sqs`) only says
+//! how to fill its queues, how its bare client consumes them, and how `settle::bus` does.
+
+pub mod nats;
+pub mod rabbitmq;
+#[cfg(feature = "sqs")]
+pub mod sqs;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use settle::api::{DeliveryPolicy, Mode};
+use settle::bus::{self, Bus, Subscriber, handler};
+use tokio::sync::Notify;
+
+/// Rounds of each side per cell; the figure is their median.
+pub const ROUNDS: usize = 5;
+/// The shortest a round should take: rounds are sized from the warm-up to last about
+/// [`TARGET_ROUND`], and a round that came out shorter is reported.
+pub const MIN_ROUND: Duration = Duration::from_secs(3);
+const TARGET_ROUND: Duration = Duration::from_secs(4);
+/// A warm-up round shorter than this is repeated with twice the messages.
+const WARM_ENOUGH: Duration = Duration::from_millis(700);
+
+pub const PAYLOADS: [usize; 3] = [16, 1024, 64 << 10];
+pub const IN_FLIGHT: [u16; 2] = [1, 250];
+pub const SUBSCRIPTIONS: [usize; 2] = [1, 10];
+
+/// One cell of the matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct Cell {
+    pub payload: usize,
+    pub in_flight: u16,
+    pub subs: usize,
+}
+
+impl Cell {
+    pub fn label(&self) -> String {
+        let payload = match self.payload {
+            p if p >= 1 << 10 => format!("{} KiB", p >> 10),
+            p => format!("{p} B"),
+        };
+        format!(
+            "{payload:>6} × inFlight {:>3} × {:>2} sub{}",
+            self.in_flight,
+            self.subs,
+            if self.subs == 1 { " " } else { "s" }
+        )
+    }
+
+    /// The name of queue/consumer `index` of `side` in this cell, unique within the run.
+    pub fn name(&self, side: Side, index: usize) -> String {
+        format!(
+            "mx{}-p{}-f{}-s{}-{}{index}",
+            std::process::id(),
+            self.payload,
+            self.in_flight,
+            self.subs,
+            side.tag()
+        )
+    }
+
+    pub fn body(&self) -> bytes::Bytes {
+        bytes::Bytes::from(vec![b'x'; self.payload])
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Bare,
+    Settle,
+}
+
+impl Side {
+    fn tag(self) -> &'static str {
+        match self {
+            Side::Bare => "b",
+            Side::Settle => "r",
+        }
+    }
+}
+
+/// One broker's part of the scenario. `n_each` is the number of messages each of the cell's
+/// Subscriptions consumes in one round (the round's total is `n_each × subs`).
+pub trait Harness {
+    /// "JetStream", "RabbitMQ", "SQS (ElasticMQ)".
+    fn broker(&self) -> &'static str;
+    /// What the bare side is, as the table's header says it.
+    fn bare(&self) -> &'static str;
+    /// How many messages (in all) the warm-up round of a cell consumes.
+    fn warm_up(&self, cell: &Cell) -> u64;
+    /// The most messages one Subscription may hold for a round (memory or the broker's limits).
+    fn max_each(&self, cell: &Cell) -> u64;
+    /// Makes what the cell needs, for rounds of `n_each` messages per Subscription.
+    async fn prepare(&mut self, cell: &Cell, n_each: u64);
+    /// One round of `side`: fills what must be filled (outside the clock), then consumes
+    /// `n_each` messages from each of the cell's Subscriptions, acking each; the time taken.
+    async fn round(&mut self, cell: &Cell, side: Side, round: usize, n_each: u64) -> Duration;
+    /// Removes what the cell made.
+    async fn finish(&mut self, cell: &Cell);
+}
+
+/// The policy both sides consume with: AtLeastOnce, the cell's maxInFlight.
+pub fn policy(pattern: &str, durable: &str, cell: &Cell) -> DeliveryPolicy {
+    DeliveryPolicy {
+        pattern: pattern.into(),
+        mode: Mode::AtLeastOnce,
+        durable_name: Some(durable.into()),
+        max_in_flight: Some(i32::from(cell.in_flight)),
+        ..DeliveryPolicy::default()
+    }
+}
+
+/// The settle side of a round on any broker: one `Bus`, one Subscriber per `(pattern, durable)`,
+/// each handler acking; returns once `total` messages were acked, and how long that took from
+/// the first subscribe.
+pub async fn settle_round<B: bus::Broker>(
+    broker: B,
+    cell: &Cell,
+    subs: Vec<(String, String)>,
+    total: u64,
+) -> Duration {
+    let bus = Bus::builder(broker).without_reports().build();
+    let acked = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(Notify::new());
+    let start = Instant::now();
+    for (pattern, durable) in subs {
+        let (a, d) = (acked.clone(), done.clone());
+        bus.subscribe(Subscriber::new(
+            durable.as_str(),
+            policy(&pattern, &durable, cell),
+            handler(move |del| {
+                let (a, d) = (a.clone(), d.clone());
+                async move {
+                    del.ack().await?;
+                    if a.fetch_add(1, Ordering::Relaxed) + 1 == total {
+                        d.notify_one();
+                    }
+                    Ok::<_, bus::HandlerError>(())
+                }
+            }),
+        ))
+        .await
+        .expect("subscribe");
+    }
+    done.notified().await;
+    let took = start.elapsed();
+    bus.close().await;
+    took
+}
+
+pub fn env_value(key: &str) -> Option<String> {
+    if let Ok(v) = std::env::var(key) {
+        return Some(v);
+    }
+    let dir = std::env::var_os("SETTLE_ENV_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/env"));
+    let text = std::fs::read_to_string(dir.join("settle.env")).ok()?;
+    text.lines()
+        .filter_map(|l| l.strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v.to_string())
+}
+
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn rate(n: u64, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return 0.0;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The cells, each of `PAYLOADS × IN_FLIGHT × SUBSCRIPTIONS`, optionally only those whose label
+/// contains `only` (e.g. `SETTLE_MATRIX_ONLY="64 KiB"`).
+pub fn cells() -> Vec<Cell> {
+    let only = std::env::var("SETTLE_MATRIX_ONLY").ok();
+    let mut out = Vec::new();
+    for payload in PAYLOADS {
+        for in_flight in IN_FLIGHT {
+            for subs in SUBSCRIPTIONS {
+                let cell = Cell {
+                    payload,
+                    in_flight,
+                    subs,
+                };
+                if only.as_deref().is_none_or(|o| cell.label().contains(o)) {
+                    out.push(cell);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Runs every cell on `h` and prints the table.
+pub async fn run<H: Harness>(h: &mut H) {
+    let rounds = std::env::var("SETTLE_MATRIX_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ROUNDS);
+    let before = load_average();
+    println!(
+        "{} matrix: settle::bus vs {}, AtLeastOnce, every message acked; median of {rounds} rounds of each side (interleaved), each sized to last about {TARGET_ROUND:?}; load average {before} ({} CPUs)",
+        h.broker(),
+        h.bare(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    );
+    println!(
+        "| cell | settle msg/s | bare msg/s | ratio | shortest round | load (1 min) |\n|---|---:|---:|---:|---:|---:|"
+    );
+    for cell in cells() {
+        // Warm-up: both sides, doubling until each round takes long enough to tell the rate
+        // (a short one is mostly subscribing), to size the rounds.
+        let mut warm_each = (h.warm_up(&cell) / cell.subs as u64).max(1);
+        let n_each = loop {
+            h.prepare(&cell, warm_each).await;
+            let total = warm_each * cell.subs as u64;
+            let tb = h.round(&cell, Side::Bare, 0, warm_each).await;
+            let ts = h.round(&cell, Side::Settle, 0, warm_each).await;
+            let faster = rate(total, tb).max(rate(total, ts));
+            let want = (faster * TARGET_ROUND.as_secs_f64()) as u64 / cell.subs as u64;
+            if tb.min(ts) >= WARM_ENOUGH || warm_each >= h.max_each(&cell) {
+                break want.clamp(1, h.max_each(&cell));
+            }
+            warm_each = (warm_each * 2).min(want.max(1)).min(h.max_each(&cell));
+            if warm_each <= 1 {
+                break 1;
+            }
+        };
+        h.prepare(&cell, n_each).await;
+        let total = n_each * cell.subs as u64;
+        let (mut bare, mut settle, mut shortest) = (Vec::new(), Vec::new(), Duration::MAX);
+        for round in 1..=rounds {
+            let order = if round % 2 == 1 {
+                [Side::Bare, Side::Settle]
+            } else {
+                [Side::Settle, Side::Bare]
+            };
+            for side in order {
+                let took = h.round(&cell, side, round, n_each).await;
+                shortest = shortest.min(took);
+                match side {
+                    Side::Bare => bare.push(rate(total, took)),
+                    Side::Settle => settle.push(rate(total, took)),
+                }
+            }
+        }
+        h.finish(&cell).await;
+        let (b, s) = (median(bare), median(settle));
+        println!(
+            "| {} | {s:.0} | {b:.0} | {:.2} | {:.1} s{} | {} |",
+            cell.label(),
+            s / b,
+            shortest.as_secs_f64(),
+            if shortest < MIN_ROUND { " (short)" } else { "" },
+            load_average().split(' ').next().unwrap_or("?"),
+        );
+    }
+    println!("load average after: {}", load_average());
+}
