@@ -9,11 +9,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-
-/// mimalloc returns freed memory to the system and fragments less than glibc's malloc under
-/// the operator's churn of cached objects and scrapes (README, Benchmarks: RSS per Subscription).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use settle::admission::offline;
 use settle::policy::BackendKind;
 
