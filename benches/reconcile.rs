@@ -36,6 +36,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use settle::api::Subscription;
 use settle::backend::nats::jsapi;
 
+/// Consumers deleted on the broker for the repair (at most N).
 const REPAIRS: usize = 10;
 const STEADY: Duration = Duration::from_secs(60);
 /// Subscriptions per stream beyond which they are spread over more streams.
@@ -259,6 +260,15 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let kube_calls = op.metric("settle_kube_requests_total", &[]) - kube_before;
     let js_calls = op.metric("settle_consumer_api_calls_total", &[]) - js_before;
+    let by_call: Vec<String> = ["stream", "info", "create", "update", "delete"]
+        .iter()
+        .map(|c| {
+            format!(
+                "{c} {:.2}",
+                op.metric("settle_consumer_api_calls_total", &[("call", c)]) / n as f64
+            )
+        })
+        .collect();
     let (rss_created, cpu_created) = (rss_mib(pid), cpu_seconds(pid));
     let mut lags: Vec<Duration> = {
         let s = seen.lock().expect("seen");
@@ -288,7 +298,8 @@ async fn main() {
 
     // Repair: 10 consumers deleted on the broker.
     let mut before = HashMap::new();
-    for i in 0..REPAIRS {
+    let repairs = REPAIRS.min(n);
+    for i in 0..repairs {
         let name = format!("d{i}");
         let info = stream.consumer(&name).await.expect("consumer exists");
         before.insert(name, info.created);
@@ -310,7 +321,7 @@ async fn main() {
                 done += 1;
             }
         }
-        if done == REPAIRS {
+        if done == repairs {
             break;
         }
         assert!(
@@ -358,7 +369,7 @@ async fn main() {
         println!("  update phase skipped (-- N 0)");
     }
     println!(
-        "  repair of {REPAIRS} consumers deleted on the broker  {:.3} s",
+        "  repair of {repairs} consumers deleted on the broker  {:.3} s",
         repaired.as_secs_f64()
     );
     println!(
@@ -368,6 +379,7 @@ async fn main() {
         kube_update / n as f64,
         js_update / n as f64
     );
+    println!("  consumer-API calls per Subscription by call, in all: {}", by_call.join(", "));
     println!(
         "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations, {:.2} CPU s",
         STEADY.as_secs(),
