@@ -379,7 +379,10 @@ async fn main() {
         kube_update / n as f64,
         js_update / n as f64
     );
-    println!("  consumer-API calls per Subscription by call, in all: {}", by_call.join(", "));
+    println!(
+        "  consumer-API calls per Subscription by call, operator start to all Ready: {}",
+        by_call.join(", ")
+    );
     println!(
         "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations, {:.2} CPU s",
         STEADY.as_secs(),

@@ -421,7 +421,11 @@ async fn run(rate: u64, runs: usize) -> Result<(), Box<dyn std::error::Error>> {
             &format!(
                 "HTTP/2 paced at {rate} req/s for {}s{}",
                 PACED.as_secs(),
-                if runs > 1 { format!(" ({run}/{runs})") } else { String::new() }
+                if runs > 1 {
+                    format!(" ({run}/{runs})")
+                } else {
+                    String::new()
+                }
             ),
             s,
         );
@@ -438,7 +442,9 @@ async fn run(rate: u64, runs: usize) -> Result<(), Box<dyn std::error::Error>> {
             med(1),
             med(2),
             med(3),
-            std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+            std::fs::read_to_string("/proc/loadavg")
+                .unwrap_or_default()
+                .trim()
         );
     }
     print(

@@ -95,7 +95,11 @@ impl Harness for Nats {
         let subject = Self::subject(cell);
         match side {
             Side::Bare => {
-                let stream = self.js.get_stream(Self::stream(cell)).await.expect("stream");
+                let stream = self
+                    .js
+                    .get_stream(Self::stream(cell))
+                    .await
+                    .expect("stream");
                 let start = Instant::now();
                 let tasks: Vec<_> = names
                     .into_iter()
