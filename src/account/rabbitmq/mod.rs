@@ -371,6 +371,17 @@ impl RabbitKeeper {
             if books.contains_key(key) {
                 continue;
             }
+            // No queue of its own yet (refused, say by the vhost's max-queues): nothing is
+            // delivered to count, and its report and ledger queues would take the places a
+            // freed queue leaves before the Subscription's own queue could (and retry each tick).
+            if sub
+                .status
+                .as_ref()
+                .and_then(|s| s.consumer.as_ref())
+                .is_none()
+            {
+                continue;
+            }
             let (reports_q, ledger_q) = (
                 report::report_queue(&key.0, &key.1),
                 report::ledger_queue(&key.0, &key.1),
