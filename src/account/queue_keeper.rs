@@ -29,6 +29,15 @@ pub fn who(key: &SubKey) -> String {
     format!("{}/{}", key.0, key.1)
 }
 
+/// Whether the reconcile made the Subscription's queue (its consumer is in status): only then
+/// is anything delivered to count, and only then are the account's own queues made for it.
+pub fn has_queue(sub: &Subscription) -> bool {
+    sub.status
+        .as_ref()
+        .and_then(|s| s.consumer.as_ref())
+        .is_some()
+}
+
 /// The Subscriptions of Backend `backend` now.
 pub fn members(subs: &Store<Subscription>, backend: &SubKey) -> HashMap<SubKey, Arc<Subscription>> {
     subs.state()

@@ -374,12 +374,7 @@ impl RabbitKeeper {
             // No queue of its own yet (refused, say by the vhost's max-queues): nothing is
             // delivered to count, and its report and ledger queues would take the places a
             // freed queue leaves before the Subscription's own queue could (and retry each tick).
-            if sub
-                .status
-                .as_ref()
-                .and_then(|s| s.consumer.as_ref())
-                .is_none()
-            {
+            if !queue_keeper::has_queue(sub) {
                 continue;
             }
             let (reports_q, ledger_q) = (

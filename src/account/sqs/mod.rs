@@ -188,12 +188,7 @@ impl SqsKeeper {
                 continue;
             }
             // Only once the reconcile has made the queues (its consumer in status).
-            if sub
-                .status
-                .as_ref()
-                .and_then(|s| s.consumer.as_ref())
-                .is_none()
-            {
+            if !queue_keeper::has_queue(sub) {
                 continue;
             }
             let policy = ResolvedPolicy::resolve(&sub.spec.policy);
