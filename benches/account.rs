@@ -164,7 +164,7 @@ async fn main() {
         )
     };
 
-    let kv = settle::backend::nats::capture::reports(&streams[0].js, Default::default())
+    let kv = settle::backend::nats::capture::reports(&streams[0].js, Default::default(), 1)
         .await
         .expect("the report bucket");
     let started = settle::bus::report::default_instance();

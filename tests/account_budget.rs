@@ -68,7 +68,7 @@ async fn under_the_budget_a_loss_goes_first_writes_stay_within_it_and_status_end
         wait_ready(&api, name).await;
     }
     let watchers: Vec<_> = names.iter().map(|n| watch(&api, n)).collect();
-    let kv = settle::backend::nats::capture::reports(&stream.js, Default::default())
+    let kv = settle::backend::nats::capture::reports(&stream.js, Default::default(), 1)
         .await
         .expect("the report bucket");
     let instance = settle::bus::report::default_instance();

@@ -527,7 +527,7 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
         legacy_reader_name("team", "a-nats"),
         reader_name("team", "a-nats"),
     );
-    let reader = capture::open(&js, &legacy, 1 << 20)
+    let reader = capture::open(&js, &legacy, 1 << 20, 1)
         .await
         .expect("the legacy reader");
     // Five advisories in the capture (as the server would publish them).
@@ -587,7 +587,7 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
         stream.consumer_info(&legacy).await.is_err(),
         "the legacy reader is still there"
     );
-    let renamed = capture::open(&js, &new, 1 << 20)
+    let renamed = capture::open(&js, &new, 1 << 20, 1)
         .await
         .expect("the new reader");
     let mut batch = renamed

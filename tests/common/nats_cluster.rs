@@ -171,37 +171,114 @@ impl Cluster {
         eprintln!("{} started again", SERVERS[i]);
     }
 
-    /// Whether server `i` answers its JetStream health check.
-    pub fn healthy(&self, i: usize) -> bool {
-        let Some(port) = self.monitors[i]
+    /// `GET path` on server `i`'s monitoring port.
+    fn monitor(&self, i: usize, path: &str) -> Option<String> {
+        let port = self.monitors[i]
             .rsplit_once(':')
-            .and_then(|(_, p)| p.parse::<u16>().ok())
-        else {
-            return false;
-        };
-        super::http_get(port, "/healthz?js-enabled-only=true")
+            .and_then(|(_, p)| p.parse::<u16>().ok())?;
+        super::http_get(port, path)
+    }
+
+    /// Whether server `i` answers its full health check: JetStream on, current with the meta
+    /// group, and every stream and consumer it holds a replica of caught up (a server started
+    /// again answers `js-enabled-only` long before it is).
+    pub fn healthy(&self, i: usize) -> bool {
+        self.monitor(i, "/healthz")
             .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
     }
 
-    /// Waits until every server runs and answers its health check (a server started again
-    /// may still be catching up its streams).
+    /// What is wrong with the meta group, as its leader sees it (`/jsz`'s `meta_cluster`): no
+    /// leader, fewer than three peers, or a peer offline or behind. The meta leader places new
+    /// streams: an R3 stream made while it counts a peer offline is refused ("no suitable
+    /// peers for placement").
+    fn meta_trouble(&self) -> Option<String> {
+        let body = |i: usize| -> Option<serde_json::Value> {
+            let r = self.monitor(i, "/jsz")?;
+            let json = &r[r.find('{')?..=r.rfind('}')?];
+            serde_json::from_str(json).ok()
+        };
+        for (i, server) in SERVERS.iter().enumerate() {
+            let Some(jsz) = body(i) else { continue };
+            let meta = &jsz["meta_cluster"];
+            if meta["leader"].as_str() != Some(*server) {
+                continue;
+            }
+            let peers = meta["replicas"].as_array().cloned().unwrap_or_default();
+            let behind: Vec<String> = peers
+                .iter()
+                .filter(|p| {
+                    !p["current"].as_bool().unwrap_or(false)
+                        || p["offline"].as_bool().unwrap_or(false)
+                })
+                .map(|p| p["name"].as_str().unwrap_or("?").to_string())
+                .collect();
+            return if peers.len() != 2 {
+                Some(format!(
+                    "meta leader {server} sees {} other peers",
+                    peers.len()
+                ))
+            } else if !behind.is_empty() {
+                Some(format!(
+                    "meta leader {server} sees {behind:?} offline or behind"
+                ))
+            } else {
+                None
+            };
+        }
+        Some("no server says it leads the meta group".into())
+    }
+
+    /// Waits until every server runs, answers its full health check and the meta leader sees
+    /// the other two current (a server started again may still be catching up its streams, or
+    /// be counted offline by the leader).
     pub async fn wait_healthy(&self) {
         poll(
             "every server of the cluster healthy",
-            Duration::from_secs(60),
+            Duration::from_secs(90),
             || async {
                 let sick: Vec<&str> = (0..3)
                     .filter(|&i| !self.healthy(i))
                     .map(|i| SERVERS[i])
                     .collect();
-                if sick.is_empty() {
-                    Ok(())
-                } else {
-                    Err(format!("not healthy: {sick:?}"))
+                if !sick.is_empty() {
+                    return Err(format!("not healthy: {sick:?}"));
+                }
+                match self.meta_trouble() {
+                    Some(trouble) => Err(trouble),
+                    None => Ok(()),
                 }
             },
         )
         .await;
+    }
+
+    /// Waits until `stream` has a leader and its two other replicas are current and online
+    /// (a stream just brought from one replica to three is copying its data: its leader
+    /// killed then, the other two cannot elect one). Returns the leader.
+    pub async fn wait_stream_replicated(js: &jetstream::Context, stream: &str) -> String {
+        poll(
+            &format!("stream {stream} led, with two current replicas"),
+            Duration::from_secs(60),
+            || async {
+                let mut s = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+                let info = s.info().await.map_err(|e| e.to_string())?;
+                let cluster = info.cluster.clone().ok_or("no cluster info")?;
+                let leader = cluster.leader.clone().filter(|l| !l.is_empty());
+                let current = cluster
+                    .replicas
+                    .iter()
+                    .filter(|p| p.current && !p.offline)
+                    .count();
+                match leader {
+                    Some(l) if info.config.num_replicas == 3 && current == 2 => Ok(l),
+                    _ => Err(format!(
+                        "{} replicas configured, leader {leader:?}, replicas {:?}",
+                        info.config.num_replicas, cluster.replicas
+                    )),
+                }
+            },
+        )
+        .await
     }
 
     /// The server that leads consumer `name` of `stream` (by `$JS.API.CONSUMER.INFO`'s

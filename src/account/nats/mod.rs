@@ -248,8 +248,9 @@ impl NatsKeeper {
 
     async fn session(&self) -> Result<(), NatsError> {
         let js = jetstream::new(self.client.clone());
-        let reports = capture::reports(&js, self.config.limits.report_bucket).await?;
-        let ledgers = capture::ledgers(&js).await?;
+        let reports =
+            capture::reports(&js, self.config.limits.report_bucket, self.config.replicas).await?;
+        let ledgers = capture::ledgers(&js, self.config.replicas).await?;
         // An operator before unambiguous reader names read through the legacy name: that
         // reader is the checkpoint, so the new one starts right after what it acknowledged.
         let legacy = legacy_reader_name(&self.backend.0, &self.backend.1);
@@ -257,7 +258,13 @@ impl NatsKeeper {
         // Deleted once every Backend that shared the legacy name had the time to take it over.
         let mut legacy_dropped = false;
         let session_started = Instant::now();
-        let reader = capture::open(&js, &self.reader(), self.config.capture_max_bytes).await?;
+        let reader = capture::open(
+            &js,
+            &self.reader(),
+            self.config.capture_max_bytes,
+            self.config.replicas,
+        )
+        .await?;
         capture::replicate(&js, self.config.replicas).await?;
         if let Ok(mut loaded) = self.loaded.lock() {
             loaded.clear();

@@ -27,8 +27,8 @@ fn unreachable(what: &str, e: impl std::fmt::Display) -> NatsError {
     NatsError::Unreachable(format!("{what}: {e}"))
 }
 
-/// The capture stream (made or brought up to date, at most `max_bytes` on the server) and this
-/// Backend's durable reader of it. `reader` must be unique per Backend: two Backends on one
+/// The capture stream (made at `replicas`, or brought up to date, at most `max_bytes` on the
+/// server) and this Backend's durable reader of it. `reader` must be unique per Backend: two Backends on one
 /// server each read every advisory. The capture keeps an advisory for at most
 /// [`CAPTURE_MAX_AGE`], [`CAPTURE_MAX_MESSAGES`] and `max_bytes`, whichever is reached first;
 /// a reader that falls behind those sees a gap in the capture's sequence (the account says so).
@@ -36,6 +36,7 @@ pub async fn open(
     js: &jetstream::Context,
     reader: &str,
     max_bytes: i64,
+    replicas: usize,
 ) -> Result<consumer::PullConsumer, NatsError> {
     let config = stream::Config {
         name: CAPTURE_STREAM.to_string(),
@@ -47,6 +48,9 @@ pub async fn open(
         max_messages: CAPTURE_MAX_MESSAGES,
         max_bytes,
         storage: stream::StorageType::File,
+        // Made at its replicas at once: one made at one and raised has a window in which its
+        // leader's loss leaves the copies still catching up unable to elect another.
+        num_replicas: replicas.max(1),
         ..Default::default()
     };
     let stream = match js.get_stream(CAPTURE_STREAM).await {
@@ -211,13 +215,15 @@ impl Default for BucketLimits {
     }
 }
 
-/// A KV bucket, made if missing (history 1); with `limits`, made with them, or brought to them
-/// when it was made otherwise (by an older runtime or operator, or with other flags).
+/// A KV bucket, made if missing (history 1, at `replicas`); with `limits`, made with them, or
+/// brought to them when it was made otherwise (by an older runtime or operator, or with other
+/// flags). Replicas of a bucket that exists are [`replicate`]'s.
 pub async fn bucket(
     js: &jetstream::Context,
     name: &str,
     description: &str,
     limits: Option<BucketLimits>,
+    replicas: usize,
 ) -> Result<kv::Store, NatsError> {
     if let Ok(s) = js.get_key_value(name).await {
         if let Some(limits) = limits {
@@ -233,6 +239,7 @@ pub async fn bucket(
             history: 1,
             max_value_size,
             max_bytes,
+            num_replicas: replicas.max(1),
             ..Default::default()
         })
         .await
@@ -288,27 +295,30 @@ async fn bring_to(
     Ok(())
 }
 
-/// The runtime's report bucket, made or brought to `limits`.
+/// The runtime's report bucket, made (at `replicas`) or brought to `limits`.
 pub async fn reports(
     js: &jetstream::Context,
     limits: BucketLimits,
+    replicas: usize,
 ) -> Result<kv::Store, NatsError> {
     bucket(
         js,
         REPORT_BUCKET,
         "Settle runtime stats reports: <namespace>.<subscription>.<instance> -> JSON (docs/stats-report.md)",
         Some(limits),
+        replicas,
     )
     .await
 }
 
-/// The account's ledger bucket.
-pub async fn ledgers(js: &jetstream::Context) -> Result<kv::Store, NatsError> {
+/// The account's ledger bucket, made at `replicas` if missing.
+pub async fn ledgers(js: &jetstream::Context, replicas: usize) -> Result<kv::Store, NatsError> {
     bucket(
         js,
         ACCOUNT_BUCKET,
         "Settle operator: each Subscription's persisted ledger (folded instances, the broker's tally)",
         None,
+        replicas,
     )
     .await
 }
