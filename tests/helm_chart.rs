@@ -1423,3 +1423,62 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
         }
     }
 }
+
+/// README's KEDA recipe (issue 23 item 5): the `prometheus` trigger's `query:` under the marker
+/// `keda-prometheus` reads only metrics the operator exports, passes `promtool check rules`, and
+/// evaluates to the Subscription's pending + ack_pending, and no other Subscription's.
+#[test]
+fn the_keda_recipes_query_reads_exported_metrics_and_is_pending_plus_ack_pending() {
+    let readme = std::fs::read_to_string(common::root().join("README.md")).expect("README.md");
+    let recipe = readme
+        .split("<!-- keda-prometheus")
+        .nth(1)
+        .expect("README has the KEDA recipe's marker <!-- keda-prometheus");
+    let query = recipe
+        .lines()
+        .take_while(|l| !l.starts_with("```") || l.starts_with("```yaml"))
+        .find_map(|l| l.trim().strip_prefix("query: "))
+        .expect("the recipe's ScaledObject has a query:");
+    let names = metric_names(query);
+    let exported = exported_metrics();
+    assert!(!names.is_empty(), "{query}");
+    for name in &names {
+        assert!(
+            exported.contains(name),
+            "the KEDA recipe reads {name}, which the operator does not export: {query}"
+        );
+    }
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rules =
+        json!({"groups": [{"name": "keda", "rules": [{"record": "keda:lag", "expr": query}]}]});
+    write_rules(dir.path(), &rules);
+    let (ok, out) = promtool(dir.path(), &["check", "rules", "rules.yaml"]);
+    assert!(ok, "promtool check rules on the KEDA query:\n{out}");
+    let series = |name: &str, sub: &str, value: u32| json!({"series": format!("{name}{{namespace=\"shop\",subscription=\"{sub}\"}}"), "values": format!("{value}x5")});
+    let test = json!({
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                series("settle_subscription_pending", "orders", 7),
+                series("settle_subscription_ack_pending", "orders", 3),
+                series("settle_subscription_pending", "refunds", 100),
+                series("settle_subscription_ack_pending", "refunds", 50),
+            ],
+            "promql_expr_test": [{
+                "expr": "keda:lag",
+                "eval_time": "2m",
+                "exp_samples": [{"labels": "keda:lag", "value": 10}],
+            }],
+        }],
+    });
+    std::fs::write(
+        dir.path().join("keda.test.yaml"),
+        serde_yaml::to_string(&test).expect("yaml"),
+    )
+    .expect("write the test");
+    let (ok, out) = promtool(dir.path(), &["test", "rules", "keda.test.yaml"]);
+    assert!(ok, "the KEDA query over two Subscriptions' series:\n{out}");
+}

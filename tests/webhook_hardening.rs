@@ -12,7 +12,9 @@
 //! - the metrics port (issue 18 item 6): 10,000 idle TCP connections to it, with the operator
 //!   limited to 4,096 file descriptors, leave a review answered and the probes (on their own
 //!   port) answering, and what was refused is counted; under `--metrics-auth`, no token or an
-//!   unknown one gets 401, a ServiceAccount token without the RBAC 403, with it 200.
+//!   unknown one gets 401, a ServiceAccount token without the RBAC 403, with it 200; and
+//!   `/lag/<namespace>/<subscription>` (issue 23 item 5, for KEDA) answers a Subscription's
+//!   `pending + ackPending` from its status only to a token allowed to get that Subscription.
 //!
 //! Every wait is a poll with a deadline; the operator is killed when its handle is dropped.
 #![cfg(feature = "operator")]
@@ -1033,6 +1035,11 @@ async fn ten_thousand_idle_connections_to_the_metrics_port_leave_reviews_and_pro
 
 /// One HTTPS GET of `/metrics` (HTTP/1.1), with a bearer token if given: the status and body.
 async fn https_metrics(port: u16, ca: &[u8], token: Option<&str>) -> (u16, String) {
+    https_get(port, ca, "/metrics", token).await
+}
+
+/// `GET path` over HTTPS on the metrics port, with `token` as a bearer token.
+async fn https_get(port: u16, ca: &[u8], path: &str, token: Option<&str>) -> (u16, String) {
     let tls = tls_connect(port, tls_config(ca, &[b"http/1.1"])).await;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
@@ -1040,7 +1047,7 @@ async fn https_metrics(port: u16, ca: &[u8], token: Option<&str>) -> (u16, Strin
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let mut req = http::Request::get("/metrics").header("host", "127.0.0.1");
+    let mut req = http::Request::get(path).header("host", "127.0.0.1");
     if let Some(token) = token {
         req = req.header("authorization", format!("Bearer {token}"));
     }
@@ -1151,4 +1158,118 @@ async fn with_metrics_auth_only_a_token_allowed_to_get_metrics_reads_them() {
     )
     .await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_metrics_auth_a_subscriptions_lag_is_served_only_to_a_token_that_may_get_it() {
+    common::install_crds();
+    let ns = common::namespace("lag");
+    let other = common::namespace("lag-other");
+    // Its controllers watch a namespace with nothing in it: the status written below is the
+    // test's alone (the endpoint reads the Subscription with a GET, not through a watch).
+    let op = Operator::start(
+        "lag",
+        &ns,
+        "",
+        &[
+            "--metrics-auth",
+            "--metrics-auth-cache-ttl=1s",
+            "--watch-namespaces",
+            &format!("{ns}-unwatched"),
+        ],
+    );
+    let port = op.metrics_port;
+    let ca = webhook_ca(&ns).await;
+    for namespace in [&ns, &other] {
+        let sub = format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {namespace}}}\n\
+             spec: {{backendRef: {{name: nats}}, pattern: orders.>}}\n"
+        );
+        kubectl_ok(&["apply", "-f", "-"], Some(&sub)).await;
+    }
+    // The gauges as the account writes them.
+    kubectl_ok(
+        &[
+            "patch",
+            "subscription",
+            "orders",
+            "-n",
+            &ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            r#"{"status":{"stats":{"pending":7,"ackPending":3}}}"#,
+        ],
+        None,
+    )
+    .await;
+    let path = format!("/lag/{ns}/orders");
+
+    let (status, body) = https_get(port, &ca, &path, None).await;
+    assert_eq!(status, 401, "no token: {body}");
+    kubectl_ok(&["create", "serviceaccount", "keda", "-n", &ns], None).await;
+    let token = kubectl_ok(
+        &["create", "token", "keda", "-n", &ns, "--duration=10m"],
+        None,
+    )
+    .await;
+    let token = token.trim().to_string();
+    let (status, body) = https_get(port, &ca, &path, Some(&token)).await;
+    assert_eq!(status, 403, "no RBAC yet: {body}");
+    assert!(
+        body.contains(&format!("system:serviceaccount:{ns}:keda"))
+            && body.contains("get subscriptions"),
+        "names the user and what it may not do: {body}"
+    );
+
+    // Allowed to get Subscriptions in its own namespace: the lag, from status.
+    let rbac = format!(
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {{name: lag-reader, namespace: {ns}}}\n\
+         rules: [{{apiGroups: [messaging.settle.dev], resources: [subscriptions], verbs: [get]}}]\n---\n\
+         apiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: lag-reader, namespace: {ns}}}\n\
+         roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: lag-reader}}\n\
+         subjects: [{{kind: ServiceAccount, name: keda, namespace: {ns}}}]\n"
+    );
+    kubectl_ok(&["apply", "-f", "-"], Some(&rbac)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let body = loop {
+        let (status, body) = https_get(port, &ca, &path, Some(&token)).await;
+        if status == 200 {
+            break body;
+        }
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            Instant::now() < deadline,
+            "still 403 60s after the binding: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let lag: Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(lag["lag"], 10, "pending + ackPending: {lag}");
+    assert_eq!(
+        (lag["pending"].clone(), lag["ackPending"].clone()),
+        (json!(7), json!(3)),
+        "{lag}"
+    );
+    assert_eq!(lag["subscription"], "orders", "{lag}");
+
+    // The same token reads no other namespace's lag, and nothing that is not a Subscription.
+    let (status, body) = https_get(port, &ca, &format!("/lag/{other}/orders"), Some(&token)).await;
+    assert_eq!(status, 403, "another team's Subscription: {body}");
+    let (status, body) = https_get(port, &ca, &format!("/lag/{ns}/missing"), Some(&token)).await;
+    assert_eq!(
+        status, 404,
+        "a Subscription it may get, that does not exist: {body}"
+    );
+    assert!(body.contains("not found"), "{body}");
+    let (status, body) = https_get(port, &ca, &format!("/lag/{ns}"), Some(&token)).await;
+    assert_eq!(status, 404, "a path naming no Subscription: {body}");
+    assert!(body.contains("/lag/<namespace>/<subscription>"), "{body}");
+    let (status, body) = https_metrics(port, &ca, Some(&token)).await;
+    assert_eq!(status, 403, "the lag reader may not read /metrics: {body}");
+
+    drop(op);
+    for namespace in [&ns, &other] {
+        kubectl_ok(&["delete", "namespace", namespace, "--wait=false"], None).await;
+    }
 }

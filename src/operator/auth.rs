@@ -1,8 +1,10 @@
-//! `--metrics-auth`: who may read `/metrics`, decided by the API server as kubebuilder's scaffold
-//! does. A bearer token is authenticated with a TokenReview, and the user it names authorized
-//! with a SubjectAccessReview for verb `get` on the non-resource URL `/metrics` (the
-//! `settle-metrics-reader` ClusterRole grants it). Verdicts are remembered for
-//! `--metrics-auth-cache-ttl`, by the token's SHA-256 (never the token), for at most
+//! `--metrics-auth`: who may read `/metrics` and a Subscription's `/lag`, decided by the API server
+//! as kubebuilder's scaffold does. A bearer token is authenticated with a TokenReview, and the
+//! user it names authorized with a SubjectAccessReview: for `/metrics`, verb `get` on the
+//! non-resource URL `/metrics` (the `settle-metrics-reader` ClusterRole grants it); for
+//! `/lag/<namespace>/<name>`, verb `get` on that Subscription (whoever may read its status).
+//! Verdicts are remembered for `--metrics-auth-cache-ttl`, by the SHA-256 of the token and what
+//! it asked for (never the token), for at most
 //! `--metrics-auth-cache-size` tokens; one more evicts the verdict closest to expiry, counted in
 //! `settle_metrics_auth_cache_evicted_total`. Every request's outcome is counted in
 //! `settle_metrics_auth_total{result}`.
@@ -16,7 +18,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::authorization::v1::{
-    NonResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    NonResourceAttributes, ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::api::PostParams;
 use kube::{Api, Client};
@@ -27,13 +29,68 @@ use tokio::time::Instant;
 /// How long one TokenReview or SubjectAccessReview may take.
 pub const REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// What a request to `/metrics` gets.
+/// What a request asks to read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// `/metrics`: `get` on the non-resource URL.
+    Metrics,
+    /// `/lag/<namespace>/<name>`: `get` on that Subscription.
+    Subscription { namespace: String, name: String },
+}
+
+impl Access {
+    /// What the cache key adds to the token (a verdict for one never answers another).
+    fn key(&self) -> String {
+        match self {
+            Access::Metrics => "metrics".into(),
+            Access::Subscription { namespace, name } => format!("subscription/{namespace}/{name}"),
+        }
+    }
+
+    /// What a 403 says the user may not do.
+    pub fn what(&self) -> String {
+        match self {
+            Access::Metrics => {
+                "get /metrics; bind it to the settle-metrics-reader ClusterRole".into()
+            }
+            Access::Subscription { namespace, name } => format!(
+                "get subscriptions.{} {name} in namespace {namespace}; grant it get on subscriptions there",
+                crate::api::GROUP
+            ),
+        }
+    }
+
+    fn attributes(&self) -> (Option<NonResourceAttributes>, Option<ResourceAttributes>) {
+        match self {
+            Access::Metrics => (
+                Some(NonResourceAttributes {
+                    path: Some("/metrics".to_string()),
+                    verb: Some("get".to_string()),
+                }),
+                None,
+            ),
+            Access::Subscription { namespace, name } => (
+                None,
+                Some(ResourceAttributes {
+                    group: Some(crate::api::GROUP.to_string()),
+                    resource: Some("subscriptions".to_string()),
+                    namespace: Some(namespace.clone()),
+                    name: Some(name.clone()),
+                    verb: Some("get".to_string()),
+                    ..Default::default()
+                }),
+            ),
+        }
+    }
+}
+
+/// What a request to `/metrics` or `/lag` gets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
     Allowed,
     /// No token, or one the API server does not authenticate: 401.
     Unauthenticated,
-    /// The user (named) may not `get` `/metrics`: 403.
+    /// The user (named) may not read what it asked for: 403.
     Forbidden(String),
     /// The API server could not be asked: 503, not cached.
     Unavailable(String),
@@ -75,8 +132,8 @@ impl Authorizer {
         let results = IntCounterVec::new(
             Opts::new(
                 "settle_metrics_auth_total",
-                "Requests for /metrics under --metrics-auth, by result: allowed, unauthenticated, \
-                 forbidden, unavailable (the API server could not be asked).",
+                "Requests for /metrics and /lag under --metrics-auth, by result: allowed, \
+                 unauthenticated, forbidden, unavailable (the API server could not be asked).",
             ),
             &["result"],
         )?;
@@ -102,16 +159,21 @@ impl Authorizer {
         })
     }
 
-    /// The verdict for a request bearing `token` (`None`: no bearer token).
-    pub async fn check(&self, token: Option<&str>) -> Verdict {
+    /// The verdict for a request bearing `token` (`None`: no bearer token) that asks for
+    /// `access`.
+    pub async fn check(&self, token: Option<&str>, access: &Access) -> Verdict {
         let verdict = match token {
             None => Verdict::Unauthenticated,
             Some(token) => {
-                let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+                let mut digest = Sha256::new();
+                digest.update(token.as_bytes());
+                digest.update([0]);
+                digest.update(access.key().as_bytes());
+                let key: [u8; 32] = digest.finalize().into();
                 match self.cached(&key) {
                     Some(v) => v,
                     None => {
-                        let v = self.ask(token).await;
+                        let v = self.ask(token, access).await;
                         if !matches!(v, Verdict::Unavailable(_)) {
                             self.remember(key, v.clone());
                         }
@@ -122,7 +184,7 @@ impl Authorizer {
         };
         self.results.with_label_values(&[verdict.label()]).inc();
         if let Verdict::Unavailable(e) = &verdict {
-            tracing::warn!(error = %e, "could not check a /metrics token with the API server");
+            tracing::warn!(error = %e, "could not check a /metrics or /lag token with the API server");
         }
         verdict
     }
@@ -159,7 +221,7 @@ impl Authorizer {
     }
 
     /// One TokenReview, then (if authenticated) one SubjectAccessReview.
-    async fn ask(&self, token: &str) -> Verdict {
+    async fn ask(&self, token: &str, access: &Access) -> Verdict {
         let reviews: Api<TokenReview> = Api::all(self.client.clone());
         let review = TokenReview {
             spec: TokenReviewSpec {
@@ -188,22 +250,20 @@ impl Authorizer {
             _ => return Verdict::Unauthenticated,
         };
         let name = user.username.clone().unwrap_or_default();
-        let access: Api<SubjectAccessReview> = Api::all(self.client.clone());
+        let reviews: Api<SubjectAccessReview> = Api::all(self.client.clone());
+        let (non_resource_attributes, resource_attributes) = access.attributes();
         let sar = SubjectAccessReview {
             spec: SubjectAccessReviewSpec {
                 user: user.username,
                 groups: user.groups,
                 uid: user.uid,
                 extra: user.extra,
-                non_resource_attributes: Some(NonResourceAttributes {
-                    path: Some("/metrics".to_string()),
-                    verb: Some("get".to_string()),
-                }),
-                resource_attributes: None,
+                non_resource_attributes,
+                resource_attributes,
             },
             ..Default::default()
         };
-        match tokio::time::timeout(REVIEW_TIMEOUT, access.create(&PostParams::default(), &sar))
+        match tokio::time::timeout(REVIEW_TIMEOUT, reviews.create(&PostParams::default(), &sar))
             .await
         {
             Ok(Ok(r)) if r.status.as_ref().is_some_and(|s| s.allowed) => Verdict::Allowed,
@@ -273,8 +333,11 @@ mod tests {
      {
         let registry = Registry::new();
         let auth = authorizer(4, &registry);
-        assert_eq!(auth.check(None).await, Verdict::Unauthenticated);
-        let v = auth.check(Some("a-token")).await;
+        assert_eq!(
+            auth.check(None, &Access::Metrics).await,
+            Verdict::Unauthenticated
+        );
+        let v = auth.check(Some("a-token"), &Access::Metrics).await;
         assert!(
             matches!(v, Verdict::Unavailable(ref e) if e.starts_with("TokenReview")),
             "{v:?}"

@@ -2,9 +2,11 @@
 //!
 //! - the metrics port: `/metrics` (Prometheus text, every `settle_*` metric), over plain HTTP, or,
 //!   with `--metrics-auth`, over HTTPS (the webhook's certificate) and only for a bearer token
-//!   the API server authenticates and authorizes for `get` on `/metrics` (`auth`). It also
-//!   answers `/healthz` and `/readyz`, for scripts that look there; its `/readyz` also waits,
-//!   on the leader, for the controllers' caches;
+//!   the API server authenticates and authorizes for `get` on `/metrics` (`auth`). Under
+//!   `--metrics-auth` it also serves `/lag/<namespace>/<subscription>` (`lag`: one
+//!   Subscription's lag as JSON, for KEDA, to a token allowed to get that Subscription). It
+//!   also answers `/healthz` and `/readyz`, for scripts that look there; its `/readyz` also
+//!   waits, on the leader, for the controllers' caches;
 //! - the probe port: `/healthz` (the process answers) and `/readyz` (the Backend cache has
 //!   synced, so admission answers with real capabilities), for the kubelet alone, so that scrapes
 //!   and idle connections on the metrics port can never make a probe fail. It does not wait for
@@ -27,13 +29,15 @@ use futures::FutureExt;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
+use kube::Client;
 use kube::runtime::reflector::Store;
 use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
-use super::auth::{Authorizer, Verdict};
+use super::auth::{Access, Authorizer, Verdict};
+use super::lag::{self, LagError};
 use crate::admission::certs::{CertResolver, crypto_provider};
 use crate::api::Backend;
 use crate::reconcile::Readiness;
@@ -78,6 +82,7 @@ pub struct Server {
     registry: Registry,
     ready: Ready,
     auth: Option<Arc<Authorizer>>,
+    client: Client,
 }
 
 async fn listen(addr: SocketAddr) -> Result<TcpListener, HealthError> {
@@ -91,6 +96,7 @@ impl Server {
     /// serves HTTPS and asks the API server about every token it has not seen lately.
     pub async fn bind(
         config: HealthConfig,
+        client: Client,
         registry: Registry,
         backends: Store<Backend>,
         controllers: Readiness,
@@ -160,6 +166,7 @@ impl Server {
                 stopping,
             },
             auth,
+            client,
         })
     }
 
@@ -172,11 +179,17 @@ impl Server {
             registry,
             ready,
             auth,
+            client,
         } = self;
         let probe_ready = ready.clone();
         let on_metrics = move |req: Request<Incoming>| {
-            let (registry, ready, auth) = (registry.clone(), ready.clone(), auth.clone());
-            async move { metrics_answer(&req, &registry, &ready, auth.as_deref()).await }
+            let (registry, ready, auth, client) = (
+                registry.clone(),
+                ready.clone(),
+                auth.clone(),
+                client.clone(),
+            );
+            async move { metrics_answer(&req, &registry, &ready, auth.as_deref(), &client).await }
         };
         let on_probe = move |req: Request<Incoming>| {
             let ready = probe_ready.clone();
@@ -269,19 +282,105 @@ fn probe_answer(
     })
 }
 
+/// The refusal for a request `auth` does not allow to read `access`, or `None` when allowed.
+async fn refused(
+    req: &Request<Incoming>,
+    auth: &Authorizer,
+    access: &Access,
+) -> Option<Response<Full<Bytes>>> {
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    match auth.check(token, access).await {
+        Verdict::Allowed => None,
+        Verdict::Unauthenticated => {
+            let mut r = text(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized: send a ServiceAccount token as Authorization: Bearer <token>\n",
+                PLAIN,
+            );
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            Some(r)
+        }
+        Verdict::Forbidden(user) => Some(text(
+            StatusCode::FORBIDDEN,
+            format!("forbidden: {user} may not {}\n", access.what()),
+            PLAIN,
+        )),
+        Verdict::Unavailable(e) => Some(text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("could not check the token with the API server: {e}\n"),
+            PLAIN,
+        )),
+    }
+}
+
+/// `/lag/<namespace>/<subscription>`: only under `--metrics-auth`, for a token allowed to get
+/// that Subscription.
+async fn lag_answer(
+    req: &Request<Incoming>,
+    auth: Option<&Authorizer>,
+    client: &Client,
+) -> Response<Full<Bytes>> {
+    let Some(auth) = auth else {
+        return text(
+            StatusCode::NOT_FOUND,
+            "not found: /lag is served only with --metrics-auth (metrics.auth: true in the chart), \
+             to a token allowed to get the Subscription\n",
+            PLAIN,
+        );
+    };
+    let target = match lag::parse(req.uri().path()) {
+        Ok(t) => t,
+        Err(e) => return text(StatusCode::NOT_FOUND, format!("not found: {e}\n"), PLAIN),
+    };
+    let access = Access::Subscription {
+        namespace: target.namespace.clone(),
+        name: target.name.clone(),
+    };
+    if let Some(refusal) = refused(req, auth, &access).await {
+        return refusal;
+    }
+    match lag::read(client, &target).await {
+        Ok(lag) => match serde_json::to_vec(&lag) {
+            Ok(body) => text(StatusCode::OK, body, "application/json"),
+            Err(e) => text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("could not encode the lag: {e}\n"),
+                PLAIN,
+            ),
+        },
+        Err(e @ LagError::NotFound(..)) => text(StatusCode::NOT_FOUND, format!("{e}\n"), PLAIN),
+        Err(e @ LagError::Unavailable(..)) => {
+            tracing::warn!(error = %e, "could not answer a /lag request");
+            text(StatusCode::SERVICE_UNAVAILABLE, format!("{e}\n"), PLAIN)
+        }
+    }
+}
+
 async fn metrics_answer(
     req: &Request<Incoming>,
     registry: &Registry,
     ready: &Ready,
     auth: Option<&Authorizer>,
+    client: &Client,
 ) -> Response<Full<Bytes>> {
     if let Ok(probe) = probe_answer(req, ready, Controllers::Awaited) {
         return probe;
     }
-    if req.uri().path() != "/metrics" {
+    let path = req.uri().path();
+    if path != "/metrics" && !path.starts_with(lag::PREFIX) {
         return text(
             StatusCode::NOT_FOUND,
-            "not found: the metrics port serves /metrics (and /healthz, /readyz)\n",
+            "not found: the metrics port serves /metrics, /lag/<namespace>/<subscription> (with \
+             --metrics-auth), /healthz and /readyz\n",
             PLAIN,
         );
     }
@@ -292,45 +391,13 @@ async fn metrics_answer(
             PLAIN,
         );
     }
-    if let Some(auth) = auth {
-        let token = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty());
-        match auth.check(token).await {
-            Verdict::Allowed => {}
-            Verdict::Unauthenticated => {
-                let mut r = text(
-                    StatusCode::UNAUTHORIZED,
-                    "unauthorized: send a ServiceAccount token as Authorization: Bearer <token>\n",
-                    PLAIN,
-                );
-                r.headers_mut().insert(
-                    header::WWW_AUTHENTICATE,
-                    header::HeaderValue::from_static("Bearer"),
-                );
-                return r;
-            }
-            Verdict::Forbidden(user) => {
-                return text(
-                    StatusCode::FORBIDDEN,
-                    format!(
-                        "forbidden: {user} may not get /metrics; bind it to the settle-metrics-reader ClusterRole\n"
-                    ),
-                    PLAIN,
-                );
-            }
-            Verdict::Unavailable(e) => {
-                return text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("could not check the token with the API server: {e}\n"),
-                    PLAIN,
-                );
-            }
-        }
+    if path.starts_with(lag::PREFIX) {
+        return lag_answer(req, auth, client).await;
+    }
+    if let Some(auth) = auth
+        && let Some(refusal) = refused(req, auth, &Access::Metrics).await
+    {
+        return refusal;
     }
     let mut buf = Vec::new();
     match TextEncoder::new().encode(&registry.gather(), &mut buf) {

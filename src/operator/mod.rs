@@ -10,6 +10,7 @@
 mod args;
 mod auth;
 mod health;
+mod lag;
 pub mod leader;
 mod owner;
 
@@ -182,6 +183,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     };
     let health = health::Server::bind(
         args.health_config(),
+        client.clone(),
         registry.clone(),
         store.clone(),
         readiness.clone(),
