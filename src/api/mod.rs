@@ -18,7 +18,7 @@ pub use backend::{
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};
 pub use subscription::{
-    BackendRef, Backoff, ConsumerRef, DeletionPolicy, DeliveryPolicy, Mode, Shape, SlowHandler,
+    Adopt, BackendRef, Backoff, ConsumerRef, DeletionPolicy, DeliveryPolicy, Mode, Shape, SlowHandler,
     Subscription, SubscriptionSpec, SubscriptionStats, SubscriptionStatus,
 };
 

@@ -39,6 +39,19 @@ pub enum Holder {
     /// An earlier object of this Subscription's name (`owner`, the `namespace/name` both have;
     /// `uid`, that object's UID) made it and left it behind or kept it.
     Earlier { owner: String, uid: String },
+    /// No Subscription's (no owner mark), and `spec.adopt: IfCompatible` could not take it over.
+    Unadoptable(Unadoptable),
+}
+
+/// Why `spec.adopt: IfCompatible` did not take over a consumer or queue Settle did not make
+/// (docs/semantics.md J9, R13, Q11).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unadoptable {
+    /// It differs from what the spec maps to where the broker cannot change it in place: each
+    /// difference, naming the broker's field, the spec's, and both values.
+    Differs(Vec<String>),
+    /// The operator's `--adopt-namespaces` does not list the Subscription's namespace.
+    NamespaceNotAllowed(String),
 }
 
 impl ObjectKind {
@@ -88,6 +101,23 @@ impl ObjectKind {
         }
     }
 
+    /// The broker's name, as a sentence says it.
+    fn broker(self) -> &'static str {
+        match self {
+            ObjectKind::Consumer => "JetStream",
+            ObjectKind::RabbitmqQueue => "RabbitMQ",
+            ObjectKind::SqsQueue => "SQS",
+        }
+    }
+
+    /// What a taken-over object keeps.
+    fn keeps(self) -> &'static str {
+        match self {
+            ObjectKind::Consumer => "its position",
+            ObjectKind::RabbitmqQueue | ObjectKind::SqsQueue => "the messages it holds",
+        }
+    }
+
     /// `ConsumerConflict`: it is not this Subscription object's, whose it is, and the way out.
     pub fn conflict_message(self, o: &ConsumerRef, owner: &Holder) -> String {
         let (what, noun) = match self {
@@ -98,19 +128,35 @@ impl ObjectKind {
             ObjectKind::RabbitmqQueue => (format!("rabbitmq queue {}", o.name), "queue"),
             ObjectKind::SqsQueue => (format!("sqs queue {}", o.name), "queue"),
         };
+        let (broker, keeps) = (self.broker(), self.keeps());
         match owner {
             Holder::Other(other) => {
                 format!("{what} belongs to Subscription {other}: choose another durableName")
             }
             Holder::Unmarked => format!(
-                "{what} exists and Settle did not make it: choose another durableName, \
-                 or delete that {noun} so Settle can make its own"
+                "{what} exists and Settle did not make it: choose another durableName; \
+                 or set spec.adopt: IfCompatible to take it over with {keeps} (it must equal this spec \
+                 where {broker} cannot change it in place); or delete that {noun} so Settle can make its own"
+            ),
+            Holder::Unadoptable(Unadoptable::Differs(fields)) => format!(
+                "{what} exists and Settle did not make it; spec.adopt IfCompatible takes it over only \
+                 when it equals this spec where {broker} cannot change it in place, and it differs ({}). \
+                 It is left as it is: change the spec to match it, or delete that {noun} so Settle can \
+                 make its own, or choose another durableName",
+                fields.join("; ")
+            ),
+            Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(ns)) => format!(
+                "{what} exists and Settle did not make it; spec.adopt is IfCompatible, but the operator \
+                 takes over what it did not make only for the namespaces its --adopt-namespaces lists, \
+                 and {ns} is not among them (on a broker namespaces share, a durableName can name \
+                 another team's {noun}): ask the cluster's admin to add {ns}, or choose another durableName"
             ),
             Holder::Unproven => format!(
                 "{what} exists and nothing shows Settle made it for this Subscription \
-                 (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): \
-                 it is neither bound nor deleted. Choose another durableName, or set \
-                 spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is"
+                 (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read, \
+                 nor, for spec.adopt, its arguments compared): it is neither bound nor deleted. Choose \
+                 another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can \
+                 read whose queue it is"
             ),
             // A kept consumer has its position: taken over with it.
             Holder::Earlier { owner, uid } if self == ObjectKind::Consumer => format!(
