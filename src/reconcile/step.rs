@@ -181,3 +181,45 @@ pub enum Removal {
     /// The broker refused: tried again.
     Failed(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{BackendRef, DeliveryPolicy, SubscriptionSpec};
+
+    fn sub(ns: &str, adopt: Adopt) -> Subscription {
+        let mut s = Subscription::new(
+            "orders",
+            SubscriptionSpec {
+                backend_ref: BackendRef {
+                    name: "nats".into(),
+                },
+                stream: None,
+                deletion_policy: Default::default(),
+                adopt,
+                policy: DeliveryPolicy {
+                    pattern: "orders.>".into(),
+                    ..Default::default()
+                },
+            },
+        );
+        s.metadata.namespace = Some(ns.into());
+        s
+    }
+
+    #[test]
+    fn a_namespace_adopts_only_when_it_asks_and_the_operator_lists_it() {
+        let none = AdoptNamespaces::new(&[]);
+        let listed = AdoptNamespaces::new(&[" shop".into(), "".into(), "ops".into()]);
+        let all = AdoptNamespaces::new(&["*".into()]);
+        let (shop, other) = (sub("shop", Adopt::IfCompatible), sub("team-b", Adopt::IfCompatible));
+        assert_eq!(Target::of(&shop).adoption(&none), Adoption::NotAllowed);
+        assert_eq!(Target::of(&shop).adoption(&listed), Adoption::IfCompatible);
+        assert_eq!(Target::of(&other).adoption(&listed), Adoption::NotAllowed);
+        assert_eq!(Target::of(&other).adoption(&all), Adoption::IfCompatible);
+        let never = sub("shop", Adopt::Never);
+        for allowed in [&none, &listed, &all] {
+            assert_eq!(Target::of(&never).adoption(allowed), Adoption::Never);
+        }
+    }
+}

@@ -192,8 +192,9 @@ mod tests {
         }
     }
 
-    /// Every sentence, word for word as status showed it before the outcomes of the three brokers
-    /// were made one (users and alerts read these).
+    /// Every sentence, word for word (users and alerts read these): as status showed it before
+    /// the outcomes of the three brokers were made one, with the way to adopt (`spec.adopt`)
+    /// added where Settle did not make the object.
     #[test]
     fn every_kind_says_what_it_said_before() {
         use ObjectKind::{Consumer, RabbitmqQueue, SqsQueue};
@@ -242,7 +243,7 @@ mod tests {
             ),
             (
                 Consumer.conflict_message(&c, &Holder::Unmarked),
-                "consumer orders on stream ORDERS exists and Settle did not make it: choose another durableName, or delete that consumer so Settle can make its own",
+                "consumer orders on stream ORDERS exists and Settle did not make it: choose another durableName; or set spec.adopt: IfCompatible to take it over with its position (it must equal this spec where JetStream cannot change it in place); or delete that consumer so Settle can make its own",
             ),
             (
                 Consumer.conflict_message(&c, &earlier()),
@@ -254,11 +255,11 @@ mod tests {
             ),
             (
                 RabbitmqQueue.conflict_message(&q, &Holder::Unmarked),
-                "rabbitmq queue orders exists and Settle did not make it: choose another durableName, or delete that queue so Settle can make its own",
+                "rabbitmq queue orders exists and Settle did not make it: choose another durableName; or set spec.adopt: IfCompatible to take it over with the messages it holds (it must equal this spec where RabbitMQ cannot change it in place); or delete that queue so Settle can make its own",
             ),
             (
                 RabbitmqQueue.conflict_message(&q, &Holder::Unproven),
-                "rabbitmq queue orders exists and nothing shows Settle made it for this Subscription (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): it is neither bound nor deleted. Choose another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is",
+                "rabbitmq queue orders exists and nothing shows Settle made it for this Subscription (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read, nor, for spec.adopt, its arguments compared): it is neither bound nor deleted. Choose another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is",
             ),
             (
                 RabbitmqQueue.conflict_message(&q, &earlier()),
@@ -270,11 +271,28 @@ mod tests {
             ),
             (
                 SqsQueue.conflict_message(&s, &Holder::Unmarked),
-                "sqs queue orders-dlq exists and Settle did not make it: choose another durableName, or delete that queue so Settle can make its own",
+                "sqs queue orders-dlq exists and Settle did not make it: choose another durableName; or set spec.adopt: IfCompatible to take it over with the messages it holds (it must equal this spec where SQS cannot change it in place); or delete that queue so Settle can make its own",
             ),
             (
                 SqsQueue.conflict_message(&s, &earlier()),
                 "sqs queue orders-dlq was made for an earlier Subscription of this name (uid u-0) and left behind (deletionPolicy Retain, or deleted while no operator ran): it is neither used nor deleted. To take it over with what it holds, annotate this Subscription settle.dev/adopt: \"u-0\"; or choose another durableName",
+            ),
+            (
+                Consumer.conflict_message(
+                    &c,
+                    &Holder::Unadoptable(Unadoptable::Differs(vec![
+                        "ack_policy (spec.mode): wants Explicit, the consumer has All".into(),
+                        "deliver_policy (spec.durableName): wants All, the consumer has New".into(),
+                    ])),
+                ),
+                "consumer orders on stream ORDERS exists and Settle did not make it; spec.adopt IfCompatible takes it over only when it equals this spec where JetStream cannot change it in place, and it differs (ack_policy (spec.mode): wants Explicit, the consumer has All; deliver_policy (spec.durableName): wants All, the consumer has New). It is left as it is: change the spec to match it, or delete that consumer so Settle can make its own, or choose another durableName",
+            ),
+            (
+                RabbitmqQueue.conflict_message(
+                    &q,
+                    &Holder::Unadoptable(Unadoptable::NamespaceNotAllowed("shop".into())),
+                ),
+                "rabbitmq queue orders exists and Settle did not make it; spec.adopt is IfCompatible, but the operator takes over what it did not make only for the namespaces its --adopt-namespaces lists, and shop is not among them (on a broker namespaces share, a durableName can name another team's queue): ask the cluster's admin to add shop, or choose another durableName",
             ),
         ];
         for (got, want) in cases {
