@@ -124,11 +124,17 @@ impl HandMade for Jet {
 
     async fn look(&self) -> Option<Look> {
         let info = self.stream.consumer("orders").await?;
+        let mut config = info.config.clone();
+        // The server's map, in a stable order.
+        let metadata: std::collections::BTreeMap<_, _> = config.metadata.drain().collect();
         Some(Look {
-            identity: format!("created {}", info.created),
+            identity: format!(
+                "created {}, delivered up to stream sequence {}",
+                info.created, info.delivered.stream_sequence
+            ),
             config: format!(
-                "{:?}; delivered {:?}; ack floor {:?}",
-                info.config, info.delivered, info.ack_floor
+                "{config:?}; metadata {metadata:?}; delivered {:?}; ack floor {:?}",
+                info.delivered, info.ack_floor
             ),
             pending: info.num_pending,
             unsettled: u64::try_from(info.num_ack_pending).unwrap_or_default(),
