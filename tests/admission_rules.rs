@@ -512,8 +512,8 @@ fn rows() -> Vec<Row> {
         },
         Row {
             name: "A6: adopt set back to Never",
-            spec: ALO,
-            old: Some("mode: AtLeastOnce\ndurableName: orders\nadopt: IfCompatible\n"),
+            spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: orders\n",
+            old: Some("pattern: orders\nmode: AtLeastOnce\ndurableName: orders\nadopt: IfCompatible\n"),
             backend: Kind(Sqs),
             errors: &[],
             warnings: &[],
