@@ -513,7 +513,9 @@ fn rows() -> Vec<Row> {
         Row {
             name: "A6: adopt set back to Never",
             spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: orders\n",
-            old: Some("pattern: orders\nmode: AtLeastOnce\ndurableName: orders\nadopt: IfCompatible\n"),
+            old: Some(
+                "pattern: orders\nmode: AtLeastOnce\ndurableName: orders\nadopt: IfCompatible\n",
+            ),
             backend: Kind(Sqs),
             errors: &[],
             warnings: &[],

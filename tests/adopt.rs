@@ -398,7 +398,12 @@ mod sqs {
                     .await
                     .expect("receive");
                 // Never deleted: visible again when the visibility timeout (20 s) runs out.
-                bodies.extend(got.messages.unwrap_or_default().into_iter().filter_map(|m| m.body));
+                bodies.extend(
+                    got.messages
+                        .unwrap_or_default()
+                        .into_iter()
+                        .filter_map(|m| m.body),
+                );
             }
             bodies
         }

@@ -430,7 +430,10 @@ mod tests {
         assert!(rules.allowed_hosts[0].matches("nats.messaging.svc"));
         assert_eq!(rules.pod_identity_namespaces, ["platform", "ops"]);
         assert_eq!(args.webhook_config().backend_rules, rules);
-        assert!(args.adopt_namespaces.is_empty(), "no namespace adopts unless listed");
+        assert!(
+            args.adopt_namespaces.is_empty(),
+            "no namespace adopts unless listed"
+        );
         let args = parse(&["--adopt-namespaces", "shop,ops"]).expect("parses");
         assert_eq!(args.adopt_namespaces, ["shop", "ops"]);
         let err = parse(&["--allowed-broker-hosts", "a/b"])

@@ -27,9 +27,7 @@
 
 use super::Ctx;
 use super::connections::RabbitConn;
-use super::status::{
-    ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable,
-};
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
 use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::api::Mode;
@@ -459,15 +457,13 @@ async fn mark_adopted(
         uid: t.uid().unwrap_or_default().to_string(),
     };
     ctx.metrics.js("adopted.mark");
-    report::mark_adopted(amqp, queue, &mark)
-        .await
-        .map_err(|e| {
-            let error = match admin::limit_of(&e.to_string()) {
-                Some(l) => BrokerError::Limit(l),
-                None => BrokerError::Unreachable(format!("cannot mark the queue taken over: {e}")),
-            };
-            Box::new(failure(error, None))
-        })
+    report::mark_adopted(amqp, queue, &mark).await.map_err(|e| {
+        let error = match admin::limit_of(&e.to_string()) {
+            Some(l) => BrokerError::Limit(l),
+            None => BrokerError::Unreachable(format!("cannot mark the queue taken over: {e}")),
+        };
+        Box::new(failure(error, None))
+    })
 }
 
 /// Takes over a queue Settle did not make whose arguments equal the mapping's (R13): marked

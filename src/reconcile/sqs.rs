@@ -22,9 +22,7 @@ use aws_sdk_sqs::Client;
 
 use super::Ctx;
 use super::connections::SqsConn;
-use super::status::{
-    ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable,
-};
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
 use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, SQS_STREAM, Target};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
@@ -248,11 +246,20 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
         }
     };
     let attributes = queue::attributes(&want, dlq_arn.as_deref());
-    let (url, new) =
-        match find_or_create(client, ctx, t, &want.name, attributes.clone(), true, changes).await {
-            Ok(x) => x,
-            Err(o) => return o,
-        };
+    let (url, new) = match find_or_create(
+        client,
+        ctx,
+        t,
+        &want.name,
+        attributes.clone(),
+        true,
+        changes,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(o) => return o,
+    };
     if new {
         made.insert(0, format!("queue {}", want.name));
     } else {

@@ -212,7 +212,10 @@ mod tests {
         let none = AdoptNamespaces::new(&[]);
         let listed = AdoptNamespaces::new(&[" shop".into(), "".into(), "ops".into()]);
         let all = AdoptNamespaces::new(&["*".into()]);
-        let (shop, other) = (sub("shop", Adopt::IfCompatible), sub("team-b", Adopt::IfCompatible));
+        let (shop, other) = (
+            sub("shop", Adopt::IfCompatible),
+            sub("team-b", Adopt::IfCompatible),
+        );
         assert_eq!(Target::of(&shop).adoption(&none), Adoption::NotAllowed);
         assert_eq!(Target::of(&shop).adoption(&listed), Adoption::IfCompatible);
         assert_eq!(Target::of(&other).adoption(&listed), Adoption::NotAllowed);

@@ -138,6 +138,14 @@ async fn look_when<H: HandMade>(hand: &H, what: &str, pending: u64, unsettled: u
     .await
 }
 
+/// `kubectl delete` of Subscription `orders` in `ns`, not waiting.
+fn delete_orders(ns: &str) {
+    kubectl_ok(
+        &["delete", "subscription", "orders", "-n", ns, "--wait=false"],
+        None,
+    );
+}
+
 async fn gauges(api: &Api<Subscription>) -> Option<SubscriptionStats> {
     api.get("orders").await.ok()?.status?.stats
 }
@@ -247,26 +255,19 @@ pub async fn adopted_with_its_position<H: HandMade>(test: &str) {
         "{s:?}"
     );
     assert!(s.balanced(), "{s:?}");
-    poll(
-        "the gauges at rest",
-        Duration::from_secs(30),
-        || async {
-            match gauges(&api).await {
-                Some(g) if g.pending == 0 && g.ack_pending == 0 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
+    poll("the gauges at rest", Duration::from_secs(30), || async {
+        match gauges(&api).await {
+            Some(g) if g.pending == 0 && g.ack_pending == 0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
     .await;
     watcher.abort();
     assert_never_decreased(&seen);
     drop(app);
 
     // Adopted, it is the Subscription's: deleted with it.
-    kubectl_ok(
-        &["delete", "subscription", "orders", "-n", &ns, "--wait=false"],
-        None,
-    );
+    delete_orders(&ns);
     wait_gone(&api, "orders", Duration::from_secs(60)).await;
     assert_eq!(hand.look().await, None, "deleted with its Subscription");
     let _ = std::fs::remove_file(&manifest);
@@ -291,7 +292,11 @@ pub async fn an_incompatible_one_is_refused_and_left_untouched<H: HandMade>(test
 
     subscribe(&ns, &hand.spec(), "");
     let api = subs(&ns).await;
-    let m = wait_conflict(&api, &["Settle did not make it", "spec.adopt: IfCompatible"]).await;
+    let m = wait_conflict(
+        &api,
+        &["Settle did not make it", "spec.adopt: IfCompatible"],
+    )
+    .await;
     println!("adopt Never: {m}");
     // adopt changes on a live object: the next check reads it.
     subscribe(&ns, &hand.spec(), "  adopt: IfCompatible\n");
@@ -309,10 +314,7 @@ pub async fn an_incompatible_one_is_refused_and_left_untouched<H: HandMade>(test
             .any(|(r, _)| r == "Adopted"),
         "nothing adopted"
     );
-    kubectl_ok(
-        &["delete", "subscription", "orders", "-n", &ns, "--wait=false"],
-        None,
-    );
+    delete_orders(&ns);
     wait_gone(&api, "orders", Duration::from_secs(60)).await;
     assert_eq!(hand.look().await, Some(before), "not its own: left");
     hand.finish().await;
@@ -359,10 +361,7 @@ pub async fn another_namespace_never_takes_it<H: HandMade>(test: &str) {
     )
     .await;
     println!("team-b: {m}");
-    kubectl_ok(
-        &["delete", "subscription", "orders", "-n", &team_b, "--wait=false"],
-        None,
-    );
+    delete_orders(&team_b);
     wait_gone(&api_b, "orders", Duration::from_secs(60)).await;
     assert_eq!(
         hand.look().await.map(|l| l.identity),
@@ -370,10 +369,7 @@ pub async fn another_namespace_never_takes_it<H: HandMade>(test: &str) {
         "another namespace's deletion leaves it"
     );
     wait_ready(&api_a, "orders").await;
-    kubectl_ok(
-        &["delete", "subscription", "orders", "-n", &team_a, "--wait=false"],
-        None,
-    );
+    delete_orders(&team_a);
     wait_gone(&api_a, "orders", Duration::from_secs(60)).await;
     hand.finish().await;
     for ns in [&outside, &team_a, &team_b] {
