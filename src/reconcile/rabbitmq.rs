@@ -17,6 +17,9 @@
 //! declared again on every check; a differing argument shows as the broker's refusal to
 //! redeclare the queue; a queue that exists with no mark of this object is not Settle's.
 //!
+//! A paused Subscription has the marker exchange `settle.paused.<queue>` its applications check
+//! (`backend::rabbitmq::pause`, W3): made while the spec pauses, removed when it resumes.
+//!
 //! It must not write status or Events, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does: this step returns what it changed, [`super::step`]), nor re-state an admission rule: the pipeline's one
 //! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
@@ -31,6 +34,7 @@ use crate::api::Mode;
 use crate::backend::Classify;
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::deadletter;
+use crate::backend::rabbitmq::pause;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report;
 
@@ -204,11 +208,72 @@ async fn claim_found(
     (claim(&ev, &t.owner, uid, t.adopt()), mark)
 }
 
-/// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, or why not.
+/// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, its pause marker
+/// included, or why not.
 pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Converged {
     let mut changes = Changes::default();
-    let outcome = converge(t, ctx, conn, &mut changes).await;
+    let mut outcome = converge(t, ctx, conn, &mut changes).await;
+    if let SubOutcome::Ready { object, .. } = &outcome
+        && let Err(failed) = keep_paused(t, ctx, conn, object, &mut changes).await
+    {
+        outcome = failed;
+    }
     changes.with(outcome)
+}
+
+/// The pause marker (`settle.paused.<queue>`, semantics W3) there exactly while the spec
+/// pauses: looked up while paused (one passive declare a check) and made when missing (a marker
+/// deleted by hand comes back); removed once when status still shows the pause. A Subscription
+/// never paused costs no call.
+async fn keep_paused(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    object: &ConsumerRef,
+    changes: &mut Changes,
+) -> Result<(), SubOutcome> {
+    let shown_paused = matches!(t.pause_shown.as_deref(), Some(s) if s != "False");
+    if !t.pause.is_paused() && !shown_paused {
+        return Ok(());
+    }
+    let known = Some(object.clone());
+    let amqp = conn
+        .connection()
+        .await
+        .map_err(|e| failure(BrokerError::of(e), known.clone()))?;
+    let queue = &object.name;
+    if t.pause.is_paused() {
+        ctx.metrics.js("queue.pause_marker");
+        if pause::is_set(&amqp, queue)
+            .await
+            .map_err(|e| failure(BrokerError::of(e), known.clone()))?
+        {
+            return Ok(());
+        }
+        ctx.metrics.js("queue.pause");
+        pause::set(&amqp, queue, &t.owner)
+            .await
+            .map_err(|e| failure(BrokerError::of(e), known.clone()))?;
+        let note = format!(
+            "paused queue {queue} {}: made the marker exchange {}, every application stops consuming within its pause poll interval",
+            t.pause.until_text(),
+            pause::marker(queue)
+        );
+        tracing::info!(subscription = %t.owner, %queue, op = ChangeKind::Paused.op(), "{note}");
+        changes.push(ChangeKind::Paused, note);
+    } else {
+        ctx.metrics.js("queue.resume");
+        pause::clear(&amqp, queue)
+            .await
+            .map_err(|e| failure(BrokerError::of(e), known.clone()))?;
+        let note = format!(
+            "resumed queue {queue}: removed the marker exchange {}",
+            pause::marker(queue)
+        );
+        tracing::info!(subscription = %t.owner, %queue, op = ChangeKind::Resumed.op(), "{note}");
+        changes.push(ChangeKind::Resumed, note);
+    }
+    Ok(())
 }
 
 async fn converge(

@@ -7,12 +7,13 @@
 //! It must not call a broker or the API server, and imports nothing from the pipeline or the
 //! steps.
 
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
 use super::conditions::events;
 use super::status::{ADOPT_ANNOTATION, SubOutcome};
 use crate::api::{ConsumerRef, Subscription};
-use crate::policy::ResolvedPolicy;
+use crate::policy::{Pause, ResolvedPolicy};
 
 /// `status.consumer.stream` of an SQS queue (SQS has no streams or exchanges).
 pub const SQS_STREAM: &str = "sqs";
@@ -32,10 +33,15 @@ pub struct Target<'a> {
     pub known: Option<ConsumerRef>,
     /// The UID annotation `settle.dev/adopt` names, if any (C15).
     pub adopt: Option<String>,
+    /// The pause the spec asks for now (`spec.paused`, `spec.pausedUntil`).
+    pub pause: Pause,
+    /// The `Paused` condition's status as status shows it (`None`: never paused).
+    pub pause_shown: Option<String>,
 }
 
 impl<'a> Target<'a> {
-    pub fn of(sub: &'a Subscription) -> Target<'a> {
+    /// The target of `sub` at `now` (which decides whether a `pausedUntil` has passed).
+    pub fn of(sub: &'a Subscription, now: Timestamp) -> Target<'a> {
         let namespace = sub.namespace().unwrap_or_default();
         let name = sub.name_any();
         Target {
@@ -46,6 +52,12 @@ impl<'a> Target<'a> {
             policy: ResolvedPolicy::resolve(&sub.spec.policy),
             known: sub.status.as_ref().and_then(|s| s.consumer.clone()),
             adopt: sub.annotations().get(ADOPT_ANNOTATION).cloned(),
+            pause: Pause::of(&sub.spec, now),
+            pause_shown: sub
+                .status
+                .as_ref()
+                .and_then(|s| super::conditions::find(&s.conditions, super::conditions::types::PAUSED))
+                .map(|c| c.status.clone()),
             sub,
         }
     }
@@ -70,6 +82,10 @@ pub enum ChangeKind {
     Updated,
     /// Taken over from an earlier object of this name, as the adopt annotation asked.
     Adopted,
+    /// Paused on the broker as the spec asks (JetStream's pause; a marker on RabbitMQ and SQS).
+    Paused,
+    /// Resumed on the broker as the spec asks.
+    Resumed,
 }
 
 impl ChangeKind {
@@ -80,6 +96,8 @@ impl ChangeKind {
             ChangeKind::Recreated => "recreate",
             ChangeKind::Updated => "update",
             ChangeKind::Adopted => "adopt",
+            ChangeKind::Paused => "pause",
+            ChangeKind::Resumed => "resume",
         }
     }
 
@@ -90,6 +108,8 @@ impl ChangeKind {
             ChangeKind::Recreated => events::RECREATED,
             ChangeKind::Updated => events::UPDATED,
             ChangeKind::Adopted => events::ADOPTED,
+            ChangeKind::Paused => events::PAUSED,
+            ChangeKind::Resumed => events::RESUMED,
         }
     }
 }

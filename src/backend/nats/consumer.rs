@@ -657,6 +657,8 @@ mod tests {
             },
             stream: None,
             deletion_policy: Default::default(),
+            paused: false,
+            paused_until: None,
             policy: DeliveryPolicy {
                 pattern: "orders.>".into(),
                 mode,

@@ -29,6 +29,8 @@ pub struct OwnerTags {
     pub subscription: Option<String>,
     /// [`OBJECT_TAG`]: the object's UID (none on queues made before Settle tagged one).
     pub object: Option<String>,
+    /// `settle-paused` (`super::pause::TAG`): the pause the operator left, read with the owner.
+    pub paused: Option<String>,
 }
 
 /// A failed SQS call.
@@ -79,7 +81,7 @@ pub fn is_auth_code(code: &str) -> bool {
     ) || code.ends_with("#AccessDenied")
 }
 
-fn classify<E, R>(operation: &'static str, e: SdkError<E, R>) -> AdminError
+pub(super) fn classify<E, R>(operation: &'static str, e: SdkError<E, R>) -> AdminError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
     R: std::fmt::Debug,
@@ -204,6 +206,7 @@ pub async fn owner(client: &Client, url: &str) -> Result<OwnerTags, AdminError> 
     Ok(OwnerTags {
         subscription: tags.remove(OWNER_TAG),
         object: tags.remove(OBJECT_TAG),
+        paused: tags.remove(super::pause::TAG),
     })
 }
 
