@@ -49,14 +49,22 @@ async fn paused_on_rabbitmq_nothing_is_delivered_until_resumed_then_all_once() {
     let scene = RabbitScene::new("pause-rabbit", PAUSE_SPEC, &flags(), &[POLL_ENV]).await;
     let app = scene.app("ack");
     pause_scenario(&scene, &app).await;
-    // The marker is gone with the pause.
-    let marker = settle::backend::rabbitmq::pause::marker(&scene.tag);
-    let (status, _) = common::rabbitmq::management(
-        "GET",
-        &format!("/api/exchanges/%2f/{}", common::rabbitmq::encode(&marker)),
-    );
-    assert_eq!(status, 404, "the marker exchange {marker} outlived the pause");
+    // Resumed: the paused marker gone, the running one there (the applications' checks answer
+    // without a refusal); both go with the Subscription.
+    use settle::backend::rabbitmq::pause::{paused_marker, running_marker};
+    let exchange = |name: &str| {
+        common::rabbitmq::management(
+            "GET",
+            &format!("/api/exchanges/%2f/{}", common::rabbitmq::encode(name)),
+        )
+        .0
+    };
+    let (paused, running) = (paused_marker(&scene.tag), running_marker(&scene.tag));
+    assert_eq!(exchange(&paused), 404, "{paused} outlived the pause");
+    assert_eq!(exchange(&running), 200, "{running} while it runs");
     drop(app);
+    scene.delete_orders(Duration::from_secs(60)).await;
+    assert_eq!(exchange(&running), 404, "{running} outlived the Subscription");
     scene.finish();
 }
 

@@ -15,8 +15,8 @@
 //! - The attempt is the quorum queue's `x-delivery-count` header + 1.
 //! - Retiring closes the consumer's channel: the broker requeues everything unsettled on it, so
 //!   a later settlement is Refused and never Stranded.
-//! - Paused (W3: the operator's marker exchange `settle.paused.<queue>` is there, checked every
-//!   pause poll interval by `backend::pause`): `basic.cancel`, so the broker sends nothing more;
+//! - Paused (W3: the operator's marker exchange `settle.paused.<queue>` is there and
+//!   `settle.running.<queue>` is not, checked every pause poll interval by `backend::pause`): `basic.cancel`, so the broker sends nothing more;
 //!   what it had sent (the prefetch) is still handed out, and every delivery taken settles on
 //!   the channel as before. Once the marker is gone, `basic.consume` again on the same channel.
 //!
@@ -60,13 +60,22 @@ impl RabbitBroker {
             ConsumerOwner::Operator => {
                 let conn = Arc::clone(&self.conn);
                 let queue = consumer_queue.clone();
+                let seen = Arc::new(AtomicBool::new(false));
                 PauseWatch::start(
                     BackendKind::Rabbitmq,
                     ctx.name(),
                     self.pause_poll,
                     move || {
-                        let (conn, queue) = (Arc::clone(&conn), queue.clone());
-                        async move { pause::is_set(&conn, &queue).await.map_err(|e| e.to_string()) }
+                        let (conn, queue, seen) =
+                            (Arc::clone(&conn), queue.clone(), Arc::clone(&seen));
+                        async move {
+                            let was = seen.load(Ordering::Relaxed);
+                            let now = pause::is_paused(&conn, &queue, was)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                            seen.store(now, Ordering::Relaxed);
+                            Ok(now)
+                        }
                     },
                 )
             }

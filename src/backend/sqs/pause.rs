@@ -23,8 +23,8 @@ use k8s_openapi::jiff::Timestamp;
 use super::admin::{AdminError, classify};
 use crate::policy::Pause;
 
-/// The tag that pauses a queue's applications.
-pub const TAG: &str = "settle-paused";
+/// The tag that pauses a queue's applications (kept beside the owner tags it is read with).
+pub use super::admin::PAUSE_TAG as TAG;
 /// Its value for a pause without an end (`paused: true` without `pausedUntil`).
 pub const INDEFINITE: &str = "indefinite";
 
