@@ -64,19 +64,17 @@ async fn paused_on_rabbitmq_nothing_is_delivered_until_resumed_then_all_once() {
     assert_eq!(exchange(&running), 200, "{running} while it runs");
     drop(app);
     scene.delete_orders(Duration::from_secs(60)).await;
-    assert_eq!(exchange(&running), 404, "{running} outlived the Subscription");
+    assert_eq!(
+        exchange(&running),
+        404,
+        "{running} outlived the Subscription"
+    );
     scene.finish();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_on_sqs_nothing_is_delivered_until_resumed_then_all_once() {
-    let scene = SqsScene::with_flags(
-        "pause-sqs",
-        PAUSE_SPEC,
-        &[POLL_ENV],
-        &flags(),
-    )
-    .await;
+    let scene = SqsScene::with_flags("pause-sqs", PAUSE_SPEC, &[POLL_ENV], &flags()).await;
     let app = scene.app("ack");
     pause_scenario(&scene, &app).await;
     drop(app);
@@ -153,7 +151,11 @@ async fn a_nats_consumer_resumed_by_hand_is_paused_again_and_a_time_ends_the_pau
         Duration::from_secs(30),
         || async {
             match live_pause(&scene).await {
-                (true, Some(u)) if u.parse::<k8s_openapi::jiff::Timestamp>().ok() == Some(until) => Ok(()),
+                (true, Some(u))
+                    if u.parse::<k8s_openapi::jiff::Timestamp>().ok() == Some(until) =>
+                {
+                    Ok(())
+                }
                 other => Err(format!("{other:?}")),
             }
         },
@@ -166,7 +168,10 @@ async fn a_nats_consumer_resumed_by_hand_is_paused_again_and_a_time_ends_the_pau
     );
     let (reason, _) = wait_shown(&scene, "Paused", "False").await;
     assert_eq!(reason, "NotPaused");
-    assert!(!live_pause(&scene).await.0, "the server resumed it at its time");
+    assert!(
+        !live_pause(&scene).await.0,
+        "the server resumed it at its time"
+    );
     scene.finish().await;
 }
 
@@ -185,6 +190,9 @@ async fn a_nats_subscription_made_paused_has_its_consumer_paused_from_the_start(
     let ops = scene
         .op
         .metric("settle_consumer_operations_total", &[("op", "pause")]);
-    assert_eq!(ops, 0.0, "made paused in its create: no pause call after it");
+    assert_eq!(
+        ops, 0.0,
+        "made paused in its create: no pause call after it"
+    );
     scene.finish().await;
 }

@@ -477,18 +477,41 @@ fn pause_and_resume_patch_the_spec_and_nothing_else() {
         (Value::Bool(true), None),
         "{spec}"
     );
-    settle_ok(&["pause", "orders", "--until", "2099-01-01T00:00:00Z", "-n", &ns]);
-    assert_eq!(spec_of(&ns, "orders")["pausedUntil"], "2099-01-01T00:00:00Z");
+    settle_ok(&[
+        "pause",
+        "orders",
+        "--until",
+        "2099-01-01T00:00:00Z",
+        "-n",
+        &ns,
+    ]);
+    assert_eq!(
+        spec_of(&ns, "orders")["pausedUntil"],
+        "2099-01-01T00:00:00Z"
+    );
 
     // A time already passed is refused before anything is sent.
-    let out = settle(&["pause", "orders", "--until", "2020-01-01T00:00:00Z", "-n", &ns]);
+    let out = settle(&[
+        "pause",
+        "orders",
+        "--until",
+        "2020-01-01T00:00:00Z",
+        "-n",
+        &ns,
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("has passed already"), "{stderr}");
-    assert_eq!(spec_of(&ns, "orders")["pausedUntil"], "2099-01-01T00:00:00Z");
+    assert_eq!(
+        spec_of(&ns, "orders")["pausedUntil"],
+        "2099-01-01T00:00:00Z"
+    );
 
     let out = settle_ok(&["resume", "orders", "-n", &ns]);
-    assert!(out.contains(&format!("Subscription {ns}/orders resumed")), "{out}");
+    assert!(
+        out.contains(&format!("Subscription {ns}/orders resumed")),
+        "{out}"
+    );
     assert_eq!(spec_of(&ns, "orders"), before, "resume removes both fields");
 
     // Another namespace's, or none: not found, exit status 1.

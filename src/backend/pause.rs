@@ -147,7 +147,8 @@ impl PauseWatch {
                             tracing::info!(subscription = %name, "the pause signal can be read again");
                             failing = false;
                         }
-                        let changed = tx.send_if_modified(|p| std::mem::replace(p, paused) != paused);
+                        let changed =
+                            tx.send_if_modified(|p| std::mem::replace(p, paused) != paused);
                         if changed {
                             tracing::info!(subscription = %name, paused, "the operator's pause signal changed: {}", if paused { "fetching stops (deliveries already taken finish)" } else { "fetching resumes" });
                         }
@@ -194,17 +195,22 @@ mod tests {
         let fail = Arc::new(AtomicBool::new(false));
         let calls = Arc::new(AtomicU32::new(0));
         let (s, f, c) = (signal.clone(), fail.clone(), calls.clone());
-        let w = PauseWatch::start(BackendKind::Rabbitmq, "t", Duration::from_secs(5), move || {
-            let (s, f, c) = (s.clone(), f.clone(), c.clone());
-            async move {
-                c.fetch_add(1, Ordering::SeqCst);
-                if f.load(Ordering::SeqCst) {
-                    Err("down".to_string())
-                } else {
-                    Ok(s.load(Ordering::SeqCst))
+        let w = PauseWatch::start(
+            BackendKind::Rabbitmq,
+            "t",
+            Duration::from_secs(5),
+            move || {
+                let (s, f, c) = (s.clone(), f.clone(), c.clone());
+                async move {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    if f.load(Ordering::SeqCst) {
+                        Err("down".to_string())
+                    } else {
+                        Ok(s.load(Ordering::SeqCst))
+                    }
                 }
-            }
-        });
+            },
+        );
         let mut rx = w.receiver();
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert!(!w.is_paused());
@@ -217,9 +223,16 @@ mod tests {
         fail.store(true, Ordering::SeqCst);
         signal.store(false, Ordering::SeqCst);
         tokio::time::sleep(Duration::from_secs(17)).await;
-        assert!(w.is_paused(), "a broker that does not answer resumes nothing");
+        assert!(
+            w.is_paused(),
+            "a broker that does not answer resumes nothing"
+        );
         fail.store(false, Ordering::SeqCst);
         assert!(until(&mut rx, false).await);
-        assert_eq!(calls.load(Ordering::SeqCst), 6, "checks at 0, 5, 10, 15, 20, 25 s");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            6,
+            "checks at 0, 5, 10, 15, 20, 25 s"
+        );
     }
 }

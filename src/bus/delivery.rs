@@ -109,7 +109,8 @@ impl SubscriptionCtx {
 
     /// The backend stopped fetching for a pause (`true`), or fetches again (`false`).
     pub fn set_paused(&self, paused: bool) {
-        self.paused.send_if_modified(|p| std::mem::replace(p, paused) != paused);
+        self.paused
+            .send_if_modified(|p| std::mem::replace(p, paused) != paused);
     }
 
     /// Whether the backend's fetching is paused, as a watch ([`SubscriptionCtx::set_paused`]).

@@ -53,11 +53,7 @@ pub async fn patch(
     body: &Value,
 ) -> Result<(), Error> {
     match api
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(body),
-        )
+        .patch(name, &PatchParams::default(), &Patch::Merge(body))
         .await
     {
         Ok(_) => Ok(()),
@@ -95,8 +91,8 @@ mod tests {
 
     #[test]
     fn for_a_duration_ends_that_long_from_now_in_whole_seconds() {
-        let now = Timestamp::from_second(1_800_000_000).expect("time")
-            + SignedDuration::from_millis(400);
+        let now =
+            Timestamp::from_second(1_800_000_000).expect("time") + SignedDuration::from_millis(400);
         let t = after(now, std::time::Duration::from_secs(1800)).expect("a time");
         assert_eq!(t.as_second(), 1_800_001_800);
         assert_eq!(t.subsec_nanosecond(), 0);

@@ -106,7 +106,10 @@ mod tests {
     fn the_fields_round_trip_and_are_left_out_when_unset() {
         let s = spec(false, None);
         let v = serde_json::to_value(&s).expect("json");
-        assert!(v.get("paused").is_none() && v.get("pausedUntil").is_none(), "{v}");
+        assert!(
+            v.get("paused").is_none() && v.get("pausedUntil").is_none(),
+            "{v}"
+        );
         let s = spec(true, Some(1_764_583_200));
         let v = serde_json::to_value(&s).expect("json");
         assert_eq!(v["paused"], true);

@@ -119,7 +119,9 @@ pub fn validate(
 /// refused. A time already passed is not refused (every pause with a time passes it, and the
 /// rules have no clock): it means resumed.
 fn pause_rules(v: &mut Verdict, spec: &SubscriptionSpec) {
-    if !spec.paused && let Some(until) = &spec.paused_until {
+    if !spec.paused
+        && let Some(until) = &spec.paused_until
+    {
         v.error(
             "spec.pausedUntil",
             format!(

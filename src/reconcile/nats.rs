@@ -91,7 +91,11 @@ async fn keep_paused(
                     "CONSUMER.PAUSE answered paused={} (until {:?}) where the spec asks to be {} (JetStream's pause needs nats-server 2.11 or newer)",
                     now.paused,
                     now.until.map(|t| t.to_string()),
-                    if t.pause.is_paused() { "paused" } else { "running" }
+                    if t.pause.is_paused() {
+                        "paused"
+                    } else {
+                        "running"
+                    }
                 ),
             },
             Some(object.clone()),
@@ -100,7 +104,10 @@ async fn keep_paused(
     let (kind, note) = match t.pause {
         Pause::Running => (
             ChangeKind::Resumed,
-            format!("resumed consumer {} on stream {}", object.name, object.stream),
+            format!(
+                "resumed consumer {} on stream {}",
+                object.name, object.stream
+            ),
         ),
         p => (
             ChangeKind::Paused,

@@ -264,7 +264,10 @@ async fn keep_paused(
     if t.pause.is_paused() {
         ctx.metrics.js("queue.pause_marker");
         // As an application that last saw it running asks: the running marker must be gone.
-        if pause::is_paused(&amqp, queue, false).await.map_err(broker)? {
+        if pause::is_paused(&amqp, queue, false)
+            .await
+            .map_err(broker)?
+        {
             return Ok(());
         }
         ctx.metrics.js("queue.pause");
@@ -280,7 +283,9 @@ async fn keep_paused(
         changes.push(ChangeKind::Paused, note);
     } else if shown_paused {
         ctx.metrics.js("queue.resume");
-        pause::resume(&amqp, queue, &t.owner).await.map_err(broker)?;
+        pause::resume(&amqp, queue, &t.owner)
+            .await
+            .map_err(broker)?;
         note_marked(true);
         let note = format!(
             "resumed queue {queue}: removed the marker exchange {}",

@@ -293,11 +293,11 @@ async fn converge(
         }
     };
     let attributes = queue::attributes(&want, dlq_arn.as_deref());
-    let found =
-        match find_or_create(client, ctx, t, &want.name, attributes.clone(), changes).await {
-            Ok(x) => x,
-            Err(o) => return o,
-        };
+    let found = match find_or_create(client, ctx, t, &want.name, attributes.clone(), changes).await
+    {
+        Ok(x) => x,
+        Err(o) => return o,
+    };
     let (url, new) = (found.url.clone(), found.new);
     *queue_found = Some(found);
     if new {

@@ -56,7 +56,9 @@ impl<'a> Target<'a> {
             pause_shown: sub
                 .status
                 .as_ref()
-                .and_then(|s| super::conditions::find(&s.conditions, super::conditions::types::PAUSED))
+                .and_then(|s| {
+                    super::conditions::find(&s.conditions, super::conditions::types::PAUSED)
+                })
                 .map(|c| c.status.clone()),
             sub,
         }

@@ -99,7 +99,9 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
             let every = if polled { ctx.drift } else { ctx.resync };
             // A pause that ends by itself is looked at again when it ends: `Paused` turns
             // False then, and the RabbitMQ marker goes.
-            Action::requeue(until_pause_ends(target.pause, Timestamp::now()).map_or(every, |d| d.min(every)))
+            Action::requeue(
+                until_pause_ends(target.pause, Timestamp::now()).map_or(every, |d| d.min(every)),
+            )
         }
         // Nothing on the broker announces that these were fixed there (a queue): looked at
         // again.

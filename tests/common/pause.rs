@@ -79,9 +79,11 @@ pub async fn pause_scenario<S: PauseScene>(scene: &S, app: &App) {
     scene.publish(bodies(3)).await;
     app.wait_count("acked ", 3, Duration::from_secs(60)).await;
     scene
-        .wait_stats("the first three acked in status", Duration::from_secs(60), |s| {
-            s.settlement.acked == 3
-        })
+        .wait_stats(
+            "the first three acked in status",
+            Duration::from_secs(60),
+            |s| s.settlement.acked == 3,
+        )
         .await;
 
     // Pause.
@@ -108,8 +110,14 @@ pub async fn pause_scenario<S: PauseScene>(scene: &S, app: &App) {
     let sub = scene.sub().await;
     let st = sub.status.clone().unwrap_or_default();
     let stats = st.stats.clone().unwrap_or_default();
-    assert_eq!(stats.counters.delivered, 3, "nothing delivered while paused: {stats:?}");
-    assert_eq!(stats.counters.offered, 3, "nothing offered while paused: {stats:?}");
+    assert_eq!(
+        stats.counters.delivered, 3,
+        "nothing delivered while paused: {stats:?}"
+    );
+    assert_eq!(
+        stats.counters.offered, 3,
+        "nothing offered while paused: {stats:?}"
+    );
     let stalled = condition(&st.conditions, "Stalled");
     assert!(
         matches!(&stalled, Some((s, reason, _)) if s == "False" && reason == "Paused"),

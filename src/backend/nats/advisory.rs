@@ -274,7 +274,10 @@ mod tests {
                 "$JS.API.CONSUMER.DURABLE.CREATE.ORDERS.d",
                 Some(("ORDERS", "d")),
             ),
-            ("$JS.API.CONSUMER.PAUSE.ORDERS.orders", Some(("ORDERS", "orders"))),
+            (
+                "$JS.API.CONSUMER.PAUSE.ORDERS.orders",
+                Some(("ORDERS", "orders")),
+            ),
             ("$JS.API.CONSUMER.INFO.ORDERS.orders", None),
             ("$JS.API.STREAM.CREATE.ORDERS", None),
             ("$JS.API.CONSUMER.CREATE.ORDERS", None),

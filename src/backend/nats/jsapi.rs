@@ -230,7 +230,10 @@ async fn put(
         .map_err(|e| NatsError::Unreachable(format!("cannot encode the consumer config: {e}")))?;
     if let (Some(t), Some(map)) = (pause_until, config.as_object_mut()) {
         // Honoured on a create only (an update ignores it: pause_consumer changes a pause).
-        map.insert("pause_until".into(), serde_json::Value::String(t.to_string()));
+        map.insert(
+            "pause_until".into(),
+            serde_json::Value::String(t.to_string()),
+        );
     }
     let body = CreateRequest {
         stream_name: &c.stream,

@@ -100,7 +100,10 @@ mod tests {
             "paused by hand: resumed"
         );
         assert!(live(true, Some(2_000_000_000)).matches(until));
-        assert!(!live(true, Some(2_000_000_001)).matches(until), "another time");
+        assert!(
+            !live(true, Some(2_000_000_001)).matches(until),
+            "another time"
+        );
         assert!(
             !live(false, None).matches(until),
             "resumed by hand: paused again"

@@ -39,8 +39,8 @@ use lapin::{BasicProperties, Channel};
 use super::admin::{self, reply_code};
 use super::pause;
 use super::queue::{self, QueueSpec};
-use crate::backend::pause::PauseWatch;
 use super::{RabbitBroker, RabbitError, amqp, broker_err, report};
+use crate::backend::pause::PauseWatch;
 use crate::bus::{
     self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, SubscriptionCtx,
@@ -312,12 +312,6 @@ enum Flow {
     Stopped,
 }
 
-/// What one wait in `next` saw.
-enum Next {
-    Got(Option<Result<lapin::message::Delivery, lapin::Error>>),
-    PauseAsked,
-}
-
 impl RabbitConsumer {
     fn delivery(&self, m: lapin::message::Delivery) -> Delivery {
         let attempt = attempt(&m.properties, m.redelivered);
@@ -397,14 +391,12 @@ impl Consumer for RabbitConsumer {
                 let consumer = self.consumer.as_mut()?;
                 let mut rx = self.pause.receiver();
                 let watching = self.flow == Flow::Consuming;
+                // `None`: a pause was asked while waiting.
                 let next = tokio::select! {
-                    m = consumer.next() => Next::Got(m),
-                    true = async { watching && crate::backend::pause::until(&mut rx, true).await } => Next::PauseAsked,
+                    m = consumer.next() => Some(m),
+                    true = async { watching && crate::backend::pause::until(&mut rx, true).await } => None,
                 };
-                let got = match next {
-                    Next::PauseAsked => continue,
-                    Next::Got(m) => m,
-                };
+                let Some(got) = next else { continue };
                 match got {
                     Some(Ok(m)) => return Some(self.delivery(m)),
                     Some(Err(e)) => {

@@ -110,7 +110,10 @@ async fn exists(conn: &Connection, name: &str) -> Result<bool, AdminError> {
             Ok(true)
         }
         Err(e) if reply_code(&e) == Some(404) => Ok(false),
-        Err(e) => Err(classify(format!("looking up the pause marker {name:?}"), &e)),
+        Err(e) => Err(classify(
+            format!("looking up the pause marker {name:?}"),
+            &e,
+        )),
     }
 }
 
@@ -164,6 +167,9 @@ mod tests {
     #[test]
     fn the_markers_are_named_after_the_queue_under_settles_prefix() {
         assert_eq!(paused_marker("orders"), "settle.paused.orders");
-        assert_eq!(running_marker("settle_shop_a"), "settle.running.settle_shop_a");
+        assert_eq!(
+            running_marker("settle_shop_a"),
+            "settle.running.settle_shop_a"
+        );
     }
 }

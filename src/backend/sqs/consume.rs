@@ -40,11 +40,11 @@ use tokio::task::JoinHandle;
 use super::hold::hold;
 use super::{BODY_ENCODING_ATTRIBUTE, SqsBroker, SqsError, admin, api, lock, pause, queue, report};
 use crate::backend::pause::PauseWatch;
-use crate::policy::BackendKind;
 use crate::bus::{
     self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, SubscriptionCtx,
 };
+use crate::policy::BackendKind;
 
 /// SQS's largest batch of one receive.
 const MAX_BATCH: usize = 10;
@@ -106,15 +106,15 @@ impl SqsBroker {
         let (pause, wait) = match ctx.binding().owner {
             ConsumerOwner::Operator => {
                 let (client, url) = (self.client.clone(), bound.url.clone());
-                let watch = PauseWatch::start(
-                    BackendKind::Sqs,
-                    ctx.name(),
-                    self.pause_poll,
-                    move || {
+                let watch =
+                    PauseWatch::start(BackendKind::Sqs, ctx.name(), self.pause_poll, move || {
                         let (client, url) = (client.clone(), url.clone());
-                        async move { pause::is_set(&client, &url).await.map_err(|e| e.to_string()) }
-                    },
-                );
+                        async move {
+                            pause::is_set(&client, &url)
+                                .await
+                                .map_err(|e| e.to_string())
+                        }
+                    });
                 let wait = self
                     .long_poll
                     .min(self.pause_poll)
