@@ -22,7 +22,7 @@
 //!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work.
 //!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
 //!     Subscription stalls);
-//!   - `ack`: acks every message at once.
+//!   - `ack`: acks every message at once, printing `acked <body>`.
 //!   - `ack-seen`: acks every message at once, printing `seen <body> <attempt>` as each attempt
 //!     starts (the adoption tests count deliveries by it).
 //!   - `nack-first`: declines a message's first attempt and acks every later one, after
@@ -34,8 +34,10 @@
 //! SIGTERM or Ctrl-C is the graceful stop (`settle::bus::stop_signal`, then `Bus::close`):
 //! handlers in flight finish, the last report is confirmed, then it prints `closed` and exits.
 //! It prints `ready` once subscribed, `held <body>` when it starts holding an attempt (a last
-//! one under `nack-then-hold`, every one under `hold`), and
-//! `working <body>` when a `slow-ack` handler starts.
+//! one under `nack-then-hold`, every one under `hold`),
+//! `working <body>` when a `slow-ack` handler starts, and `paused` / `resumed` when the runtime
+//! stops and starts fetching for the operator's pause (RabbitMQ, SQS; `SETTLE_PAUSE_POLL_INTERVAL`
+//! sets how often it looks).
 
 use settle::api;
 use settle::backend::nats::NatsBroker;
@@ -85,7 +87,11 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
             std::future::pending::<()>().await;
             Ok(())
         }
-        Behaviour::Ack => Ok(d.ack().await?),
+        Behaviour::Ack => {
+            d.ack().await?;
+            println!("acked {body}");
+            Ok(())
+        }
         Behaviour::AckSeen => {
             println!("seen {body} {}", d.attempt());
             Ok(d.ack().await?)
@@ -228,6 +234,16 @@ async fn run(
     ))
     .await?;
     println!("ready");
+    // RabbitMQ and SQS stop fetching while the operator says the Subscription is paused: the
+    // tests wait for these lines before they publish.
+    if let Some(mut paused) = bus.paused(&name) {
+        tokio::spawn(async move {
+            while paused.changed().await.is_ok() {
+                let now = *paused.borrow_and_update();
+                println!("{}", if now { "paused" } else { "resumed" });
+            }
+        });
+    }
     let run_for = match std::env::var("SETTLE_RUN_FOR") {
         Ok(t) => Some(t.parse::<api::Duration>()?.get()),
         Err(_) => None,

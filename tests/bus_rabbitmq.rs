@@ -530,6 +530,8 @@ async fn a_stream_from_the_resource_is_refused_by_the_bus_in_the_admission_rules
         policy: scope.alo("st"),
         deletion_policy: Default::default(),
         adopt: Default::default(),
+        paused: false,
+        paused_until: None,
     };
     let err = tokio::time::timeout(
         Duration::from_secs(10),
@@ -588,6 +590,8 @@ async fn a_runtime_built_from_the_resource_waits_for_the_operators_queue_and_nev
         policy: policy.clone(),
         deletion_policy: Default::default(),
         adopt: Default::default(),
+        paused: false,
+        paused_until: None,
     };
     let seen = Seen::default();
     let s = seen.clone();

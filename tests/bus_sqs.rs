@@ -471,6 +471,8 @@ async fn a_subscription_from_a_resource_waits_for_the_operators_queue_and_never_
         policy: alo("billing"),
         deletion_policy: Default::default(),
         adopt: Default::default(),
+        paused: false,
+        paused_until: None,
     };
     let seen = Seen::default();
     let s = seen.clone();

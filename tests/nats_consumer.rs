@@ -305,6 +305,8 @@ async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_ne
         stream: Some(s.name.clone()),
         deletion_policy: Default::default(),
         adopt: Default::default(),
+        paused: false,
+        paused_until: None,
         policy: s.policy(|_| {}),
     };
     let seen = Arc::new(AtomicUsize::new(0));

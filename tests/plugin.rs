@@ -428,3 +428,99 @@ fn the_krew_manifest_installs_this_binary_on_each_platform() {
         "every platform's archive is named for the binary:\n{manifest}"
     );
 }
+
+/// Subscription `name`'s spec as the API server stores it.
+fn spec_of(ns: &str, name: &str) -> Value {
+    let text = common::kubectl_ok(&["get", "subscription", name, "-n", ns, "-o", "json"], None);
+    serde_json::from_str::<Value>(&text).expect("json")["spec"].clone()
+}
+
+#[test]
+fn pause_and_resume_patch_the_spec_and_nothing_else() {
+    // A namespace of its own: the shared scene's Subscriptions keep their specs.
+    common::install_crds();
+    let ns = common::namespace("plugin-pause");
+    common::subs::apply(
+        &ns,
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {name: orders}\nspec:\n  backendRef: {name: rabbit}\n  pattern: orders.#\n  mode: AtLeastOnce\n  durableName: orders\n",
+    );
+    let before = spec_of(&ns, "orders");
+
+    let out = settle_ok(&["pause", "orders", "--for", "30m", "-n", &ns]);
+    let spec = spec_of(&ns, "orders");
+    assert_eq!(spec["paused"], true, "{spec}");
+    let until: k8s_openapi::jiff::Timestamp = spec["pausedUntil"]
+        .as_str()
+        .expect("pausedUntil")
+        .parse()
+        .expect("RFC 3339");
+    let left = until.duration_since(k8s_openapi::jiff::Timestamp::now());
+    assert!(
+        (1790..=1800).contains(&left.as_secs()),
+        "--for 30m ends 30 minutes from now: {until} ({left:?})"
+    );
+    assert!(
+        out.starts_with(&format!("Subscription {ns}/orders paused until {until}")),
+        "{out}"
+    );
+    let mut others = spec.clone();
+    let fields = others.as_object_mut().expect("an object");
+    fields.remove("paused");
+    fields.remove("pausedUntil");
+    assert_eq!(others, before, "nothing else of the spec changed");
+
+    // Paused again without a time: the time goes; with --until: that time.
+    settle_ok(&["pause", "orders", "-n", &ns]);
+    let spec = spec_of(&ns, "orders");
+    assert_eq!(
+        (spec["paused"].clone(), spec.get("pausedUntil")),
+        (Value::Bool(true), None),
+        "{spec}"
+    );
+    settle_ok(&[
+        "pause",
+        "orders",
+        "--until",
+        "2099-01-01T00:00:00Z",
+        "-n",
+        &ns,
+    ]);
+    assert_eq!(
+        spec_of(&ns, "orders")["pausedUntil"],
+        "2099-01-01T00:00:00Z"
+    );
+
+    // A time already passed is refused before anything is sent.
+    let out = settle(&[
+        "pause",
+        "orders",
+        "--until",
+        "2020-01-01T00:00:00Z",
+        "-n",
+        &ns,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("has passed already"), "{stderr}");
+    assert_eq!(
+        spec_of(&ns, "orders")["pausedUntil"],
+        "2099-01-01T00:00:00Z"
+    );
+
+    let out = settle_ok(&["resume", "orders", "-n", &ns]);
+    assert!(
+        out.contains(&format!("Subscription {ns}/orders resumed")),
+        "{out}"
+    );
+    assert_eq!(spec_of(&ns, "orders"), before, "resume removes both fields");
+
+    // Another namespace's, or none: not found, exit status 1.
+    let out = settle(&["resume", "orders", "-n", "default"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not found in namespace \"default\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

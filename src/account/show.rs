@@ -19,7 +19,7 @@ use super::status::{self, LossLog, Trouble};
 use super::writer::{Write, Writer};
 use crate::api::condition::{Status, Want};
 use crate::api::{ConsumerStats, Subscription, SubscriptionStats};
-use crate::policy::ResolvedPolicy;
+use crate::policy::{Pause, ResolvedPolicy};
 
 /// What every Subscription of one keeper's round shares.
 pub struct Round<'a> {
@@ -127,9 +127,17 @@ fn stall_condition(
         policy.ack_wait,
         policy.nack_ceiling(),
     );
-    // A paused Subscription (spec.paused, issue 23) delivers nothing by choice: when it comes,
-    // it is judged here, before the watch (no stall while paused, the watch begun again on
-    // resume).
+    // A paused Subscription (spec.paused) delivers nothing by choice: no stall while paused,
+    // and the watch begins again on resume (a whole window before a stall).
+    let now_ts = i64::try_from(round.now_ms)
+        .ok()
+        .and_then(|ms| k8s_openapi::jiff::Timestamp::from_millisecond(ms).ok())
+        .unwrap_or_else(k8s_openapi::jiff::Timestamp::now);
+    let pause = Pause::of(&sub.spec, now_ts);
+    if pause.is_paused() {
+        showing.stall = None;
+        return stall::paused(pause, window);
+    }
     let now = tokio::time::Instant::now();
     let delivered = stats.counters.delivered;
     let watch = showing.stall.get_or_insert_with(|| {

@@ -7,7 +7,8 @@
 //! within an ackWait (or has its lease extended and returns within maxProcessingTime), and a
 //! declined message comes back within that delay, so that long without one return, while
 //! messages wait, is not a slow handler nor a backoff. The watch starts again whenever nothing
-//! is owed: a message published after an idle hour is not an hour late.
+//! is owed: a message published after an idle hour is not an hour late. A paused Subscription
+//! (`spec.paused`) is never stalled: [`paused`] says so, and its watch begins anew on resume.
 //!
 //! Pure: no I/O and no clock of its own (times come in as arguments, on Tokio's clock so the
 //! tests run on a paused one). It must not count (that is the ledger) nor write (that is the
@@ -34,6 +35,9 @@ pub mod reasons {
     pub const DELIVERING: &str = "Delivering";
     /// Nothing is owed.
     pub const NOTHING_PENDING: &str = "NothingPending";
+    /// The Subscription is paused (`spec.paused`): nothing is offered by choice, which is no
+    /// stall.
+    pub const PAUSED: &str = "Paused";
 }
 
 /// How many ackWaits without a handler returning make a stall (above the floor).
@@ -191,6 +195,22 @@ pub fn want(verdict: Verdict, window: Duration) -> Want {
             "no message is pending.",
         ),
     }
+}
+
+/// The `Stalled` condition of a paused Subscription: False, whatever is pending (a pause
+/// delivers nothing by choice); the watch starts anew on resume.
+pub fn paused(pause: crate::policy::Pause, window: Duration) -> Want {
+    Want::new(
+        STALLED,
+        Status::False,
+        reasons::PAUSED,
+        format!(
+            "delivery is paused {} (see Paused): messages pending while paused are no stall; the \
+             watch starts again on resume (window {})",
+            pause.until_text(),
+            window_text(window)
+        ),
+    )
 }
 
 #[cfg(test)]

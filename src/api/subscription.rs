@@ -54,6 +54,18 @@ pub struct SubscriptionSpec {
     /// this Subscription's.
     #[serde(default, skip_serializing_if = "Adopt::is_never")]
     pub adopt: Adopt,
+    /// Pause delivery without deleting anything: the consumer (or queue) and its messages stay,
+    /// nothing is offered to handlers, and the account keeps counting. On NATS the consumer is
+    /// paused on the server (JetStream's pause, nats-server 2.11+); on RabbitMQ and SQS every
+    /// application stops fetching. False (the default) resumes; delivery picks up where it
+    /// stopped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
+    /// When a pause ends by itself (RFC 3339, e.g. 2026-12-01T10:00:00Z). Only with
+    /// `paused: true`; unset, the pause lasts until `paused` is set false. A time already
+    /// passed means resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_until: Option<Time>,
     /// The delivery policy.
     #[serde(flatten)]
     pub policy: DeliveryPolicy,

@@ -9,12 +9,15 @@
 //! (`nats/jsapi.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
 //! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
 //! controllers map no broker's error by hand; a refusal for a broker's limit (a stream's
-//! `max_consumers`, a vhost's `max-queues`) is typed once, in [`limit`]. This module must not
+//! `max_consumers`, a vhost's `max-queues`) is typed once, in [`limit`]; the runtime's poll of a
+//! pause signal on brokers without a pause of their own (RabbitMQ, SQS), in [`pause`]. This
+//! module must not
 //! decide policy (that is `policy`) nor talk to Kubernetes.
 
 pub mod limit;
 pub mod memory;
 pub mod nats;
+pub mod pause;
 pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;

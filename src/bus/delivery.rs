@@ -35,6 +35,8 @@ pub struct SubscriptionCtx {
     pub(crate) counters: Arc<Counters>,
     /// Which Subscription object the counts go to now, and since when.
     epoch: Mutex<Epoch>,
+    /// Whether the backend stopped fetching for a pause (RabbitMQ, SQS).
+    paused: tokio::sync::watch::Sender<bool>,
 }
 
 /// The stretch of a subscription's counts that belongs to one Subscription object: what the
@@ -101,7 +103,19 @@ impl SubscriptionCtx {
                 started_at_ms,
                 ..Epoch::default()
             }),
+            paused: tokio::sync::watch::Sender::new(false),
         })
+    }
+
+    /// The backend stopped fetching for a pause (`true`), or fetches again (`false`).
+    pub fn set_paused(&self, paused: bool) {
+        self.paused
+            .send_if_modified(|p| std::mem::replace(p, paused) != paused);
+    }
+
+    /// Whether the backend's fetching is paused, as a watch ([`SubscriptionCtx::set_paused`]).
+    pub fn paused(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.paused.subscribe()
     }
 
     /// A backend bound the subscription to a consumer the operator marked as Subscription

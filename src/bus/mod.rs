@@ -280,6 +280,15 @@ impl Bus {
         lock(&self.inner.ctxs).get(name).map(|c| c.stats())
     }
 
+    /// Whether a subscription's fetching is paused now (`true` once its backend stopped taking
+    /// deliveries for a pause, `false` again once it takes them): a watch, so an application
+    /// can say so in its readiness or logs. Only backends without a pause of their own set it
+    /// (RabbitMQ, SQS: the runtime stops fetching); on JetStream the server pauses the consumer
+    /// and this stays `false` (docs/semantics.md W1–W6).
+    pub fn paused(&self, name: &str) -> Option<watch::Receiver<bool>> {
+        lock(&self.inner.ctxs).get(name).map(|c| c.paused())
+    }
+
     /// Handler errors and panics of a subscription.
     pub fn runtime_stats(&self, name: &str) -> Option<RuntimeStats> {
         lock(&self.inner.ctxs).get(name).map(|c| c.runtime_stats())

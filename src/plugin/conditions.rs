@@ -1,5 +1,6 @@
 //! Which of a Subscription's conditions are healthy: `Accepted`, `Ready` and `Accounted` when
-//! True; `Exhausting`, `Stranding` and `Stalled` when False. The types are the writers' own
+//! True; `Exhausting`, `Stranding`, `Stalled` and `Paused` when False (a pause is no fault, but
+//! nothing is delivered while it lasts, so it is shown). The types are the writers' own
 //! constants (`reconcile::conditions`, `account::status`, `account::stall`), never retyped.
 //!
 //! Pure. It must not decide a condition, only read one; a type it does not know is always shown
@@ -9,12 +10,13 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
 use crate::account::stall::STALLED;
 use crate::account::status::types::{ACCOUNTED, EXHAUSTING, STRANDING};
-use crate::reconcile::conditions::types::{ACCEPTED, READY};
+use crate::reconcile::conditions::types::{ACCEPTED, PAUSED, READY};
 
 /// The conditions whose True is the healthy state.
 const GOOD_WHEN_TRUE: [&str; 3] = [ACCEPTED, READY, ACCOUNTED];
-/// The conditions whose True is the trouble.
-const BAD_WHEN_TRUE: [&str; 3] = [EXHAUSTING, STRANDING, STALLED];
+/// The conditions whose True is the trouble (or, for `Paused`, worth seeing: nothing is
+/// offered).
+const BAD_WHEN_TRUE: [&str; 4] = [EXHAUSTING, STRANDING, STALLED, PAUSED];
 
 /// Whether `c` is healthy; `None` for a type this plugin does not know.
 pub fn healthy(c: &Condition) -> Option<bool> {
@@ -90,7 +92,16 @@ mod tests {
             healthy(&cond("Accounted", "False", "CaptureGap", "")),
             Some(false)
         );
-        assert_eq!(healthy(&cond("Paused", "True", "Asked", "")), None);
+        assert_eq!(healthy(&cond("Throttled", "True", "Asked", "")), None);
+        assert_eq!(
+            healthy(&cond("Paused", "True", "PausedBySpec", "")),
+            Some(false),
+            "a pause is shown"
+        );
+        assert_eq!(
+            healthy(&cond("Paused", "False", "NotPaused", "")),
+            Some(true)
+        );
     }
 
     #[test]
@@ -101,7 +112,9 @@ mod tests {
             cond("Exhausting", "True", "MessagesExhausted", ""),
             cond("Accounted", "False", "CaptureGap", ""),
             cond("Stranding", "False", "NoneStranded", ""),
-            cond("Paused", "True", "Asked", ""),
+            cond("Throttled", "True", "Asked", ""),
+            cond("Paused", "True", "PausedBySpec", ""),
+            cond("Paused", "False", "NotPaused", ""),
         ];
         let labels: Vec<String> = shown(&shown_)
             .iter()
@@ -113,7 +126,8 @@ mod tests {
                 "Ready=Unknown",
                 "Exhausting",
                 "Accounted=False",
-                "Paused=True"
+                "Throttled=True",
+                "Paused"
             ]
         );
         assert_eq!(

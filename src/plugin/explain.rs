@@ -52,6 +52,11 @@ fn next_step(reason: &str, sub: &Subscription) -> String {
         account::MESSAGES_EXHAUSTED => "find why the handler declines them (its logs, nacked growing), fix it, and replay the messages if they matter; it turns False by itself once the loss window passes without loss".into(),
         account::MESSAGES_STRANDED => "find why the consumer went away (`kubectl get events`, deleted on the broker, a changed durableName) and republish the messages if they matter".into(),
         stall::NOTHING_DELIVERED => "look at the application: its pods, a handler that blocks (`kubectl logs`); it turns False by itself once a handler returns".into(),
+        reconcile::PAUSED_BY_SPEC => format!(
+            "paused on purpose (spec.paused): nothing is offered until `kubectl settle resume {} -n {ns}` (or spec.pausedUntil passes)",
+            sub.metadata.name.as_deref().unwrap_or("NAME")
+        ),
+        reconcile::PAUSE_NOT_APPLIED => "the pause is applied once the consumer is Ready: see Ready".into(),
         account::LEDGER_NOT_SAVED => "the counts are right and nothing is lost, but the ledger cannot be saved on the broker: fix what the message names (JetStream storage, the settle-account bucket)".into(),
         account::SOURCE_LOST => "the ledger or the reports were lost (a broker reset, a deleted bucket): counting goes on from what status showed; it turns True by itself after the loss window".into(),
         account::CAPTURE_GAP => "advisories were dropped before the operator read them: keep it running, or raise --capture-max-bytes; exhausted may undercount by the number given".into(),

@@ -1,14 +1,18 @@
 //! `kubectl settle`, the kubectl plugin: `status` (the account of every Subscription as a table
-//! or JSON) and `explain SUB` (why a Subscription is not Ready or Accepted, and what to do).
+//! or JSON), `explain SUB` (why a Subscription is not Ready or Accepted, and what to do), and
+//! `pause SUB` / `resume SUB` (a merge patch of `spec.paused` and `spec.pausedUntil`).
 //!
 //! A top-level beside `operator`, like `main`: it reads Subscriptions and Backends with the
 //! kubeconfig kubectl would use and renders what their status already says, through the same
-//! condition constants the writers use and the one capability table (`policy`). It must not
-//! write anything to the cluster, count anything (the account does) nor decide a condition (the
-//! writers do); the rendering (`status`, `explain`) is pure, the I/O is here.
+//! condition constants the writers use and the one capability table (`policy`). The one write
+//! it makes is `pause`/`resume`'s patch of those two spec fields ([`pause`]), as `kubectl patch`
+//! would (admission judges it as any edit). It must not write status, count anything (the
+//! account does) nor decide a condition (the writers do); the rendering (`status`, `explain`)
+//! is pure, the I/O is here.
 
 mod conditions;
 pub mod explain;
+pub mod pause;
 pub mod status;
 
 use std::process::ExitCode;
@@ -27,7 +31,7 @@ use crate::api::{Backend, Duration, Subscription};
     bin_name = "kubectl settle",
     version,
     about = "Settle's Subscriptions from kubectl: their account and why they are not Ready",
-    after_help = "Not built yet: pause, resume and import nack (issue 23)."
+    after_help = "Not built yet: import nack (issue 23)."
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -76,6 +80,25 @@ pub enum Command {
         /// The Subscription's name.
         name: String,
     },
+    /// Pauses a Subscription's delivery without deleting anything (sets spec.paused, and
+    /// spec.pausedUntil with --until or --for): nothing is offered until it is resumed; its
+    /// `Paused` condition says when the broker holds the pause.
+    Pause {
+        /// The Subscription's name.
+        name: String,
+        /// Resume by itself at this time (RFC 3339, e.g. 2026-12-01T10:00:00Z).
+        #[arg(long, conflicts_with = "for_")]
+        until: Option<k8s_openapi::jiff::Timestamp>,
+        /// Resume by itself after this long from now (e.g. 30m, 2h).
+        #[arg(long = "for", id = "for_")]
+        for_: Option<Duration>,
+    },
+    /// Resumes a paused Subscription (removes spec.paused and spec.pausedUntil): delivery picks
+    /// up where it stopped.
+    Resume {
+        /// The Subscription's name.
+        name: String,
+    },
 }
 
 /// `-o`.
@@ -110,6 +133,8 @@ pub enum Error {
     },
     #[error("cannot write JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// Runs the command and writes what it shows to `out`.
@@ -181,6 +206,29 @@ pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
                     source,
                 })?;
             explain::explain(&sub, backend.as_ref())
+        }
+        Command::Pause { name, until, for_ } => {
+            let now = k8s_openapi::jiff::Timestamp::now();
+            let until = match (until, for_) {
+                (Some(t), _) => Some(t),
+                (None, Some(d)) => Some(pause::after(now, d.get())?),
+                (None, None) => None,
+            };
+            if let Some(t) = until
+                && t <= now
+            {
+                return Err(Error::Usage(format!(
+                    "--until {t} has passed already: a pause until then is no pause; give a later time, or --for"
+                )));
+            }
+            let subs = Api::<Subscription>::namespaced(client, &namespace);
+            pause::patch(&subs, &namespace, &name, &pause::pause_body(until)).await?;
+            pause::paused_text(&namespace, &name, until)
+        }
+        Command::Resume { name } => {
+            let subs = Api::<Subscription>::namespaced(client, &namespace);
+            pause::patch(&subs, &namespace, &name, &pause::resume_body()).await?;
+            format!("Subscription {namespace}/{name} resumed: delivery picks up where it stopped\n")
         }
     };
     // A reader that went away (`| head`) is not an error worth a message.

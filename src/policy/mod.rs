@@ -9,12 +9,15 @@
 //!   opt-in label, the broker host allow-list, SQS pod identity), for the webhook, `settle check`
 //!   and the controller.
 //! - [`ResolvedPolicy`]: a delivery policy with every default filled in, and the backoff schedule.
+//! - [`Pause`]: what `spec.paused` / `spec.pausedUntil` ask at a given moment (the moment is
+//!   the caller's: no clock here).
 //!
 //! This module must stay pure: no I/O, no clock, no Kubernetes or broker client. It imports only
 //! `api`; everything else imports it.
 
 mod backend;
 mod capabilities;
+mod pause;
 mod resolved;
 mod rules;
 
@@ -26,6 +29,7 @@ pub use backend::{
 pub use capabilities::{
     BackendKind, RABBITMQ_MAX_PREFETCH, capabilities_of, effective_capabilities,
 };
+pub use pause::Pause;
 pub use resolved::{
     DEFAULT_ACK_WAIT, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PROCESSING_TIME, ResolvedPolicy, Schedule,
     schedule_delay,

@@ -104,6 +104,7 @@ pub fn validate(
             );
         }
     }
+    pause_rules(&mut v, spec);
     if let Some(old) = old {
         immutable_rules(&mut v, spec, old);
         if let BackendView::Known { capabilities, .. } = backend {
@@ -111,6 +112,26 @@ pub fn validate(
         }
     }
     v
+}
+
+/// A23: `pausedUntil` says until when a pause lasts, so it needs `paused: true`. Alone it would
+/// read as "paused until then" to one person and "resumes then" to another, and pause nothing:
+/// refused. A time already passed is not refused (every pause with a time passes it, and the
+/// rules have no clock): it means resumed.
+fn pause_rules(v: &mut Verdict, spec: &SubscriptionSpec) {
+    if !spec.paused
+        && let Some(until) = &spec.paused_until
+    {
+        v.error(
+            "spec.pausedUntil",
+            format!(
+                "{} is set without spec.paused: true; it only says when a pause ends. To pause until then \
+                 set spec.paused: true as well (kubectl settle pause NAME --until TIME); to resume, \
+                 remove spec.pausedUntil too (kubectl settle resume NAME)",
+                until.0
+            ),
+        );
+    }
 }
 
 /// A14: whether an update leaves the spec as it was, compared as parsed values (so `30s` and

@@ -1,4 +1,4 @@
-//! The conditions this writer owns (`Accepted`, `Ready`) and their reasons as constants in one
+//! The conditions this writer owns (`Accepted`, `Ready`, `Paused`) and their reasons as constants in one
 //! place (code, tests, README and the alerts read these). The arithmetic (keep
 //! `lastTransitionTime` when a condition did not change, compare ignoring times) is
 //! `api::condition`'s, shared with the account's writer.
@@ -11,6 +11,8 @@ pub mod types {
     pub const ACCEPTED: &str = "Accepted";
     /// The broker holds what the spec asks for (a Subscription's consumer; a Backend's connection).
     pub const READY: &str = "Ready";
+    /// Delivery is paused as `spec.paused` asks (written once a Subscription was ever paused).
+    pub const PAUSED: &str = "Paused";
 }
 
 /// Reasons, each one a person can act on (the README's table says what to do for each).
@@ -46,6 +48,17 @@ pub mod reasons {
     pub const BROKER_LIMIT: &str = "BrokerLimit";
     /// The Backend's kind runs its consumers inside the application (memory).
     pub const IN_PROCESS: &str = "InProcess";
+
+    // Paused, Subscription
+    /// Paused=True: the broker holds the pause the spec asks for; nothing is offered.
+    pub const PAUSED_BY_SPEC: &str = "PausedBySpec";
+    /// Paused=False: delivery runs (`spec.paused` false, or `pausedUntil` reached).
+    pub const NOT_PAUSED: &str = "NotPaused";
+    /// Paused=Unknown: the spec asks for a pause, and the consumer is not Ready, so whether the
+    /// broker holds it is not known (see Ready).
+    pub const PAUSE_NOT_APPLIED: &str = "PauseNotApplied";
+    /// Paused=False: the memory backend runs in the application, where Settle cannot pause it.
+    pub const PAUSE_NOT_SUPPORTED: &str = "PauseNotSupported";
 
     // Ready, Backend (and Subscription, when the broker is the problem)
     /// Connected, and the broker answers (JetStream; RabbitMQ's AMQP and management API; SQS's
@@ -83,6 +96,11 @@ pub mod events {
     /// A queue an earlier object of the Subscription's name left was taken over, as its
     /// `settle.dev/adopt` annotation asked.
     pub const ADOPTED: &str = "Adopted";
+    /// The broker object was paused as `spec.paused` asks (JetStream's pause, or the marker the
+    /// RabbitMQ and SQS runtimes poll), or paused again after someone resumed it by hand.
+    pub const PAUSED: &str = "Paused";
+    /// The pause was lifted on the broker (`spec.paused` false, or `pausedUntil` reached).
+    pub const RESUMED: &str = "Resumed";
     pub const INVALID: &str = "InvalidSpec";
     pub const FAILED: &str = "ReconcileFailed";
 }
@@ -194,6 +212,10 @@ mod tests {
             reasons::BROKER_REFUSED,
             reasons::BROKER_LIMIT,
             reasons::IN_PROCESS,
+            reasons::PAUSED_BY_SPEC,
+            reasons::NOT_PAUSED,
+            reasons::PAUSE_NOT_APPLIED,
+            reasons::PAUSE_NOT_SUPPORTED,
             reasons::CONNECTED,
             reasons::UNREACHABLE,
             reasons::AUTH_FAILED,

@@ -81,6 +81,9 @@ pub struct RabbitConn {
     pub exchanges: Exchanges,
     conns: Weak<Connections>,
     key: Key,
+    /// Queues whose running marker (`settle.running.<queue>`, semantics W3) this connection
+    /// made: each is made once per connection, not on every check.
+    pub running_marked: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Drop for RabbitConn {
@@ -313,6 +316,7 @@ impl Connections {
             management,
             conns: Arc::downgrade(self),
             key: key.clone(),
+            running_marked: std::sync::Mutex::default(),
         };
         if let Err(e) = conn.connection().await {
             self.failed(key, fingerprint, e.to_string());

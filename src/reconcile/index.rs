@@ -125,6 +125,8 @@ mod tests {
                 stream: None,
                 deletion_policy: Default::default(),
                 adopt: Default::default(),
+                paused: false,
+                paused_until: None,
                 policy: DeliveryPolicy {
                     pattern: "orders.>".into(),
                     mode: if durable.is_some() {

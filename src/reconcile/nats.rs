@@ -1,6 +1,8 @@
 //! The Subscription controller's broker step on NATS JetStream: resolve the stream, create the
 //! consumer of a new Subscription at once, else read it and create it or update it in place,
-//! through the one mapping (`backend::nats::consumer`),
+//! through the one mapping (`backend::nats::consumer`), then keep its pause equal to the spec's
+//! (`backend::nats::pause`: read back from the info, set with `CONSUMER.PAUSE` when it differs,
+//! never through the config diff),
 //! and delete it when the Subscription goes. A consumer of another Subscription, or one an earlier
 //! object of this name kept (deletionPolicy Retain), is left alone unless the `settle.dev/adopt`
 //! annotation names that object's UID (docs/semantics.md C15, J8). One Settle did not make (no
@@ -23,18 +25,120 @@ use crate::backend::limit::{BrokerLimit, LimitScope, SetBy};
 use crate::backend::nats::advisory::ChangeKind as Own;
 use crate::backend::nats::consumer;
 use crate::backend::nats::jsapi::{self, NatsError};
+use crate::backend::nats::pause::{self, LivePause};
+use crate::policy::Pause;
 
 /// JetStream's "consumer already exists" (two creates raced).
 const CONSUMER_EXISTS: u64 = 10_148;
 
-/// Step 5 on NATS: the consumer exists and matches the spec, or why not.
+/// Step 5 on NATS: the consumer exists and matches the spec, its pause included, or why not.
 pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Converged {
     let mut changes = Changes::default();
-    let outcome = converge(t, ctx, conn, &mut changes).await;
+    let mut live_pause = None;
+    let mut outcome = converge(t, ctx, conn, &mut changes, &mut live_pause).await;
+    if let SubOutcome::Ready { object, .. } = &outcome
+        && let Err(failed) = keep_paused(t, ctx, conn, object, live_pause, &mut changes).await
+    {
+        outcome = failed;
+    }
     changes.with(outcome)
 }
 
-async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Changes) -> SubOutcome {
+/// The consumer's pause equal to the spec's (semantics W2): read back from `CONSUMER.INFO`
+/// (`live`, when the converge step read it or made the consumer), and set with `CONSUMER.PAUSE`
+/// only when it differs, so a consumer resumed (or paused) by hand is put back.
+async fn keep_paused(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &NatsConn,
+    object: &ConsumerRef,
+    live: Option<LivePause>,
+    changes: &mut Changes,
+) -> Result<(), SubOutcome> {
+    let live = match live {
+        Some(l) => l,
+        None => {
+            ctx.metrics.js("info");
+            match jsapi::consumer_info(&conn.js, &object.stream, &object.name).await {
+                Ok(Some(info)) => LivePause::of(&info),
+                Ok(None) => {
+                    return Err(broker_failure(
+                        NatsError::Unreachable("the consumer went while it was checked".into()),
+                        Some(object.clone()),
+                    ));
+                }
+                Err(e) => return Err(broker_failure(e, Some(object.clone()))),
+            }
+        }
+    };
+    if live.matches(t.pause) {
+        return Ok(());
+    }
+    ctx.metrics.js("pause");
+    let now = match jsapi::pause_consumer(
+        &conn.js,
+        &object.stream,
+        &object.name,
+        pause::request(t.pause),
+    )
+    .await
+    {
+        Ok(now) => now,
+        Err(e) => return Err(broker_failure(e, Some(object.clone()))),
+    };
+    if !now.matches(t.pause) {
+        return Err(broker_failure(
+            NatsError::Api {
+                code: 0,
+                description: format!(
+                    "CONSUMER.PAUSE answered paused={} (until {:?}) where the spec asks to be {} (JetStream's pause needs nats-server 2.11 or newer)",
+                    now.paused,
+                    now.until.map(|t| t.to_string()),
+                    if t.pause.is_paused() {
+                        "paused"
+                    } else {
+                        "running"
+                    }
+                ),
+            },
+            Some(object.clone()),
+        ));
+    }
+    let (kind, note) = match t.pause {
+        Pause::Running => (
+            ChangeKind::Resumed,
+            format!(
+                "resumed consumer {} on stream {}",
+                object.name, object.stream
+            ),
+        ),
+        p => (
+            ChangeKind::Paused,
+            format!(
+                "paused consumer {} on stream {} {} (it was {})",
+                object.name,
+                object.stream,
+                p.until_text(),
+                if live.paused {
+                    "paused until another time"
+                } else {
+                    "running"
+                }
+            ),
+        ),
+    };
+    tracing::info!(subscription = %t.owner, stream = %object.stream, consumer = %object.name, op = kind.op(), "{note}");
+    changes.push(kind, note);
+    Ok(())
+}
+
+async fn converge(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &NatsConn,
+    changes: &mut Changes,
+    live_pause: &mut Option<LivePause>,
+) -> SubOutcome {
     let (ns, name, known) = (&t.namespace, &t.name, t.known.clone());
     if !conn.connected() {
         return SubOutcome::Broker {
@@ -76,8 +180,9 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
         }
         conn.mark_own(Own::Created, &stream, &want.name);
         ctx.metrics.js("create");
-        match jsapi::create_consumer(&conn.js, &want).await {
-            Ok(_) => {
+        match jsapi::create_consumer_paused(&conn.js, &want, pause::request(t.pause)).await {
+            Ok(info) => {
+                *live_pause = Some(LivePause::of(&info));
                 ctx.conns.gates.created(&backend, &stream);
                 tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = ChangeKind::Created.op(), "consumer");
                 changes.push(
@@ -102,11 +207,10 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
         if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
             return limited(limit);
         }
-        if let Err(error) = create(conn, ctx, &want).await {
-            return match error {
-                NatsError::Limit(limit) => refused(t, ctx, conn, limit).await,
-                error => broker_failure(error, known),
-            };
+        match create(conn, ctx, &want, t.pause).await {
+            Ok(made) => *live_pause = Some(made),
+            Err(NatsError::Limit(limit)) => return refused(t, ctx, conn, limit).await,
+            Err(error) => return broker_failure(error, known),
         }
         ctx.conns.gates.created(&backend, &stream);
         let (kind, note) = if again {
@@ -127,6 +231,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
         changes.push(kind, note);
         return ready(here);
     };
+    *live_pause = Some(LivePause::of(&info));
     let live = consumer::normalise(&stream, &want.name, &info.config);
     let owner = t.owner.as_str();
     if live.left_over_for_deletion(owner, uid) {
@@ -137,8 +242,9 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
         if let Err(error) = jsapi::delete_consumer(&conn.js, &stream, &want.name).await {
             return broker_failure(error, known);
         }
-        if let Err(error) = create(conn, ctx, &want).await {
-            return broker_failure(error, known);
+        match create(conn, ctx, &want, t.pause).await {
+            Ok(made) => *live_pause = Some(made),
+            Err(error) => return broker_failure(error, known),
         }
         let note = format!(
             "consumer {} on stream {stream} was left over from an earlier Subscription of this name (uid {}), deleted while the operator was not running: deleted it, as that Subscription's deletionPolicy asked, and made it again for this one",
@@ -328,15 +434,17 @@ fn ready(object: ConsumerRef) -> SubOutcome {
     }
 }
 
+/// Creates `want`, paused from the start when the spec asks; returns its pause.
 async fn create(
     conn: &NatsConn,
     ctx: &Ctx,
     want: &consumer::ConsumerConfig,
-) -> Result<(), NatsError> {
+    pause: Pause,
+) -> Result<LivePause, NatsError> {
     conn.mark_own(Own::Created, &want.stream, &want.name);
     ctx.metrics.js("create");
-    match jsapi::create_consumer(&conn.js, want).await {
-        Ok(_) => Ok(()),
+    match jsapi::create_consumer_paused(&conn.js, want, pause::request(pause)).await {
+        Ok(info) => Ok(LivePause::of(&info)),
         // Made meanwhile by a racing reconcile (an old leader's last call): converge next time.
         Err(e) if e.code() == Some(CONSUMER_EXISTS) => Err(NatsError::Unreachable(
             "the consumer was created concurrently; checking it again".into(),

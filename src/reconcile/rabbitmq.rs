@@ -20,6 +20,10 @@
 //! declared again on every check; a differing argument shows as the broker's refusal to
 //! redeclare the queue; a queue that exists with no mark of this object is not Settle's.
 //!
+//! A paused Subscription has the marker exchange `settle.paused.<queue>` its applications check,
+//! a running one `settle.running.<queue>` (`backend::rabbitmq::pause`, W3), kept as the spec
+//! says and deleted with the queue.
+//!
 //! It must not write status or Events, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does: this step returns what it changed, [`super::step`]), nor re-state an admission rule: the pipeline's one
 //! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
@@ -34,6 +38,7 @@ use crate::api::Mode;
 use crate::backend::Classify;
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::deadletter;
+use crate::backend::rabbitmq::pause;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use crate::backend::rabbitmq::report::{self, AdoptedMark};
 
@@ -243,11 +248,98 @@ struct Whose {
     taken: bool,
 }
 
-/// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, or why not.
+/// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, its pause marker
+/// included, or why not.
 pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Converged {
     let mut changes = Changes::default();
-    let outcome = converge(t, ctx, conn, &mut changes).await;
+    let mut outcome = converge(t, ctx, conn, &mut changes).await;
+    if let SubOutcome::Ready { object, .. } = &outcome
+        && let Err(failed) = keep_paused(t, ctx, conn, object, &mut changes).await
+    {
+        outcome = failed;
+    }
     changes.with(outcome)
+}
+
+/// The pause markers (semantics W3) as the spec says: while paused, `settle.paused.<queue>`
+/// and no `settle.running.<queue>` (looked up on each check, made when missing: a pause lifted
+/// by hand comes back); when resumed, the other way round, once; while running, the running
+/// marker made once per connection (its applications' checks then answer without a refusal).
+async fn keep_paused(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    object: &ConsumerRef,
+    changes: &mut Changes,
+) -> Result<(), SubOutcome> {
+    let queue = &object.name;
+    let shown_paused = matches!(t.pause_shown.as_deref(), Some(s) if s != "False");
+    let marked = || {
+        conn.running_marked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(queue)
+    };
+    if !t.pause.is_paused() && !shown_paused && marked() {
+        return Ok(());
+    }
+    let known = Some(object.clone());
+    let broker = |e| failure(BrokerError::of(e), known.clone());
+    let amqp = conn
+        .connection()
+        .await
+        .map_err(|e| failure(BrokerError::of(e), known.clone()))?;
+    let note_marked = |running: bool| {
+        let mut m = conn
+            .running_marked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if running {
+            m.insert(queue.clone());
+        } else {
+            m.remove(queue);
+        }
+    };
+    if t.pause.is_paused() {
+        ctx.metrics.js("queue.pause_marker");
+        // As an application that last saw it running asks: the running marker must be gone.
+        if pause::is_paused(&amqp, queue, false)
+            .await
+            .map_err(broker)?
+        {
+            return Ok(());
+        }
+        ctx.metrics.js("queue.pause");
+        pause::pause(&amqp, queue, &t.owner).await.map_err(broker)?;
+        note_marked(false);
+        let note = format!(
+            "paused queue {queue} {}: made the marker exchange {} (and removed {}), every application stops consuming within its pause poll interval",
+            t.pause.until_text(),
+            pause::paused_marker(queue),
+            pause::running_marker(queue)
+        );
+        tracing::info!(subscription = %t.owner, %queue, op = ChangeKind::Paused.op(), "{note}");
+        changes.push(ChangeKind::Paused, note);
+    } else if shown_paused {
+        ctx.metrics.js("queue.resume");
+        pause::resume(&amqp, queue, &t.owner)
+            .await
+            .map_err(broker)?;
+        note_marked(true);
+        let note = format!(
+            "resumed queue {queue}: removed the marker exchange {}",
+            pause::paused_marker(queue)
+        );
+        tracing::info!(subscription = %t.owner, %queue, op = ChangeKind::Resumed.op(), "{note}");
+        changes.push(ChangeKind::Resumed, note);
+    } else {
+        ctx.metrics.js("queue.running_marker");
+        pause::mark_running(&amqp, queue, &t.owner)
+            .await
+            .map_err(broker)?;
+        note_marked(true);
+    }
+    Ok(())
 }
 
 async fn converge(
@@ -661,7 +753,11 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
         Err(e) => return Removal::Wait(e.to_string()),
     };
     let found = match find(ctx, conn, &amqp, &queue_name).await {
-        Ok(Found::Missing) => return Removal::Nothing,
+        Ok(Found::Missing) => {
+            // Gone already: its pause markers, named after it, go too.
+            let _ = pause::forget(&amqp, &queue_name).await;
+            return Removal::Nothing;
+        }
         Ok(f) => f,
         Err(e) if e.is_unreachable() => return Removal::Wait(e.to_string()),
         Err(e) => return Removal::Failed(e.to_string()),
@@ -684,6 +780,13 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
                     tracing::debug!(queue = %adopted, error = %e, "cannot delete the adopted mark");
                 }
             }
+            if let Err(e) = pause::forget(&amqp, &queue_name).await {
+                tracing::debug!(queue = %queue_name, error = %e, "cannot delete the pause markers");
+            }
+            conn.running_marked
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&queue_name);
             tracing::info!(subscription = %owner, queue = %queue_name, "deleted the queue");
             // Two queues fewer in the vhost: a create its limit refused may go now.
             ctx.conns

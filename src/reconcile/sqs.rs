@@ -11,7 +11,9 @@
 //! such queue is compatible, and its attributes are then brought to the spec (Q11). Deleting the Subscription deletes its queue, and its dead-letter queue
 //! only when it is this object's and empty (what it holds was Exhausted: kept for a person).
 //! Beside them, the same way (made, tagged, made again, deleted with the Subscription), the
-//! account's report and ledger queues (`backend::sqs::report`).
+//! account's report and ledger queues (`backend::sqs::report`). A paused Subscription's queue
+//! carries the tag `settle-paused` its applications read (`backend::sqs::pause`, W4): set or
+//! removed as the spec says, compared with the tags read for the owner anyway.
 //!
 //! It must not write status or Events, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does: this step returns what it changed, [`super::step`]), nor re-state an admission rule: the pipeline's one
@@ -28,7 +30,7 @@ use crate::api::ConsumerRef;
 use crate::backend::Classify;
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
 use crate::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
-use crate::backend::sqs::report;
+use crate::backend::sqs::{pause, report};
 
 fn failure(e: AdminError, known: &Option<ConsumerRef>) -> SubOutcome {
     let error = BrokerError::of(e);
@@ -88,16 +90,24 @@ pub fn dead_letter_deletable(
     owns && visible + in_flight + delayed == 0
 }
 
-/// Whose the queue at `url` is, for this object: its tags read and judged.
+/// Whose the queue at `url` is, for this object: its tags read and judged; and the pause tag
+/// it carries.
 async fn judged(
     client: &Client,
     ctx: &Ctx,
     t: &Target<'_>,
     url: &str,
-) -> Result<Result<Take, Holder>, AdminError> {
+) -> Result<(Result<Take, Holder>, Option<String>), AdminError> {
     ctx.metrics.js("sqs.tags");
     let tags = admin::owner(client, url).await?;
-    Ok(owned(&tags, &t.owner, t.uid(), t.adopt()))
+    Ok((owned(&tags, &t.owner, t.uid(), t.adopt()), tags.paused))
+}
+
+/// A queue found or made: its URL, whether Settle made it now, and its pause tag.
+struct Found {
+    url: String,
+    new: bool,
+    paused: Option<String>,
 }
 
 /// A queue's URL and whether Settle made it now, or the outcome that stops the step. An
@@ -111,7 +121,7 @@ async fn find_or_create(
     attributes: std::collections::BTreeMap<String, String>,
     adoptable: bool,
     changes: &mut Changes,
-) -> Result<(String, bool), SubOutcome> {
+) -> Result<Found, SubOutcome> {
     let (owner, known) = (&t.owner, &t.known);
     let uid = t.uid();
     ctx.metrics.js("sqs.url");
@@ -120,15 +130,19 @@ async fn find_or_create(
         Ok(None) => {
             ctx.metrics.js("sqs.create");
             return match admin::create(client, name, attributes, owner, uid).await {
-                Ok(url) => Ok((url, true)),
+                Ok(url) => Ok(Found {
+                    url,
+                    new: true,
+                    paused: None,
+                }),
                 Err(e) => Err(failure(e, known)),
             };
         }
         Ok(Some(url)) => url,
     };
-    let take = match judged(client, ctx, t, &url).await {
+    let (take, paused) = match judged(client, ctx, t, &url).await {
         Err(e) => return Err(failure(e, known)),
-        Ok(Err(Holder::Unmarked)) if adoptable => {
+        Ok((Err(Holder::Unmarked), paused)) if adoptable => {
             let owner = match t.adoption(&ctx.adopt_namespaces) {
                 Adoption::IfCompatible => {
                     ctx.metrics.js("sqs.tag");
@@ -140,7 +154,11 @@ async fn find_or_create(
                     );
                     tracing::info!(subscription = %owner, queue = %name, op = ChangeKind::Adopted.op(), "{note}");
                     changes.push(ChangeKind::Adopted, note);
-                    return Ok((url, false));
+                    return Ok(Found {
+                        url,
+                        new: false,
+                        paused,
+                    });
                 }
                 Adoption::NotAllowed => {
                     Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
@@ -156,7 +174,7 @@ async fn find_or_create(
                 owner,
             });
         }
-        Ok(Err(holder)) => {
+        Ok((Err(holder), _)) => {
             return Err(SubOutcome::Conflict {
                 kind: ObjectKind::SqsQueue,
                 object: ConsumerRef {
@@ -166,7 +184,7 @@ async fn find_or_create(
                 owner: holder,
             });
         }
-        Ok(Ok(take)) => take,
+        Ok((Ok(take), paused)) => (take, paused),
     };
     if let (Take::Untagged | Take::Adopted(_), Some(uid)) = (&take, uid) {
         ctx.metrics.js("sqs.tag");
@@ -181,17 +199,85 @@ async fn find_or_create(
         tracing::info!(subscription = %owner, queue = %name, "{note}");
         changes.push(ChangeKind::Adopted, note);
     }
-    Ok((url, false))
+    Ok(Found {
+        url,
+        new: false,
+        paused,
+    })
 }
 
-/// Step 5 on SQS: the queue (and its dead-letter queue) exist and match the spec, or why not.
+/// Step 5 on SQS: the queue (and its dead-letter queue) exist and match the spec, its pause
+/// tag included, or why not.
 pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Converged {
     let mut changes = Changes::default();
-    let outcome = converge(t, ctx, conn, &mut changes).await;
+    let mut queue = None;
+    let mut outcome = converge(t, ctx, conn, &mut changes, &mut queue).await;
+    if let (SubOutcome::Ready { object, .. }, Some(found)) = (&outcome, &queue)
+        && let Err(failed) = keep_paused(t, ctx, conn, object, found, &mut changes).await
+    {
+        outcome = failed;
+    }
     changes.with(outcome)
 }
 
-async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Changes) -> SubOutcome {
+/// The queue's pause tag equal to the spec's (semantics W4): read with its owner tags, so a
+/// steady state costs nothing more; tagged or untagged only when it differs (a tag removed by
+/// hand comes back).
+async fn keep_paused(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &SqsConn,
+    object: &ConsumerRef,
+    found: &Found,
+    changes: &mut Changes,
+) -> Result<(), SubOutcome> {
+    let want = pause::value(t.pause);
+    if want == found.paused {
+        return Ok(());
+    }
+    let client = conn.broker.client();
+    let (result, kind, note) = match &want {
+        Some(v) => {
+            ctx.metrics.js("sqs.tag");
+            (
+                pause::set(client, &found.url, v).await,
+                ChangeKind::Paused,
+                format!(
+                    "paused SQS queue {} {}: tagged {}={v}, every application stops receiving within its pause poll interval",
+                    object.name,
+                    t.pause.until_text(),
+                    pause::TAG
+                ),
+            )
+        }
+        None => {
+            ctx.metrics.js("sqs.untag");
+            (
+                pause::clear(client, &found.url).await,
+                ChangeKind::Resumed,
+                format!(
+                    "resumed SQS queue {}: removed its tag {}",
+                    object.name,
+                    pause::TAG
+                ),
+            )
+        }
+    };
+    if let Err(e) = result {
+        return Err(failure(e, &Some(object.clone())));
+    }
+    tracing::info!(subscription = %t.owner, queue = %object.name, op = kind.op(), "{note}");
+    changes.push(kind, note);
+    Ok(())
+}
+
+async fn converge(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &SqsConn,
+    changes: &mut Changes,
+    queue_found: &mut Option<Found>,
+) -> SubOutcome {
     let (owner, known) = (&t.owner, &t.known);
     let client = conn.broker.client();
     let want = match queue::desired(conn.broker.queue_prefix(), &t.policy) {
@@ -209,7 +295,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
     let dlq_arn = match &want.redrive {
         None => None,
         Some(r) => {
-            let (url, new) = match find_or_create(
+            let Found { url, new, .. } = match find_or_create(
                 client,
                 ctx,
                 t,
@@ -246,7 +332,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
         }
     };
     let attributes = queue::attributes(&want, dlq_arn.as_deref());
-    let (url, new) = match find_or_create(
+    let found = match find_or_create(
         client,
         ctx,
         t,
@@ -260,6 +346,8 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
         Ok(x) => x,
         Err(o) => return o,
     };
+    let (url, new) = (found.url.clone(), found.new);
+    *queue_found = Some(found);
     if new {
         made.insert(0, format!("queue {}", want.name));
     } else {
@@ -317,8 +405,8 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
         ),
     ] {
         match find_or_create(client, ctx, t, &account_queue, attributes, false, changes).await {
-            Ok((_, true)) => made.push(format!("account queue {account_queue}")),
-            Ok((_, false)) => {}
+            Ok(Found { new: true, .. }) => made.push(format!("account queue {account_queue}")),
+            Ok(Found { new: false, .. }) => {}
             Err(o) => return o,
         }
     }
@@ -369,7 +457,7 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Removal {
         Ok(None) => {}
         Ok(Some(url)) => {
             let owns = match judged(client, ctx, t, &url).await {
-                Ok(t) => t.is_ok(),
+                Ok((t, _)) => t.is_ok(),
                 Err(e) => return waiting(e),
             };
             if owns {
@@ -394,14 +482,14 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Removal {
             Ok(None) => {}
             Ok(Some(url)) => match judged(client, ctx, t, &url).await {
                 Err(e) => return waiting(e),
-                Ok(Ok(_)) => {
+                Ok((Ok(_), _)) => {
                     ctx.metrics.js("sqs.delete");
                     if let Err(e) = admin::delete(client, &url).await {
                         return waiting(e);
                     }
                     notes.push(format!("deleted its account queue {account_queue}"));
                 }
-                Ok(Err(_)) => {
+                Ok((Err(_), _)) => {
                     tracing::info!(subscription = %owner, queue = %account_queue, "the account queue is not this Subscription object's: left alone");
                 }
             },
@@ -414,7 +502,7 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Removal {
         Ok(None) => {}
         Ok(Some(url)) => {
             let owns = match judged(client, ctx, t, &url).await {
-                Ok(t) => t.is_ok(),
+                Ok((t, _)) => t.is_ok(),
                 Err(e) => return waiting(e),
             };
             let attributes = match admin::attributes(client, &url).await {
@@ -453,6 +541,7 @@ mod tests {
         OwnerTags {
             subscription: sub.map(str::to_string),
             object: object.map(str::to_string),
+            ..OwnerTags::default()
         }
     }
 

@@ -7,12 +7,13 @@
 //! It must not call a broker or the API server, and imports nothing from the pipeline or the
 //! steps.
 
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
 use super::conditions::events;
 use super::status::{ADOPT_ANNOTATION, SubOutcome};
 use crate::api::{Adopt, ConsumerRef, Subscription};
-use crate::policy::ResolvedPolicy;
+use crate::policy::{Pause, ResolvedPolicy};
 
 /// `status.consumer.stream` of an SQS queue (SQS has no streams or exchanges).
 pub const SQS_STREAM: &str = "sqs";
@@ -32,10 +33,15 @@ pub struct Target<'a> {
     pub known: Option<ConsumerRef>,
     /// The UID annotation `settle.dev/adopt` names, if any (C15).
     pub adopt: Option<String>,
+    /// The pause the spec asks for now (`spec.paused`, `spec.pausedUntil`).
+    pub pause: Pause,
+    /// The `Paused` condition's status as status shows it (`None`: never paused).
+    pub pause_shown: Option<String>,
 }
 
 impl<'a> Target<'a> {
-    pub fn of(sub: &'a Subscription) -> Target<'a> {
+    /// The target of `sub` at `now` (which decides whether a `pausedUntil` has passed).
+    pub fn of(sub: &'a Subscription, now: Timestamp) -> Target<'a> {
         let namespace = sub.namespace().unwrap_or_default();
         let name = sub.name_any();
         Target {
@@ -46,6 +52,14 @@ impl<'a> Target<'a> {
             policy: ResolvedPolicy::resolve(&sub.spec.policy),
             known: sub.status.as_ref().and_then(|s| s.consumer.clone()),
             adopt: sub.annotations().get(ADOPT_ANNOTATION).cloned(),
+            pause: Pause::of(&sub.spec, now),
+            pause_shown: sub
+                .status
+                .as_ref()
+                .and_then(|s| {
+                    super::conditions::find(&s.conditions, super::conditions::types::PAUSED)
+                })
+                .map(|c| c.status.clone()),
             sub,
         }
     }
@@ -114,6 +128,10 @@ pub enum ChangeKind {
     /// Taken over: from an earlier object of this name, as the adopt annotation asked, or one
     /// Settle did not make, as `spec.adopt: IfCompatible` asked.
     Adopted,
+    /// Paused on the broker as the spec asks (JetStream's pause; a marker on RabbitMQ and SQS).
+    Paused,
+    /// Resumed on the broker as the spec asks.
+    Resumed,
 }
 
 impl ChangeKind {
@@ -124,6 +142,8 @@ impl ChangeKind {
             ChangeKind::Recreated => "recreate",
             ChangeKind::Updated => "update",
             ChangeKind::Adopted => "adopt",
+            ChangeKind::Paused => "pause",
+            ChangeKind::Resumed => "resume",
         }
     }
 
@@ -134,6 +154,8 @@ impl ChangeKind {
             ChangeKind::Recreated => events::RECREATED,
             ChangeKind::Updated => events::UPDATED,
             ChangeKind::Adopted => events::ADOPTED,
+            ChangeKind::Paused => events::PAUSED,
+            ChangeKind::Resumed => events::RESUMED,
         }
     }
 }
@@ -197,6 +219,8 @@ mod tests {
                 stream: None,
                 deletion_policy: Default::default(),
                 adopt,
+                paused: false,
+                paused_until: None,
                 policy: DeliveryPolicy {
                     pattern: "orders.>".into(),
                     ..Default::default()
@@ -212,17 +236,18 @@ mod tests {
         let none = AdoptNamespaces::new(&[]);
         let listed = AdoptNamespaces::new(&[" shop".into(), "".into(), "ops".into()]);
         let all = AdoptNamespaces::new(&["*".into()]);
+        let now = Timestamp::now();
         let (shop, other) = (
             sub("shop", Adopt::IfCompatible),
             sub("team-b", Adopt::IfCompatible),
         );
-        assert_eq!(Target::of(&shop).adoption(&none), Adoption::NotAllowed);
-        assert_eq!(Target::of(&shop).adoption(&listed), Adoption::IfCompatible);
-        assert_eq!(Target::of(&other).adoption(&listed), Adoption::NotAllowed);
-        assert_eq!(Target::of(&other).adoption(&all), Adoption::IfCompatible);
+        assert_eq!(Target::of(&shop, now).adoption(&none), Adoption::NotAllowed);
+        assert_eq!(Target::of(&shop, now).adoption(&listed), Adoption::IfCompatible);
+        assert_eq!(Target::of(&other, now).adoption(&listed), Adoption::NotAllowed);
+        assert_eq!(Target::of(&other, now).adoption(&all), Adoption::IfCompatible);
         let never = sub("shop", Adopt::Never);
         for allowed in [&none, &listed, &all] {
-            assert_eq!(Target::of(&never).adoption(allowed), Adoption::Never);
+            assert_eq!(Target::of(&never, now).adoption(allowed), Adoption::Never);
         }
     }
 }

@@ -11,7 +11,9 @@
 //!    is handed the [`Target`] built once here and returns what the broker holds and what it
 //!    changed ([`super::step`]);
 //! 6. an Event and an operation count for each change, status written only if it changed
-//!    (API), and the `settle_subscription_ready` gauge.
+//!    (API), and the `settle_subscription_ready` gauge. A pause (`spec.paused`) is part of what
+//!    step 5 converges (each kind's own way, semantics W2–W4) and shows as `Paused`; one
+//!    with a `pausedUntil` is reconciled again when it ends.
 //!
 //! Kinds with broker events (NATS advisories) are re-checked on the resync interval; kinds
 //! without (RabbitMQ without plugins, SQS) on the shorter drift interval, so a queue deleted on
@@ -39,7 +41,7 @@ use super::status::{SubOutcome, subscription_status};
 use super::step::{Change, Removal, SQS_STREAM, Target};
 use super::{Ctx, Error, FIELD_MANAGER};
 use crate::api::{Backend, DeletionPolicy, Subscription};
-use crate::policy::{BackendKind, BackendView, effective_capabilities, validate};
+use crate::policy::{BackendKind, BackendView, Pause, effective_capabilities, validate};
 
 /// The finalizer that makes deleting a Subscription delete its consumer first.
 pub const FINALIZER: &str = "messaging.settle.dev/consumer";
@@ -51,7 +53,7 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         .duration
         .with_label_values(&[SUBSCRIPTION])
         .start_timer();
-    let target = Target::of(&sub);
+    let target = Target::of(&sub, Timestamp::now());
     let (ns, name) = (&target.namespace, &target.name);
     let api: Api<Subscription> = Api::namespaced(ctx.client.clone(), ns);
     let fkey = format!("subscription/{ns}/{name}");
@@ -85,7 +87,7 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         // The Backend's connection is being made; its first event reconciles this again.
         return Ok(Action::requeue(Duration::from_secs(1)));
     };
-    write_status(&api, &sub, &outcome, &ctx).await?;
+    write_status(&api, &sub, &outcome, target.pause, &ctx).await?;
     ctx.metrics.subscription_ready(ns, name, outcome.is_ready());
     // Kinds without broker events are polled for drift.
     let polled = backend_of(&sub, &ctx)
@@ -94,7 +96,12 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     Ok(match &outcome {
         o if o.is_ready() => {
             ctx.succeeded(&fkey);
-            Action::requeue(if polled { ctx.drift } else { ctx.resync })
+            let every = if polled { ctx.drift } else { ctx.resync };
+            // A pause that ends by itself is looked at again when it ends: `Paused` turns
+            // False then, and the RabbitMQ marker goes.
+            Action::requeue(
+                until_pause_ends(target.pause, Timestamp::now()).map_or(every, |d| d.min(every)),
+            )
         }
         // Nothing on the broker announces that these were fixed there (a queue): looked at
         // again.
@@ -121,6 +128,14 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         }
         _ => Action::requeue(ctx.failed(&fkey, Duration::from_secs(60))),
     })
+}
+
+/// How long until `pause` ends by itself (a second past its time, so the next look finds it
+/// passed), if it does.
+fn until_pause_ends(pause: Pause, now: Timestamp) -> Option<Duration> {
+    let until = pause.until()?;
+    let left = until.duration_since(now).as_millis().max(0);
+    Some(Duration::from_millis(u64::try_from(left).unwrap_or(u64::MAX)) + Duration::from_secs(1))
 }
 
 /// Kubernetes API failures: tried again with a growing delay.
@@ -267,12 +282,17 @@ async fn write_status(
     api: &Api<Subscription>,
     sub: &Subscription,
     outcome: &SubOutcome,
+    pause: Pause,
     ctx: &Ctx,
 ) -> Result<(), Error> {
     let now = Time(Timestamp::now());
-    let Some(patch) =
-        subscription_status(sub.status.as_ref(), sub.metadata.generation, outcome, &now)
-    else {
+    let Some(patch) = subscription_status(
+        sub.status.as_ref(),
+        sub.metadata.generation,
+        outcome,
+        pause,
+        &now,
+    ) else {
         return Ok(());
     };
     let body = serde_json::json!({

@@ -23,7 +23,11 @@ pub mod node;
 pub mod operator;
 #[cfg(feature = "operator")]
 pub mod partition;
+#[cfg(feature = "operator")]
+pub mod pause;
 pub mod process;
+#[cfg(feature = "operator")]
+pub mod rabbit_scene;
 pub mod rabbitmq;
 #[cfg(all(feature = "operator", feature = "sqs"))]
 pub mod sqs;

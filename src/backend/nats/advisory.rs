@@ -39,7 +39,7 @@ pub struct ConsumerChange {
 pub enum ChangeKind {
     Deleted,
     Created,
-    /// A create or update request through the API.
+    /// A create, update, pause or resume request through the API.
     Written,
 }
 
@@ -88,7 +88,10 @@ pub fn parse(subject: &str, payload: &[u8]) -> Option<ConsumerChange> {
                 audit
                     .subject
                     .strip_prefix("$JS.API.CONSUMER.DURABLE.CREATE.")
-            })?;
+            })
+            // A pause or resume by hand (`nats consumer pause|resume`): the controller pauses
+            // it again as the spec says (semantics W2).
+            .or_else(|| audit.subject.strip_prefix("$JS.API.CONSUMER.PAUSE."))?;
         return change(ChangeKind::Written, rest, client);
     }
     None
@@ -270,6 +273,10 @@ mod tests {
             (
                 "$JS.API.CONSUMER.DURABLE.CREATE.ORDERS.d",
                 Some(("ORDERS", "d")),
+            ),
+            (
+                "$JS.API.CONSUMER.PAUSE.ORDERS.orders",
+                Some(("ORDERS", "orders")),
             ),
             ("$JS.API.CONSUMER.INFO.ORDERS.orders", None),
             ("$JS.API.STREAM.CREATE.ORDERS", None),

@@ -658,6 +658,8 @@ mod tests {
             stream: None,
             deletion_policy: Default::default(),
             adopt: Default::default(),
+            paused: false,
+            paused_until: None,
             policy: DeliveryPolicy {
                 pattern: "orders.>".into(),
                 mode,

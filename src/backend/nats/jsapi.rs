@@ -1,6 +1,6 @@
 //! Typed calls to the JetStream API for streams and consumers, with errors a caller can tell
 //! apart (a stream that does not exist is not a server that cannot be reached). NATS's file of
-//! the operator's calls (create, inspect, update, delete a consumer; find a stream), as
+//! the operator's calls (create, inspect, update, pause, delete a consumer; find a stream), as
 //! `rabbitmq/admin.rs` and `sqs/admin.rs` are theirs.
 //!
 //! Used by the runtime (to create or bind a consumer) and the controller (to converge one). It
@@ -216,7 +216,7 @@ pub async fn consumer_info(
 #[derive(Serialize)]
 struct CreateRequest<'a> {
     stream_name: &'a str,
-    config: consumer::Config,
+    config: serde_json::Value,
     action: &'a str,
 }
 
@@ -224,10 +224,20 @@ async fn put(
     js: &jetstream::Context,
     c: &ConsumerConfig,
     action: &str,
+    pause_until: Option<k8s_openapi::jiff::Timestamp>,
 ) -> Result<consumer::Info, NatsError> {
+    let mut config = serde_json::to_value(c.to_server())
+        .map_err(|e| NatsError::Unreachable(format!("cannot encode the consumer config: {e}")))?;
+    if let (Some(t), Some(map)) = (pause_until, config.as_object_mut()) {
+        // Honoured on a create only (an update ignores it: pause_consumer changes a pause).
+        map.insert(
+            "pause_until".into(),
+            serde_json::Value::String(t.to_string()),
+        );
+    }
     let body = CreateRequest {
         stream_name: &c.stream,
-        config: c.to_server(),
+        config,
         action,
     };
     call(
@@ -245,7 +255,17 @@ pub async fn create_consumer(
     js: &jetstream::Context,
     c: &ConsumerConfig,
 ) -> Result<consumer::Info, NatsError> {
-    match put(js, c, "create").await {
+    create_consumer_paused(js, c, None).await
+}
+
+/// As [`create_consumer`], the consumer paused from its first moment until `pause_until` when
+/// set (so a Subscription made paused never offers a message).
+pub async fn create_consumer_paused(
+    js: &jetstream::Context,
+    c: &ConsumerConfig,
+    pause_until: Option<k8s_openapi::jiff::Timestamp>,
+) -> Result<consumer::Info, NatsError> {
+    match put(js, c, "create", pause_until).await {
         Err(NatsError::Api { code, description }) => {
             Err(create_refusal(&c.stream, code, description))
         }
@@ -322,7 +342,46 @@ pub async fn update_consumer(
     js: &jetstream::Context,
     c: &ConsumerConfig,
 ) -> Result<consumer::Info, NatsError> {
-    put(js, c, "update").await
+    put(js, c, "update", None).await
+}
+
+#[derive(Serialize)]
+struct PauseRequest {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pause_until: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct PauseResponse {
+    #[serde(default)]
+    paused: bool,
+    #[serde(default)]
+    pause_until: Option<String>,
+}
+
+/// Pauses the consumer until `until` (`CONSUMER.PAUSE`, nats-server 2.11+), or resumes it
+/// (`None`), and returns the pause the server now holds. The server ignores `pause_until` in a
+/// consumer update, so this is the only way to change it (semantics W2).
+pub async fn pause_consumer(
+    js: &jetstream::Context,
+    stream: &str,
+    name: &str,
+    until: Option<k8s_openapi::jiff::Timestamp>,
+) -> Result<super::pause::LivePause, NatsError> {
+    let body = PauseRequest {
+        pause_until: until.map(|t| t.to_string()),
+    };
+    let r: PauseResponse = call(js, format!("CONSUMER.PAUSE.{stream}.{name}"), &body)
+        .await?
+        .map_err(|e| refused(&e))?;
+    let until = r
+        .pause_until
+        .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+        .and_then(|t| k8s_openapi::jiff::Timestamp::from_second(t.as_second()).ok());
+    Ok(super::pause::LivePause {
+        paused: r.paused,
+        until: until.filter(|_| r.paused),
+    })
 }
 
 /// Deletes a consumer; `Ok(false)` when it (or its stream) did not exist.

@@ -15,6 +15,10 @@
 //! - The attempt is the quorum queue's `x-delivery-count` header + 1.
 //! - Retiring closes the consumer's channel: the broker requeues everything unsettled on it, so
 //!   a later settlement is Refused and never Stranded.
+//! - Paused (W3: the operator's marker exchange `settle.paused.<queue>` is there and
+//!   `settle.running.<queue>` is not, checked every pause poll interval by `backend::pause`): `basic.cancel`, so the broker sends nothing more;
+//!   what it had sent (the prefetch) is still handed out, and every delivery taken settles on
+//!   the channel as before. Once the marker is gone, `basic.consume` again on the same channel.
 //!
 //! It must not count anything (the settle path does), build queue arguments (that is
 //! [`super::queue`]) nor declare or bind a queue the operator owns.
@@ -33,13 +37,15 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
 use super::admin::{self, reply_code};
+use super::pause;
 use super::queue::{self, QueueSpec};
 use super::{RabbitBroker, RabbitError, amqp, broker_err, report};
+use crate::backend::pause::PauseWatch;
 use crate::bus::{
     self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, SubscriptionCtx,
 };
-use crate::policy::RABBITMQ_MAX_PREFETCH;
+use crate::policy::{BackendKind, RABBITMQ_MAX_PREFETCH};
 
 impl RabbitBroker {
     /// A consumer on the subscription's queue (see [`RabbitBroker::bind`]).
@@ -48,6 +54,33 @@ impl RabbitBroker {
         ctx: Arc<SubscriptionCtx>,
     ) -> Result<Box<dyn Consumer>, BusError> {
         let (channel, consumer) = self.bind(&ctx).await?;
+        let consumer_queue = consumer.queue().as_str().to_string();
+        // Only the operator pauses a Subscription: an operator-made queue's marker is checked.
+        let pause = match ctx.binding().owner {
+            ConsumerOwner::Operator => {
+                let conn = Arc::clone(&self.conn);
+                let queue = consumer_queue.clone();
+                let seen = Arc::new(AtomicBool::new(false));
+                PauseWatch::start(
+                    BackendKind::Rabbitmq,
+                    ctx.name(),
+                    self.pause_poll,
+                    move || {
+                        let (conn, queue, seen) =
+                            (Arc::clone(&conn), queue.clone(), Arc::clone(&seen));
+                        async move {
+                            let was = seen.load(Ordering::Relaxed);
+                            let now = pause::is_paused(&conn, &queue, was)
+                                .await
+                                .map_err(|e| e.to_string())?;
+                            seen.store(now, Ordering::Relaxed);
+                            Ok(now)
+                        }
+                    },
+                )
+            }
+            ConsumerOwner::Runtime => PauseWatch::never(),
+        };
         Ok(Box::new(RabbitConsumer {
             broker: self.clone(),
             acks: ctx.policy().at_least_once(),
@@ -55,6 +88,9 @@ impl RabbitBroker {
             channel,
             consumer: Some(consumer),
             retired: Arc::default(),
+            queue: consumer_queue,
+            pause,
+            flow: Flow::Consuming,
         }))
     }
 
@@ -94,26 +130,37 @@ impl RabbitBroker {
                 .await
                 .map_err(amqp("basic.qos"))?;
         }
+        let consumer = self.start(&ch, ctx, &want.name).await?;
+        tracing::info!(subscription = %ctx.name(), queue = %want.name, routing_key = %want.binding.routing_key, exchange = %want.binding.exchange, owner = ?b.owner, ack = if alo { "manual" } else { "none" }, "consuming from a RabbitMQ queue");
+        Ok((ch, consumer))
+    }
+
+    /// Starts consuming `queue` on `ch` (again after a pause: on the same channel, so the
+    /// deliveries taken before it still settle).
+    async fn start(
+        &self,
+        ch: &Channel,
+        ctx: &SubscriptionCtx,
+        queue: &str,
+    ) -> Result<lapin::Consumer, BusError> {
+        let alo = ctx.policy().at_least_once();
         let tag = format!(
             "settle-{}-{}-{}",
             ctx.name(),
             std::process::id(),
             self.tags.fetch_add(1, Ordering::Relaxed)
         );
-        let consumer = ch
-            .basic_consume(
-                ShortString::from(want.name.as_str()),
-                ShortString::from(tag.as_str()),
-                BasicConsumeOptions {
-                    no_ack: !alo,
-                    ..BasicConsumeOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(amqp(format!("cannot consume from queue {:?}", want.name)))?;
-        tracing::info!(subscription = %ctx.name(), queue = %want.name, routing_key = %want.binding.routing_key, exchange = %want.binding.exchange, owner = ?b.owner, ack = if alo { "manual" } else { "none" }, "consuming from a RabbitMQ queue");
-        Ok((ch, consumer))
+        ch.basic_consume(
+            ShortString::from(queue),
+            ShortString::from(tag.as_str()),
+            BasicConsumeOptions {
+                no_ack: !alo,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(amqp(format!("cannot consume from queue {queue:?}")))
     }
 
     /// A code-defined subscription's queue: declared from the mapping (RabbitMQ refuses, with
@@ -245,6 +292,24 @@ struct RabbitConsumer {
     consumer: Option<lapin::Consumer>,
     retired: Arc<AtomicBool>,
     acks: bool,
+    /// The queue consumed from.
+    queue: String,
+    /// The operator's pause marker, as last checked.
+    pause: PauseWatch,
+    flow: Flow,
+}
+
+/// Where a consumer stands with a pause (semantics W3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Flow {
+    /// Consuming (or not paused).
+    Consuming,
+    /// Paused: `basic.cancel` sent; what the broker sent before it is still handed out.
+    Draining,
+    /// Paused and the consumer cancelled: nothing is fetched until the marker goes.
+    Paused,
+    /// Stopped or retired: never consumes again.
+    Stopped,
 }
 
 impl RabbitConsumer {
@@ -272,11 +337,77 @@ impl Consumer for RabbitConsumer {
     fn next(&mut self) -> BoxFuture<'_, Option<Delivery>> {
         async move {
             loop {
+                if self.flow == Flow::Paused {
+                    // Resumed once the marker is gone: consume again on the same channel.
+                    let mut rx = self.pause.receiver();
+                    if !crate::backend::pause::until(&mut rx, false).await {
+                        return None;
+                    }
+                    let queue = self.queue.clone();
+                    let again = match self.broker.start(&self.channel, &self.ctx, &queue).await {
+                        Ok(c) => Ok(c),
+                        // The channel closed meanwhile: a new one (what it held was requeued).
+                        Err(_) => self.broker.bind(&self.ctx).await.map(|(ch, c)| {
+                            self.channel = ch;
+                            c
+                        }),
+                    };
+                    match again {
+                        Ok(c) => {
+                            self.consumer = Some(c);
+                            self.flow = Flow::Consuming;
+                            self.ctx.set_paused(false);
+                            crate::backend::pause::shown(
+                                BackendKind::Rabbitmq,
+                                self.ctx.name(),
+                                false,
+                            );
+                            tracing::info!(subscription = %self.ctx.name(), %queue, "resumed: consuming again");
+                        }
+                        Err(e) => {
+                            tracing::warn!(subscription = %self.ctx.name(), error = %e, "cannot consume again after the pause; trying again in 1s");
+                            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        }
+                    }
+                    continue;
+                }
+                if self.flow == Flow::Consuming
+                    && self.pause.is_paused()
+                    && let Some(c) = self.consumer.as_ref()
+                {
+                    // Paused: the broker sends nothing more; what it sent already (the prefetch)
+                    // still comes out of the stream, then the stream ends.
+                    let tag = c.tag();
+                    self.flow = Flow::Draining;
+                    if let Err(e) = self
+                        .channel
+                        .basic_cancel(tag, BasicCancelOptions::default())
+                        .await
+                    {
+                        tracing::warn!(subscription = %self.ctx.name(), error = %e, "basic.cancel for the pause");
+                    }
+                    continue;
+                }
                 let consumer = self.consumer.as_mut()?;
-                match consumer.next().await {
+                let mut rx = self.pause.receiver();
+                let watching = self.flow == Flow::Consuming;
+                // `None`: a pause was asked while waiting.
+                let next = tokio::select! {
+                    m = consumer.next() => Some(m),
+                    true = async { watching && crate::backend::pause::until(&mut rx, true).await } => None,
+                };
+                let Some(got) = next else { continue };
+                match got {
                     Some(Ok(m)) => return Some(self.delivery(m)),
                     Some(Err(e)) => {
                         tracing::warn!(subscription = %self.ctx.name(), error = %e, "consuming from RabbitMQ");
+                    }
+                    None if self.flow == Flow::Draining => {
+                        self.consumer = None;
+                        self.flow = Flow::Paused;
+                        self.ctx.set_paused(true);
+                        crate::backend::pause::shown(BackendKind::Rabbitmq, self.ctx.name(), true);
+                        tracing::info!(subscription = %self.ctx.name(), "paused: fetching stopped until the Subscription is resumed (deliveries already taken finish)");
                     }
                     None => {
                         self.consumer = None;
@@ -309,6 +440,7 @@ impl Consumer for RabbitConsumer {
 
     fn stop(&mut self) -> BoxFuture<'_, ()> {
         async move {
+            self.flow = Flow::Stopped;
             if let Some(c) = self.consumer.take() {
                 // Settlements still work on the channel; what was sent but not taken stays
                 // unsettled until retire closes the channel, which requeues it.
@@ -324,6 +456,7 @@ impl Consumer for RabbitConsumer {
     fn retire(&mut self) -> BoxFuture<'_, ()> {
         async move {
             self.retired.store(true, Ordering::Release);
+            self.flow = Flow::Stopped;
             self.consumer = None;
             // Closing the channel requeues every unsettled delivery on it (semantics R5).
             if let Err(e) = self.channel.close(200, ShortString::from("retired")).await {

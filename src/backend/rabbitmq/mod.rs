@@ -15,7 +15,8 @@
 //! declare, bind, unbind, delete a managed queue over AMQP). Beside them: `management` (the
 //! management API, read-only: arguments, bindings, version, gauges), [`report`] (the stats
 //! reports' per-Subscription queues: the runtime's `StatsSink`, the arguments both sides
-//! declare) and `deadletter` (the operator's copy of a Backend's dead letters, R9–R12).
+//! declare), `deadletter` (the operator's copy of a Backend's dead letters, R9–R12) and
+//! [`pause`] (the marker exchange that says a Subscription is paused, W3).
 //!
 //! It must not count anything (the settle path does) nor build queue arguments (that is
 //! [`queue`], the one mapping); it declares queues only for code-defined subscriptions.
@@ -38,6 +39,7 @@ mod consume;
 pub mod deadletter;
 #[cfg(feature = "operator")]
 pub mod management;
+pub mod pause;
 pub mod queue;
 pub mod report;
 
@@ -95,6 +97,8 @@ pub struct RabbitBroker {
     /// The user this connection authenticated as: its reports carry it as `user_id`, which
     /// RabbitMQ validates, so the operator knows who wrote them (docs/stats-report.md).
     user: Option<String>,
+    /// How often a consumer of an operator-made queue checks its pause marker.
+    pause_poll: std::time::Duration,
 }
 
 impl RabbitBroker {
@@ -107,7 +111,16 @@ impl RabbitBroker {
             tags: Arc::default(),
             reports_declared: Arc::default(),
             user: None,
+            pause_poll: crate::backend::pause::poll_interval_from_env(),
         }
+    }
+
+    /// How often each consumer of an operator-made queue checks whether its Subscription is
+    /// paused (the marker `settle.paused.<queue>`, [`pause`]); default `SETTLE_PAUSE_POLL_INTERVAL`,
+    /// else 5s, at least 100ms.
+    pub fn with_pause_poll(mut self, every: std::time::Duration) -> RabbitBroker {
+        self.pause_poll = every.max(crate::backend::pause::MIN_POLL);
+        self
     }
 
     /// The user the connection authenticated as (set by [`RabbitBroker::connect`] from the

@@ -21,6 +21,8 @@ pub const OWNER_TAG: &str = "settle-subscription";
 /// The tag naming the Subscription object (its UID) a queue (or dead-letter queue) belongs to:
 /// the one that decides (docs/semantics.md Q7). [`OWNER_TAG`] stays for people.
 pub const OBJECT_TAG: &str = "settle-object";
+/// The tag that pauses a queue's applications (`super::pause`, semantics W4).
+pub const PAUSE_TAG: &str = "settle-paused";
 
 /// A queue's owner tags, as far as it has them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -29,6 +31,8 @@ pub struct OwnerTags {
     pub subscription: Option<String>,
     /// [`OBJECT_TAG`]: the object's UID (none on queues made before Settle tagged one).
     pub object: Option<String>,
+    /// [`PAUSE_TAG`]: the pause the operator left, read with the owner.
+    pub paused: Option<String>,
 }
 
 /// A failed SQS call.
@@ -79,7 +83,7 @@ pub fn is_auth_code(code: &str) -> bool {
     ) || code.ends_with("#AccessDenied")
 }
 
-fn classify<E, R>(operation: &'static str, e: SdkError<E, R>) -> AdminError
+pub(super) fn classify<E, R>(operation: &'static str, e: SdkError<E, R>) -> AdminError
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
     R: std::fmt::Debug,
@@ -204,6 +208,7 @@ pub async fn owner(client: &Client, url: &str) -> Result<OwnerTags, AdminError> 
     Ok(OwnerTags {
         subscription: tags.remove(OWNER_TAG),
         object: tags.remove(OBJECT_TAG),
+        paused: tags.remove(PAUSE_TAG),
     })
 }
 

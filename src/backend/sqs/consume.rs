@@ -16,6 +16,10 @@
 //! - AtMostOnce: DeleteMessage as the message is handed out (SQS forgets it on delivery).
 //! - The stats reports go to the Subscription's report queue beside the operator's queue, or
 //!   nowhere for a code-defined subscription ([`report`]).
+//! - Paused (W4: the operator's tag `settle-paused` on the queue, read every pause poll
+//!   interval by `backend::pause`): no receive is sent; one already sent finishes (it waits at
+//!   most one interval) and what it got is handed out; every delivery taken settles as before.
+//!   Receiving starts again once the tag is gone or its time has passed.
 //!
 //! It must not count anything (the settle path does), decide what a queue looks like (that is
 //! [`super::queue`]) nor make or change an operator-owned queue.
@@ -30,15 +34,17 @@ use aws_sdk_sqs::types::{Message, MessageSystemAttributeName, QueueAttributeName
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::hold::hold;
-use super::{BODY_ENCODING_ATTRIBUTE, SqsBroker, SqsError, admin, api, lock, queue, report};
+use super::{BODY_ENCODING_ATTRIBUTE, SqsBroker, SqsError, admin, api, lock, pause, queue, report};
+use crate::backend::pause::PauseWatch;
 use crate::bus::{
     self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, SubscriptionCtx,
 };
+use crate::policy::BackendKind;
 
 /// SQS's largest batch of one receive.
 const MAX_BATCH: usize = 10;
@@ -95,13 +101,36 @@ impl SqsBroker {
         });
         let permits = Arc::new(Semaphore::new(p.max_in_flight));
         let (tx, rx) = mpsc::unbounded_channel();
+        // Only the operator pauses a Subscription: an operator-made queue's tag is read (W4),
+        // and a receive waits at most one pause interval, so a pause stops it soon.
+        let (pause, wait) = match ctx.binding().owner {
+            ConsumerOwner::Operator => {
+                let (client, url) = (self.client.clone(), bound.url.clone());
+                let watch =
+                    PauseWatch::start(BackendKind::Sqs, ctx.name(), self.pause_poll, move || {
+                        let (client, url) = (client.clone(), url.clone());
+                        async move {
+                            pause::is_set(&client, &url)
+                                .await
+                                .map_err(|e| e.to_string())
+                        }
+                    });
+                let wait = self
+                    .long_poll
+                    .min(self.pause_poll)
+                    .max(Duration::from_secs(1));
+                (watch, wait)
+            }
+            ConsumerOwner::Runtime => (PauseWatch::never(), self.long_poll),
+        };
         let poller = tokio::spawn(poll(
             Arc::clone(&bound),
-            ctx.name().to_string(),
+            Arc::clone(&ctx),
             Arc::clone(&permits),
             tx,
-            self.long_poll,
+            wait,
             queue::visibility_secs(p.ack_wait),
+            pause.receiver(),
         ));
         let subject = p.pattern.clone();
         Ok(Box::new(SqsConsumer {
@@ -110,6 +139,7 @@ impl SqsBroker {
             subject,
             rx,
             poller: Some(poller),
+            _pause: pause,
         }))
     }
 
@@ -280,19 +310,39 @@ struct Received {
 
 /// Receives while the subscription has free slots: each message takes one, and gives it back
 /// when it is settled or its delivery is dropped, so at most maxInFlight are held at once.
+/// While `paused` reads true, nothing is received (a receive already sent finishes, and what it
+/// got is handed out: it was taken before the pause was seen).
 async fn poll(
     bound: Arc<BoundQueue>,
-    name: String,
+    ctx: Arc<SubscriptionCtx>,
     permits: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Received>,
     wait: Duration,
     visibility: u32,
+    mut paused: watch::Receiver<bool>,
 ) {
+    let name = ctx.name().to_string();
     let mut backoff = Duration::from_millis(200);
     loop {
+        if *paused.borrow_and_update() {
+            ctx.set_paused(true);
+            crate::backend::pause::shown(BackendKind::Sqs, &name, true);
+            tracing::info!(subscription = %name, "paused: receiving stopped until the Subscription is resumed (deliveries already taken finish)");
+            if !crate::backend::pause::until(&mut paused, false).await {
+                return;
+            }
+            ctx.set_paused(false);
+            crate::backend::pause::shown(BackendKind::Sqs, &name, false);
+            tracing::info!(subscription = %name, "resumed: receiving again");
+        }
         let Ok(first) = Arc::clone(&permits).acquire_owned().await else {
             return;
         };
+        if *paused.borrow() {
+            // Paused while it waited for a free slot.
+            drop(first);
+            continue;
+        }
         let mut slots = vec![first];
         while slots.len() < MAX_BATCH {
             match Arc::clone(&permits).try_acquire_owned() {
@@ -338,6 +388,8 @@ struct SqsConsumer {
     subject: String,
     rx: mpsc::UnboundedReceiver<Received>,
     poller: Option<JoinHandle<()>>,
+    /// The pause tag's poll, for as long as the consumer lives.
+    _pause: PauseWatch,
 }
 
 impl SqsConsumer {

@@ -11,8 +11,9 @@
 //! Its files, the same as every broker's: [`connect`] (settings and credentials to a client),
 //! `consume` (the queue received from, each delivery and its settlement), [`queue`] (the one
 //! spec → queue mapping) and [`admin`] (the operator's calls: find, create, tag, change, delete a
-//! managed queue, read its gauges). Beside them: [`hold`] (how long SQS may hold a message) and
-//! [`report`] (the stats reports' queues).
+//! managed queue, read its gauges). Beside them: [`hold`] (how long SQS may hold a message),
+//! [`report`] (the stats reports' queues) and [`pause`] (the tag that says a Subscription is
+//! paused, W4).
 //!
 //! It must not count anything (the settle path does) nor make an operator-owned queue: it creates
 //! (or brings in line) only the queue of a code-defined subscription, through `queue::desired`.
@@ -32,6 +33,7 @@ pub mod admin;
 pub mod connect;
 mod consume;
 pub mod hold;
+pub mod pause;
 pub mod queue;
 pub mod report;
 
@@ -105,6 +107,8 @@ pub struct SqsBroker {
     urls: Arc<Mutex<HashMap<String, String>>>,
     /// Where each bound subscription's stats reports go (by subscription name).
     reports: Arc<Mutex<HashMap<String, report::ReportsTo>>>,
+    /// How often a consumer of an operator-made queue reads its pause tag.
+    pause_poll: Duration,
 }
 
 impl SqsBroker {
@@ -117,7 +121,17 @@ impl SqsBroker {
             long_poll: Duration::from_secs(20),
             urls: Arc::default(),
             reports: Arc::default(),
+            pause_poll: crate::backend::pause::poll_interval_from_env(),
         }
+    }
+
+    /// How often each consumer of an operator-made queue reads whether its Subscription is
+    /// paused (the tag `settle-paused`, [`pause`]); default `SETTLE_PAUSE_POLL_INTERVAL`, else
+    /// 5s, at least 100ms. A receive waits at most this long too, so a pause stops receiving
+    /// within about two intervals.
+    pub fn with_pause_poll(mut self, every: Duration) -> SqsBroker {
+        self.pause_poll = every.max(crate::backend::pause::MIN_POLL);
+        self
     }
 
     /// Holds messages at most this long from their first receive instead of SQS's twelve hours

@@ -76,6 +76,31 @@ impl ObjectKind {
         }
     }
 
+    /// `Paused=True`: the broker holds the pause `pause` (semantics W2–W4).
+    pub fn paused_message(self, o: &ConsumerRef, pause: crate::policy::Pause) -> String {
+        let until = pause.until_text();
+        let how = match self {
+            ObjectKind::Consumer => format!(
+                "consumer {} on stream {} is paused on the server {until}",
+                o.name, o.stream
+            ),
+            ObjectKind::RabbitmqQueue => format!(
+                "queue {} is paused {until}: the marker exchange settle.paused.{} is there, and every \
+                 application stops consuming within its pause poll interval (SETTLE_PAUSE_POLL_INTERVAL, 5s unless set)",
+                o.name, o.name
+            ),
+            ObjectKind::SqsQueue => format!(
+                "SQS queue {} is paused {until}: it is tagged settle-paused, and every application stops \
+                 receiving within its pause poll interval (SETTLE_PAUSE_POLL_INTERVAL, 5s unless set)",
+                o.name
+            ),
+        };
+        format!(
+            "{how}. Nothing is offered to handlers; messages wait on the broker and the account keeps \
+             counting (deliveries taken before the pause finish). Resume: kubectl settle resume NAME"
+        )
+    }
+
     /// `ImmutableField`: it differs where the broker cannot change it in place (`fields`: each
     /// difference, naming the broker's field and the spec's), and the way out.
     pub fn immutable_message(self, o: &ConsumerRef, fields: &[String]) -> String {

@@ -1,7 +1,8 @@
 //! What reconciling a Subscription concluded ([`SubOutcome`], one outcome per meaning for every
 //! broker: ready, differs where the broker cannot change it, not this object's, ...) and the
 //! status it means: the fields this writer owns on a Subscription (`observedGeneration`,
-//! `consumer`, the `Accepted` and `Ready` conditions), built whole, compared with what the
+//! `consumer`, the `Accepted` and `Ready` conditions, and `Paused` once it was ever asked for),
+//! built whole, compared with what the
 //! object has, and turned into a server-side-apply body only when they differ.
 //!
 //! Pure: no I/O, no clock. It must not write the stats or conditions the account owns, nor
@@ -13,6 +14,7 @@ use serde::Serialize;
 use super::broker::{BrokerError, broker_reason};
 use super::object::{Holder, ObjectKind};
 use crate::api::{ConsumerRef, SubscriptionStatus};
+use crate::policy::Pause;
 use crate::reconcile::conditions::{self, Status, Want, reasons, types};
 
 /// What reconciling a Subscription concluded. `kind` says what the broker object is, `object`
@@ -152,18 +154,58 @@ pub struct SubStatusPatch {
     pub conditions: Vec<Condition>,
 }
 
-/// The status for `outcome`, or `None` when the object already shows exactly that.
+/// The `Paused` condition for `outcome` while the spec asks for `pause`: written once a
+/// Subscription asks for a pause, and from then on (so a resume shows `False`); `None` for one
+/// never paused (no condition, and no write for it).
+pub fn paused_want(outcome: &SubOutcome, pause: Pause, existing: &[Condition]) -> Option<Want> {
+    let shown = conditions::find(existing, types::PAUSED).is_some();
+    if !pause.is_paused() && !shown {
+        return None;
+    }
+    let paused =
+        |status, reason, message: String| Want::new(types::PAUSED, status, reason, message);
+    Some(match outcome {
+        _ if !pause.is_paused() => paused(
+            Status::False,
+            reasons::NOT_PAUSED,
+            "delivery runs: spec.paused is false, or spec.pausedUntil has passed".into(),
+        ),
+        SubOutcome::Ready { kind, object } => paused(
+            Status::True,
+            reasons::PAUSED_BY_SPEC,
+            kind.paused_message(object, pause),
+        ),
+        SubOutcome::InProcess => paused(
+            Status::False,
+            reasons::PAUSE_NOT_SUPPORTED,
+            "the memory backend runs the consumer inside the application, where Settle cannot pause it: spec.paused has no effect there".into(),
+        ),
+        _ => paused(
+            Status::False,
+            reasons::PAUSE_NOT_APPLIED,
+            format!(
+                "spec.paused asks for a pause {}, and the consumer is not Ready (see Ready), so the broker may not hold it yet; it is applied once the consumer is Ready",
+                pause.until_text()
+            ),
+        ),
+    })
+}
+
+/// The status for `outcome` (the spec asking for `pause`), or `None` when the object already
+/// shows exactly that.
 pub fn subscription_status(
     existing: Option<&SubscriptionStatus>,
     generation: Option<i64>,
     outcome: &SubOutcome,
+    pause: Pause,
     now: &Time,
 ) -> Option<SubStatusPatch> {
     let old_conditions = existing.map(|s| s.conditions.as_slice()).unwrap_or(&[]);
     let conditions: Vec<Condition> = outcome
         .wants()
-        .iter()
-        .map(|w| conditions::settle(old_conditions, w, generation, now))
+        .into_iter()
+        .chain(paused_want(outcome, pause, old_conditions))
+        .map(|w| conditions::settle(old_conditions, &w, generation, now))
         .collect();
     let patch = SubStatusPatch {
         observed_generation: generation,
@@ -391,8 +433,10 @@ mod tests {
     #[test]
     fn every_outcome_once_applied_is_not_written_again() {
         for o in outcomes() {
-            let first = subscription_status(None, Some(3), &o, &at(10)).expect("a first write");
-            let again = subscription_status(Some(&applied(&first)), Some(3), &o, &at(20));
+            let first = subscription_status(None, Some(3), &o, Pause::Running, &at(10))
+                .expect("a first write");
+            let again =
+                subscription_status(Some(&applied(&first)), Some(3), &o, Pause::Running, &at(20));
             assert_eq!(again, None, "{o:?} is written again at steady state");
         }
     }
@@ -401,9 +445,11 @@ mod tests {
     fn every_pair_of_different_outcomes_is_written() {
         let all = outcomes();
         for a in &all {
-            let first = applied(&subscription_status(None, Some(1), a, &at(10)).expect("first"));
+            let first = applied(
+                &subscription_status(None, Some(1), a, Pause::Running, &at(10)).expect("first"),
+            );
             for b in &all {
-                let next = subscription_status(Some(&first), Some(1), b, &at(20));
+                let next = subscription_status(Some(&first), Some(1), b, Pause::Running, &at(20));
                 assert_eq!(next.is_none(), a == b, "{a:?} then {b:?}");
             }
         }
@@ -412,8 +458,11 @@ mod tests {
     #[test]
     fn a_new_generation_is_written_even_when_nothing_else_changed() {
         let o = ready(consumer());
-        let s = applied(&subscription_status(None, Some(1), &o, &at(1)).expect("first"));
-        let next = subscription_status(Some(&s), Some(2), &o, &at(2)).expect("new generation");
+        let s = applied(
+            &subscription_status(None, Some(1), &o, Pause::Running, &at(1)).expect("first"),
+        );
+        let next = subscription_status(Some(&s), Some(2), &o, Pause::Running, &at(2))
+            .expect("new generation");
         assert_eq!(next.observed_generation, Some(2));
         assert_eq!(
             next.conditions[1].last_transition_time,
@@ -429,9 +478,14 @@ mod tests {
             error: NatsError::Unreachable("x".into()).into(),
             consumer: Some(consumer()),
         };
-        let s1 = applied(&subscription_status(None, Some(1), &up, &at(1)).expect("1"));
-        let s2 = applied(&subscription_status(Some(&s1), Some(1), &down, &at(2)).expect("2"));
-        let s3 = applied(&subscription_status(Some(&s2), Some(1), &up, &at(3)).expect("3"));
+        let s1 =
+            applied(&subscription_status(None, Some(1), &up, Pause::Running, &at(1)).expect("1"));
+        let s2 = applied(
+            &subscription_status(Some(&s1), Some(1), &down, Pause::Running, &at(2)).expect("2"),
+        );
+        let s3 = applied(
+            &subscription_status(Some(&s2), Some(1), &up, Pause::Running, &at(3)).expect("3"),
+        );
         assert_eq!(s2.conditions[1].last_transition_time, at(2));
         assert_eq!(s3.conditions[1].last_transition_time, at(3));
         assert_eq!(
@@ -449,7 +503,9 @@ mod tests {
     #[test]
     fn the_accountants_fields_do_not_make_a_write() {
         let o = ready(consumer());
-        let mut s = applied(&subscription_status(None, Some(1), &o, &at(1)).expect("first"));
+        let mut s = applied(
+            &subscription_status(None, Some(1), &o, Pause::Running, &at(1)).expect("first"),
+        );
         s.stats = Some(Default::default());
         s.stats_updated_at = Some(at(5));
         s.conditions.push(Condition {
@@ -460,7 +516,10 @@ mod tests {
             observed_generation: Some(1),
             last_transition_time: at(4),
         });
-        assert_eq!(subscription_status(Some(&s), Some(1), &o, &at(9)), None);
+        assert_eq!(
+            subscription_status(Some(&s), Some(1), &o, Pause::Running, &at(9)),
+            None
+        );
     }
 
     #[test]
@@ -481,9 +540,70 @@ mod tests {
     }
 
     #[test]
+    fn paused_shows_once_asked_true_while_held_and_false_after_and_never_for_one_never_paused() {
+        let o = ready(consumer());
+        let forever = Pause::Paused { until: None };
+        let until = Pause::Paused {
+            until: Some(Timestamp::from_second(2_000_000_000).expect("time")),
+        };
+        // Never paused: no Paused condition at all.
+        let s0 =
+            applied(&subscription_status(None, Some(1), &o, Pause::Running, &at(1)).expect("0"));
+        assert!(conditions::find(&s0.conditions, types::PAUSED).is_none());
+        // Paused: True, saying until when.
+        let s1 = applied(&subscription_status(Some(&s0), Some(2), &o, forever, &at(2)).expect("1"));
+        let c = conditions::find(&s1.conditions, types::PAUSED).expect("Paused");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", reasons::PAUSED_BY_SPEC)
+        );
+        assert!(c.message.contains("consumer orders on stream ORDERS is paused on the server until spec.paused is set false"), "{}", c.message);
+        let s1b = applied(&subscription_status(Some(&s1), Some(3), &o, until, &at(3)).expect("1b"));
+        let c = conditions::find(&s1b.conditions, types::PAUSED).expect("Paused");
+        assert!(
+            c.message
+                .contains("until 2033-05-18T03:33:20Z (spec.pausedUntil)"),
+            "{}",
+            c.message
+        );
+        assert_eq!(c.last_transition_time, at(2), "still True");
+        // Not Ready while paused: not known to be held.
+        let down = SubOutcome::Broker {
+            error: NatsError::Unreachable("x".into()).into(),
+            consumer: Some(consumer()),
+        };
+        let s2 =
+            applied(&subscription_status(Some(&s1b), Some(3), &down, until, &at(4)).expect("2"));
+        let c = conditions::find(&s2.conditions, types::PAUSED).expect("Paused");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reasons::PAUSE_NOT_APPLIED)
+        );
+        // Resumed: False from then on, and nothing written again at steady state.
+        let s3 = applied(
+            &subscription_status(Some(&s2), Some(4), &o, Pause::Running, &at(5)).expect("3"),
+        );
+        let c = conditions::find(&s3.conditions, types::PAUSED).expect("Paused");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reasons::NOT_PAUSED)
+        );
+        assert_eq!(
+            subscription_status(Some(&s3), Some(4), &o, Pause::Running, &at(6)),
+            None
+        );
+        // Memory cannot pause.
+        let m = paused_want(&SubOutcome::InProcess, forever, &[]).expect("a condition");
+        assert_eq!(
+            (m.status, m.reason),
+            (Status::False, reasons::PAUSE_NOT_SUPPORTED)
+        );
+    }
+
+    #[test]
     fn an_invalid_spec_is_not_accepted_and_not_ready_and_shows_no_consumer() {
         let o = SubOutcome::Invalid("spec.backoff: not allowed".into());
-        let s = subscription_status(None, Some(1), &o, &at(1)).expect("first");
+        let s = subscription_status(None, Some(1), &o, Pause::Running, &at(1)).expect("first");
         assert_eq!(s.conditions[0].status, "False");
         assert_eq!(s.conditions[0].message, "spec.backoff: not allowed");
         assert_eq!(s.conditions[1].reason, reasons::NOT_ACCEPTED);
