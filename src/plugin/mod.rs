@@ -1,5 +1,6 @@
 //! `kubectl settle`, the kubectl plugin: `status` (the account of every Subscription as a table
-//! or JSON) and `explain SUB` (why a Subscription is not Ready or Accepted, and what to do).
+//! or JSON), `explain SUB` (why a Subscription is not Ready or Accepted, and what to do), and
+//! `import nack` (NACK's Consumers as Subscriptions: `migrate`'s command, with kubectl's flags).
 //!
 //! A top-level beside `operator`, like `main`: it reads Subscriptions and Backends with the
 //! kubeconfig kubectl would use and renders what their status already says, through the same
@@ -27,7 +28,7 @@ use crate::api::{Backend, Duration, Subscription};
     bin_name = "kubectl settle",
     version,
     about = "Settle's Subscriptions from kubectl: their account and why they are not Ready",
-    after_help = "Not built yet: pause, resume and import nack (issue 23)."
+    after_help = "Not built yet: pause and resume (issue 23)."
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -76,6 +77,20 @@ pub enum Command {
         /// The Subscription's name.
         name: String,
     },
+    /// Turn another controller's resources into Settle's manifests (`settle import`).
+    #[command(subcommand)]
+    Import(Import),
+}
+
+/// `kubectl settle import ...`.
+#[derive(Subcommand, Debug)]
+pub enum Import {
+    /// NACK's `Consumer` resources as Subscriptions with `adopt: IfCompatible`, and Backends for
+    /// their servers and Accounts (the same as `settle import nack`). Findings go to stderr and
+    /// into the YAML as comments. Exits 0 when everything was written, 1 when something was
+    /// refused or would change behaviour (written only with --allow-changes), 2 when the input
+    /// cannot be read.
+    Nack(crate::migrate::NackArgs),
 }
 
 /// `-o`.
@@ -110,10 +125,32 @@ pub enum Error {
     },
     #[error("cannot write JSON: {0}")]
     Json(#[from] serde_json::Error),
+    /// A command that said what went wrong itself, ending with this status.
+    #[error("exit status {0}")]
+    Exit(u8),
 }
 
 /// Runs the command and writes what it shows to `out`.
 pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
+    if let Command::Import(Import::Nack(args)) = &cli.command {
+        // Files are converted offline: the cluster is read only with --from-cluster.
+        let code = crate::migrate::run_nack(
+            args,
+            cli.cluster.namespace.clone(),
+            || async {
+                client(&cli.cluster)
+                    .await
+                    .map_err(|e| e.to_string())
+            },
+            out,
+            &mut std::io::stderr().lock(),
+        )
+        .await;
+        return match code {
+            0 => Ok(()),
+            code => Err(Error::Exit(code)),
+        };
+    }
     let (client, default_namespace) = client(&cli.cluster).await?;
     let namespace = cli.cluster.namespace.clone().unwrap_or(default_namespace);
     let text = match cli.command {
@@ -159,6 +196,8 @@ pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
                 None => status::table(&rows, all_namespaces, false),
             }
         }
+        // Run above, before any client is made.
+        Command::Import(_) => String::new(),
         Command::Explain { name } => {
             let subs = Api::<Subscription>::namespaced(client.clone(), &namespace);
             let sub = subs
@@ -230,10 +269,12 @@ async fn client(args: &ClusterArgs) -> Result<(Client, String), Error> {
     Ok((client, namespace))
 }
 
-/// The process's exit: 0 when it showed what was asked, 1 on an error (written to stderr).
+/// The process's exit: 0 when it showed what was asked, 1 on an error (written to stderr);
+/// `import nack` ends with its own status (0, 1 or 2), having said why.
 pub fn exit(result: Result<(), Error>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(Error::Exit(code)) => ExitCode::from(code),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

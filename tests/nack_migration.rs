@@ -1,0 +1,300 @@
+//! Migrating from NACK with messages in flight: NACK's own controller (built from its Go module,
+//! `hack/tools.sh build nack`) makes the consumers from its Consumer resources; an application
+//! fetches some messages and never acknowledges them while others wait; NACK is stopped;
+//! `settle import nack --from-cluster` writes the Subscriptions (the same as
+//! `kubectl settle import nack -f` on the exported YAML); applied, Settle's operator takes over
+//! the very consumers (their creation time kept) and the `settle` runtime consumes: every message
+//! is acked exactly once by a handler, the only redeliveries are the fetched-and-unacked ones,
+//! once each after their ackWait ran out, and status counts exactly that.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use futures::StreamExt;
+use settle::api::Subscription;
+use settle::backend::nats::NatsBroker;
+use settle::bus::{Bus, Subscriber, handler};
+
+use common::account::{OPERATOR_FLAGS, wait_until};
+use common::nack::{Nack, install_nack_crds};
+use common::operator::{Operator, TestStream, poll};
+use common::subs::{subs, wait_ready};
+use common::{env, install_crds, kubectl, kubectl_ok, namespace};
+
+/// Messages published for each consumer, and how many of them an application fetches and
+/// leaves unacknowledged before the move.
+const PUBLISHED: usize = 20;
+const IN_FLIGHT: usize = 5;
+/// The consumers' ackWait: what the fetched messages wait out before they come back.
+const ACK_WAIT: &str = "4s";
+
+/// The NACK resources: a Stream, two Consumers Settle can take over as they are, and one left
+/// to NACK's unsafe default ackWait (1ns), which the import flags and holds back.
+fn nack_resources(ns: &str, stream: &TestStream, nats: &str) -> String {
+    let consumer = |name: &str, extra: &str| {
+        format!(
+            "---\napiVersion: jetstream.nats.io/v1beta2\nkind: Consumer\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  servers: [\"{nats}\"]\n  streamName: {stream}\n  durableName: {name}\n  filterSubject: \"{prefix}.{name}.>\"\n  ackPolicy: explicit\n  maxDeliver: 5\n{extra}",
+            stream = stream.name,
+            prefix = stream.prefix
+        )
+    };
+    [
+        consumer("orders", &format!("  ackWait: {ACK_WAIT}\n  maxAckPending: 100\n")),
+        consumer("audit", &format!("  ackWait: {ACK_WAIT}\n  preventDelete: true\n")),
+        consumer("fast", ""),
+    ]
+    .concat()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
+    install_crds();
+    install_nack_crds();
+    let test = "nack-migration";
+    let ns = namespace(test);
+    let e = env();
+    // The stream is NATS's, made beside NACK (Streams stay where they are; Settle never makes one).
+    let stream = TestStream::new(&e.nats_url, test).await;
+
+    // 1. NACK makes the consumers from its resources.
+    let mut nack = Nack::start(test, &ns);
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&nack_resources(&ns, &stream, &e.nats_url)),
+    );
+    let mut created = BTreeMap::new();
+    for name in ["orders", "audit", "fast"] {
+        let info = poll(
+            &format!("NACK to make consumer {name} (its log: {})", nack.log.display()),
+            Duration::from_secs(60),
+            || async { stream.consumer(name).await.ok_or("not yet".to_string()) },
+        )
+        .await;
+        assert!(
+            info.config.metadata.keys().all(|k| !k.starts_with("settle.dev/")),
+            "NACK's consumer carries no Settle mark: {:?}",
+            info.config.metadata
+        );
+        created.insert(name, info.created);
+    }
+    assert_eq!(
+        stream.consumer("fast").await.expect("fast").config.ack_wait,
+        Duration::from_nanos(1),
+        "NACK's default ackWait is 1ns"
+    );
+
+    // 2. Messages: some fetched by an application and never acknowledged, the rest waiting.
+    let mut fetched_before: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for name in ["orders", "audit"] {
+        for i in 0..PUBLISHED {
+            stream
+                .js
+                .publish(format!("{}.{name}.m{i}", stream.prefix), format!("{name}-{i}").into())
+                .await
+                .expect("publish")
+                .await
+                .expect("stored");
+        }
+        let consumer: PullConsumer = stream
+            .js
+            .get_stream(&stream.name)
+            .await
+            .expect("stream")
+            .get_consumer(name)
+            .await
+            .expect("consumer");
+        let mut batch = consumer
+            .fetch()
+            .max_messages(IN_FLIGHT)
+            .messages()
+            .await
+            .expect("fetch");
+        let mut bodies = Vec::new();
+        while let Some(m) = batch.next().await {
+            bodies.push(String::from_utf8_lossy(&m.expect("message").payload).to_string());
+        }
+        assert_eq!(bodies.len(), IN_FLIGHT, "{name}: fetched");
+        fetched_before.insert(name, bodies);
+        let info = stream.consumer(name).await.expect("consumer");
+        assert_eq!(
+            (info.num_ack_pending, info.num_pending),
+            (IN_FLIGHT, (PUBLISHED - IN_FLIGHT) as u64),
+            "{name}: in flight and waiting before the move"
+        );
+    }
+
+    // 3. NACK stops; the import reads its resources from the cluster.
+    nack.stop();
+    let settle = env!("CARGO_BIN_EXE_settle");
+    let out = std::process::Command::new(settle)
+        .args(["import", "nack", "--from-cluster", "-n", &ns])
+        .env("KUBECONFIG", &e.kubeconfig)
+        .output()
+        .expect("run settle import nack");
+    let (yaml, report) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    println!("settle import nack --from-cluster -n {ns}\n--- stderr ---\n{report}--- stdout ---\n{yaml}");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "exit 1: one Consumer would change behaviour\n{report}"
+    );
+    assert!(
+        report.contains(&format!("NACK Consumer {ns}/fast -> Subscription {ns}/fast (consumer {}/fast): NOT WRITTEN: it would change behaviour", stream.name))
+            && report.contains("change  spec.ackWait: 1ns (NACK's default"),
+        "the unsafe default is flagged and held back:\n{report}"
+    );
+    assert!(
+        report.contains("3 NACK Consumers: 2 written, 1 not written (changes behaviour), 0 refused"),
+        "{report}"
+    );
+    // The same from the exported YAML, through the kubectl plugin.
+    let exported = kubectl_ok(
+        &["get", "consumers.jetstream.nats.io,streams.jetstream.nats.io", "-n", &ns, "-o", "yaml"],
+        None,
+    );
+    let plugin = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-settle"))
+        .args(["import", "nack", "-n", &ns, "-f", "-"])
+        .env("KUBECONFIG", &e.kubeconfig)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kubectl-settle");
+    {
+        use std::io::Write;
+        let mut stdin = plugin.stdin.as_ref().expect("stdin");
+        stdin.write_all(exported.as_bytes()).expect("write the export");
+    }
+    let plugin = plugin.wait_with_output().expect("kubectl-settle output");
+    assert_eq!(plugin.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&plugin.stdout),
+        yaml,
+        "kubectl settle import nack -f on the export writes what --from-cluster does"
+    );
+
+    // 4. Settle's operator takes the consumers over: Ready, the same consumers.
+    let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
+    let applied = kubectl(&["apply", "-f", "-"], Some(&yaml));
+    assert!(
+        applied.status.success(),
+        "the import's output applies as it is: {}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+    let api = subs(&ns).await;
+    let mut specs = BTreeMap::new();
+    for name in ["orders", "audit"] {
+        let sub = wait_ready(&api, name).await;
+        let info = stream.consumer(name).await.expect("the consumer is still there");
+        assert_eq!(
+            info.created, created[name],
+            "{name}: the consumer NACK made, taken over (not made again)"
+        );
+        assert_eq!(
+            info.config.metadata.get("settle.dev/subscription").map(String::as_str),
+            Some(format!("{ns}/{name}").as_str()),
+            "{name}: marked as Settle's"
+        );
+        specs.insert(name, sub);
+    }
+    assert!(
+        api.get_opt("fast").await.expect("get fast").is_none(),
+        "the held-back Subscription was not applied"
+    );
+    assert_eq!(
+        specs["audit"].spec.deletion_policy,
+        settle::api::DeletionPolicy::Retain,
+        "preventDelete: true became Retain"
+    );
+
+    // 5. The settle runtime consumes: every message acked once; the fetched ones come back once.
+    let seen: Arc<Mutex<Vec<(String, String, u32)>>> = Arc::default();
+    let broker = NatsBroker::connect(&e.nats_url).await.expect("connect");
+    let bus = Bus::builder(broker)
+        .namespace(ns.clone())
+        .report_interval(Duration::from_millis(200))
+        .build();
+    for (name, sub) in &specs {
+        let seen = seen.clone();
+        let name = name.to_string();
+        let sub: &Subscription = sub;
+        bus.subscribe(Subscriber::from_resource(
+            &name.clone(),
+            &sub.spec,
+            handler(move |d| {
+                let seen = seen.clone();
+                let name = name.clone();
+                async move {
+                    let body = String::from_utf8_lossy(d.payload()).to_string();
+                    seen.lock().expect("seen").push((name, body, d.attempt()));
+                    Ok(d.ack().await?)
+                }
+            }),
+        ))
+        .await
+        .expect("subscribe");
+    }
+    for name in ["orders", "audit"] {
+        wait_until(
+            &format!("{name}: every message acked in status"),
+            Duration::from_secs(60),
+            || async {
+                api.get(name)
+                    .await
+                    .ok()
+                    .and_then(|s| s.status)
+                    .and_then(|s| s.stats)
+                    .map(|s| s.counters)
+                    .unwrap_or_default()
+            },
+            |c| c.settlement.acked >= PUBLISHED as u64,
+        )
+        .await;
+    }
+    bus.close().await;
+
+    let seen = seen.lock().expect("seen").clone();
+    for name in ["orders", "audit"] {
+        let mine: Vec<&(String, String, u32)> = seen.iter().filter(|(n, ..)| n == name).collect();
+        let mut bodies: Vec<&str> = mine.iter().map(|(_, b, _)| b.as_str()).collect();
+        bodies.sort();
+        let mut want: Vec<String> = (0..PUBLISHED).map(|i| format!("{name}-{i}")).collect();
+        want.sort();
+        assert_eq!(bodies, want, "{name}: each message handled and acked exactly once, none lost");
+        for (_, body, attempt) in &mine {
+            let was_in_flight = fetched_before[name].contains(body);
+            assert_eq!(
+                *attempt,
+                if was_in_flight { 2 } else { 1 },
+                "{name}: {body}: only what was in flight comes back, once, after its ackWait"
+            );
+        }
+        let stats = api
+            .get(name)
+            .await
+            .expect("get")
+            .status
+            .and_then(|s| s.stats)
+            .expect("stats");
+        let c = &stats.counters;
+        assert_eq!(
+            (c.offered, c.delivered, c.settlement.acked, c.settlement.nacked, c.settlement.silent, c.exhausted, c.stranded),
+            (PUBLISHED as u64, PUBLISHED as u64, PUBLISHED as u64, 0, 0, 0, 0),
+            "{name}: the account counts exactly what the handlers did: {c:?}"
+        );
+        let info = stream.consumer(name).await.expect("consumer");
+        assert_eq!((info.num_ack_pending, info.num_pending), (0, 0), "{name}: nothing left");
+        assert_eq!(info.created, created[name], "{name}: still the same consumer");
+    }
+
+    drop(op);
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+    stream.delete().await;
+}
