@@ -23,6 +23,8 @@
 //!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
 //!     Subscription stalls);
 //!   - `ack`: acks every message at once.
+//!   - `ack-seen`: acks every message at once, printing `seen <body> <attempt>` as each attempt
+//!     starts (the adoption tests count deliveries by it).
 //!   - `nack-first`: declines a message's first attempt and acks every later one, after
 //!     `SETTLE_APP_HANDLE_MS` (default 0) ms, printing `seen <body> <attempt>` as each attempt
 //!     starts (the cluster tests count attempts by it).
@@ -50,6 +52,7 @@ enum Behaviour {
     SlowAck(u64),
     Hold,
     Ack,
+    AckSeen,
     NackFirst(u64),
 }
 
@@ -83,6 +86,10 @@ async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), Han
             Ok(())
         }
         Behaviour::Ack => Ok(d.ack().await?),
+        Behaviour::AckSeen => {
+            println!("seen {body} {}", d.attempt());
+            Ok(d.ack().await?)
+        }
         Behaviour::NackFirst(ms) => {
             println!("seen {body} {}", d.attempt());
             if ms > 0 {
@@ -137,10 +144,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
         Ok("hold") => Behaviour::Hold,
         Ok("ack") => Behaviour::Ack,
+        Ok("ack-seen") => Behaviour::AckSeen,
         Ok("nack-first") => Behaviour::NackFirst(handle_ms(0)),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack, nack-first or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack, ack-seen, nack-first or demo"
             )
             .into());
         }

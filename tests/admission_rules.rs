@@ -502,6 +502,24 @@ fn rows() -> Vec<Row> {
             errors: &[],
             warnings: &[],
         },
+        Row {
+            name: "A6: adopt changes freely, either way, on every backend (it is read only while the consumer is not yet the Subscription's)",
+            spec: "mode: AtLeastOnce\ndurableName: orders\nadopt: IfCompatible\n",
+            old: Some(ALO),
+            backend: Kind(Rabbitmq),
+            errors: &[],
+            warnings: &[],
+        },
+        Row {
+            name: "A6: adopt set back to Never",
+            spec: "pattern: orders\nmode: AtLeastOnce\ndurableName: orders\n",
+            old: Some(
+                "pattern: orders\nmode: AtLeastOnce\ndurableName: orders\nadopt: IfCompatible\n",
+            ),
+            backend: Kind(Sqs),
+            errors: &[],
+            warnings: &[],
+        },
         // --- A7: Redeliver makes ackWait a correctness setting
         Row {
             name: "A7: Redeliver without ackWait",

@@ -529,6 +529,7 @@ async fn a_stream_from_the_resource_is_refused_by_the_bus_in_the_admission_rules
         stream: Some("ORDERS".into()),
         policy: scope.alo("st"),
         deletion_policy: Default::default(),
+        adopt: Default::default(),
     };
     let err = tokio::time::timeout(
         Duration::from_secs(10),
@@ -586,6 +587,7 @@ async fn a_runtime_built_from_the_resource_waits_for_the_operators_queue_and_nev
         stream: None,
         policy: policy.clone(),
         deletion_policy: Default::default(),
+        adopt: Default::default(),
     };
     let seen = Seen::default();
     let s = seen.clone();

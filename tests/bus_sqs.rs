@@ -470,6 +470,7 @@ async fn a_subscription_from_a_resource_waits_for_the_operators_queue_and_never_
         stream: None,
         policy: alo("billing"),
         deletion_policy: Default::default(),
+        adopt: Default::default(),
     };
     let seen = Seen::default();
     let s = seen.clone();

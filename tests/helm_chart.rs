@@ -486,6 +486,10 @@ fn chart_renders_the_operator_settings_from_values() {
         "no watch list by default (all namespaces): {env:?}"
     );
     assert!(
+        !env.iter().any(|(n, _)| n == "SETTLE_ADOPT_NAMESPACES"),
+        "no namespace adopts by default: {env:?}"
+    );
+    assert!(
         !defaults
             .iter()
             .any(|d| d["kind"] == "Role" && d["metadata"]["name"] == "settle-secrets"),
@@ -530,6 +534,7 @@ fn chart_renders_the_operator_settings_from_values() {
         "leaderElection.leaseName=mine",
         "controller.concurrency=16",
         "controller.resyncInterval=1m",
+        "controller.adoptNamespaces={team-a}",
         "image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
         "networkPolicy.enabled=true",
         "webhook.certificate.mode=certManager",
@@ -544,6 +549,7 @@ fn chart_renders_the_operator_settings_from_values() {
         ("SETTLE_LEASE_NAME", "mine"),
         ("SETTLE_CONCURRENCY", "16"),
         ("SETTLE_RESYNC_INTERVAL", "1m"),
+        ("SETTLE_ADOPT_NAMESPACES", "team-a"),
         ("SETTLE_WEBHOOK_CONFIGURATION", ""),
     ] {
         assert!(

@@ -304,6 +304,7 @@ async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_ne
         },
         stream: Some(s.name.clone()),
         deletion_policy: Default::default(),
+        adopt: Default::default(),
         policy: s.policy(|_| {}),
     };
     let seen = Arc::new(AtomicUsize::new(0));

@@ -18,8 +18,8 @@ pub use backend::{
 pub use duration::{Duration, DurationError};
 pub use stats::{ConsumerStats, Settlement};
 pub use subscription::{
-    BackendRef, Backoff, ConsumerRef, DeletionPolicy, DeliveryPolicy, Mode, Shape, SlowHandler,
-    Subscription, SubscriptionSpec, SubscriptionStats, SubscriptionStatus,
+    Adopt, BackendRef, Backoff, ConsumerRef, DeletionPolicy, DeliveryPolicy, Mode, Shape,
+    SlowHandler, Subscription, SubscriptionSpec, SubscriptionStats, SubscriptionStatus,
 };
 
 /// The API group.

@@ -45,6 +45,15 @@ pub struct SubscriptionSpec {
     /// messages with it), for a consumer that must outlive the resource.
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// Whether Settle takes over a consumer (or queue) of this name that it did not make. Never
+    /// (the default): such a consumer is left alone (ConsumerConflict). IfCompatible: taken over,
+    /// with its position and what it holds, when it equals what this spec maps to where the
+    /// broker cannot change it in place (what can change is then brought to the spec); one that
+    /// differs stays ConsumerConflict, its differing fields named. Never one another
+    /// Subscription made. May change at any time: it is read only while the consumer is not yet
+    /// this Subscription's.
+    #[serde(default, skip_serializing_if = "Adopt::is_never")]
+    pub adopt: Adopt,
     /// The delivery policy.
     #[serde(flatten)]
     pub policy: DeliveryPolicy,
@@ -141,6 +150,22 @@ pub enum DeletionPolicy {
     Delete,
     /// The consumer stays on the broker.
     Retain,
+}
+
+/// Whether a Subscription takes over a consumer or queue of its name that Settle did not make.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum Adopt {
+    /// Never: one Settle did not make is left alone (ConsumerConflict).
+    #[default]
+    Never,
+    /// Taken over when it equals the spec where the broker cannot change it in place.
+    IfCompatible,
+}
+
+impl Adopt {
+    pub fn is_never(&self) -> bool {
+        *self == Adopt::Never
+    }
 }
 
 /// How deliveries are shared between subscriptions.

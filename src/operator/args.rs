@@ -169,6 +169,12 @@ pub struct OperatorArgs {
     /// Subscriptions' Accounted condition says Exhausted may be short.
     #[arg(long, env = "SETTLE_DEAD_LETTER_COPY_MAX_LENGTH", default_value_t = 100_000, value_parser = clap::value_parser!(i64).range(1..))]
     pub dead_letter_copy_max_length: i64,
+    /// Namespaces whose Subscriptions may take over, with `spec.adopt: IfCompatible`, a
+    /// consumer or queue Settle did not make, comma-separated; `*`: every namespace. Empty (the
+    /// default): none, and such a Subscription stays ConsumerConflict saying so
+    /// (docs/semantics.md J9).
+    #[arg(long, env = "SETTLE_ADOPT_NAMESPACES", value_delimiter = ',')]
+    pub adopt_namespaces: Vec<String>,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]
@@ -424,6 +430,12 @@ mod tests {
         assert!(rules.allowed_hosts[0].matches("nats.messaging.svc"));
         assert_eq!(rules.pod_identity_namespaces, ["platform", "ops"]);
         assert_eq!(args.webhook_config().backend_rules, rules);
+        assert!(
+            args.adopt_namespaces.is_empty(),
+            "no namespace adopts unless listed"
+        );
+        let args = parse(&["--adopt-namespaces", "shop,ops"]).expect("parses");
+        assert_eq!(args.adopt_namespaces, ["shop", "ops"]);
         let err = parse(&["--allowed-broker-hosts", "a/b"])
             .err()
             .map(|e| e.to_string());

@@ -199,6 +199,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
             identity: leader::identity(),
             backend_rules: args.backend_rules(),
             dead_letter_copy_max_length: args.dead_letter_copy_max_length,
+            adopt_namespaces: reconcile::AdoptNamespaces::new(&args.adopt_namespaces),
         },
         leadership.gate().receiver(),
         reconcile::Metrics::new(&registry)?,

@@ -36,7 +36,7 @@ fn next_step(reason: &str, sub: &Subscription) -> String {
         }
         reconcile::STREAM_AMBIGUOUS => "set spec.stream to the one stream to consume from".into(),
         reconcile::IMMUTABLE_FIELD => "put the spec back as the live consumer has it, or delete the consumer on the broker (its position goes with it) so Settle makes it again".into(),
-        reconcile::CONSUMER_CONFLICT => "another owner holds a consumer (or queue) of that name: choose another spec.durableName, or remove the other one".into(),
+        reconcile::CONSUMER_CONFLICT => "another owner holds a consumer (or queue) of that name: choose another spec.durableName, or remove the other one; one Settle did not make is taken over, with its position, by spec.adopt: IfCompatible when it matches the spec (the message says what differs) and the operator's --adopt-namespaces lists this namespace".into(),
         reconcile::BROKER_REFUSED => "the message carries the broker's own words: check its permissions and logs".into(),
         reconcile::BROKER_LIMIT => "the message names the broker's limit and what to change (raise it, or spread Subscriptions over streams); deleting a consumer on that stream frees a place at once, and Settle asks again by itself".into(),
         reconcile::UNREACHABLE

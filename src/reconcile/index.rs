@@ -124,6 +124,7 @@ mod tests {
                 },
                 stream: None,
                 deletion_policy: Default::default(),
+                adopt: Default::default(),
                 policy: DeliveryPolicy {
                     pattern: "orders.>".into(),
                     mode: if durable.is_some() {

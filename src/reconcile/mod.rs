@@ -51,6 +51,7 @@ use crate::api::{Backend, Subscription};
 use crate::backend::QueueGauges;
 use connections::Connections;
 pub use metrics::Metrics;
+pub use step::AdoptNamespaces;
 
 /// The field manager of every status write the controllers make.
 pub const FIELD_MANAGER: &str = "settle-reconcile";
@@ -75,6 +76,9 @@ pub struct Config {
     /// A RabbitMQ Backend's dead-letter copy queue holds at most this many copies (set when
     /// the queue is made).
     pub dead_letter_copy_max_length: i64,
+    /// The namespaces whose Subscriptions may take over what Settle did not make
+    /// (`--adopt-namespaces`).
+    pub adopt_namespaces: step::AdoptNamespaces,
 }
 
 /// Why one reconcile failed (it is tried again with a growing delay).
@@ -112,6 +116,8 @@ pub struct Ctx {
     pub backend_rules: crate::policy::BackendRules,
     /// The dead-letter copy queue's bound (`--dead-letter-copy-max-length`).
     pub dead_letter_copy_max_length: i64,
+    /// The namespaces whose Subscriptions may take over what Settle did not make.
+    pub adopt_namespaces: step::AdoptNamespaces,
     failures: Mutex<HashMap<String, u32>>,
 }
 
@@ -326,6 +332,7 @@ async fn run_term(
         drift: config.drift,
         backend_rules: config.backend_rules.clone(),
         dead_letter_copy_max_length: config.dead_letter_copy_max_length,
+        adopt_namespaces: config.adopt_namespaces.clone(),
         failures: Mutex::default(),
     });
 

@@ -3,7 +3,10 @@
 //! through the one mapping (`backend::nats::consumer`),
 //! and delete it when the Subscription goes. A consumer of another Subscription, or one an earlier
 //! object of this name kept (deletionPolicy Retain), is left alone unless the `settle.dev/adopt`
-//! annotation names that object's UID (docs/semantics.md C15, J8).
+//! annotation names that object's UID (docs/semantics.md C15, J8). One Settle did not make (no
+//! owner mark) is left alone too, unless `spec.adopt: IfCompatible` asks for it, the namespace
+//! may (`--adopt-namespaces`) and it equals the mapping where JetStream cannot change it in
+//! place: then it is marked this object's in one update, with its position (J9).
 //!
 //! It must not write status or Events, add finalizers or decide requeues (the pipeline in
 //! [`super::subscription`] does); it returns what the broker now holds and what it changed
@@ -12,8 +15,8 @@
 use super::Ctx;
 use super::connections::NatsConn;
 use super::gate::{BackendKey, Who};
-use super::status::{ADOPT_ANNOTATION, Holder, ObjectKind, SubOutcome};
-use super::step::{ChangeKind, Changes, Converged, Removal, Target};
+use super::status::{ADOPT_ANNOTATION, Holder, ObjectKind, SubOutcome, Unadoptable};
+use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
 use crate::backend::limit::{BrokerLimit, LimitScope, SetBy};
@@ -160,7 +163,22 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
                 uid: u.to_string(),
             },
             (Some(o), _) => Holder::Other(o.to_string()),
-            (None, _) => Holder::Unmarked,
+            // Settle did not make it: taken over only as spec.adopt asks (J9).
+            (None, _) => match t.adoption(&ctx.adopt_namespaces) {
+                Adoption::Never => Holder::Unmarked,
+                Adoption::NotAllowed => {
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(ns.clone()))
+                }
+                Adoption::IfCompatible => {
+                    let d = consumer::diff(&want, &live);
+                    if d.immutable.is_empty() {
+                        return adopt(t, ctx, conn, &want, &d, &info, here, changes).await;
+                    }
+                    Holder::Unadoptable(Unadoptable::Differs(
+                        d.immutable.iter().map(ToString::to_string).collect(),
+                    ))
+                }
+            },
         };
         return SubOutcome::Conflict {
             kind: ObjectKind::Consumer,
@@ -202,6 +220,56 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn, changes: &mut Chan
             format!("updated consumer {} in place: {edits}", want.name),
         );
     }
+    ready(here)
+}
+
+/// Takes over a consumer Settle did not make that equals `want` where JetStream cannot change
+/// it in place (J9): one update writes this object's marks and brings the editable fields
+/// (`d.editable`) to the spec, on the same consumer, so its position (what it delivered, its
+/// acknowledgement floor, what waits for an ack) stays as it was. Two Subscriptions that take
+/// the same consumer at once (namespaces sharing a broker, both allowed): the later update's
+/// marks hold, and the other's next check finds it another's.
+#[allow(clippy::too_many_arguments)]
+async fn adopt(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &NatsConn,
+    want: &consumer::ConsumerConfig,
+    d: &consumer::Diff,
+    before: &async_nats::jetstream::consumer::Info,
+    here: ConsumerRef,
+    changes: &mut Changes,
+) -> SubOutcome {
+    ctx.metrics.js("update");
+    let after = match jsapi::update_consumer(&conn.js, want).await {
+        Ok(info) => info,
+        Err(error) => return broker_failure(error, t.known.clone()),
+    };
+    let edits = d
+        .editable
+        .iter()
+        // The marks are the takeover itself, said once.
+        .filter(|f| f.field != "metadata" && f.field != "description")
+        .map(ToString::to_string)
+        .collect::<Vec<_>>();
+    let note = format!(
+        "took over consumer {} on stream {}, which Settle did not make, as spec.adopt IfCompatible asked: \
+         the same consumer (created {}), with its position (delivered up to stream sequence {}, {} delivered \
+         and not yet acknowledged, {} pending){}",
+        want.name,
+        want.stream,
+        before.created,
+        after.delivered.stream_sequence,
+        after.num_ack_pending,
+        after.num_pending,
+        if edits.is_empty() {
+            String::new()
+        } else {
+            format!("; brought to the spec in place: {}", edits.join("; "))
+        }
+    );
+    tracing::info!(subscription = %t.owner, stream = %want.stream, consumer = %want.name, op = ChangeKind::Adopted.op(), "{note}");
+    changes.push(ChangeKind::Adopted, note);
     ready(here)
 }
 

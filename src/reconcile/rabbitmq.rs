@@ -11,7 +11,10 @@
 //! annotation) is bound or deleted; any other is left alone (`ConsumerConflict`): [`claim`]
 //! decides, from the queue's owner and object arguments, the object mark
 //! `settle.object.<ns>.<name>` (written before the queue is declared) and the status
-//! (docs/semantics.md R8). With the Backend's management API (spec.rabbitmq.managementUrl) the
+//! (docs/semantics.md R8). A queue Settle did not make (no owner argument) is taken over only
+//! when `spec.adopt: IfCompatible` asks, the namespace may (`--adopt-namespaces`), the management
+//! API shows its arguments and they equal the mapping's; the owner and object arguments it cannot
+//! take are then kept beside it, in `settle.adopted.<queue>`, and read in their place (R13). With the Backend's management API (spec.rabbitmq.managementUrl) the
 //! live queue's arguments, bindings and owner are read and compared. Without it only AMQP is
 //! there: a missing queue is made and, once the object mark says it is this object's, its binding
 //! declared again on every check; a differing argument shows as the broker's refusal to
@@ -24,15 +27,15 @@
 
 use super::Ctx;
 use super::connections::RabbitConn;
-use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome};
-use super::step::{ChangeKind, Changes, Converged, Removal, Target};
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
+use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
 use crate::api::ConsumerRef;
 use crate::api::Mode;
 use crate::backend::Classify;
 use crate::backend::rabbitmq::admin::{self, AdminError};
 use crate::backend::rabbitmq::deadletter;
 use crate::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
-use crate::backend::rabbitmq::report;
+use crate::backend::rabbitmq::report::{self, AdoptedMark};
 
 fn failure(error: BrokerError, known: Option<ConsumerRef>) -> SubOutcome {
     // Only while the broker cannot answer is the queue known from before still shown.
@@ -54,6 +57,18 @@ fn object_of(arguments: &std::collections::BTreeMap<String, Arg>) -> Option<Stri
     match arguments.get(OBJECT_ARG) {
         Some(Arg::Str(s)) => Some(s.clone()),
         _ => None,
+    }
+}
+
+/// The owner and object arguments of a live queue: its own, or, for a queue taken over without
+/// them, what its adopted mark says in their place (R13; pure).
+pub fn marks_of(
+    arguments: &std::collections::BTreeMap<String, Arg>,
+    adopted: Option<&AdoptedMark>,
+) -> (Option<String>, Option<String>) {
+    match (owner_of(arguments), adopted) {
+        (None, Some(m)) => (Some(m.subscription.clone()), Some(m.uid.clone())),
+        (owner, _) => (owner, object_of(arguments)),
     }
 }
 
@@ -174,21 +189,33 @@ async fn find(
 }
 
 /// Whose the queue found is, reading the object mark only when the queue itself cannot say.
+/// A queue without the owner argument may have been taken over: its adopted mark is read then,
+/// and speaks for the arguments (`taken`: it did).
 async fn claim_found(
     t: &Target<'_>,
     ctx: &Ctx,
     amqp: &lapin::Connection,
     found: &Found,
+    queue: &str,
     shown: bool,
-) -> (Claim, Option<String>) {
+) -> Whose {
     let uid = t.uid();
     let mut ev = Evidence {
         shown,
         ..Evidence::default()
     };
+    let mut taken = false;
     if let Found::Shown(live) = found {
-        ev.owner_arg = Some(owner_of(&live.arguments));
-        ev.object_arg = object_of(&live.arguments);
+        let adopted = if owner_of(&live.arguments).is_none() {
+            ctx.metrics.js("adopted.read");
+            report::read_adopted(amqp, queue).await
+        } else {
+            None
+        };
+        taken = adopted.is_some();
+        let (owner, object) = marks_of(&live.arguments, adopted.as_ref());
+        ev.owner_arg = Some(owner);
+        ev.object_arg = object;
     }
     let settled = ev
         .owner_arg
@@ -200,8 +227,20 @@ async fn claim_found(
         ctx.metrics.js("object.read");
         ev.mark = report::read_object(amqp, &t.namespace, &t.name).await;
     }
-    let mark = ev.mark.clone();
-    (claim(&ev, &t.owner, uid, t.adopt()), mark)
+    Whose {
+        claim: claim(&ev, &t.owner, uid, t.adopt()),
+        mark: ev.mark.clone(),
+        taken,
+    }
+}
+
+/// Whose a queue found is ([`claim_found`]).
+struct Whose {
+    claim: Claim,
+    /// The object mark, when it was read.
+    mark: Option<String>,
+    /// The queue was taken over without the owner argument; its adopted mark speaks for it.
+    taken: bool,
 }
 
 /// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, or why not.
@@ -272,8 +311,29 @@ async fn converge(
         };
     }
     let shown = known.as_ref().is_some_and(|k| k.name == want.name);
-    let (claimed, mark) = claim_found(t, ctx, &amqp, &found, shown).await;
+    let Whose {
+        claim: claimed,
+        mark,
+        taken,
+    } = claim_found(t, ctx, &amqp, &found, &want.name, shown).await;
     match &claimed {
+        // Settle did not make it: taken over only as spec.adopt asks (R13).
+        Claim::NotOurs(Holder::Unmarked) => {
+            let owner = match (t.adoption(&ctx.adopt_namespaces), &found) {
+                (Adoption::IfCompatible, Found::Shown(live)) => {
+                    return adopt(t, ctx, conn, &amqp, &want, live, here, changes).await;
+                }
+                (Adoption::NotAllowed, _) => {
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                }
+                _ => Holder::Unmarked,
+            };
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner,
+            };
+        }
         Claim::NotOurs(holder) => {
             return SubOutcome::Conflict {
                 kind: ObjectKind::RabbitmqQueue,
@@ -292,6 +352,10 @@ async fn converge(
         }
     }
     if let Claim::Adopted(old) = &claimed {
+        // Taken over without arguments by the earlier object: its adopted mark names this one now.
+        if taken && let Err(o) = mark_adopted(t, ctx, &amqp, &want.name).await {
+            return *o;
+        }
         let note = format!(
             "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
             want.name
@@ -335,27 +399,10 @@ async fn converge(
             fields,
         },
         Verdict::Repair { bind, unbind } => {
-            let mut edits = Vec::new();
-            if bind {
-                ctx.metrics.js("queue.bind");
-                if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
-                    return failure(BrokerError::of(e), known);
-                }
-                edits.push(format!(
-                    "bound it to exchange {} with {}",
-                    want.binding.exchange, want.binding.routing_key
-                ));
-            }
-            for b in &unbind {
-                ctx.metrics.js("queue.unbind");
-                if let Err(e) = admin::unbind(&amqp, &want.name, b).await {
-                    return failure(BrokerError::of(e), known);
-                }
-                edits.push(format!(
-                    "removed its binding to {} with {}",
-                    b.exchange, b.routing_key
-                ));
-            }
+            let edits = match repair(ctx, &amqp, &want, bind, &unbind).await {
+                Ok(edits) => edits,
+                Err(e) => return failure(e, known),
+            };
             if !edits.is_empty() {
                 let edits = edits.join("; ");
                 tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
@@ -363,6 +410,116 @@ async fn converge(
             }
             ready()
         }
+    }
+}
+
+/// The binding repairs [`judge`] asked for, done: what each did, as an Event says it.
+async fn repair(
+    ctx: &Ctx,
+    amqp: &lapin::Connection,
+    want: &QueueSpec,
+    bind: bool,
+    unbind: &[queue::Binding],
+) -> Result<Vec<String>, BrokerError> {
+    let mut edits = Vec::new();
+    if bind {
+        ctx.metrics.js("queue.bind");
+        admin::bind(amqp, &want.name, &want.binding)
+            .await
+            .map_err(BrokerError::of)?;
+        edits.push(format!(
+            "bound it to exchange {} with {}",
+            want.binding.exchange, want.binding.routing_key
+        ));
+    }
+    for b in unbind {
+        ctx.metrics.js("queue.unbind");
+        admin::unbind(amqp, &want.name, b)
+            .await
+            .map_err(BrokerError::of)?;
+        edits.push(format!(
+            "removed its binding to {} with {}",
+            b.exchange, b.routing_key
+        ));
+    }
+    Ok(edits)
+}
+
+/// Marks queue `queue` as taken over by this object, beside it (R13).
+async fn mark_adopted(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    amqp: &lapin::Connection,
+    queue: &str,
+) -> Result<(), Box<SubOutcome>> {
+    let mark = AdoptedMark {
+        subscription: t.owner.clone(),
+        uid: t.uid().unwrap_or_default().to_string(),
+    };
+    ctx.metrics.js("adopted.mark");
+    report::mark_adopted(amqp, queue, &mark).await.map_err(|e| {
+        let error = match admin::limit_of(&e.to_string()) {
+            Some(l) => BrokerError::Limit(l),
+            None => BrokerError::Unreachable(format!("cannot mark the queue taken over: {e}")),
+        };
+        Box::new(failure(error, None))
+    })
+}
+
+/// Takes over a queue Settle did not make whose arguments equal the mapping's (R13): marked
+/// beside it as this object's (RabbitMQ cannot add the owner and object arguments in place) and
+/// in the object mark (where the runtime reads the UID), the dead-letter copy made first under
+/// AtLeastOnce (R9), and the binding brought to the spec. The queue and its messages stay as
+/// they are.
+#[allow(clippy::too_many_arguments)]
+async fn adopt(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    amqp: &lapin::Connection,
+    want: &QueueSpec,
+    live: &queue::LiveQueue,
+    here: ConsumerRef,
+    changes: &mut Changes,
+) -> SubOutcome {
+    let (bind, unbind) = match judge(want, live) {
+        Verdict::Immutable(fields) => {
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner: Holder::Unadoptable(Unadoptable::Differs(fields)),
+            };
+        }
+        Verdict::Repair { bind, unbind } => (bind, unbind),
+    };
+    if t.policy.mode == Mode::AtLeastOnce {
+        copy_dead_letters(t, ctx, conn, amqp, want).await;
+    }
+    if let Err(o) = mark_adopted(t, ctx, amqp, &want.name).await {
+        return *o;
+    }
+    if let Err(o) = mark_object(t, ctx, amqp).await {
+        return *o;
+    }
+    let edits = match repair(ctx, amqp, want, bind, &unbind).await {
+        Ok(edits) => edits,
+        Err(e) => return failure(e, t.known.clone()),
+    };
+    let note = format!(
+        "took over queue {}, which Settle did not make, as spec.adopt IfCompatible asked: the same queue, \
+         with the messages it holds{}",
+        want.name,
+        if edits.is_empty() {
+            String::new()
+        } else {
+            format!("; brought to the spec in place: {}", edits.join("; "))
+        }
+    );
+    tracing::info!(subscription = %t.owner, queue = %want.name, op = ChangeKind::Adopted.op(), "{note}");
+    changes.push(ChangeKind::Adopted, note);
+    SubOutcome::Ready {
+        kind: ObjectKind::RabbitmqQueue,
+        object: here,
     }
 }
 
@@ -509,7 +666,8 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
         Err(e) if e.is_unreachable() => return Removal::Wait(e.to_string()),
         Err(e) => return Removal::Failed(e.to_string()),
     };
-    if let (Claim::NotOurs(holder), _) = claim_found(t, ctx, &amqp, &found, shown.is_some()).await {
+    let whose = claim_found(t, ctx, &amqp, &found, &queue_name, shown.is_some()).await;
+    if let Claim::NotOurs(holder) = whose.claim {
         tracing::info!(subscription = %owner, queue = %queue_name, holder = ?holder, "the queue is not this Subscription object's: left alone");
         return Removal::Nothing;
     }
@@ -519,6 +677,12 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
             let object = report::object_queue(ns, name);
             if let Err(e) = admin::delete(&amqp, &object).await {
                 tracing::debug!(queue = %object, error = %e, "cannot delete the object mark");
+            }
+            if whose.taken {
+                let adopted = report::adopted_queue(&queue_name);
+                if let Err(e) = admin::delete(&amqp, &adopted).await {
+                    tracing::debug!(queue = %adopted, error = %e, "cannot delete the adopted mark");
+                }
             }
             tracing::info!(subscription = %owner, queue = %queue_name, "deleted the queue");
             // Two queues fewer in the vhost: a create its limit refused may go now.
@@ -657,6 +821,70 @@ mod tests {
             claim(&ev(None, None, None), o, me, Some("anything")),
             Claim::NotOurs(Holder::Unproven),
             "nothing to adopt: no UID to name"
+        );
+    }
+
+    #[test]
+    fn a_queue_taken_over_is_judged_by_its_adopted_mark_so_no_other_subscription_takes_it_again() {
+        let o = "shop/orders";
+        let me = Some("u-1");
+        let hand: std::collections::BTreeMap<String, Arg> =
+            [("x-queue-type".to_string(), Arg::Str("quorum".into()))].into();
+        let by = |sub: &str, uid: &str| AdoptedMark {
+            subscription: sub.into(),
+            uid: uid.into(),
+        };
+        let judged = |adopted: Option<AdoptedMark>, owner: &str, adopt: Option<&str>| {
+            let (owner_arg, object_arg) = marks_of(&hand, adopted.as_ref());
+            let e = Evidence {
+                owner_arg: Some(owner_arg),
+                object_arg,
+                ..Evidence::default()
+            };
+            claim(&e, owner, me, adopt)
+        };
+        assert_eq!(judged(None, o, None), Claim::NotOurs(Holder::Unmarked));
+        assert_eq!(judged(Some(by(o, "u-1")), o, None), Claim::Ours);
+        // Another namespace's Subscription of the same durableName: another's, never taken.
+        assert_eq!(
+            judged(Some(by("team-b/orders", "u-7")), o, Some("u-7")),
+            Claim::NotOurs(Holder::Other("team-b/orders".into()))
+        );
+        // Taken over by an earlier object of this name and kept: the annotation, as ever.
+        assert_eq!(
+            judged(Some(by(o, "u-0")), o, None),
+            Claim::NotOurs(Holder::Earlier {
+                owner: o.into(),
+                uid: "u-0".into()
+            })
+        );
+        assert_eq!(
+            judged(Some(by(o, "u-0")), o, Some("u-0")),
+            Claim::Adopted("u-0".into())
+        );
+        // A queue's own arguments always speak first.
+        let mut made = hand.clone();
+        made.insert(OWNER_ARG.into(), Arg::Str("other/orders".into()));
+        assert_eq!(
+            marks_of(&made, Some(&by(o, "u-1"))),
+            (Some("other/orders".into()), None)
+        );
+    }
+
+    #[test]
+    fn the_marks_are_never_a_difference_so_a_hand_made_queue_of_the_same_arguments_judges_as_mapped()
+     {
+        let w = want().for_object(Some("u-1"));
+        let mut hand = live_of(&w);
+        hand.arguments.remove(OWNER_ARG);
+        hand.arguments.remove(OBJECT_ARG);
+        hand.bindings.clear();
+        assert_eq!(
+            judge(&w, &hand),
+            Verdict::Repair {
+                bind: true,
+                unbind: vec![]
+            }
         );
     }
 

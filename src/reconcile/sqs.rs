@@ -5,7 +5,10 @@
 //! (VisibilityTimeout, RedrivePolicy) repaired in place with SetQueueAttributes; a queue tagged
 //! for another Subscription, untagged, or left by an earlier object of this name, left alone
 //! (`ConsumerConflict`) unless the `settle.dev/adopt` annotation names that object's UID
-//! (docs/semantics.md Q7). Deleting the Subscription deletes its queue, and its dead-letter queue
+//! (docs/semantics.md Q7). An untagged queue (or dead-letter queue) of the name, one Settle did
+//! not make, is taken over and tagged when `spec.adopt: IfCompatible` asks and the namespace may
+//! (`--adopt-namespaces`): SQS can change every attribute the mapping sets in place, so any
+//! such queue is compatible, and its attributes are then brought to the spec (Q11). Deleting the Subscription deletes its queue, and its dead-letter queue
 //! only when it is this object's and empty (what it holds was Exhausted: kept for a person).
 //! Beside them, the same way (made, tagged, made again, deleted with the Subscription), the
 //! account's report and ledger queues (`backend::sqs::report`).
@@ -19,8 +22,8 @@ use aws_sdk_sqs::Client;
 
 use super::Ctx;
 use super::connections::SqsConn;
-use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome};
-use super::step::{ChangeKind, Changes, Converged, Removal, SQS_STREAM, Target};
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
+use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, SQS_STREAM, Target};
 use crate::api::ConsumerRef;
 use crate::backend::Classify;
 use crate::backend::sqs::admin::{self, AdminError, OwnerTags};
@@ -97,13 +100,16 @@ async fn judged(
     Ok(owned(&tags, &t.owner, t.uid(), t.adopt()))
 }
 
-/// A queue's URL and whether Settle made it now, or the outcome that stops the step.
+/// A queue's URL and whether Settle made it now, or the outcome that stops the step. An
+/// `adoptable` queue (the Subscription's queue and dead-letter queue, never the account's) that
+/// Settle did not make is taken over as `spec.adopt` says (Q11).
 async fn find_or_create(
     client: &Client,
     ctx: &Ctx,
     t: &Target<'_>,
     name: &str,
     attributes: std::collections::BTreeMap<String, String>,
+    adoptable: bool,
     changes: &mut Changes,
 ) -> Result<(String, bool), SubOutcome> {
     let (owner, known) = (&t.owner, &t.known);
@@ -122,6 +128,34 @@ async fn find_or_create(
     };
     let take = match judged(client, ctx, t, &url).await {
         Err(e) => return Err(failure(e, known)),
+        Ok(Err(Holder::Unmarked)) if adoptable => {
+            let owner = match t.adoption(&ctx.adopt_namespaces) {
+                Adoption::IfCompatible => {
+                    ctx.metrics.js("sqs.tag");
+                    if let Err(e) = admin::tag_owner(client, &url, owner, uid).await {
+                        return Err(failure(e, known));
+                    }
+                    let note = format!(
+                        "took over SQS queue {name}, which Settle did not make, as spec.adopt IfCompatible asked: the same queue, with the messages it holds"
+                    );
+                    tracing::info!(subscription = %owner, queue = %name, op = ChangeKind::Adopted.op(), "{note}");
+                    changes.push(ChangeKind::Adopted, note);
+                    return Ok((url, false));
+                }
+                Adoption::NotAllowed => {
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                }
+                Adoption::Never => Holder::Unmarked,
+            };
+            return Err(SubOutcome::Conflict {
+                kind: ObjectKind::SqsQueue,
+                object: ConsumerRef {
+                    stream: SQS_STREAM.into(),
+                    name: name.to_string(),
+                },
+                owner,
+            });
+        }
         Ok(Err(holder)) => {
             return Err(SubOutcome::Conflict {
                 kind: ObjectKind::SqsQueue,
@@ -181,6 +215,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
                 t,
                 &r.dead_letter_queue,
                 queue::dead_letter_attributes(),
+                true,
                 changes,
             )
             .await
@@ -211,11 +246,20 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
         }
     };
     let attributes = queue::attributes(&want, dlq_arn.as_deref());
-    let (url, new) =
-        match find_or_create(client, ctx, t, &want.name, attributes.clone(), changes).await {
-            Ok(x) => x,
-            Err(o) => return o,
-        };
+    let (url, new) = match find_or_create(
+        client,
+        ctx,
+        t,
+        &want.name,
+        attributes.clone(),
+        true,
+        changes,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(o) => return o,
+    };
     if new {
         made.insert(0, format!("queue {}", want.name));
     } else {
@@ -272,7 +316,7 @@ async fn converge(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn, changes: &mut Chang
             report::ledger_attributes(),
         ),
     ] {
-        match find_or_create(client, ctx, t, &account_queue, attributes, changes).await {
+        match find_or_create(client, ctx, t, &account_queue, attributes, false, changes).await {
             Ok((_, true)) => made.push(format!("account queue {account_queue}")),
             Ok((_, false)) => {}
             Err(o) => return o,

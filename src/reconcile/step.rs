@@ -11,7 +11,7 @@ use kube::ResourceExt;
 
 use super::conditions::events;
 use super::status::{ADOPT_ANNOTATION, SubOutcome};
-use crate::api::{ConsumerRef, Subscription};
+use crate::api::{Adopt, ConsumerRef, Subscription};
 use crate::policy::ResolvedPolicy;
 
 /// `status.consumer.stream` of an SQS queue (SQS has no streams or exchanges).
@@ -57,6 +57,49 @@ impl<'a> Target<'a> {
     pub fn adopt(&self) -> Option<&str> {
         self.adopt.as_deref()
     }
+
+    /// What `spec.adopt` lets this Subscription do with a consumer or queue of its name that
+    /// Settle did not make (no owner mark), in a namespace `allowed` may or may not list.
+    pub fn adoption(&self, allowed: &AdoptNamespaces) -> Adoption {
+        match self.sub.spec.adopt {
+            Adopt::Never => Adoption::Never,
+            Adopt::IfCompatible if allowed.allows(&self.namespace) => Adoption::IfCompatible,
+            Adopt::IfCompatible => Adoption::NotAllowed,
+        }
+    }
+}
+
+/// The namespaces whose Subscriptions may take over, by `spec.adopt: IfCompatible`, a consumer or
+/// queue Settle did not make (`--adopt-namespaces`; `*`: every namespace). On a broker several
+/// namespaces reach with the same credentials, a durableName reaches another team's consumer
+/// of that name: only the namespaces listed may take one over (docs/semantics.md J9).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AdoptNamespaces(Vec<String>);
+
+impl AdoptNamespaces {
+    pub fn new(list: &[String]) -> Self {
+        AdoptNamespaces(
+            list.iter()
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect(),
+        )
+    }
+
+    pub fn allows(&self, namespace: &str) -> bool {
+        self.0.iter().any(|n| n == "*" || n == namespace)
+    }
+}
+
+/// What a Subscription may do with a consumer or queue of its name Settle did not make.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// `spec.adopt: Never`: leave it alone.
+    Never,
+    /// `spec.adopt: IfCompatible`, in a namespace `--adopt-namespaces` does not list.
+    NotAllowed,
+    /// Take it over when it equals the spec where the broker cannot change it in place.
+    IfCompatible,
 }
 
 /// What a step did on the broker.
@@ -68,7 +111,8 @@ pub enum ChangeKind {
     Recreated,
     /// Changed in place.
     Updated,
-    /// Taken over from an earlier object of this name, as the adopt annotation asked.
+    /// Taken over: from an earlier object of this name, as the adopt annotation asked, or one
+    /// Settle did not make, as `spec.adopt: IfCompatible` asked.
     Adopted,
 }
 
@@ -136,4 +180,49 @@ pub enum Removal {
     Wait(String),
     /// The broker refused: tried again.
     Failed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{BackendRef, DeliveryPolicy, SubscriptionSpec};
+
+    fn sub(ns: &str, adopt: Adopt) -> Subscription {
+        let mut s = Subscription::new(
+            "orders",
+            SubscriptionSpec {
+                backend_ref: BackendRef {
+                    name: "nats".into(),
+                },
+                stream: None,
+                deletion_policy: Default::default(),
+                adopt,
+                policy: DeliveryPolicy {
+                    pattern: "orders.>".into(),
+                    ..Default::default()
+                },
+            },
+        );
+        s.metadata.namespace = Some(ns.into());
+        s
+    }
+
+    #[test]
+    fn a_namespace_adopts_only_when_it_asks_and_the_operator_lists_it() {
+        let none = AdoptNamespaces::new(&[]);
+        let listed = AdoptNamespaces::new(&[" shop".into(), "".into(), "ops".into()]);
+        let all = AdoptNamespaces::new(&["*".into()]);
+        let (shop, other) = (
+            sub("shop", Adopt::IfCompatible),
+            sub("team-b", Adopt::IfCompatible),
+        );
+        assert_eq!(Target::of(&shop).adoption(&none), Adoption::NotAllowed);
+        assert_eq!(Target::of(&shop).adoption(&listed), Adoption::IfCompatible);
+        assert_eq!(Target::of(&other).adoption(&listed), Adoption::NotAllowed);
+        assert_eq!(Target::of(&other).adoption(&all), Adoption::IfCompatible);
+        let never = sub("shop", Adopt::Never);
+        for allowed in [&none, &listed, &all] {
+            assert_eq!(Target::of(&never).adoption(allowed), Adoption::Never);
+        }
+    }
 }

@@ -7,6 +7,8 @@
 
 #[cfg(feature = "operator")]
 pub mod account;
+#[cfg(feature = "operator")]
+pub mod adopt;
 pub mod bus;
 pub mod controlplane;
 #[cfg(feature = "operator")]

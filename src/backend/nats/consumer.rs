@@ -657,6 +657,7 @@ mod tests {
             },
             stream: None,
             deletion_policy: Default::default(),
+            adopt: Default::default(),
             policy: DeliveryPolicy {
                 pattern: "orders.>".into(),
                 mode,
@@ -701,6 +702,7 @@ mod tests {
                 }
             }),
             ("backendRef", |s| s.backend_ref.name = "other".into()),
+            ("adopt", |s| s.adopt = crate::api::Adopt::IfCompatible),
         ];
         let caps = capabilities_of(BackendKind::Nats);
         let mapped = |s: &SubscriptionSpec| {

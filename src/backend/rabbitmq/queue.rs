@@ -279,8 +279,13 @@ pub fn diff(want: &QueueSpec, live: &LiveQueue) -> Diff {
     let mut d = Diff::default();
     let names: std::collections::BTreeSet<&String> =
         want.arguments.keys().chain(live.arguments.keys()).collect();
-    // The object mark is set once, when the queue is made (R8): never a difference.
-    for name in names.into_iter().filter(|n| n.as_str() != OBJECT_ARG) {
+    // The marks say whose the queue is, not what it is: the owner is judged before (R8), the
+    // object mark is set once, when the queue is made, and a queue taken over (R13) has
+    // neither. Never a difference.
+    for name in names
+        .into_iter()
+        .filter(|n| n.as_str() != OBJECT_ARG && n.as_str() != OWNER_ARG)
+    {
         let (a, b) = (want.arguments.get(name), live.arguments.get(name));
         if a != b {
             d.arguments.push(ArgDiff {

@@ -17,7 +17,10 @@
 //! The operator also marks which Subscription object (UID) a queue was made for, in a third
 //! one-message queue, `settle.object.<namespace>.<subscription>`: AMQP cannot read a queue's
 //! arguments, so this is where a runtime bound to the queue learns the UID it reports its
-//! counts for ([`mark_object`], [`read_object`]; docs/semantics.md C15).
+//! counts for ([`mark_object`], [`read_object`]; docs/semantics.md C15). A queue Settle did not
+//! make, taken over by `spec.adopt: IfCompatible`, cannot take the owner and object arguments
+//! (RabbitMQ cannot change arguments in place): they are kept beside it, by its name, in a fourth
+//! one-message queue, `settle.adopted.<queue>` ([`mark_adopted`], [`read_adopted`]; R13).
 //!
 //! Reports and registrations carry the connection's user as `user_id`, which RabbitMQ
 //! validates (it refuses a message whose `user_id` is not the connection's user): the operator
@@ -157,9 +160,26 @@ pub fn object_queue(namespace: &str, subscription: &str) -> String {
 }
 
 /// What the object queue holds.
-#[derive(serde::Serialize, Deserialize)]
+#[derive(PartialEq, serde::Serialize, Deserialize)]
 struct ObjectMark {
     uid: String,
+}
+
+/// The queue that says whose a queue Settle did not make is, once a Subscription took it over
+/// (`spec.adopt: IfCompatible`): RabbitMQ cannot add the owner and object arguments to a queue
+/// in place, so they are kept beside it, by the queue's name, where any Subscription of any
+/// namespace that names the queue reads them (docs/semantics.md R13).
+pub fn adopted_queue(queue: &str) -> String {
+    format!("settle.adopted.{queue}")
+}
+
+/// What the adopted queue holds: what the owner and object arguments would say.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, Deserialize)]
+pub struct AdoptedMark {
+    /// `namespace/name` of the Subscription that took the queue over.
+    pub subscription: String,
+    /// Its object's UID.
+    pub uid: String,
 }
 
 /// Marks `namespace/subscription`'s queue as made for object `uid` (the operator, before it
@@ -170,18 +190,52 @@ pub async fn mark_object(
     subscription: &str,
     uid: &str,
 ) -> Result<(), lapin::Error> {
-    let queue = object_queue(namespace, subscription);
+    let mark = ObjectMark {
+        uid: uid.to_string(),
+    };
+    put_mark(conn, &object_queue(namespace, subscription), &mark).await
+}
+
+/// The UID of the object `namespace/subscription`'s queue was made for, as the operator marked
+/// it (None: not marked, or the mark cannot be read). The runtime reads it when it binds.
+pub async fn read_object(
+    conn: &lapin::Connection,
+    namespace: &str,
+    subscription: &str,
+) -> Option<String> {
+    get_mark::<ObjectMark>(conn, &object_queue(namespace, subscription))
+        .await
+        .map(|m| m.uid)
+}
+
+/// Marks queue `queue`, which Settle did not make, as taken over by `mark`'s Subscription
+/// object (the operator, before it uses the queue).
+pub async fn mark_adopted(
+    conn: &lapin::Connection,
+    queue: &str,
+    mark: &AdoptedMark,
+) -> Result<(), lapin::Error> {
+    put_mark(conn, &adopted_queue(queue), mark).await
+}
+
+/// Who took queue `queue` over, if a Subscription did (None: nobody, or it cannot be read).
+pub async fn read_adopted(conn: &lapin::Connection, queue: &str) -> Option<AdoptedMark> {
+    get_mark(conn, &adopted_queue(queue)).await
+}
+
+/// Makes `mark` the one message of the one-message queue `queue`, unless it already is.
+async fn put_mark<T>(conn: &lapin::Connection, queue: &str, mark: &T) -> Result<(), lapin::Error>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq,
+{
     let ch = conn.create_channel().await?;
     let result = async {
-        declare(&ch, &queue, LEDGER_MAX_LENGTH).await?;
+        declare(&ch, queue, LEDGER_MAX_LENGTH).await?;
         let held = ch
-            .basic_get(
-                ShortString::from(queue.as_str()),
-                BasicGetOptions { no_ack: false },
-            )
+            .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: false })
             .await?;
         if let Some(msg) = &held
-            && serde_json::from_slice::<ObjectMark>(&msg.delivery.data).is_ok_and(|m| m.uid == uid)
+            && serde_json::from_slice::<T>(&msg.delivery.data).is_ok_and(|m| &m == mark)
         {
             ch.basic_reject(
                 msg.delivery.delivery_tag,
@@ -191,13 +245,10 @@ pub async fn mark_object(
             return Ok(());
         }
         ch.confirm_select(ConfirmSelectOptions::default()).await?;
-        let body = serde_json::to_vec(&ObjectMark {
-            uid: uid.to_string(),
-        })
-        .unwrap_or_default();
+        let body = serde_json::to_vec(mark).unwrap_or_default();
         ch.basic_publish(
             ShortString::from(""),
-            ShortString::from(queue.as_str()),
+            ShortString::from(queue),
             BasicPublishOptions::default(),
             &body,
             persistent_json(),
@@ -217,43 +268,36 @@ pub async fn mark_object(
     result
 }
 
-/// The UID of the object `namespace/subscription`'s queue was made for, as the operator marked
-/// it (None: not marked, or the mark cannot be read). The runtime reads it when it binds.
-pub async fn read_object(
+/// The one message of the one-message queue `queue`, read and put back (None: no queue, no
+/// message, or not a `T`).
+async fn get_mark<T: serde::de::DeserializeOwned>(
     conn: &lapin::Connection,
-    namespace: &str,
-    subscription: &str,
-) -> Option<String> {
-    let queue = object_queue(namespace, subscription);
+    queue: &str,
+) -> Option<T> {
     // A missing queue closes the channel (404): one of its own.
     let ch = conn.create_channel().await.ok()?;
     let held = ch
-        .basic_get(
-            ShortString::from(queue.as_str()),
-            BasicGetOptions { no_ack: false },
-        )
+        .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: false })
         .await
         .ok()
         .flatten();
-    let uid = match held {
+    let mark = match held {
         Some(msg) => {
-            let uid = serde_json::from_slice::<ObjectMark>(&msg.delivery.data)
-                .ok()
-                .map(|m| m.uid);
+            let mark = serde_json::from_slice::<T>(&msg.delivery.data).ok();
             let _ = ch
                 .basic_reject(
                     msg.delivery.delivery_tag,
                     BasicRejectOptions { requeue: true },
                 )
                 .await;
-            uid
+            mark
         }
         None => None,
     };
     if ch.status().connected() {
         let _ = ch.close(200, ShortString::from("read")).await;
     }
-    uid
+    mark
 }
 
 /// The arguments of a report or ledger queue: classic, at most `max_length` messages, the

@@ -219,6 +219,22 @@ pub async fn tag_object(client: &Client, url: &str, uid: &str) -> Result<(), Adm
     Ok(())
 }
 
+/// Tags queue `url` as `owner`'s (object `uid`): a queue Settle did not make, taken over
+/// (`spec.adopt: IfCompatible`, docs/semantics.md Q11).
+pub async fn tag_owner(
+    client: &Client,
+    url: &str,
+    owner: &str,
+    uid: Option<&str>,
+) -> Result<(), AdminError> {
+    let mut call = client.tag_queue().queue_url(url).tags(OWNER_TAG, owner);
+    if let Some(uid) = uid {
+        call = call.tags(OBJECT_TAG, uid);
+    }
+    call.send().await.map_err(|e| classify("TagQueue", e))?;
+    Ok(())
+}
+
 fn attribute_map(attributes: BTreeMap<String, String>) -> HashMap<QueueAttributeName, String> {
     attributes
         .into_iter()

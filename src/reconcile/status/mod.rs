@@ -19,5 +19,5 @@ pub mod subscription;
 
 pub use backend::{BackendOutcome, BackendStatusPatch, backend_status};
 pub use broker::{BrokerError, broker_reason};
-pub use object::{ADOPT_ANNOTATION, Holder, ObjectKind};
+pub use object::{ADOPT_ANNOTATION, Holder, ObjectKind, Unadoptable};
 pub use subscription::{SubOutcome, SubStatusPatch, subscription_status};

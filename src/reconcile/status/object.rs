@@ -39,6 +39,19 @@ pub enum Holder {
     /// An earlier object of this Subscription's name (`owner`, the `namespace/name` both have;
     /// `uid`, that object's UID) made it and left it behind or kept it.
     Earlier { owner: String, uid: String },
+    /// No Subscription's (no owner mark), and `spec.adopt: IfCompatible` could not take it over.
+    Unadoptable(Unadoptable),
+}
+
+/// Why `spec.adopt: IfCompatible` did not take over a consumer or queue Settle did not make
+/// (docs/semantics.md J9, R13, Q11).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unadoptable {
+    /// It differs from what the spec maps to where the broker cannot change it in place: each
+    /// difference, naming the broker's field, the spec's, and both values.
+    Differs(Vec<String>),
+    /// The operator's `--adopt-namespaces` does not list the Subscription's namespace.
+    NamespaceNotAllowed(String),
 }
 
 impl ObjectKind {
@@ -88,6 +101,23 @@ impl ObjectKind {
         }
     }
 
+    /// The broker's name, as a sentence says it.
+    fn broker(self) -> &'static str {
+        match self {
+            ObjectKind::Consumer => "JetStream",
+            ObjectKind::RabbitmqQueue => "RabbitMQ",
+            ObjectKind::SqsQueue => "SQS",
+        }
+    }
+
+    /// What a taken-over object keeps.
+    fn keeps(self) -> &'static str {
+        match self {
+            ObjectKind::Consumer => "its position",
+            ObjectKind::RabbitmqQueue | ObjectKind::SqsQueue => "the messages it holds",
+        }
+    }
+
     /// `ConsumerConflict`: it is not this Subscription object's, whose it is, and the way out.
     pub fn conflict_message(self, o: &ConsumerRef, owner: &Holder) -> String {
         let (what, noun) = match self {
@@ -98,19 +128,35 @@ impl ObjectKind {
             ObjectKind::RabbitmqQueue => (format!("rabbitmq queue {}", o.name), "queue"),
             ObjectKind::SqsQueue => (format!("sqs queue {}", o.name), "queue"),
         };
+        let (broker, keeps) = (self.broker(), self.keeps());
         match owner {
             Holder::Other(other) => {
                 format!("{what} belongs to Subscription {other}: choose another durableName")
             }
             Holder::Unmarked => format!(
-                "{what} exists and Settle did not make it: choose another durableName, \
-                 or delete that {noun} so Settle can make its own"
+                "{what} exists and Settle did not make it: choose another durableName; \
+                 or set spec.adopt: IfCompatible to take it over with {keeps} (it must equal this spec \
+                 where {broker} cannot change it in place); or delete that {noun} so Settle can make its own"
+            ),
+            Holder::Unadoptable(Unadoptable::Differs(fields)) => format!(
+                "{what} exists and Settle did not make it; spec.adopt IfCompatible takes it over only \
+                 when it equals this spec where {broker} cannot change it in place, and it differs ({}). \
+                 It is left as it is: change the spec to match it, or delete that {noun} so Settle can \
+                 make its own, or choose another durableName",
+                fields.join("; ")
+            ),
+            Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(ns)) => format!(
+                "{what} exists and Settle did not make it; spec.adopt is IfCompatible, but the operator \
+                 takes over what it did not make only for the namespaces its --adopt-namespaces lists, \
+                 and {ns} is not among them (on a broker namespaces share, a durableName can name \
+                 another team's {noun}): ask the cluster's admin to add {ns}, or choose another durableName"
             ),
             Holder::Unproven => format!(
                 "{what} exists and nothing shows Settle made it for this Subscription \
-                 (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): \
-                 it is neither bound nor deleted. Choose another durableName, or set \
-                 spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is"
+                 (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read, \
+                 nor, for spec.adopt, its arguments compared): it is neither bound nor deleted. Choose \
+                 another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can \
+                 read whose queue it is"
             ),
             // A kept consumer has its position: taken over with it.
             Holder::Earlier { owner, uid } if self == ObjectKind::Consumer => format!(
@@ -146,8 +192,9 @@ mod tests {
         }
     }
 
-    /// Every sentence, word for word as status showed it before the outcomes of the three brokers
-    /// were made one (users and alerts read these).
+    /// Every sentence, word for word (users and alerts read these): as status showed it before
+    /// the outcomes of the three brokers were made one, with the way to adopt (`spec.adopt`)
+    /// added where Settle did not make the object.
     #[test]
     fn every_kind_says_what_it_said_before() {
         use ObjectKind::{Consumer, RabbitmqQueue, SqsQueue};
@@ -196,7 +243,7 @@ mod tests {
             ),
             (
                 Consumer.conflict_message(&c, &Holder::Unmarked),
-                "consumer orders on stream ORDERS exists and Settle did not make it: choose another durableName, or delete that consumer so Settle can make its own",
+                "consumer orders on stream ORDERS exists and Settle did not make it: choose another durableName; or set spec.adopt: IfCompatible to take it over with its position (it must equal this spec where JetStream cannot change it in place); or delete that consumer so Settle can make its own",
             ),
             (
                 Consumer.conflict_message(&c, &earlier()),
@@ -208,11 +255,11 @@ mod tests {
             ),
             (
                 RabbitmqQueue.conflict_message(&q, &Holder::Unmarked),
-                "rabbitmq queue orders exists and Settle did not make it: choose another durableName, or delete that queue so Settle can make its own",
+                "rabbitmq queue orders exists and Settle did not make it: choose another durableName; or set spec.adopt: IfCompatible to take it over with the messages it holds (it must equal this spec where RabbitMQ cannot change it in place); or delete that queue so Settle can make its own",
             ),
             (
                 RabbitmqQueue.conflict_message(&q, &Holder::Unproven),
-                "rabbitmq queue orders exists and nothing shows Settle made it for this Subscription (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read): it is neither bound nor deleted. Choose another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is",
+                "rabbitmq queue orders exists and nothing shows Settle made it for this Subscription (without the Backend's spec.rabbitmq.managementUrl its owner argument cannot be read, nor, for spec.adopt, its arguments compared): it is neither bound nor deleted. Choose another durableName, or set spec.rabbitmq.managementUrl on the Backend so Settle can read whose queue it is",
             ),
             (
                 RabbitmqQueue.conflict_message(&q, &earlier()),
@@ -224,11 +271,28 @@ mod tests {
             ),
             (
                 SqsQueue.conflict_message(&s, &Holder::Unmarked),
-                "sqs queue orders-dlq exists and Settle did not make it: choose another durableName, or delete that queue so Settle can make its own",
+                "sqs queue orders-dlq exists and Settle did not make it: choose another durableName; or set spec.adopt: IfCompatible to take it over with the messages it holds (it must equal this spec where SQS cannot change it in place); or delete that queue so Settle can make its own",
             ),
             (
                 SqsQueue.conflict_message(&s, &earlier()),
                 "sqs queue orders-dlq was made for an earlier Subscription of this name (uid u-0) and left behind (deletionPolicy Retain, or deleted while no operator ran): it is neither used nor deleted. To take it over with what it holds, annotate this Subscription settle.dev/adopt: \"u-0\"; or choose another durableName",
+            ),
+            (
+                Consumer.conflict_message(
+                    &c,
+                    &Holder::Unadoptable(Unadoptable::Differs(vec![
+                        "ack_policy (spec.mode): wants Explicit, the consumer has All".into(),
+                        "deliver_policy (spec.durableName): wants All, the consumer has New".into(),
+                    ])),
+                ),
+                "consumer orders on stream ORDERS exists and Settle did not make it; spec.adopt IfCompatible takes it over only when it equals this spec where JetStream cannot change it in place, and it differs (ack_policy (spec.mode): wants Explicit, the consumer has All; deliver_policy (spec.durableName): wants All, the consumer has New). It is left as it is: change the spec to match it, or delete that consumer so Settle can make its own, or choose another durableName",
+            ),
+            (
+                RabbitmqQueue.conflict_message(
+                    &q,
+                    &Holder::Unadoptable(Unadoptable::NamespaceNotAllowed("shop".into())),
+                ),
+                "rabbitmq queue orders exists and Settle did not make it; spec.adopt is IfCompatible, but the operator takes over what it did not make only for the namespaces its --adopt-namespaces lists, and shop is not among them (on a broker namespaces share, a durableName can name another team's queue): ask the cluster's admin to add shop, or choose another durableName",
             ),
         ];
         for (got, want) in cases {
