@@ -22,7 +22,7 @@ use settle::bus::{Bus, Subscriber, handler};
 use common::account::{OPERATOR_FLAGS, wait_until};
 use common::nack::{Nack, install_nack_crds};
 use common::operator::{Operator, TestStream, poll};
-use common::subs::{subs, wait_ready};
+use common::subs::{subs, wait_event, wait_ready};
 use common::{env, install_crds, kubectl, kubectl_ok, namespace};
 
 /// Messages published for each consumer, and how many of them an application fetches and
@@ -181,7 +181,9 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
     );
 
     // 4. Settle's operator takes the consumers over: Ready, the same consumers.
-    let op = Operator::start_with(test, &ns, &OPERATOR_FLAGS);
+    let mut flags = OPERATOR_FLAGS.to_vec();
+    flags.extend(["--adopt-namespaces", ns.as_str()]);
+    let op = Operator::start_with(test, &ns, &flags);
     let applied = kubectl(&["apply", "-f", "-"], Some(&yaml));
     assert!(
         applied.status.success(),
@@ -202,6 +204,9 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
             Some(format!("{ns}/{name}").as_str()),
             "{name}: marked as Settle's"
         );
+        let said = wait_event(&ns, name, "Adopted").await;
+        assert!(said.contains("the same consumer"), "{name}: {said}");
+        println!("{name}: Event Adopted: {said}");
         specs.insert(name, sub);
     }
     assert!(
@@ -234,7 +239,7 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
                 async move {
                     let body = String::from_utf8_lossy(d.payload()).to_string();
                     seen.lock().expect("seen").push((name, body, d.attempt()));
-                    Ok(d.ack().await?)
+                    Ok::<(), settle::bus::HandlerError>(d.ack().await?)
                 }
             }),
         ))
@@ -292,6 +297,11 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         let info = stream.consumer(name).await.expect("consumer");
         assert_eq!((info.num_ack_pending, info.num_pending), (0, 0), "{name}: nothing left");
         assert_eq!(info.created, created[name], "{name}: still the same consumer");
+        println!(
+            "{name}: {} messages acked once each, {} of them (in flight at the move) as attempt 2; status {c:?}",
+            bodies.len(),
+            fetched_before[name].len()
+        );
     }
 
     drop(op);

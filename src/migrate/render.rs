@@ -94,11 +94,7 @@ fn subscription(s: &SubscriptionPlan, allow_changes: bool) -> String {
     if s.worst() == Severity::Refused {
         return text;
     }
-    let mut spec = serde_yaml::to_value(spec).unwrap_or(Value::Null);
-    if let Value::Mapping(m) = &mut spec {
-        // Take over the consumer NACK made when it matches, keeping its position.
-        m.insert("adopt".into(), "IfCompatible".into());
-    }
+    let spec = serde_yaml::to_value(spec).unwrap_or(Value::Null);
     let body = object(
         &Subscription::api_version(&()),
         &Subscription::kind(&()),

@@ -13,7 +13,7 @@ use std::time::Duration as StdDuration;
 use super::super::{Finding, Severity, SubscriptionPlan};
 use super::{ConsumerSpec, DEFAULT_ACK_WAIT, Status};
 use crate::api::{
-    BackendRef, Backoff, DeletionPolicy, DeliveryPolicy, Duration, Mode, SubscriptionSpec,
+    Adopt, BackendRef, Backoff, DeletionPolicy, DeliveryPolicy, Duration, Mode, SubscriptionSpec,
 };
 use crate::policy::schedule_delay;
 
@@ -266,6 +266,8 @@ pub fn plan(
             backend_ref: BackendRef::default(),
             stream: Some(stream),
             deletion_policy,
+            // Take over the consumer NACK made when it matches, keeping its position.
+            adopt: Adopt::IfCompatible,
             policy,
         }),
         findings: f.0,

@@ -440,8 +440,10 @@ fn notes(input: &Input, migration: &Migration) -> Vec<String> {
                 .to_string(),
         );
         notes.push(
-            "Apply these with Settle's operator running; each Subscription takes over its consumer \
-             (Event Adopted) and keeps its position. kubectl settle explain NAME says why one is not Ready."
+            "Apply these with Settle's operator running and allowed to take consumers over in these \
+             namespaces (--adopt-namespaces; the chart's controller.adoptNamespaces): each \
+             Subscription takes over its consumer (Event Adopted) and keeps its position. kubectl \
+             settle explain NAME says why one is not Ready."
                 .to_string(),
         );
     }
