@@ -83,7 +83,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn import_nack(args: &settle::migrate::NackArgs, cluster: &settle::migrate::ClusterFlags) -> ExitCode {
+fn import_nack(
+    args: &settle::migrate::NackArgs,
+    cluster: &settle::migrate::ClusterFlags,
+) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -43,8 +43,14 @@ fn nack_resources(ns: &str, stream: &TestStream, nats: &str) -> String {
         )
     };
     [
-        consumer("orders", &format!("  ackWait: {ACK_WAIT}\n  maxAckPending: 100\n")),
-        consumer("audit", &format!("  ackWait: {ACK_WAIT}\n  preventDelete: true\n")),
+        consumer(
+            "orders",
+            &format!("  ackWait: {ACK_WAIT}\n  maxAckPending: 100\n"),
+        ),
+        consumer(
+            "audit",
+            &format!("  ackWait: {ACK_WAIT}\n  preventDelete: true\n"),
+        ),
         consumer("fast", ""),
     ]
     .concat()
@@ -69,13 +75,19 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
     let mut created = BTreeMap::new();
     for name in ["orders", "audit", "fast"] {
         let info = poll(
-            &format!("NACK to make consumer {name} (its log: {})", nack.log.display()),
+            &format!(
+                "NACK to make consumer {name} (its log: {})",
+                nack.log.display()
+            ),
             Duration::from_secs(60),
             || async { stream.consumer(name).await.ok_or("not yet".to_string()) },
         )
         .await;
         assert!(
-            info.config.metadata.keys().all(|k| !k.starts_with("settle.dev/")),
+            info.config
+                .metadata
+                .keys()
+                .all(|k| !k.starts_with("settle.dev/")),
             "NACK's consumer carries no Settle mark: {:?}",
             info.config.metadata
         );
@@ -93,7 +105,10 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         for i in 0..PUBLISHED {
             stream
                 .js
-                .publish(format!("{}.{name}.m{i}", stream.prefix), format!("{name}-{i}").into())
+                .publish(
+                    format!("{}.{name}.m{i}", stream.prefix),
+                    format!("{name}-{i}").into(),
+                )
                 .await
                 .expect("publish")
                 .await
@@ -139,7 +154,9 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         String::from_utf8_lossy(&out.stdout).to_string(),
         String::from_utf8_lossy(&out.stderr).to_string(),
     );
-    println!("settle import nack --from-cluster -n {ns}\n--- stderr ---\n{report}--- stdout ---\n{yaml}");
+    println!(
+        "settle import nack --from-cluster -n {ns}\n--- stderr ---\n{report}--- stdout ---\n{yaml}"
+    );
     assert_eq!(
         out.status.code(),
         Some(1),
@@ -151,12 +168,20 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         "the unsafe default is flagged and held back:\n{report}"
     );
     assert!(
-        report.contains("3 NACK Consumers: 2 written, 1 not written (changes behaviour), 0 refused"),
+        report
+            .contains("3 NACK Consumers: 2 written, 1 not written (changes behaviour), 0 refused"),
         "{report}"
     );
     // The same from the exported YAML, through the kubectl plugin.
     let exported = kubectl_ok(
-        &["get", "consumers.jetstream.nats.io,streams.jetstream.nats.io", "-n", &ns, "-o", "yaml"],
+        &[
+            "get",
+            "consumers.jetstream.nats.io,streams.jetstream.nats.io",
+            "-n",
+            &ns,
+            "-o",
+            "yaml",
+        ],
         None,
     );
     let plugin = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-settle"))
@@ -170,7 +195,9 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
     {
         use std::io::Write;
         let mut stdin = plugin.stdin.as_ref().expect("stdin");
-        stdin.write_all(exported.as_bytes()).expect("write the export");
+        stdin
+            .write_all(exported.as_bytes())
+            .expect("write the export");
     }
     let plugin = plugin.wait_with_output().expect("kubectl-settle output");
     assert_eq!(plugin.status.code(), Some(1));
@@ -194,13 +221,19 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
     let mut specs = BTreeMap::new();
     for name in ["orders", "audit"] {
         let sub = wait_ready(&api, name).await;
-        let info = stream.consumer(name).await.expect("the consumer is still there");
+        let info = stream
+            .consumer(name)
+            .await
+            .expect("the consumer is still there");
         assert_eq!(
             info.created, created[name],
             "{name}: the consumer NACK made, taken over (not made again)"
         );
         assert_eq!(
-            info.config.metadata.get("settle.dev/subscription").map(String::as_str),
+            info.config
+                .metadata
+                .get("settle.dev/subscription")
+                .map(String::as_str),
             Some(format!("{ns}/{name}").as_str()),
             "{name}: marked as Settle's"
         );
@@ -231,7 +264,7 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         let name = name.to_string();
         let sub: &Subscription = sub;
         bus.subscribe(Subscriber::from_resource(
-            &name.clone(),
+            name.clone(),
             &sub.spec,
             handler(move |d| {
                 let seen = seen.clone();
@@ -272,7 +305,10 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         bodies.sort();
         let mut want: Vec<String> = (0..PUBLISHED).map(|i| format!("{name}-{i}")).collect();
         want.sort();
-        assert_eq!(bodies, want, "{name}: each message handled and acked exactly once, none lost");
+        assert_eq!(
+            bodies, want,
+            "{name}: each message handled and acked exactly once, none lost"
+        );
         for (_, body, attempt) in &mine {
             let was_in_flight = fetched_before[name].contains(body);
             assert_eq!(
@@ -290,13 +326,36 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
             .expect("stats");
         let c = &stats.counters;
         assert_eq!(
-            (c.offered, c.delivered, c.settlement.acked, c.settlement.nacked, c.settlement.silent, c.exhausted, c.stranded),
-            (PUBLISHED as u64, PUBLISHED as u64, PUBLISHED as u64, 0, 0, 0, 0),
+            (
+                c.offered,
+                c.delivered,
+                c.settlement.acked,
+                c.settlement.nacked,
+                c.settlement.silent,
+                c.exhausted,
+                c.stranded
+            ),
+            (
+                PUBLISHED as u64,
+                PUBLISHED as u64,
+                PUBLISHED as u64,
+                0,
+                0,
+                0,
+                0
+            ),
             "{name}: the account counts exactly what the handlers did: {c:?}"
         );
         let info = stream.consumer(name).await.expect("consumer");
-        assert_eq!((info.num_ack_pending, info.num_pending), (0, 0), "{name}: nothing left");
-        assert_eq!(info.created, created[name], "{name}: still the same consumer");
+        assert_eq!(
+            (info.num_ack_pending, info.num_pending),
+            (0, 0),
+            "{name}: nothing left"
+        );
+        assert_eq!(
+            info.created, created[name],
+            "{name}: still the same consumer"
+        );
         println!(
             "{name}: {} messages acked once each, {} of them (in flight at the move) as attempt 2; status {c:?}",
             bodies.len(),

@@ -34,10 +34,8 @@ pub async fn read(client: &Client, namespace: Option<&str>) -> Result<Input, Clu
         ("Stream", STREAMS, false),
         ("Account", ACCOUNTS, false),
     ] {
-        let resource = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk(GROUP, VERSION, kind),
-            plural,
-        );
+        let resource =
+            ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, kind), plural);
         let api: Api<DynamicObject> = match namespace {
             Some(ns) => Api::namespaced_with(client.clone(), ns, &resource),
             None => Api::all_with(client.clone(), &resource),
@@ -57,7 +55,8 @@ pub async fn read(client: &Client, namespace: Option<&str>) -> Result<Input, Clu
             }
         };
         for item in list.items {
-            let mut doc = serde_json::to_value(&item).map_err(|e| ClusterError::Parse(e.to_string()))?;
+            let mut doc =
+                serde_json::to_value(&item).map_err(|e| ClusterError::Parse(e.to_string()))?;
             if let Some(o) = doc.as_object_mut() {
                 o.insert("apiVersion".into(), format!("{GROUP}/{VERSION}").into());
                 o.insert("kind".into(), kind.into());

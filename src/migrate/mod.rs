@@ -126,7 +126,9 @@ pub struct BackendPlan {
 
 impl BackendPlan {
     pub fn refused(&self) -> bool {
-        self.findings.iter().any(|f| f.severity == Severity::Refused)
+        self.findings
+            .iter()
+            .any(|f| f.severity == Severity::Refused)
     }
 }
 

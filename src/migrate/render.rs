@@ -48,13 +48,19 @@ fn backend(b: &BackendPlan) -> String {
     let written = !b.refused();
     text.push_str(&comment(&format!(
         "{}Backend {}/{}, from {}.",
-        if written { "" } else { "NOT WRITTEN (refused): " },
+        if written {
+            ""
+        } else {
+            "NOT WRITTEN (refused): "
+        },
         b.namespace,
         b.name,
         b.from
     )));
     if !b.steps.is_empty() {
-        text.push_str("# Before you apply it, make the Secret it names (Settle reads only a labelled one):\n");
+        text.push_str(
+            "# Before you apply it, make the Secret it names (Settle reads only a labelled one):\n",
+        );
         for s in &b.steps {
             text.push_str(&format!("#   {s}\n"));
         }

@@ -34,7 +34,12 @@ pub struct NackArgs {
     #[arg(short = 'A', long, requires = "from_cluster")]
     pub all_namespaces: bool,
     /// Write one file per namespace, DIR/<namespace>.yaml, instead of stdout.
-    #[arg(short = 'o', long = "output-dir", value_name = "DIR", env = "SETTLE_IMPORT_OUTPUT_DIR")]
+    #[arg(
+        short = 'o',
+        long = "output-dir",
+        value_name = "DIR",
+        env = "SETTLE_IMPORT_OUTPUT_DIR"
+    )]
     pub output_dir: Option<PathBuf>,
     /// Also write the Subscriptions that would not behave as their NACK consumer did (each
     /// change is said in a comment above it); without it they are written commented out and the
@@ -93,7 +98,10 @@ pub async fn connect(flags: &ClusterFlags) -> Result<(Client, String), String> {
         (None, None) => kube::Config::infer().await.map_err(|e| e.to_string())?,
     };
     let namespace = config.default_namespace.clone();
-    Ok((Client::try_from(config).map_err(|e| e.to_string())?, namespace))
+    Ok((
+        Client::try_from(config).map_err(|e| e.to_string())?,
+        namespace,
+    ))
 }
 
 /// Runs `import nack`: `namespace` is -n; `connect` makes the client, and is called only with
@@ -199,8 +207,8 @@ fn read_files(paths: &[PathBuf]) -> Result<Input, String> {
             return Err(format!("{}: no .yaml or .yml files found", path.display()));
         }
         for file in files {
-            let text = std::fs::read_to_string(&file)
-                .map_err(|e| format!("{}: {e}", file.display()))?;
+            let text =
+                std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
             add_yaml(&mut input, &file.display().to_string(), &text)?;
         }
     }
@@ -220,10 +228,7 @@ fn collect(path: &Path, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
     for p in entries {
         if p.is_dir() {
             collect(&p, files)?;
-        } else if p
-            .extension()
-            .is_some_and(|e| e == "yaml" || e == "yml")
-        {
+        } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
             files.push(p);
         }
     }

@@ -137,11 +137,7 @@ pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
         let code = crate::migrate::run_nack(
             args,
             cli.cluster.namespace.clone(),
-            || async {
-                client(&cli.cluster)
-                    .await
-                    .map_err(|e| e.to_string())
-            },
+            || async { client(&cli.cluster).await.map_err(|e| e.to_string()) },
             out,
             &mut std::io::stderr().lock(),
         )

@@ -13,17 +13,32 @@ use super::{env, kubectl_ok, path_str, process, root};
 pub fn install_nack_crds() {
     let crds = tool("nack-crds");
     kubectl_ok(
-        &["apply", "--server-side", "--force-conflicts", "-f", path_str(&crds)],
+        &[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            path_str(&crds),
+        ],
         None,
     );
     for crd in ["streams", "consumers", "accounts"] {
         let crd = format!("crd/{crd}.jetstream.nats.io");
-        process::poll_until(&format!("{crd} Established"), Duration::from_secs(60), || {
-            kubectl_ok(
-                &["get", &crd, "-o", "jsonpath={.status.conditions[?(@.type==\"Established\")].status}"],
-                None,
-            ) == "True"
-        });
+        process::poll_until(
+            &format!("{crd} Established"),
+            Duration::from_secs(60),
+            || {
+                kubectl_ok(
+                    &[
+                        "get",
+                        &crd,
+                        "-o",
+                        "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+                    ],
+                    None,
+                ) == "True"
+            },
+        );
     }
 }
 

@@ -182,19 +182,15 @@ fn client_cert_finding(field: &str) -> Finding {
     Finding {
         severity: Severity::Change,
         field: field.into(),
-        message: "a client certificate: Settle's Backends present none (only a CA to trust); a server \
+        message:
+            "a client certificate: Settle's Backends present none (only a CA to trust); a server \
                   that requires one refuses Settle's connection and the Backend is not Ready. \
                   Authenticate with creds, an nkey or a token instead"
-            .into(),
+                .into(),
     }
 }
 
-fn from_account(
-    namespace: &str,
-    name: &str,
-    account: &str,
-    servers: &[String],
-) -> BackendPlan {
+fn from_account(namespace: &str, name: &str, account: &str, servers: &[String]) -> BackendPlan {
     BackendPlan {
         namespace: namespace.to_string(),
         name: name.to_string(),

@@ -407,7 +407,7 @@ fn acked_fields(spec: &ConsumerSpec, policy: &mut DeliveryPolicy, f: &mut Findin
                 ),
             );
         }
-        Some(n) if n < 0 || n > MAX_IN_FLIGHT => {
+        Some(n) if !(0..=MAX_IN_FLIGHT).contains(&n) => {
             policy.max_in_flight = Some(MAX_IN_FLIGHT as i32);
             f.add(
                 Severity::Change,

@@ -21,8 +21,7 @@ use serde::Deserialize;
 
 use super::{Finding, Migration, Severity};
 use crate::policy::{
-    BackendKind, BackendRules, BackendView, SecretView, capabilities_of, validate,
-    validate_backend,
+    BackendKind, BackendRules, BackendView, SecretView, capabilities_of, validate, validate_backend,
 };
 
 /// NACK's API group.
@@ -362,7 +361,11 @@ pub fn convert(input: &Input, options: &Options) -> Migration {
             });
         }
         // The Secret is missing by construction (the user makes it): said in `steps` instead.
-        for w in v.warnings.into_iter().filter(|w| !w.field.contains("SecretRef")) {
+        for w in v
+            .warnings
+            .into_iter()
+            .filter(|w| !w.field.contains("SecretRef"))
+        {
             b.findings.push(Finding {
                 severity: Severity::Note,
                 field: format!("settle {}", w.field),

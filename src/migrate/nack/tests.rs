@@ -91,7 +91,10 @@ fn nacks_default_ack_wait_under_explicit_acks_is_a_change_to_thirty_seconds() {
     let p = one(&consumer("ackPolicy: explicit"));
     let (sev, msg) = finding(&p, "spec.ackWait");
     assert_eq!(sev, Severity::Change);
-    assert!(msg.contains("1ns") && msg.contains("NACK's default") && msg.contains("30s"), "{msg}");
+    assert!(
+        msg.contains("1ns") && msg.contains("NACK's default") && msg.contains("30s"),
+        "{msg}"
+    );
     assert_eq!(p.spec.as_ref().expect("spec").policy.ack_wait, None);
     assert!(!p.written(false), "a change needs --allow-changes");
     assert!(p.written(true));
@@ -109,7 +112,9 @@ fn an_unset_max_ack_pending_keeps_the_servers_thousand_rather_than_settles_250()
         p.spec.expect("spec").policy.max_in_flight,
         Some(SERVER_MAX_ACK_PENDING)
     );
-    let p = one(&consumer("ackPolicy: explicit\nackWait: 30s\nmaxAckPending: -1"));
+    let p = one(&consumer(
+        "ackPolicy: explicit\nackWait: 30s\nmaxAckPending: -1",
+    ));
     assert_eq!(finding(&p, "spec.maxAckPending").0, Severity::Change);
     assert_eq!(p.spec.expect("spec").policy.max_in_flight, Some(1_000_000));
 }
@@ -118,13 +123,21 @@ fn an_unset_max_ack_pending_keeps_the_servers_thousand_rather_than_settles_250()
 fn what_jetstream_cannot_change_in_place_is_a_change_that_names_the_cost() {
     for (field, spec) in [
         ("spec.deliverPolicy", "deliverPolicy: new"),
-        ("spec.deliverPolicy", "deliverPolicy: byStartSequence\noptStartSeq: 10"),
-        ("spec.deliverSubject", "deliverSubject: push.orders\ndeliverGroup: workers"),
+        (
+            "spec.deliverPolicy",
+            "deliverPolicy: byStartSequence\noptStartSeq: 10",
+        ),
+        (
+            "spec.deliverSubject",
+            "deliverSubject: push.orders\ndeliverGroup: workers",
+        ),
         ("spec.replayPolicy", "replayPolicy: original"),
         ("spec.maxWaiting", "maxWaiting: 64"),
         ("spec.ackPolicy", "ackPolicy: all\nackWait: 30s"),
     ] {
-        let p = one(&consumer(&format!("ackPolicy: explicit\nackWait: 30s\n{spec}")));
+        let p = one(&consumer(&format!(
+            "ackPolicy: explicit\nackWait: 30s\n{spec}"
+        )));
         let (sev, msg) = finding(&p, field);
         assert_eq!(sev, Severity::Change, "{field}: {msg}");
         assert!(
@@ -134,25 +147,43 @@ fn what_jetstream_cannot_change_in_place_is_a_change_that_names_the_cost() {
         assert!(!p.written(false) && p.written(true), "{field}");
     }
     // The server's own max_waiting, written out, is no difference.
-    let p = one(&consumer("ackPolicy: explicit\nackWait: 30s\nmaxWaiting: 512"));
+    let p = one(&consumer(
+        "ackPolicy: explicit\nackWait: 30s\nmaxWaiting: 512",
+    ));
     assert!(p.findings.iter().all(|f| f.field != "spec.maxWaiting"));
 }
 
 #[test]
 fn a_geometric_backoff_list_maps_onto_settles_schedule_with_the_same_steps() {
-    let secs = |v: &[u64]| v.iter().map(|s| StdDuration::from_secs(*s)).collect::<Vec<_>>();
+    let secs = |v: &[u64]| {
+        v.iter()
+            .map(|s| StdDuration::from_secs(*s))
+            .collect::<Vec<_>>()
+    };
     let (b, exact) = schedule_of(&secs(&[1, 2, 4, 8]));
-    assert_eq!((b.initial, b.max, b.multiplier), (Duration::from_secs(1), Duration::from_secs(8), 2.0));
+    assert_eq!(
+        (b.initial, b.max, b.multiplier),
+        (Duration::from_secs(1), Duration::from_secs(8), 2.0)
+    );
     assert!(exact);
     let (b, exact) = schedule_of(&secs(&[5]));
-    assert_eq!((b.initial, b.max, b.multiplier), (Duration::from_secs(5), Duration::from_secs(5), 1.0));
+    assert_eq!(
+        (b.initial, b.max, b.multiplier),
+        (Duration::from_secs(5), Duration::from_secs(5), 1.0)
+    );
     assert!(exact);
     let (_, exact) = schedule_of(&secs(&[1, 5, 30]));
     assert!(!exact, "1s, 5s, 30s is no geometric schedule");
 
-    let p = one(&consumer("ackPolicy: explicit\nackWait: 30s\nbackoff: [1s, 2s, 4s]"));
+    let p = one(&consumer(
+        "ackPolicy: explicit\nackWait: 30s\nbackoff: [1s, 2s, 4s]",
+    ));
     let (sev, msg) = finding(&p, "spec.backoff");
-    assert_eq!(sev, Severity::Change, "the server's list times redeliveries; Settle's runtime does");
+    assert_eq!(
+        sev,
+        Severity::Change,
+        "the server's list times redeliveries; Settle's runtime does"
+    );
     assert!(msg.contains("the same steps"), "{msg}");
     let b = p.spec.expect("spec").policy.backoff.expect("backoff");
     assert_eq!(b.initial, Duration::from_secs(1));
@@ -178,15 +209,22 @@ fn fields_with_no_delivery_effect_are_notes_and_the_rest_are_changes() {
         ("spec.replicas", "replicas: 3"),
         ("spec.memStorage", "memStorage: true"),
     ] {
-        let p = one(&consumer(&format!("ackPolicy: explicit\nackWait: 30s\n{spec}")));
+        let p = one(&consumer(&format!(
+            "ackPolicy: explicit\nackWait: 30s\n{spec}"
+        )));
         assert_eq!(finding(&p, field).0, Severity::Change, "{field}");
     }
 }
 
 #[test]
 fn prevent_delete_becomes_retain() {
-    let p = one(&consumer("ackPolicy: explicit\nackWait: 30s\npreventDelete: true"));
-    assert_eq!(p.spec.expect("spec").deletion_policy, DeletionPolicy::Retain);
+    let p = one(&consumer(
+        "ackPolicy: explicit\nackWait: 30s\npreventDelete: true",
+    ));
+    assert_eq!(
+        p.spec.expect("spec").deletion_policy,
+        DeletionPolicy::Retain
+    );
 }
 
 #[test]
@@ -194,11 +232,13 @@ fn what_settle_cannot_express_is_refused_and_never_written() {
     for (field, yaml) in [
         (
             "spec.filterSubjects",
-            consumer("ackPolicy: explicit\nackWait: 30s\nfilterSubjects: [a.>, b.>]").replace("    filterSubject: orders.>\n", ""),
+            consumer("ackPolicy: explicit\nackWait: 30s\nfilterSubjects: [a.>, b.>]")
+                .replace("    filterSubject: orders.>\n", ""),
         ),
         (
             "spec.durableName",
-            consumer("ackPolicy: explicit\nackWait: 30s").replace("durableName: orders", "durableName: \"orders:v1\""),
+            consumer("ackPolicy: explicit\nackWait: 30s")
+                .replace("durableName: orders", "durableName: \"orders:v1\""),
         ),
         (
             "spec.streamName",
@@ -228,7 +268,10 @@ fn every_written_spec_passes_settles_admission() {
         let v = crate::policy::validate(
             spec,
             None,
-            crate::policy::BackendView::Known { name: "nats", capabilities: &nats },
+            crate::policy::BackendView::Known {
+                name: "nats",
+                capabilities: &nats,
+            },
         );
         assert!(v.allowed(), "{}: {}", p.name, v.error_text());
     }
@@ -237,7 +280,8 @@ fn every_written_spec_passes_settles_admission() {
 #[test]
 fn a_stream_without_a_filter_gives_its_one_subject_or_everything() {
     let stream = "apiVersion: jetstream.nats.io/v1beta2\nkind: Stream\nmetadata: {name: orders, namespace: shop}\nspec: {name: ORDERS, subjects: [\"orders.*\"]}\n---\n";
-    let c = consumer("ackPolicy: explicit\nackWait: 30s").replace("    filterSubject: orders.>\n", "");
+    let c =
+        consumer("ackPolicy: explicit\nackWait: 30s").replace("    filterSubject: orders.>\n", "");
     let p = one(&format!("{stream}{c}"));
     assert_eq!(p.spec.expect("spec").policy.pattern, "orders.*");
     let two = stream.replace("[\"orders.*\"]", "[\"orders.*\", \"refunds.*\"]");
@@ -247,15 +291,27 @@ fn a_stream_without_a_filter_gives_its_one_subject_or_everything() {
 
 #[test]
 fn one_backend_per_namespace_and_connection_with_the_secret_to_make() {
-    let a = consumer("ackPolicy: explicit\nackWait: 30s\ncreds: /etc/nats/user.creds\ntls: {rootCas: [/etc/nats/ca.pem]}");
-    let b = a.replace("name: orders,", "name: refunds,").replace("durableName: orders", "durableName: refunds");
-    let c = a.replace("nats://nats.messaging:4222", "other:4222").replace("name: orders,", "name: audit,");
+    let a = consumer(
+        "ackPolicy: explicit\nackWait: 30s\ncreds: /etc/nats/user.creds\ntls: {rootCas: [/etc/nats/ca.pem]}",
+    );
+    let b = a
+        .replace("name: orders,", "name: refunds,")
+        .replace("durableName: orders", "durableName: refunds");
+    let c = a
+        .replace("nats://nats.messaging:4222", "other:4222")
+        .replace("name: orders,", "name: audit,");
     let d = a.replace("namespace: shop", "namespace: ops");
     let m = convert_yaml(&[a, b, c, d].join("---\n"));
     let names: Vec<(String, String, String)> = m
         .subscriptions
         .iter()
-        .map(|s| (s.namespace.clone(), s.name.clone(), s.spec.as_ref().expect("spec").backend_ref.name.clone()))
+        .map(|s| {
+            (
+                s.namespace.clone(),
+                s.name.clone(),
+                s.spec.as_ref().expect("spec").backend_ref.name.clone(),
+            )
+        })
         .collect();
     assert_eq!(
         names,
@@ -266,12 +322,32 @@ fn one_backend_per_namespace_and_connection_with_the_secret_to_make() {
             ("shop".into(), "refunds".into(), "nats-2".into()),
         ]
     );
-    let b = m.backends.iter().find(|b| b.namespace == "shop" && b.name == "nats").expect("backend");
+    let b = m
+        .backends
+        .iter()
+        .find(|b| b.namespace == "shop" && b.name == "nats")
+        .expect("backend");
     let nats = b.spec.nats.as_ref().expect("nats");
-    assert_eq!(nats.servers, ["nats://other:4222"], "a URL without a scheme gets nats://");
-    assert_eq!(nats.credentials_secret_ref.as_ref().expect("secret").name, "nats-credentials");
-    assert!(b.steps[0].contains("--from-file=creds=/etc/nats/user.creds --from-file=ca.crt=/etc/nats/ca.pem"), "{:?}", b.steps);
-    assert!(b.steps[1].contains("settle.dev/backend-credentials=true"), "{:?}", b.steps);
+    assert_eq!(
+        nats.servers,
+        ["nats://other:4222"],
+        "a URL without a scheme gets nats://"
+    );
+    assert_eq!(
+        nats.credentials_secret_ref.as_ref().expect("secret").name,
+        "nats-credentials"
+    );
+    assert!(
+        b.steps[0]
+            .contains("--from-file=creds=/etc/nats/user.creds --from-file=ca.crt=/etc/nats/ca.pem"),
+        "{:?}",
+        b.steps
+    );
+    assert!(
+        b.steps[1].contains("settle.dev/backend-credentials=true"),
+        "{:?}",
+        b.steps
+    );
     assert!(!b.refused(), "{:#?}", b.findings);
 }
 
@@ -281,37 +357,64 @@ fn an_account_becomes_a_backend_with_its_secrets_copied() {
         + &consumer("ackPolicy: explicit\nackWait: 30s\naccount: orders-account").replace("    servers: [\"nats://nats.messaging:4222\"]\n", "");
     let m = convert_yaml(&yaml);
     let p = &m.subscriptions[0];
-    assert_eq!(p.spec.as_ref().expect("spec").backend_ref.name, "orders-account");
+    assert_eq!(
+        p.spec.as_ref().expect("spec").backend_ref.name,
+        "orders-account"
+    );
     let b = &m.backends[0];
-    assert_eq!(b.spec.nats.as_ref().expect("nats").servers, ["nats://a:4222"]);
-    assert!(b.steps[0].contains("get secret nats-user -o jsonpath='{.data.user\\.creds}'"), "{:?}", b.steps);
+    assert_eq!(
+        b.spec.nats.as_ref().expect("nats").servers,
+        ["nats://a:4222"]
+    );
+    assert!(
+        b.steps[0].contains("get secret nats-user -o jsonpath='{.data.user\\.creds}'"),
+        "{:?}",
+        b.steps
+    );
     // Without the Account in the input: refused, saying what to add.
-    let p = one(&consumer("ackPolicy: explicit\nackWait: 30s\naccount: missing"));
+    let p = one(&consumer(
+        "ackPolicy: explicit\nackWait: 30s\naccount: missing",
+    ));
     assert_eq!(finding(&p, "spec.account").0, Severity::Refused);
 }
 
 #[test]
 fn a_consumer_without_servers_needs_the_servers_nack_ran_with() {
-    let c = consumer("ackPolicy: explicit\nackWait: 30s").replace("    servers: [\"nats://nats.messaging:4222\"]\n", "");
+    let c = consumer("ackPolicy: explicit\nackWait: 30s")
+        .replace("    servers: [\"nats://nats.messaging:4222\"]\n", "");
     let p = one(&c);
     let (sev, msg) = finding(&p, "spec.servers");
     assert_eq!(sev, Severity::Refused);
     assert!(msg.contains("--servers"), "{msg}");
     let m = convert(
         &input(&c),
-        &Options { namespace: "default".into(), servers: vec!["nats://global:4222".into()] },
+        &Options {
+            namespace: "default".into(),
+            servers: vec!["nats://global:4222".into()],
+        },
     );
     assert!(m.subscriptions[0].written(false));
-    assert_eq!(m.backends[0].spec.nats.as_ref().expect("nats").servers, ["nats://global:4222"]);
+    assert_eq!(
+        m.backends[0].spec.nats.as_ref().expect("nats").servers,
+        ["nats://global:4222"]
+    );
 }
 
 #[test]
 fn a_kubectl_list_is_read_and_other_documents_are_skipped() {
     let list = format!(
         "apiVersion: v1\nkind: List\nitems:\n- {}\n",
-        serde_json::to_string(&serde_yaml::from_str::<serde_json::Value>(&consumer("ackPolicy: explicit\nackWait: 30s")).expect("yaml")).expect("json")
+        serde_json::to_string(
+            &serde_yaml::from_str::<serde_json::Value>(&consumer(
+                "ackPolicy: explicit\nackWait: 30s"
+            ))
+            .expect("yaml")
+        )
+        .expect("json")
     );
-    let i = input(&format!("{list}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: x}}\n"));
+    let i = input(&format!(
+        "{list}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: x}}\n"
+    ));
     assert_eq!(i.consumers.len(), 1);
     assert_eq!(i.skipped, 1);
     // A resource without a namespace takes the one given.
@@ -321,9 +424,18 @@ fn a_kubectl_list_is_read_and_other_documents_are_skipped() {
 
 #[test]
 fn go_durations_parse_as_go_writes_them() {
-    assert_eq!(go_duration("1ns").expect("1ns").get(), StdDuration::from_nanos(1));
-    assert_eq!(go_duration("1m30s").expect("1m30s").get(), StdDuration::from_secs(90));
-    assert_eq!(go_duration("10µs").expect("µs").get(), StdDuration::from_micros(10));
+    assert_eq!(
+        go_duration("1ns").expect("1ns").get(),
+        StdDuration::from_nanos(1)
+    );
+    assert_eq!(
+        go_duration("1m30s").expect("1m30s").get(),
+        StdDuration::from_secs(90)
+    );
+    assert_eq!(
+        go_duration("10µs").expect("µs").get(),
+        StdDuration::from_micros(10)
+    );
     assert!(go_duration("30 seconds").is_err());
 }
 
@@ -339,8 +451,15 @@ fn the_yaml_carries_adopt_and_every_finding_and_holds_back_changes() {
         .map(|d| <serde_json::Value as serde::Deserialize>::deserialize(d).expect("yaml"))
         .filter(|v| !v.is_null())
         .collect();
-    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap_or("")).collect();
-    assert_eq!(kinds, ["Backend", "Subscription"], "the changed one is commented out:\n{text}");
+    let kinds: Vec<&str> = docs
+        .iter()
+        .map(|d| d["kind"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(
+        kinds,
+        ["Backend", "Subscription"],
+        "the changed one is commented out:\n{text}"
+    );
     assert_eq!(docs[1]["spec"]["adopt"], "IfCompatible");
     assert_eq!(docs[1]["metadata"]["name"], "orders");
     assert!(text.contains("# NOT WRITTEN (it would change behaviour; --allow-changes writes it): Subscription shop/fast"), "{text}");
@@ -353,6 +472,10 @@ fn the_yaml_carries_adopt_and_every_finding_and_holds_back_changes() {
         .count();
     assert_eq!(n, 3, "{text}");
     let report = render::report(&m, false);
-    assert!(report.contains("2 NACK Consumers: 1 written, 1 not written (changes behaviour), 0 refused"), "{report}");
+    assert!(
+        report
+            .contains("2 NACK Consumers: 1 written, 1 not written (changes behaviour), 0 refused"),
+        "{report}"
+    );
     assert!(!m.clean(false) && m.clean(true));
 }
