@@ -32,8 +32,9 @@ const IN_FLIGHT: usize = 5;
 /// The consumers' ackWait: what the fetched messages wait out before they come back.
 const ACK_WAIT: &str = "4s";
 
-/// The NACK resources: a Stream, two Consumers Settle can take over as they are, and one left
-/// to NACK's unsafe default ackWait (1ns), which the import flags and holds back.
+/// The NACK resources: two Consumers with acks Settle can take over as they are, one left to
+/// NACK's defaults (no acks: taken over as AtMostOnce, flagged unsafe), and one with acks left to
+/// NACK's default ackWait (1ns), which the import flags and holds back.
 fn nack_resources(ns: &str, stream: &TestStream, nats: &str) -> String {
     let consumer = |name: &str, extra: &str| {
         format!(
@@ -52,6 +53,7 @@ fn nack_resources(ns: &str, stream: &TestStream, nats: &str) -> String {
             &format!("  ackWait: {ACK_WAIT}\n  preventDelete: true\n"),
         ),
         consumer("fast", ""),
+        consumer("tail", "").replace("  ackPolicy: explicit\n  maxDeliver: 5\n", ""),
     ]
     .concat()
 }
@@ -73,7 +75,7 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         Some(&nack_resources(&ns, &stream, &e.nats_url)),
     );
     let mut created = BTreeMap::new();
-    for name in ["orders", "audit", "fast"] {
+    for name in ["orders", "audit", "fast", "tail"] {
         let info = poll(
             &format!(
                 "NACK to make consumer {name} (its log: {})",
@@ -168,8 +170,15 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         "the unsafe default is flagged and held back:\n{report}"
     );
     assert!(
+        report.contains(&format!(
+            "NACK Consumer {ns}/tail -> Subscription {ns}/tail (consumer {}/tail): written",
+            stream.name
+        )) && report.contains("unsafe  spec.ackPolicy: none (NACK's default"),
+        "NACK's default ackPolicy is carried over as AtMostOnce and flagged:\n{report}"
+    );
+    assert!(
         report
-            .contains("3 NACK Consumers: 2 written, 1 not written (changes behaviour), 0 refused"),
+            .contains("4 NACK Consumers: 3 written, 1 not written (changes behaviour), 0 refused"),
         "{report}"
     );
     // The same from the exported YAML, through the kubectl plugin.
@@ -219,7 +228,7 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
     );
     let api = subs(&ns).await;
     let mut specs = BTreeMap::new();
-    for name in ["orders", "audit"] {
+    for name in ["orders", "audit", "tail"] {
         let sub = wait_ready(&api, name).await;
         let info = stream
             .consumer(name)
@@ -245,6 +254,11 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
     assert!(
         api.get_opt("fast").await.expect("get fast").is_none(),
         "the held-back Subscription was not applied"
+    );
+    assert_eq!(
+        specs.remove("tail").expect("tail").spec.policy.mode,
+        settle::api::Mode::AtMostOnce,
+        "ackPolicy none, taken over as AtMostOnce"
     );
     assert_eq!(
         specs["audit"].spec.deletion_policy,
@@ -363,7 +377,121 @@ async fn consumers_nack_made_move_to_settle_with_their_messages_in_flight() {
         );
     }
 
+    // 6. What the import held back, accepted with --allow-changes: the same consumer, its unsafe
+    // 1ns ackWait brought to Settle's 30s in place.
+    let out = std::process::Command::new(settle)
+        .args([
+            "import",
+            "nack",
+            "--from-cluster",
+            "-n",
+            &ns,
+            "--allow-changes",
+        ])
+        .env("KUBECONFIG", &e.kubeconfig)
+        .output()
+        .expect("run settle import nack --allow-changes");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&String::from_utf8_lossy(&out.stdout)),
+    );
+    wait_ready(&api, "fast").await;
+    let fast = stream.consumer("fast").await.expect("fast");
+    assert_eq!(
+        (fast.created, fast.config.ack_wait),
+        (created["fast"], Duration::from_secs(30)),
+        "fast: taken over, its ackWait changed in place"
+    );
+
+    // 7. NACK's resources go; with its controller stopped, the consumers stay Settle's.
+    kubectl_ok(
+        &["delete", "consumers.jetstream.nats.io", "--all", "-n", &ns],
+        None,
+    );
+    for name in ["orders", "audit", "fast", "tail"] {
+        assert_eq!(
+            stream.consumer(name).await.map(|i| i.created),
+            Some(created[name]),
+            "{name}: still there after NACK's Consumer resource is deleted"
+        );
+    }
+
     drop(op);
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
     stream.delete().await;
+}
+
+/// `settle import nack -f`, offline: what it writes, where, and its exit status.
+#[test]
+fn import_from_files_says_in_its_exit_status_what_it_wrote() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let consumer = |name: &str, extra: &str| {
+        format!(
+            "---\napiVersion: jetstream.nats.io/v1beta2\nkind: Consumer\nmetadata: {{name: {name}, namespace: shop}}\nspec:\n  servers: [\"nats://nats.messaging:4222\"]\n  streamName: ORDERS\n  durableName: {name}\n  filterSubject: orders.{name}\n  ackPolicy: explicit\n  ackWait: 30s\n{extra}"
+        )
+    };
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_settle"))
+            .args(["import", "nack"])
+            .args(args)
+            .env_remove("KUBECONFIG")
+            .output()
+            .expect("run settle import nack");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let clean = dir.path().join("clean.yaml");
+    std::fs::write(&clean, consumer("orders", "")).expect("write");
+    let out_dir = dir.path().join("out");
+    let (code, stdout, stderr) = run(&[
+        "-f",
+        common::path_str(&clean),
+        "-o",
+        common::path_str(&out_dir),
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.is_empty(), "-o writes files, not stdout: {stdout}");
+    let written = std::fs::read_to_string(out_dir.join("shop.yaml")).expect("out/shop.yaml");
+    assert!(
+        written.contains("kind: Subscription") && written.contains("adopt: IfCompatible"),
+        "{written}"
+    );
+    assert!(stderr.contains("wrote "), "{stderr}");
+
+    let changed = dir.path().join("changed.yaml");
+    std::fs::write(
+        &changed,
+        consumer("orders", "") + &consumer("late", "  deliverPolicy: new\n"),
+    )
+    .expect("write");
+    let (code, stdout, stderr) = run(&["-f", common::path_str(&changed)]);
+    assert_eq!(code, Some(1), "a change without --allow-changes: {stderr}");
+    assert!(
+        stderr.contains("change  spec.deliverPolicy: new"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stdout.matches("\nkind: Subscription").count(),
+        1,
+        "only orders is written:\n{stdout}"
+    );
+    let (code, stdout, _) = run(&["-f", common::path_str(&changed), "--allow-changes"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        stdout.matches("\nkind: Subscription").count(),
+        2,
+        "{stdout}"
+    );
+
+    let (code, _, stderr) = run(&["-f", common::path_str(&dir.path().join("missing.yaml"))]);
+    assert_eq!(code, Some(2), "{stderr}");
 }
