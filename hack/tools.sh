@@ -4,13 +4,15 @@
 # and kube-scheduler (one binary, tests/controlplane), containerd, nats-server, helm and
 # kube-score (the chart's lint), promtool (checks and unit-tests the chart's alerts), built from
 # Go modules and cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from
-# Maven Central into target/tools/elasticmq-<version>/; RabbitMQ, runc, the CNI plugins, iptables
-# and shellcheck, Debian packages installed with apt-get when missing. Safe to run repeatedly;
-# nothing finished is redone.
+# Maven Central into target/tools/elasticmq-<version>/; NACK's jetstream-controller (a test tool
+# only, for tests/nack_migration.rs: never in the image or the chart) from its module pinned in
+# tests/nack/go.mod, with its CRDs (deploy/crds.yml of the same module) beside it; RabbitMQ,
+# runc, the CNI plugins, iptables and shellcheck, Debian packages installed with apt-get when
+# missing. Safe to run repeatedly; nothing finished is redone.
 #   hack/tools.sh build [NAMES]  install whatever is missing (default: everything the tests need)
 #   hack/tools.sh path NAME      print the program of NAME
 #                                (controlplane|containerd|nats-server|helm|kube-score|promtool|rabbitmq|
-#                                 elasticmq|runc|cni-plugins|iptables|shellcheck)
+#                                 elasticmq|runc|cni-plugins|iptables|shellcheck|nack|nack-crds)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=hack/lib.sh
@@ -26,6 +28,11 @@ MAVEN_DEPENDENCY_PLUGIN="3.6.1"
 TOOLS="${CARGO_TARGET_DIR:-$ROOT/target}/tools"
 
 CONTAINERD_VERSION="v2.4.2"      # github.com/containerd/containerd/v2 (the CRI the node's kubelet runs pods on)
+# NATS's own controller, which tests/nack_migration.rs migrates from. The version is the one
+# tests/nack/go.mod requires (its go.sum pins the rest); the proxy serves no version list for it,
+# so it is built from that module, not with `go install ...@version`.
+NACK_VERSION="$(awk '$1 == "require" && $2 == "github.com/nats-io/nack" {print $3}' "$ROOT/tests/nack/go.mod")"
+nack_hash() { cat "$ROOT"/tests/nack/{go.mod,go.sum,tools.go} | sha256sum | cut -c1-12; }
 
 cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go,node.go} | sha256sum | cut -c1-12; }
 # Stamp the release into the binary as upstream's hack/lib/version.sh does: unstamped, /version
@@ -54,6 +61,8 @@ path_of() {
     # switch to the rabbitmq user and the system's configuration.
     rabbitmq)     echo "/usr/lib/rabbitmq/bin/rabbitmq-server" ;;
     shellcheck)   echo "/usr/bin/shellcheck" ;;
+    nack)         echo "$TOOLS/nack-$NACK_VERSION-$(nack_hash)/jetstream-controller" ;;
+    nack-crds)    echo "$TOOLS/nack-$NACK_VERSION-$(nack_hash)/crds.yml" ;;
     *) echo "unknown tool $1" >&2; exit 2 ;;
   esac
 }
@@ -189,6 +198,7 @@ build_one() {
     runc) [ -x "$out" ] || apt_install runc; return ;;
     cni-plugins) [ -x "$out" ] || apt_install containernetworking-plugins; return ;;
     iptables) [ -x "$out" ] || apt_install iptables; return ;;
+    nack-crds) build_one nack; return ;;
   esac
   [ -x "$out" ] && return 0
   need go "install Go 1.26+"
@@ -207,6 +217,11 @@ build_one() {
         "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
         "github.com/containerd/containerd/v2/cmd/ctr@$CONTAINERD_VERSION"
       mv "$tmp/containerd-shim-runc-v2" "$tmp/ctr" "$(dirname "$out")/" ;;
+    nack)
+      (cd "$ROOT/tests/nack" && with_progress "nack $NACK_VERSION" \
+        go build -trimpath -ldflags="-s -w" -o "$tmp/jetstream-controller" github.com/nats-io/nack/cmd/jetstream-controller)
+      # The CRDs of the same module, for the test's API server.
+      install -m 0644 "$(cd "$ROOT/tests/nack" && go list -m -f '{{.Dir}}' github.com/nats-io/nack)/deploy/crds.yml" "$(dirname "$out")/crds.yml" ;;
     nats-server)
       with_progress "nats-server $NATS_VERSION" env GOBIN="$tmp" go install "github.com/nats-io/nats-server/v2@$NATS_VERSION" ;;
     helm)
@@ -225,7 +240,7 @@ build_one() {
 
 case "${1:-build}" in
   build)
-    names="${2:-rabbitmq runc cni-plugins iptables elasticmq nats-server helm kube-score promtool controlplane containerd}"
+    names="${2:-rabbitmq runc cni-plugins iptables elasticmq nats-server helm kube-score promtool controlplane containerd nack}"
     for t in $names; do path_of "$t" >/dev/null; done   # unknown names fail here
     case " $names " in
       *" controlplane "*) need kubectl "the Kubernetes client; Debian: apt-get install kubectl, or see kubernetes.io" ;;
@@ -234,7 +249,7 @@ case "${1:-build}" in
     # The downloads (apt, Maven) wait on the network and the Go builds on the CPU: run the
     # downloads beside the builds. Each group runs its own tools in order.
     pids=()
-    for group in "rabbitmq runc cni-plugins iptables" "elasticmq" "nats-server helm kube-score promtool controlplane containerd shellcheck"; do
+    for group in "rabbitmq runc cni-plugins iptables" "elasticmq" "nats-server helm kube-score promtool controlplane containerd nack nack-crds shellcheck"; do
       mine=""
       for t in $names; do case " $group " in *" $t "*) mine="$mine $t" ;; esac; done
       [ -n "$mine" ] || continue

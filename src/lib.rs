@@ -10,6 +10,9 @@
 //! [`plugin`] (`kubectl settle`) is a top-level like `main`, beside `operator`: it reads what the
 //! lower layers define and neither of the two imports the other.
 //!
+//! [`migrate`] (`settle import nack`) sits beside `admission`: it uses `policy` and `api`, and
+//! `main` and `plugin` call it.
+//!
 //! [`serve`] sits at the bottom beside `api`: it imports nothing of the crate, so the webhook
 //! (`admission`) and the metrics and probe ports (`operator`) share it.
 //!
@@ -24,6 +27,7 @@
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
 //! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
+//! - [`migrate`]: `settle import nack`: NACK's Consumers as Subscriptions and Backends.
 //! - [`plugin`]: `kubectl settle` (`status`, `explain`), rendering what status already says.
 
 // No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
@@ -34,6 +38,8 @@ pub mod admission;
 pub mod api;
 pub mod backend;
 pub mod bus;
+#[cfg(feature = "operator")]
+pub mod migrate;
 #[cfg(feature = "operator")]
 pub mod operator;
 #[cfg(feature = "operator")]

@@ -1,5 +1,5 @@
 //! The `settle` command: `settle operator` runs the operator, `settle crds` prints the CRDs, `settle check` applies the admission
-//! rules to manifests offline (same code as the webhook).
+//! rules to manifests offline (same code as the webhook), `settle import nack` turns NACK's Consumers into Subscriptions.
 
 // No unwrap() on a path a user or a broker can reach (unit tests may: clippy.toml).
 #![warn(clippy::unwrap_used)]
@@ -41,6 +41,24 @@ enum Command {
         #[arg(long, env = "SETTLE_BACKEND_KIND")]
         backend_kind: Option<BackendKind>,
     },
+    /// Turn another controller's resources into Settle's manifests (stdout, or -o DIR).
+    #[command(subcommand)]
+    Import(Import),
+}
+
+#[derive(Subcommand)]
+enum Import {
+    /// NACK's `Consumer` resources (jetstream.nats.io) as Subscriptions with `adopt:
+    /// IfCompatible`, and Backends for their servers and Accounts. Findings (NACK's unsafe
+    /// defaults, what Settle refuses or cannot express) go to stderr and into the YAML as
+    /// comments. Exits 0 when everything was written, 1 when something was refused or would
+    /// change behaviour (written only with --allow-changes), 2 when the input cannot be read.
+    Nack {
+        #[command(flatten)]
+        args: settle::migrate::NackArgs,
+        #[command(flatten)]
+        cluster: settle::migrate::ClusterFlags,
+    },
 }
 
 fn main() -> ExitCode {
@@ -61,7 +79,32 @@ fn main() -> ExitCode {
             files,
             backend_kind,
         } => check(&files, backend_kind),
+        Command::Import(Import::Nack { args, cluster }) => import_nack(&args, &cluster),
     }
+}
+
+fn import_nack(
+    args: &settle::migrate::NackArgs,
+    cluster: &settle::migrate::ClusterFlags,
+) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("settle import nack: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(settle::migrate::run_nack(
+        args,
+        cluster.namespace.clone(),
+        || settle::migrate::connect(cluster),
+        &mut std::io::stdout().lock(),
+        &mut std::io::stderr().lock(),
+    ));
+    ExitCode::from(code)
 }
 
 fn operator(args: settle::operator::OperatorArgs) -> ExitCode {

@@ -11,7 +11,8 @@ const LAYERS: &[&[&str]] = &[
     &["policy"],
     &["bus"],
     &["backend"],
-    &["admission", "reconcile", "account"],
+    // `migrate` (`settle import nack`) is called by main and plugin, and uses policy and api.
+    &["admission", "reconcile", "account", "migrate"],
     // `plugin` (`kubectl settle`) is a top-level like main, beside the operator.
     &["operator", "plugin"],
 ];

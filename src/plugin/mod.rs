@@ -1,6 +1,7 @@
 //! `kubectl settle`, the kubectl plugin: `status` (the account of every Subscription as a table
 //! or JSON), `explain SUB` (why a Subscription is not Ready or Accepted, and what to do), and
-//! `pause SUB` / `resume SUB` (a merge patch of `spec.paused` and `spec.pausedUntil`).
+//! `pause SUB` / `resume SUB` (a merge patch of `spec.paused` and `spec.pausedUntil`), and
+//! `import nack` (NACK's Consumers as Subscriptions: `migrate`'s command, with kubectl's flags).
 //!
 //! A top-level beside `operator`, like `main`: it reads Subscriptions and Backends with the
 //! kubeconfig kubectl would use and renders what their status already says, through the same
@@ -30,8 +31,7 @@ use crate::api::{Backend, Duration, Subscription};
     name = "kubectl-settle",
     bin_name = "kubectl settle",
     version,
-    about = "Settle's Subscriptions from kubectl: their account and why they are not Ready",
-    after_help = "Not built yet: import nack (issue 23)."
+    about = "Settle's Subscriptions from kubectl: their account and why they are not Ready"
 )]
 pub struct Cli {
     #[command(flatten)]
@@ -99,6 +99,20 @@ pub enum Command {
         /// The Subscription's name.
         name: String,
     },
+    /// Turn another controller's resources into Settle's manifests (`settle import`).
+    #[command(subcommand)]
+    Import(Import),
+}
+
+/// `kubectl settle import ...`.
+#[derive(Subcommand, Debug)]
+pub enum Import {
+    /// NACK's `Consumer` resources as Subscriptions with `adopt: IfCompatible`, and Backends for
+    /// their servers and Accounts (the same as `settle import nack`). Findings go to stderr and
+    /// into the YAML as comments. Exits 0 when everything was written, 1 when something was
+    /// refused or would change behaviour (written only with --allow-changes), 2 when the input
+    /// cannot be read.
+    Nack(crate::migrate::NackArgs),
 }
 
 /// `-o`.
@@ -135,10 +149,28 @@ pub enum Error {
     Json(#[from] serde_json::Error),
     #[error("{0}")]
     Usage(String),
+    /// A command that said what went wrong itself, ending with this status.
+    #[error("exit status {0}")]
+    Exit(u8),
 }
 
 /// Runs the command and writes what it shows to `out`.
 pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
+    if let Command::Import(Import::Nack(args)) = &cli.command {
+        // Files are converted offline: the cluster is read only with --from-cluster.
+        let code = crate::migrate::run_nack(
+            args,
+            cli.cluster.namespace.clone(),
+            || async { client(&cli.cluster).await.map_err(|e| e.to_string()) },
+            out,
+            &mut std::io::stderr().lock(),
+        )
+        .await;
+        return match code {
+            0 => Ok(()),
+            code => Err(Error::Exit(code)),
+        };
+    }
     let (client, default_namespace) = client(&cli.cluster).await?;
     let namespace = cli.cluster.namespace.clone().unwrap_or(default_namespace);
     let text = match cli.command {
@@ -184,6 +216,8 @@ pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
                 None => status::table(&rows, all_namespaces, false),
             }
         }
+        // Run above, before any client is made.
+        Command::Import(_) => String::new(),
         Command::Explain { name } => {
             let subs = Api::<Subscription>::namespaced(client.clone(), &namespace);
             let sub = subs
@@ -278,10 +312,12 @@ async fn client(args: &ClusterArgs) -> Result<(Client, String), Error> {
     Ok((client, namespace))
 }
 
-/// The process's exit: 0 when it showed what was asked, 1 on an error (written to stderr).
+/// The process's exit: 0 when it showed what was asked, 1 on an error (written to stderr);
+/// `import nack` ends with its own status (0, 1 or 2), having said why.
 pub fn exit(result: Result<(), Error>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(Error::Exit(code)) => ExitCode::from(code),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -242,9 +242,18 @@ mod tests {
             sub("team-b", Adopt::IfCompatible),
         );
         assert_eq!(Target::of(&shop, now).adoption(&none), Adoption::NotAllowed);
-        assert_eq!(Target::of(&shop, now).adoption(&listed), Adoption::IfCompatible);
-        assert_eq!(Target::of(&other, now).adoption(&listed), Adoption::NotAllowed);
-        assert_eq!(Target::of(&other, now).adoption(&all), Adoption::IfCompatible);
+        assert_eq!(
+            Target::of(&shop, now).adoption(&listed),
+            Adoption::IfCompatible
+        );
+        assert_eq!(
+            Target::of(&other, now).adoption(&listed),
+            Adoption::NotAllowed
+        );
+        assert_eq!(
+            Target::of(&other, now).adoption(&all),
+            Adoption::IfCompatible
+        );
         let never = sub("shop", Adopt::Never);
         for allowed in [&none, &listed, &all] {
             assert_eq!(Target::of(&never, now).adoption(allowed), Adoption::Never);

@@ -15,6 +15,7 @@ pub mod controlplane;
 pub mod image;
 pub mod install;
 pub mod measure;
+pub mod nack;
 #[cfg(feature = "operator")]
 pub mod nats_cluster;
 #[cfg(feature = "operator")]
