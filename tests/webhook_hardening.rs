@@ -1065,6 +1065,24 @@ async fn https_get(port: u16, ca: &[u8], path: &str, token: Option<&str>) -> (u1
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// `GET path` with `token` until the RBAC just applied takes effect: 403 while the verdict
+/// cached before it lasts, then 200 (within 60 s); its body.
+async fn once_bound(port: u16, ca: &[u8], path: &str, token: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, body) = https_get(port, ca, path, Some(token)).await;
+        if status == 200 {
+            return body;
+        }
+        assert_eq!(status, 403, "{body}");
+        assert!(
+            Instant::now() < deadline,
+            "still 403 60s after the binding: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_metrics_auth_only_a_token_allowed_to_get_metrics_reads_them() {
     common::install_crds();
@@ -1111,19 +1129,7 @@ async fn with_metrics_auth_only_a_token_allowed_to_get_metrics_reads_them() {
          subjects: [{{kind: ServiceAccount, name: prometheus, namespace: {ns}}}]\n"
     );
     kubectl_ok(&["apply", "-f", "-"], Some(&rbac)).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let body = loop {
-        let (status, body) = https_metrics(port, &ca, Some(&token)).await;
-        if status == 200 {
-            break body;
-        }
-        assert_eq!(status, 403, "{body}");
-        assert!(
-            Instant::now() < deadline,
-            "still 403 60s after the binding: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let body = once_bound(port, &ca, "/metrics", &token).await;
     assert!(
         body.contains("settle_metrics_auth_total{result=\"forbidden\"}"),
         "the metrics, counting the refusals: {}",
@@ -1231,19 +1237,7 @@ async fn with_metrics_auth_a_subscriptions_lag_is_served_only_to_a_token_that_ma
          subjects: [{{kind: ServiceAccount, name: keda, namespace: {ns}}}]\n"
     );
     kubectl_ok(&["apply", "-f", "-"], Some(&rbac)).await;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let body = loop {
-        let (status, body) = https_get(port, &ca, &path, Some(&token)).await;
-        if status == 200 {
-            break body;
-        }
-        assert_eq!(status, 403, "{body}");
-        assert!(
-            Instant::now() < deadline,
-            "still 403 60s after the binding: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let body = once_bound(port, &ca, &path, &token).await;
     let lag: Value = serde_json::from_str(&body).expect("JSON");
     assert_eq!(lag["lag"], 10, "pending + ackPending: {lag}");
     assert_eq!(
