@@ -14,7 +14,8 @@
 //! `main` and `plugin` call it.
 //!
 //! [`serve`] sits at the bottom beside `api`: it imports nothing of the crate, so the webhook
-//! (`admission`) and the metrics and probe ports (`operator`) share it.
+//! (`admission`) and the metrics and probe ports (`operator`) share it. [`events`] sits there
+//! too, so the controllers (`reconcile`) and the account share one way to publish Events.
 //!
 //! - [`api`]: the CRD types and the wire types they share with the runtime.
 //! - [`policy`]: pure rules: the capability table, the one `validate`, resolved defaults.
@@ -26,6 +27,7 @@
 //!   NATS, RabbitMQ and SQS Backend, the one status writer.
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
 //! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
+//! - [`events`]: Kubernetes Events, repeats folded into a series with a bounded memory of them.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
 //! - [`migrate`]: `settle import nack`: NACK's Consumers as Subscriptions and Backends.
 //! - [`plugin`]: `kubectl settle` (`status`, `explain`), rendering what status already says.
@@ -38,6 +40,8 @@ pub mod admission;
 pub mod api;
 pub mod backend;
 pub mod bus;
+#[cfg(feature = "operator")]
+pub mod events;
 #[cfg(feature = "operator")]
 pub mod migrate;
 #[cfg(feature = "operator")]

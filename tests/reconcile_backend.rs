@@ -237,3 +237,93 @@ async fn a_nats_backend_with_a_ca_connects_over_tls_without_writing_a_file() {
     drop(op);
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// Settle's Event recorder against the real API server: a repeat within the fold window is one
+/// Event whose series counts it, another reason is another Event, and an Event deleted on the
+/// API server (expired) is published anew rather than lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_events_fold_into_one_series_and_a_deleted_one_is_published_again() {
+    use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference};
+    use k8s_openapi::api::events::v1::Event as K8sEvent;
+    use kube::api::{DeleteParams, ListParams, PostParams};
+    use kube::{Resource, ResourceExt};
+    use settle::events::{Event, EventType, Recorder, Reporter};
+
+    let ns = namespace("rec-events");
+    let client = common::kube_client().await;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let mut map = ConfigMap::default();
+    map.metadata.name = Some("regarding".into());
+    let map = maps
+        .create(&PostParams::default(), &map)
+        .await
+        .expect("a ConfigMap to regard");
+    let regarding: ObjectReference = map.object_ref(&());
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "settle-test".into(),
+            instance: None,
+        },
+    );
+    let warn = |reason: &str, note: &str| Event {
+        type_: EventType::Warning,
+        reason: reason.into(),
+        note: Some(note.into()),
+        action: "Connect".into(),
+        secondary: None,
+    };
+    for i in 0..3 {
+        recorder
+            .publish(&warn("Unreachable", &format!("attempt {i}")), &regarding)
+            .await
+            .expect("publish");
+    }
+    recorder
+        .publish(&warn("AuthFailed", "bad password"), &regarding)
+        .await
+        .expect("publish");
+    let events: Api<K8sEvent> = Api::namespaced(client, &ns);
+    let list = events.list(&ListParams::default()).await.expect("list");
+    let by_reason = |list: &[K8sEvent], reason: &str| -> Vec<K8sEvent> {
+        list.iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .cloned()
+            .collect()
+    };
+    let unreachable = by_reason(&list.items, "Unreachable");
+    assert_eq!(unreachable.len(), 1, "one Event for three: {unreachable:?}");
+    assert_eq!(
+        unreachable[0].series.as_ref().map(|s| s.count),
+        Some(3),
+        "{unreachable:?}"
+    );
+    assert_eq!(
+        unreachable[0].note.as_deref(),
+        Some("attempt 0"),
+        "a repeat keeps the first note"
+    );
+    assert_eq!(
+        unreachable[0]
+            .regarding
+            .as_ref()
+            .and_then(|r| r.uid.clone()),
+        map.uid()
+    );
+    assert_eq!(by_reason(&list.items, "AuthFailed").len(), 1);
+
+    events
+        .delete(&unreachable[0].name_any(), &DeleteParams::default())
+        .await
+        .expect("delete the Event");
+    recorder
+        .publish(&warn("Unreachable", "after it expired"), &regarding)
+        .await
+        .expect("publish after the Event was deleted");
+    let list = events.list(&ListParams::default()).await.expect("list");
+    let again = by_reason(&list.items, "Unreachable");
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(again[0].note.as_deref(), Some("after it expired"));
+    assert!(again[0].series.is_none(), "a new Event: {again:?}");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}

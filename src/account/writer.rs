@@ -16,10 +16,10 @@
 
 use std::sync::Arc;
 
+use crate::events::{Event, EventType, Recorder, Reporter};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use tokio::sync::mpsc;
 use tokio::time::Instant;

@@ -36,12 +36,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::events::{Recorder, Reporter};
 use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, predicates, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
