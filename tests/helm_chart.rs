@@ -473,6 +473,7 @@ fn chart_renders_the_operator_settings_from_values() {
         ("SETTLE_STATUS_WRITES_PER_SECOND", "20"),
         ("SETTLE_LOSS_WINDOW", "15m"),
         ("SETTLE_STALL_WINDOW", "5m"),
+        ("SETTLE_RELEASE_MEMORY_INTERVAL", "30s"),
         ("SETTLE_WEBHOOK_CONFIGURATION", "settle"),
         ("SETTLE_SHUTDOWN_DELAY", "5s"),
     ] {

@@ -102,6 +102,11 @@ pub struct OperatorArgs {
     /// terminationGracePeriodSeconds above it (the chart does).
     #[arg(long, env = "SETTLE_SHUTDOWN_DELAY", default_value = "5s")]
     pub shutdown_delay: crate::api::Duration,
+    /// How often the allocator gives the memory it holds free back to the system (glibc's
+    /// malloc_trim; 0s never): after a mass apply the caches are small again, but the pages
+    /// the apply's requests and responses took stay resident until then.
+    #[arg(long, env = "SETTLE_RELEASE_MEMORY_INTERVAL", default_value = "30s")]
+    pub release_memory_interval: crate::api::Duration,
     /// The Exhausting condition is True while Exhausted grew within this window.
     #[arg(long, env = "SETTLE_LOSS_WINDOW", default_value = "15m", value_parser = positive_duration)]
     pub loss_window: Duration,

@@ -12,6 +12,7 @@ mod auth;
 mod health;
 mod lag;
 pub mod leader;
+mod memory;
 mod owner;
 
 use std::sync::Arc;
@@ -72,6 +73,7 @@ pub fn init_logging(format: LogFormat) {
 pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let client = Client::try_default().await?;
     let registry = Registry::new();
+    memory::spawn_release(args.release_memory_interval.get(), &registry);
     // Two moments: `stopping` (the signal: the Lease and the controllers stop, `/readyz` turns
     // 503) and `closed` (the shutdown delay later: the ports close).
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -1,0 +1,86 @@
+//! Gives the memory the allocator holds free back to the system, every
+//! `--release-memory-interval`: glibc keeps the pages of freed allocations resident (in each
+//! thread's arena) until `malloc_trim` returns them, so a mass apply, whose requests, responses
+//! and queues are gone a minute later, would otherwise set the operator's resident memory for
+//! the rest of its life. What it released is counted in `settle_memory_released_bytes_total`.
+//!
+//! It must not free or shrink anything the operator holds: it only returns pages no allocation
+//! uses.
+
+use std::time::Duration;
+
+use prometheus::{IntCounter, Registry};
+
+/// Resident memory of this process now, in bytes (None where /proc says nothing).
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// Starts the release loop (nothing with an interval of zero, or off glibc).
+pub fn spawn_release(interval: Duration, registry: &Registry) {
+    let released = IntCounter::new(
+        "settle_memory_released_bytes_total",
+        "Resident memory the operator's allocator gave back to the system (--release-memory-interval)",
+    )
+    .expect("a valid metric");
+    if let Err(e) = registry.register(Box::new(released.clone())) {
+        tracing::warn!(error = %e, "cannot register settle_memory_released_bytes_total");
+    }
+    if interval.is_zero() || !cfg!(all(target_os = "linux", target_env = "gnu")) {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            // Off the runtime's threads: it walks every arena, holding each one's lock.
+            let freed = tokio::task::spawn_blocking(|| {
+                let before = resident_bytes();
+                trim();
+                before
+                    .zip(resident_bytes())
+                    .map(|(b, a)| b.saturating_sub(a))
+            })
+            .await;
+            if let Ok(Some(bytes)) = freed {
+                released.inc_by(bytes);
+                if bytes > 1 << 20 {
+                    tracing::debug!(mib = bytes >> 20, "gave free memory back to the system");
+                }
+            }
+        }
+    });
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn trim() {
+    // SAFETY: malloc_trim only returns free pages of glibc's arenas to the kernel; it reads and
+    // writes no memory of ours and is safe to call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim() {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn resident_memory_is_read_and_trimming_keeps_what_is_in_use() {
+        let held: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 64 * 1024]).collect();
+        let before = super::resident_bytes().expect("/proc/self/statm");
+        assert!(before > 4 << 20, "{before}");
+        super::trim();
+        assert!(
+            held.iter()
+                .enumerate()
+                .all(|(i, v)| v.iter().all(|&b| b == i as u8))
+        );
+    }
+}
