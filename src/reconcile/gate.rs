@@ -76,6 +76,9 @@ pub struct Gate {
     /// The Subscription asking the broker now, and until when it may.
     probe: Option<(Who, Instant)>,
     waiting: BTreeSet<Who>,
+    /// The probe that was asking the broker when a freed place opened the gate: its refusal may
+    /// answer a call made before the place was freed, so it does not close the gate again.
+    stale: Option<Who>,
     /// Changes with each new delay, so an older timer does nothing.
     epoch: u64,
 }
@@ -89,6 +92,7 @@ impl Gate {
             opens_at: now + delay,
             probe: None,
             waiting: BTreeSet::from([who]),
+            stale: None,
             epoch,
         }
     }
@@ -112,7 +116,9 @@ impl Gate {
 
     /// Refused again: by the probe (or a create once the gate was open), the next delay, longer,
     /// from `unit`'s jitter; by a create that passed before the gate closed (many reconcile at
-    /// once), `None`: it only waits too, and the delay does not grow for it.
+    /// once), or by the probe that was asking when a freed place opened the gate (its call may
+    /// have come before the place was freed), `None`: it only waits too, and the delay does not
+    /// grow for it.
     pub fn refused(
         &mut self,
         limit: BrokerLimit,
@@ -121,8 +127,22 @@ impl Gate {
         unit: f64,
         epoch: u64,
     ) -> Option<Duration> {
-        let probed = now >= self.opens_at || self.probe.as_ref().is_some_and(|(p, _)| *p == who);
+        let stale = self.stale.as_ref() == Some(&who);
+        if stale {
+            self.stale = None;
+        }
+        let another_probes = self
+            .probe
+            .as_ref()
+            .is_some_and(|(p, until)| *p != who && now < *until);
+        let probed = !stale
+            && !another_probes
+            && (now >= self.opens_at || self.probe.as_ref().is_some_and(|(p, _)| *p == who));
         if !probed {
+            if self.probe.as_ref().is_some_and(|(p, _)| *p == who) {
+                // Probing again since the gate opened: it passes when it comes.
+                return None;
+            }
             self.waiting.insert(who);
             return None;
         }
@@ -158,13 +178,19 @@ impl Gate {
     /// A place was freed (a consumer deleted): open now, the delay kept for the next refusal.
     pub fn open(&mut self, now: Instant, epoch: u64) {
         self.opens_at = now;
-        self.probe = None;
+        if let Some((p, _)) = self.probe.take() {
+            self.waiting.insert(p.clone());
+            self.stale = Some(p);
+        }
         self.epoch = epoch;
     }
 
     /// `who` no longer waits (it was deleted).
     pub fn forget(&mut self, who: &Who) {
         self.waiting.remove(who);
+        if self.stale.as_ref() == Some(who) {
+            self.stale = None;
+        }
         if self.probe.as_ref().is_some_and(|(p, _)| p == who) {
             self.probe = None;
         }
@@ -496,6 +522,47 @@ mod tests {
         assert_eq!(g.check(&who("c"), Instant::now()), Verdict::Pass);
         g.forget(&who("c"));
         assert_eq!(g.check(&who("d"), Instant::now()), Verdict::Pass);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_of_the_call_made_before_a_place_was_freed_does_not_close_the_gate_again() {
+        let t0 = Instant::now();
+        let mut g = Gate::new(limit(), who("a"), t0, Duration::from_secs(1), 1);
+        g.check(&who("b"), t0);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let t1 = Instant::now();
+        assert_eq!(g.check(&who("a"), t1), Verdict::Pass, "a probes");
+        // While a's call is out, a consumer is deleted: open, and b probes.
+        g.open(t1, 2);
+        assert_eq!(g.due(t1), Some(who("a")), "the first waiting one probes");
+        // a's refusal answers the call made before the place was freed.
+        assert_eq!(g.refused(limit(), who("a"), t1, 1.0, 3), None);
+        assert_eq!(g.opens_at(), t1, "still open");
+        assert_eq!(g.check(&who("a"), t1), Verdict::Pass, "a probes again");
+        assert_eq!(
+            g.check(&who("b"), t1),
+            Verdict::Wait(limit()),
+            "one probe at a time"
+        );
+        // Refused again, now for a call after the free: the gate closes, the delay grown.
+        let d = g
+            .refused(limit(), who("a"), t1, 1.0, 4)
+            .expect("closed again");
+        assert_eq!(d, Duration::from_secs(2));
+
+        // With another one chosen to probe meanwhile, the stale refusal only waits too.
+        let t2 = t1 + d;
+        tokio::time::advance(d).await;
+        assert_eq!(g.check(&who("a"), t2), Verdict::Pass);
+        g.open(t2, 5);
+        g.forget(&who("a"));
+        assert_eq!(g.due(t2), Some(who("b")));
+        assert_eq!(
+            g.refused(limit(), who("a"), t2, 1.0, 6),
+            None,
+            "a was forgotten, b probes"
+        );
+        assert_eq!(g.check(&who("b"), t2), Verdict::Pass, "b's probe stands");
     }
 
     #[tokio::test(start_paused = true)]
