@@ -44,6 +44,11 @@ type OwnMarks = Arc<Mutex<HashMap<(ChangeKind, String, String), Instant>>>;
 /// How long a mark of the operator's own consumer change waits for its advisory.
 const OWN_MARK_TTL: Duration = Duration::from_secs(10);
 
+/// How long a consumer this connection made is remembered as made, for a Subscription whose
+/// status does not show it yet: a check of it that runs before the status write reaches the
+/// controller's cache reads the consumer instead of making it again (and saying so twice).
+const MADE_TTL: Duration = Duration::from_secs(30);
+
 /// A live connection to one Backend's broker, by kind.
 // One per Backend, behind an Arc: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
@@ -59,6 +64,8 @@ pub struct NatsConn {
     pub js: jetstream::Context,
     /// Consumer changes the operator made itself, each waiting for the one advisory it causes.
     own: OwnMarks,
+    /// Consumers made through this connection in the last [`MADE_TTL`], by (stream, name).
+    made: Mutex<HashMap<(String, String), Instant>>,
     listener: JoinHandle<()>,
 }
 
@@ -146,6 +153,20 @@ impl NatsConn {
     /// Whether the connection is up now (not reconnecting).
     pub fn connected(&self) -> bool {
         connect::is_connected(&self.client)
+    }
+
+    /// Notes that this consumer was just made through this connection.
+    pub fn note_made(&self, stream: &str, consumer: &str) {
+        let mut made = lock(&self.made);
+        made.retain(|_, at| at.elapsed() < MADE_TTL);
+        made.insert((stream.to_string(), consumer.to_string()), Instant::now());
+    }
+
+    /// Whether this consumer was made through this connection in the last [`MADE_TTL`].
+    pub fn made_recently(&self, stream: &str, consumer: &str) -> bool {
+        lock(&self.made)
+            .get(&(stream.to_string(), consumer.to_string()))
+            .is_some_and(|at| at.elapsed() < MADE_TTL)
     }
 
     /// Notes that the operator itself is about to create or delete this consumer, so that the
@@ -381,6 +402,7 @@ impl Connections {
             js: jetstream::new(client.clone()),
             client,
             own,
+            made: Mutex::default(),
             listener,
         });
         Ok(self.up(key, fingerprint, conn))

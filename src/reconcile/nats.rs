@@ -173,8 +173,11 @@ async fn converge(
     // Never made for this object (no consumer in its status): most likely none is there, so it
     // is made at once. JetStream's create answers an identical config with the consumer (ours:
     // the config carries this object's marks) and refuses one that differs (10148): that one
-    // is read below like any other. One call fewer per new Subscription (issue 21).
-    if known.is_none() {
+    // is read below like any other. One call fewer per new Subscription (issue 21). One this
+    // connection just made is read instead: a check that runs before the status saying so
+    // reaches the cache (a Backend's reconnect re-checks every Subscription) made it again,
+    // an extra call and a second "created" Event.
+    if known.is_none() && !conn.made_recently(&stream, &want.name) {
         if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
             return limited(limit);
         }
@@ -182,6 +185,7 @@ async fn converge(
         ctx.metrics.js("create");
         match jsapi::create_consumer_paused(&conn.js, &want, pause::request(t.pause)).await {
             Ok(info) => {
+                conn.note_made(&stream, &want.name);
                 *live_pause = Some(LivePause::of(&info));
                 ctx.conns.gates.created(&backend, &stream);
                 tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = ChangeKind::Created.op(), "consumer");
@@ -444,7 +448,10 @@ async fn create(
     conn.mark_own(Own::Created, &want.stream, &want.name);
     ctx.metrics.js("create");
     match jsapi::create_consumer_paused(&conn.js, want, pause::request(pause)).await {
-        Ok(info) => Ok(LivePause::of(&info)),
+        Ok(info) => {
+            conn.note_made(&want.stream, &want.name);
+            Ok(LivePause::of(&info))
+        }
         // Made meanwhile by a racing reconcile (an old leader's last call): converge next time.
         Err(e) if e.code() == Some(CONSUMER_EXISTS) => Err(NatsError::Unreachable(
             "the consumer was created concurrently; checking it again".into(),
