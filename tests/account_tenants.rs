@@ -509,6 +509,23 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
     drop(attacker);
 }
 
+/// `n` max-deliveries advisories published into the capture, as the server would: their
+/// subject and capture sequences.
+async fn publish_advisories(js: &async_nats::jetstream::Context, n: u32) -> (String, Vec<u64>) {
+    let subject = settle::backend::nats::advisory::MAX_DELIVERIES.replace('>', "S.C");
+    let mut published = Vec::new();
+    for i in 1..=n {
+        let ack = js
+            .publish(subject.clone(), format!("{{\"n\":{i}}}").into())
+            .await
+            .expect("publish")
+            .await
+            .expect("captured");
+        published.push(ack.sequence);
+    }
+    (subject, published)
+}
+
 /// The upgrade to unambiguous reader names: the legacy reader is the checkpoint. The new reader
 /// delivers from just after what the legacy one acknowledged (what it had delivered without an
 /// acknowledgement comes again, as after any restart), the legacy reader is deleted (the keeper
@@ -531,17 +548,7 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
         .await
         .expect("the legacy reader");
     // Five advisories in the capture (as the server would publish them).
-    let subject = settle::backend::nats::advisory::MAX_DELIVERIES.replace('>', "S.C");
-    let mut published = Vec::new();
-    for i in 1..=5 {
-        let ack = js
-            .publish(subject.clone(), format!("{{\"n\":{i}}}").into())
-            .await
-            .expect("publish")
-            .await
-            .expect("captured");
-        published.push(ack.sequence);
-    }
+    let (subject, published) = publish_advisories(&js, 5).await;
     // The legacy reader took four and acknowledged up to the second of ours only (and the
     // consumer-created advisory of its own making before them).
     let acked = published[1];
@@ -629,4 +636,60 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
         info.ack_floor.stream_sequence >= published[4],
         "the new reader lost its place: {info:?}"
     );
+}
+
+/// A reader made by an earlier version (an advisory unacknowledged for 120 s before it came
+/// again) is brought to the account's ack wait in place: its position stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_versions_reader_gets_the_short_ack_wait_and_keeps_its_place() {
+    use async_nats::jetstream::consumer;
+    use futures::StreamExt;
+    use settle::backend::nats::capture;
+
+    let server = NatsServer::start(&[]);
+    let client = async_nats::connect(server.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let name = settle::account::nats::reader_name("team", "old-nats");
+    let first = capture::open(&js, &name, 1 << 20, 1)
+        .await
+        .expect("the reader");
+    let stream = js
+        .get_stream(capture::CAPTURE_STREAM)
+        .await
+        .expect("the capture");
+    // As the earlier version made it.
+    let config = first.cached_info().config.clone();
+    stream
+        .update_consumer(consumer::Config {
+            ack_wait: Duration::from_secs(120),
+            ..config
+        })
+        .await
+        .expect("the earlier version's ack wait");
+    publish_advisories(&js, 3).await;
+    let mut batch = first
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch");
+    while let Some(m) = batch.next().await {
+        m.expect("delivered").double_ack().await.expect("ack");
+    }
+    drop(batch);
+    let before = stream.consumer_info(&name).await.expect("info");
+    assert_eq!(before.config.ack_wait, Duration::from_secs(120));
+
+    let mut reader = capture::open(&js, &name, 1 << 20, 1)
+        .await
+        .expect("the reader again");
+    let after = reader.info().await.expect("info").clone();
+    assert_eq!(after.config.ack_wait, capture::READER_ACK_WAIT);
+    assert_eq!(
+        after.ack_floor.stream_sequence, before.ack_floor.stream_sequence,
+        "the reader kept its place"
+    );
+    assert!(before.ack_floor.stream_sequence >= 3, "{before:?}");
+    assert_eq!(after.config.deliver_policy, before.config.deliver_policy);
 }

@@ -37,7 +37,7 @@
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,6 +82,11 @@ const LEGACY_READER_GRACE: Duration = Duration::from_secs(600);
 
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
+
+/// A session's rounds, until one breaks (the type an async block with `?` in it needs).
+async fn rounds(f: impl Future<Output = Result<(), NatsError>>) -> Result<(), NatsError> {
+    f.await
+}
 
 /// What is persisted per Subscription.
 #[derive(Default, Serialize, Deserialize)]
@@ -225,7 +230,8 @@ impl NatsKeeper {
             Some((ns, _)) => format!("{ns}."),
             None => return,
         };
-        let alive: Vec<String> = self
+        // A set: with thousands of Subscriptions, a list searched once per key was quadratic.
+        let alive: HashSet<String> = self
             .subs
             .state()
             .iter()
@@ -282,11 +288,22 @@ impl NatsKeeper {
             .messages()
             .await
             .map_err(|e| broken("reading the advisory capture", e))?;
-        tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), reader = %self.reader(), "account keeper started");
         // Where new advisories start: a first delivery past it by more than one was dropped by
         // the capture's limits before this reader got to it.
         let mut read_to = match reader.clone().info().await {
-            Ok(info) => info.delivered.stream_sequence,
+            Ok(info) => {
+                tracing::info!(
+                    backend = %format!("{}/{}", self.backend.0, self.backend.1),
+                    reader = %self.reader(),
+                    delivered = info.delivered.stream_sequence,
+                    acknowledged = info.ack_floor.stream_sequence,
+                    pending = info.num_pending,
+                    unacknowledged = info.num_ack_pending,
+                    leader = ?info.cluster.as_ref().and_then(|c| c.leader.as_deref()),
+                    "account keeper started"
+                );
+                info.delivered.stream_sequence
+            }
             Err(e) => return Err(broken("reading the capture reader", e)),
         };
         self.sweep(&ledgers).await;
@@ -299,6 +316,7 @@ impl NatsKeeper {
         let mut loose: Vec<jetstream::Message> = Vec::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let ended = rounds(async {
         loop {
             tokio::select! {
                 entry = watch.next() => {
@@ -322,7 +340,11 @@ impl NatsKeeper {
                     let msg = msg
                         .ok_or_else(|| broken("the advisory capture", "ended"))?
                         .map_err(|e| broken("the advisory capture", e))?;
-                    if let Ok(info) = msg.info()
+                    let info = msg.info().ok();
+                    if let Some(info) = &info {
+                        tracing::debug!(subject = %msg.subject, capture_seq = info.stream_sequence, delivered = info.delivered, "an advisory read");
+                    }
+                    if let Some(info) = info
                         && info.delivered == 1
                         && info.stream_sequence > read_to
                     {
@@ -365,6 +387,25 @@ impl NatsKeeper {
                 }
             }
         }
+        })
+        .await;
+        // The session is over and its books with it: the advisories they counted and did not
+        // save yet are declined, so they come to the next session at once, not after the
+        // reader's ack wait (one saved after all is skipped there by its capture sequence).
+        let unsaved: Vec<jetstream::Message> =
+            books.into_values().flat_map(|book| book.acks).collect();
+        if !unsaved.is_empty() {
+            tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), advisories = unsaved.len(), "the session ended with advisories counted and not saved: declined, for the next session to count");
+        }
+        for msg in unsaved {
+            if let Err(e) = msg.ack_with(jetstream::AckKind::Nak(None)).await {
+                tracing::debug!(error = %e, "declining an advisory failed: it comes again after the reader's ack wait");
+            }
+        }
+        for msg in loose {
+            let _ = msg.ack().await;
+        }
+        ended
     }
 
     /// The book of `key` for the Subscription object `m` is, loaded from the ledger bucket the

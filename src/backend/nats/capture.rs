@@ -20,6 +20,11 @@ pub const CAPTURE_STREAM: &str = "SETTLE_ADVISORIES";
 pub const CAPTURE_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How many advisories the capture keeps at most (the oldest go first).
 pub const CAPTURE_MAX_MESSAGES: i64 = 5_000_000;
+/// How long an advisory delivered to the account's reader waits for its acknowledgement before
+/// it comes again: the account acknowledges within a round (half a second) of saving it, and
+/// declines what a broken session held; one that was on its way when the session broke (in the
+/// client's buffer, never seen) comes again after this.
+pub const READER_ACK_WAIT: Duration = Duration::from_secs(30);
 /// The bucket of persisted ledgers: `<namespace>.<subscription>` → JSON.
 pub const ACCOUNT_BUCKET: &str = "settle-account";
 
@@ -80,10 +85,27 @@ pub async fn open(
             .await
             .map_err(|e| unreachable("creating the capture stream", e))?,
     };
-    stream
+    let mut reader: consumer::PullConsumer = stream
         .get_or_create_consumer(reader, reader_config(reader, consumer::DeliverPolicy::All))
         .await
-        .map_err(|e| unreachable("creating the account's reader of the capture stream", e))
+        .map_err(|e| unreachable("creating the account's reader of the capture stream", e))?;
+    // A reader made by an earlier version waited 120 s: brought to this one in place (its
+    // position and deliver policy kept).
+    let config = reader.cached_info().config.clone();
+    if config.ack_wait != READER_ACK_WAIT {
+        stream
+            .update_consumer(consumer::Config {
+                ack_wait: READER_ACK_WAIT,
+                ..config
+            })
+            .await
+            .map_err(|e| unreachable("updating the account's reader of the capture stream", e))?;
+        reader
+            .info()
+            .await
+            .map_err(|e| unreachable("reading the account's reader of the capture stream", e))?;
+    }
+    Ok(reader)
 }
 
 /// Brings the capture stream and the account's buckets (`settle-account`, `settle-stats`) that
@@ -125,7 +147,7 @@ fn reader_config(reader: &str, from: consumer::DeliverPolicy) -> consumer::pull:
         description: Some("Settle: the account's checkpoint in the advisory capture".into()),
         ack_policy: consumer::AckPolicy::Explicit,
         deliver_policy: from,
-        ack_wait: Duration::from_secs(120),
+        ack_wait: READER_ACK_WAIT,
         max_ack_pending: 50_000,
         ..Default::default()
     }
