@@ -256,6 +256,9 @@ pub struct Metrics {
     /// beyond `--dead-letter-copy-max-length` were dropped; `copy_queue_lost`: it was deleted on
     /// the broker and made again).
     pub dead_letters: IntCounterVec,
+    /// `settle_account_gauge_calls_total{call}`: broker calls made to read the consumers'
+    /// gauges (NATS: `list`, one stream's consumers listed, 256 to a call; `info`, one consumer asked alone).
+    pub gauge_calls: IntCounterVec,
 }
 
 impl Metrics {
@@ -326,6 +329,11 @@ impl Metrics {
                 "Copies of RabbitMQ dead letters read by the account, by outcome (counted, duplicate, not_exhausted, not_ours), and the times the copy queue was found full (copy_queue_full) or deleted (copy_queue_lost).",
                 &["outcome"],
             )?,
+            gauge_calls: counter(
+                "settle_account_gauge_calls_total",
+                "Broker calls made to read the consumers' gauges (pending, ackPending), by call (NATS: list, one stream's consumers listed, 256 to a call; info, one consumer asked alone).",
+                &["call"],
+            )?,
         }
         .exported_at_zero())
     }
@@ -335,6 +343,9 @@ impl Metrics {
     fn exported_at_zero(self) -> Metrics {
         for result in ["ok", "error"] {
             self.writes.with_label_values(&[result]);
+        }
+        for call in ["list", "info"] {
+            self.gauge_calls.with_label_values(&[call]);
         }
         for reason in ["budget", "coalesced"] {
             self.deferred.with_label_values(&[reason]);

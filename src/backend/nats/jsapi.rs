@@ -213,6 +213,50 @@ pub async fn consumer_info(
     }
 }
 
+/// The most consumers one listing reads (its pages are the server's, 256 consumers each): past
+/// it, the rest of a stream's consumers are not listed and count as not there.
+pub const MAX_LISTED: usize = 100_000;
+
+#[derive(Deserialize)]
+struct ConsumerPage {
+    #[serde(default)]
+    total: usize,
+    #[serde(default)]
+    consumers: Option<Vec<consumer::Info>>,
+}
+
+/// Each consumer of `stream` by name with its gauges (`num_pending`, `num_ack_pending`), in
+/// pages of the server's size: one call reads 256 consumers, where asking each would cost a
+/// call apiece. `None` when the stream does not exist.
+pub async fn consumer_gauges(
+    js: &jetstream::Context,
+    stream: &str,
+) -> Result<Option<std::collections::HashMap<String, (u64, u64)>>, NatsError> {
+    let mut out = std::collections::HashMap::new();
+    loop {
+        let page: ConsumerPage = match call(
+            js,
+            format!("CONSUMER.LIST.{stream}"),
+            &serde_json::json!({ "offset": out.len() }),
+        )
+        .await?
+        {
+            Ok(page) => page,
+            Err(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND => return Ok(None),
+            Err(e) => return Err(refused(&e)),
+        };
+        let consumers = page.consumers.unwrap_or_default();
+        let read = consumers.len();
+        for info in consumers {
+            let ack_pending = u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX);
+            out.insert(info.name, (info.num_pending, ack_pending));
+        }
+        if read == 0 || out.len() >= page.total || out.len() >= MAX_LISTED {
+            return Ok(Some(out));
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct CreateRequest<'a> {
     stream_name: &'a str,
