@@ -282,7 +282,27 @@ async fn a_server_killed_under_the_capture_stream_loses_no_advisory() {
         "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 2\n  ackWait: 2s\n",
     )
     .await;
-    let mut app = scene.app("nack-then-hold");
+    // The server to kill leads the capture, and neither leads the consumer nor serves the
+    // application: the consumer's leader emits the advisories, and one killed with it (or an
+    // application reconnecting, its leases not extended meanwhile) would have the held attempts
+    // expire while the capture had no leader (docs/semantics.md J10: what fires then is not
+    // captured).
+    let consumer_leader =
+        Cluster::wait_consumer_leader(&js, &scene.stream.name, "orders", "").await;
+    // The operator keeps the capture at three replicas; killed while the other two are still
+    // copying it, no leader could be elected (the broker's, not the account's, limit).
+    let mut leader = Cluster::wait_stream_replicated(&js, CAPTURE_STREAM).await;
+    while leader == consumer_leader {
+        leader = Cluster::step_down_stream(&js, CAPTURE_STREAM, &leader).await;
+    }
+    let elsewhere: Vec<String> = (0..cluster.urls.len())
+        .filter(|&i| i != index_of(&leader))
+        .map(|i| cluster.urls[i].clone())
+        .collect();
+    let mut app = scene.app_with(
+        "nack-then-hold",
+        &[("SETTLE_NATS_URL", elsewhere.join(",").as_str())],
+    );
     app.wait_ready().await;
     let messages = batch("c", 4);
     publish_through(&js, &scene.stream.prefix, &messages).await;
@@ -294,14 +314,18 @@ async fn a_server_killed_under_the_capture_stream_loses_no_advisory() {
             |s| s.settlement.nacked == 4,
         )
         .await;
-    // The operator keeps the capture at three replicas; killed while the other two are still
-    // copying it, no leader could be elected (the broker's, not the account's, limit).
-    let leader = Cluster::wait_stream_replicated(&js, CAPTURE_STREAM).await;
+    assert_eq!(
+        Cluster::wait_stream_replicated(&js, CAPTURE_STREAM).await,
+        leader,
+        "the capture's leader moved meanwhile"
+    );
     let down = cluster.kill(index_of(&leader));
     let new = Cluster::wait_stream_leader(&js, CAPTURE_STREAM, &leader).await;
-    eprintln!("{leader} killed under the capture; {new} leads it");
+    eprintln!("{leader} killed under the capture; {new} leads it, {consumer_leader} the consumer");
     // The holder dies with four last attempts: only the broker's advisories can count them,
-    // emitted when the replacement pulls, into a capture one of whose servers is down.
+    // emitted by the consumer's leader once their ack wait is up (nats-server 2.15; earlier
+    // ones, at the next pull), into a capture one of whose servers is down. The replacement
+    // shows that they never come back.
     app.kill9();
     let replacement = scene.app("nack-then-hold");
     replacement.wait_ready().await;

@@ -329,6 +329,22 @@ impl Cluster {
         .await
     }
 
+    /// Has `stream`'s leader step down (`$JS.API.STREAM.LEADER.STEPDOWN`) and waits until
+    /// another leads it with both other replicas current; returns the new leader.
+    pub async fn step_down_stream(js: &jetstream::Context, stream: &str, leader: &str) -> String {
+        let answer: Result<jetstream::response::Response<serde_json::Value>, _> = js
+            .request(
+                format!("STREAM.LEADER.STEPDOWN.{stream}"),
+                &serde_json::json!({}),
+            )
+            .await;
+        if let Ok(jetstream::response::Response::Err { error }) = answer {
+            panic!("stepping {stream}'s leader {leader} down: {error}");
+        }
+        Cluster::wait_stream_leader(js, stream, leader).await;
+        Cluster::wait_stream_replicated(js, stream).await
+    }
+
     /// Waits until `stream` has a leader other than `not`; returns it.
     pub async fn wait_stream_leader(js: &jetstream::Context, stream: &str, not: &str) -> String {
         poll(

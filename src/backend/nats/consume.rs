@@ -15,7 +15,7 @@
 //!   [`LEADERLESS_GRACE`].
 //! - Last attempt declined (attempt == maxDeliver): `+TERM`. The runtime has already counted it
 //!   Exhausted at message grain; terminating frees its max-ack-pending slot at once instead of
-//!   holding it until the server notices max_deliver at the next pull, and the server's
+//!   holding it until the server notices max_deliver (its ack wait, or the next pull), and the server's
 //!   `MSG_TERMINATED` advisory tells the operator the same story. The consumer's `max_deliver` is
 //!   still set, so attempts spent without a handler (a crash, AckWait) also stop there.
 //! - ExtendLease: `+WPI` (the bus decides when); Redeliver: nothing. Release at close: bare `-NAK`.
