@@ -383,3 +383,53 @@ async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_ne
     bus.close().await;
     s.drop_it().await;
 }
+
+/// The account's gauges come from a stream's listing, in the server's pages of 256: 300
+/// consumers, each with its own pending and unacknowledged counts, are all read; a stream that
+/// does not exist is `None`.
+#[tokio::test]
+async fn a_streams_consumers_are_listed_with_their_gauges_across_pages() {
+    use async_nats::jetstream::consumer::pull;
+    use futures::StreamExt;
+
+    let s = Stream::new("gauges").await;
+    let stream = s.js.get_stream(&s.name).await.expect("stream");
+    for i in 0..300 {
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some(format!("c{i}")),
+                ack_policy: AckPolicy::Explicit,
+                ..Default::default()
+            })
+            .await
+            .expect("create consumer");
+    }
+    for i in 0..3 {
+        s.js.publish(format!("{}.m{i}", s.prefix), "x".into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+    // One consumer holds two of the three unacknowledged.
+    let c7: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer("c7").await.expect("c7");
+    let batch = c7.fetch().max_messages(2).messages().await.expect("fetch");
+    let held: Vec<_> = batch.collect().await;
+    assert_eq!(held.len(), 2);
+
+    let listed = jsapi::consumer_gauges(&s.js, &s.name)
+        .await
+        .expect("listing")
+        .expect("the stream exists");
+    assert_eq!(listed.len(), 300, "every page read");
+    assert_eq!(listed["c7"], (1, 2), "pending, unacknowledged");
+    assert_eq!(listed["c0"], (3, 0));
+    assert_eq!(listed["c299"], (3, 0));
+    assert_eq!(
+        jsapi::consumer_gauges(&s.js, "NO_SUCH_STREAM_XYZ").await,
+        Ok(None)
+    );
+    drop(held);
+    s.drop_it().await;
+}

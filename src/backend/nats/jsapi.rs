@@ -214,7 +214,7 @@ pub async fn consumer_info(
 }
 
 /// The most consumers one listing reads (its pages are the server's, 256 consumers each): past
-/// it, the rest of a stream's consumers are not listed and count as not there.
+/// it, the rest of a stream's consumers are not listed (a caller asks those alone).
 pub const MAX_LISTED: usize = 100_000;
 
 #[derive(Deserialize)]
@@ -233,11 +233,14 @@ pub async fn consumer_gauges(
     stream: &str,
 ) -> Result<Option<std::collections::HashMap<String, (u64, u64)>>, NatsError> {
     let mut out = std::collections::HashMap::new();
+    // Counted by what the pages held, not by the names kept: a consumer deleted between two
+    // pages shifts the next one back, and a page of names already seen must not be asked again.
+    let mut offset = 0;
     loop {
         let page: ConsumerPage = match call(
             js,
             format!("CONSUMER.LIST.{stream}"),
-            &serde_json::json!({ "offset": out.len() }),
+            &serde_json::json!({ "offset": offset }),
         )
         .await?
         {
@@ -247,11 +250,12 @@ pub async fn consumer_gauges(
         };
         let consumers = page.consumers.unwrap_or_default();
         let read = consumers.len();
+        offset += read;
         for info in consumers {
             let ack_pending = u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX);
             out.insert(info.name, (info.num_pending, ack_pending));
         }
-        if read == 0 || out.len() >= page.total || out.len() >= MAX_LISTED {
+        if read == 0 || offset >= page.total || offset >= MAX_LISTED {
             return Ok(Some(out));
         }
     }
