@@ -509,6 +509,19 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
     drop(attacker);
 }
 
+/// Up to ten messages of `reader`, waiting at most 2 s for them.
+async fn fetch_ten(
+    reader: &async_nats::jetstream::consumer::PullConsumer,
+) -> async_nats::jetstream::consumer::pull::Batch {
+    reader
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch")
+}
+
 /// `n` max-deliveries advisories published into the capture, as the server would: their
 /// subject and capture sequences.
 async fn publish_advisories(js: &async_nats::jetstream::Context, n: u32) -> (String, Vec<u64>) {
@@ -597,13 +610,7 @@ async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowl
     let renamed = capture::open(&js, &new, 1 << 20, 1)
         .await
         .expect("the new reader");
-    let mut batch = renamed
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .expect("fetch");
+    let mut batch = fetch_ten(&renamed).await;
     let mut got = Vec::new();
     while let Some(m) = batch.next().await {
         let m = m.expect("delivered");
@@ -667,13 +674,7 @@ async fn an_earlier_versions_reader_gets_the_short_ack_wait_and_keeps_its_place(
         .await
         .expect("the earlier version's ack wait");
     publish_advisories(&js, 3).await;
-    let mut batch = first
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .expect("fetch");
+    let mut batch = fetch_ten(&first).await;
     while let Some(m) = batch.next().await {
         m.expect("delivered").double_ack().await.expect("ack");
     }
