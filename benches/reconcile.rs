@@ -13,7 +13,8 @@
 //! - seconds to repair 10 consumers deleted on the broker;
 //! - API requests and consumer-API calls per Subscription on create and on update (the
 //!   operator's own counters);
-//! - status writes during 60 s of steady state;
+//! - status writes, consumer operations and the account's gauge calls to the broker during 60 s
+//!   of steady state;
 //! - the operator's resident memory before, after the update phase and at its peak, the growth
 //!   per Subscription, and its CPU seconds per phase.
 //!
@@ -336,9 +337,12 @@ async fn main() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let writes_before = op.metric("settle_status_writes_total", &[]);
     let ops_before = op.metric("settle_consumer_operations_total", &[]);
+    let gauges_before = op.metric("settle_account_gauge_calls_total", &[]);
     tokio::time::sleep(STEADY).await;
     let steady_writes = op.metric("settle_status_writes_total", &[]) - writes_before;
     let steady_ops = op.metric("settle_consumer_operations_total", &[]) - ops_before;
+    // The account's broker calls at rest: its consumers' gauges, once a stats interval.
+    let steady_gauges = op.metric("settle_account_gauge_calls_total", &[]) - gauges_before;
     let (rss_steady, cpu_steady) = (rss_mib(pid), cpu_seconds(pid));
     let peak = peak_rss_mib(pid);
 
@@ -384,7 +388,7 @@ async fn main() {
         by_call.join(", ")
     );
     println!(
-        "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations, {:.2} CPU s",
+        "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations, {steady_gauges} gauge calls to the broker, {:.2} CPU s",
         STEADY.as_secs(),
         cpu_steady - cpu_updated
     );
