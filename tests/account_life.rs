@@ -120,6 +120,69 @@ async fn a_subscription_deleted_while_no_operator_ran_leaves_nothing_to_the_next
     recreated("life-recreate-down", true).await;
 }
 
+/// The losses of an object whose operator never read their advisories (it was down from before
+/// they happened until after the object was deleted and applied again) are read by the next
+/// operator first: they came from the consumer the earlier object had, made before the new
+/// object's, so they count for nobody. The new object shows its own two only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_objects_advisories_read_only_after_it_was_made_again_count_for_nobody() {
+    let mut scene = Scene::new("life-unread", NACK_SPEC).await;
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.op.kill9();
+    scene.publish(bodies(5)).await;
+    // Every last attempt terminated by the runtime on the broker, with no operator reading.
+    poll(
+        "the five messages terminated on the broker",
+        Duration::from_secs(40),
+        || async {
+            let info = settle::backend::nats::jsapi::consumer_info(
+                &scene.stream.js,
+                &scene.stream.name,
+                "orders",
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("no consumer")?;
+            if info.ack_floor.stream_sequence == 5 && info.num_ack_pending == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "ack floor {}, unacknowledged {}",
+                    info.ack_floor.stream_sequence, info.num_ack_pending
+                ))
+            }
+        },
+    )
+    .await;
+    delete_by_hand(&scene.ns, "orders");
+    wait_gone(&scene.api, "orders", Duration::from_secs(30)).await;
+    purge(&scene).await;
+    apply(&scene.ns, &scene.manifest_text);
+    scene.restart_operator();
+    wait_ready(&scene.api, "orders").await;
+    scene.publish(bodies(2)).await;
+    let s = scene
+        .settled(
+            "the new object's two messages exhausted",
+            Duration::from_secs(60),
+            |s| nacked_out(s, 2),
+        )
+        .await;
+    assert_nacked_out(&s, 2);
+    let earlier = scene.op.metric(
+        "settle_account_advisories_total",
+        &[("kind", "earlier_consumer")],
+    );
+    assert!(
+        earlier >= 5.0,
+        "the earlier object's five terminations were read and set aside: {earlier}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    scene.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_stopped_under_load_finishes_its_work_and_loses_no_count() {
     // Ten handlers mid-work when SIGTERM arrives: they finish and ack, the last report is

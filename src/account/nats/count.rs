@@ -294,8 +294,10 @@ pub(super) async fn consumer_since(
     let js = jetstream::new(client.clone());
     let stream = js.get_stream(&consumer.0).await.ok()?;
     let info = stream.consumer_info(&consumer.1).await.ok()?;
-    let created = serde_json::to_value(info.created).ok()?;
-    let since = advisory::rfc3339_ns(created.as_str()?)?;
+    // Read off the time itself: serialized alone (no human-readable serde for `time`), it is a
+    // tuple, not RFC 3339 text, and read as text it gave nothing, so every advisory of the name
+    // counted (the earlier object's too: account_life's recreate-while-down failed so).
+    let since = info.created.unix_timestamp_nanos();
     book.consumer_since = Some((consumer, since));
     Some(since)
 }
