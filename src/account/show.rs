@@ -45,7 +45,13 @@ pub struct Showing {
     /// Since when nothing was delivered while messages were owed (in memory: begun anew by
     /// each operator, carrying a stall status shows).
     pub stall: Option<stall::Watch>,
+    /// What the last full look was given (stats, trouble, the object's resourceVersion), and
+    /// when: the same again within the stats interval is not looked at anew.
+    pub seen: Option<(Seen, Instant)>,
 }
+
+/// The inputs of [`show`] that are not the clock.
+type Seen = (SubscriptionStats, Trouble, Option<String>);
 
 /// Shows `stats` for `sub` (namespace, name): notes the exhausted total in the loss log, sets the
 /// metrics, and sends a patch when status differs and the interval since the last write has
@@ -59,6 +65,22 @@ pub fn show(
     showing: &mut Showing,
 ) -> bool {
     let config = round.config;
+    // Nothing changed since the last look, which left nothing waiting, within the interval:
+    // only the clock moved, and what it moves (the loss window's and the stall window's end)
+    // waits at most one interval. A tick no longer builds every Subscription's conditions anew: at rest that
+    // had been the keepers' CPU, growing with the Subscriptions (issue 21's cost curve).
+    let seen: Seen = (
+        stats.clone(),
+        showing.trouble.clone(),
+        sub.metadata.resource_version.clone(),
+    );
+    if showing
+        .seen
+        .as_ref()
+        .is_some_and(|(last, at)| *last == seen && at.elapsed() < config.stats_interval)
+    {
+        return false;
+    }
     let before = showing.loss.clone();
     showing
         .loss
@@ -88,6 +110,8 @@ pub fn show(
     let urgent = differs && status::matters(shown, existing, &stats, &wants);
     let due = showing.last_write.is_none_or(|t| t.elapsed() >= interval);
     let early = !due && urgent && showing.last_early.is_none_or(|t| t.elapsed() >= interval);
+    // A look that leaves a write waiting for its turn is looked at again next round.
+    showing.seen = (!differs || due || early).then(|| (seen, Instant::now()));
     if differs && (due || early) {
         let now = Instant::now();
         showing.last_write = Some(now);

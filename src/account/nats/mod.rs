@@ -486,6 +486,7 @@ impl NatsKeeper {
                         last_write: None,
                         last_early: None,
                         stall: None,
+                        seen: None,
                     },
                     // A ledger missing or unreadable is written at once, before status shows
                     // anything from this book: so status showing counters with no ledger there
