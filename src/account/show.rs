@@ -3,7 +3,8 @@
 //! stall watch of [`super::stall`]), the `settle_subscription_*`
 //! metrics, and a status patch only when what the Subscription shows differs, at most once per
 //! stats interval; a change that matters (`status::matters`: a loss, a condition flipping) is
-//! marked urgent, and may go once more within the interval, at once. Every keeper (NATS,
+//! marked urgent, and may go once more within the interval, at once. A Subscription whose
+//! inputs did not change is looked at once an interval, not every round. Every keeper (NATS,
 //! RabbitMQ, SQS) decides through [`show`], so all show alike.
 //!
 //! It must not count (the ledger does) nor write status itself (the writer does).
