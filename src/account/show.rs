@@ -68,8 +68,8 @@ pub fn show(
     let config = round.config;
     // Nothing changed since the last look, which left nothing waiting, within the interval:
     // only the clock moved, and what it moves (the loss window's and the stall window's end)
-    // waits at most one interval. A tick no longer builds every Subscription's conditions anew: at rest that
-    // had been the keepers' CPU, growing with the Subscriptions (issue 21's cost curve).
+    // waits at most one interval. A tick no longer builds every Subscription's conditions
+    // anew: at rest that had been the keepers' CPU, growing with the Subscriptions.
     let seen: Seen = (
         stats.clone(),
         showing.trouble.clone(),

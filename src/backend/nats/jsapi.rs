@@ -1,9 +1,10 @@
 //! Typed calls to the JetStream API for streams and consumers, with errors a caller can tell
 //! apart (a stream that does not exist is not a server that cannot be reached). NATS's file of
-//! the operator's calls (create, inspect, update, pause, delete a consumer; find a stream), as
-//! `rabbitmq/admin.rs` and `sqs/admin.rs` are theirs.
+//! the operator's calls (create, inspect, update, pause, delete a consumer; find a stream; list
+//! a stream's consumers with their gauges), as `rabbitmq/admin.rs` and `sqs/admin.rs` are theirs.
 //!
-//! Used by the runtime (to create or bind a consumer) and the controller (to converge one). It
+//! Used by the runtime (to create or bind a consumer), the controller (to converge one) and the
+//! account (the gauges). It
 //! must not decide what a consumer looks like (that is `consumer`) nor retry: callers choose.
 
 use async_nats::jetstream::{self, consumer, response::Response};
