@@ -36,6 +36,20 @@ fn assert_nacked_out(s: &ConsumerStats, n: u64) {
     );
 }
 
+/// Publishes two more (always nacked, maxDeliver 3) and waits until status shows exactly the
+/// new object's two exhausted, nothing of an earlier object's.
+async fn lose_two_more(scene: &Scene) {
+    scene.publish(bodies(2)).await;
+    let s = scene
+        .settled(
+            "the new object's two messages exhausted",
+            Duration::from_secs(60),
+            |s| nacked_out(s, 2),
+        )
+        .await;
+    assert_nacked_out(&s, 2);
+}
+
 /// The Subscription's Exhausting message.
 async fn exhausting(scene: &Scene) -> String {
     let sub = scene.sub().await;
@@ -91,15 +105,7 @@ async fn recreated(test: &str, while_down: bool) {
     let new = sub.metadata.uid.expect("a uid");
     assert_ne!(old, new, "a new object");
     // The application ran throughout: it binds to the consumer made for the new object.
-    scene.publish(bodies(2)).await;
-    let s = scene
-        .settled(
-            "the new object's two messages exhausted",
-            Duration::from_secs(60),
-            |s| nacked_out(s, 2),
-        )
-        .await;
-    assert_nacked_out(&s, 2);
+    lose_two_more(&scene).await;
     let message = exhausting(&scene).await;
     assert!(
         message.starts_with("2 message(s) ran out of attempts") && message.contains("(2 in all)"),
@@ -161,15 +167,7 @@ async fn an_earlier_objects_advisories_read_only_after_it_was_made_again_count_f
     apply(&scene.ns, &scene.manifest_text);
     scene.restart_operator();
     wait_ready(&scene.api, "orders").await;
-    scene.publish(bodies(2)).await;
-    let s = scene
-        .settled(
-            "the new object's two messages exhausted",
-            Duration::from_secs(60),
-            |s| nacked_out(s, 2),
-        )
-        .await;
-    assert_nacked_out(&s, 2);
+    lose_two_more(&scene).await;
     let earlier = scene.op.metric(
         "settle_account_advisories_total",
         &[("kind", "earlier_consumer")],
