@@ -2,14 +2,16 @@
 //! `--release-memory-interval`: glibc keeps the pages of freed allocations resident (in each
 //! thread's arena) until `malloc_trim` returns them, so a mass apply, whose requests, responses
 //! and queues are gone a minute later, would otherwise set the operator's resident memory for
-//! the rest of its life. What it released is counted in `settle_memory_released_bytes_total`.
+//! the rest of its life. What it released is counted in `settle_memory_released_bytes_total`,
+//! and what the allocator holds, in use and free, is shown in `settle_memory_heap_bytes{part}`
+//! after each release: resident memory far above the heap in use is the allocator's, not a leak.
 //!
 //! It must not free or shrink anything the operator holds: it only returns pages no allocation
 //! uses.
 
 use std::time::Duration;
 
-use prometheus::{IntCounter, Registry};
+use prometheus::{IntCounter, IntGaugeVec, Opts, Registry};
 
 /// Resident memory of this process now, in bytes (None where /proc says nothing).
 pub fn resident_bytes() -> Option<u64> {
@@ -28,6 +30,17 @@ pub fn spawn_release(interval: Duration, registry: &Registry) {
     if let Err(e) = registry.register(Box::new(released.clone())) {
         tracing::warn!(error = %e, "cannot register settle_memory_released_bytes_total");
     }
+    let heap = IntGaugeVec::new(
+        Opts::new(
+            "settle_memory_heap_bytes",
+            "The allocator's heap after the last release (--release-memory-interval): in_use is held by the operator, free is kept by the allocator for reuse, mapped is in large blocks of their own",
+        ),
+        &["part"],
+    )
+    .expect("a valid metric");
+    if let Err(e) = registry.register(Box::new(heap.clone())) {
+        tracing::warn!(error = %e, "cannot register settle_memory_heap_bytes");
+    }
     if interval.is_zero() || !cfg!(all(target_os = "linux", target_env = "gnu")) {
         return;
     }
@@ -41,12 +54,18 @@ pub fn spawn_release(interval: Duration, registry: &Registry) {
             let freed = tokio::task::spawn_blocking(|| {
                 let before = resident_bytes();
                 trim();
-                before
+                let freed = before
                     .zip(resident_bytes())
-                    .map(|(b, a)| b.saturating_sub(a))
+                    .map(|(b, a)| b.saturating_sub(a));
+                (freed, heap_parts())
             })
             .await;
-            if let Ok(Some(bytes)) = freed {
+            let Ok((freed, parts)) = freed else { continue };
+            for (part, bytes) in parts {
+                heap.with_label_values(&[part])
+                    .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+            }
+            if let Some(bytes) = freed {
                 released.inc_by(bytes);
                 if bytes > 1 << 20 {
                     tracing::debug!(mib = bytes >> 20, "gave free memory back to the system");
@@ -69,6 +88,26 @@ fn trim() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn trim() {}
 
+/// The heap's parts as glibc counts them over every arena: in use, free, and in blocks mapped
+/// on their own.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn heap_parts() -> [(&'static str, usize); 3] {
+    // SAFETY: mallinfo2 only reads the allocator's own bookkeeping (under each arena's lock)
+    // and returns a plain struct by value.
+    let m = unsafe { libc::mallinfo2() };
+    [
+        ("in_use", m.uordblks),
+        ("free", m.fordblks),
+        ("mapped", m.hblkhd),
+    ]
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn heap_parts() -> [(&'static str, usize); 0] {
+    []
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -82,5 +121,15 @@ mod tests {
                 .enumerate()
                 .all(|(i, v)| v.iter().all(|&b| b == i as u8))
         );
+        // What is held is counted in use, in arenas or in blocks of their own.
+        let parts = super::heap_parts();
+        let held_bytes: usize = parts
+            .iter()
+            .filter(|(p, _)| *p != "free")
+            .map(|(_, b)| *b)
+            .sum();
+        if cfg!(all(target_os = "linux", target_env = "gnu")) {
+            assert!(held_bytes >= 64 * 64 * 1024, "{parts:?}");
+        }
     }
 }
