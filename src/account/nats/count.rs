@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 
-use super::{Book, Member, NatsKeeper, SubKey, broken};
+use super::{Book, Books, Member, NatsKeeper, SubKey, broken};
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
 use crate::backend::nats::advisory::{self, ChangeKind, DeliveryKind};
 use crate::backend::nats::capture;
@@ -24,7 +24,7 @@ impl NatsKeeper {
     /// Backend (any of them may have lost a message no handler saw).
     pub(super) async fn missed(
         &self,
-        books: &mut HashMap<SubKey, Book>,
+        books: &mut Books,
         members: &HashMap<SubKey, Member>,
         ledgers: &kv::Store,
         missed: u64,
@@ -48,7 +48,7 @@ impl NatsKeeper {
         &self,
         ledgers: &kv::Store,
         members: &HashMap<SubKey, Member>,
-        books: &mut HashMap<SubKey, Book>,
+        books: &mut Books,
         entry: kv::Entry,
     ) -> Result<Option<kv::Entry>, NatsError> {
         if entry.operation != kv::Operation::Put {
@@ -155,7 +155,7 @@ impl NatsKeeper {
         ledgers: &kv::Store,
         reports: &kv::Store,
         members: &HashMap<SubKey, Member>,
-        books: &mut HashMap<SubKey, Book>,
+        books: &mut Books,
         key: &SubKey,
     ) -> Result<(), NatsError> {
         let Some(member) = members.get(key) else {
@@ -190,7 +190,7 @@ impl NatsKeeper {
         &self,
         ledgers: &kv::Store,
         members: &HashMap<SubKey, Member>,
-        books: &mut HashMap<SubKey, Book>,
+        books: &mut Books,
         msg: &jetstream::Message,
     ) -> Result<Option<SubKey>, NatsError> {
         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);

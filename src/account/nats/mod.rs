@@ -98,6 +98,10 @@ struct Saved {
     missed_advisories: u64,
 }
 
+/// Every book of a session, each boxed: a map sizes its table in powers of two, so unboxed
+/// books (about 1.1 KiB each) had held up to twice their size in empty slots.
+type Books = HashMap<SubKey, Box<Book>>;
+
 /// One Subscription's account as the keeper holds it.
 struct Book {
     account: Account,
@@ -308,7 +312,7 @@ impl NatsKeeper {
         };
         self.sweep(&ledgers).await;
 
-        let mut books: HashMap<SubKey, Book> = HashMap::new();
+        let mut books: Books = HashMap::new();
         let mut members = self.members();
         // Reports of Subscriptions not in the cache yet (applied and the app reported first).
         let mut early: HashMap<String, kv::Entry> = HashMap::new();
@@ -378,7 +382,8 @@ impl NatsKeeper {
                             early.insert(entry.key.clone(), entry);
                         }
                     }
-                    for msg in loose.drain(..) {
+                    // Taken, not drained: a burst of them would keep its buffer for good.
+                    for msg in std::mem::take(&mut loose) {
                         if let Err(e) = msg.ack().await {
                             tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
                         }
@@ -413,7 +418,7 @@ impl NatsKeeper {
     async fn book<'a>(
         &self,
         ledgers: &kv::Store,
-        books: &'a mut HashMap<SubKey, Book>,
+        books: &'a mut Books,
         key: &SubKey,
         m: &Member,
     ) -> Result<&'a mut Book, NatsError> {
@@ -472,7 +477,7 @@ impl NatsKeeper {
             account.claim(m.uid.clone());
             books.insert(
                 key.clone(),
-                Book {
+                Box::new(Book {
                     account,
                     showing: Showing {
                         loss,
@@ -499,11 +504,12 @@ impl NatsKeeper {
                     gauges: (0, 0),
                     gauges_at: None,
                     check: first_load.then_some(ledger_lost),
-                },
+                }),
             );
         }
         books
             .get_mut(key)
+            .map(Box::as_mut)
             .ok_or_else(|| broken("a ledger", "missing after loading"))
     }
 }

@@ -115,13 +115,16 @@ impl RabbitKeeper {
                 // Nothing unsaved is dropped: back to the queues for the new object's book,
                 // which counts its own and acknowledges the earlier object's (registrations of
                 // report queues included).
-                for tag in book.acks.drain(..).chain(book.foreign.drain(..)) {
+                for tag in std::mem::take(&mut book.acks)
+                    .into_iter()
+                    .chain(std::mem::take(&mut book.foreign))
+                {
                     let _ = ch
                         .basic_reject(tag, BasicRejectOptions { requeue: true })
                         .await;
                 }
                 if let Some(dl) = dl {
-                    for tag in book.dead_acks.drain(..) {
+                    for tag in std::mem::take(&mut book.dead_acks) {
                         let _ = dl
                             .basic_reject(tag, BasicRejectOptions { requeue: true })
                             .await;
@@ -174,21 +177,24 @@ impl RabbitKeeper {
             }
             // Reports of another object, seen by the object's current book: an earlier
             // object's, never counted.
-            for tag in book.acks.drain(..).chain(book.foreign.drain(..)) {
+            for tag in std::mem::take(&mut book.acks)
+                .into_iter()
+                .chain(std::mem::take(&mut book.foreign))
+            {
                 ch.basic_ack(tag, BasicAckOptions::default())
                     .await
                     .map_err(|e| broken("acknowledging a report", e))?;
             }
             // Copies of dead letters: the saved snapshot counts them (and remembers their ids).
             if let Some(dl) = dl {
-                for tag in book.dead_acks.drain(..) {
+                for tag in std::mem::take(&mut book.dead_acks) {
                     dl.basic_ack(tag, BasicAckOptions::default())
                         .await
                         .map_err(|e| broken("acknowledging a dead letter", e))?;
                 }
             }
             // Folded instances' queues: the saved snapshot holds their counts now.
-            for q in book.retired_queues.drain(..) {
+            for q in std::mem::take(&mut book.retired_queues) {
                 let _ = ch
                     .basic_cancel(
                         ShortString::from(tag_of(&q).as_str()),

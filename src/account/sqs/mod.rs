@@ -480,7 +480,10 @@ impl SqsKeeper {
                 tracing::debug!(subscription = %who, error = %e, "cannot delete older snapshots yet (the next save tries again)");
             }
         }
-        let acks: Vec<String> = book.acks.drain(..).map(|(r, _)| r).collect();
+        let acks: Vec<String> = std::mem::take(&mut book.acks)
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect();
         if let Err(e) = delete_all(client, &book.report_url, &acks).await {
             // Those reports come back after the hide time and are counted stale.
             tracing::debug!(subscription = %who, error = %e, "cannot delete counted reports; they come back and are skipped");
