@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::free_port;
-use common::measure::{cpu_seconds, load_average, pct, peak_rss_mib, rss_mib};
+use common::measure::{cpu_seconds, load_average, pct, peak_rss_mib, rss_mib, rss_parts_mib};
 use common::operator::{Operator, TestStream};
 use common::subs::{apply, backend_yaml};
 use futures::StreamExt;
@@ -251,6 +251,7 @@ async fn main() {
 
     let pid = op.pid();
     let (rss_before, cpu_before) = (rss_mib(pid), cpu_seconds(pid));
+    let parts_before = rss_parts_mib(pid);
     let kube_before = op.metric("settle_kube_requests_total", &[]);
     let js_before = op.metric("settle_consumer_api_calls_total", &[]);
     let t0 = Instant::now();
@@ -345,6 +346,9 @@ async fn main() {
     let steady_gauges = op.metric("settle_account_gauge_calls_total", &[]) - gauges_before;
     let (rss_steady, cpu_steady) = (rss_mib(pid), cpu_seconds(pid));
     let peak = peak_rss_mib(pid);
+    let parts_steady = rss_parts_mib(pid);
+    let heap = |part: &str| op.metric("settle_memory_heap_bytes", &[("part", part)]) / 1048576.0;
+    let (heap_used, heap_free) = (heap("in_use") + heap("mapped"), heap("free"));
 
     println!(
         "reconcile benchmark: {n} Subscriptions on {} stream(s), server-side applied in chunks of {CHUNK}, {APPLIERS} at once (webhook registered; load average {})",
@@ -400,6 +404,14 @@ async fn main() {
     println!(
         "  RSS: {rss_before:.1} MiB before, {rss_created:.1} after create, {rss_updated:.1} after update, {rss_steady:.1} at rest, peak {peak:.1}; {:.1} KiB per Subscription (at rest - before)",
         (rss_steady - rss_before) * 1024.0 / n as f64
+    );
+    println!(
+        "  RSS by kind: anonymous (heap, stacks) {:.1} MiB before, {:.1} at rest; file-backed (the binary as mapped) {:.1} before, {:.1} at rest",
+        parts_before.0, parts_steady.0, parts_before.1, parts_steady.1
+    );
+    println!(
+        "  heap at rest (settle_memory_heap_bytes): {heap_used:.1} MiB in use, {heap_free:.1} MiB free in the allocator; {:.1} KiB in use per Subscription",
+        heap_used * 1024.0 / n as f64
     );
 
     watch.abort();

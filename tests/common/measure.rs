@@ -36,6 +36,16 @@ pub fn rss_mib(pid: u32) -> f64 {
     status_mib(pid, "VmRSS:")
 }
 
+/// The process's resident memory now, split as the kernel counts it: `(anonymous, file-backed)`
+/// MiB (`RssAnon`, `RssFile` + `RssShmem`). File-backed pages are the binary's code and data as
+/// mapped, which the kernel can drop and read again; anonymous pages are heap and stacks.
+pub fn rss_parts_mib(pid: u32) -> (f64, f64) {
+    (
+        status_mib(pid, "RssAnon:"),
+        status_mib(pid, "RssFile:") + status_mib(pid, "RssShmem:"),
+    )
+}
+
 /// CPU seconds (user + system) the process has used so far, from `/proc/PID/stat` (fields 14
 /// and 15, in clock ticks of 1/100 s on Linux); NaN when unreadable.
 pub fn cpu_seconds(pid: u32) -> f64 {
