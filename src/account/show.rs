@@ -70,16 +70,14 @@ pub fn show(
     // only the clock moved, and what it moves (the loss window's and the stall window's end)
     // waits at most one interval. A tick no longer builds every Subscription's conditions
     // anew: at rest that had been the keepers' CPU, growing with the Subscriptions.
-    let seen: Seen = (
-        stats.clone(),
-        showing.trouble.clone(),
-        sub.metadata.resource_version.clone(),
-    );
-    if showing
-        .seen
-        .as_ref()
-        .is_some_and(|(last, at)| *last == seen && at.elapsed() < config.stats_interval)
-    {
+    // Compared in place: at rest this is every Subscription every round, so nothing is copied
+    // until a look is kept.
+    if showing.seen.as_ref().is_some_and(|((s, t, rv), at)| {
+        *s == stats
+            && *t == showing.trouble
+            && *rv == sub.metadata.resource_version
+            && at.elapsed() < config.stats_interval
+    }) {
         return false;
     }
     let before = showing.loss.clone();
@@ -112,7 +110,14 @@ pub fn show(
     let due = showing.last_write.is_none_or(|t| t.elapsed() >= interval);
     let early = !due && urgent && showing.last_early.is_none_or(|t| t.elapsed() >= interval);
     // A look that leaves a write waiting for its turn is looked at again next round.
-    showing.seen = (!differs || due || early).then(|| (seen, Instant::now()));
+    showing.seen = (!differs || due || early).then(|| {
+        let seen: Seen = (
+            stats.clone(),
+            showing.trouble.clone(),
+            sub.metadata.resource_version.clone(),
+        );
+        (seen, Instant::now())
+    });
     if differs && (due || early) {
         let now = Instant::now();
         showing.last_write = Some(now);
