@@ -266,6 +266,96 @@ pub fn show_gauges(
 mod tests {
     use super::*;
 
+    /// A round whose writer sends to an API server that is never there (nothing here waits for
+    /// a write), with an interval longer than the test.
+    fn config() -> Config {
+        Config {
+            stats_interval: Duration::from_secs(3600),
+            status_writes_per_second: 20,
+            loss_window: Duration::from_secs(900),
+            stall_window: Duration::from_secs(300),
+            fold_after: Duration::from_secs(600),
+            capture_max_bytes: 1 << 20,
+            replicas: 1,
+            limits: crate::account::Limits {
+                max_report_bytes: 4096,
+                max_instances: 16,
+                max_early_bytes: 1 << 20,
+                max_sequence_jump: 1000,
+                max_clock_skew_ms: 60_000,
+                report_bucket: crate::account::BucketLimits::default(),
+                report_prefetch: 16,
+                dead_letter_prefetch: 16,
+                dead_letter_copy_max_length: 1000,
+            },
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_subscription_is_not_looked_at_again_within_the_interval_a_changed_one_is()
+    {
+        let registry = prometheus::Registry::new();
+        let metrics = Metrics::new(&registry).expect("metrics");
+        let client = kube::Client::try_from(kube::Config::new(
+            "http://127.0.0.1:1".parse().expect("a URL"),
+        ))
+        .expect("a client");
+        let writer = Writer::start(client, metrics.clone(), 20);
+        let config = config();
+        let stamp = Time(k8s_openapi::jiff::Timestamp::now());
+        let round = Round {
+            writer: &writer,
+            metrics: &metrics,
+            config: &config,
+            unseen_attempts: status::Unseen::Never,
+            now_ms: 1,
+            stamp: &stamp,
+        };
+        let mut sub: Subscription = serde_json::from_value(serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": "orders", "namespace": "shop", "resourceVersion": "1"},
+            "spec": {"backendRef": {"name": "nats"}, "pattern": "orders.>"}
+        }))
+        .expect("a Subscription");
+        let key = ("shop".to_string(), "orders".to_string());
+        let stats = SubscriptionStats::default();
+        let mut showing = Showing::default();
+        let when = |s: &Showing| s.seen.as_ref().map(|(_, at)| *at);
+
+        show(&round, &key, &sub, stats.clone(), &mut showing);
+        let first = when(&showing).expect("the first look is kept");
+        show(&round, &key, &sub, stats.clone(), &mut showing);
+        assert_eq!(
+            when(&showing),
+            Some(first),
+            "the same inputs: not looked at"
+        );
+
+        // Each input, changed alone, is looked at anew (what it left kept, if anything).
+        let mut more = stats.clone();
+        more.counters.delivered = 1;
+        std::thread::sleep(Duration::from_millis(2));
+        show(&round, &key, &sub, more.clone(), &mut showing);
+        assert_ne!(when(&showing), Some(first), "new stats are looked at");
+
+        showing.seen = Some((
+            (more.clone(), showing.trouble.clone(), Some("1".into())),
+            first,
+        ));
+        showing.trouble.unsaved = Some("the broker refused".into());
+        show(&round, &key, &sub, more.clone(), &mut showing);
+        assert_ne!(when(&showing), Some(first), "new trouble is looked at");
+
+        showing.seen = Some((
+            (more.clone(), showing.trouble.clone(), Some("1".into())),
+            first,
+        ));
+        sub.metadata.resource_version = Some("2".into());
+        show(&round, &key, &sub, more, &mut showing);
+        assert_ne!(when(&showing), Some(first), "a changed object is looked at");
+    }
+
     #[test]
     fn the_gauge_budget_spreads_reads_over_the_interval() {
         let ten = Duration::from_secs(10);
