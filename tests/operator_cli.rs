@@ -126,10 +126,29 @@ fn get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((code, body))
 }
 
-/// Forwards every connection to `127.0.0.1:listen` to `upstream`, from now on (threads; they
-/// end with the test process).
-fn forward(listen: u16, upstream: String) {
-    let listener = TcpListener::bind(("127.0.0.1", listen)).expect("bind the forwarder's port");
+/// A port on 127.0.0.1 that is ours from now on but where nothing listens yet: a connection to
+/// it is refused, and no other process (tests run in parallel) can take it before `forward`.
+fn held_port() -> (socket2::Socket, u16) {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::IPV4, Type::STREAM, None).expect("a TCP socket");
+    let any: std::net::SocketAddr = "127.0.0.1:0".parse().expect("an address");
+    socket
+        .bind(&any.into())
+        .expect("bind a free port on 127.0.0.1");
+    let port = socket
+        .local_addr()
+        .expect("the bound address")
+        .as_socket()
+        .expect("an IP address")
+        .port();
+    (socket, port)
+}
+
+/// Listens on the `held` port and forwards every connection to `upstream`, from now on
+/// (threads; they end with the test process).
+fn forward(held: socket2::Socket, upstream: String) {
+    held.listen(128).expect("listen on the held port");
+    let listener: TcpListener = held.into();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(down) = conn else { continue };
@@ -165,7 +184,7 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
         .find_map(|l| l.trim().strip_prefix("server: https://"))
         .expect("the kubeconfig names its server")
         .to_string();
-    let api_port = free_port();
+    let (api_socket, api_port) = held_port();
     let dir = tempfile::tempdir().expect("tempdir");
     let late = dir.path().join("kubeconfig");
     std::fs::write(
@@ -243,7 +262,7 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
     }
 
     // The API server becomes reachable: ready once the Backend watch has listed.
-    forward(api_port, upstream);
+    forward(api_socket, upstream);
     poll_until(
         &format!(
             "/readyz to answer 200 once the API server is reachable (log: {})",
