@@ -7,12 +7,10 @@
 //! It must not save or acknowledge anything (that is `settle`), nor decide counts (that is the
 //! ledger).
 
-use std::collections::HashMap;
-
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 
-use super::{Book, Books, Member, NatsKeeper, SubKey, broken};
+use super::{Book, Books, Member, Members, NatsKeeper, SubKey, broken};
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
 use crate::backend::nats::advisory::{self, ChangeKind, DeliveryKind};
 use crate::backend::nats::capture;
@@ -25,7 +23,7 @@ impl NatsKeeper {
     pub(super) async fn missed(
         &self,
         books: &mut Books,
-        members: &HashMap<SubKey, Member>,
+        members: &Members,
         ledgers: &kv::Store,
         missed: u64,
     ) -> Result<(), NatsError> {
@@ -34,7 +32,7 @@ impl NatsKeeper {
             .capture_gap
             .with_label_values(&[&format!("{}/{}", self.backend.0, self.backend.1)])
             .inc_by(missed);
-        for (key, m) in members {
+        for (key, m) in members.iter() {
             let book = self.book(ledgers, books, key, m).await?;
             book.showing.trouble.missed_advisories += missed;
             book.dirty = true;
@@ -47,7 +45,7 @@ impl NatsKeeper {
     pub(super) async fn on_report(
         &self,
         ledgers: &kv::Store,
-        members: &HashMap<SubKey, Member>,
+        members: &Members,
         books: &mut Books,
         entry: kv::Entry,
     ) -> Result<Option<kv::Entry>, NatsError> {
@@ -154,7 +152,7 @@ impl NatsKeeper {
         &self,
         ledgers: &kv::Store,
         reports: &kv::Store,
-        members: &HashMap<SubKey, Member>,
+        members: &Members,
         books: &mut Books,
         key: &SubKey,
     ) -> Result<(), NatsError> {
@@ -189,20 +187,16 @@ impl NatsKeeper {
     pub(super) async fn on_advisory(
         &self,
         ledgers: &kv::Store,
-        members: &HashMap<SubKey, Member>,
+        members: &Members,
         books: &mut Books,
         msg: &jetstream::Message,
     ) -> Result<Option<SubKey>, NatsError> {
         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
         let subject = msg.subject.as_str();
-        // Only the consumer the controller verified as a Subscription's counts for it.
-        let owner = |stream: &str, consumer: &str| {
-            members.iter().find(|(_, m)| {
-                m.consumer
-                    .as_ref()
-                    .is_some_and(|(s, c)| s == stream && c == consumer)
-            })
-        };
+        // Only the consumer the controller verified as a Subscription's counts for it (found
+        // through an index: a search of every Subscription per advisory had made a mass apply
+        // of N Subscriptions, each announcing its consumer, cost N² comparisons).
+        let owner = |stream: &str, consumer: &str| members.owner(stream, consumer);
         if let Some(change) = advisory::parse(subject, &msg.payload) {
             self.metrics
                 .advisories

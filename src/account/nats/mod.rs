@@ -33,7 +33,8 @@
 //!
 //! This file holds the keeper, its session and its loop, and loads each Subscription's book;
 //! [`count`] counts what comes in (reports, advisories), [`settle`] is the round (save, then
-//! acknowledge, gauges, status), [`names`] names the ledger keys and the durable reader.
+//! acknowledge, gauges, status), [`members`] holds the Backend's Subscriptions as a round sees
+//! them, [`names`] names the ledger keys and the durable reader.
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
@@ -48,6 +49,7 @@ use kube::runtime::reflector::Store;
 use serde::{Deserialize, Serialize};
 
 mod count;
+mod members;
 mod names;
 mod settle;
 use super::Config;
@@ -60,7 +62,7 @@ use crate::api::Subscription;
 use crate::backend::nats::capture;
 use crate::backend::nats::jsapi::NatsError;
 use crate::bus::report::{now_ms, report_key};
-use crate::policy::ResolvedPolicy;
+use members::{Member, Members};
 use names::ledger_key;
 pub use names::{legacy_reader_name, reader_name};
 
@@ -126,16 +128,6 @@ struct Book {
     consumer_since: Option<((String, String), i128)>,
 }
 
-/// A Subscription of this Backend, and the consumer the controller verified as its own.
-struct Member {
-    sub: Arc<Subscription>,
-    uid: Option<String>,
-    /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
-    consumer: Option<(String, String)>,
-    max_deliver: Option<u32>,
-    mode: crate::api::Mode,
-}
-
 pub struct NatsKeeper {
     backend: SubKey,
     client: async_nats::Client,
@@ -188,32 +180,6 @@ impl NatsKeeper {
     /// server each read every advisory).
     fn reader(&self) -> String {
         reader_name(&self.backend.0, &self.backend.1)
-    }
-
-    /// The Subscriptions of this Backend now.
-    fn members(&self) -> HashMap<SubKey, Member> {
-        let mut out = HashMap::new();
-        for sub in self.subs.state() {
-            let ns = sub.namespace().unwrap_or_default();
-            if ns != self.backend.0 || sub.spec.backend_ref.name != self.backend.1 {
-                continue;
-            }
-            let name = sub.name_any();
-            let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-            let member = Member {
-                uid: sub.metadata.uid.clone(),
-                consumer: sub
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.consumer.as_ref())
-                    .map(|c| (c.stream.clone(), c.name.clone())),
-                max_deliver: policy.max_deliver,
-                mode: policy.mode,
-                sub,
-            };
-            out.insert((ns, name), member);
-        }
-        out
     }
 
     /// Subscription `ns/name` in the cache now (of any Backend).
@@ -313,7 +279,8 @@ impl NatsKeeper {
         self.sweep(&ledgers).await;
 
         let mut books: Books = HashMap::new();
-        let mut members = self.members();
+        let mut members = Members::default();
+        members.refresh(&self.subs, &self.backend);
         // Reports of Subscriptions not in the cache yet (applied and the app reported first).
         let mut early: HashMap<String, kv::Entry> = HashMap::new();
         // Advisories that counted for no book: acknowledged at the next round.
@@ -376,7 +343,7 @@ impl NatsKeeper {
                     if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
                         replayed = true;
                     }
-                    members = self.members();
+                    members.refresh(&self.subs, &self.backend);
                     for (_, entry) in std::mem::take(&mut early) {
                         if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
                             early.insert(entry.key.clone(), entry);

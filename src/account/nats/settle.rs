@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
 use super::names::ledger_key;
-use super::{Book, Books, Member, NatsKeeper, Saved, SubKey};
+use super::{Book, Books, Members, NatsKeeper, Saved, SubKey};
 use crate::account::ledger::Source;
 use crate::account::show;
 use crate::api::SubscriptionStats;
@@ -31,12 +31,12 @@ impl NatsKeeper {
         js: &jetstream::Context,
         ledgers: &kv::Store,
         reports: &kv::Store,
-        members: &HashMap<SubKey, Member>,
+        members: &Members,
         books: &mut Books,
         replayed: bool,
     ) -> Result<(), NatsError> {
         // Every Subscription of this Backend has a book, so each shows its counters.
-        for (key, m) in members {
+        for (key, m) in members.iter() {
             self.book(ledgers, books, key, m).await?;
         }
         // Every report there was is counted now: what status shows and they do not explain was
@@ -62,12 +62,17 @@ impl NatsKeeper {
                 }
             }
         }
-        // Deleted Subscriptions: their ledger and reports go with them.
-        let gone: Vec<SubKey> = books
-            .keys()
-            .filter(|k| !members.contains_key(*k))
-            .cloned()
-            .collect();
+        // Deleted Subscriptions: their ledger and reports go with them. Every member has a book
+        // now, so there is one to find only when there are more books than members.
+        let gone: Vec<SubKey> = if books.len() > members.len() {
+            books
+                .keys()
+                .filter(|k| !members.contains_key(k))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
         for key in gone {
             if let Some(book) = books.remove(&key) {
                 for (instance, revision) in &book.revisions {

@@ -1,0 +1,186 @@
+//! The Subscriptions of one NATS Backend as its keeper sees them in a round: each with its
+//! object's UID, the consumer the controller verified as its own and what of its policy the
+//! account needs, found by name or by that consumer.
+//!
+//! They are built from the operator's cache again only when the cache holds other objects for
+//! this Backend than at the last build (the cache replaces an object's `Arc` on every change,
+//! so the same pointers mean the same objects): at rest a round copies nothing. An advisory's
+//! owner is found through an index by consumer, not by a search of every Subscription.
+//!
+//! It must not decide what counts (that is `count` and the ledger).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+
+use super::SubKey;
+use crate::api::Subscription;
+use crate::policy::ResolvedPolicy;
+
+/// A Subscription of this Backend, and the consumer the controller verified as its own.
+pub(super) struct Member {
+    pub sub: Arc<Subscription>,
+    pub uid: Option<String>,
+    /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
+    pub consumer: Option<(String, String)>,
+    pub max_deliver: Option<u32>,
+    pub mode: crate::api::Mode,
+}
+
+/// Every Subscription of one Backend, by name and by consumer.
+#[derive(Default)]
+pub(super) struct Members {
+    by_key: HashMap<SubKey, Member>,
+    /// stream → consumer → the Subscription that verified it as its own.
+    by_consumer: HashMap<String, HashMap<String, SubKey>>,
+    /// The addresses of the cache's objects these were built from, in the cache's order: the
+    /// same list again means nothing of this Backend changed. The `Arc`s in `by_key` keep each
+    /// object alive, so no other object can take its address while it is listed.
+    built_from: Vec<usize>,
+}
+
+impl Members {
+    /// The Subscriptions of `backend` in `subs` now. Returns whether they changed (when not,
+    /// nothing was copied).
+    pub fn refresh(&mut self, subs: &Store<Subscription>, backend: &SubKey) -> bool {
+        let ours: Vec<Arc<Subscription>> = subs
+            .state()
+            .into_iter()
+            .filter(|sub| {
+                sub.metadata.namespace.as_deref() == Some(backend.0.as_str())
+                    && sub.spec.backend_ref.name == backend.1
+            })
+            .collect();
+        if ours.len() == self.built_from.len()
+            && ours
+                .iter()
+                .zip(&self.built_from)
+                .all(|(sub, was)| Arc::as_ptr(sub).addr() == *was)
+        {
+            return false;
+        }
+        self.built_from = ours.iter().map(|sub| Arc::as_ptr(sub).addr()).collect();
+        self.by_key = HashMap::with_capacity(ours.len());
+        self.by_consumer = HashMap::new();
+        for sub in ours {
+            let key = (sub.namespace().unwrap_or_default(), sub.name_any());
+            let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+            let consumer = sub
+                .status
+                .as_ref()
+                .and_then(|s| s.consumer.as_ref())
+                .map(|c| (c.stream.clone(), c.name.clone()));
+            if let Some((stream, name)) = &consumer {
+                self.by_consumer
+                    .entry(stream.clone())
+                    .or_default()
+                    .insert(name.clone(), key.clone());
+            }
+            let member = Member {
+                uid: sub.metadata.uid.clone(),
+                consumer,
+                max_deliver: policy.max_deliver,
+                mode: policy.mode,
+                sub,
+            };
+            self.by_key.insert(key, member);
+        }
+        true
+    }
+
+    pub fn get(&self, key: &SubKey) -> Option<&Member> {
+        self.by_key.get(key)
+    }
+
+    pub fn contains_key(&self, key: &SubKey) -> bool {
+        self.by_key.contains_key(key)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&SubKey, &Member)> {
+        self.by_key.iter()
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// The Subscription that verified `stream`'s `consumer` as its own, if one did.
+    pub fn owner(&self, stream: &str, consumer: &str) -> Option<(&SubKey, &Member)> {
+        let key = self.by_consumer.get(stream)?.get(consumer)?;
+        self.by_key.get_key_value(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::reflector;
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+
+    fn sub(ns: &str, name: &str, backend: &str, consumer: Option<&str>, rv: &str) -> Subscription {
+        let mut value = serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}"), "resourceVersion": rv},
+            "spec": {"backendRef": {"name": backend}, "pattern": "orders.>", "maxDeliver": 3}
+        });
+        if let Some(consumer) = consumer {
+            value["status"] =
+                serde_json::json!({"consumer": {"stream": "ORDERS", "name": consumer}});
+        }
+        serde_json::from_value(value).expect("a Subscription")
+    }
+
+    #[test]
+    fn built_again_only_when_this_backends_objects_changed_and_found_by_consumer() {
+        let (store, mut writer) = reflector::store::<Subscription>();
+        let backend = ("shop".to_string(), "nats".to_string());
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "a", "nats", Some("a-c"), "1")));
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "b", "nats", None, "1")));
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "x", "other", Some("x-c"), "1")));
+        writer.apply_watcher_event(&Event::Apply(sub("farm", "a", "nats", Some("f-c"), "1")));
+
+        let mut members = Members::default();
+        assert!(members.refresh(&store, &backend), "the first build");
+        assert_eq!(members.len(), 2, "only this Backend's, in its namespace");
+        let a = ("shop".to_string(), "a".to_string());
+        let m = members.get(&a).expect("shop/a");
+        assert_eq!(m.uid.as_deref(), Some("uid-a"));
+        assert_eq!(m.max_deliver, Some(3));
+        assert_eq!(members.owner("ORDERS", "a-c").map(|(k, _)| k), Some(&a));
+        assert!(
+            members.owner("ORDERS", "x-c").is_none(),
+            "another Backend's consumer"
+        );
+        assert!(
+            members.owner("ORDERS", "f-c").is_none(),
+            "another namespace's consumer"
+        );
+
+        assert!(
+            !members.refresh(&store, &backend),
+            "nothing changed: not built again"
+        );
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "x", "other", None, "2")));
+        assert!(
+            !members.refresh(&store, &backend),
+            "another Backend's object changed: not built again"
+        );
+
+        // This Backend's object changed (its consumer verified): built again, found by it.
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "b", "nats", Some("b-c"), "2")));
+        assert!(members.refresh(&store, &backend));
+        let b = ("shop".to_string(), "b".to_string());
+        assert_eq!(members.owner("ORDERS", "b-c").map(|(k, _)| k), Some(&b));
+
+        // One deleted: gone, and its consumer no longer found.
+        writer.apply_watcher_event(&Event::Delete(sub("shop", "a", "nats", Some("a-c"), "2")));
+        assert!(members.refresh(&store, &backend));
+        assert!(!members.contains_key(&a));
+        assert!(members.owner("ORDERS", "a-c").is_none());
+        assert_eq!(members.iter().count(), 1);
+    }
+}
