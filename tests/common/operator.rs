@@ -38,6 +38,8 @@ where
 /// `settle operator` running as a process; killed when dropped.
 pub struct Operator {
     child: Child,
+    /// Run under `SETTLE_OPERATOR_WRAPPER`, in a process group of its own.
+    wrapped: bool,
     pub metrics_port: u16,
     pub log: PathBuf,
 }
@@ -88,6 +90,9 @@ impl Operator {
             Some(program) => {
                 let mut c = Command::new(program);
                 c.args(words).arg(env!("CARGO_BIN_EXE_settle"));
+                // A group of its own, killed whole: killing the wrapper alone had left the
+                // operator under it running, measured beside the next benchmark's.
+                std::os::unix::process::CommandExt::process_group(&mut c, 0);
                 c
             }
             None => Command::new(env!("CARGO_BIN_EXE_settle")),
@@ -124,6 +129,7 @@ impl Operator {
         let child = cmd.spawn().expect("start settle operator");
         Operator {
             child,
+            wrapped: !wrapper.trim().is_empty(),
             metrics_port,
             log,
         }
@@ -205,6 +211,21 @@ impl Operator {
     }
 
     pub fn kill9(&mut self) {
+        if self.wrapped {
+            // The operator first, then a while for the wrapper to finish (a profiler writes
+            // what it recorded, up to this moment: the live heap at rest), then the group.
+            let group = self.child.id().to_string();
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-g", &group, "-x", "settle"])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while self.alive() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{group}")])
+                .status();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
