@@ -193,17 +193,16 @@ impl NatsKeeper {
     ) -> Result<Option<SubKey>, NatsError> {
         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
         let subject = msg.subject.as_str();
-        // Only the consumer the controller verified as a Subscription's counts for it (found
-        // through an index: a search of every Subscription per advisory had made a mass apply
-        // of N Subscriptions, each announcing its consumer, cost N² comparisons).
-        let owner = |stream: &str, consumer: &str| members.owner(stream, consumer);
+        // Only the consumer the controller verified as a Subscription's counts for it
+        // (`members.owner`: an index, where a search of every Subscription per advisory had made
+        // a mass apply of N Subscriptions, each announcing its consumer, cost N² comparisons).
         if let Some(change) = advisory::parse(subject, &msg.payload) {
             self.metrics
                 .advisories
                 .with_label_values(&["consumer_change"])
                 .inc();
             if change.kind == ChangeKind::Created
-                && let Some((key, m)) = owner(&change.stream, &change.consumer)
+                && let Some((key, m)) = members.owner(&change.stream, &change.consumer)
             {
                 let book = self.book(ledgers, books, key, m).await?;
                 book.account.consumer_recreated();
@@ -222,7 +221,7 @@ impl NatsKeeper {
             DeliveryKind::Naked => "naked",
         };
         self.metrics.advisories.with_label_values(&[kind]).inc();
-        let Some((key, m)) = owner(&event.stream, &event.consumer) else {
+        let Some((key, m)) = members.owner(&event.stream, &event.consumer) else {
             return Ok(None);
         };
         // A terminate is a loss only on the last attempt (the runtime's decline of it).
