@@ -330,19 +330,36 @@ impl Cluster {
     }
 
     /// Has `stream`'s leader step down (`$JS.API.STREAM.LEADER.STEPDOWN`) and waits until
-    /// another leads it with both other replicas current; returns the new leader.
+    /// another leads it with both other replicas current; returns the new leader. A request
+    /// that changed nothing in 5 s (lost, or answered by nobody while the cluster settled) is
+    /// sent again; after 60 s without a new leader it panics with the last answer.
     pub async fn step_down_stream(js: &jetstream::Context, stream: &str, leader: &str) -> String {
-        let answer: Result<jetstream::response::Response<serde_json::Value>, _> = js
-            .request(
-                format!("STREAM.LEADER.STEPDOWN.{stream}"),
-                &serde_json::json!({}),
-            )
-            .await;
-        if let Ok(jetstream::response::Response::Err { error }) = answer {
-            panic!("stepping {stream}'s leader {leader} down: {error}");
+        let start = Instant::now();
+        loop {
+            let answer: Result<jetstream::response::Response<serde_json::Value>, _> = js
+                .request(
+                    format!("STREAM.LEADER.STEPDOWN.{stream}"),
+                    &serde_json::json!({}),
+                )
+                .await;
+            if let Ok(jetstream::response::Response::Err { error }) = &answer {
+                panic!("stepping {stream}'s leader {leader} down: {error}");
+            }
+            let asked = Instant::now();
+            while asked.elapsed() < Duration::from_secs(5) {
+                match Cluster::stream_leader(js, stream).await {
+                    Some(l) if l != leader => {
+                        return Cluster::wait_stream_replicated(js, stream).await;
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "waited 60s for stream {stream} to have a leader other than {leader} after \
+                 asking it to step down, in vain; last answer: {answer:?}"
+            );
         }
-        Cluster::wait_stream_leader(js, stream, leader).await;
-        Cluster::wait_stream_replicated(js, stream).await
     }
 
     /// Waits until `stream` has a leader other than `not`; returns it.
