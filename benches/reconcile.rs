@@ -171,17 +171,15 @@ async fn main() {
     }
     let prefixes: Vec<String> = streams.iter().map(|s| s.prefix.clone()).collect();
     let stream = &streams[0];
-    let op = Operator::start_with(
-        "bench",
-        &ns,
-        &[
-            "--leader-election=false",
-            "--webhook-addr",
-            &format!("127.0.0.1:{webhook_port}"),
-            "--webhook-configuration",
-            &configuration,
-        ],
-    );
+    let webhook_addr = format!("127.0.0.1:{webhook_port}");
+    let flags = [
+        "--leader-election=false",
+        "--webhook-addr",
+        &webhook_addr,
+        "--webhook-configuration",
+        &configuration,
+    ];
+    let op = Operator::start_with("bench", &ns, &flags);
     // The webhook answers once the API server trusts its CA (the operator patched the caBundle).
     let probe = format!(
         "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: probe}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.probe.>\"\n",
@@ -414,6 +412,19 @@ async fn main() {
         heap_used * 1024.0 / n as f64
     );
 
+    // A profiler's view of the heap at rest (`SETTLE_BENCH_PROFILE_AT_REST=1` with
+    // `SETTLE_OPERATOR_WRAPPER="heaptrack ..."`): the profiled operator ends here, before the
+    // delete, and another one, on the same webhook address and not profiled, removes the
+    // Subscriptions' finalizers.
+    let op = if std::env::var_os("SETTLE_BENCH_PROFILE_AT_REST").is_some() {
+        // The profiler writes what it saw in batches: the last scrape's frees are in before the
+        // kill.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        drop(op);
+        Operator::start_unwrapped("bench-delete", &ns, &flags)
+    } else {
+        op
+    };
     watch.abort();
     for s in streams {
         s.delete().await;

@@ -55,11 +55,22 @@ impl Operator {
 
     /// As [`Operator::start`], with `extra` flags (which may turn leader election back on).
     pub fn start_with(test: &str, watch: &str, extra: &[&str]) -> Operator {
+        let wrapper = std::env::var("SETTLE_OPERATOR_WRAPPER").unwrap_or_default();
+        Operator::start_under(test, watch, extra, &wrapper)
+    }
+
+    /// As [`Operator::start_with`], never under `SETTLE_OPERATOR_WRAPPER` (a benchmark's
+    /// operator after the profiled one, which would write over its profile).
+    pub fn start_unwrapped(test: &str, watch: &str, extra: &[&str]) -> Operator {
+        Operator::start_under(test, watch, extra, "")
+    }
+
+    fn start_under(test: &str, watch: &str, extra: &[&str], wrapper: &str) -> Operator {
         // A port picked free can be taken by another process before the operator binds it
         // (CI saw another test's probe port answer this one's /readyz while this operator had
         // stopped): start again, on new ports.
         for _ in 0..3 {
-            let op = Operator::spawn(test, watch, extra);
+            let op = Operator::spawn_under(test, watch, extra, &[], wrapper);
             if op.ready_or_port_taken() {
                 return op;
             }
@@ -73,6 +84,17 @@ impl Operator {
     }
 
     pub fn spawn_env(test: &str, watch: &str, extra: &[&str], env: &[(&str, &str)]) -> Operator {
+        let wrapper = std::env::var("SETTLE_OPERATOR_WRAPPER").unwrap_or_default();
+        Operator::spawn_under(test, watch, extra, env, &wrapper)
+    }
+
+    fn spawn_under(
+        test: &str,
+        watch: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        wrapper: &str,
+    ) -> Operator {
         let e = super::env();
         let metrics_port = free_port();
         let n = OPERATORS.fetch_add(1, Ordering::Relaxed);
@@ -84,7 +106,6 @@ impl Operator {
         // A profiler to run the operator under (`SETTLE_OPERATOR_WRAPPER="heaptrack -o
         // target/heap"`, for a benchmark): its words, then the binary. The pid is then the
         // wrapper's.
-        let wrapper = std::env::var("SETTLE_OPERATOR_WRAPPER").unwrap_or_default();
         let mut words = wrapper.split_whitespace();
         let mut cmd = match words.next() {
             Some(program) => {
