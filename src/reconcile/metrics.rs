@@ -4,6 +4,11 @@
 //!
 //! It must not decide anything; it counts.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::{self, MetricFamily, MetricType};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 /// The controllers, as the `controller` label names them.
@@ -47,7 +52,7 @@ pub struct Metrics {
     pub triggers: IntCounterVec,
     /// `settle_subscription_ready{namespace,subscription}`: 1 while Ready=True, else 0; gone
     /// with the Subscription.
-    pub ready: IntGaugeVec,
+    ready: Ready,
     /// `settle_reconcile_refusals_gated_total{limit}`: creates not sent to the broker because a
     /// limit's gate was closed (`reconcile::gate`).
     pub refusals_gated: IntCounterVec,
@@ -111,13 +116,7 @@ impl Metrics {
                 ),
                 &["source"],
             )?,
-            ready: IntGaugeVec::new(
-                Opts::new(
-                    "settle_subscription_ready",
-                    "1 while the Subscription's Ready condition is True, else 0.",
-                ),
-                &["namespace", "subscription"],
-            )?,
+            ready: Ready::new()?,
             refusals_gated: IntCounterVec::new(
                 Opts::new(
                     "settle_reconcile_refusals_gated_total",
@@ -172,14 +171,14 @@ impl Metrics {
     }
 
     pub fn subscription_ready(&self, namespace: &str, subscription: &str, ready: bool) {
-        self.ready
-            .with_label_values(&[namespace, subscription])
-            .set(i64::from(ready));
+        let key = (namespace.to_string(), subscription.to_string());
+        self.ready.map().insert(key, ready);
     }
 
     /// The Subscription is gone: its series go too.
     pub fn forget_subscription(&self, namespace: &str, subscription: &str) {
-        let _ = self.ready.remove_label_values(&[namespace, subscription]);
+        let key = (namespace.to_string(), subscription.to_string());
+        self.ready.map().remove(&key);
     }
 
     /// One create held back by a closed gate.
@@ -211,6 +210,68 @@ impl Metrics {
 
     pub fn op(&self, op: &str) {
         self.consumer_ops.with_label_values(&[op]).inc();
+    }
+}
+
+/// `settle_subscription_ready`: one flag per Subscription, made into a metric family only when
+/// scraped. A gauge vector keeps, for every series, its own copy of the name, help and label
+/// pairs (about half a kilobyte a Subscription, issue: scale).
+#[derive(Clone)]
+struct Ready {
+    flags: Arc<Mutex<HashMap<(String, String), bool>>>,
+    desc: Desc,
+}
+
+impl Ready {
+    fn new() -> Result<Ready, prometheus::Error> {
+        Ok(Ready {
+            flags: Arc::default(),
+            desc: Desc::new(
+                "settle_subscription_ready".to_string(),
+                "1 while the Subscription's Ready condition is True, else 0.".to_string(),
+                vec!["namespace".to_string(), "subscription".to_string()],
+                HashMap::new(),
+            )?,
+        })
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), bool>> {
+        self.flags
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Collector for Ready {
+    fn desc(&self) -> Vec<&Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        let flags = self.map();
+        let mut f = MetricFamily::default();
+        f.set_name(self.desc.fq_name.clone());
+        f.set_help(self.desc.help.clone());
+        f.set_field_type(MetricType::GAUGE);
+        let label = |name: &str, value: &str| {
+            let mut l = proto::LabelPair::default();
+            l.set_name(name.to_string());
+            l.set_value(value.to_string());
+            l
+        };
+        for ((ns, name), ready) in flags.iter() {
+            let mut m = proto::Metric::default();
+            m.set_label(vec![label("namespace", ns), label("subscription", name)]);
+            let mut g = proto::Gauge::default();
+            g.set_value(if *ready { 1.0 } else { 0.0 });
+            m.set_gauge(g);
+            f.mut_metric().push(m);
+        }
+        // A family with no series is not exported, as a gauge vector with none is not.
+        if f.get_metric().is_empty() {
+            return Vec::new();
+        }
+        vec![f]
     }
 }
 
@@ -256,5 +317,38 @@ mod tests {
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }
+    }
+
+    #[test]
+    fn a_subscription_is_ready_or_not_until_it_is_forgotten() {
+        let r = Registry::new();
+        let m = Metrics::new(&r).expect("registers");
+        let text = || {
+            let mut buf = Vec::new();
+            prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &r.gather(), &mut buf)
+                .expect("encodes");
+            String::from_utf8(buf).expect("utf-8")
+        };
+        assert!(!text().contains("settle_subscription_ready"));
+        m.subscription_ready("team-a", "orders", true);
+        m.subscription_ready("team-b", "orders", false);
+        let t = text();
+        assert!(t.contains("# TYPE settle_subscription_ready gauge"), "{t}");
+        assert!(
+            t.contains(r#"settle_subscription_ready{namespace="team-a",subscription="orders"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"settle_subscription_ready{namespace="team-b",subscription="orders"} 0"#),
+            "{t}"
+        );
+        m.subscription_ready("team-a", "orders", false);
+        m.forget_subscription("team-b", "orders");
+        let t = text();
+        assert!(
+            t.contains(r#"settle_subscription_ready{namespace="team-a",subscription="orders"} 0"#),
+            "{t}"
+        );
+        assert!(!t.contains("team-b"), "{t}");
     }
 }
