@@ -46,13 +46,22 @@ pub struct Showing {
     /// Since when nothing was delivered while messages were owed (in memory: begun anew by
     /// each operator, carrying a stall status shows).
     pub stall: Option<stall::Watch>,
-    /// What the last full look was given (stats, trouble, the object's resourceVersion), and
-    /// when: the same again within the stats interval is not looked at anew.
-    pub seen: Option<(Seen, Instant)>,
+    /// What the last full look was given (a [`fingerprint`] of the stats, trouble and the
+    /// object's resourceVersion), and when: the same again within the stats interval is not
+    /// looked at anew. A fingerprint, not a copy: it is kept for every Subscription (a copy
+    /// had been a quarter of each book, issue: scale).
+    pub seen: Option<(u64, Instant)>,
 }
 
-/// The inputs of [`show`] that are not the clock.
-type Seen = (SubscriptionStats, Trouble, Option<String>);
+/// The inputs of [`show`] that are not the clock, as one number. Two different inputs with the
+/// same fingerprint (one chance in 2^64) would only wait until the stats interval is up to be
+/// looked at: it decides when to look, never what is counted or shown.
+pub fn fingerprint(stats: &SubscriptionStats, trouble: &Trouble, version: Option<&str>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (stats, trouble, version).hash(&mut h);
+    h.finish()
+}
 
 /// Shows `stats` for `sub` (namespace, name): notes the exhausted total in the loss log, sets the
 /// metrics, and sends a patch when status differs and the interval since the last write has
@@ -72,12 +81,15 @@ pub fn show(
     // anew: at rest that had been the keepers' CPU, growing with the Subscriptions.
     // Compared in place: at rest this is every Subscription every round, so nothing is copied
     // until a look is kept.
-    if showing.seen.as_ref().is_some_and(|((s, t, rv), at)| {
-        *s == stats
-            && *t == showing.trouble
-            && *rv == sub.metadata.resource_version
-            && at.elapsed() < config.stats_interval
-    }) {
+    let seen = fingerprint(
+        &stats,
+        &showing.trouble,
+        sub.metadata.resource_version.as_deref(),
+    );
+    if showing
+        .seen
+        .is_some_and(|(f, at)| f == seen && at.elapsed() < config.stats_interval)
+    {
         return false;
     }
     let before = showing.loss.clone();
@@ -110,14 +122,7 @@ pub fn show(
     let due = showing.last_write.is_none_or(|t| t.elapsed() >= interval);
     let early = !due && urgent && showing.last_early.is_none_or(|t| t.elapsed() >= interval);
     // A look that leaves a write waiting for its turn is looked at again next round.
-    showing.seen = (!differs || due || early).then(|| {
-        let seen: Seen = (
-            stats.clone(),
-            showing.trouble.clone(),
-            sub.metadata.resource_version.clone(),
-        );
-        (seen, Instant::now())
-    });
+    showing.seen = (!differs || due || early).then(|| (seen, Instant::now()));
     if differs && (due || early) {
         let now = Instant::now();
         showing.last_write = Some(now);
@@ -339,18 +344,12 @@ mod tests {
         show(&round, &key, &sub, more.clone(), &mut showing);
         assert_ne!(when(&showing), Some(first), "new stats are looked at");
 
-        showing.seen = Some((
-            (more.clone(), showing.trouble.clone(), Some("1".into())),
-            first,
-        ));
+        showing.seen = Some((fingerprint(&more, &showing.trouble, Some("1")), first));
         showing.trouble.unsaved = Some("the broker refused".into());
         show(&round, &key, &sub, more.clone(), &mut showing);
         assert_ne!(when(&showing), Some(first), "new trouble is looked at");
 
-        showing.seen = Some((
-            (more.clone(), showing.trouble.clone(), Some("1".into())),
-            first,
-        ));
+        showing.seen = Some((fingerprint(&more, &showing.trouble, Some("1")), first));
         sub.metadata.resource_version = Some("2".into());
         show(&round, &key, &sub, more, &mut showing);
         assert_ne!(when(&showing), Some(first), "a changed object is looked at");

@@ -46,7 +46,7 @@ pub mod reasons {
 }
 
 /// What keeps one Subscription's account from being whole now, for `Accounted`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Trouble {
     /// The last save of its ledger failed, with why (it is tried again every round).
     pub unsaved: Option<String>,

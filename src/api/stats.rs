@@ -24,7 +24,7 @@ fn no_defaults(schema: &mut Schema) {
 
 /// How handlers settled their deliveries. Acked, Nacked and Silent partition Delivered;
 /// Refused is a different axis (a settlement the backend could not perform).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = no_defaults)]
 pub struct Settlement {
@@ -44,7 +44,7 @@ pub struct Settlement {
 
 /// The cumulative account of one subscription (semantics C1–C11). At rest (semantics I1),
 /// offered == delivered + released + lost.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(transform = no_defaults)]
 pub struct ConsumerStats {

@@ -241,7 +241,7 @@ pub struct SubscriptionStatus {
 }
 
 /// ConsumerStats plus the broker's gauges.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Debug, Default, PartialEq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SubscriptionStats {
     /// The cumulative counters (docs/semantics.md C1–C11).

@@ -140,7 +140,7 @@ fn is_default(s: &ConsumerStats) -> bool {
 }
 
 /// Which source of the account was lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Source {
     /// The saved ledger (folded instances, the broker's tally, an earlier offset): missing or
