@@ -99,7 +99,7 @@ impl NatsKeeper {
         // name the one before (it was deleted and applied again meanwhile): tried again next
         // round, never dropped.
         if report.subscription_uid.is_some()
-            && report.subscription_uid != member.uid
+            && report.subscription_uid.as_deref() != member.uid()
             && self
                 .cached(&key.0, &key.1)
                 .and_then(|s| s.metadata.uid.clone())
@@ -278,7 +278,7 @@ pub(super) async fn consumer_since(
     book: &mut Book,
     m: &Member,
 ) -> Option<i128> {
-    let consumer = m.consumer.clone()?;
+    let consumer = m.consumer().map(|(s, c)| (s.to_string(), c.to_string()))?;
     if let Some((seen, since)) = &book.consumer_since
         && *seen == consumer
     {

@@ -10,6 +10,7 @@
 //! It must not decide what counts (that is `count` and the ledger).
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kube::ResourceExt;
@@ -22,23 +23,45 @@ use crate::policy::ResolvedPolicy;
 /// A Subscription of this Backend, and the consumer the controller verified as its own.
 pub(super) struct Member {
     pub sub: Arc<Subscription>,
-    pub uid: Option<String>,
-    /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
-    pub consumer: Option<(String, String)>,
     pub max_deliver: Option<u32>,
     pub mode: crate::api::Mode,
 }
 
+impl Member {
+    /// The object's UID.
+    pub fn uid(&self) -> Option<&str> {
+        self.sub.metadata.uid.as_deref()
+    }
+
+    /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
+    pub fn consumer(&self) -> Option<(&str, &str)> {
+        let c = self.sub.status.as_ref()?.consumer.as_ref()?;
+        Some((c.stream.as_str(), c.name.as_str()))
+    }
+}
+
 /// Every Subscription of one Backend, by name and by consumer.
+///
+/// The two indexes hold a hash and a place, not copies of names: what a member's object holds
+/// is read from the object (each copy had been two or three strings a Subscription, issue:
+/// scale). Two names with one hash (one chance in 2^64) are told apart by a search.
 #[derive(Default)]
 pub(super) struct Members {
-    by_key: HashMap<SubKey, Member>,
-    /// stream → consumer → the Subscription that verified it as its own.
-    by_consumer: HashMap<String, HashMap<String, SubKey>>,
+    members: Vec<(SubKey, Member)>,
+    /// The hash of a member's key → its place in `members`.
+    by_key: HashMap<u64, usize>,
+    /// The hash of `(stream, consumer)` → the place of the member that verified it as its own.
+    by_consumer: HashMap<u64, usize>,
     /// The addresses of the cache's objects these were built from, in the cache's order: the
-    /// same list again means nothing of this Backend changed. The `Arc`s in `by_key` keep each
+    /// same list again means nothing of this Backend changed. The `Arc`s in `members` keep each
     /// object alive, so no other object can take its address while it is listed.
     built_from: Vec<usize>,
+}
+
+fn hash(a: &str, b: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (a, b).hash(&mut h);
+    h.finish()
 }
 
 impl Members {
@@ -62,54 +85,65 @@ impl Members {
             return false;
         }
         self.built_from = ours.iter().map(|sub| Arc::as_ptr(sub).addr()).collect();
+        self.members = Vec::with_capacity(ours.len());
         self.by_key = HashMap::with_capacity(ours.len());
         self.by_consumer = HashMap::new();
         for sub in ours {
             let key = (sub.namespace().unwrap_or_default(), sub.name_any());
             let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-            let consumer = sub
-                .status
-                .as_ref()
-                .and_then(|s| s.consumer.as_ref())
-                .map(|c| (c.stream.clone(), c.name.clone()));
-            if let Some((stream, name)) = &consumer {
-                self.by_consumer
-                    .entry(stream.clone())
-                    .or_default()
-                    .insert(name.clone(), key.clone());
-            }
             let member = Member {
-                uid: sub.metadata.uid.clone(),
-                consumer,
                 max_deliver: policy.max_deliver,
                 mode: policy.mode,
                 sub,
             };
-            self.by_key.insert(key, member);
+            let at = self.members.len();
+            self.by_key.insert(hash(&key.0, &key.1), at);
+            if let Some((stream, consumer)) = member.consumer() {
+                self.by_consumer.insert(hash(stream, consumer), at);
+            }
+            self.members.push((key, member));
         }
         true
     }
 
+    /// The member at the place `index` names for `h`, if `is` says it is the one; else the one
+    /// a search finds (two names with one hash).
+    fn find(
+        &self,
+        index: &HashMap<u64, usize>,
+        h: u64,
+        is: impl Fn(&(SubKey, Member)) -> bool,
+    ) -> Option<&(SubKey, Member)> {
+        let at = *index.get(&h)?;
+        match self.members.get(at) {
+            Some(m) if is(m) => Some(m),
+            _ => self.members.iter().find(|m| is(m)),
+        }
+    }
+
     pub fn get(&self, key: &SubKey) -> Option<&Member> {
-        self.by_key.get(key)
+        self.find(&self.by_key, hash(&key.0, &key.1), |(k, _)| k == key)
+            .map(|(_, m)| m)
     }
 
     pub fn contains_key(&self, key: &SubKey) -> bool {
-        self.by_key.contains_key(key)
+        self.get(key).is_some()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&SubKey, &Member)> {
-        self.by_key.iter()
+        self.members.iter().map(|(k, m)| (k, m))
     }
 
     pub fn len(&self) -> usize {
-        self.by_key.len()
+        self.members.len()
     }
 
     /// The Subscription that verified `stream`'s `consumer` as its own, if one did.
     pub fn owner(&self, stream: &str, consumer: &str) -> Option<(&SubKey, &Member)> {
-        let key = self.by_consumer.get(stream)?.get(consumer)?;
-        self.by_key.get_key_value(key)
+        self.find(&self.by_consumer, hash(stream, consumer), |(_, m)| {
+            m.consumer() == Some((stream, consumer))
+        })
+        .map(|(k, m)| (k, m))
     }
 }
 
@@ -148,7 +182,7 @@ mod tests {
         assert_eq!(members.len(), 2, "only this Backend's, in its namespace");
         let a = ("shop".to_string(), "a".to_string());
         let m = members.get(&a).expect("shop/a");
-        assert_eq!(m.uid.as_deref(), Some("uid-a"));
+        assert_eq!(m.uid(), Some("uid-a"));
         assert_eq!(m.max_deliver, Some(3));
         assert_eq!(members.owner("ORDERS", "a-c").map(|(k, _)| k), Some(&a));
         assert!(
@@ -182,5 +216,35 @@ mod tests {
         assert!(!members.contains_key(&a));
         assert!(members.owner("ORDERS", "a-c").is_none());
         assert_eq!(members.iter().count(), 1);
+    }
+
+    #[test]
+    fn two_names_with_one_hash_are_told_apart_by_a_search() {
+        let (store, mut writer) = reflector::store::<Subscription>();
+        let backend = ("shop".to_string(), "nats".to_string());
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "a", "nats", Some("a-c"), "1")));
+        writer.apply_watcher_event(&Event::Apply(sub("shop", "b", "nats", Some("b-c"), "1")));
+        let mut members = Members::default();
+        members.refresh(&store, &backend);
+        let (a, b) = (
+            ("shop".to_string(), "a".to_string()),
+            ("shop".to_string(), "b".to_string()),
+        );
+        // As if b's names had a's hash: each index sends both to the same place.
+        let place_of = |members: &Members, key: &SubKey| {
+            members
+                .members
+                .iter()
+                .position(|(k, _)| k == key)
+                .expect("a member")
+        };
+        let at_a = place_of(&members, &a);
+        members.by_key.insert(hash(&b.0, &b.1), at_a);
+        members.by_consumer.insert(hash("ORDERS", "b-c"), at_a);
+        assert_eq!(members.get(&b).and_then(Member::uid), Some("uid-b"));
+        assert_eq!(members.owner("ORDERS", "b-c").map(|(k, _)| k), Some(&b));
+        assert_eq!(members.owner("ORDERS", "a-c").map(|(k, _)| k), Some(&a));
+        assert!(members.owner("ORDERS", "c-c").is_none());
+        assert!(!members.contains_key(&("shop".to_string(), "c".to_string())));
     }
 }

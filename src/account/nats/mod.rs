@@ -391,7 +391,7 @@ impl NatsKeeper {
     ) -> Result<&'a mut Book, NatsError> {
         let name = || format!("{}/{}", key.0, key.1);
         if let Some(book) = books.get(key)
-            && !book.account.persisted().belongs_to(m.uid.as_deref())
+            && !book.account.persisted().belongs_to(m.uid())
         {
             tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
             let old = books.remove(key);
@@ -421,7 +421,7 @@ impl NatsKeeper {
                     Saved::default()
                 }
             };
-            let saved = if saved.ledger.belongs_to(m.uid.as_deref()) {
+            let saved = if saved.ledger.belongs_to(m.uid()) {
                 saved
             } else {
                 tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
@@ -441,7 +441,7 @@ impl NatsKeeper {
                 .map(|mut loaded| loaded.insert(key.clone()))
                 .unwrap_or(false);
             let mut account = Account::resume(saved.ledger, floor);
-            account.claim(m.uid.clone());
+            account.claim(m.uid().map(str::to_string));
             books.insert(
                 key.clone(),
                 Box::new(Book {

@@ -170,9 +170,9 @@ impl NatsKeeper {
         type Listing = Option<Option<HashMap<String, (u64, u64)>>>;
         let mut listed: HashMap<&str, Listing> = HashMap::new();
         for (key, book) in books.iter() {
-            if let Some((stream, _)) = members.get(key).and_then(|m| m.consumer.as_ref())
+            if let Some((stream, _)) = members.get(key).and_then(|m| m.consumer())
                 && due(book)
-                && !listed.contains_key(stream.as_str())
+                && !listed.contains_key(stream)
             {
                 self.metrics.gauge_calls.with_label_values(&["list"]).inc();
                 match jsapi::consumer_gauges(js, stream).await {
@@ -188,9 +188,9 @@ impl NatsKeeper {
         }
         for (key, book) in books.iter_mut() {
             let Some(m) = members.get(key) else { continue };
-            match &m.consumer {
+            match m.consumer() {
                 Some((stream, consumer)) => {
-                    if let Some(listing) = listed.get(stream.as_str()) {
+                    if let Some(listing) = listed.get(stream) {
                         book.gauges_at = Some(Instant::now());
                         match listing {
                             Some(Some(consumers)) if consumers.contains_key(consumer) => {
