@@ -162,6 +162,20 @@ impl NatsConn {
         made.insert((stream.to_string(), consumer.to_string()), Instant::now());
     }
 
+    /// Forgets that this consumer was made here: status shows it now, and the note served only
+    /// until then. The map gives back the room a mass apply grew (it would otherwise keep a
+    /// note, or room for one, per Subscription made, issue: scale).
+    pub fn made_shown(&self, stream: &str, consumer: &str) {
+        let mut made = lock(&self.made);
+        if made.is_empty() && made.capacity() == 0 {
+            return;
+        }
+        made.remove(&(stream.to_string(), consumer.to_string()));
+        if made.len() <= made.capacity() / 4 {
+            made.shrink_to_fit();
+        }
+    }
+
     /// Whether this consumer was made through this connection in the last [`MADE_TTL`].
     pub fn made_recently(&self, stream: &str, consumer: &str) -> bool {
         lock(&self.made)

@@ -177,6 +177,9 @@ async fn converge(
     // connection just made is read instead: a check that runs before the status saying so
     // reaches the cache (a Backend's reconnect re-checks every Subscription) made it again,
     // an extra call and a second "created" Event.
+    if known.is_some() {
+        conn.made_shown(&stream, &want.name);
+    }
     if known.is_none() && !conn.made_recently(&stream, &want.name) {
         if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
             return limited(limit);
