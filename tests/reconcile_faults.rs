@@ -3,8 +3,8 @@
 //! Event says so), a broker stopped for 10 s is re-converged with no operator restart, a
 //! Subscription deleted while the broker is down waits and then completes, an operator killed
 //! midway through 200 Subscriptions converges them all after a restart with no duplicate or orphan
-//! consumer, and a steady state costs no consumer update and no status write (the controllers' nor
-//! the account's).
+//! consumer, a steady state costs no consumer update and no status write (the controllers' nor
+//! the account's), and the resync looks at every Ready Subscription once an interval.
 
 mod common;
 
@@ -362,6 +362,67 @@ async fn a_steady_state_costs_no_consumer_update_and_no_status_write_for_a_minut
         after.3, before.3,
         "no status write of the account in a steady minute (it writes only what changed)"
     );
+    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
+    stream.delete().await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_ready_subscription_is_looked_at_again_each_resync_interval_at_no_cost() {
+    install_crds();
+    let ns = namespace("rec-resync");
+    let env = common::env();
+    let stream = TestStream::new(&env.nats_url, "resync").await;
+    let op = Operator::start_with(
+        "resync",
+        &ns,
+        &["--leader-election=false", "--resync-interval", "3s"],
+    );
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let api = subs(&ns).await;
+    let n = 10;
+    for i in 0..n {
+        apply(
+            &ns,
+            &sub_yaml(
+                &format!("s{i}"),
+                &format!("  pattern: \"{}.s{i}.>\"\n", stream.prefix),
+            ),
+        );
+    }
+    for i in 0..n {
+        wait_ready(&api, &format!("s{i}")).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let snapshot = || {
+        (
+            op.metric(
+                "settle_reconcile_total",
+                &[("controller", "subscription"), ("result", "ok")],
+            ),
+            op.metric("settle_consumer_operations_total", &[]),
+            op.metric(
+                "settle_status_writes_total",
+                &[("controller", "subscription")],
+            ),
+        )
+    };
+    let before = snapshot();
+    // Three intervals: each Ready Subscription looked at about three times (one walk may be
+    // cut at either end), spread over each interval, not requeued one by one.
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    let after = snapshot();
+    let looks = after.0 - before.0;
+    println!("resync: {looks} reconciles of {n} Ready Subscriptions in 9 s (interval 3 s)");
+    assert!(
+        looks >= (2 * n) as f64 && looks <= (4 * n) as f64,
+        "each of {n} Subscriptions about three times in three intervals, not {looks}"
+    );
+    assert_eq!(
+        after.1, before.1,
+        "a resync of a converged consumer changes nothing"
+    );
+    assert_eq!(after.2, before.2, "and writes no status");
     kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
     stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);

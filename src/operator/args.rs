@@ -75,8 +75,8 @@ pub struct OperatorArgs {
     pub watch_namespaces: Vec<String>,
     /// How often every consumer and connection is re-checked against its resource, besides the
     /// broker's advisories (a Kubernetes duration: 30s, 5m, 1h).
-    #[arg(long, env = "SETTLE_RESYNC_INTERVAL", default_value = "5m")]
-    pub resync_interval: crate::api::Duration,
+    #[arg(long, env = "SETTLE_RESYNC_INTERVAL", default_value = "5m", value_parser = positive_duration)]
+    pub resync_interval: Duration,
     /// At most one status write per Subscription this often, and only when its account changed
     /// (Prometheus metrics carry the full resolution).
     #[arg(long, env = "SETTLE_STATS_INTERVAL", default_value = "10s", value_parser = positive_duration)]

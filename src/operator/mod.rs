@@ -197,7 +197,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         client.clone(),
         reconcile::Config {
             watch_namespaces,
-            resync: args.resync_interval.get(),
+            resync: args.resync_interval,
             drift: args.drift_interval,
             concurrency: args.concurrency,
             identity: leader::identity(),

@@ -15,7 +15,8 @@
 //!    step 5 converges (each kind's own way, semantics W2–W4) and shows as `Paused`; one
 //!    with a `pausedUntil` is reconciled again when it ends.
 //!
-//! Kinds with broker events (NATS advisories) are re-checked on the resync interval; kinds
+//! Kinds with broker events (NATS advisories) are re-checked on the resync interval (by the
+//! controllers' resync walk, not a requeue each, once Ready); kinds
 //! without (RabbitMQ without plugins, SQS) on the shorter drift interval, so a queue deleted on
 //! the broker comes back.
 //!
@@ -96,12 +97,16 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     Ok(match &outcome {
         o if o.is_ready() => {
             ctx.succeeded(&fkey);
-            let every = if polled { ctx.drift } else { ctx.resync };
             // A pause that ends by itself is looked at again when it ends: `Paused` turns
             // False then, and the RabbitMQ marker goes.
-            Action::requeue(
-                until_pause_ends(target.pause, Timestamp::now()).map_or(every, |d| d.min(every)),
-            )
+            let ends = until_pause_ends(target.pause, Timestamp::now());
+            if polled {
+                Action::requeue(ends.map_or(ctx.drift, |d| d.min(ctx.drift)))
+            } else {
+                // The resync walk looks at it again (`reconcile::resync_walk`), and its broker's
+                // events at once.
+                ends.map_or_else(Action::await_change, Action::requeue)
+            }
         }
         // Nothing on the broker announces that these were fixed there (a queue): looked at
         // again.
