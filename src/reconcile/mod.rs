@@ -12,7 +12,9 @@
 //! - [`status`], [`conditions`], [`index`]: the pure parts (each outcome, one per meaning for
 //!   every kind, and the status it means; reasons; which object a change concerns).
 //!
-//! [`run`] runs both controllers while this replica leads, and stops them when it does not.
+//! [`run`] runs both controllers while this replica leads, and stops them when it does not. A
+//! Ready Subscription is re-checked by one resync walk over the cache (`resync_walk`), not by a
+//! requeue of its own (which kube-runtime's scheduler would hold for every one at rest).
 //! This module imports `backend`, `bus`, `policy` and `api` only, never `admission` or
 //! `operator`: the operator hands it the leader's gate as a plain channel.
 
