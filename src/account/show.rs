@@ -79,8 +79,8 @@ pub fn show(
     // only the clock moved, and what it moves (the loss window's and the stall window's end)
     // waits at most one interval. A tick no longer builds every Subscription's conditions
     // anew: at rest that had been the keepers' CPU, growing with the Subscriptions.
-    // Compared in place: at rest this is every Subscription every round, so nothing is copied
-    // until a look is kept.
+    // Compared by fingerprint: at rest this is every Subscription every round, so nothing is
+    // copied, and a look kept is one number.
     let seen = fingerprint(
         &stats,
         &showing.trouble,
