@@ -178,7 +178,12 @@ impl Metrics {
     /// The Subscription is gone: its series go too.
     pub fn forget_subscription(&self, namespace: &str, subscription: &str) {
         let key = (namespace.to_string(), subscription.to_string());
-        self.ready.map().remove(&key);
+        let mut flags = self.ready.map();
+        flags.remove(&key);
+        // The room a mass delete leaves is given back.
+        if flags.len() <= flags.capacity() / 4 {
+            flags.shrink_to_fit();
+        }
     }
 
     /// One create held back by a closed gate.
@@ -350,5 +355,16 @@ mod tests {
             "{t}"
         );
         assert!(!t.contains("team-b"), "{t}");
+
+        // A mass apply and delete: the room goes with the flags.
+        for i in 0..5_000 {
+            m.subscription_ready("team-c", &format!("s{i}"), true);
+        }
+        let grown = m.ready.map().capacity();
+        for i in 0..5_000 {
+            m.forget_subscription("team-c", &format!("s{i}"));
+        }
+        let left = m.ready.map().capacity();
+        assert!(grown >= 5_000 && left < 64, "room for {grown}, then {left}");
     }
 }
