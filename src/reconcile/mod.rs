@@ -271,12 +271,12 @@ fn slot(sub: &Subscription, slots: u64) -> u64 {
 /// again within the interval would only cost the broker a call (issue: scale, calls per
 /// Subscription no more than NACK's).
 fn ready_for(sub: &Subscription, every: Duration) -> bool {
+    use crate::api::condition::{self, Status};
     let Some(status) = sub.status.as_ref() else {
         return false;
     };
-    status.conditions.iter().any(|c| {
-        c.type_ == conditions::types::READY
-            && c.status == "True"
+    condition::find(&status.conditions, conditions::types::READY).is_some_and(|c| {
+        c.status == Status::True.as_str()
             && Duration::try_from(
                 k8s_openapi::jiff::Timestamp::now().duration_since(c.last_transition_time.0),
             )
