@@ -278,19 +278,19 @@ pub(super) async fn consumer_since(
     book: &mut Book,
     m: &Member,
 ) -> Option<i128> {
-    let consumer = m.consumer().map(|(s, c)| (s.to_string(), c.to_string()))?;
-    if let Some((seen, since)) = &book.consumer_since
-        && *seen == consumer
+    let (stream_name, consumer) = m.consumer()?;
+    if let Some(((s, c), since)) = &book.consumer_since
+        && (s.as_str(), c.as_str()) == (stream_name, consumer)
     {
         return Some(*since);
     }
     let js = jetstream::new(client.clone());
-    let stream = js.get_stream(&consumer.0).await.ok()?;
-    let info = stream.consumer_info(&consumer.1).await.ok()?;
+    let stream = js.get_stream(stream_name).await.ok()?;
+    let info = stream.consumer_info(consumer).await.ok()?;
     // Read off the time itself: serialized alone (no human-readable serde for `time`), it is a
     // tuple, not RFC 3339 text, and read as text it gave nothing, so every advisory of the name
     // counted (the earlier object's too: account_life's recreate-while-down failed so).
     let since = info.created.unix_timestamp_nanos();
-    book.consumer_since = Some((consumer, since));
+    book.consumer_since = Some(((stream_name.to_string(), consumer.to_string()), since));
     Some(since)
 }
