@@ -15,7 +15,8 @@
 //!
 //! [`serve`] sits at the bottom beside `api`: it imports nothing of the crate, so the webhook
 //! (`admission`) and the metrics and probe ports (`operator`) share it. [`events`] sits there
-//! too, so the controllers (`reconcile`) and the account share one way to publish Events.
+//! too, so the controllers (`reconcile`) and the account share one way to publish Events, and
+//! [`exposition`], so they write their per-Subscription series one way.
 //!
 //! - [`api`]: the CRD types and the wire types they share with the runtime.
 //! - [`policy`]: pure rules: the capability table, the one `validate`, resolved defaults.
@@ -28,6 +29,8 @@
 //! - [`reconcile`]: the controllers: Backend connections and status, Subscription → consumer.
 //! - [`serve`]: bounded HTTP serving: the connection cap and every phase's deadline.
 //! - [`events`]: Kubernetes Events, repeats folded into a series with a bounded memory of them.
+//! - [`exposition`]: Prometheus text for series kept one row per Subscription, written when
+//!   scraped.
 //! - [`operator`]: the `settle operator` process (webhook, controllers, metrics, leader election).
 //! - [`migrate`]: `settle import nack`: NACK's Consumers as Subscriptions and Backends.
 //! - [`plugin`]: `kubectl settle` (`status`, `explain`), rendering what status already says.
@@ -42,6 +45,7 @@ pub mod backend;
 pub mod bus;
 #[cfg(feature = "operator")]
 pub mod events;
+pub mod exposition;
 #[cfg(feature = "operator")]
 pub mod migrate;
 #[cfg(feature = "operator")]

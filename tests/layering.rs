@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// The layers, bottom first. Modules on one level are siblings.
 const LAYERS: &[&[&str]] = &[
-    &["api", "serve", "events"],
+    &["api", "serve", "events", "exposition"],
     &["policy"],
     &["bus"],
     &["backend"],

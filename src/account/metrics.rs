@@ -4,20 +4,20 @@
 //! writes, their backlog and what the budget deferred, advisories, reports).
 //!
 //! The per-Subscription series are one compact row per Subscription ([`PerSubscription`]),
-//! made into metric families only when scraped: a metric vector keeps, for every series, its
-//! own copy of the name, help and labels (about a kilobyte each; 17 series per Subscription,
-//! so most of an idle operator's memory at thousands of Subscriptions, issue: scale).
+//! written as text only when scraped (`crate::exposition`): a metric vector keeps, for every
+//! series, its own copy of the name, help and labels (about a kilobyte each; 17 series per
+//! Subscription, so most of an idle operator's memory at thousands of Subscriptions), and a
+//! registry's scrape builds as much again (issue: scale).
 //!
 //! It must not decide anything; it mirrors what the keeper computed.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use prometheus::core::{Collector, Desc};
-use prometheus::proto::{self, MetricFamily, MetricType};
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
 use crate::api::{ConsumerStats, SubscriptionStats};
+use crate::exposition::{self, Kind, Table, Tables};
 
 /// One counter: its metric name stem, its help, and how it is read from ConsumerStats.
 type Counter = (&'static str, &'static str, fn(&ConsumerStats) -> u64);
@@ -116,39 +116,27 @@ struct Row {
     stalled: Option<i64>,
 }
 
+/// The series' labels.
+const LABELS: [&str; 2] = ["namespace", "subscription"];
+
 /// Every Subscription's series: `settle_subscription_<counter>_total`, its gauges and
 /// `settle_subscription_stalled`, labelled `namespace` and `subscription`.
 #[derive(Clone)]
 struct PerSubscription {
     rows: Arc<Mutex<HashMap<(String, String), Row>>>,
-    /// The counters', then the gauges', then stalled's.
-    descs: Vec<Desc>,
+    /// `settle_subscription_<counter>_total`, in [`COUNTERS`] order.
+    names: Arc<[String]>,
 }
 
 impl PerSubscription {
-    fn new() -> Result<PerSubscription, prometheus::Error> {
-        let labels = || vec!["namespace".to_string(), "subscription".to_string()];
-        let mut descs = Vec::new();
-        for (stem, help, _) in COUNTERS {
-            descs.push(Desc::new(
-                format!("settle_subscription_{stem}_total"),
-                help.to_string(),
-                labels(),
-                HashMap::new(),
-            )?);
-        }
-        for (name, help) in GAUGES.into_iter().chain([STALLED]) {
-            descs.push(Desc::new(
-                name.to_string(),
-                help.to_string(),
-                labels(),
-                HashMap::new(),
-            )?);
-        }
-        Ok(PerSubscription {
+    fn new() -> PerSubscription {
+        PerSubscription {
             rows: Arc::default(),
-            descs,
-        })
+            names: COUNTERS
+                .iter()
+                .map(|(stem, _, _)| format!("settle_subscription_{stem}_total"))
+                .collect(),
+        }
     }
 
     fn rows(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Row>> {
@@ -158,66 +146,33 @@ impl PerSubscription {
     }
 }
 
-/// One family of `kind` from `desc`, a value of each row that has one.
-fn family(
-    desc: &Desc,
-    kind: MetricType,
-    rows: &HashMap<(String, String), Row>,
-    value: impl Fn(&Row) -> Option<f64>,
-) -> MetricFamily {
-    let mut f = MetricFamily::default();
-    f.set_name(desc.fq_name.clone());
-    f.set_help(desc.help.clone());
-    f.set_field_type(kind);
-    let label = |name: &str, value: &str| {
-        let mut l = proto::LabelPair::default();
-        l.set_name(name.to_string());
-        l.set_value(value.to_string());
-        l
-    };
-    for ((ns, name), row) in rows {
-        let Some(v) = value(row) else { continue };
-        let mut m = proto::Metric::default();
-        m.set_label(vec![label("namespace", ns), label("subscription", name)]);
-        if kind == MetricType::COUNTER {
-            let mut c = proto::Counter::default();
-            c.set_value(v);
-            m.set_counter(c);
-        } else {
-            let mut g = proto::Gauge::default();
-            g.set_value(v);
-            m.set_gauge(g);
-        }
-        f.mut_metric().push(m);
-    }
-    f
+/// Each row's value that `value` reads, with the row's labels.
+fn series<'a, V>(
+    rows: &'a HashMap<(String, String), Row>,
+    value: impl Fn(&Row) -> Option<V> + 'a,
+) -> impl Iterator<Item = ([&'a str; 2], V)> + 'a {
+    rows.iter()
+        .filter_map(move |((ns, name), row)| Some(([ns.as_str(), name.as_str()], value(row)?)))
 }
 
-impl Collector for PerSubscription {
-    fn desc(&self) -> Vec<&Desc> {
-        self.descs.iter().collect()
+impl Table for PerSubscription {
+    fn write(&self, out: &mut String) {
+        let rows = self.rows();
+        for (i, ((_, help, _), name)) in COUNTERS.iter().zip(self.names.iter()).enumerate() {
+            let values = series(&rows, |r| r.counters.map(|c| c[i]));
+            exposition::family(out, name, help, Kind::Counter, LABELS, values);
+        }
+        for (i, (name, help)) in GAUGES.iter().enumerate() {
+            let values = series(&rows, |r| r.gauges.map(|g| g[i]));
+            exposition::family(out, name, help, Kind::Gauge, LABELS, values);
+        }
+        let (name, help) = STALLED;
+        let values = series(&rows, |r| r.stalled);
+        exposition::family(out, name, help, Kind::Gauge, LABELS, values);
     }
 
-    fn collect(&self) -> Vec<MetricFamily> {
-        let rows = self.rows();
-        let n = COUNTERS.len();
-        let mut out = Vec::with_capacity(self.descs.len());
-        for (i, desc) in self.descs[..n].iter().enumerate() {
-            out.push(family(desc, MetricType::COUNTER, &rows, |r| {
-                r.counters.map(|c| c[i] as f64)
-            }));
-        }
-        for (i, desc) in self.descs[n..n + GAUGES.len()].iter().enumerate() {
-            out.push(family(desc, MetricType::GAUGE, &rows, |r| {
-                r.gauges.map(|g| g[i] as f64)
-            }));
-        }
-        if let Some(desc) = self.descs.last() {
-            out.push(family(desc, MetricType::GAUGE, &rows, |r| {
-                r.stalled.map(|s| s as f64)
-            }));
-        }
-        out
+    fn series(&self) -> usize {
+        self.rows().len() * (COUNTERS.len() + GAUGES.len() + 1)
     }
 }
 
@@ -262,9 +217,11 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(registry: &Registry) -> Result<Metrics, prometheus::Error> {
-        let subscriptions = PerSubscription::new()?;
-        registry.register(Box::new(subscriptions.clone()))?;
+    /// Registers the account's metrics in `registry`, and its per-Subscription series in
+    /// `tables`.
+    pub fn new(registry: &Registry, tables: &Tables) -> Result<Metrics, prometheus::Error> {
+        let subscriptions = PerSubscription::new();
+        tables.add(Arc::new(subscriptions.clone()));
         let counter =
             |name: &str, help: &str, l: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
                 let c = IntCounterVec::new(Opts::new(name, help), l)?;
@@ -398,20 +355,16 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prometheus::Encoder;
+    use crate::exposition::Exposition;
 
-    fn text(r: &Registry) -> String {
-        let mut buf = Vec::new();
-        prometheus::TextEncoder::new()
-            .encode(&r.gather(), &mut buf)
-            .expect("encodes");
-        String::from_utf8(buf).expect("utf-8")
+    fn text(e: &Exposition) -> String {
+        e.text().expect("encodes")
     }
 
     #[test]
     fn counters_rise_by_growth_and_names_are_the_documented_ones() {
-        let r = Registry::new();
-        let m = Metrics::new(&r).expect("registers");
+        let r = Exposition::default();
+        let m = Metrics::new(&r.registry, &r.tables).expect("registers");
         let mut s = SubscriptionStats::default();
         s.counters.settlement.nacked = 30;
         s.counters.exhausted = 10;
@@ -453,8 +406,8 @@ mod tests {
 
     #[test]
     fn the_status_writes_are_exported_at_zero_before_any_write() {
-        let r = Registry::new();
-        let _m = Metrics::new(&r).expect("registers");
+        let r = Exposition::default();
+        let _m = Metrics::new(&r.registry, &r.tables).expect("registers");
         let t = text(&r);
         for line in [
             r#"settle_account_status_writes_total{result="ok"} 0"#,

@@ -300,7 +300,7 @@ mod tests {
     async fn an_unchanged_subscription_is_not_looked_at_again_within_the_interval_a_changed_one_is()
     {
         let registry = prometheus::Registry::new();
-        let metrics = Metrics::new(&registry).expect("metrics");
+        let metrics = Metrics::new(&registry, &Default::default()).expect("metrics");
         let client = kube::Client::try_from(kube::Config::new(
             "http://127.0.0.1:1".parse().expect("a URL"),
         ))

@@ -31,7 +31,6 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use kube::Client;
 use kube::runtime::reflector::Store;
-use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
@@ -40,6 +39,7 @@ use super::auth::{Access, Authorizer, Verdict};
 use super::lag::{self, LagError};
 use crate::admission::certs::{CertResolver, crypto_provider};
 use crate::api::Backend;
+use crate::exposition::Exposition;
 use crate::reconcile::Readiness;
 use crate::serve::{Bounded, ConnectionMetrics, Limits};
 
@@ -79,7 +79,7 @@ struct Ready {
 pub struct Server {
     metrics: Bounded,
     probe: Bounded,
-    registry: Registry,
+    exposition: Exposition,
     ready: Ready,
     auth: Option<Arc<Authorizer>>,
     client: Client,
@@ -97,7 +97,7 @@ impl Server {
     pub async fn bind(
         config: HealthConfig,
         client: Client,
-        registry: Registry,
+        exposition: Exposition,
         backends: Store<Backend>,
         controllers: Readiness,
         stopping: watch::Receiver<bool>,
@@ -133,7 +133,7 @@ impl Server {
         let metrics = Bounded {
             listener: metrics_listener,
             metrics: ConnectionMetrics::register(
-                &registry,
+                &exposition.registry,
                 "metrics",
                 "--metrics-max-connections",
                 tls.is_some(),
@@ -146,7 +146,7 @@ impl Server {
         let probe = Bounded {
             listener: probe_listener,
             metrics: ConnectionMetrics::register(
-                &registry,
+                &exposition.registry,
                 "probe",
                 "--probe-max-connections",
                 false,
@@ -159,7 +159,7 @@ impl Server {
         Ok(Server {
             metrics,
             probe,
-            registry,
+            exposition,
             ready: Ready {
                 backends,
                 controllers,
@@ -176,20 +176,20 @@ impl Server {
         let Server {
             metrics,
             probe,
-            registry,
+            exposition,
             ready,
             auth,
             client,
         } = self;
         let probe_ready = ready.clone();
         let on_metrics = move |req: Request<Incoming>| {
-            let (registry, ready, auth, client) = (
-                registry.clone(),
+            let (exposition, ready, auth, client) = (
+                exposition.clone(),
                 ready.clone(),
                 auth.clone(),
                 client.clone(),
             );
-            async move { metrics_answer(&req, &registry, &ready, auth.as_deref(), &client).await }
+            async move { metrics_answer(&req, &exposition, &ready, auth.as_deref(), &client).await }
         };
         let on_probe = move |req: Request<Incoming>| {
             let ready = probe_ready.clone();
@@ -367,7 +367,7 @@ async fn lag_answer(
 
 async fn metrics_answer(
     req: &Request<Incoming>,
-    registry: &Registry,
+    exposition: &Exposition,
     ready: &Ready,
     auth: Option<&Authorizer>,
     client: &Client,
@@ -399,9 +399,8 @@ async fn metrics_answer(
     {
         return refusal;
     }
-    let mut buf = Vec::new();
-    match TextEncoder::new().encode(&registry.gather(), &mut buf) {
-        Ok(()) => text(StatusCode::OK, buf, "text/plain; version=0.0.4"),
+    match exposition.text() {
+        Ok(body) => text(StatusCode::OK, body, "text/plain; version=0.0.4"),
         Err(e) => text(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("could not encode metrics: {e}\n"),

@@ -21,13 +21,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use kube::Client;
 use kube::runtime::{WatchStreamExt, reflector};
-use prometheus::Registry;
 use tokio::sync::watch;
 
 use crate::account;
 use crate::admission::certs::{self, CertSource, FileCertConfig, Sans, SelfManagedConfig};
 use crate::admission::webhook::{self, StoreLookup};
 use crate::api::Backend;
+use crate::exposition::Exposition;
 use crate::reconcile;
 
 pub use args::{LogFormat, OperatorArgs};
@@ -72,8 +72,11 @@ pub fn init_logging(format: LogFormat) {
 /// Runs until SIGTERM or SIGINT.
 pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let client = Client::try_default().await?;
-    let registry = Registry::new();
-    memory::spawn_release(args.release_memory_interval.get(), &registry);
+    // What /metrics writes: the registry's families, then the per-Subscription series the
+    // tables write from their rows.
+    let exposition = Exposition::default();
+    let (registry, tables) = (&exposition.registry, &exposition.tables);
+    memory::spawn_release(args.release_memory_interval.get(), registry);
     // Two moments: `stopping` (the signal: the Lease and the controllers stop, `/readyz` turns
     // 503) and `closed` (the shutdown delay later: the ports close).
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -129,12 +132,12 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         let mut lease =
             leader::LeaseConfig::new(&args.namespace, &args.lease_name, leader::identity());
         lease.owner = owner.clone();
-        leader::start(client.clone(), lease, &registry)?
+        leader::start(client.clone(), lease, registry)?
     } else {
         tracing::warn!(
             "leader election is off: this replica reconciles as if it were the only one; run one replica"
         );
-        leader::Leadership::always(&registry)?
+        leader::Leadership::always(registry)?
     };
 
     let source = match (&args.tls_cert_file, &args.tls_key_file) {
@@ -164,7 +167,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
         args.webhook_config(),
         lookup,
         serving.resolver.clone(),
-        &registry,
+        registry,
     )
     .await?;
     tracing::info!(addr = %webhook.local_addr()?, "admission webhook bound");
@@ -177,7 +180,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                 cache_ttl: args.metrics_auth_cache_ttl,
                 cache_size: args.metrics_auth_cache_size.get(),
             },
-            &registry,
+            registry,
         )?;
         Some((authorizer, serving.resolver.clone()))
     } else {
@@ -186,7 +189,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let health = health::Server::bind(
         args.health_config(),
         client.clone(),
-        registry.clone(),
+        exposition.clone(),
         store.clone(),
         readiness.clone(),
         stopping_rx,
@@ -206,7 +209,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
             adopt_namespaces: reconcile::AdoptNamespaces::new(&args.adopt_namespaces),
         },
         leadership.gate().receiver(),
-        reconcile::Metrics::new(&registry)?,
+        reconcile::Metrics::new(registry, tables)?,
         readiness,
         Some(account_hook(
             account::Config {
@@ -235,7 +238,7 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
                     dead_letter_copy_max_length: args.dead_letter_copy_max_length,
                 },
             },
-            account::Metrics::new(&registry)?,
+            account::Metrics::new(registry, tables)?,
         )),
         stopped(),
     );

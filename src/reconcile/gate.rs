@@ -568,7 +568,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn the_registry_triggers_the_probe_when_the_gate_opens_and_everyone_on_success() {
         let (tx, mut rx) = futures::channel::mpsc::unbounded();
-        let metrics = Metrics::new(&prometheus::Registry::new()).expect("metrics");
+        let metrics =
+            Metrics::new(&prometheus::Registry::new(), &Default::default()).expect("metrics");
         let gates = Gates::new(tx, metrics);
         let b: BackendKey = ("shop".into(), "nats".into());
         let d = gates.refused(&b, limit(), &who("a"));

@@ -7,9 +7,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use prometheus::core::{Collector, Desc};
-use prometheus::proto::{self, MetricFamily, MetricType};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+
+use crate::exposition::{self, Kind, Table, Tables};
 
 /// The controllers, as the `controller` label names them.
 pub const BACKEND: &str = "backend";
@@ -62,7 +62,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(registry: &Registry) -> Result<Metrics, prometheus::Error> {
+    /// Registers the controllers' metrics in `registry`, and `settle_subscription_ready` in
+    /// `tables`.
+    pub fn new(registry: &Registry, tables: &Tables) -> Result<Metrics, prometheus::Error> {
         let m = Metrics {
             reconciles: IntCounterVec::new(
                 Opts::new(
@@ -116,7 +118,7 @@ impl Metrics {
                 ),
                 &["source"],
             )?,
-            ready: Ready::new()?,
+            ready: Ready::default(),
             refusals_gated: IntCounterVec::new(
                 Opts::new(
                     "settle_reconcile_refusals_gated_total",
@@ -134,7 +136,7 @@ impl Metrics {
         };
         registry.register(Box::new(m.refusals_gated.clone()))?;
         registry.register(Box::new(m.backend_gated.clone()))?;
-        registry.register(Box::new(m.ready.clone()))?;
+        tables.add(Arc::new(m.ready.clone()));
         registry.register(Box::new(m.reconciles.clone()))?;
         registry.register(Box::new(m.duration.clone()))?;
         registry.register(Box::new(m.consumer_ops.clone()))?;
@@ -218,28 +220,15 @@ impl Metrics {
     }
 }
 
-/// `settle_subscription_ready`: one flag per Subscription, made into a metric family only when
-/// scraped. A gauge vector keeps, for every series, its own copy of the name, help and label
-/// pairs (about half a kilobyte a Subscription, issue: scale).
-#[derive(Clone)]
+/// `settle_subscription_ready`: one flag per Subscription, written as text only when scraped
+/// (`crate::exposition`). A gauge vector keeps, for every series, its own copy of the name,
+/// help and label pairs (about half a kilobyte a Subscription, issue: scale).
+#[derive(Clone, Default)]
 struct Ready {
     flags: Arc<Mutex<HashMap<(String, String), bool>>>,
-    desc: Desc,
 }
 
 impl Ready {
-    fn new() -> Result<Ready, prometheus::Error> {
-        Ok(Ready {
-            flags: Arc::default(),
-            desc: Desc::new(
-                "settle_subscription_ready".to_string(),
-                "1 while the Subscription's Ready condition is True, else 0.".to_string(),
-                vec!["namespace".to_string(), "subscription".to_string()],
-                HashMap::new(),
-            )?,
-        })
-    }
-
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), bool>> {
         self.flags
             .lock()
@@ -247,36 +236,23 @@ impl Ready {
     }
 }
 
-impl Collector for Ready {
-    fn desc(&self) -> Vec<&Desc> {
-        vec![&self.desc]
+impl Table for Ready {
+    fn write(&self, out: &mut String) {
+        let flags = self.map();
+        exposition::family(
+            out,
+            "settle_subscription_ready",
+            "1 while the Subscription's Ready condition is True, else 0.",
+            Kind::Gauge,
+            ["namespace", "subscription"],
+            flags
+                .iter()
+                .map(|((ns, name), ready)| ([ns.as_str(), name.as_str()], u8::from(*ready))),
+        );
     }
 
-    fn collect(&self) -> Vec<MetricFamily> {
-        let flags = self.map();
-        let mut f = MetricFamily::default();
-        f.set_name(self.desc.fq_name.clone());
-        f.set_help(self.desc.help.clone());
-        f.set_field_type(MetricType::GAUGE);
-        let label = |name: &str, value: &str| {
-            let mut l = proto::LabelPair::default();
-            l.set_name(name.to_string());
-            l.set_value(value.to_string());
-            l
-        };
-        for ((ns, name), ready) in flags.iter() {
-            let mut m = proto::Metric::default();
-            m.set_label(vec![label("namespace", ns), label("subscription", name)]);
-            let mut g = proto::Gauge::default();
-            g.set_value(if *ready { 1.0 } else { 0.0 });
-            m.set_gauge(g);
-            f.mut_metric().push(m);
-        }
-        // A family with no series is not exported, as a gauge vector with none is not.
-        if f.get_metric().is_empty() {
-            return Vec::new();
-        }
-        vec![f]
+    fn series(&self) -> usize {
+        self.map().len()
     }
 }
 
@@ -299,7 +275,7 @@ mod tests {
     #[test]
     fn the_work_counters_are_exported_at_zero_before_any_work() {
         let r = Registry::new();
-        let _m = Metrics::new(&r).expect("registers");
+        let _m = Metrics::new(&r, &Tables::default()).expect("registers");
         let mut buf = Vec::new();
         prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &r.gather(), &mut buf)
             .expect("encodes");
@@ -326,14 +302,9 @@ mod tests {
 
     #[test]
     fn a_subscription_is_ready_or_not_until_it_is_forgotten() {
-        let r = Registry::new();
-        let m = Metrics::new(&r).expect("registers");
-        let text = || {
-            let mut buf = Vec::new();
-            prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &r.gather(), &mut buf)
-                .expect("encodes");
-            String::from_utf8(buf).expect("utf-8")
-        };
+        let e = crate::exposition::Exposition::default();
+        let m = Metrics::new(&e.registry, &e.tables).expect("registers");
+        let text = || e.text().expect("encodes");
         assert!(!text().contains("settle_subscription_ready"));
         m.subscription_ready("team-a", "orders", true);
         m.subscription_ready("team-b", "orders", false);
