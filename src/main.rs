@@ -109,6 +109,9 @@ fn import_nack(
 
 fn operator(args: settle::operator::OperatorArgs) -> ExitCode {
     settle::operator::init_logging(args.log_format);
+    // Before the runtime's threads start: an arena is made for a thread the first time it
+    // allocates.
+    settle::operator::tune_allocator(args.allocator_arenas);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

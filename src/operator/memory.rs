@@ -6,6 +6,12 @@
 //! and what the allocator holds, in use and free, is shown in `settle_memory_heap_bytes{part}`
 //! after each release: resident memory far above the heap in use is the allocator's, not a leak.
 //!
+//! Before any thread starts, [`tune_allocator`] bounds glibc's arenas (`--allocator-arenas`;
+//! glibc's default is eight a core, each keeping its own free pages and fragments) and fixes the
+//! size from which a block is mapped on its own at glibc's starting 128 KiB: glibc otherwise raises
+//! it to the largest such block freed (up to 32 MiB), so after one large list response or scrape
+//! every buffer of that size stays in an arena, resident, instead of going back when freed.
+//!
 //! It must not free or shrink anything the operator holds: it only returns pages no allocation
 //! uses.
 
@@ -18,6 +24,50 @@ pub fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * 4096)
+}
+
+/// Large blocks from this size on are mapped on their own (glibc's starting threshold).
+const MMAP_THRESHOLD: i32 = 128 * 1024;
+
+/// Sets glibc's allocator up for a long-lived process: at most `arenas` arenas (0 leaves glibc's
+/// default) and a fixed threshold for blocks mapped on their own. Call it before any thread
+/// starts; off glibc it does nothing.
+pub fn tune_allocator(arenas: u16) {
+    if !cfg!(all(target_os = "linux", target_env = "gnu")) {
+        return;
+    }
+    if arenas > 0 && !mallopt(Param::ArenaMax, i32::from(arenas)) {
+        tracing::warn!(
+            arenas,
+            "glibc refused --allocator-arenas; its default stays"
+        );
+    }
+    if !mallopt(Param::MmapThreshold, MMAP_THRESHOLD) {
+        tracing::warn!("glibc refused a fixed mmap threshold; it stays dynamic");
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Param {
+    ArenaMax,
+    MmapThreshold,
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+fn mallopt(param: Param, value: i32) -> bool {
+    let param = match param {
+        Param::ArenaMax => libc::M_ARENA_MAX,
+        Param::MmapThreshold => libc::M_MMAP_THRESHOLD,
+    };
+    // SAFETY: mallopt only sets one of glibc's allocator parameters (under the main arena's
+    // lock); it reads and writes no memory of ours. It returns 1 on success.
+    unsafe { libc::mallopt(param, value) == 1 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn mallopt(_: Param, _: i32) -> bool {
+    true
 }
 
 /// Starts the release loop (nothing with an interval of zero, or off glibc).
@@ -110,6 +160,26 @@ fn heap_parts() -> [(&'static str, usize); 0] {
 
 #[cfg(test)]
 mod tests {
+    /// A large block freed does not raise the threshold: the next ones are mapped on their own
+    /// and go back to the system when freed (glibc's dynamic threshold would keep them in an
+    /// arena after the first 4 MiB block).
+    #[test]
+    fn large_blocks_stay_mapped_on_their_own_after_a_larger_one_is_freed() {
+        super::tune_allocator(2);
+        drop(std::hint::black_box(vec![1u8; 4 << 20]));
+        let held: Vec<Vec<u8>> = (0..8)
+            .map(|i| std::hint::black_box(vec![i as u8; 300 << 10]))
+            .collect();
+        if cfg!(all(target_os = "linux", target_env = "gnu")) {
+            let mapped = super::heap_parts()
+                .iter()
+                .find(|(p, _)| *p == "mapped")
+                .map_or(0, |(_, b)| *b);
+            assert!(mapped >= 8 * (300 << 10), "{mapped}");
+        }
+        drop(held);
+    }
+
     #[test]
     fn resident_memory_is_read_and_trimming_keeps_what_is_in_use() {
         let held: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 64 * 1024]).collect();

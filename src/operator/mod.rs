@@ -31,6 +31,7 @@ use crate::exposition::Exposition;
 use crate::reconcile;
 
 pub use args::{LogFormat, OperatorArgs};
+pub use memory::tune_allocator;
 
 /// Why the operator stopped.
 #[derive(Debug, thiserror::Error)]
