@@ -64,8 +64,8 @@ pub struct NatsConn {
     pub js: jetstream::Context,
     /// Consumer changes the operator made itself, each waiting for the one advisory it causes.
     own: OwnMarks,
-    /// Consumers made through this connection in the last [`MADE_TTL`], by (stream, name).
-    made: Mutex<HashMap<(String, String), Instant>>,
+    /// Consumers made through this connection in the last [`MADE_TTL`].
+    made: Mutex<MadeNotes>,
     listener: JoinHandle<()>,
 }
 
@@ -157,30 +157,18 @@ impl NatsConn {
 
     /// Notes that this consumer was just made through this connection.
     pub fn note_made(&self, stream: &str, consumer: &str) {
-        let mut made = lock(&self.made);
-        made.retain(|_, at| at.elapsed() < MADE_TTL);
-        made.insert((stream.to_string(), consumer.to_string()), Instant::now());
+        lock(&self.made).note(stream, consumer, Instant::now());
     }
 
     /// Forgets that this consumer was made here: status shows it now, and the note served only
-    /// until then. The map gives back the room a mass apply grew (it would otherwise keep a
-    /// note, or room for one, per Subscription made, issue: scale).
+    /// until then.
     pub fn made_shown(&self, stream: &str, consumer: &str) {
-        let mut made = lock(&self.made);
-        if made.is_empty() && made.capacity() == 0 {
-            return;
-        }
-        made.remove(&(stream.to_string(), consumer.to_string()));
-        if made.len() <= made.capacity() / 4 {
-            made.shrink_to_fit();
-        }
+        lock(&self.made).shown(stream, consumer);
     }
 
     /// Whether this consumer was made through this connection in the last [`MADE_TTL`].
     pub fn made_recently(&self, stream: &str, consumer: &str) -> bool {
-        lock(&self.made)
-            .get(&(stream.to_string(), consumer.to_string()))
-            .is_some_and(|at| at.elapsed() < MADE_TTL)
+        lock(&self.made).recently(stream, consumer, Instant::now())
     }
 
     /// Notes that the operator itself is about to create or delete this consumer, so that the
@@ -192,6 +180,38 @@ impl NatsConn {
             (kind, stream.to_string(), consumer.to_string()),
             Instant::now(),
         );
+    }
+}
+
+/// Consumers made through one connection, by (stream, name), each until status shows it or for
+/// [`MADE_TTL`], whichever comes first.
+#[derive(Default)]
+struct MadeNotes(HashMap<(String, String), Instant>);
+
+impl MadeNotes {
+    fn note(&mut self, stream: &str, consumer: &str, now: Instant) {
+        self.0
+            .retain(|_, at| now.saturating_duration_since(*at) < MADE_TTL);
+        self.0
+            .insert((stream.to_string(), consumer.to_string()), now);
+    }
+
+    /// Forgets a note; the map gives back the room a mass apply grew (it would otherwise keep a
+    /// note, or room for one, per Subscription made, issue: scale).
+    fn shown(&mut self, stream: &str, consumer: &str) {
+        if self.0.capacity() == 0 {
+            return;
+        }
+        self.0.remove(&(stream.to_string(), consumer.to_string()));
+        if self.0.len() <= self.0.capacity() / 4 {
+            self.0.shrink_to_fit();
+        }
+    }
+
+    fn recently(&self, stream: &str, consumer: &str, now: Instant) -> bool {
+        self.0
+            .get(&(stream.to_string(), consumer.to_string()))
+            .is_some_and(|at| now.saturating_duration_since(*at) < MADE_TTL)
     }
 }
 
@@ -532,5 +552,51 @@ async fn listen(
         if !own_write {
             conns.on_change(&key, &change);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_made_consumer_is_remembered_until_status_shows_it_or_the_note_is_old() {
+        let t0 = Instant::now();
+        let mut made = MadeNotes::default();
+        made.note("S", "a", t0);
+        made.note("S", "b", t0);
+        assert!(made.recently("S", "a", t0 + Duration::from_secs(1)));
+        assert!(!made.recently("T", "a", t0), "another stream's consumer");
+        made.shown("S", "a");
+        assert!(
+            !made.recently("S", "a", t0),
+            "forgotten once status shows it"
+        );
+        assert!(made.recently("S", "b", t0));
+        assert!(
+            !made.recently("S", "b", t0 + MADE_TTL),
+            "an old note is no note"
+        );
+        // The next note drops the old ones.
+        made.note("S", "c", t0 + MADE_TTL);
+        assert_eq!(made.0.len(), 1);
+    }
+
+    #[test]
+    fn a_mass_apply_shown_gives_the_room_back() {
+        let t0 = Instant::now();
+        let mut made = MadeNotes::default();
+        for i in 0..5_000 {
+            made.note("S", &format!("c{i}"), t0);
+        }
+        let grown = made.0.capacity();
+        for i in 0..5_000 {
+            made.shown("S", &format!("c{i}"));
+        }
+        assert!(
+            grown >= 5_000 && made.0.capacity() < 64,
+            "room for {grown}, then {}",
+            made.0.capacity()
+        );
     }
 }
