@@ -8,9 +8,10 @@
 //!
 //! Before any thread starts, [`tune_allocator`] bounds glibc's arenas (`--allocator-arenas`;
 //! glibc's default is eight a core, each keeping its own free pages and fragments) and fixes the
-//! size from which a block is mapped on its own at glibc's starting 128 KiB: glibc otherwise raises
-//! it to the largest such block freed (up to 32 MiB), so after one large list response or scrape
-//! every buffer of that size stays in an arena, resident, instead of going back when freed.
+//! size from which a block is mapped on its own (when its arena has no free room for it) at
+//! glibc's starting 128 KiB: glibc otherwise raises it to the largest such block freed (up to
+//! 32 MiB), so after one large list response or scrape every buffer of that size stays in an
+//! arena, resident, instead of going back when freed.
 //!
 //! It must not free or shrink anything the operator holds: it only returns pages no allocation
 //! uses.
