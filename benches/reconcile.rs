@@ -11,9 +11,10 @@
 //!   timestamps have 1 s resolution);
 //! - an update of every spec (maxDeliver 5 -> 6, in place): seconds until all show it;
 //! - seconds to repair 10 consumers deleted on the broker;
-//! - API requests and consumer-API calls per Subscription on create and on update (the
-//!   operator's own counters);
-//! - status writes, consumer operations and the account's gauge calls to the broker during 60 s
+//! - API requests (the controllers', and the account's status writes, which follow Ready at
+//!   the account's budget: the create phase ends when all of them landed) and consumer-API
+//!   calls per Subscription on create and on update (the operator's own counters);
+//! - status writes (the controllers' and the account's), consumer operations and the account's gauge calls to the broker during 60 s
 //!   of steady state;
 //! - the operator's resident memory before, after the update phase and at its peak, the growth
 //!   per Subscription, and its CPU seconds per phase.
@@ -120,6 +121,30 @@ fn apply_chunk(ns: &str, prefixes: &[String], from: usize, to: usize, max_delive
         "kubectl apply: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The account's status writes so far (`settle_account_status_writes_total`, ok and error).
+fn account_writes(op: &Operator) -> f64 {
+    assert!(
+        op.exports("settle_account_status_writes_total"),
+        "the operator exports settle_account_status_writes_total"
+    );
+    op.metric("settle_account_status_writes_total", &[])
+}
+
+/// Waits until the account wrote at least `writes` statuses in all and none waits
+/// (`settle_account_status_backlog` 0); returns when, from `since` (at most 30 min).
+async fn account_settled(op: &Operator, writes: f64, since: Instant) -> Duration {
+    loop {
+        if account_writes(op) >= writes && op.metric("settle_account_status_backlog", &[]) == 0.0 {
+            return since.elapsed();
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(1800),
+            "the account's writes not all in status after 30 min"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Waits until `count(seen)` reaches `n` (at most 30 min).
@@ -252,6 +277,7 @@ async fn main() {
     let parts_before = rss_parts_mib(pid);
     let kube_before = op.metric("settle_kube_requests_total", &[]);
     let js_before = op.metric("settle_consumer_api_calls_total", &[]);
+    let account_before = account_writes(&op);
     let t0 = Instant::now();
     let applied = apply_all(&ns, &prefixes, n, 5);
     until(&seen, n, t0, |s| s.ready.len()).await;
@@ -269,6 +295,11 @@ async fn main() {
             )
         })
         .collect();
+    // The account writes each new Subscription's status once (its counters at zero, its
+    // gauges and conditions), paced by its budget (`--status-writes-per-second`): an API
+    // request per Subscription on create too, after Ready. Counted until every one has landed.
+    let account_shown = account_settled(&op, account_before + n as f64, t0).await;
+    let account_calls = account_writes(&op) - account_before;
     let (rss_created, cpu_created) = (rss_mib(pid), cpu_seconds(pid));
     let mut lags: Vec<Duration> = {
         let s = seen.lock().expect("seen");
@@ -280,9 +311,10 @@ async fn main() {
     lags.sort();
 
     // Update: every spec changed in place.
-    let (kube_before, js_before) = (
+    let (kube_before, js_before, account_before) = (
         op.metric("settle_kube_requests_total", &[]),
         op.metric("settle_consumer_api_calls_total", &[]),
+        account_writes(&op),
     );
     let t2 = Instant::now();
     let (mut update_applied, mut all_updated) = (Duration::ZERO, Duration::ZERO);
@@ -293,6 +325,7 @@ async fn main() {
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     let kube_update = op.metric("settle_kube_requests_total", &[]) - kube_before;
+    let account_update = account_writes(&op) - account_before;
     let js_update = op.metric("settle_consumer_api_calls_total", &[]) - js_before;
     let (rss_updated, cpu_updated) = (rss_mib(pid), cpu_seconds(pid));
 
@@ -335,10 +368,12 @@ async fn main() {
     // Steady state.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let writes_before = op.metric("settle_status_writes_total", &[]);
+    let account_before = account_writes(&op);
     let ops_before = op.metric("settle_consumer_operations_total", &[]);
     let gauges_before = op.metric("settle_account_gauge_calls_total", &[]);
     tokio::time::sleep(STEADY).await;
     let steady_writes = op.metric("settle_status_writes_total", &[]) - writes_before;
+    let steady_account = account_writes(&op) - account_before;
     let steady_ops = op.metric("settle_consumer_operations_total", &[]) - ops_before;
     // The account's broker calls at rest: its consumers' gauges, once a stats interval.
     let steady_gauges = op.metric("settle_account_gauge_calls_total", &[]) - gauges_before;
@@ -379,10 +414,19 @@ async fn main() {
         repaired.as_secs_f64()
     );
     println!(
-        "  per Subscription on create: {:.2} API requests, {:.2} consumer-API calls; on update: {:.2}, {:.2}",
+        "  the account's status writes on create: {:.2} per Subscription, the last in status {:.1} s after the apply started",
+        account_calls / n as f64,
+        account_shown.as_secs_f64()
+    );
+    println!(
+        "  per Subscription on create: {:.2} API requests ({:.2} by the controllers, {:.2} the account's writes), {:.2} consumer-API calls; on update: {:.2} ({:.2}, {:.2}), {:.2}",
+        (kube_calls + account_calls) / n as f64,
         kube_calls / n as f64,
+        account_calls / n as f64,
         js_calls / n as f64,
+        (kube_update + account_update) / n as f64,
         kube_update / n as f64,
+        account_update / n as f64,
         js_update / n as f64
     );
     println!(
@@ -390,7 +434,7 @@ async fn main() {
         by_call.join(", ")
     );
     println!(
-        "  steady state, {} s: {steady_writes} status writes, {steady_ops} consumer operations, {steady_gauges} gauge calls to the broker, {:.2} CPU s",
+        "  steady state, {} s: {steady_writes} status writes by the controllers and {steady_account} by the account, {steady_ops} consumer operations, {steady_gauges} gauge calls to the broker, {:.2} CPU s",
         STEADY.as_secs(),
         cpu_steady - cpu_updated
     );
