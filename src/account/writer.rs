@@ -5,7 +5,9 @@
 //! Subscription wait, only the newest is sent. Writes go out within the cluster-wide budget
 //! (`--status-writes-per-second`, [`super::budget`]): urgent patches first, the rest in the
 //! order they started waiting; `settle_account_status_backlog` counts the Subscriptions whose
-//! patch waits.
+//! patch waits. A waiting patch is kept as its JSON text, not as a tree of values: after a mass
+//! apply every Subscription's first patch waits its turn, and a tree had been several times the
+//! size of its text.
 //!
 //! It also records the account's Kubernetes Events (a ledger that cannot be saved, and saved
 //! again), so the account reaches the API server through this one place.
@@ -21,6 +23,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, Resource};
+use serde_json::value::RawValue;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -112,7 +115,7 @@ async fn serve(
     per_second: u32,
     mut rx: mpsc::UnboundedReceiver<Write>,
 ) {
-    let mut queue: Queue<(String, String), serde_json::Value> = Queue::default();
+    let mut queue: Queue<(String, String), Box<RawValue>> = Queue::default();
     let mut bucket = Bucket::new(per_second, Instant::now());
     // When the budget last had no token for the next patch: a patch that waited since before
     // then was deferred by the budget.
@@ -148,7 +151,17 @@ async fn serve(
             w = rx.recv(), if open => match w {
                 Some(w) => {
                     let key = (w.namespace, w.name);
-                    if queue.push(key, w.body, w.urgent, Instant::now()) == Pushed::Coalesced {
+                    // A JSON value always serializes; were it ever to fail, the patch is
+                    // counted as a failed write, and the keeper sends it again next interval.
+                    let body = match serde_json::value::to_raw_value(&w.body) {
+                        Ok(body) => body,
+                        Err(e) => {
+                            metrics.writes.with_label_values(&["error"]).inc();
+                            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not serialize the account's status patch; it is written again at the next interval");
+                            continue;
+                        }
+                    };
+                    if queue.push(key, body, w.urgent, Instant::now()) == Pushed::Coalesced {
                         metrics.deferred.with_label_values(&["coalesced"]).inc();
                     }
                 }
@@ -172,7 +185,7 @@ async fn write(
     client: Client,
     metrics: Metrics,
     key: (String, String),
-    body: serde_json::Value,
+    body: Box<RawValue>,
     urgent: bool,
 ) -> (String, String) {
     let api: Api<Subscription> = Api::namespaced(client, &key.0);
