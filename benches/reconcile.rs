@@ -14,8 +14,8 @@
 //! - API requests (the controllers', and the account's status writes, which follow Ready at
 //!   the account's budget: the create phase ends when all of them landed) and consumer-API
 //!   calls per Subscription on create and on update (the operator's own counters);
-//! - status writes (the controllers' and the account's), consumer operations and the account's gauge calls to the broker during 60 s
-//!   of steady state;
+//! - status writes (the controllers' and the account's), consumer operations and the account's
+//!   gauge calls to the broker during 60 s of steady state;
 //! - the operator's resident memory before, after the update phase and at its peak, the growth
 //!   per Subscription, and its CPU seconds per phase.
 //!
