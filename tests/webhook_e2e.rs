@@ -426,7 +426,6 @@ fn check_row(ns: &str, row: &Row, dry_run: bool) {
     }
 }
 
-/// `settle_admission_requests_total` by (operation, allowed), from Prometheus text.
 /// What the operator's log says it denied, as (operation, object). One write can be judged more
 /// than once: the API server retries a webhook call whose answer it lost (same review uid), and
 /// when it judged a write against a cached copy of the object that turns out stale (the operator
@@ -462,6 +461,7 @@ fn denied_requests(log: &std::path::Path) -> std::collections::BTreeSet<(String,
     denied
 }
 
+/// `settle_admission_requests_total` by (operation, allowed), from Prometheus text.
 fn admission_counts(metrics: &str) -> std::collections::BTreeMap<(String, String), u64> {
     let mut out = std::collections::BTreeMap::new();
     for line in metrics.lines() {
