@@ -177,25 +177,24 @@ async fn main() {
     let label = format!("settle.dev/bench-reconcile={}", std::process::id());
     common::kubectl_ok(&["label", "namespace", &ns, &label], None);
 
-    // The webhook, registered for this namespace only, reached by url:.
+    // The webhooks, registered for this namespace only, reached by url:: the validating one and
+    // the mutating one that puts the finalizer on as a Subscription is stored.
     let webhook_port = free_port();
     let configuration = format!("settle-bench-{}", std::process::id());
-    let mut vwc = common::install::shipped_webhook_configuration();
-    vwc["metadata"]["name"] = serde_json::json!(configuration);
-    // Every webhook of it (Subscriptions and Backends), each for this namespace only.
-    let hooks = vwc["webhooks"].as_array_mut().expect("webhooks");
-    for hook in hooks {
-        let path = hook["clientConfig"]["service"]["path"]
-            .as_str()
-            .unwrap_or("/validate")
-            .to_string();
-        hook["clientConfig"] =
-            serde_json::json!({"url": format!("https://127.0.0.1:{webhook_port}{path}")});
-        hook["namespaceSelector"] = serde_json::json!({
-            "matchLabels": {"settle.dev/bench-reconcile": std::process::id().to_string()}
-        });
+    let pid = std::process::id().to_string();
+    for shipped in [
+        common::install::shipped_webhook_configuration(),
+        common::install::shipped_mutating_configuration(),
+    ] {
+        let registered = common::install::by_url(
+            shipped,
+            &configuration,
+            webhook_port,
+            "settle.dev/bench-reconcile",
+            &pid,
+        );
+        common::kubectl_ok(&["apply", "-f", "-"], Some(&registered.to_string()));
     }
-    common::kubectl_ok(&["apply", "-f", "-"], Some(&vwc.to_string()));
 
     let mut streams = Vec::new();
     for _ in 0..n.div_ceil(PER_STREAM) {
@@ -391,7 +390,7 @@ async fn main() {
     let (heap_used, heap_free) = (heap("in_use") + heap("mapped"), heap("free"));
 
     println!(
-        "reconcile benchmark: {n} Subscriptions on {} stream(s), server-side applied in chunks of {CHUNK}, {APPLIERS} at once (webhook registered; load average {})",
+        "reconcile benchmark: {n} Subscriptions on {} stream(s), server-side applied in chunks of {CHUNK}, {APPLIERS} at once (validating and mutating webhooks registered; load average {})",
         streams.len(),
         load_average()
     );
@@ -492,7 +491,11 @@ async fn main() {
         None,
     );
     common::kubectl_ok(
-        &["delete", "validatingwebhookconfiguration", &configuration],
+        &[
+            "delete",
+            "validatingwebhookconfiguration,mutatingwebhookconfiguration",
+            &configuration,
+        ],
         None,
     );
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);

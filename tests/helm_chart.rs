@@ -14,8 +14,9 @@ use serde_json::{Value, json};
 
 use common::controlplane::{ControlPlane, tool};
 use common::install::{
-    Operator, assert_no_rbac_wildcard, assert_operator_rbac, assert_settle_webhook, chart, docs,
-    helm, helm_run, kube_score, render_chart, shipped_webhook_configuration, webhook_behaviour,
+    Operator, assert_no_rbac_wildcard, assert_operator_rbac, assert_settle_mutating_webhook,
+    assert_settle_webhook, chart, docs, helm, helm_run, kube_score, render_chart,
+    shipped_mutating_configuration, shipped_webhook_configuration, webhook_behaviour,
 };
 use common::root;
 
@@ -698,6 +699,25 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
     let service = &webhook["webhooks"][0]["clientConfig"]["service"];
     assert_eq!(service["name"], "settle-webhook");
     assert_eq!(service["namespace"], "settle-system");
+    let mutating = cp.get_json(&["get", "mutatingwebhookconfiguration", "settle"]);
+    assert_settle_mutating_webhook("the chart's mutating webhook configuration", &mutating);
+    assert_eq!(
+        webhook_behaviour(&mutating),
+        webhook_behaviour(&shipped_mutating_configuration()),
+        "the chart's mutating webhook and config/webhook/mutating-webhook.yaml differ"
+    );
+    assert_eq!(
+        mutating["webhooks"][0]["clientConfig"]["service"],
+        webhook["webhooks"][0]["clientConfig"]["service"]
+            .as_object()
+            .map(|s| {
+                let mut s = s.clone();
+                s.insert("path".into(), "/mutate".into());
+                Value::Object(s)
+            })
+            .unwrap_or_default(),
+        "both webhooks are served by the same Service"
+    );
 
     // What the operator's ServiceAccount may do: as the README says, and no more.
     let operator = Operator {
@@ -842,6 +862,10 @@ fn chart_installs_on_an_api_server_without_crds_then_upgrades_and_uninstalls() {
         (
             &["get", "validatingwebhookconfiguration", "settle"][..],
             "the webhook configuration",
+        ),
+        (
+            &["get", "mutatingwebhookconfiguration", "settle"][..],
+            "the mutating webhook configuration",
         ),
         (
             &["get", "deployment", "settle", "-n", "settle-system"][..],

@@ -12,9 +12,9 @@ use serde_json::Value;
 
 use common::controlplane::{ControlPlane, kubectl_at};
 use common::install::{
-    Operator, assert_no_rbac_wildcard, assert_operator_rbac, assert_settle_webhook, docs,
-    first_difference, kube_score, normalise_numbers, render_chart, shipped_webhook_configuration,
-    webhook_behaviour,
+    Operator, assert_no_rbac_wildcard, assert_operator_rbac, assert_settle_mutating_webhook,
+    assert_settle_webhook, docs, first_difference, kube_score, normalise_numbers, render_chart,
+    shipped_mutating_configuration, shipped_webhook_configuration, webhook_behaviour,
 };
 use common::root;
 
@@ -182,6 +182,12 @@ fn kustomize_default_applies_to_a_real_api_server() {
     assert_eq!(
         webhook_behaviour(&webhook),
         webhook_behaviour(&shipped_webhook_configuration())
+    );
+    let mutating = cp.get_json(&["get", "mutatingwebhookconfiguration", "settle"]);
+    assert_settle_mutating_webhook("config/default's mutating webhook", &mutating);
+    assert_eq!(
+        webhook_behaviour(&mutating),
+        webhook_behaviour(&shipped_mutating_configuration())
     );
     let operator = Operator {
         namespace: "settle-system",

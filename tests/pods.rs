@@ -175,7 +175,19 @@ fn webhook_by_service_with_the_operators_ca(node: &Node) {
             assert_eq!(cc["service"]["namespace"], SYSTEM, "{cc}");
             assert_eq!(cc["service"]["path"], "/validate", "{cc}");
         }
-        if hooks.iter().all(|h| h["clientConfig"]["caBundle"] == ca) {
+        // And the mutating webhook of the same name, served by the same Service at /mutate.
+        let mwc = node.get_json(&["get", "mutatingwebhookconfiguration", RELEASE]);
+        let mutating = mwc["webhooks"].as_array().expect("webhooks").clone();
+        assert_eq!(mutating.len(), 1);
+        assert_eq!(
+            mutating[0]["clientConfig"]["service"]["path"], "/mutate",
+            "{mwc}"
+        );
+        if hooks
+            .iter()
+            .chain(&mutating)
+            .all(|h| h["clientConfig"]["caBundle"] == ca)
+        {
             break;
         }
         assert!(
@@ -809,7 +821,7 @@ fn clean(node: &Node) {
     let _ = node.kubectl(
         &[
             "delete",
-            "validatingwebhookconfiguration",
+            "validatingwebhookconfiguration,mutatingwebhookconfiguration",
             RELEASE,
             "--ignore-not-found",
         ],
@@ -847,7 +859,7 @@ fn release_leftovers(node: &Node) -> Vec<String> {
     // Cluster-wide: by the release's label and by its name.
     left.extend(names(&[
         "get",
-        "validatingwebhookconfigurations,clusterroles,clusterrolebindings",
+        "validatingwebhookconfigurations,mutatingwebhookconfigurations,clusterroles,clusterrolebindings",
         "-l",
         "app.kubernetes.io/instance=settle",
         "-o",
@@ -855,6 +867,7 @@ fn release_leftovers(node: &Node) -> Vec<String> {
     ]));
     for kind in [
         "validatingwebhookconfiguration",
+        "mutatingwebhookconfiguration",
         "clusterrole",
         "clusterrolebinding",
     ] {

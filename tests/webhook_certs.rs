@@ -13,7 +13,9 @@ mod common;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant, SystemTime};
 
-use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
@@ -253,6 +255,21 @@ async fn ca_bundles(client: &kube::Client, name: &str) -> Vec<String> {
         .collect()
 }
 
+async fn mutating_ca_bundles(client: &kube::Client, name: &str) -> Vec<String> {
+    let mwc = Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .get(name)
+        .await
+        .expect("get MWC");
+    mwc.webhooks
+        .unwrap_or_default()
+        .into_iter()
+        .map(|w| {
+            String::from_utf8(w.client_config.ca_bundle.map(|b| b.0).unwrap_or_default())
+                .expect("utf-8")
+        })
+        .collect()
+}
+
 async fn stored(client: &kube::Client, ns: &str, name: &str) -> Secret {
     Api::<Secret>::namespaced(client.clone(), ns)
         .get(name)
@@ -277,13 +294,20 @@ async fn self_managed_creates_reuses_rotates_and_patches_ca_bundle() {
     let ns = common::namespace("webhook-certs");
     let vwc_name = ns.clone();
     common::kubectl_ok(&["apply", "-f", "-"], Some(&vwc_yaml(&vwc_name)));
+    // And a MutatingWebhookConfiguration of the same name: patched alike.
+    let mwc = vwc_yaml(&vwc_name).replace(
+        "kind: ValidatingWebhookConfiguration",
+        "kind: MutatingWebhookConfiguration",
+    );
+    common::kubectl_ok(&["apply", "-f", "-"], Some(&mwc));
     let client = common::kube_client().await;
 
     let mut config = SelfManagedConfig::new(&ns, "settle-webhook-tls", sans());
     config.webhook_configuration = Some(vwc_name.clone());
     config.validity = Duration::from_secs(3600);
 
-    // First start: created, stored under the three keys, caBundle patched on both webhooks.
+    // First start: created, stored under the three keys, caBundle patched on the two webhooks of
+    // each configuration.
     let (created, outcome, previous) = ensure_secret(&client, &config).await.expect("ensure");
     assert_eq!(
         (outcome, previous.as_deref()),
@@ -307,10 +331,14 @@ async fn self_managed_creates_reuses_rotates_and_patches_ca_bundle() {
         patch_ca_bundle(&client, &vwc_name, &created.ca_pem, None)
             .await
             .expect("patch"),
-        2
+        4
     );
     assert_eq!(
         ca_bundles(&client, &vwc_name).await,
+        vec![created.ca_pem.clone(), created.ca_pem.clone()]
+    );
+    assert_eq!(
+        mutating_ca_bundles(&client, &vwc_name).await,
         vec![created.ca_pem.clone(), created.ca_pem.clone()]
     );
     // Nothing to patch the second time.
@@ -373,10 +401,11 @@ async fn self_managed_creates_reuses_rotates_and_patches_ca_bundle() {
         patch_ca_bundle(&client, &vwc_name, &rotated.ca_pem, previous.as_deref())
             .await
             .expect("patch"),
-        2
+        4
     );
-    let bundles = ca_bundles(&client, &vwc_name).await;
-    assert_eq!(bundles.len(), 2, "both webhooks carry a caBundle");
+    let mut bundles = ca_bundles(&client, &vwc_name).await;
+    bundles.extend(mutating_ca_bundles(&client, &vwc_name).await);
+    assert_eq!(bundles.len(), 4, "every webhook carries a caBundle");
     for bundle in bundles {
         assert_eq!(bundle, format!("{}{}", rotated.ca_pem, old.ca_pem));
     }
@@ -468,6 +497,9 @@ async fn self_managed_creates_reuses_rotates_and_patches_ca_bundle() {
     serving.task.abort();
 
     let _ = Api::<ValidatingWebhookConfiguration>::all(client.clone())
+        .delete(&vwc_name, &DeleteParams::default())
+        .await;
+    let _ = Api::<MutatingWebhookConfiguration>::all(client.clone())
         .delete(&vwc_name, &DeleteParams::default())
         .await;
     common::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);

@@ -4,6 +4,8 @@
 //! webhook goes down and the API server fails closed for Settle's resources only. And the webhook
 //! never blocks a cleanup (A14): a Subscription that no longer passes, with the controllers
 //! running, still takes its finalizer and labels, and is deleted, alone and with its namespace.
+//! The shipped MutatingWebhookConfiguration is registered too: a Subscription is stored with the
+//! operator's finalizer already on, though no controller runs for it.
 
 mod common;
 
@@ -109,6 +111,15 @@ fn shipped_configuration(name: &str, port: u16) -> serde_json::Value {
         });
     }
     vwc
+}
+
+/// config/webhook/mutating-webhook.yaml, asserted as shipped, then changed as
+/// [`shipped_configuration`] changes the validating one.
+fn shipped_mutating_configuration(name: &str, port: u16) -> serde_json::Value {
+    let mwc = common::install::shipped_mutating_configuration();
+    common::install::assert_settle_mutating_webhook("config/webhook/mutating-webhook.yaml", &mwc);
+    let pid = std::process::id().to_string();
+    common::install::by_url(mwc, name, port, "settle.dev/webhook-e2e", &pid)
 }
 
 /// What the API server must answer.
@@ -511,6 +522,9 @@ fn admission_through_the_real_api_server() {
         "the configuration as the API server stored it",
         &serde_json::from_str(&stored).expect("json"),
     );
+    // And the mutating one, of the same name: the operator trusts it with the same CA.
+    let mwc = shipped_mutating_configuration(&configuration, port);
+    kubectl_ok(&["apply", "-f", "-"], Some(&mwc.to_string()));
 
     // The operator first: Backends are behind the webhook too, which fails closed.
     let operator = Operator::start(port, &ns, &configuration);
@@ -723,6 +737,20 @@ fn admission_through_the_real_api_server() {
         None,
     );
     assert_eq!(again, ca_bundle, "a restart reuses the stored CA");
+    let mutating_ca_bundle = kubectl_ok(
+        &[
+            "get",
+            "mutatingwebhookconfiguration",
+            &configuration,
+            "-o",
+            "jsonpath={.webhooks[0].clientConfig.caBundle}",
+        ],
+        None,
+    );
+    assert_eq!(
+        mutating_ca_bundle, ca_bundle,
+        "the mutating webhook trusts the same CA"
+    );
     kubectl_ok(
         &["apply", "-n", &ns, "-f", "-"],
         Some(&manifest(
@@ -730,10 +758,55 @@ fn admission_through_the_real_api_server() {
             "  backendRef: {name: nats}\n  pattern: a.>\n",
         )),
     );
+    // No controller runs for this namespace: the finalizer is the mutating webhook's, put on
+    // before the Subscription was stored; a label (an UPDATE) keeps it and adds no second one.
+    let finalizers = || {
+        kubectl_ok(
+            &[
+                "get",
+                "subscription",
+                "after-restart",
+                "-n",
+                &ns,
+                "-o",
+                "jsonpath={.metadata.finalizers}",
+            ],
+            None,
+        )
+    };
+    assert_eq!(finalizers(), r#"["messaging.settle.dev/consumer"]"#);
+    kubectl_ok(
+        &[
+            "label",
+            "subscription",
+            "after-restart",
+            "-n",
+            &ns,
+            "team=a",
+        ],
+        None,
+    );
+    assert_eq!(finalizers(), r#"["messaging.settle.dev/consumer"]"#);
+    let metrics = operator.get("/metrics").unwrap_or_default();
+    assert!(
+        metrics.lines().any(|l| l
+            .starts_with(r#"settle_admission_mutations_total{finalizer_added="true"} "#)
+            && !l.ends_with(" 0")),
+        "the mutating webhook counted the finalizer it put on:\n{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("mutations"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     drop(operator);
 
     kubectl_ok(
         &["delete", "validatingwebhookconfiguration", &configuration],
+        None,
+    );
+    kubectl_ok(
+        &["delete", "mutatingwebhookconfiguration", &configuration],
         None,
     );
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);

@@ -25,6 +25,11 @@ pub use subscription::{
 /// The API group.
 pub const GROUP: &str = "messaging.settle.dev";
 
+/// The finalizer that makes deleting a Subscription delete its consumer first. The controller
+/// puts it on; the mutating webhook puts it on at admission already, so a new Subscription costs
+/// no write for it (docs/semantics.md A14).
+pub const FINALIZER: &str = "messaging.settle.dev/consumer";
+
 /// The CustomResourceDefinitions, as `settle crds` prints them and `crds/` holds them.
 pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
     use kube::CustomResourceExt;

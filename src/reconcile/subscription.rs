@@ -41,11 +41,8 @@ use super::metrics::SUBSCRIPTION;
 use super::status::{SubOutcome, subscription_status};
 use super::step::{Change, Removal, SQS_STREAM, Target};
 use super::{Ctx, Error, FIELD_MANAGER};
-use crate::api::{Backend, DeletionPolicy, Subscription};
+use crate::api::{Backend, DeletionPolicy, FINALIZER, Subscription};
 use crate::policy::{BackendKind, BackendView, Pause, effective_capabilities, validate};
-
-/// The finalizer that makes deleting a Subscription delete its consumer first.
-pub const FINALIZER: &str = "messaging.settle.dev/consumer";
 
 /// Reconciles one Subscription.
 pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, Error> {

@@ -77,6 +77,76 @@ pub fn shipped_webhook_configuration() -> Value {
     all.remove(0)
 }
 
+/// The MutatingWebhookConfiguration shipped in config/webhook/ (also part of config/default).
+pub fn shipped_mutating_configuration() -> Value {
+    let path = root().join("config/webhook/mutating-webhook.yaml");
+    let text = std::fs::read_to_string(&path).expect("config/webhook/mutating-webhook.yaml");
+    let mut all = docs(&text);
+    assert_eq!(all.len(), 1, "{} holds one object", path.display());
+    all.remove(0)
+}
+
+/// A shipped webhook configuration renamed `name`, each of its webhooks reached by `url:` at
+/// `https://127.0.0.1:{port}` on its shipped path, and called only for the namespaces labelled
+/// `label=value` (so parallel tests are unaffected).
+pub fn by_url(mut configuration: Value, name: &str, port: u16, label: &str, value: &str) -> Value {
+    configuration["metadata"]["name"] = json!(name);
+    for hook in configuration["webhooks"]
+        .as_array_mut()
+        .expect("a webhook configuration has webhooks")
+    {
+        let path = hook["clientConfig"]["service"]["path"]
+            .as_str()
+            .expect("a shipped webhook names its path")
+            .to_string();
+        hook["clientConfig"] = json!({"url": format!("https://127.0.0.1:{port}{path}")});
+        hook["namespaceSelector"] = json!({"matchLabels": {label: value}});
+    }
+    configuration
+}
+
+/// Asserts what every shipped mutating configuration promises: one webhook, for Subscriptions'
+/// CREATE and UPDATE only, failing open (the controller adds the finalizer without it), never
+/// called again, at `/mutate`. `what` names the configuration in failures.
+pub fn assert_settle_mutating_webhook(what: &str, configuration: &Value) {
+    assert_eq!(
+        configuration["kind"], "MutatingWebhookConfiguration",
+        "{what}"
+    );
+    let hooks = configuration["webhooks"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{what}: no webhooks in {configuration}"));
+    assert_eq!(hooks.len(), 1, "{what}: exactly one webhook");
+    let hook = &hooks[0];
+    assert_eq!(
+        hook["name"], "finalizer.subscriptions.messaging.settle.dev",
+        "{what}"
+    );
+    assert_eq!(hook["failurePolicy"], "Ignore", "{what}: fails open");
+    assert_eq!(hook["reinvocationPolicy"], "Never", "{what}");
+    assert_eq!(hook["sideEffects"], "None", "{what}");
+    assert_eq!(
+        hook["rules"],
+        json!([{
+            "apiGroups": ["messaging.settle.dev"],
+            "apiVersions": ["v1alpha1"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["subscriptions"],
+            "scope": "Namespaced",
+        }]),
+        "{what}: only Subscriptions, only CREATE and UPDATE"
+    );
+    let path = hook["clientConfig"]["service"]["path"]
+        .as_str()
+        .or_else(|| {
+            hook["clientConfig"]["url"]
+                .as_str()
+                .and_then(|u| u.find("/mutate").map(|i| &u[i..]))
+        })
+        .unwrap_or_else(|| panic!("{what}: no clientConfig path in {hook}"));
+    assert_eq!(path, "/mutate", "{what}: the operator serves /mutate");
+}
+
 /// Asserts what every shipped webhook configuration promises: two webhooks, Subscriptions then
 /// Backends, each fail closed, called only for CREATE and UPDATE of its resource (nothing else
 /// in the cluster waits on Settle), at `/validate`. `what` names the configuration in failures.
@@ -153,7 +223,8 @@ pub struct Operator<'a> {
     /// Its namespace and ServiceAccount.
     pub namespace: &'a str,
     pub service_account: &'a str,
-    /// Its webhook certificate Secret, its Lease and its ValidatingWebhookConfiguration.
+    /// Its webhook certificate Secret, its Lease and its ValidatingWebhookConfiguration (and the
+    /// MutatingWebhookConfiguration of the same name).
     pub certificate_secret: &'a str,
     pub lease: &'a str,
     pub webhook_configuration: &'a str,
@@ -162,7 +233,7 @@ pub struct Operator<'a> {
 /// Asks the real API server what the operator's ServiceAccount may do and asserts the README's
 /// table: Secrets readable only in `watched` (everywhere with `all_secrets`) plus its own
 /// certificate, status writable but spec not, its finalizer, Events, its Lease in its own
-/// namespace only, its own webhook configuration only, nothing else. All rows are asked before
+/// namespace only, its own webhook configurations only, nothing else. All rows are asked before
 /// one assertion lists every row that differs.
 pub fn assert_operator_rbac(
     cp: &ControlPlane,
@@ -178,6 +249,7 @@ pub fn assert_operator_rbac(
         "validatingwebhookconfigurations/{}",
         op.webhook_configuration
     );
+    let mwc = format!("mutatingwebhookconfigurations/{}", op.webhook_configuration);
     let other = unwatched.first().copied().unwrap_or("default");
     // (verb, resource[/name], subresource, namespace ("" = cluster or all), expected)
     let mut rows: Vec<(&str, String, &str, String, bool)> = vec![
@@ -340,9 +412,25 @@ pub fn assert_operator_rbac(
         ),
         ("update", lease.clone(), "", other.into(), false),
         ("patch", vwc.clone(), "", "".into(), true),
+        ("patch", mwc.clone(), "", "".into(), true),
+        ("get", mwc.clone(), "", "".into(), true),
         (
             "patch",
             "validatingwebhookconfigurations/someone-else".into(),
+            "",
+            "".into(),
+            false,
+        ),
+        (
+            "patch",
+            "mutatingwebhookconfigurations/someone-else".into(),
+            "",
+            "".into(),
+            false,
+        ),
+        (
+            "create",
+            "mutatingwebhookconfigurations".into(),
             "",
             "".into(),
             false,

@@ -1,7 +1,9 @@
 //! The webhook's Prometheus metrics:
 //!
 //! - `settle_admission_requests_total{operation,allowed}`, `settle_admission_duration_seconds`:
-//!   every review answered;
+//!   every review the validating webhook answered;
+//! - `settle_admission_mutations_total{finalizer_added}`: every review the mutating webhook
+//!   answered, and whether it put the finalizer on;
 //! - `settle_webhook_connections_open`, `settle_webhook_connections_refused_total` (refused for
 //!   being over `--webhook-max-connections`), `settle_webhook_connections_closed_total{reason}`;
 //! - `settle_webhook_reviews_reading`: bodies being read and parsed now (at most
@@ -53,6 +55,7 @@ impl Rejected {
 pub struct WebhookMetrics {
     requests: IntCounterVec,
     duration: Histogram,
+    mutations: IntCounterVec,
     pub(super) connections: ConnectionMetrics,
     reading: IntGauge,
     waiting: IntGauge,
@@ -79,6 +82,15 @@ impl WebhookMetrics {
                 1.0, 2.5, 5.0, 10.0,
             ]),
         )?;
+        let mutations = IntCounterVec::new(
+            Opts::new(
+                "settle_admission_mutations_total",
+                "Reviews the mutating webhook answered, by whether it put the operator's finalizer \
+                 on (false: it was there, the Subscription is being deleted, or the body was not \
+                 a Subscription's CREATE or UPDATE).",
+            ),
+            &["finalizer_added"],
+        )?;
         let connections =
             ConnectionMetrics::register(registry, "webhook", "--webhook-max-connections", true)?;
         let reading = IntGauge::new(
@@ -102,12 +114,14 @@ impl WebhookMetrics {
         }
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
+        registry.register(Box::new(mutations.clone()))?;
         registry.register(Box::new(reading.clone()))?;
         registry.register(Box::new(waiting.clone()))?;
         registry.register(Box::new(rejected.clone()))?;
         Ok(WebhookMetrics {
             requests,
             duration,
+            mutations,
             connections,
             reading,
             waiting,
@@ -124,6 +138,14 @@ impl WebhookMetrics {
             .with_label_values(&[operation, if answer.allowed { "true" } else { "false" }])
             .inc();
         self.duration.observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts one review of the mutating webhook (a 400 counts as not added).
+    pub(super) fn mutated(&self, answer: &Answer, patched: bool) {
+        let added = patched && answer.status == http::StatusCode::OK;
+        self.mutations
+            .with_label_values(&[if added { "true" } else { "false" }])
+            .inc();
     }
 
     /// Counts a body being read until the returned guard is dropped.

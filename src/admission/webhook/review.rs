@@ -55,18 +55,18 @@ struct ReviewIn<'a> {
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct RequestIn<'a> {
-    uid: String,
-    kind: KindIn,
+pub(super) struct RequestIn<'a> {
+    pub(super) uid: String,
+    pub(super) kind: KindIn,
     #[serde(default)]
-    sub_resource: Option<String>,
+    pub(super) sub_resource: Option<String>,
     #[serde(default)]
     name: Option<String>,
     #[serde(default)]
     namespace: Option<String>,
-    operation: String,
+    pub(super) operation: String,
     #[serde(default, borrow)]
-    object: Option<&'a RawValue>,
+    pub(super) object: Option<&'a RawValue>,
     #[serde(default, borrow)]
     old_object: Option<&'a RawValue>,
     #[serde(default)]
@@ -74,11 +74,11 @@ struct RequestIn<'a> {
 }
 
 #[derive(Deserialize)]
-struct KindIn {
+pub(super) struct KindIn {
     #[serde(default)]
-    group: String,
+    pub(super) group: String,
     #[serde(default)]
-    kind: String,
+    pub(super) kind: String,
 }
 
 /// One answer, and what the metrics and log need to know about it.
@@ -152,9 +152,9 @@ enum Next {
     },
 }
 
-/// Reads one body, without I/O: the review, or the 400 to answer when it is not an
-/// AdmissionReview at all.
-pub(super) fn read(body: &[u8]) -> Result<Review, Answer> {
+/// Reads the envelope of one body, without I/O: its apiVersion and its request, checked to be an
+/// AdmissionReview's with a uid; or the 400 to answer. Shared by both webhooks.
+pub(super) fn envelope(body: &[u8]) -> Result<(String, RequestIn<'_>), Answer> {
     let bad_request = |reason: String| {
         tracing::warn!(%reason, "refused a request that is not an AdmissionReview");
         Answer {
@@ -192,12 +192,18 @@ pub(super) fn read(body: &[u8]) -> Result<Review, Answer> {
             "the AdmissionReview request has an empty uid\n".into(),
         ));
     }
+    Ok((review.api_version, request))
+}
 
+/// Reads one body, without I/O: the review, or the 400 to answer when it is not an
+/// AdmissionReview at all.
+pub(super) fn read(body: &[u8]) -> Result<Review, Answer> {
+    let (api_version, request) = envelope(body)?;
     let next = prepare(&request);
     let namespace = request.namespace.as_deref().unwrap_or("");
     let name = request.name.as_deref().unwrap_or("");
     Ok(Review {
-        api_version: review.api_version,
+        api_version,
         object: format!("{namespace}/{name}"),
         uid: request.uid,
         kind: request.kind.kind,

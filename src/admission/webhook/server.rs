@@ -1,5 +1,6 @@
 //! The HTTPS server: [`Server`] binds, terminates TLS with a certificate from `admission::certs`,
-//! serves `POST /validate` and `GET /healthz` over HTTP/1.1 and HTTP/2, and stops gracefully.
+//! serves `POST /validate`, `POST /mutate` and `GET /healthz` over HTTP/1.1 and HTTP/2, and stops
+//! gracefully.
 //!
 //! What a client can hold, and for how long, is bounded: at most `max_connections` connections
 //! are open (a connection beyond is closed as soon as it is accepted, and counted), each phase of
@@ -8,7 +9,8 @@
 //! once, so a burst of big reviews costs about `max_concurrent_reviews × max_body_bytes` and no
 //! more.
 //!
-//! This file must not decide admission (it hands each body to `review`) and must never let a
+//! This file must not decide admission (it hands each body to `review`, or to `mutate`) and
+//! must never let a
 //! client hang it: every wait has a deadline and every body a size limit.
 
 use std::future::Future;
@@ -27,7 +29,7 @@ use tokio_rustls::TlsAcceptor;
 use super::LOOKUP_TIMEOUT;
 use super::lookup::BackendLookup;
 use super::metrics::{Rejected, WebhookMetrics};
-use super::review;
+use super::{mutate, review};
 use crate::admission::certs::{CertResolver, crypto_provider};
 use crate::serve;
 
@@ -231,20 +233,34 @@ fn plain(status: StatusCode, text: impl Into<Bytes>) -> Response<Full<Bytes>> {
 async fn handle(reviewer: &Reviewer, req: Request<Incoming>) -> Response<Full<Bytes>> {
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => plain(StatusCode::OK, "ok\n"),
-        (&Method::POST, "/validate") => validate(reviewer, req).await,
-        (_, "/validate" | "/healthz") => {
+        (&Method::POST, "/validate") => answer_review(reviewer, req, Hook::Validate).await,
+        (&Method::POST, "/mutate") => answer_review(reviewer, req, Hook::Mutate).await,
+        (_, "/validate" | "/mutate" | "/healthz") => {
             plain(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n")
         }
         _ => plain(
             StatusCode::NOT_FOUND,
-            "not found: the admission webhook serves POST /validate and GET /healthz\n",
+            "not found: the admission webhook serves POST /validate, POST /mutate and GET /healthz\n",
         ),
     }
 }
 
-/// `POST /validate`: wait for a turn, read and parse the body, give the turn back, then decide
-/// (the Backend lookup may wait on the API server; it holds no body).
-async fn validate(reviewer: &Reviewer, req: Request<Incoming>) -> Response<Full<Bytes>> {
+/// Which webhook a review was sent to.
+#[derive(Clone, Copy)]
+enum Hook {
+    /// `POST /validate`: judged by the rules.
+    Validate,
+    /// `POST /mutate`: the finalizer put on, nothing judged.
+    Mutate,
+}
+
+/// `POST /validate` and `POST /mutate`: wait for a turn, read and parse the body, give the turn
+/// back, then decide (the Backend lookup may wait on the API server; it holds no body).
+async fn answer_review(
+    reviewer: &Reviewer,
+    req: Request<Incoming>,
+    hook: Hook,
+) -> Response<Full<Bytes>> {
     let config = &reviewer.config;
     let started = Instant::now();
     let deadline = tokio::time::Instant::from_std(started) + config.body_timeout;
@@ -314,21 +330,33 @@ async fn validate(reviewer: &Reviewer, req: Request<Incoming>) -> Response<Full<
             );
         }
     };
-    let read = review::read(&body);
-    drop(body);
-    drop((reading, turn));
-    let answer = match read {
-        Ok(review) => {
-            review::answer(
-                review,
-                reviewer.backends.as_ref(),
-                &reviewer.config.backend_rules,
-            )
-            .await
+    let answer = match hook {
+        Hook::Mutate => {
+            let (answer, patched) = mutate::mutate(&body);
+            drop(body);
+            drop((reading, turn));
+            reviewer.metrics.mutated(&answer, patched);
+            answer
         }
-        Err(bad_request) => bad_request,
+        Hook::Validate => {
+            let read = review::read(&body);
+            drop(body);
+            drop((reading, turn));
+            let answer = match read {
+                Ok(review) => {
+                    review::answer(
+                        review,
+                        reviewer.backends.as_ref(),
+                        &reviewer.config.backend_rules,
+                    )
+                    .await
+                }
+                Err(bad_request) => bad_request,
+            };
+            reviewer.metrics.observe(&answer, started.elapsed());
+            answer
+        }
     };
-    reviewer.metrics.observe(&answer, started.elapsed());
     let content_type = if answer.status == StatusCode::OK {
         "application/json"
     } else {
