@@ -12,14 +12,13 @@
 //!
 //! This module must not write admission rules (they live in `policy::rules`), must not change
 //! anything anywhere but the finalizer of the Subscription under review (both webhooks declare
-//! `sideEffects: None`; `dryRun` requests are handled
-//! exactly like the others), and must never panic or hang on what a client sends: malformed
-//! input gets a 400 or a denial that says why, and a Backend it cannot read fails closed.
+//! `sideEffects: None`; `dryRun` requests are handled exactly like the others), and must never
+//! panic or hang on what a client sends: malformed input gets a 400 or a denial that says why,
+//! and a Backend it cannot read fails closed.
 //!
 //! The parts: `lookup` (finding Backends), `review` (one body, one answer), `mutate` (the
-//! finalizer), `metrics` and
-//! `server` (HTTPS: the body limit and reading turns; the connection cap and each connection's
-//! deadlines are `crate::serve`'s).
+//! finalizer), `metrics` and `server` (HTTPS: the body limit and reading turns; the connection
+//! cap and each connection's deadlines are `crate::serve`'s).
 
 mod lookup;
 mod metrics;

@@ -10,8 +10,7 @@
 //! more.
 //!
 //! This file must not decide admission (it hands each body to `review`, or to `mutate`) and
-//! must never let a
-//! client hang it: every wait has a deadline and every body a size limit.
+//! must never let a client hang it: every wait has a deadline and every body a size limit.
 
 use std::future::Future;
 use std::net::SocketAddr;
