@@ -14,7 +14,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration, WebhookClientConfig,
 };
 use k8s_openapi::api::core::v1::Secret;
 use kube::Api;
@@ -245,14 +245,12 @@ async fn ca_bundles(client: &kube::Client, name: &str) -> Vec<String> {
         .get(name)
         .await
         .expect("get VWC");
-    vwc.webhooks
-        .unwrap_or_default()
-        .into_iter()
-        .map(|w| {
-            String::from_utf8(w.client_config.ca_bundle.map(|b| b.0).unwrap_or_default())
-                .expect("utf-8")
-        })
-        .collect()
+    bundles(
+        vwc.webhooks
+            .unwrap_or_default()
+            .into_iter()
+            .map(|w| w.client_config),
+    )
 }
 
 async fn mutating_ca_bundles(client: &kube::Client, name: &str) -> Vec<String> {
@@ -260,13 +258,18 @@ async fn mutating_ca_bundles(client: &kube::Client, name: &str) -> Vec<String> {
         .get(name)
         .await
         .expect("get MWC");
-    mwc.webhooks
-        .unwrap_or_default()
-        .into_iter()
-        .map(|w| {
-            String::from_utf8(w.client_config.ca_bundle.map(|b| b.0).unwrap_or_default())
-                .expect("utf-8")
-        })
+    bundles(
+        mwc.webhooks
+            .unwrap_or_default()
+            .into_iter()
+            .map(|w| w.client_config),
+    )
+}
+
+/// Each webhook's caBundle, as text.
+fn bundles(configs: impl Iterator<Item = WebhookClientConfig>) -> Vec<String> {
+    configs
+        .map(|c| String::from_utf8(c.ca_bundle.map(|b| b.0).unwrap_or_default()).expect("utf-8"))
         .collect()
 }
 

@@ -96,21 +96,10 @@ impl Drop for Operator {
 /// must: clientConfig (a `url:` to this process, at the shipped path), the namespace selector
 /// (this test's namespace) and the name (one of this test's own).
 fn shipped_configuration(name: &str, port: u16) -> serde_json::Value {
-    let mut vwc = common::install::shipped_webhook_configuration();
+    let vwc = common::install::shipped_webhook_configuration();
     common::install::assert_settle_webhook("config/webhook/validating-webhook.yaml", &vwc);
-    vwc["metadata"]["name"] = serde_json::json!(name);
-    for hook in vwc["webhooks"].as_array_mut().expect("webhooks") {
-        let path = hook["clientConfig"]["service"]["path"]
-            .as_str()
-            .expect("the shipped webhook names its path")
-            .to_string();
-        hook["clientConfig"] =
-            serde_json::json!({"url": format!("https://127.0.0.1:{port}{path}")});
-        hook["namespaceSelector"] = serde_json::json!({
-            "matchLabels": {"settle.dev/webhook-e2e": std::process::id().to_string()}
-        });
-    }
-    vwc
+    let pid = std::process::id().to_string();
+    common::install::by_url(vwc, name, port, "settle.dev/webhook-e2e", &pid)
 }
 
 /// config/webhook/mutating-webhook.yaml, asserted as shipped, then changed as

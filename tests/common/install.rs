@@ -124,27 +124,7 @@ pub fn assert_settle_mutating_webhook(what: &str, configuration: &Value) {
     );
     assert_eq!(hook["failurePolicy"], "Ignore", "{what}: fails open");
     assert_eq!(hook["reinvocationPolicy"], "Never", "{what}");
-    assert_eq!(hook["sideEffects"], "None", "{what}");
-    assert_eq!(
-        hook["rules"],
-        json!([{
-            "apiGroups": ["messaging.settle.dev"],
-            "apiVersions": ["v1alpha1"],
-            "operations": ["CREATE", "UPDATE"],
-            "resources": ["subscriptions"],
-            "scope": "Namespaced",
-        }]),
-        "{what}: only Subscriptions, only CREATE and UPDATE"
-    );
-    let path = hook["clientConfig"]["service"]["path"]
-        .as_str()
-        .or_else(|| {
-            hook["clientConfig"]["url"]
-                .as_str()
-                .and_then(|u| u.find("/mutate").map(|i| &u[i..]))
-        })
-        .unwrap_or_else(|| panic!("{what}: no clientConfig path in {hook}"));
-    assert_eq!(path, "/mutate", "{what}: the operator serves /mutate");
+    assert_served(what, hook, "subscriptions", "/mutate");
 }
 
 /// Asserts what every shipped webhook configuration promises: two webhooks, Subscriptions then
@@ -167,6 +147,12 @@ fn assert_one_webhook(what: &str, hook: &Value, resource: &str) {
         "{what}"
     );
     assert_eq!(hook["failurePolicy"], "Fail", "{what}: fails closed");
+    assert_served(what, hook, resource, "/validate");
+}
+
+/// What both kinds of Settle's webhook promise: no side effects, equivalent matching, v1
+/// reviews, called only for CREATE and UPDATE of `resource`, at `path` of the operator.
+fn assert_served(what: &str, hook: &Value, resource: &str, path: &str) {
     assert_eq!(hook["sideEffects"], "None", "{what}");
     assert_eq!(hook["matchPolicy"], "Equivalent", "{what}");
     assert_eq!(hook["admissionReviewVersions"], json!(["v1"]), "{what}");
@@ -181,15 +167,15 @@ fn assert_one_webhook(what: &str, hook: &Value, resource: &str) {
         }]),
         "{what}: only {resource}, only CREATE and UPDATE"
     );
-    let path = hook["clientConfig"]["service"]["path"]
+    let served = hook["clientConfig"]["service"]["path"]
         .as_str()
         .or_else(|| {
             hook["clientConfig"]["url"]
                 .as_str()
-                .and_then(|u| u.find("/validate").map(|i| &u[i..]))
+                .and_then(|u| u.find(path).map(|i| &u[i..]))
         })
         .unwrap_or_else(|| panic!("{what}: no clientConfig path in {hook}"));
-    assert_eq!(path, "/validate", "{what}: the operator serves /validate");
+    assert_eq!(served, path, "{what}: the operator serves {path}");
 }
 
 /// The webhook fields that must not differ between two shipped configurations (all but where
