@@ -107,16 +107,17 @@ impl Operator {
         // target/heap"`, for a benchmark): its words, then the binary. The pid is then the
         // wrapper's.
         let mut words = wrapper.split_whitespace();
+        let binary = operator_binary();
         let mut cmd = match words.next() {
             Some(program) => {
                 let mut c = Command::new(program);
-                c.args(words).arg(env!("CARGO_BIN_EXE_settle"));
+                c.args(words).arg(&binary);
                 // A group of its own, killed whole: killing the wrapper alone had left the
                 // operator under it running, measured beside the next benchmark's.
                 std::os::unix::process::CommandExt::process_group(&mut c, 0);
                 c
             }
-            None => Command::new(env!("CARGO_BIN_EXE_settle")),
+            None => Command::new(&binary),
         };
         cmd.args(["operator", "--log-format", "text"]);
         // The defaults, each unless `extra` sets it.
@@ -250,6 +251,15 @@ impl Operator {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The operator binary to run: this build's, or `SETTLE_OPERATOR_BIN` (for a benchmark of the
+/// binary as shipped, `cargo build --release --bin settle`, copied aside: the benches' own build
+/// of it has the dev-dependencies' features unified in, so its code differs).
+fn operator_binary() -> std::path::PathBuf {
+    std::env::var_os("SETTLE_OPERATOR_BIN")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| env!("CARGO_BIN_EXE_settle").into(), Into::into)
 }
 
 impl Drop for Operator {
