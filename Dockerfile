@@ -5,7 +5,9 @@
 # (the files gcr.io/distroless/cc-debian12 holds for this binary); tests/image.rs compares the two.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+COPY Cargo.toml Cargo.lock build.rs ./
+# build.rs lays the operator's code out with link/hot-text.ld.
+COPY link ./link
 COPY src ./src
 # Cargo.toml names test and bench targets: without their files the manifest does not parse.
 COPY benches ./benches

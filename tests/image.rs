@@ -296,10 +296,15 @@ fn the_dockerfile_build_stage_has_every_file_cargo_toml_names() {
     // Cargo.toml declares [[test]] and [[bench]] targets by name: without tests/NAME.rs or
     // benches/NAME.rs the manifest does not parse and `docker build` stops at `cargo build`.
     let manifest = read("Cargo.toml");
+    // build.rs and what it reads lay the operator's code out: without them the image's binary
+    // would build, laid out otherwise.
     let mut needed = BTreeSet::from([
         "Cargo.toml".to_string(),
         "Cargo.lock".to_string(),
         "src".to_string(),
+        "build.rs".to_string(),
+        "link/layout.rs".to_string(),
+        "link/hot-functions.txt".to_string(),
     ]);
     let mut section = "";
     for line in manifest.lines() {
@@ -352,6 +357,20 @@ fn the_layer_holds_the_binary_its_libraries_ca_certificates_and_users() {
         binary.data.starts_with(b"\x7fELF"),
         "the binary is an ELF file"
     );
+    // Laid out by build.rs: the functions the operator runs in `.text.hot`, before the rest.
+    let sections = elf_sections(&binary.data);
+    let hot = sections.iter().find(|(n, _, _)| n == ".text.hot");
+    let text = sections.iter().find(|(n, _, _)| n == ".text");
+    match (hot, text) {
+        (Some((_, hot_at, hot_size)), Some((_, text_at, _))) => {
+            assert!(*hot_size > 1 << 20, ".text.hot holds {hot_size} bytes");
+            assert!(hot_at < text_at, ".text.hot is placed before .text");
+        }
+        _ => panic!(
+            "the shipped binary has no .text.hot before .text (build.rs, link/hot-functions.txt): {:?}",
+            sections.iter().map(|(n, _, _)| n).collect::<Vec<_>>()
+        ),
+    }
     file("/lib64/ld-linux-x86-64.so.2");
     file("/lib/x86_64-linux-gnu/libc.so.6");
 
@@ -535,6 +554,35 @@ fn the_labels_say_the_version_commit_and_debian_packages_that_went_in() {
 }
 
 /// Runs `bin` of the unpacked image `dir` with the image's loader and libraries only.
+/// A 64-bit little-endian ELF file's sections: name, address, size.
+fn elf_sections(elf: &[u8]) -> Vec<(String, u64, u64)> {
+    let u16_at = |o: usize| u16::from_le_bytes([elf[o], elf[o + 1]]) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(elf[o..o + 4].try_into().expect("4 bytes")) as usize;
+    let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().expect("8 bytes"));
+    assert_eq!(
+        &elf[..6],
+        b"\x7fELF\x02\x01",
+        "a 64-bit little-endian ELF file"
+    );
+    let (table, size, count, names) = (
+        u64_at(0x28) as usize,
+        u16_at(0x3a),
+        u16_at(0x3c),
+        u16_at(0x3e),
+    );
+    let header = |i: usize| table + i * size;
+    let strings = u64_at(header(names) + 0x18) as usize;
+    (0..count)
+        .map(|i| {
+            let h = header(i);
+            let at = strings + u32_at(h);
+            let end = at + elf[at..].iter().position(|&b| b == 0).expect("a name");
+            let name = String::from_utf8_lossy(&elf[at..end]).into_owned();
+            (name, u64_at(h + 0x10), u64_at(h + 0x20))
+        })
+        .collect()
+}
+
 fn run_in_image(dir: &Path, bin: &str, args: &[&str]) -> std::process::Output {
     Command::new(dir.join("lib64/ld-linux-x86-64.so.2"))
         .arg("--library-path")
