@@ -6,7 +6,7 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
-# build.rs lays the operator's code out with link/hot-text.ld.
+# build.rs lays the operator's code out from link/hot-functions.txt (link/layout.rs).
 COPY link ./link
 COPY src ./src
 # Cargo.toml names test and bench targets: without their files the manifest does not parse.

@@ -463,11 +463,9 @@ async fn main() {
     );
 
     // A profiler's view of the heap at rest (`SETTLE_BENCH_PROFILE_AT_REST=1` with
-    // `SETTLE_OPERATOR_WRAPPER="heaptrack ..."`; add `--config
-    // 'profile.bench.package.settle.debug="line-tables-only"'` to `cargo bench` for file names:
-    // the bench profile is otherwise the release build, byte for byte): the profiled operator
-    // ends here, before the delete, and another one, on the same webhook address and not
-    // profiled, removes the Subscriptions' finalizers.
+    // `SETTLE_OPERATOR_WRAPPER="heaptrack ..."`): the profiled operator ends here, before the
+    // delete, and another one, on the same webhook address and not profiled, removes the
+    // Subscriptions' finalizers.
     let op = if std::env::var_os("SETTLE_BENCH_PROFILE_AT_REST").is_some() {
         // The profiler writes what it saw in batches: the last scrape's frees are in before the
         // kill.
