@@ -1,7 +1,7 @@
 //! The handler runtime on a real nats-server with JetStream: the conformance suite, and every
-//! rule of docs/semantics.md that involves what the broker is sent or does (J1–J7). Each test
-//! uses its own stream and subjects, so the tests share one server and run in parallel. Acks are
-//! observed on the wire by a plain subscription to `$JS.ACK.<stream>.>`.
+//! rule of docs/semantics.md that involves what the broker is sent or does (J1–J7, J11). Each
+//! test uses its own stream and subjects, so the tests share one server and run in parallel.
+//! Acks (and pull requests) are observed on the wire by a plain subscription to their subject.
 //!
 //! Needs the environment (`make env-up`); never skips.
 
@@ -662,6 +662,104 @@ async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_nats() {
     let (bus, _) =
         common::bus::a_forgotten_ack_with_prefetch_one_never_stalls(&scope, "fg", 4).await;
     assert_eq!(scope.consumer_config("fg").await.max_ack_pending, 1);
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twelve_subscriptions_of_large_messages_share_one_connection_without_overrunning_it() {
+    // semantics J11: each of twelve subscriptions may have 250 messages of 60 KiB in flight
+    // (15 MiB each, 180 MiB in all, beyond the server's 64 MiB max_pending for one connection),
+    // but a pull asks for at most `pull_bytes`: every subscribe answers, every message is
+    // consumed, and the server never closes the connection as a slow consumer.
+    const SUBS: usize = 12;
+    const N: u64 = 300;
+    let scope = Scope::with_wire("large", false).await;
+    let body = bytes::Bytes::from(vec![b'x'; 60 << 10]);
+    for i in 0..N {
+        scope
+            .js
+            .publish(scope.subject(&i.to_string()), body.clone())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let backend = scope.backend().await;
+    let pull_bytes = backend.pull_bytes();
+    assert!(
+        pull_bytes < 250 * body.len(),
+        "the bound must bind in this test: {pull_bytes} bytes a pull"
+    );
+    let client = backend.client().clone();
+    // Every pull request the runtime sends for this stream's consumers, as the server gets it.
+    let pulls = Wire::default();
+    let mut tap = scope
+        .client
+        .subscribe(format!("$JS.API.CONSUMER.MSG.NEXT.{}.>", scope.stream))
+        .await
+        .unwrap();
+    let w = pulls.clone();
+    tokio::spawn(async move {
+        while let Some(m) = tap.next().await {
+            w.0.lock()
+                .unwrap()
+                .push(String::from_utf8_lossy(&m.payload).into_owned());
+        }
+    });
+    scope.client.flush().await.unwrap();
+    let bus = Bus::builder(backend).without_reports().build();
+    let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for i in 0..SUBS {
+        let name = format!("large{i}");
+        let mut policy = scope.alo(&name);
+        policy.max_in_flight = Some(250);
+        let a = acked.clone();
+        bus.subscribe(sub(&name, policy, move |d| {
+            let a = a.clone();
+            async move {
+                d.ack().await?;
+                a.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
+        }))
+        .await
+        .unwrap_or_else(|e| panic!("subscription {} of {SUBS}: {e}", i + 1));
+    }
+    until("every subscription consumed every message", || {
+        acked.load(std::sync::atomic::Ordering::Relaxed) == SUBS as u64 * N
+    })
+    .await;
+    for i in 0..SUBS {
+        let s = stats(&bus, &format!("large{i}"));
+        assert_eq!(
+            (s.offered, s.settlement.acked),
+            (N, N),
+            "subscription large{i}"
+        );
+    }
+    // What keeps the connection alive, whatever the machine's speed: each pull asks for the
+    // bound, and twelve subscriptions' worth (1.5 pulls each under way) fits the server's
+    // default max_pending of 64 MiB.
+    let seen = pulls.bodies();
+    assert!(seen.len() >= SUBS, "pull requests seen: {seen:?}");
+    for body in &seen {
+        let pull: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(pull["batch"], 250, "{body}");
+        assert_eq!(pull["max_bytes"], pull_bytes, "{body}");
+    }
+    assert!(
+        SUBS * pull_bytes * 3 / 2 < 64 << 20,
+        "{SUBS} subscriptions of {pull_bytes} bytes a pull can overrun 64 MiB"
+    );
+    assert_eq!(
+        client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the connection was closed and made again (the server's log says \"Slow Consumer Detected\")"
+    );
     bus.close().await;
     scope.drop_stream().await;
 }

@@ -2,8 +2,8 @@
 //! Subscription is a durable consumer of the whole stream, made anew each round (so a round
 //! replays the stream instead of refilling it). Bare: async-nats pull consumers
 //! (`max_ack_pending` = maxInFlight, the pull batch the same but at least 2, as the runtime's: a
-//! batch of 1 makes async-nats' pull stream stall now and then; each message acked). Settle:
-//! `NatsBroker`.
+//! batch of 1 makes async-nats' pull stream stall now and then; the pull's bytes bounded as the
+//! runtime's, semantics J11; each message acked). Settle: `NatsBroker`.
 
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,8 @@ use super::{Cell, Harness, Side, settle_round};
 pub struct Nats {
     url: String,
     js: jetstream::Context,
+    /// The runtime's bound on a pull's bytes, which the bare consumers use too.
+    pull_bytes: usize,
 }
 
 impl Nats {
@@ -25,6 +27,7 @@ impl Nats {
             .unwrap_or_else(|e| panic!("connect to NATS at {url}: {e}"));
         Nats {
             url: url.to_string(),
+            pull_bytes: NatsBroker::from_client(client.clone()).pull_bytes(),
             js: jetstream::new(client),
         }
     }
@@ -105,8 +108,9 @@ impl Harness for Nats {
                     .into_iter()
                     .map(|durable| {
                         let (stream, subject, cell) = (stream.clone(), subject.clone(), *cell);
+                        let pull_bytes = self.pull_bytes;
                         tokio::spawn(async move {
-                            bare(&stream, &subject, &durable, &cell, n_each).await
+                            bare(&stream, &subject, &durable, &cell, pull_bytes, n_each).await
                         })
                     })
                     .collect();
@@ -136,6 +140,7 @@ async fn bare(
     subject: &str,
     durable: &str,
     cell: &Cell,
+    pull_bytes: usize,
     n: u64,
 ) {
     let consumer: jetstream::consumer::PullConsumer = stream
@@ -151,6 +156,7 @@ async fn bare(
     let mut messages = consumer
         .stream()
         .max_messages_per_batch(usize::from(cell.in_flight).max(2))
+        .max_bytes_per_batch(pull_bytes)
         .messages()
         .await
         .expect("messages");

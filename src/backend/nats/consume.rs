@@ -3,7 +3,7 @@
 //! operator makes it), each JetStream message turned into a `Delivery`, and its settlement with
 //! JetStream's ack protocol.
 //!
-//! What it sends, and why (docs/semantics.md J1–J7):
+//! What it sends, and why (docs/semantics.md J1–J7, J11):
 //! - Ack: `+ACK`, fire-and-forget (as any JetStream client does). A late ack after the consumer
 //!   was retired by this process is Refused locally.
 //! - Decline: a bare `-NAK` for a zero delay (a `{"delay":0}` is not immediate on a consumer with
@@ -19,6 +19,9 @@
 //!   `MSG_TERMINATED` advisory tells the operator the same story. The consumer's `max_deliver` is
 //!   still set, so attempts spent without a handler (a crash, AckWait) also stop there.
 //! - ExtendLease: `+WPI` (the bus decides when); Redeliver: nothing. Release at close: bare `-NAK`.
+//! - Pull: at most maxInFlight messages (at least 2) and [`NatsBroker::pull_bytes`] bytes at a
+//!   time, so the subscriptions sharing a connection do not overrun the server's `max_pending`
+//!   for it (J11).
 //! - The consumer's `backoff` list is never set: the server would lengthen every nak delay by it;
 //!   the schedule is paced client-side with delayed naks.
 //!
@@ -55,6 +58,14 @@ pub const LEADERLESS_GRACE: Duration = Duration::from_secs(15);
 /// Stranded: a server that has just become meta leader can answer "not found" for a consumer
 /// it has not applied yet (seen on the test cluster after a restart).
 pub const GONE_CONFIRMED: Duration = Duration::from_secs(5);
+/// The most bytes one pull asks for, by default (semantics J11): 2 MiB, so a subscription has
+/// at most about 3 MiB under way on the connection (the client pulls again at half), and about
+/// twenty subscriptions of large messages stay under the server's default `max_pending` of
+/// 64 MiB together. A pull of 250 messages of 64 KiB would be 16 MiB.
+pub const DEFAULT_PULL_BYTES: usize = 2 << 20;
+/// What a pull holds beyond the largest payload: the server counts a message's subject and ack
+/// reply against a pull's bytes as well as its headers and payload.
+pub const PULL_BYTES_MARGIN: usize = 16 << 10;
 
 impl NatsBroker {
     /// A consumer pulling from the subscription's JetStream consumer (see [`NatsBroker::bind`]).
@@ -108,6 +119,10 @@ impl NatsBroker {
         let messages = consumer
             .stream()
             .max_messages_per_batch(batch)
+            // Bytes bounded too: every subscription shares the connection, and the server closes
+            // one with more than its max_pending waiting to be read (a slow consumer), dropping
+            // what was under way (semantics J11).
+            .max_bytes_per_batch(self.pull_bytes())
             // Short pulls: after a broker restart the client re-pulls when a pull expires, so
             // this bounds how long a subscription can sit idle (semantics J7).
             .expires(Duration::from_secs(10))

@@ -31,7 +31,7 @@ pub mod consumer;
 pub mod jsapi;
 pub mod pause;
 
-pub use consume::nak_body;
+pub use consume::{DEFAULT_PULL_BYTES, PULL_BYTES_MARGIN, nak_body};
 
 use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
 use crate::bus::{Broker, BusError, Consumer, StatsSink, SubscriptionCtx};
@@ -48,6 +48,9 @@ pub struct NatsBroker {
     js: jetstream::Context,
     bucket: String,
     kv: Arc<OnceCell<kv::Store>>,
+    /// The bytes one pull asks for, before [`NatsBroker::pull_bytes`] raises it to what the
+    /// server's largest message needs.
+    pull_bytes: usize,
 }
 
 impl NatsBroker {
@@ -59,7 +62,28 @@ impl NatsBroker {
             js,
             bucket: REPORT_BUCKET.to_string(),
             kv: Arc::default(),
+            pull_bytes: DEFAULT_PULL_BYTES,
         }
+    }
+
+    /// The most bytes one pull of a subscription asks the server for (default
+    /// [`DEFAULT_PULL_BYTES`]; never less than the server's largest message allows, see
+    /// [`NatsBroker::pull_bytes`]). Every subscription of this broker shares its connection, and
+    /// the server closes a connection that has more than its `max_pending` (64 MiB by default)
+    /// waiting to be read: keep `subscriptions × 1.5 × bytes` under it.
+    pub fn with_pull_bytes(mut self, bytes: usize) -> NatsBroker {
+        self.pull_bytes = bytes;
+        self
+    }
+
+    /// The bytes one pull asks for: the configured bound, raised to the server's `max_payload`
+    /// plus [`PULL_BYTES_MARGIN`] (the subject and ack reply the server counts too), so the
+    /// largest message the server takes always fits in a pull (a pull it cannot fit in is ended
+    /// without the message, again and again).
+    pub fn pull_bytes(&self) -> usize {
+        let largest = self.client.server_info().max_payload;
+        self.pull_bytes
+            .max(largest.saturating_add(PULL_BYTES_MARGIN))
     }
 
     /// Stats reports go to this KV bucket instead of `settle-stats`.
