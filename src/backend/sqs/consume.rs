@@ -350,6 +350,8 @@ async fn poll(
                 Err(_) => break,
             }
         }
+        // Only the two system attributes a delivery reads (the attempt, and when it was first
+        // received), not `All`: the rest is work for the server and the parser per message.
         let got = bound
             .client
             .receive_message()
@@ -357,7 +359,10 @@ async fn poll(
             .max_number_of_messages(i32::try_from(slots.len()).unwrap_or(1))
             .wait_time_seconds(i32::try_from(wait.as_secs()).unwrap_or(20))
             .visibility_timeout(i32::try_from(visibility).unwrap_or(i32::MAX))
-            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_system_attribute_names(
+                MessageSystemAttributeName::ApproximateFirstReceiveTimestamp,
+            )
             .message_attribute_names("All")
             .send()
             .await;
