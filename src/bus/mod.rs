@@ -29,6 +29,7 @@ use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -431,29 +432,50 @@ async fn dispatch(
     let in_flight: Arc<Mutex<HashMap<u64, Delivery>>> = Arc::default();
     let ids = AtomicU64::new(0);
     let mut tasks = JoinSet::new();
+    // The slot of a delivery whose handler finished inline, kept for the next one: no release
+    // and acquire (each a lock in the semaphore) per message.
+    let mut kept = None;
     loop {
-        let permit = tokio::select! {
-            biased;
-            _ = shutdown.changed() => break,
-            p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        // A stop is seen between deliveries without a wait; the waits below also end on it.
+        if shutdown.has_changed().unwrap_or(true) {
+            break;
+        }
+        let permit = match kept.take() {
+            Some(p) => p,
+            None => match Arc::clone(&slots).try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => tokio::select! {
+                    biased;
+                    _ = shutdown.changed() => break,
+                    p = Arc::clone(&slots).acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                },
+            },
         };
-        let next = tokio::select! {
-            biased;
-            _ = shutdown.changed() => break,
-            d = consumer.next() => d,
+        // A delivery the consumer has ready is taken without arming the stop's wake-up; the
+        // same future is awaited with the stop when it is not ready.
+        let mut next_delivery = consumer.next();
+        let next = match futures::poll!(next_delivery.as_mut()) {
+            Poll::Ready(d) => d,
+            Poll::Pending => tokio::select! {
+                biased;
+                _ = shutdown.changed() => break,
+                d = next_delivery => d,
+            },
         };
         let Some(d) = next else {
             tracing::warn!(subscription = %ctx.name(), "consumer ended");
             break;
         };
-        while tasks.try_join_next().is_some() {}
+        if !tasks.is_empty() {
+            while tasks.try_join_next().is_some() {}
+        }
         // A handler that finishes without waiting (the common ack-and-return) completes inline
         // on its first poll: no task, no cross-thread wake-up. One that waits continues on its
         // own task, so slow handlers run concurrently up to maxInFlight.
         let mut run: Pin<Box<dyn Future<Output = ()> + Send>> =
             Box::pin(run_one(d.clone(), Arc::clone(&handler), lease));
         if futures::poll!(run.as_mut()).is_ready() {
-            drop(permit);
+            kept = Some(permit);
             continue;
         }
         let id = ids.fetch_add(1, Ordering::Relaxed);
