@@ -223,10 +223,14 @@ struct NatsConsumer {
 
 impl NatsConsumer {
     fn delivery(&self, m: jetstream::Message) -> Delivery {
-        let attempt = m
-            .info()
-            .map_or(1, |i| u32::try_from(i.delivered).unwrap_or(u32::MAX));
         let msg: async_nats::Message = m.into();
+        // Only the delivery count is read from the ack subject (not the whole `info()`).
+        let attempt = msg
+            .reply
+            .as_deref()
+            .and_then(ack_subject)
+            .and_then(|a| a.delivered)
+            .map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX));
         let headers = msg
             .headers
             .as_ref()
@@ -398,23 +402,41 @@ impl NatsSettler {
     /// False when the JetStream API says the consumer `reply` acknowledges for is gone; true
     /// while it exists or cannot say (no leader, no answer).
     async fn consumer_may_exist(&self, reply: &str) -> bool {
-        let Some((stream, name)) = ack_subject_names(reply) else {
+        let Some(a) = ack_subject(reply) else {
             return false;
         };
-        !matches!(jsapi::consumer_info(&self.js, stream, name).await, Ok(None))
+        !matches!(
+            jsapi::consumer_info(&self.js, a.stream, a.consumer).await,
+            Ok(None)
+        )
     }
 }
 
-/// The stream and consumer an ack subject names: `$JS.ACK.<stream>.<consumer>.<delivered>.
-/// <sseq>.<cseq>.<ts>.<pending>`, or with a domain and account hash before the stream (11 or 12
-/// tokens).
-fn ack_subject_names(reply: &str) -> Option<(&str, &str)> {
-    let t: Vec<&str> = reply.split('.').collect();
-    match t.len() {
-        9 => Some((t[2], t[3])),
-        n if n >= 11 => Some((t[4], t[5])),
-        _ => None,
-    }
+/// What an ack subject names.
+#[derive(Debug, PartialEq, Eq)]
+struct AckSubject<'a> {
+    stream: &'a str,
+    consumer: &'a str,
+    /// The delivery count: 1 for the first attempt.
+    delivered: Option<u64>,
+}
+
+/// Reads an ack subject, `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`,
+/// or with a domain and account hash before the stream (11 or more tokens); without allocating,
+/// since it runs for every delivery.
+fn ack_subject(reply: &str) -> Option<AckSubject<'_>> {
+    let rest = reply.strip_prefix("$JS.ACK.")?;
+    let skip = match rest.bytes().filter(|&b| b == b'.').count() + 1 {
+        7 => 0,
+        n if n >= 9 => 2,
+        _ => return None,
+    };
+    let mut tokens = rest.split('.').skip(skip);
+    Some(AckSubject {
+        stream: tokens.next()?,
+        consumer: tokens.next()?,
+        delivered: tokens.next().and_then(|d| d.parse().ok()),
+    })
 }
 
 /// The body of a decline: a bare `-NAK` for zero (immediate), else `-NAK {"delay":<ns>}`.
@@ -455,18 +477,35 @@ impl OnSettle for NatsSettler {
 
 #[cfg(test)]
 mod tests {
-    use super::ack_subject_names;
+    use super::{AckSubject, ack_subject};
 
     #[test]
-    fn an_ack_subject_names_its_stream_and_consumer_in_either_form() {
+    fn an_ack_subject_names_its_stream_consumer_and_delivery_count_in_either_form() {
         assert_eq!(
-            ack_subject_names("$JS.ACK.ORDERS.orders.1.22.22.1700000000000000000.0"),
-            Some(("ORDERS", "orders"))
+            ack_subject("$JS.ACK.ORDERS.orders.1.22.22.1700000000000000000.0"),
+            Some(AckSubject {
+                stream: "ORDERS",
+                consumer: "orders",
+                delivered: Some(1)
+            })
         );
         assert_eq!(
-            ack_subject_names("$JS.ACK.hub.ACCHASH.ORDERS.orders.1.22.22.1700000000000000000.0.r"),
-            Some(("ORDERS", "orders"))
+            ack_subject("$JS.ACK.hub.ACCHASH.ORDERS.orders.3.22.22.1700000000000000000.0.r"),
+            Some(AckSubject {
+                stream: "ORDERS",
+                consumer: "orders",
+                delivered: Some(3)
+            })
         );
-        assert_eq!(ack_subject_names("_INBOX.abc"), None);
+        assert_eq!(
+            ack_subject("$JS.ACK.hub.ACCHASH.ORDERS.orders.7.22.22.1700000000000000000.0"),
+            Some(AckSubject {
+                stream: "ORDERS",
+                consumer: "orders",
+                delivered: Some(7)
+            })
+        );
+        assert_eq!(ack_subject("_INBOX.abc"), None);
+        assert_eq!(ack_subject("$JS.ACK.ORDERS.orders.1"), None);
     }
 }
