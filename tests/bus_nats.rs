@@ -34,6 +34,22 @@ struct Scope {
 struct Wire(Arc<Mutex<Vec<String>>>);
 
 impl Wire {
+    /// Records the body of every message published on `subject` (a plain subscription, so the
+    /// server's own handling of the subject goes on).
+    async fn tap(client: &async_nats::Client, subject: String) -> Wire {
+        let mut sub = client.subscribe(subject).await.unwrap();
+        let wire = Wire::default();
+        let w = wire.clone();
+        tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                w.0.lock()
+                    .unwrap()
+                    .push(String::from_utf8_lossy(&m.payload).into_owned());
+            }
+        });
+        wire
+    }
+
     fn bodies(&self) -> Vec<String> {
         self.0.lock().unwrap().clone()
     }
@@ -68,21 +84,11 @@ impl Scope {
         .await
         .unwrap();
         // Watch every acknowledgement sent for this stream.
-        let wire = Wire::default();
-        if watch {
-            let mut acks = client
-                .subscribe(format!("$JS.ACK.{stream}.>"))
-                .await
-                .unwrap();
-            let w = wire.clone();
-            tokio::spawn(async move {
-                while let Some(m) = acks.next().await {
-                    w.0.lock()
-                        .unwrap()
-                        .push(String::from_utf8_lossy(&m.payload).into_owned());
-                }
-            });
-        }
+        let wire = if watch {
+            Wire::tap(&client, format!("$JS.ACK.{stream}.>")).await
+        } else {
+            Wire::default()
+        };
         client.flush().await.unwrap();
         Scope {
             client,
@@ -693,20 +699,11 @@ async fn twelve_subscriptions_of_large_messages_share_one_connection_without_ove
     );
     let client = backend.client().clone();
     // Every pull request the runtime sends for this stream's consumers, as the server gets it.
-    let pulls = Wire::default();
-    let mut tap = scope
-        .client
-        .subscribe(format!("$JS.API.CONSUMER.MSG.NEXT.{}.>", scope.stream))
-        .await
-        .unwrap();
-    let w = pulls.clone();
-    tokio::spawn(async move {
-        while let Some(m) = tap.next().await {
-            w.0.lock()
-                .unwrap()
-                .push(String::from_utf8_lossy(&m.payload).into_owned());
-        }
-    });
+    let pulls = Wire::tap(
+        &scope.client,
+        format!("$JS.API.CONSUMER.MSG.NEXT.{}.>", scope.stream),
+    )
+    .await;
     scope.client.flush().await.unwrap();
     let bus = Bus::builder(backend).without_reports().build();
     let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
