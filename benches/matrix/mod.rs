@@ -3,7 +3,10 @@
 //! warm-up of both sides sizes the rounds (so each round takes at least [`MIN_ROUND`] at the
 //! faster side's rate), then [`ROUNDS`] rounds of each side, interleaved (bare, settle, settle,
 //! bare, ...), and the medians. Prints a table per broker (cell, settle msg/s, bare msg/s, ratio,
-//! the shortest round) with the load average before and after; asserts nothing.
+//! the shortest round, and what a message cost in CPU: this process's, where both sides' clients
+//! run, and the whole machine's, the broker's included) with the load average before and after;
+//! asserts nothing. On a machine whose cores the broker and the client share, a side that spends
+//! more CPU a message leaves the broker less: the CPU columns tell such a gap from a wait.
 //!
 //! The scenario is written here once; each broker's file (`nats`, `rabbitmq`, `sqs`) only says
 //! how to fill its queues, how its bare client consumes them, and how `settle::bus` does.
@@ -103,10 +106,16 @@ pub trait Harness {
     /// Makes what the cell needs, for rounds of `n_each` messages per Subscription.
     async fn prepare(&mut self, cell: &Cell, n_each: u64);
     /// One round of `side`: fills what must be filled (outside the clock), then consumes
-    /// `n_each` messages from each of the cell's Subscriptions, acking each; the time taken.
-    async fn round(&mut self, cell: &Cell, side: Side, round: usize, n_each: u64) -> Duration;
+    /// `n_each` messages from each of the cell's Subscriptions, acking each; what that took,
+    /// from a [`Stopwatch`] started where the consuming starts.
+    async fn round(&mut self, cell: &Cell, side: Side, round: usize, n_each: u64) -> Taken;
     /// Removes what the cell made.
     async fn finish(&mut self, cell: &Cell);
+    /// What `side` asked of the broker while its clocks ran since the cell was prepared, per
+    /// message of `consumed` (its rounds' total), where the harness counts it; then forgets it.
+    fn requests(&mut self, _side: Side, _consumed: u64) -> Option<String> {
+        None
+    }
 }
 
 /// The policy both sides consume with: AtLeastOnce, the cell's maxInFlight.
@@ -120,19 +129,95 @@ pub fn policy(pattern: &str, durable: &str, cell: &Cell) -> DeliveryPolicy {
     }
 }
 
+/// What a round took: wall time, this process's CPU time (user + system, every thread), and the
+/// machine's busy CPU time (every process, the broker's included), each from /proc in ticks of
+/// 10 ms (USER_HZ), fine for rounds of seconds.
+#[derive(Clone, Copy, Debug)]
+pub struct Taken {
+    pub wall: Duration,
+    pub own_cpu: Duration,
+    pub machine_cpu: Duration,
+}
+
+/// Started where a side's consuming starts; [`Stopwatch::stop`] says what it took since.
+pub struct Stopwatch {
+    wall: Instant,
+    own_cpu: Duration,
+    machine_cpu: Duration,
+}
+
+impl Stopwatch {
+    pub fn start() -> Stopwatch {
+        Stopwatch {
+            own_cpu: own_cpu(),
+            machine_cpu: machine_cpu(),
+            wall: Instant::now(),
+        }
+    }
+
+    pub fn stop(&self) -> Taken {
+        Taken {
+            wall: self.wall.elapsed(),
+            own_cpu: own_cpu().saturating_sub(self.own_cpu),
+            machine_cpu: machine_cpu().saturating_sub(self.machine_cpu),
+        }
+    }
+}
+
+/// /proc reports CPU time in USER_HZ ticks, 100 a second on Linux whatever the kernel's HZ.
+fn ticks(n: u64) -> Duration {
+    Duration::from_millis(n * 10)
+}
+
+/// This process's user + system time (/proc/self/stat fields 14 and 15).
+fn own_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The command name (field 2) may hold spaces; the fields after it start past its ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    ticks(f.iter().sum())
+}
+
+/// The machine's busy time: /proc/stat's `cpu` line, every field but idle and iowait.
+fn machine_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else {
+        return Duration::ZERO;
+    };
+    let f: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal
+    ticks(
+        f.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 3 && *i != 4)
+            .map(|(_, v)| v)
+            .sum(),
+    )
+}
+
 /// The settle side of a round on any broker: one `Bus`, one Subscriber per `(pattern, durable)`,
-/// each handler acking; returns once `total` messages were acked, and how long that took from
-/// the first subscribe.
+/// each handler acking; returns once `total` messages were acked, and what that took from the
+/// first subscribe.
 pub async fn settle_round<B: bus::Broker>(
     broker: B,
     cell: &Cell,
     subs: Vec<(String, String)>,
     total: u64,
-) -> Duration {
+) -> Taken {
     let bus = Bus::builder(broker).without_reports().build();
     let acked = Arc::new(AtomicU64::new(0));
     let done = Arc::new(Notify::new());
-    let start = Instant::now();
+    let clock = Stopwatch::start();
     for (pattern, durable) in subs {
         let (a, d) = (acked.clone(), done.clone());
         bus.subscribe(Subscriber::new(
@@ -153,7 +238,7 @@ pub async fn settle_round<B: bus::Broker>(
         .expect("subscribe");
     }
     done.notified().await;
-    let took = start.elapsed();
+    let took = clock.stop();
     bus.close().await;
     took
 }
@@ -182,6 +267,30 @@ pub fn load_average() -> String {
 
 fn rate(n: u64, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
+}
+
+/// Microseconds of `cpu` a message.
+fn per_message(n: u64, cpu: Duration) -> f64 {
+    cpu.as_secs_f64() * 1e6 / n as f64
+}
+
+/// The medians of one side's rounds.
+#[derive(Default)]
+struct Rounds {
+    rate: Vec<f64>,
+    own_us: Vec<f64>,
+    machine_us: Vec<f64>,
+    cores: Vec<f64>,
+}
+
+impl Rounds {
+    fn push(&mut self, n: u64, t: Taken) {
+        self.rate.push(rate(n, t.wall));
+        self.own_us.push(per_message(n, t.own_cpu));
+        self.machine_us.push(per_message(n, t.machine_cpu));
+        self.cores
+            .push(t.machine_cpu.as_secs_f64() / t.wall.as_secs_f64());
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -233,8 +342,9 @@ pub async fn run<H: Harness>(h: &mut H) {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     println!(
-        "| cell | settle msg/s | bare msg/s | ratio | shortest round | load (1 min) |\n|---|---:|---:|---:|---:|---:|"
+        "| cell | settle msg/s | bare msg/s | ratio | shortest round | client CPU µs/msg settle / bare | machine CPU µs/msg settle / bare | machine busy (cores) settle / bare | load (1 min) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
+    let mut notes = Vec::new();
     for cell in cells() {
         // Warm-up: both sides, doubling until each round takes long enough to tell the rate
         // (a short one is mostly subscribing), to size the rounds.
@@ -242,8 +352,8 @@ pub async fn run<H: Harness>(h: &mut H) {
         let n_each = loop {
             h.prepare(&cell, warm_each).await;
             let total = warm_each * cell.subs as u64;
-            let tb = h.round(&cell, Side::Bare, 0, warm_each).await;
-            let ts = h.round(&cell, Side::Settle, 0, warm_each).await;
+            let tb = h.round(&cell, Side::Bare, 0, warm_each).await.wall;
+            let ts = h.round(&cell, Side::Settle, 0, warm_each).await.wall;
             let faster = rate(total, tb).max(rate(total, ts));
             let want = (faster * TARGET_ROUND.as_secs_f64()) as u64 / cell.subs as u64;
             if tb.min(ts) >= WARM_ENOUGH || warm_each >= h.max_each(&cell) {
@@ -256,7 +366,9 @@ pub async fn run<H: Harness>(h: &mut H) {
         };
         h.prepare(&cell, n_each).await;
         let total = n_each * cell.subs as u64;
-        let (mut bare, mut settle, mut shortest) = (Vec::new(), Vec::new(), Duration::MAX);
+        let consumed = total * rounds as u64;
+        let (mut bare, mut settle, mut shortest) =
+            (Rounds::default(), Rounds::default(), Duration::MAX);
         for round in 1..=rounds {
             let order = if round % 2 == 1 {
                 [Side::Bare, Side::Settle]
@@ -265,23 +377,43 @@ pub async fn run<H: Harness>(h: &mut H) {
             };
             for side in order {
                 let took = h.round(&cell, side, round, n_each).await;
-                shortest = shortest.min(took);
+                shortest = shortest.min(took.wall);
                 match side {
-                    Side::Bare => bare.push(rate(total, took)),
-                    Side::Settle => settle.push(rate(total, took)),
+                    Side::Bare => bare.push(total, took),
+                    Side::Settle => settle.push(total, took),
                 }
             }
         }
         h.finish(&cell).await;
-        let (b, s) = (median(bare), median(settle));
+        if let (Some(s), Some(b)) = (
+            h.requests(Side::Settle, consumed),
+            h.requests(Side::Bare, consumed),
+        ) {
+            notes.push(format!("{}: settle {s}; bare {b}", cell.label().trim()));
+        }
+        let (b, s) = (median(bare.rate), median(settle.rate));
         println!(
-            "| {} | {s:.0} | {b:.0} | {:.2} | {:.1} s{} | {} |",
+            "| {} | {s:.0} | {b:.0} | {:.2} | {:.1} s{} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} / {:.2} | {} |",
             cell.label(),
             s / b,
             shortest.as_secs_f64(),
             if shortest < MIN_ROUND { " (short)" } else { "" },
+            median(settle.own_us),
+            median(bare.own_us),
+            median(settle.machine_us),
+            median(bare.machine_us),
+            median(settle.cores),
+            median(bare.cores),
             load_average().split(' ').next().unwrap_or("?"),
         );
+    }
+    if !notes.is_empty() {
+        println!(
+            "\nRequests a message, while each side's clock ran (its rounds, not the warm-up):"
+        );
+        for n in notes {
+            println!("- {n}");
+        }
     }
     println!("load average after: {}", load_average());
 }

@@ -5,13 +5,11 @@
 //! batch of 1 makes async-nats' pull stream stall now and then; the pull's bytes bounded as the
 //! runtime's, semantics J11; each message acked). Settle: `NatsBroker`.
 
-use std::time::{Duration, Instant};
-
 use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull};
 use futures::StreamExt;
 use settle::backend::nats::NatsBroker;
 
-use super::{Cell, Harness, Side, settle_round};
+use super::{Cell, Harness, Side, Stopwatch, Taken, settle_round};
 
 pub struct Nats {
     url: String,
@@ -91,7 +89,7 @@ impl Harness for Nats {
         }
     }
 
-    async fn round(&mut self, cell: &Cell, side: Side, round: usize, n_each: u64) -> Duration {
+    async fn round(&mut self, cell: &Cell, side: Side, round: usize, n_each: u64) -> Taken {
         let names: Vec<String> = (0..cell.subs)
             .map(|i| cell.name(side, round * 100 + i))
             .collect();
@@ -103,7 +101,7 @@ impl Harness for Nats {
                     .get_stream(Self::stream(cell))
                     .await
                     .expect("stream");
-                let start = Instant::now();
+                let clock = Stopwatch::start();
                 let tasks: Vec<_> = names
                     .into_iter()
                     .map(|durable| {
@@ -117,7 +115,7 @@ impl Harness for Nats {
                 for t in tasks {
                     t.await.expect("bare consumer");
                 }
-                start.elapsed()
+                clock.stop()
             }
             Side::Settle => {
                 let broker = NatsBroker::connect(&self.url).await.expect("connect");

@@ -4,8 +4,6 @@
 //! way at once (the stronger of the two bare loops of `cargo bench --bench rabbitmq`). Settle:
 //! `RabbitBroker`.
 
-use std::time::{Duration, Instant};
-
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::options::{
@@ -19,7 +17,7 @@ use settle::backend::rabbitmq::RabbitBroker;
 use settle::backend::rabbitmq::queue::{self, Exchanges};
 use settle::policy::ResolvedPolicy;
 
-use super::{Cell, Harness, Side, policy, settle_round};
+use super::{Cell, Harness, Side, Stopwatch, Taken, policy, settle_round};
 
 pub struct Rabbit {
     url: String,
@@ -153,7 +151,7 @@ impl Harness for Rabbit {
         }
     }
 
-    async fn round(&mut self, cell: &Cell, side: Side, _round: usize, n_each: u64) -> Duration {
+    async fn round(&mut self, cell: &Cell, side: Side, _round: usize, n_each: u64) -> Taken {
         let queues = Self::queues(cell, side);
         for q in &queues {
             self.fill(cell, q, n_each).await;
@@ -168,7 +166,7 @@ impl Harness for Rabbit {
                         .expect("qos");
                     channels.push((ch, q));
                 }
-                let start = Instant::now();
+                let clock = Stopwatch::start();
                 let tasks: Vec<_> = channels
                     .into_iter()
                     .map(|(ch, q)| tokio::spawn(async move { bare(ch, &q, n_each).await }))
@@ -176,7 +174,7 @@ impl Harness for Rabbit {
                 for t in tasks {
                     t.await.expect("bare consumer");
                 }
-                start.elapsed()
+                clock.stop()
             }
             Side::Settle => {
                 let broker = RabbitBroker::connect(&self.url)
