@@ -4,7 +4,7 @@
 //! faster side's rate), then [`ROUNDS`] rounds of each side, interleaved (bare, settle, settle,
 //! bare, ...), and the medians. Prints a table per broker (cell, settle msg/s, bare msg/s, ratio,
 //! the shortest round, and what a message cost in CPU: this process's, where both sides' clients
-//! run, and the whole machine's, the broker's included) with the load average before and after;
+//! run, the broker's, and the whole machine's) with the load average before and after;
 //! asserts nothing. On a machine whose cores the broker and the client share, a side that spends
 //! more CPU a message leaves the broker less: the CPU columns tell such a gap from a wait.
 //!
@@ -18,7 +18,7 @@ pub mod sqs;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use settle::api::{DeliveryPolicy, Mode};
@@ -97,6 +97,8 @@ impl Side {
 pub trait Harness {
     /// "JetStream", "RabbitMQ", "SQS (ElasticMQ)".
     fn broker(&self) -> &'static str;
+    /// The broker's pid file in the environment's directory, for its CPU.
+    fn pid_file(&self) -> &'static str;
     /// What the bare side is, as the table's header says it.
     fn bare(&self) -> &'static str;
     /// How many messages (in all) the warm-up round of a cell consumes.
@@ -136,6 +138,8 @@ pub fn policy(pattern: &str, durable: &str, cell: &Cell) -> DeliveryPolicy {
 pub struct Taken {
     pub wall: Duration,
     pub own_cpu: Duration,
+    /// The broker's processes (the environment's pid file and its descendants), when known.
+    pub broker_cpu: Duration,
     pub machine_cpu: Duration,
 }
 
@@ -143,6 +147,7 @@ pub struct Taken {
 pub struct Stopwatch {
     wall: Instant,
     own_cpu: Duration,
+    broker_cpu: Duration,
     machine_cpu: Duration,
 }
 
@@ -150,6 +155,7 @@ impl Stopwatch {
     pub fn start() -> Stopwatch {
         Stopwatch {
             own_cpu: own_cpu(),
+            broker_cpu: broker_cpu(),
             machine_cpu: machine_cpu(),
             wall: Instant::now(),
         }
@@ -159,19 +165,27 @@ impl Stopwatch {
         Taken {
             wall: self.wall.elapsed(),
             own_cpu: own_cpu().saturating_sub(self.own_cpu),
+            broker_cpu: broker_cpu().saturating_sub(self.broker_cpu),
             machine_cpu: machine_cpu().saturating_sub(self.machine_cpu),
         }
     }
 }
 
-/// /proc reports CPU time in USER_HZ ticks, 100 a second on Linux whatever the kernel's HZ.
-fn ticks(n: u64) -> Duration {
-    Duration::from_millis(n * 10)
+/// The broker whose CPU the rows count (0: unknown): its pid file in the environment's
+/// directory (`nats.pid`, `rabbitmq.pid`, `elasticmq.pid`), read by [`run`] for its broker.
+static BROKER_PID: AtomicU32 = AtomicU32::new(0);
+
+fn set_broker_pid(file: &str) {
+    let pid = std::fs::read_to_string(env_dir().join(file))
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(0);
+    BROKER_PID.store(pid, Ordering::Relaxed);
 }
 
-/// This process's user + system time (/proc/self/stat fields 14 and 15).
-fn own_cpu() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+/// A process's user + system time (/proc/<pid>/stat fields 14 and 15).
+fn process_cpu(pid: &str) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The command name (field 2) may hold spaces; the fields after it start past its ')'.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
     let f: Vec<u64> = rest
@@ -181,6 +195,32 @@ fn own_cpu() -> Duration {
         .filter_map(|v| v.parse().ok())
         .collect();
     ticks(f.iter().sum())
+}
+
+/// The broker's processes: the pid and its descendants (RabbitMQ's script starts beam.smp).
+fn broker_cpu() -> Duration {
+    let root = BROKER_PID.load(Ordering::Relaxed);
+    if root == 0 {
+        return Duration::ZERO;
+    }
+    let (mut total, mut todo) = (Duration::ZERO, vec![root.to_string()]);
+    while let Some(pid) = todo.pop() {
+        total += process_cpu(&pid);
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        todo.extend(children.split_whitespace().map(str::to_string));
+    }
+    total
+}
+
+/// /proc reports CPU time in USER_HZ ticks, 100 a second on Linux whatever the kernel's HZ.
+fn ticks(n: u64) -> Duration {
+    Duration::from_millis(n * 10)
+}
+
+/// This process's user + system time.
+fn own_cpu() -> Duration {
+    process_cpu("self")
 }
 
 /// The machine's busy time: /proc/stat's `cpu` line, every field but idle and iowait.
@@ -243,14 +283,18 @@ pub async fn settle_round<B: bus::Broker>(
     took
 }
 
+/// The environment's directory: SETTLE_ENV_DIR, or `make env-up`'s target/env.
+fn env_dir() -> PathBuf {
+    std::env::var_os("SETTLE_ENV_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/env"))
+}
+
 pub fn env_value(key: &str) -> Option<String> {
     if let Ok(v) = std::env::var(key) {
         return Some(v);
     }
-    let dir = std::env::var_os("SETTLE_ENV_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/env"));
-    let text = std::fs::read_to_string(dir.join("settle.env")).ok()?;
+    let text = std::fs::read_to_string(env_dir().join("settle.env")).ok()?;
     text.lines()
         .filter_map(|l| l.strip_prefix("export "))
         .filter_map(|l| l.split_once('='))
@@ -279,6 +323,7 @@ fn per_message(n: u64, cpu: Duration) -> f64 {
 struct Rounds {
     rate: Vec<f64>,
     own_us: Vec<f64>,
+    broker_us: Vec<f64>,
     machine_us: Vec<f64>,
     cores: Vec<f64>,
 }
@@ -287,6 +332,7 @@ impl Rounds {
     fn push(&mut self, n: u64, t: Taken) {
         self.rate.push(rate(n, t.wall));
         self.own_us.push(per_message(n, t.own_cpu));
+        self.broker_us.push(per_message(n, t.broker_cpu));
         self.machine_us.push(per_message(n, t.machine_cpu));
         self.cores
             .push(t.machine_cpu.as_secs_f64() / t.wall.as_secs_f64());
@@ -334,6 +380,7 @@ pub async fn run<H: Harness>(h: &mut H) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(ROUNDS);
+    set_broker_pid(h.pid_file());
     let before = load_average();
     println!(
         "{} matrix: settle::bus vs {}, AtLeastOnce, every message acked; median of {rounds} rounds of each side (interleaved), each sized to last about {TARGET_ROUND:?}; load average {before} ({} CPUs)",
@@ -342,7 +389,7 @@ pub async fn run<H: Harness>(h: &mut H) {
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
     println!(
-        "| cell | settle msg/s | bare msg/s | ratio | shortest round | client CPU µs/msg settle / bare | machine CPU µs/msg settle / bare | machine busy (cores) settle / bare | load (1 min) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| cell | settle msg/s | bare msg/s | ratio | shortest round | client CPU µs/msg settle / bare | broker CPU µs/msg settle / bare | machine CPU µs/msg settle / bare | machine busy (cores) settle / bare | load (1 min) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     let mut notes = Vec::new();
     for cell in cells() {
@@ -393,13 +440,15 @@ pub async fn run<H: Harness>(h: &mut H) {
         }
         let (b, s) = (median(bare.rate), median(settle.rate));
         println!(
-            "| {} | {s:.0} | {b:.0} | {:.2} | {:.1} s{} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} / {:.2} | {} |",
+            "| {} | {s:.0} | {b:.0} | {:.2} | {:.1} s{} | {:.1} / {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.2} / {:.2} | {} |",
             cell.label(),
             s / b,
             shortest.as_secs_f64(),
             if shortest < MIN_ROUND { " (short)" } else { "" },
             median(settle.own_us),
             median(bare.own_us),
+            median(settle.broker_us),
+            median(bare.broker_us),
             median(settle.machine_us),
             median(bare.machine_us),
             median(settle.cores),

@@ -40,6 +40,10 @@ impl Nats {
 }
 
 impl Harness for Nats {
+    fn pid_file(&self) -> &'static str {
+        "nats.pid"
+    }
+
     fn broker(&self) -> &'static str {
         "JetStream"
     }

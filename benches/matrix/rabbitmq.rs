@@ -97,6 +97,10 @@ impl Rabbit {
 }
 
 impl Harness for Rabbit {
+    fn pid_file(&self) -> &'static str {
+        "rabbitmq.pid"
+    }
+
     fn broker(&self) -> &'static str {
         "RabbitMQ (quorum queues)"
     }

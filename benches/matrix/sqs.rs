@@ -146,6 +146,10 @@ impl Sqs {
 }
 
 impl Harness for Sqs {
+    fn pid_file(&self) -> &'static str {
+        "elasticmq.pid"
+    }
+
     fn broker(&self) -> &'static str {
         "SQS (ElasticMQ)"
     }
