@@ -32,6 +32,9 @@ use settle::bus::{self, Broker, Bus, Decision, Subscriber, SubscriptionCtx, hand
 use tokio::sync::Notify;
 
 mod matrix;
+#[allow(dead_code)]
+#[path = "../tests/common/measure.rs"]
+mod measure;
 use matrix::env_value;
 
 const IN_FLIGHT: i64 = 250;

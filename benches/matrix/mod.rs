@@ -131,9 +131,8 @@ pub fn policy(pattern: &str, durable: &str, cell: &Cell) -> DeliveryPolicy {
     }
 }
 
-/// What a round took: wall time, this process's CPU time (user + system, every thread), and the
-/// machine's busy CPU time (every process, the broker's included), each from /proc in ticks of
-/// 10 ms (USER_HZ), fine for rounds of seconds.
+/// What a round took: wall time, and CPU time (user + system) of this process, of the broker and
+/// of the whole machine, each from /proc in ticks of 10 ms, fine for rounds of seconds.
 #[derive(Clone, Copy, Debug)]
 pub struct Taken {
     pub wall: Duration,
@@ -183,18 +182,13 @@ fn set_broker_pid(file: &str) {
     BROKER_PID.store(pid, Ordering::Relaxed);
 }
 
-/// A process's user + system time (/proc/<pid>/stat fields 14 and 15).
-fn process_cpu(pid: &str) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The command name (field 2) may hold spaces; the fields after it start past its ')'.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    ticks(f.iter().sum())
+/// A process's user + system time so far (zero when unreadable).
+fn process_cpu(pid: u32) -> Duration {
+    seconds(crate::measure::cpu_seconds(pid))
+}
+
+fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or_default()
 }
 
 /// The broker's processes: the pid and its descendants (RabbitMQ's script starts beam.smp).
@@ -203,46 +197,28 @@ fn broker_cpu() -> Duration {
     if root == 0 {
         return Duration::ZERO;
     }
-    let (mut total, mut todo) = (Duration::ZERO, vec![root.to_string()]);
+    let (mut total, mut todo) = (Duration::ZERO, vec![root]);
     while let Some(pid) = todo.pop() {
-        total += process_cpu(&pid);
+        total += process_cpu(pid);
         let children =
             std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-        todo.extend(children.split_whitespace().map(str::to_string));
+        todo.extend(
+            children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok()),
+        );
     }
     total
 }
 
-/// /proc reports CPU time in USER_HZ ticks, 100 a second on Linux whatever the kernel's HZ.
-fn ticks(n: u64) -> Duration {
-    Duration::from_millis(n * 10)
-}
-
-/// This process's user + system time.
+/// This process's user + system time, every thread.
 fn own_cpu() -> Duration {
-    process_cpu("self")
+    process_cpu(std::process::id())
 }
 
-/// The machine's busy time: /proc/stat's `cpu` line, every field but idle and iowait.
+/// The machine's busy time, every process.
 fn machine_cpu() -> Duration {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let Some(line) = stat.lines().find(|l| l.starts_with("cpu ")) else {
-        return Duration::ZERO;
-    };
-    let f: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .take(8)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal
-    ticks(
-        f.iter()
-            .enumerate()
-            .filter(|(i, _)| *i != 3 && *i != 4)
-            .map(|(_, v)| v)
-            .sum(),
-    )
+    seconds(crate::measure::machine_busy_seconds())
 }
 
 /// The settle side of a round on any broker: one `Bus`, one Subscriber per `(pattern, durable)`,

@@ -1,5 +1,5 @@
 //! Shared by the benchmarks: percentiles, a process's memory and CPU from `/proc`, the machine's
-//! load, and the positional numbers after `cargo bench --bench NAME --`. Reads only; a bench
+//! busy CPU and load, and the positional numbers after `cargo bench --bench NAME --`. Reads only; a bench
 //! prints what these return and asserts nothing on them.
 
 use std::time::Duration;
@@ -58,6 +58,32 @@ pub fn cpu_seconds(pid: u32) -> f64 {
             let utime: f64 = f.get(11)?.parse().ok()?;
             let stime: f64 = f.get(12)?.parse().ok()?;
             Some((utime + stime) / 100.0)
+        })
+        .unwrap_or(f64::NAN)
+}
+
+/// CPU seconds the machine has been busy so far, every core and process: `/proc/stat`'s `cpu`
+/// line, every field but idle and iowait (clock ticks of 1/100 s); NaN when unreadable.
+pub fn machine_busy_seconds() -> f64 {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("cpu "))?;
+            // user nice system idle iowait irq softirq steal
+            let f: Vec<f64> = line
+                .split_whitespace()
+                .skip(1)
+                .take(8)
+                .map(|v| v.parse().ok())
+                .collect::<Option<_>>()?;
+            Some(
+                f.iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != 3 && *i != 4)
+                    .map(|(_, v)| v)
+                    .sum::<f64>()
+                    / 100.0,
+            )
         })
         .unwrap_or(f64::NAN)
 }
