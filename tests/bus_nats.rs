@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::bus::{BusScene, Message, Seen, at_least_once, stats, sub, until};
 use futures::StreamExt;
 use settle::api::{self, Backoff, DeliveryPolicy, Mode, SlowHandler};
-use settle::backend::nats::NatsBroker;
+use settle::backend::nats::{MIN_PULL_BATCH, NatsBroker};
 use settle::bus::{self, Bus, BusBuilder, SettleError};
 use tokio::time::Instant;
 
@@ -756,6 +756,82 @@ async fn twelve_subscriptions_of_large_messages_share_one_connection_without_ove
             .load(std::sync::atomic::Ordering::Relaxed),
         1,
         "the connection was closed and made again (the server's log says \"Slow Consumer Detected\")"
+    );
+    bus.close().await;
+    scope.drop_stream().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_message_in_flight_is_pulled_ten_at_a_time_and_handled_one_at_a_time() {
+    // semantics J11: a pull asks for at least MIN_PULL_BATCH messages (smaller pulls stalled
+    // until they expired), and max_ack_pending keeps maxInFlight 1 to one message at a time.
+    const N: u64 = 40;
+    let scope = Scope::with_wire("pullmin", false).await;
+    for i in 0..N {
+        scope
+            .js
+            .publish(scope.subject(&i.to_string()), "m".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let pulls = Wire::tap(
+        &scope.client,
+        format!("$JS.API.CONSUMER.MSG.NEXT.{}.>", scope.stream),
+    )
+    .await;
+    scope.client.flush().await.unwrap();
+    let bus = Bus::builder(scope.backend().await)
+        .without_reports()
+        .build();
+    let (running, most) = (
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    let mut policy = scope.alo("pullmin");
+    policy.max_in_flight = Some(1);
+    let (r, m) = (running.clone(), most.clone());
+    bus.subscribe(sub("pullmin", policy, move |d| {
+        let (r, m) = (r.clone(), m.clone());
+        async move {
+            let now = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            m.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+            // Long enough for a second message to arrive if the server sent one.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            r.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            d.ack().await?;
+            Ok(())
+        }
+    }))
+    .await
+    .unwrap();
+    until("every message acked", || {
+        stats(&bus, "pullmin").settlement.acked == N
+    })
+    .await;
+    assert_eq!(
+        most.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "more than one message in a handler at once with maxInFlight 1"
+    );
+    assert_eq!(
+        stats(&bus, "pullmin").offered,
+        N,
+        "each message offered once"
+    );
+    let seen = pulls.bodies();
+    assert!(!seen.is_empty(), "no pull request seen");
+    for body in &seen {
+        let pull: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(pull["batch"], MIN_PULL_BATCH, "{body}");
+    }
+    // Ten at a time: about one pull request for every five messages, not one for every one
+    // or two.
+    assert!(
+        (seen.len() as u64) <= N / 4 + 2,
+        "{} pull requests for {N} messages",
+        seen.len()
     );
     bus.close().await;
     scope.drop_stream().await;

@@ -1,13 +1,13 @@
 //! The matrix on JetStream: one memory stream per cell holding `n_each` messages; each
 //! Subscription is a durable consumer of the whole stream, made anew each round (so a round
 //! replays the stream instead of refilling it). Bare: async-nats pull consumers
-//! (`max_ack_pending` = maxInFlight, the pull batch the same but at least 2, as the runtime's: a
-//! batch of 1 makes async-nats' pull stream stall now and then; the pull's bytes bounded as the
+//! (`max_ack_pending` = maxInFlight, the pull batch the same but at least `MIN_PULL_BATCH`, as
+//! the runtime's: smaller pulls stall now and then; the pull's bytes bounded as the
 //! runtime's, semantics J11; each message acked). Settle: `NatsBroker`.
 
 use async_nats::jetstream::{self, consumer::AckPolicy, consumer::pull};
 use futures::StreamExt;
-use settle::backend::nats::NatsBroker;
+use settle::backend::nats::{MIN_PULL_BATCH, NatsBroker};
 
 use super::{Cell, Harness, Side, Stopwatch, Taken, settle_round};
 
@@ -157,7 +157,7 @@ async fn bare(
         .expect("consumer");
     let mut messages = consumer
         .stream()
-        .max_messages_per_batch(usize::from(cell.in_flight).max(2))
+        .max_messages_per_batch(usize::from(cell.in_flight).max(MIN_PULL_BATCH))
         .max_bytes_per_batch(pull_bytes)
         .messages()
         .await

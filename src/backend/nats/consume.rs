@@ -66,6 +66,13 @@ pub const DEFAULT_PULL_BYTES: usize = 2 << 20;
 /// What a pull holds beyond the largest payload: the server counts a message's subject and ack
 /// reply against a pull's bytes as well as its headers and payload.
 pub const PULL_BYTES_MARGIN: usize = 16 << 10;
+/// The fewest messages one pull asks for (semantics J11). The server never has more than
+/// maxInFlight unacknowledged anyway (`max_ack_pending`), so a larger pull only waits longer at
+/// the server. With one in flight, pulls of 2 cost a pull request every two messages and, with
+/// ten such subscriptions on one connection, left some waiting for messages the stream held until
+/// their pull expired (async-nats' missed-heartbeat error said so, seen in the runtime matrix);
+/// pulls of 10 did neither.
+pub const MIN_PULL_BATCH: usize = 10;
 
 impl NatsBroker {
     /// A consumer pulling from the subscription's JetStream consumer (see [`NatsBroker::bind`]).
@@ -113,9 +120,9 @@ impl NatsBroker {
                     .map(String::as_str),
             );
         }
-        // The server caps deliveries at max_ack_pending anyway; a batch of 1 makes async-nats'
-        // pull stream stall until the pull expires now and then (seen with maxInFlight 1).
-        let batch = p.max_in_flight.clamp(2, 1000);
+        // The server caps deliveries at max_ack_pending anyway; small pulls stall (see
+        // MIN_PULL_BATCH).
+        let batch = p.max_in_flight.clamp(MIN_PULL_BATCH, 1000);
         let messages = consumer
             .stream()
             .max_messages_per_batch(batch)

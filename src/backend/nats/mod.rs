@@ -31,7 +31,7 @@ pub mod consumer;
 pub mod jsapi;
 pub mod pause;
 
-pub use consume::{DEFAULT_PULL_BYTES, PULL_BYTES_MARGIN, nak_body};
+pub use consume::{DEFAULT_PULL_BYTES, MIN_PULL_BATCH, PULL_BYTES_MARGIN, nak_body};
 
 use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
 use crate::bus::{Broker, BusError, Consumer, StatsSink, SubscriptionCtx};
