@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -1229,18 +1228,16 @@ async fn max_in_flight_bounds_concurrent_handlers() {
     // runs at most that many handlers at once.
     let mem = MemoryBroker::new();
     let bus = bus(&mem);
-    let now = Arc::new(AtomicUsize::new(0));
-    let peak = Arc::new(AtomicUsize::new(0));
-    let (n, pk) = (now.clone(), peak.clone());
+    let handlers = common::bus::Concurrency::default();
+    let h = handlers.clone();
     let mut p = alo("o.>");
     p.max_in_flight = Some(2);
     bus.subscribe(sub("o", p, move |d| {
-        let (n, pk) = (n.clone(), pk.clone());
+        let h = h.clone();
         async move {
-            let c = n.fetch_add(1, Ordering::SeqCst) + 1;
-            pk.fetch_max(c, Ordering::SeqCst);
+            let running = h.enter();
             tokio::time::sleep(Duration::from_millis(100)).await;
-            n.fetch_sub(1, Ordering::SeqCst);
+            drop(running);
             d.ack().await?;
             Ok(())
         }
@@ -1251,7 +1248,7 @@ async fn max_in_flight_bounds_concurrent_handlers() {
         bus.publish(format!("o.{i}"), "x").await.unwrap();
     }
     until("all acked", || stats(&bus, "o").settlement.acked == 10).await;
-    assert_eq!(peak.load(Ordering::SeqCst), 2);
+    assert_eq!(handlers.peak(), 2);
 }
 
 #[tokio::test(start_paused = true)]

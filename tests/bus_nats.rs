@@ -785,21 +785,17 @@ async fn one_message_in_flight_is_pulled_ten_at_a_time_and_handled_one_at_a_time
     let bus = Bus::builder(scope.backend().await)
         .without_reports()
         .build();
-    let (running, most) = (
-        Arc::new(std::sync::atomic::AtomicU64::new(0)),
-        Arc::new(std::sync::atomic::AtomicU64::new(0)),
-    );
+    let handlers = common::bus::Concurrency::default();
     let mut policy = scope.alo("pullmin");
     policy.max_in_flight = Some(1);
-    let (r, m) = (running.clone(), most.clone());
+    let h = handlers.clone();
     bus.subscribe(sub("pullmin", policy, move |d| {
-        let (r, m) = (r.clone(), m.clone());
+        let h = h.clone();
         async move {
-            let now = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            m.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+            let running = h.enter();
             // Long enough for a second message to arrive if the server sent one.
             tokio::time::sleep(Duration::from_millis(5)).await;
-            r.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            drop(running);
             d.ack().await?;
             Ok(())
         }
@@ -811,7 +807,7 @@ async fn one_message_in_flight_is_pulled_ten_at_a_time_and_handled_one_at_a_time
     })
     .await;
     assert_eq!(
-        most.load(std::sync::atomic::Ordering::SeqCst),
+        handlers.peak(),
         1,
         "more than one message in a handler at once with maxInFlight 1"
     );

@@ -389,16 +389,14 @@ async fn max_in_flight_bounds_what_is_received_and_held() {
     let bus = Bus::builder(broker.clone()).without_reports().build();
     let mut p = alo("work");
     p.max_in_flight = Some(2);
-    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let peak = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (r, k) = (Arc::clone(&running), Arc::clone(&peak));
+    let handlers = common::bus::Concurrency::default();
+    let h = handlers.clone();
     bus.subscribe(sub("work", p, move |d| {
-        let (r, k) = (Arc::clone(&r), Arc::clone(&k));
+        let h = h.clone();
         async move {
-            let now = r.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            k.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+            let running = h.enter();
             tokio::time::sleep(Duration::from_millis(700)).await;
-            r.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            drop(running);
             d.ack().await?;
             Ok(())
         }
@@ -409,10 +407,7 @@ async fn max_in_flight_bounds_what_is_received_and_held() {
         bus.publish("work", format!("m{i}")).await.unwrap();
     }
     // While the first two run, the other four stay visible in the queue.
-    until("two handlers running", || {
-        running.load(std::sync::atomic::Ordering::SeqCst) == 2
-    })
-    .await;
+    until("two handlers running", || handlers.now() == 2).await;
     let q = scope.attributes(&broker, "work").await;
     let invisible: u64 = q["ApproximateNumberOfMessagesNotVisible"].parse().unwrap();
     assert!(
@@ -420,7 +415,7 @@ async fn max_in_flight_bounds_what_is_received_and_held() {
         "{invisible} messages held for 2 slots: {q:?}"
     );
     until("6 acked", || stats(&bus, "work").settlement.acked == 6).await;
-    assert_eq!(peak.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert_eq!(handlers.peak(), 2);
     bus.close().await;
     scope.cleanup().await;
 }

@@ -1,5 +1,5 @@
 //! The handler runtime's test scenes, shared by the `bus_*` suites: what a handler saw
-//! ([`Seen`]), waiting for a condition ([`until`]), the policies the suites start from, and the
+//! ([`Seen`]), how many handlers ran at once ([`Concurrency`]), waiting for a condition ([`until`]), the policies the suites start from, and the
 //! scenarios every broker runs, each written once against [`BusScene`] (what differs per
 //! broker: how a bus is built, what an AtLeastOnce policy and a subject are, how a message is
 //! published). A scenario asserts what every broker that runs it must show, and returns what
@@ -7,13 +7,48 @@
 //!
 //! It must not know any broker: no broker type, no broker client, no broker-specific assertion.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use settle::api::{ConsumerStats, DeliveryPolicy, Mode};
 use settle::bus::{self, Bus, BusBuilder, BusError, Delivery, Subscriber, handler};
 use tokio::time::Instant;
+
+/// How many handlers run at once, and the most that ever did (maxInFlight tests): a handler
+/// holds what [`Concurrency::enter`] returns while it works.
+#[derive(Clone, Default)]
+pub struct Concurrency {
+    now: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
+}
+
+impl Concurrency {
+    pub fn enter(&self) -> Running {
+        let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak.fetch_max(n, Ordering::SeqCst);
+        Running(Arc::clone(&self.now))
+    }
+
+    /// Handlers running now.
+    pub fn now(&self) -> usize {
+        self.now.load(Ordering::SeqCst)
+    }
+
+    /// The most handlers that ran at once.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+}
+
+/// One running handler; dropped when it is done.
+pub struct Running(Arc<AtomicUsize>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// Every attempt a handler saw: (payload, attempt, when).
 #[derive(Clone, Default)]
