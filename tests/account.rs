@@ -119,8 +119,10 @@ async fn a_last_attempt_no_handler_finished_counts_exhausted_once_through_the_br
     )
     .await;
     // The process dies holding four messages on their last attempt: the runtime never counts them.
-    // nats-server notices that their attempts ran out when the consumer is next pulled from (the
-    // instance that replaces this one, as a Deployment would start it), and says so once.
+    // nats-server notices that their attempts ran out when their ack wait does while a pull
+    // waits (the replacement's, as a Deployment would start it), and says so once. That can be
+    // within two seconds of the consumer's making, before the controller's status naming it
+    // reaches the operator's cache under load (CI once): the advisories wait for it.
     let (_replacement, _) = held_last_attempts_scenario(
         &scene,
         Patience {

@@ -15,8 +15,10 @@ use futures::StreamExt;
 use settle::api::ConsumerStats;
 
 use common::account::{NACK_SPEC, Scene, bodies, watch};
-use common::operator::{condition, poll};
-use common::subs::{apply, backend_yaml, delete_by_hand, wait_condition, wait_gone, wait_ready};
+use common::operator::{TestStream, condition, poll};
+use common::subs::{
+    StatusGate, apply, backend_yaml, delete_by_hand, wait_condition, wait_gone, wait_ready,
+};
 
 /// The always-nack numbers of `n` messages at maxDeliver 3.
 fn nacked_out(s: &ConsumerStats, n: u64) -> bool {
@@ -278,6 +280,213 @@ async fn an_application_killed_while_holding_attempts_balances_once_it_is_folded
     );
     scene.assert_never_decreased();
     drop(replacement);
+    scene.finish().await;
+}
+
+/// Spends `n` messages of `stream`'s `consumer` (maxDeliver 2) with a plain client: each
+/// delivered, nacked, delivered again and left unacknowledged, then a pull waits past the ack
+/// wait, so the server says MAX_DELIVERIES for each.
+async fn spend_last_attempts(stream: &TestStream, consumer: &str, n: usize) {
+    poll(
+        "the controller to make the consumer",
+        Duration::from_secs(30),
+        || async {
+            settle::backend::nats::jsapi::consumer_info(&stream.js, &stream.name, consumer)
+                .await
+                .map_err(|e| e.to_string())?
+                .map(|_| ())
+                .ok_or_else(|| "not yet".to_string())
+        },
+    )
+    .await;
+    let pull: consumer::PullConsumer = stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .get_consumer(consumer)
+        .await
+        .expect("the consumer");
+    common::account::publish_to(stream, bodies(n)).await;
+    let mut deliveries = 0;
+    let mut rounds = 0;
+    while deliveries < 2 * n && rounds < 40 {
+        rounds += 1;
+        let mut batch = pull
+            .fetch()
+            .max_messages(10)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(Ok(m)) = batch.next().await {
+            deliveries += 1;
+            let first = m.info().map(|i| i.delivered == 1).unwrap_or(false);
+            if first {
+                m.ack_with(AckKind::Nak(None)).await.expect("nak");
+            }
+        }
+    }
+    assert_eq!(deliveries, 2 * n, "two attempts each");
+    // A pull waiting past the ack wait: the server says MAX_DELIVERIES when the ack wait runs out
+    // while one waits (with none, only at the next pull).
+    let mut last = pull
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(3))
+        .messages()
+        .await
+        .expect("fetch");
+    while last.next().await.is_some() {}
+}
+
+/// A last attempt can run out within two seconds of its consumer's making, before the
+/// controller's status naming that consumer reaches the operator (it failed CI once so, under
+/// load). Here the API server refuses that status (a ValidatingAdmissionPolicy) while three
+/// attempts run out on each of two new Subscriptions: their advisories wait. The first's gate
+/// opens within the wait: its three count, once. The second's opens only after the wait (15 s):
+/// its three count for nobody, and its status names the consumer with nothing exhausted
+/// (docs/semantics.md C15).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
+    let scene = Scene::new("life-unverified", NACK_SPEC).await;
+    let mut gates = Vec::new();
+    let mut streams = Vec::new();
+    for name in ["waited", "late"] {
+        gates.push(StatusGate::close(&scene.ns, name).await);
+        let stream = TestStream::new(&scene.nats_url, &format!("{}-{name}", scene.test)).await;
+        apply(
+            &scene.ns,
+            &format!(
+                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: {name}\n  maxDeliver: 2\n  ackWait: 1s\n",
+                stream.prefix
+            ),
+        );
+        streams.push(stream);
+    }
+    let (waited_seen, waited_watcher) = watch(&scene.api, "waited");
+    for (stream, name) in streams.iter().zip(["waited", "late"]) {
+        spend_last_attempts(stream, name, 3).await;
+    }
+    // The keeper has read the six advisories: its reader got past the last of them.
+    let capture = streams[0]
+        .js
+        .get_stream(settle::backend::nats::capture::CAPTURE_STREAM)
+        .await
+        .expect("the capture stream");
+    let mut last = 0;
+    for (stream, name) in streams.iter().zip(["waited", "late"]) {
+        let subject = format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{name}",
+            stream.name
+        );
+        let seq = poll(
+            &format!("the capture to hold {name}'s three MAX_DELIVERIES"),
+            Duration::from_secs(30),
+            || async {
+                let capture = capture.clone();
+                let n = capture
+                    .info_with_subjects(subject.clone())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .next()
+                    .await
+                    .and_then(|r| r.ok())
+                    .map_or(0, |(_, n)| n);
+                if n < 3 {
+                    return Err(format!("{n} of 3"));
+                }
+                capture
+                    .get_last_raw_message_by_subject(&subject)
+                    .await
+                    .map(|m| m.sequence)
+                    .map_err(|e| e.to_string())
+            },
+        )
+        .await;
+        last = last.max(seq);
+    }
+    let reader = settle::account::nats::reader_name(&scene.ns, "nats");
+    poll(
+        "the operator to read them",
+        Duration::from_secs(30),
+        || async {
+            let mut consumer: consumer::PullConsumer = capture
+                .get_consumer(&reader)
+                .await
+                .map_err(|e| e.to_string())?;
+            let at = consumer
+                .info()
+                .await
+                .map_err(|e| e.to_string())?
+                .delivered
+                .stream_sequence;
+            if at >= last {
+                Ok(())
+            } else {
+                Err(format!("read to {at} of {last}"))
+            }
+        },
+    )
+    .await;
+    for name in ["waited", "late"] {
+        let sub = scene.api.get(name).await.expect("get");
+        let status = sub.status.unwrap_or_default();
+        assert!(
+            status.consumer.is_none(),
+            "{name}: the gate holds: {status:?}"
+        );
+        assert_eq!(
+            scene.stats_of(name).await.exhausted,
+            0,
+            "{name}: none counted yet"
+        );
+    }
+    gates[0].open();
+    let counted = common::account::settled_at(
+        "waited's three counted once its status names its consumer",
+        Duration::from_secs(30),
+        || scene.stats_of("waited"),
+        |s| s.exhausted >= 3,
+    )
+    .await;
+    assert_eq!(counted.exhausted, 3, "each once: {counted:?}");
+    let held = scene.op.metric(
+        "settle_account_advisories_total",
+        &[("kind", "held_unverified")],
+    );
+    assert!(
+        held >= 6.0,
+        "both Subscriptions' advisories were held: {held}"
+    );
+    poll(
+        "late's three dropped at the end of the wait",
+        Duration::from_secs(40),
+        || async {
+            match scene.op.metric(
+                "settle_account_advisories_total",
+                &[("kind", "unverified_dropped")],
+            ) {
+                n if n >= 3.0 => Ok(n),
+                n => Err(format!("{n} dropped")),
+            }
+        },
+    )
+    .await;
+    gates[1].open();
+    wait_ready(&scene.api, "late").await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        scene.stats_of("late").await.exhausted,
+        0,
+        "read before the wait ended: counted for nobody"
+    );
+    assert_eq!(scene.stats_of("waited").await.exhausted, 3);
+    waited_watcher.abort();
+    common::account::assert_never_decreased_or_empty(&waited_seen);
+    for stream in streams {
+        stream.delete().await;
+    }
     scene.finish().await;
 }
 

@@ -281,3 +281,66 @@ pub async fn wait_readiness(
     })
     .await
 }
+
+/// A ValidatingAdmissionPolicy in the API server refusing every status write of Subscription
+/// `name` in `ns` that names a consumer: the controller's status, as if it had not arrived yet
+/// (the account writer's counters, which name none, still pass). Opened by [`StatusGate::open`]
+/// (or on drop).
+pub struct StatusGate {
+    policy: String,
+}
+
+impl StatusGate {
+    /// Closes the gate and waits until the API server enforces it (its policies are read
+    /// through an informer: a probe ConfigMap the policy also refuses tells when).
+    pub async fn close(ns: &str, name: &str) -> StatusGate {
+        let policy = format!("settle-test-gate-{ns}-{name}");
+        let probe = format!("{policy}-probe");
+        kubectl_ok(
+            &["apply", "-f", "-"],
+            Some(&format!(
+                "apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicy\nmetadata: {{name: {policy}}}\nspec:\n  failurePolicy: Fail\n  matchConstraints:\n    resourceRules:\n    - apiGroups: [messaging.settle.dev]\n      apiVersions: [\"*\"]\n      operations: [UPDATE]\n      resources: [subscriptions/status]\n    - apiGroups: [\"\"]\n      apiVersions: [v1]\n      operations: [CREATE]\n      resources: [configmaps]\n  validations:\n  - expression: \"has(object.kind) && object.kind == 'ConfigMap' ? object.metadata.name != '{probe}' : (object.metadata.name != '{name}' || !has(object.status) || !has(object.status.consumer))\"\n    message: held back by the test's gate\n---\napiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingAdmissionPolicyBinding\nmetadata: {{name: {policy}}}\nspec:\n  policyName: {policy}\n  validationActions: [Deny]\n  matchResources:\n    namespaceSelector:\n      matchLabels: {{kubernetes.io/metadata.name: {ns}}}\n"
+            )),
+        );
+        poll(
+            "the API server to enforce the status gate",
+            Duration::from_secs(30),
+            || async {
+                let out = super::kubectl(
+                    &["create", "configmap", &probe, "-n", ns, "--dry-run=server"],
+                    None,
+                );
+                let said = String::from_utf8_lossy(&out.stderr).into_owned();
+                if said.contains("held back by the test's gate") {
+                    Ok(())
+                } else if out.status.success() {
+                    Err("the probe was admitted".to_string())
+                } else {
+                    Err(said)
+                }
+            },
+        )
+        .await;
+        StatusGate { policy }
+    }
+
+    /// Opens the gate: the controller's next status write passes.
+    pub fn open(&mut self) {
+        if self.policy.is_empty() {
+            return;
+        }
+        for kind in [
+            "validatingadmissionpolicybinding",
+            "validatingadmissionpolicy",
+        ] {
+            kubectl_ok(&["delete", kind, &self.policy, "--ignore-not-found"], None);
+        }
+        self.policy.clear();
+    }
+}
+
+impl Drop for StatusGate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}

@@ -12,7 +12,7 @@ use futures::StreamExt;
 
 use super::{Book, Books, Member, Members, NatsKeeper, SubKey, broken};
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
-use crate::backend::nats::advisory::{self, ChangeKind, DeliveryKind};
+use crate::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
 use crate::backend::nats::capture;
 use crate::backend::nats::jsapi::NatsError;
 use crate::bus::report::{StatsReport, report_key};
@@ -182,15 +182,16 @@ impl NatsKeeper {
         Ok(())
     }
 
-    /// Applies one advisory; returns the Subscription whose book it changed (its
-    /// acknowledgement waits for that book's save).
+    /// Applies one advisory: the Subscription whose book it changed (its acknowledgement waits
+    /// for that book's save), a loss waiting for its Subscription's consumer to be verified, or
+    /// nothing of this Backend's.
     pub(super) async fn on_advisory(
         &self,
         ledgers: &kv::Store,
         members: &Members,
         books: &mut Books,
         msg: &jetstream::Message,
-    ) -> Result<Option<SubKey>, NatsError> {
+    ) -> Result<Applied, NatsError> {
         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
         let subject = msg.subject.as_str();
         // Only the consumer the controller verified as a Subscription's counts for it
@@ -208,22 +209,42 @@ impl NatsKeeper {
                 book.account.consumer_recreated();
                 book.consumer_since = None;
                 book.dirty = true;
-                return Ok(Some(key.clone()));
+                return Ok(Applied::Book(key.clone()));
             }
-            return Ok(None);
+            return Ok(Applied::Nothing);
         }
         let Some(event) = advisory::parse_delivery(subject, &msg.payload) else {
-            return Ok(None);
+            return Ok(Applied::Nothing);
         };
-        let kind = match event.kind {
-            DeliveryKind::MaxDeliveries => "max_deliveries",
-            DeliveryKind::Terminated => "terminated",
-            DeliveryKind::Naked => "naked",
-        };
-        self.metrics.advisories.with_label_values(&[kind]).inc();
+        self.metrics
+            .advisories
+            .with_label_values(&[label(event.kind)])
+            .inc();
+        self.on_delivery(ledgers, members, books, capture_seq, event)
+            .await
+    }
+
+    /// Applies one delivery advisory (read now, or held since for its Subscription's consumer
+    /// to be verified).
+    pub(super) async fn on_delivery(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        capture_seq: u64,
+        event: DeliveryEvent,
+    ) -> Result<Applied, NatsError> {
         let Some((key, m)) = members.owner(&event.stream, &event.consumer) else {
-            return Ok(None);
+            // A Subscription that would make a consumer of this name and whose status names
+            // none yet: the controller made it and its status has not reached the cache, or
+            // cannot verify it this moment. Held, not dropped (a last attempt that ran out
+            // within seconds of the consumer's making had been lost so).
+            if members.awaits(&event.consumer) && event.kind != DeliveryKind::Naked {
+                return Ok(Applied::Unverified(event));
+            }
+            return Ok(Applied::Nothing);
         };
+        let kind = label(event.kind);
         // A terminate is a loss only on the last attempt (the runtime's decline of it).
         let exhausted = match event.kind {
             DeliveryKind::MaxDeliveries => true,
@@ -243,7 +264,7 @@ impl NatsKeeper {
                     .with_label_values(&["earlier_consumer"])
                     .inc();
                 tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), stream_seq = event.stream_seq, "an advisory of an earlier consumer of the same name: not this object's");
-                return Ok(None);
+                return Ok(Applied::Nothing);
             }
             if book
                 .account
@@ -253,10 +274,30 @@ impl NatsKeeper {
                 tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), stream_seq = event.stream_seq, %kind, "a message ran out of attempts");
             }
             book.dirty = true;
-            return Ok(Some(key.clone()));
+            return Ok(Applied::Book(key.clone()));
         }
-        Ok(None)
+        Ok(Applied::Nothing)
     }
+}
+
+/// A delivery advisory's kind, as the metric and the log name it.
+fn label(kind: DeliveryKind) -> &'static str {
+    match kind {
+        DeliveryKind::MaxDeliveries => "max_deliveries",
+        DeliveryKind::Terminated => "terminated",
+        DeliveryKind::Naked => "naked",
+    }
+}
+
+/// What an advisory did.
+pub(super) enum Applied {
+    /// It changed this Subscription's book: acknowledged once the book is saved.
+    Book(SubKey),
+    /// A loss of a consumer a Subscription would make and whose status names none yet: held and
+    /// tried again each round (`Unverified`, in the keeper).
+    Unverified(DeliveryEvent),
+    /// Nothing of this Backend's: acknowledged at the next round.
+    Nothing,
 }
 
 /// What of an account is persisted and a report can change (to tell when to save).

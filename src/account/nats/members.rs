@@ -9,7 +9,7 @@
 //!
 //! It must not decide what counts (that is `count` and the ledger).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -18,6 +18,7 @@ use kube::runtime::reflector::Store;
 
 use super::SubKey;
 use crate::api::Subscription;
+use crate::backend::nats::consumer::consumer_name;
 use crate::policy::ResolvedPolicy;
 
 /// A Subscription of this Backend, and the consumer the controller verified as its own.
@@ -31,6 +32,14 @@ impl Member {
     /// The object's UID.
     pub fn uid(&self) -> Option<&str> {
         self.sub.metadata.uid.as_deref()
+    }
+
+    /// Whether the controller has not yet said how this generation of the object stands (no
+    /// status of its own, or one of an earlier generation): a consumer it made may not be in
+    /// `status.consumer` yet. One it checked and found in conflict, refused or failing is not.
+    pub fn unchecked(&self) -> bool {
+        let observed = self.sub.status.as_ref().and_then(|s| s.observed_generation);
+        observed.is_none() || observed != self.sub.metadata.generation
     }
 
     /// `(stream, consumer)` from `status.consumer`: only through it does the broker count.
@@ -52,6 +61,9 @@ pub(super) struct Members {
     by_key: HashMap<u64, usize>,
     /// The hash of `(stream, consumer)` → the place of the member that verified it as its own.
     by_consumer: HashMap<u64, usize>,
+    /// The hashes of the consumer names members the controller has not checked yet (and
+    /// without a verified consumer) would make.
+    awaiting: HashSet<u64>,
     /// The addresses of the cache's objects these were built from, in the cache's order: the
     /// same list again means nothing of this Backend changed. The `Arc`s in `members` keep each
     /// object alive, so no other object can take its address while it is listed.
@@ -88,6 +100,7 @@ impl Members {
         self.members = Vec::with_capacity(ours.len());
         self.by_key = HashMap::with_capacity(ours.len());
         self.by_consumer = HashMap::new();
+        self.awaiting = HashSet::new();
         for sub in ours {
             let key = (sub.namespace().unwrap_or_default(), sub.name_any());
             let policy = ResolvedPolicy::resolve(&sub.spec.policy);
@@ -98,8 +111,15 @@ impl Members {
             };
             let at = self.members.len();
             self.by_key.insert(hash(&key.0, &key.1), at);
-            if let Some((stream, consumer)) = member.consumer() {
-                self.by_consumer.insert(hash(stream, consumer), at);
+            match member.consumer() {
+                Some((stream, consumer)) => {
+                    self.by_consumer.insert(hash(stream, consumer), at);
+                }
+                None if member.unchecked() => {
+                    self.awaiting
+                        .insert(hash(&consumer_name(&key.0, &key.1, &policy), ""));
+                }
+                None => {}
             }
             self.members.push((key, member));
         }
@@ -136,6 +156,14 @@ impl Members {
 
     pub fn len(&self) -> usize {
         self.members.len()
+    }
+
+    /// Whether a member the controller has not checked yet ([`Member::unchecked`]; its status
+    /// names no consumer) would make one named `consumer`: the controller may have made it and
+    /// its status saying so not reached the cache, so an advisory of it may be this member's
+    /// once it does. A stream is not known before then.
+    pub fn awaits(&self, consumer: &str) -> bool {
+        self.awaiting.contains(&hash(consumer, ""))
     }
 
     /// The Subscription that verified `stream`'s `consumer` as its own, if one did.
@@ -193,6 +221,26 @@ mod tests {
             members.owner("ORDERS", "f-c").is_none(),
             "another namespace's consumer"
         );
+        assert!(
+            members.awaits("settle_shop_b"),
+            "b's status names no consumer yet: one of the name it would make may be its"
+        );
+        assert!(!members.awaits("a-c"), "a's consumer is verified");
+        let mut checked = sub("shop", "c", "nats", None, "1");
+        checked.status = Some(crate::api::SubscriptionStatus {
+            observed_generation: Some(1),
+            ..Default::default()
+        });
+        checked.metadata.generation = Some(1);
+        writer.apply_watcher_event(&Event::Apply(checked));
+        assert!(members.refresh(&store, &backend));
+        assert!(
+            !members.awaits("settle_shop_c"),
+            "c was checked (in conflict, say) with no consumer: its name's losses are not held"
+        );
+        writer.apply_watcher_event(&Event::Delete(sub("shop", "c", "nats", None, "1")));
+        assert!(members.refresh(&store, &backend));
+        assert!(!members.awaits("settle_farm_a"), "another namespace's");
 
         assert!(
             !members.refresh(&store, &backend),
@@ -209,6 +257,7 @@ mod tests {
         assert!(members.refresh(&store, &backend));
         let b = ("shop".to_string(), "b".to_string());
         assert_eq!(members.owner("ORDERS", "b-c").map(|(k, _)| k), Some(&b));
+        assert!(!members.awaits("settle_shop_b"), "b's consumer is verified");
 
         // One deleted: gone, and its consumer no longer found.
         writer.apply_watcher_event(&Event::Delete(sub("shop", "a", "nats", Some("a-c"), "2")));

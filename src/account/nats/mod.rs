@@ -29,7 +29,9 @@
 //! An account belongs to one Subscription object (its UID): a report or saved ledger of an
 //! earlier object of the same name is dropped, never counted. The broker's advisories and
 //! gauges count for a Subscription only through the consumer the controller verified as its own
-//! (`status.consumer`), never by a name alone.
+//! (`status.consumer`), never by a name alone: a loss advisory read while a Subscription that
+//! would make a consumer of its name has no `status.consumer` yet is held (at most
+//! [`UNVERIFIED_ADVISORIES`], for [`UNVERIFIED_GRACE`]) until the status names one.
 //!
 //! This file holds the keeper, its session and its loop, and loads each Subscription's book;
 //! [`count`] counts what comes in (reports, advisories), [`settle`] is the round (save, then
@@ -59,9 +61,11 @@ use super::show::Showing;
 use super::status::LossLog;
 use super::writer::Writer;
 use crate::api::Subscription;
+use crate::backend::nats::advisory::DeliveryEvent;
 use crate::backend::nats::capture;
 use crate::backend::nats::jsapi::NatsError;
 use crate::bus::report::{now_ms, report_key};
+use count::Applied;
 use members::{Member, Members};
 use names::ledger_key;
 pub use names::{legacy_reader_name, reader_name};
@@ -72,6 +76,15 @@ const TICK: Duration = Duration::from_millis(500);
 
 /// Reports held back for a Subscription not in the cache yet, at most.
 const EARLY_REPORTS: usize = 10_000;
+
+/// How long a loss advisory of a consumer a Subscription would make waits for that
+/// Subscription's status to name it (`count::Applied::Unverified`): the controller's status
+/// write reaching the cache takes well under a second at rest and seconds under load. Below the
+/// capture reader's ack wait, so a held advisory is never delivered again meanwhile.
+const UNVERIFIED_GRACE: Duration = Duration::from_secs(15);
+
+/// Loss advisories held for [`UNVERIFIED_GRACE`], at most (one is about half a KiB).
+const UNVERIFIED_ADVISORIES: usize = 1_000;
 
 /// An empty report bucket delivers no initial value at all: when none has come this long after
 /// the watch started, its replay is complete.
@@ -285,6 +298,9 @@ impl NatsKeeper {
         let mut early: HashMap<String, kv::Entry> = HashMap::new();
         // Advisories that counted for no book: acknowledged at the next round.
         let mut loose: Vec<jetstream::Message> = Vec::new();
+        // Loss advisories of a consumer a Subscription would make, read before its status named
+        // it: tried again each round, for UNVERIFIED_GRACE.
+        let mut unverified: Vec<(Instant, jetstream::Message, DeliveryEvent)> = Vec::new();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ended = rounds(async {
@@ -326,11 +342,20 @@ impl NatsKeeper {
                         read_to = info.stream_sequence;
                     }
                     match self.on_advisory(&ledgers, &members, &mut books, &msg).await? {
-                        Some(key) => match books.get_mut(&key) {
+                        Applied::Book(key) => match books.get_mut(&key) {
                             Some(book) => book.acks.push(msg),
                             None => loose.push(msg),
                         },
-                        None => loose.push(msg),
+                        Applied::Unverified(event) if unverified.len() < UNVERIFIED_ADVISORIES => {
+                            self.metrics.advisories.with_label_values(&["held_unverified"]).inc();
+                            unverified.push((Instant::now(), msg, event));
+                        }
+                        Applied::Unverified(event) => {
+                            self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
+                            tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, held = UNVERIFIED_ADVISORIES, "a loss advisory of a consumer whose Subscription is not verified yet, with the most held already: dropped");
+                            loose.push(msg);
+                        }
+                        Applied::Nothing => loose.push(msg),
                     }
                 }
                 _ = tick.tick() => {
@@ -344,6 +369,27 @@ impl NatsKeeper {
                         replayed = true;
                     }
                     members.refresh(&self.subs, &self.backend);
+                    for (since, msg, event) in std::mem::take(&mut unverified) {
+                        let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+                        match self.on_delivery(&ledgers, &members, &mut books, capture_seq, event).await? {
+                            Applied::Book(key) => match books.get_mut(&key) {
+                                Some(book) => book.acks.push(msg),
+                                None => loose.push(msg),
+                            },
+                            Applied::Unverified(event) if since.elapsed() < UNVERIFIED_GRACE => {
+                                unverified.push((since, msg, event));
+                            }
+                            Applied::Unverified(event) => {
+                                self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
+                                tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?UNVERIFIED_GRACE, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
+                                loose.push(msg);
+                            }
+                            Applied::Nothing => {
+                                self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
+                                loose.push(msg);
+                            }
+                        }
+                    }
                     for (_, entry) in std::mem::take(&mut early) {
                         if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
                             early.insert(entry.key.clone(), entry);
@@ -364,10 +410,13 @@ impl NatsKeeper {
         // The session is over and its books with it: the advisories they counted and did not
         // save yet are declined, so they come to the next session at once, not after the
         // reader's ack wait (one saved after all is skipped there by its capture sequence).
-        let unsaved: Vec<jetstream::Message> =
-            books.into_values().flat_map(|book| book.acks).collect();
+        let unsaved: Vec<jetstream::Message> = books
+            .into_values()
+            .flat_map(|book| book.acks)
+            .chain(unverified.into_iter().map(|(_, msg, _)| msg))
+            .collect();
         if !unsaved.is_empty() {
-            tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), advisories = unsaved.len(), "the session ended with advisories counted and not saved: declined, for the next session to count");
+            tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), advisories = unsaved.len(), "the session ended with advisories counted and not saved, or held for a consumer not verified yet: declined, for the next session to count");
         }
         for msg in unsaved {
             if let Err(e) = msg.ack_with(jetstream::AckKind::Nak(None)).await {
