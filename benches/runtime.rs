@@ -10,7 +10,10 @@
 //! 3. `-- matrix [nats|rabbitmq|sqs]...` instead: the runtime against each broker's bare client
 //!    as a matrix (payload × maxInFlight × Subscriptions; the scenario is `matrix`'s), each
 //!    broker named or all three. SETTLE_MATRIX_ONLY keeps the cells whose label contains it
-//!    (e.g. "64 KiB"), SETTLE_MATRIX_ROUNDS sets the rounds (default 5).
+//!    (e.g. "64 KiB"), SETTLE_MATRIX_ROUNDS sets the rounds (default 5), and
+//!    SETTLE_MATRIX_CALIBRATE=1 runs the bare client in both columns (an A/A run: the spread two
+//!    identical sides show here); with SETTLE_MATRIX_CALIBRATE_SPIN_US=N the second column's
+//!    loop spends N µs of CPU a message more (what extra client work alone costs a ratio).
 //!
 //! Uses SETTLE_NATS_URL (from the environment or $SETTLE_ENV_DIR/settle.env, default
 //! target/env/settle.env), or starts its own nats-server from SETTLE_NATS_SERVER on a free

@@ -92,6 +92,23 @@ impl Side {
     }
 }
 
+/// The client CPU, in µs, the bare loops spend on each message before acking it while it is
+/// set: 0, except for the second column of a calibration run with
+/// `SETTLE_MATRIX_CALIBRATE_SPIN_US` (what extra client work alone costs a ratio here).
+static HANDICAP_US: AtomicU64 = AtomicU64::new(0);
+
+/// Spends [`HANDICAP_US`] of CPU (busy, as work would), if any: each bare loop calls it once a
+/// message.
+pub fn handicap() {
+    let us = HANDICAP_US.load(Ordering::Relaxed);
+    if us > 0 {
+        let until = Instant::now() + Duration::from_micros(us);
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// One broker's part of the scenario. `n_each` is the number of messages each of the cell's
 /// Subscriptions consumes in one round (the round's total is `n_each × subs`).
 pub trait Harness {
@@ -109,7 +126,9 @@ pub trait Harness {
     async fn prepare(&mut self, cell: &Cell, n_each: u64);
     /// One round of `side`: fills what must be filled (outside the clock), then consumes
     /// `n_each` messages from each of the cell's Subscriptions, acking each; what that took,
-    /// from a [`Stopwatch`] started where the consuming starts.
+    /// from a [`Stopwatch`] started where the consuming starts. `round` differs between any
+    /// two calls of one side in a cell (a calibration run calls the bare side twice a round):
+    /// a harness whose consumers outlive a round names them by it.
     async fn round(&mut self, cell: &Cell, side: Side, round: usize, n_each: u64) -> Taken;
     /// Removes what the cell made.
     async fn finish(&mut self, cell: &Cell);
@@ -351,16 +370,51 @@ pub fn cells() -> Vec<Cell> {
 }
 
 /// Runs every cell on `h` and prints the table.
+/// One round of `side` with the bare loops spending `spin` µs a message ([`handicap`]).
+async fn handicapped<H: Harness>(
+    h: &mut H,
+    cell: &Cell,
+    side: Side,
+    round: usize,
+    n_each: u64,
+    spin: u64,
+) -> Taken {
+    HANDICAP_US.store(spin, Ordering::Relaxed);
+    let took = h.round(cell, side, round, n_each).await;
+    HANDICAP_US.store(0, Ordering::Relaxed);
+    took
+}
+
 pub async fn run<H: Harness>(h: &mut H) {
     let rounds = std::env::var("SETTLE_MATRIX_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(ROUNDS);
     set_broker_pid(h.pid_file());
+    // SETTLE_MATRIX_CALIBRATE=1: the settle column runs the bare client as well (an A/A run, on
+    // consumers of their own): how far two identical sides differ here, the spread a ratio must
+    // leave before it says anything about the runtime.
+    let calibrate = std::env::var("SETTLE_MATRIX_CALIBRATE").is_ok_and(|v| v == "1");
+    let (second, offset) = if calibrate {
+        (Side::Bare, 1000)
+    } else {
+        (Side::Settle, 0)
+    };
+    let spin: u64 = std::env::var("SETTLE_MATRIX_CALIBRATE_SPIN_US")
+        .ok()
+        .filter(|_| calibrate)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+
     let before = load_average();
     println!(
-        "{} matrix: settle::bus vs {}, AtLeastOnce, every message acked; median of {rounds} rounds of each side (interleaved), each sized to last about {TARGET_ROUND:?}; load average {before} ({} CPUs)",
+        "{} matrix: {} vs {}, AtLeastOnce, every message acked; median of {rounds} rounds of each side (interleaved), each sized to last about {TARGET_ROUND:?}; load average {before} ({} CPUs)",
         h.broker(),
+        if calibrate {
+            "A/A calibration: the bare client in both columns (\"settle\" is the second bare, spending SETTLE_MATRIX_CALIBRATE_SPIN_US more a message)"
+        } else {
+            "settle::bus"
+        },
         h.bare(),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     );
@@ -376,7 +430,9 @@ pub async fn run<H: Harness>(h: &mut H) {
             h.prepare(&cell, warm_each).await;
             let total = warm_each * cell.subs as u64;
             let tb = h.round(&cell, Side::Bare, 0, warm_each).await.wall;
-            let ts = h.round(&cell, Side::Settle, 0, warm_each).await.wall;
+            let ts = handicapped(h, &cell, second, offset, warm_each, spin)
+                .await
+                .wall;
             let faster = rate(total, tb).max(rate(total, ts));
             let want = (faster * TARGET_ROUND.as_secs_f64()) as u64 / cell.subs as u64;
             if tb.min(ts) >= WARM_ENOUGH || warm_each >= h.max_each(&cell) {
@@ -394,21 +450,31 @@ pub async fn run<H: Harness>(h: &mut H) {
             (Rounds::default(), Rounds::default(), Duration::MAX);
         for round in 1..=rounds {
             let order = if round % 2 == 1 {
-                [Side::Bare, Side::Settle]
+                [false, true]
             } else {
-                [Side::Settle, Side::Bare]
+                [true, false]
             };
-            for side in order {
-                let took = h.round(&cell, side, round, n_each).await;
+            for is_second in order {
+                let took = if is_second {
+                    handicapped(h, &cell, second, round + offset, n_each, spin).await
+                } else {
+                    h.round(&cell, Side::Bare, round, n_each).await
+                };
                 shortest = shortest.min(took.wall);
-                match side {
-                    Side::Bare => bare.push(total, took),
-                    Side::Settle => settle.push(total, took),
+                if is_second {
+                    settle.push(total, took);
+                } else {
+                    bare.push(total, took);
                 }
             }
         }
         h.finish(&cell).await;
-        if let (Some(s), Some(b)) = (
+        if calibrate {
+            // Both columns counted as the bare side's.
+            if let Some(b) = h.requests(Side::Bare, 2 * consumed) {
+                notes.push(format!("{}: both columns {b}", cell.label().trim()));
+            }
+        } else if let (Some(s), Some(b)) = (
             h.requests(Side::Settle, consumed),
             h.requests(Side::Bare, consumed),
         ) {

@@ -168,6 +168,7 @@ async fn bare(
             .await
             .expect("stream open")
             .expect("message");
+        super::handicap();
         m.ack().await.expect("ack");
     }
 }

@@ -224,6 +224,7 @@ async fn bare(ch: Channel, queue: &str, n: u64) {
             }
             d = consumer.next() => {
                 let d = d.expect("open").expect("delivery");
+                super::handicap();
                 pending.push(async move { d.ack(BasicAckOptions::default()).await });
             }
         }

@@ -285,6 +285,7 @@ async fn bare(client: Client, url: String, cell: &Cell, n: u64) {
         for m in out.messages.unwrap_or_default() {
             let Some(permit) = held.pop() else { break };
             received += 1;
+            super::handicap();
             let (client, url) = (client.clone(), url.clone());
             tokio::spawn(async move {
                 client
