@@ -192,7 +192,10 @@ pub struct Metrics {
     /// budget was spent (`budget`), and waiting patches replaced by a newer one for the same
     /// Subscription, never sent (`coalesced`: the newer carries the whole account).
     pub deferred: IntCounterVec,
-    /// `settle_account_advisories_total{kind}`: delivery advisories read from the capture.
+    /// `settle_account_advisories_total{kind}`: delivery advisories read from the capture, by
+    /// kind, and what was set aside: `earlier_consumer`, `held_unverified` (waiting for a
+    /// Subscription's status to name the consumer) and `unverified_dropped` (it did not in time).
+    /// `earlier_consumer` and `unverified_dropped` exist at 0 from the start.
     pub advisories: IntCounterVec,
     /// `settle_account_reports_total{outcome}`: runtime reports read, by what became of them
     /// (counted, stale, and each reason one was dropped; [`DROPPED_FOR_TENANCY`] from the start).
@@ -312,6 +315,10 @@ impl Metrics {
         }
         for outcome in ["copy_queue_full", "copy_queue_lost", "not_ours"] {
             self.dead_letters.with_label_values(&[outcome]);
+        }
+        // Losses counted for nobody: alerted on.
+        for kind in ["unverified_dropped", "earlier_consumer"] {
+            self.advisories.with_label_values(&[kind]);
         }
         self
     }

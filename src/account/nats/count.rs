@@ -235,10 +235,10 @@ impl NatsKeeper {
         event: DeliveryEvent,
     ) -> Result<Applied, NatsError> {
         let Some((key, m)) = members.owner(&event.stream, &event.consumer) else {
-            // A Subscription that would make a consumer of this name and whose status names
-            // none yet: the controller made it and its status has not reached the cache, or
-            // cannot verify it this moment. Held, not dropped (a last attempt that ran out
-            // within seconds of the consumer's making had been lost so).
+            // A Subscription the controller has not checked yet would make a consumer of this
+            // name: it may have made it, its status saying so not in the cache yet. Held, not
+            // dropped (a last attempt that ran out within seconds of the consumer's making had
+            // been lost so).
             if members.awaits(&event.consumer) && event.kind != DeliveryKind::Naked {
                 return Ok(Applied::Unverified(event));
             }
