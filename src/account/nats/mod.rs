@@ -95,6 +95,20 @@ const EMPTY_REPLAY: Duration = Duration::from_secs(5);
 /// over when its Backend connects.
 const LEGACY_READER_GRACE: Duration = Duration::from_secs(600);
 
+/// An advisory that changed `key`'s book is acknowledged once that book is saved; one whose book
+/// is gone, at the next round.
+fn ack_with_book(
+    books: &mut Books,
+    loose: &mut Vec<jetstream::Message>,
+    key: &SubKey,
+    msg: jetstream::Message,
+) {
+    match books.get_mut(key) {
+        Some(book) => book.acks.push(msg),
+        None => loose.push(msg),
+    }
+}
+
 /// A Subscription, by namespace and name.
 type SubKey = (String, String);
 
@@ -342,10 +356,7 @@ impl NatsKeeper {
                         read_to = info.stream_sequence;
                     }
                     match self.on_advisory(&ledgers, &members, &mut books, &msg).await? {
-                        Applied::Book(key) => match books.get_mut(&key) {
-                            Some(book) => book.acks.push(msg),
-                            None => loose.push(msg),
-                        },
+                        Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
                         Applied::Unverified(event) if unverified.len() < UNVERIFIED_ADVISORIES => {
                             self.metrics.advisories.with_label_values(&["held_unverified"]).inc();
                             unverified.push((Instant::now(), msg, event));
@@ -372,10 +383,7 @@ impl NatsKeeper {
                     for (since, msg, event) in std::mem::take(&mut unverified) {
                         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
                         match self.on_delivery(&ledgers, &members, &mut books, capture_seq, event).await? {
-                            Applied::Book(key) => match books.get_mut(&key) {
-                                Some(book) => book.acks.push(msg),
-                                None => loose.push(msg),
-                            },
+                            Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
                             Applied::Unverified(event) if since.elapsed() < UNVERIFIED_GRACE => {
                                 unverified.push((since, msg, event));
                             }
