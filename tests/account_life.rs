@@ -308,9 +308,23 @@ async fn spend_last_attempts(stream: &TestStream, consumer: &str, n: usize) {
         .await
         .expect("the consumer");
     common::account::publish_to(stream, bodies(n)).await;
+    let deliveries = pull_attempts(&pull, 2 * n, |delivered| delivered == 1).await;
+    assert_eq!(deliveries, 2 * n, "two attempts each");
+}
+
+/// Pulls from `pull` until `want` deliveries came (at most 40 pulls of half a second each),
+/// nacking those whose delivery count `nack` picks and leaving the others unacknowledged; then
+/// one pull waits 3 s, past the ack wait, so the server says MAX_DELIVERIES for the attempts
+/// that ran out (it says so when the ack wait runs out while a pull waits; with none, only at the
+/// next pull). Returns how many deliveries came.
+async fn pull_attempts(
+    pull: &consumer::PullConsumer,
+    want: usize,
+    nack: impl Fn(i64) -> bool,
+) -> usize {
     let mut deliveries = 0;
     let mut rounds = 0;
-    while deliveries < 2 * n && rounds < 40 {
+    while deliveries < want && rounds < 40 {
         rounds += 1;
         let mut batch = pull
             .fetch()
@@ -321,15 +335,11 @@ async fn spend_last_attempts(stream: &TestStream, consumer: &str, n: usize) {
             .expect("fetch");
         while let Some(Ok(m)) = batch.next().await {
             deliveries += 1;
-            let first = m.info().map(|i| i.delivered == 1).unwrap_or(false);
-            if first {
+            if m.info().is_ok_and(|i| nack(i.delivered)) {
                 m.ack_with(AckKind::Nak(None)).await.expect("nak");
             }
         }
     }
-    assert_eq!(deliveries, 2 * n, "two attempts each");
-    // A pull waiting past the ack wait: the server says MAX_DELIVERIES when the ack wait runs out
-    // while one waits (with none, only at the next pull).
     let mut last = pull
         .fetch()
         .max_messages(10)
@@ -338,6 +348,65 @@ async fn spend_last_attempts(stream: &TestStream, consumer: &str, n: usize) {
         .await
         .expect("fetch");
     while last.next().await.is_some() {}
+    deliveries
+}
+
+/// The capture stream, once `ns`'s operator reads it (its reader there for Backend `nats`): an
+/// advisory that fires before the first operator on a fresh server made the capture is captured
+/// by nothing, so a test that spends attempts waits for this first.
+async fn capture_read(js: &jetstream::Context, ns: &str) -> jetstream::stream::Stream {
+    let reader = settle::account::nats::reader_name(ns, "nats");
+    poll(
+        "the operator to read the capture",
+        Duration::from_secs(30),
+        || async {
+            let capture = js
+                .get_stream(settle::backend::nats::capture::CAPTURE_STREAM)
+                .await
+                .map_err(|e| e.to_string())?;
+            capture
+                .get_consumer::<consumer::pull::Config>(&reader)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(capture)
+        },
+    )
+    .await
+}
+
+/// Waits at most `limit` until the capture holds `n` MAX_DELIVERIES advisories of `stream`'s
+/// `consumer`; returns the capture sequence of the last of them.
+async fn captured_max_deliveries(
+    capture: &jetstream::stream::Stream,
+    stream: &str,
+    consumer: &str,
+    n: usize,
+    limit: Duration,
+) -> u64 {
+    let subject = format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}");
+    poll(
+        &format!("the capture to hold {n} MAX_DELIVERIES of {consumer}"),
+        limit,
+        || async {
+            let held = capture
+                .info_with_subjects(subject.clone())
+                .await
+                .map_err(|e| e.to_string())?
+                .next()
+                .await
+                .and_then(|r| r.ok())
+                .map_or(0, |(_, held)| held);
+            if held < n {
+                return Err(format!("{held} of {n}"));
+            }
+            capture
+                .get_last_raw_message_by_subject(&subject)
+                .await
+                .map(|m| m.sequence)
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await
 }
 
 /// A last attempt can run out within two seconds of its consumer's making, before the
@@ -365,45 +434,15 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
         streams.push(stream);
     }
     let (waited_seen, waited_watcher) = watch(&scene.api, "waited");
+    let capture = capture_read(&scene.stream.js, &scene.ns).await;
     for (stream, name) in streams.iter().zip(["waited", "late"]) {
         spend_last_attempts(stream, name, 3).await;
     }
     // The keeper has read the six advisories: its reader got past the last of them.
-    let capture = streams[0]
-        .js
-        .get_stream(settle::backend::nats::capture::CAPTURE_STREAM)
-        .await
-        .expect("the capture stream");
     let mut last = 0;
     for (stream, name) in streams.iter().zip(["waited", "late"]) {
-        let subject = format!(
-            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{name}",
-            stream.name
-        );
-        let seq = poll(
-            &format!("the capture to hold {name}'s three MAX_DELIVERIES"),
-            Duration::from_secs(30),
-            || async {
-                let capture = capture.clone();
-                let n = capture
-                    .info_with_subjects(subject.clone())
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .next()
-                    .await
-                    .and_then(|r| r.ok())
-                    .map_or(0, |(_, n)| n);
-                if n < 3 {
-                    return Err(format!("{n} of 3"));
-                }
-                capture
-                    .get_last_raw_message_by_subject(&subject)
-                    .await
-                    .map(|m| m.sequence)
-                    .map_err(|e| e.to_string())
-            },
-        )
-        .await;
+        let seq =
+            captured_max_deliveries(&capture, &stream.name, name, 3, Duration::from_secs(30)).await;
         last = last.max(seq);
     }
     let reader = settle::account::nats::reader_name(&scene.ns, "nats");
@@ -532,68 +571,16 @@ async fn losses_of_a_consumer_settle_did_not_make_are_never_a_subscriptions() {
 
     // Their consumer runs three messages out of attempts: nacked twice each, and the next pull
     // makes the server say MAX_DELIVERIES for each.
+    let capture = capture_read(js, &scene.ns).await;
     scene.publish(bodies(3)).await;
-    let mut exhausted = 0;
-    let mut rounds = 0;
-    while exhausted < 6 && rounds < 40 {
-        rounds += 1;
-        let mut batch = theirs
-            .fetch()
-            .max_messages(10)
-            .expires(Duration::from_millis(500))
-            .messages()
-            .await
-            .expect("fetch");
-        while let Some(Ok(m)) = batch.next().await {
-            m.ack_with(AckKind::Nak(None)).await.expect("nak");
-            exhausted += 1;
-        }
-    }
+    let exhausted = pull_attempts(&theirs, 6, |_| true).await;
     assert_eq!(exhausted, 6, "three messages, two attempts each");
-    // One more pull, so the server notices the attempts ran out.
-    let mut last = theirs
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .expect("fetch");
-    while last.next().await.is_some() {}
-    let advisories = jetstream::new(async_nats::connect(&scene.nats_url).await.expect("connect"));
-    let capture = advisories
-        .get_stream("SETTLE_ADVISORIES")
-        .await
-        .expect("the capture stream");
-    poll(
-        "the capture to hold their three MAX_DELIVERIES advisories",
+    captured_max_deliveries(
+        &capture,
+        &scene.stream.name,
+        "theirs",
+        3,
         Duration::from_secs(20),
-        || async {
-            let mut capture = capture.clone();
-            let messages = capture
-                .info()
-                .await
-                .map_err(|e| e.to_string())?
-                .state
-                .messages;
-            let subject = format!(
-                "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.theirs",
-                scene.stream.name
-            );
-            let n = capture
-                .info_with_subjects(subject.clone())
-                .await
-                .map_err(|e| e.to_string())?
-                .next()
-                .await
-                .and_then(|r| r.ok())
-                .map(|(_, n)| n)
-                .unwrap_or(0);
-            if n >= 3 {
-                Ok(())
-            } else {
-                Err(format!("{n} of 3 ({messages} in the stream)"))
-            }
-        },
     )
     .await;
     // Time for both keepers to read them (a status write a second).
