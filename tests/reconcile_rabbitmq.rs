@@ -903,9 +903,9 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
         )
         .await;
     }
-    // No room for another queue in the vhost, once the two Ready ones hold all theirs (the
-    // account's report and ledger queues come a moment after Ready: limited before, one of them
-    // would keep asking for the place the test frees later).
+    // No room for another queue in the vhost, once the two Ready ones hold all theirs (five
+    // each: the queue, its object mark and the account's report, ledger and index queues, made
+    // with it; waited for until the count stands still).
     let mut queues = vhost.queues();
     let mut still = 0;
     let settling = std::time::Instant::now();
@@ -949,16 +949,70 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
 
     // While the limit holds, the refused three barely call the broker.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let before = op.metric("settle_consumer_api_calls_total", &[]);
+    let calls = || {
+        let text = op.get("/metrics").unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with("settle_consumer_api_calls_total{"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let (before, listed) = (op.metric("settle_consumer_api_calls_total", &[]), calls());
     tokio::time::sleep(Duration::from_secs(20)).await;
     let during = op.metric("settle_consumer_api_calls_total", &[]) - before;
-    eprintln!("RabbitMQ calls over 20 s at the vhost's limit: {during}");
+    eprintln!(
+        "RabbitMQ calls over 20 s at the vhost's limit: {during}\n  before: {listed:?}\n  after: {:?}",
+        calls()
+    );
     assert!(
         during <= 10.0,
         "{during} RabbitMQ calls in 20 s against a vhost at its limit"
     );
 
-    // A Ready one goes (its queue and its object mark): one refused Subscription takes the place.
+    // Room for two queues, fewer than a Subscription needs: the next probe declares two of its
+    // account queues, is refused the third, and takes back what it declared, so a refused
+    // Subscription holds no place another could take.
+    vhost.limit(queues + 2);
+    let took_back = || {
+        op.metric(
+            "settle_consumer_api_calls_total",
+            &[("call", "account.take_back")],
+        )
+    };
+    let probing = std::time::Instant::now();
+    while took_back() < 2.0 {
+        assert!(
+            probing.elapsed() < Duration::from_secs(90),
+            "no probe took back its account queues in 90 s"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        vhost.queues(),
+        queues,
+        "a refused Subscription holds no account queue"
+    );
+    common::subs::wait_readiness(
+        &api,
+        &names,
+        "still 2 Subscriptions Ready and 3 refused",
+        Duration::from_secs(5),
+        |seen| {
+            let limited = seen
+                .iter()
+                .filter(|(_, c)| {
+                    c.as_ref()
+                        .is_some_and(|(s, r, _)| s == "False" && r == "BrokerLimit")
+                })
+                .count();
+            (ready(seen), limited) == (2, 3)
+        },
+    )
+    .await;
+    vhost.limit(queues);
+
+    // A Ready one goes (its five queues): one refused Subscription takes the places, all five,
+    // and no other finds one the first's account then lacks (CI once saw two Ready here: the
+    // second took the places the first's account queues were to have).
     api.delete("q0", &DeleteParams::default())
         .await
         .expect("delete");
@@ -972,6 +1026,21 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
         |seen| (ready(seen), refused(seen)) == (2, 2),
     )
     .await;
+    // And it stays so once the deleted one's account is dropped: the vhost is full again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    common::subs::wait_readiness(
+        &api,
+        rest,
+        "still one Subscription in the freed place",
+        Duration::from_secs(5),
+        |seen| (ready(seen), refused(seen)) == (2, 2),
+    )
+    .await;
+    assert_eq!(
+        vhost.queues(),
+        queues,
+        "the vhost holds as many queues as its limit"
+    );
     for n in rest {
         let _ = api.delete(n, &DeleteParams::default()).await;
     }

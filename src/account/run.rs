@@ -102,7 +102,7 @@ impl Limits {
 /// What one leadership term hands the account: the controllers' caches and connections.
 pub use crate::backend::Term;
 pub use crate::backend::nats::capture::BucketLimits;
-pub use crate::backend::{AmqpLookup, NatsLookup, QueueLookup};
+pub use crate::backend::{AmqpLookup, NatsLookup, PlacesFreed, QueueLookup};
 
 /// Keeps one keeper per Backend until dropped (the end of the leadership term).
 pub async fn run(term: Term, config: Config, metrics: Metrics) {
@@ -159,6 +159,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                         term.backends.clone(),
                         term.rabbitmq.clone(),
                         term.queues.clone(),
+                        term.freed.clone(),
                         term.subscriptions.clone(),
                         writer.clone(),
                         config.clone(),

@@ -79,6 +79,12 @@ pub type AmqpLookup = std::sync::Arc<
         + Sync,
 >;
 
+/// How the account tells the controllers that it deleted queues of a Backend, by the Backend's
+/// namespace and name: places under a broker's limit (a vhost's `max-queues`) are free again, so
+/// a create that limit refused may go at once.
+#[cfg(feature = "operator")]
+pub type PlacesFreed = std::sync::Arc<dyn Fn(&str, &str) + Send + Sync>;
+
 /// Where the account reads a managed queue's gauges on brokers without consumer info: a
 /// RabbitMQ Backend's management API (and vhost), or an SQS Backend's client.
 #[cfg(feature = "operator")]

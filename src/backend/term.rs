@@ -8,7 +8,7 @@
 use kube::Client;
 use kube::runtime::reflector::Store;
 
-use super::{AmqpLookup, NatsLookup, QueueLookup};
+use super::{AmqpLookup, NatsLookup, PlacesFreed, QueueLookup};
 use crate::api::{Backend, Subscription};
 
 /// The controllers' caches and connections for one leadership term.
@@ -23,4 +23,6 @@ pub struct Term {
     pub queues: QueueLookup,
     /// A RabbitMQ Backend's AMQP connection.
     pub rabbitmq: AmqpLookup,
+    /// The account deleted queues of a Backend: the controllers' limit gates open.
+    pub freed: PlacesFreed,
 }

@@ -545,6 +545,14 @@ async fn run_term(
                     })
                 })
             },
+            freed: {
+                let lookup = lookup.clone();
+                Arc::new(move |ns: &str, name: &str| {
+                    lookup
+                        .gates
+                        .freed(&(ns.to_string(), name.to_string()), None);
+                })
+            },
             queues: Arc::new(move |ns: &str, name: &str| {
                 match lookup.get(&(ns.to_string(), name.to_string())) {
                     connections::Lookup::Up(c) => match c.as_ref() {

@@ -20,6 +20,10 @@
 //! declared again on every check; a differing argument shows as the broker's refusal to
 //! redeclare the queue; a queue that exists with no mark of this object is not Settle's.
 //!
+//! The account's queues of the Subscription (report, ledger, index) are made before its queue
+//! (the account deletes them once the object is gone): each is a place under a vhost's
+//! `max-queues`, so the limit refuses a Subscription whole, never its account alone.
+//!
 //! A paused Subscription has the marker exchange `settle.paused.<queue>` its applications check,
 //! a running one `settle.running.<queue>` (`backend::rabbitmq::pause`, W3), kept as the spec
 //! says and deleted with the queue.
@@ -677,6 +681,46 @@ async fn mark_object(
         })
 }
 
+/// Makes the account's queues of the Subscription ([`report::account_queues`]) before its
+/// own: each is a place under a vhost's `max-queues`, so a limit refuses the Subscription
+/// before it holds a queue its account could not follow. Refused, it takes back what this call
+/// declared that is empty and unused (a new Subscription's), so a refused Subscription holds no
+/// place another could take (a refused declare closes only the channel opened for it).
+async fn make_account_queues(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    amqp: &lapin::Connection,
+) -> Result<(), Box<SubOutcome>> {
+    let unreachable = |e: String| {
+        Box::new(failure(
+            BrokerError::Unreachable(format!("cannot make the account's queues: {e}")),
+            None,
+        ))
+    };
+    ctx.metrics.js("account.declare");
+    let ch = amqp
+        .create_channel()
+        .await
+        .map_err(|e| unreachable(e.to_string()))?;
+    let refused = match report::declare_account(&ch, &t.namespace, &t.name).await {
+        Ok(()) => {
+            let _ = ch.close(200, "made".into()).await;
+            return Ok(());
+        }
+        Err(r) => r,
+    };
+    let Some(limit) = admin::limit_of(&refused.error.to_string()) else {
+        return Err(unreachable(refused.to_string()));
+    };
+    for q in &refused.declared {
+        ctx.metrics.js("account.take_back");
+        if let Err(e) = admin::delete_if_idle(amqp, q).await {
+            tracing::debug!(queue = %q, error = %e, "cannot take back an account queue a limit left alone");
+        }
+    }
+    Err(Box::new(failure(BrokerError::Limit(limit), None)))
+}
+
 /// Declares and binds the queue, and says what it did: made for the first time, or again after
 /// it was deleted on the broker.
 async fn create(
@@ -691,6 +735,7 @@ async fn create(
     let (ns, name, known) = (&t.namespace, &t.name, &t.known);
     ctx.metrics.js("object.read");
     let before = report::read_object(amqp, ns, name).await;
+    make_account_queues(t, ctx, amqp).await.map_err(|o| *o)?;
     mark_object(t, ctx, amqp).await.map_err(|o| *o)?;
     ctx.metrics.js("queue.declare");
     match admin::declare(amqp, want).await {
@@ -783,12 +828,14 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
             if let Err(e) = pause::forget(&amqp, &queue_name).await {
                 tracing::debug!(queue = %queue_name, error = %e, "cannot delete the pause markers");
             }
+
             conn.running_marked
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .remove(&queue_name);
             tracing::info!(subscription = %owner, queue = %queue_name, "deleted the queue");
-            // Two queues fewer in the vhost: a create its limit refused may go now.
+            // Two queues fewer in the vhost: a create its limit refused may go now (the
+            // account's three go once the object is gone, and say so again, `Term::freed`).
             ctx.conns
                 .gates
                 .freed(&(ns.clone(), t.sub.spec.backend_ref.name.clone()), None);

@@ -53,7 +53,7 @@ use super::metrics::Metrics;
 use super::queue_keeper::{self, Gauges, SubKey, who};
 use super::show::Showing;
 use super::writer::Writer;
-use super::{AmqpLookup, Config, QueueLookup};
+use super::{AmqpLookup, Config, PlacesFreed, QueueLookup};
 use crate::api::{Backend, Subscription};
 use crate::backend::rabbitmq::{admin, report};
 use crate::bus::report::now_ms;
@@ -137,6 +137,8 @@ pub struct RabbitKeeper {
     backends: Store<Backend>,
     connect: AmqpLookup,
     queues: QueueLookup,
+    /// Tells the controllers that this keeper deleted queues (places under `max-queues`).
+    freed: PlacesFreed,
     subs: Store<Subscription>,
     writer: Writer,
     config: Config,
@@ -152,6 +154,7 @@ impl RabbitKeeper {
         backends: Store<Backend>,
         connect: AmqpLookup,
         queues: QueueLookup,
+        freed: PlacesFreed,
         subs: Store<Subscription>,
         writer: Writer,
         config: Config,
@@ -163,6 +166,7 @@ impl RabbitKeeper {
             backends,
             connect,
             queues,
+            freed,
             subs,
             writer,
             config,
@@ -372,16 +376,14 @@ impl RabbitKeeper {
                 continue;
             }
             // No queue of its own yet (refused, say by the vhost's max-queues): nothing is
-            // delivered to count, and its report and ledger queues would take the places a
-            // freed queue leaves before the Subscription's own queue could (and retry each tick).
-            if !queue_keeper::has_queue(sub) {
+            // delivered to count, and its account queues, which the controller makes with its
+            // queue, would take places in the vhost before it (and retry each tick). Being
+            // deleted: the controller deletes them with its queue, and nothing more is counted.
+            if !queue_keeper::has_queue(sub) || sub.metadata.deletion_timestamp.is_some() {
                 continue;
             }
-            let (reports_q, ledger_q) = (
-                report::report_queue(&key.0, &key.1),
-                report::ledger_queue(&key.0, &key.1),
-            );
-            let saved = match load(conn, &reports_q, &ledger_q).await {
+            let reports_q = report::report_queue(&key.0, &key.1);
+            let saved = match load(conn, key).await {
                 Ok(saved) => saved,
                 Err(e) => {
                     tracing::warn!(subscription = %who(key), error = %e, "cannot open the Subscription's report queues; trying again");

@@ -12,7 +12,7 @@ use lapin::types::ShortString;
 use lapin::{Channel, Connection};
 use serde::{Deserialize, Serialize};
 
-use super::{Broken, RabbitKeeper, broken};
+use super::{Broken, RabbitKeeper, SubKey, broken};
 use crate::account::ledger::Snapshot;
 use crate::account::status::LossLog;
 use crate::backend::rabbitmq::{admin, deadletter, report};
@@ -93,7 +93,8 @@ impl RabbitKeeper {
             if !owned {
                 match admin::delete(conn, &q).await {
                     Ok(()) => {
-                        tracing::info!(queue = %q, "deleted the account queue of a Subscription deleted while no operator ran")
+                        tracing::info!(queue = %q, "deleted the account queue of a Subscription deleted while no operator ran");
+                        (self.freed)(&self.backend.0, &self.backend.1);
                     }
                     Err(e) => {
                         tracing::debug!(queue = %q, error = %e, "cannot delete a leftover account queue")
@@ -104,28 +105,20 @@ impl RabbitKeeper {
     }
 }
 
-/// Declares a Subscription's report and ledger queues (as the runtime does) and reads its
-/// snapshot, leaving it in the queue (`basic.get`, then `basic.reject` with requeue). A channel
-/// of its own: a refused declare closes it.
-pub(super) async fn load(
-    conn: &Connection,
-    reports_q: &str,
-    ledger_q: &str,
-) -> Result<Option<Saved>, Broken> {
+/// Declares a Subscription's account queues (report, ledger, index: made with its queue by the
+/// controller, declared again here for a queue made before that) and reads its snapshot, leaving
+/// it in the queue (`basic.get`, then `basic.reject` with requeue). A channel of its own: a
+/// refused declare closes it.
+pub(super) async fn load(conn: &Connection, key: &SubKey) -> Result<Option<Saved>, Broken> {
     let ch = conn
         .create_channel()
         .await
         .map_err(|e| broken("opening a channel", e))?;
-    report::declare(&ch, reports_q, report::REPORTS_MAX_LENGTH)
+    report::declare_account(&ch, &key.0, &key.1)
         .await
-        .map_err(|e| broken(&format!("declaring {reports_q:?}"), e))?;
-    report::declare(&ch, ledger_q, report::LEDGER_MAX_LENGTH)
-        .await
-        .map_err(|e| broken(&format!("declaring {ledger_q:?}"), e))?;
-    let index_q = reports_q.replacen("settle.stats.", "settle.instances.", 1);
-    report::declare_index(&ch, &index_q)
-        .await
-        .map_err(|e| broken(&format!("declaring {index_q:?}"), e))?;
+        .map_err(|e| broken(&format!("declaring {:?}", e.queue), e.error))?;
+    let ledger_q = report::ledger_queue(&key.0, &key.1);
+    let ledger_q = ledger_q.as_str();
     let got = ch
         .basic_get(
             ShortString::from(ledger_q),

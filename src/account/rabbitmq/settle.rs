@@ -81,6 +81,8 @@ impl RabbitKeeper {
             }
             self.metrics.forget(&key.0, &key.1);
             tracing::info!(subscription = %who(&key), "the Subscription is gone: its account and report queues are dropped");
+            // Places in the vhost: a Subscription its max-queues refused may take them now.
+            (self.freed)(&self.backend.0, &self.backend.1);
         }
     }
 
@@ -207,12 +209,17 @@ impl RabbitKeeper {
             }
         }
         // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
-        // the queue declared again) at the next tick.
+        // the queue declared again) at the next tick. A Subscription being deleted (the
+        // controller deleted its queues) keeps its book until it is gone, so that its instances'
+        // report queues go with it.
         books.retain(|key, book| {
-            if book.ended {
+            let deleting = members
+                .get(key)
+                .is_some_and(|s| s.metadata.deletion_timestamp.is_some());
+            if book.ended && !deleting {
                 tracing::warn!(subscription = %who(key), "the report queue's consumer was cancelled (the queue deleted?): opening it again");
             }
-            !book.ended
+            !book.ended || deleting
         });
 
         let interval = self.config.stats_interval;

@@ -231,6 +231,31 @@ pub async fn delete(conn: &Connection, name: &str) -> Result<(), AdminError> {
     }
 }
 
+/// Deletes queue `name` only if it holds no message and no consumer reads it (`if-empty`,
+/// `if-unused`): whether it went (a queue in use, or holding something, stays).
+pub async fn delete_if_idle(conn: &Connection, name: &str) -> Result<bool, AdminError> {
+    let ch = channel(conn).await?;
+    let r = ch
+        .queue_delete(
+            ShortString::from(name),
+            QueueDeleteOptions {
+                if_unused: true,
+                if_empty: true,
+                ..QueueDeleteOptions::default()
+            },
+        )
+        .await;
+    match r {
+        Ok(_) => {
+            done(ch).await;
+            Ok(true)
+        }
+        Err(e) if reply_code(&e) == Some(404) => Ok(true),
+        Err(e) if reply_code(&e) == Some(406) => Ok(false),
+        Err(e) => Err(classify(format!("deleting queue {name:?}"), &e)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

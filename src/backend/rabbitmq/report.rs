@@ -154,6 +154,56 @@ pub fn ledger_queue(namespace: &str, subscription: &str) -> String {
     format!("settle.ledger.{namespace}.{subscription}")
 }
 
+/// The queues the operator's account keeps for a Subscription: its (legacy) report queue, its
+/// ledger and its index. The controller declares them before the Subscription's own queue and
+/// object mark (each a place under a vhost's `max-queues`), so a vhost's limit refuses a
+/// Subscription whole, never its account alone; the account deletes them once the object is
+/// gone.
+pub fn account_queues(namespace: &str, subscription: &str) -> [String; 3] {
+    [
+        report_queue(namespace, subscription),
+        ledger_queue(namespace, subscription),
+        index_queue(namespace, subscription),
+    ]
+}
+
+/// An account queue the broker refused to declare.
+#[derive(Debug, thiserror::Error)]
+#[error("declaring {queue:?}: {error}")]
+pub struct AccountRefused {
+    pub queue: String,
+    /// The account queues declared before it, in this call.
+    pub declared: Vec<String>,
+    pub error: lapin::Error,
+}
+
+/// Declares [`account_queues`], in that order, with their arguments; the queue refused, and
+/// what was declared before it, when one is (the refusal closes `ch`).
+pub async fn declare_account(
+    ch: &Channel,
+    namespace: &str,
+    subscription: &str,
+) -> Result<(), AccountRefused> {
+    let [reports, ledger, index] = account_queues(namespace, subscription);
+    let refused = |queue: String, declared: &[String], error| AccountRefused {
+        queue,
+        declared: declared.to_vec(),
+        error,
+    };
+    let mut declared = Vec::new();
+    if let Err(e) = declare(ch, &reports, REPORTS_MAX_LENGTH).await {
+        return Err(refused(reports, &declared, e));
+    }
+    declared.push(reports);
+    if let Err(e) = declare(ch, &ledger, LEDGER_MAX_LENGTH).await {
+        return Err(refused(ledger, &declared, e));
+    }
+    declared.push(ledger);
+    declare_index(ch, &index)
+        .await
+        .map_err(|e| refused(index, &declared, e))
+}
+
 /// The queue holding the UID of the Subscription object the Subscription's queue was made for.
 pub fn object_queue(namespace: &str, subscription: &str) -> String {
     format!("settle.object.{namespace}.{subscription}")
