@@ -9,7 +9,7 @@
 //! client's TLS configuration in memory, so the operator runs on a read-only root filesystem.
 
 use std::collections::BTreeMap;
-use std::hash::{Hash, Hasher};
+use std::hash::Hash;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,9 +106,7 @@ pub struct ConnectSpec {
 impl ConnectSpec {
     /// A fingerprint of the spec (credentials included), to tell a changed one apart.
     pub fn fingerprint(&self) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.hash(&mut h);
-        h.finish()
+        crate::backend::fingerprint(self)
     }
 }
 

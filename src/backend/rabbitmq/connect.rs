@@ -7,7 +7,7 @@
 //! It must not read Kubernetes objects (the caller passes the Secrets' data) nor declare queues.
 
 use std::collections::BTreeMap;
-use std::hash::{Hash, Hasher};
+use std::hash::Hash;
 
 use std::time::Duration;
 
@@ -99,9 +99,7 @@ impl std::fmt::Debug for RabbitConnectSpec {
 impl RabbitConnectSpec {
     /// A fingerprint of the spec (credentials included), to tell a changed one apart.
     pub fn fingerprint(&self) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.hash(&mut h);
-        h.finish()
+        crate::backend::fingerprint(self)
     }
 
     /// Each URL with the spec's vhost and credentials put in, in order.

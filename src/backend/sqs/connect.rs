@@ -51,10 +51,7 @@ pub struct SqsSettings {
 impl SqsSettings {
     /// A fingerprint of the settings (credentials included), to tell a changed Secret apart.
     pub fn fingerprint(&self) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        self.hash(&mut h);
-        h.finish()
+        crate::backend::fingerprint(self)
     }
 
     /// From a Backend's `spec.sqs` and, when it names a Secret, the Secret's two keys.
