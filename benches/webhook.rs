@@ -1,12 +1,14 @@
 //! Benchmark of the admission webhook endpoint. Prints figures; asserts nothing about timing or
 //! memory (only that every answer is a 200 with the expected verdict).
 //!
-//! In process (the real HTTPS server on 127.0.0.1, a self-made certificate, a map-backed
-//! Backend lookup; a mix of allowed, denied and warned reviews): p50/p99/max latency and
-//! throughput for (1) `review` without a network, (2) a paced run at 1,000 requests/s (or the
-//! rate given after `paced`, e.g. `-- paced 5000`) for 10 s over one HTTP/2 connection, as the
-//! API server sends them, (3) an unthrottled run (HTTP/1.1 or HTTP/2, as negotiated).
-//! SETTLE_BENCH_RUNS repeats the paced run and prints the median of each figure.
+//! In process (the real HTTPS server on 127.0.0.1, on a tokio runtime of its own as in `settle
+//! operator` (`SETTLE_BENCH_SERVER_RUNTIME=shared`: on the client's), a self-made certificate, a map-backed Backend lookup; a mix of allowed, denied and
+//! warned reviews): p50/p99/max latency and throughput for (1) `review` without a network, (2) a
+//! paced run at 1,000 requests/s (or the rate given after `paced`, e.g. `-- paced 5000`) for
+//! 10 s over one HTTP/2 connection, as the API server sends them, evenly spaced (vegeta's way;
+//! `SETTLE_BENCH_PACING=tick`: a tokio interval, five at once each millisecond at 5,000/s),
+//! (3) an unthrottled run (HTTP/1.1 or HTTP/2, as negotiated). SETTLE_BENCH_RUNS repeats the
+//! paced run and prints the median of each figure.
 //!
 //! Burst (needs the environment, `make env-up`: it runs `settle operator` as a process against
 //! the API server): eight 3 MiB reviews holding about 200,000 annotations each, sent at once,
@@ -241,15 +243,95 @@ async fn in_process(bodies: &[(Bytes, Expect)]) -> Stats {
     }
 }
 
-async fn paced(client: &HttpsClient, url: &str, bodies: &[(Bytes, Expect)], rate: u64) -> Stats {
+/// How the paced run spaces its requests.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pacing {
+    /// From an OS thread that sleeps until each request's time (its timer slack set to 1 µs):
+    /// evenly spaced, as vegeta paces (the measure) and as an API server's requests
+    /// arrive, one by one.
+    Even,
+    /// A tokio `interval`: its timer ticks in whole milliseconds, so at 5,000 a second it sends
+    /// five at once each millisecond (`SETTLE_BENCH_PACING=tick`, to compare).
+    Tick,
+}
+
+impl Pacing {
+    fn from_env() -> Pacing {
+        match std::env::var("SETTLE_BENCH_PACING").as_deref() {
+            Ok("tick") => Pacing::Tick,
+            _ => Pacing::Even,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Pacing::Even => "evenly",
+            Pacing::Tick => "by 1 ms ticks",
+        }
+    }
+}
+
+/// Linux wakes a sleeping thread up to 50 µs late by default (its timer slack): 1 µs for the
+/// calling thread.
+#[allow(unsafe_code)]
+fn tight_timer_slack() {
+    // SAFETY: prctl(PR_SET_TIMERSLACK) takes plain integers and changes only the calling
+    // thread's slack.
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1u64, 0u64, 0u64, 0u64);
+    }
+}
+
+/// The request numbers, each at its time: `rate` a second, `total` in all.
+fn pace(pacing: Pacing, rate: u64, total: usize) -> tokio::sync::mpsc::UnboundedReceiver<usize> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let period = Duration::from_nanos(1_000_000_000 / rate);
+    match pacing {
+        Pacing::Even => {
+            std::thread::spawn(move || {
+                tight_timer_slack();
+                let start = Instant::now();
+                for i in 0..total {
+                    let due = start + period.saturating_mul(u32::try_from(i).unwrap_or(u32::MAX));
+                    let now = Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                    if tx.send(i).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Pacing::Tick => {
+            tokio::spawn(async move {
+                let mut ticker = tokio::time::interval(period);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                for i in 0..total {
+                    ticker.tick().await;
+                    if tx.send(i).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    }
+    rx
+}
+
+async fn paced(
+    client: &HttpsClient,
+    url: &str,
+    bodies: &[(Bytes, Expect)],
+    rate: u64,
+    pacing: Pacing,
+) -> Stats {
     let total = (rate * PACED.as_secs()) as usize;
     let gate = Arc::new(Semaphore::new(PACED_IN_FLIGHT));
-    let mut ticker = tokio::time::interval(Duration::from_nanos(1_000_000_000 / rate));
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut due = pace(pacing, rate, total);
     let mut tasks = Vec::with_capacity(total);
     let started = Instant::now();
-    for i in 0..total {
-        ticker.tick().await;
+    while let Some(i) = due.recv().await {
         let Ok(permit) = gate.clone().acquire_owned().await else {
             break;
         };
@@ -380,19 +462,9 @@ async fn run(rate: u64, runs: usize) -> Result<(), Box<dyn std::error::Error>> {
         bundle.cert_pem.as_bytes(),
         bundle.key_pem.as_bytes(),
     )?);
-    let registry = prometheus::Registry::new();
-    let server = Server::bind(
-        WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
-        Arc::new(lookup()),
-        resolver,
-        &registry,
-    )
-    .await?;
-    let addr = server.local_addr()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(server.run(async {
-        let _ = stopped.await;
-    }));
+    // The server on a runtime of its own, as in `settle operator` (a worker per core): the
+    // client's tasks do not queue in the server's scheduler (they share the two cores still).
+    let (addr, stop, serving) = serve(resolver).await?;
 
     let url = format!("https://127.0.0.1:{}/validate", addr.port());
     let bodies = bodies();
@@ -413,13 +485,15 @@ async fn run(rate: u64, runs: usize) -> Result<(), Box<dyn std::error::Error>> {
     let _ = unthrottled_warmup(&client, &url, &bodies).await;
     let h2 = client_with(&bundle.ca_pem, true);
     let _ = unthrottled_warmup(&h2, &url, &bodies).await;
+    let pacing = Pacing::from_env();
     let mut figures = Vec::new();
     for run in 1..=runs {
-        let s = paced(&h2, &url, &bodies, rate).await;
+        let s = paced(&h2, &url, &bodies, rate, pacing).await;
         figures.push(figures_of(&s));
         print(
             &format!(
-                "HTTP/2 paced at {rate} req/s for {}s{}",
+                "HTTP/2 paced at {rate} req/s ({}) for {}s{}",
+                pacing.name(),
                 PACED.as_secs(),
                 if runs > 1 {
                     format!(" ({run}/{runs})")
@@ -453,8 +527,81 @@ async fn run(rate: u64, runs: usize) -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let _ = stop.send(());
-    serving.await??;
+    serving
+        .join()
+        .await
+        .map_err(|e| format!("the webhook server: {e}").into())
+}
+
+type ServerResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// Where the server runs.
+enum Serving {
+    /// Its own runtime, in a thread.
+    Thread(std::thread::JoinHandle<ServerResult>),
+    /// The client's runtime (`SETTLE_BENCH_SERVER_RUNTIME=shared`, as before 2026-12-05).
+    Task(tokio::task::JoinHandle<ServerResult>),
+}
+
+impl Serving {
+    async fn join(self) -> ServerResult {
+        match self {
+            Serving::Thread(t) => t
+                .join()
+                .unwrap_or_else(|_| Err("the webhook server's thread panicked".into())),
+            Serving::Task(t) => t
+                .await
+                .unwrap_or_else(|e| Err(format!("the webhook server's task: {e}").into())),
+        }
+    }
+}
+
+async fn bind_and_serve(
+    resolver: Arc<CertResolver>,
+    bound: std::sync::mpsc::Sender<SocketAddr>,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> ServerResult {
+    let registry = prometheus::Registry::new();
+    let server = Server::bind(
+        WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+        Arc::new(lookup()),
+        resolver,
+        &registry,
+    )
+    .await?;
+    let _ = bound.send(server.local_addr()?);
+    server
+        .run(async {
+            let _ = stopped.await;
+        })
+        .await?;
     Ok(())
+}
+
+/// Starts the webhook server, on a multi-thread runtime of its own in a thread unless
+/// `SETTLE_BENCH_SERVER_RUNTIME=shared`; its address, how to stop it, and where it runs.
+async fn serve(
+    resolver: Arc<CertResolver>,
+) -> Result<(SocketAddr, tokio::sync::oneshot::Sender<()>, Serving), Box<dyn std::error::Error>> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (bound, addr) = std::sync::mpsc::channel();
+    let serving = if std::env::var("SETTLE_BENCH_SERVER_RUNTIME").as_deref() == Ok("shared") {
+        let serving = Serving::Task(tokio::spawn(bind_and_serve(resolver, bound, stopped)));
+        tokio::task::yield_now().await;
+        serving
+    } else {
+        Serving::Thread(std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()?.block_on(bind_and_serve(resolver, bound, stopped))
+        }))
+    };
+    let addr = tokio::task::spawn_blocking(move || addr.recv()).await?;
+    match addr {
+        Ok(addr) => Ok((addr, stop, serving)),
+        Err(_) => Err(match serving.join().await {
+            Err(e) => format!("the webhook server did not start: {e}").into(),
+            Ok(()) => "the webhook server did not start".into(),
+        }),
+    }
 }
 
 async fn unthrottled_warmup(
