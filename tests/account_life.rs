@@ -514,6 +514,26 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
     .await;
     gates[1].open();
     wait_ready(&scene.api, "late").await;
+    // Once its status names the consumer, it says that three may be missing.
+    let said = poll(
+        "late's Accounted to say three may be missing",
+        Duration::from_secs(30),
+        || async {
+            let sub = scene.api.get("late").await.map_err(|e| e.to_string())?;
+            let st = sub.status.unwrap_or_default();
+            match condition(&st.conditions, "Accounted") {
+                Some((status, reason, message)) if status == "False" && reason == "CaptureGap" => {
+                    Ok(message)
+                }
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    assert!(
+        said.starts_with("3 advisory(ies) were dropped") && said.contains("(at most 3)"),
+        "{said}"
+    );
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         scene.stats_of("late").await.exhausted,
@@ -521,11 +541,157 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
         "read before the wait ended: counted for nobody"
     );
     assert_eq!(scene.stats_of("waited").await.exhausted, 3);
+    let waited = scene
+        .api
+        .get("waited")
+        .await
+        .expect("get")
+        .status
+        .unwrap_or_default();
+    assert_eq!(
+        condition(&waited.conditions, "Accounted").map(|c| (c.0, c.1)),
+        Some(("True".to_string(), "Kept".to_string())),
+        "waited's three all counted: nothing missing"
+    );
     waited_watcher.abort();
     common::account::assert_never_decreased_or_empty(&waited_seen);
     for stream in streams {
         stream.delete().await;
     }
+    scene.finish().await;
+}
+
+/// The hold of loss advisories read before a status names their consumer is bounded: 1,010
+/// last attempts run out at once while the status waits; 1,000 are held, the others dropped as
+/// they come, and once the status names the consumer each is either counted or said missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_of_losses_read_before_the_status_is_bounded_and_what_it_drops_is_said() {
+    const N: usize = 1_010;
+    let scene = Scene::new("life-hold", NACK_SPEC).await;
+    // A durable name of this run's own: the capture is the server's, and an advisory of any
+    // stream's consumer of that name (an earlier run's, left in it) would be held for it too.
+    let durable = format!("many{}", std::process::id());
+    let mut gate = StatusGate::close(&scene.ns, "many").await;
+    let stream = TestStream::new(&scene.nats_url, &format!("{}-many", scene.test)).await;
+    apply(
+        &scene.ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: many}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 1\n  ackWait: 1s\n  maxInFlight: 2000\n",
+            stream.prefix
+        ),
+    );
+    let _capture = capture_read(&scene.stream.js, &scene.ns).await;
+    poll(
+        "the controller to make the consumer",
+        Duration::from_secs(30),
+        || async {
+            settle::backend::nats::jsapi::consumer_info(&stream.js, &stream.name, &durable)
+                .await
+                .map_err(|e| e.to_string())?
+                .map(|_| ())
+                .ok_or_else(|| "not yet".to_string())
+        },
+    )
+    .await;
+    let pull: consumer::PullConsumer = stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .get_consumer(&durable)
+        .await
+        .expect("the consumer");
+    common::account::publish_to(&stream, bodies(N)).await;
+    // Each delivered once and left: its one attempt runs out at the ack wait, with a pull
+    // waiting (so the server says MAX_DELIVERIES then).
+    let mut delivered = 0;
+    for _ in 0..20 {
+        let mut batch = pull
+            .fetch()
+            .max_messages(N)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(Ok(_)) = batch.next().await {
+            delivered += 1;
+        }
+        if delivered >= N {
+            break;
+        }
+    }
+    assert_eq!(delivered, N, "each delivered once");
+    let mut last = pull
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(3))
+        .messages()
+        .await
+        .expect("fetch");
+    while last.next().await.is_some() {}
+    let metric = |kind: &str| {
+        scene
+            .op
+            .metric("settle_account_advisories_total", &[("kind", kind)])
+    };
+    let dropped = poll(
+        "the hold to fill and drop the rest",
+        Duration::from_secs(15),
+        || async {
+            match metric("unverified_dropped") {
+                n if n >= (N - 1_000) as f64 => Ok(n),
+                n => Err(format!("{n} dropped, {} held", metric("held_unverified"))),
+            }
+        },
+    )
+    .await;
+    assert_eq!(metric("held_unverified"), 1_000.0, "held at most 1,000");
+    assert!(
+        scene.stats_of("many").await.exhausted == 0,
+        "nothing counted while the status names no consumer"
+    );
+    gate.open();
+    // Counted or said missing, each of the N: the held ones count once the status names the
+    // consumer (those whose 15 s ran out first are dropped and said missing too).
+    let said = poll(
+        "many's Accounted to say what may be missing",
+        Duration::from_secs(40),
+        || async {
+            let sub = scene.api.get("many").await.map_err(|e| e.to_string())?;
+            let st = sub.status.unwrap_or_default();
+            let exhausted = st.stats.map(|s| s.counters.exhausted).unwrap_or_default();
+            match condition(&st.conditions, "Accounted") {
+                Some((status, reason, message)) if status == "False" && reason == "CaptureGap" => {
+                    let missing: u64 = message
+                        .split(' ')
+                        .next()
+                        .and_then(|n| n.parse().ok())
+                        .ok_or_else(|| format!("no count in {message:?}"))?;
+                    if exhausted + missing == N as u64 {
+                        Ok((exhausted, missing))
+                    } else {
+                        Err(format!("exhausted {exhausted} + missing {missing}"))
+                    }
+                }
+                other => Err(format!("exhausted {exhausted}, {other:?}")),
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "held 1,000, dropped {dropped} at once; then exhausted {}, said missing {}",
+        said.0, said.1
+    );
+    assert!(
+        said.1 >= (N - 1_000) as u64,
+        "the hold's drops are said: {said:?}"
+    );
+    assert_eq!(
+        metric("unverified_dropped") as u64,
+        said.1,
+        "every one dropped is said missing"
+    );
+    stream.delete().await;
     scene.finish().await;
 }
 

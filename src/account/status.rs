@@ -50,8 +50,9 @@ pub mod reasons {
 pub struct Trouble {
     /// The last save of its ledger failed, with why (it is tried again every round).
     pub unsaved: Option<String>,
-    /// Advisories dropped from the capture (its limits) before the operator read them, in all
-    /// while this Subscription was counted.
+    /// Advisories dropped before the operator counted them, in all: from the capture (its
+    /// limits) while this Subscription was counted, or, read before its status named its
+    /// consumer, from the keeper's hold of such advisories (full, or its grace over).
     pub missed_advisories: u64,
     /// A source of the account was lost within the loss window (semantics C17): counting goes
     /// on from what status showed.
@@ -281,10 +282,12 @@ pub fn wants(
             Status::False,
             reasons::CAPTURE_GAP,
             format!(
-                "{n} advisory(ies) were dropped from the capture stream (its age or size limit) \
-                 before the operator read them: messages whose attempts ran out unseen by any \
-                 handler may be missing from Exhausted (at most {n}). Keep the operator running, \
-                 or raise the capture's limits (--capture-max-bytes)."
+                "{n} advisory(ies) were dropped before the operator counted them (the capture \
+                 stream's age or size limit, or, read before this Subscription's status named \
+                 its consumer, the operator's hold of such advisories: at most 1,000, for 15 s): \
+                 messages whose attempts ran out unseen by any handler may be missing from \
+                 Exhausted (at most {n}). Keep the operator running, or raise the capture's \
+                 limits (--capture-max-bytes); see settle_account_advisories_total{{kind=\"unverified_dropped\"}}."
             ),
         )
     } else if let Some(why) = &trouble.dead_letters {

@@ -59,7 +59,7 @@ fn next_step(reason: &str, sub: &Subscription) -> String {
         reconcile::PAUSE_NOT_APPLIED => "the pause is applied once the consumer is Ready: see Ready".into(),
         account::LEDGER_NOT_SAVED => "the counts are right and nothing is lost, but the ledger cannot be saved on the broker: fix what the message names (JetStream storage, the settle-account bucket)".into(),
         account::SOURCE_LOST => "the ledger or the reports were lost (a broker reset, a deleted bucket): counting goes on from what status showed; it turns True by itself after the loss window".into(),
-        account::CAPTURE_GAP => "advisories were dropped before the operator read them: keep it running, or raise --capture-max-bytes; exhausted may undercount by the number given".into(),
+        account::CAPTURE_GAP => "advisories were dropped before the operator counted them: keep it running, or raise --capture-max-bytes (or see why a status came late); exhausted may undercount by the number given".into(),
         account::DEAD_LETTERS_MISSED | account::REPORT_QUEUE_MISSING => "the operator's copy misses some of what it counts from: fix what the message names (a deleted or full queue, a missing dead-letter exchange)".into(),
         _ => "the message says what to do; the README's Troubleshooting lists every reason".into(),
     }

@@ -31,7 +31,9 @@
 //! gauges count for a Subscription only through the consumer the controller verified as its own
 //! (`status.consumer`), never by a name alone: a loss advisory read while a Subscription that
 //! would make a consumer of its name has no `status.consumer` yet is held (at most
-//! [`UNVERIFIED_ADVISORIES`], for [`UNVERIFIED_GRACE`]) until the status names one.
+//! [`UNVERIFIED_ADVISORIES`], for [`UNVERIFIED_GRACE`]) until the status names one. One dropped
+//! instead (the hold full, or the grace over) is remembered by its consumer, and when a
+//! Subscription's status names that consumer, its `Accounted` says how many may be missing.
 //!
 //! This file holds the keeper, its session and its loop, and loads each Subscription's book;
 //! [`count`] counts what comes in (reports, advisories), [`settle`] is the round (save, then
@@ -85,6 +87,38 @@ const UNVERIFIED_GRACE: Duration = Duration::from_secs(15);
 
 /// Loss advisories held for [`UNVERIFIED_GRACE`], at most (one is about half a KiB).
 const UNVERIFIED_ADVISORIES: usize = 1_000;
+
+/// Loss advisories dropped unverified, by stream and consumer, until a Subscription's status
+/// names the consumer (then that Subscription is told) or no Subscription awaits it any more
+/// (then forgotten); at most [`UNVERIFIED_ADVISORIES`] consumers.
+#[derive(Default)]
+struct Uncounted(HashMap<(String, String), u64>);
+
+impl Uncounted {
+    fn note(&mut self, event: &DeliveryEvent) {
+        let key = (event.stream.clone(), event.consumer.clone());
+        if let Some(n) = self.0.get_mut(&key) {
+            *n += 1;
+        } else if self.0.len() < UNVERIFIED_ADVISORIES {
+            self.0.insert(key, 1);
+        }
+    }
+
+    /// The Subscriptions whose status now names a consumer of a dropped advisory, with how many
+    /// were dropped; those no Subscription awaits or names any more are forgotten.
+    fn claimed(&mut self, members: &Members) -> Vec<(SubKey, u64)> {
+        let mut claimed = Vec::new();
+        self.0.retain(|(stream, consumer), n| {
+            if let Some((key, _)) = members.owner(stream, consumer) {
+                claimed.push((key.clone(), *n));
+                false
+            } else {
+                members.awaits(consumer)
+            }
+        });
+        claimed
+    }
+}
 
 /// An empty report bucket delivers no initial value at all: when none has come this long after
 /// the watch started, its replay is complete.
@@ -315,6 +349,9 @@ impl NatsKeeper {
         // Loss advisories of a consumer a Subscription would make, read before its status named
         // it: tried again each round, for UNVERIFIED_GRACE.
         let mut unverified: Vec<(Instant, jetstream::Message, DeliveryEvent)> = Vec::new();
+        // Those dropped (the hold full, or the grace over), by stream and consumer: the
+        // Subscription whose status comes to name the consumer is told they may be missing.
+        let mut uncounted = Uncounted::default();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ended = rounds(async {
@@ -364,6 +401,7 @@ impl NatsKeeper {
                         Applied::Unverified(event) => {
                             self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
                             tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, held = UNVERIFIED_ADVISORIES, "a loss advisory of a consumer whose Subscription is not verified yet, with the most held already: dropped");
+                            uncounted.note(&event);
                             loose.push(msg);
                         }
                         Applied::Nothing => loose.push(msg),
@@ -390,6 +428,7 @@ impl NatsKeeper {
                             Applied::Unverified(event) => {
                                 self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
                                 tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?UNVERIFIED_GRACE, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
+                                uncounted.note(&event);
                                 loose.push(msg);
                             }
                             Applied::Nothing => {
@@ -397,6 +436,13 @@ impl NatsKeeper {
                                 loose.push(msg);
                             }
                         }
+                    }
+                    for (key, n) in uncounted.claimed(&members) {
+                        let Some(m) = members.get(&key) else { continue };
+                        let book = self.book(&ledgers, &mut books, &key, m).await?;
+                        book.showing.trouble.missed_advisories += n;
+                        book.dirty = true;
+                        tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), missed = n, "loss advisories of this Subscription's consumer were dropped before its status named it: Accounted says they may be missing");
                     }
                     for (_, entry) in std::mem::take(&mut early) {
                         if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
