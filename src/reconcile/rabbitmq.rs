@@ -828,7 +828,6 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
             if let Err(e) = pause::forget(&amqp, &queue_name).await {
                 tracing::debug!(queue = %queue_name, error = %e, "cannot delete the pause markers");
             }
-
             conn.running_marked
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)

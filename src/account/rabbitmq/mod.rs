@@ -378,7 +378,7 @@ impl RabbitKeeper {
             // No queue of its own yet (refused, say by the vhost's max-queues): nothing is
             // delivered to count, and its account queues, which the controller makes with its
             // queue, would take places in the vhost before it (and retry each tick). Being
-            // deleted: the controller deletes them with its queue, and nothing more is counted.
+            // deleted: nothing more is counted, and its account queues go once it is gone.
             if !queue_keeper::has_queue(sub) || sub.metadata.deletion_timestamp.is_some() {
                 continue;
             }

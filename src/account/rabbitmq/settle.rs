@@ -209,17 +209,12 @@ impl RabbitKeeper {
             }
         }
         // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
-        // the queue declared again) at the next tick. A Subscription being deleted (the
-        // controller deleted its queues) keeps its book until it is gone, so that its instances'
-        // report queues go with it.
+        // the queue declared again) at the next tick.
         books.retain(|key, book| {
-            let deleting = members
-                .get(key)
-                .is_some_and(|s| s.metadata.deletion_timestamp.is_some());
-            if book.ended && !deleting {
+            if book.ended {
                 tracing::warn!(subscription = %who(key), "the report queue's consumer was cancelled (the queue deleted?): opening it again");
             }
-            !book.ended || deleting
+            !book.ended
         });
 
         let interval = self.config.stats_interval;
