@@ -4,8 +4,11 @@
 //! metrics, and a status patch only when what the Subscription shows differs, at most once per
 //! stats interval; a change that matters (`status::matters`: a loss, a condition flipping) is
 //! marked urgent, and may go once more within the interval, at once. A Subscription whose
-//! inputs did not change is looked at once an interval, not every round. Every keeper (NATS,
-//! RabbitMQ, SQS) decides through [`show`], so all show alike.
+//! inputs did not change is looked at once an interval, not every round. A patch the same as
+//! the last one sent is not sent again while that one may still be on its way (waiting for
+//! the budget, in flight, or written and not yet back through the watch: [`on_its_way`]),
+//! unless the writer says it failed. Every keeper (NATS, RabbitMQ, SQS) decides through
+//! [`show`], so all show alike.
 //!
 //! It must not count (the ledger does) nor write status itself (the writer does).
 
@@ -51,6 +54,42 @@ pub struct Showing {
     /// looked at anew. A fingerprint, not a copy: it is kept for every Subscription (a copy
     /// had been a quarter of each book, issue: scale).
     pub seen: Option<(u64, Instant)>,
+    /// What the last patch sent showed (a [`fingerprint`] of its stats and conditions, without
+    /// their times), and when it was sent.
+    pub sent: Option<(u64, Instant)>,
+}
+
+/// How many stats intervals a patch the same as the last one sent waits before it is sent
+/// again, the writer having said nothing of a failure. Status that still does not show it
+/// then was changed by someone else, or the write was lost with the writer's notes of
+/// failures (full, or another replica's); it is not the writer's queue: a patch the budget
+/// holds back is replaced by the newest, at no cost.
+const RESEND_AFTER: u32 = 3;
+
+/// Whether a patch showing `content` is on its way: the last one sent showed the same, within
+/// [`RESEND_AFTER`] intervals, and its write did not fail. A status write takes a while to come
+/// back through the watch (seconds at 10,000 Subscriptions); a look in between found status
+/// without it and sent the same patch again: 1% of a mass apply's first writes were made
+/// twice (issue: scale).
+fn on_its_way(
+    sent: Option<(u64, Instant)>,
+    content: u64,
+    interval: Duration,
+    failed: impl FnOnce() -> bool,
+) -> bool {
+    sent.is_some_and(|(c, at)| c == content && at.elapsed() < interval * RESEND_AFTER) && !failed()
+}
+
+/// What a patch shows, without its times: `stats` and each wanted condition's type, status,
+/// reason and message.
+fn shown_fingerprint(stats: &SubscriptionStats, wants: &[Want]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    stats.hash(&mut h);
+    for w in wants {
+        (w.type_, w.status.as_str(), w.reason, &w.message).hash(&mut h);
+    }
+    h.finish()
 }
 
 /// The inputs of [`show`] that are not the clock, as one number. Two different inputs with the
@@ -121,10 +160,15 @@ pub fn show(
     let urgent = differs && status::matters(shown, existing, &stats, &wants);
     let due = showing.last_write.is_none_or(|t| t.elapsed() >= interval);
     let early = !due && urgent && showing.last_early.is_none_or(|t| t.elapsed() >= interval);
+    let content = shown_fingerprint(&stats, &wants);
+    let on_way = differs
+        && (due || early)
+        && on_its_way(showing.sent, content, interval, || round.writer.failed(key));
     // A look that leaves a write waiting for its turn is looked at again next round.
     showing.seen = (!differs || due || early).then(|| (seen, Instant::now()));
-    if differs && (due || early) {
+    if differs && (due || early) && !on_way {
         let now = Instant::now();
+        showing.sent = Some((content, now));
         showing.last_write = Some(now);
         if early {
             showing.last_early = Some(now);
@@ -222,7 +266,7 @@ pub fn show_counted_or_gauges(
                 key,
                 sub,
                 gauges,
-                gauges_written,
+                (gauges_written, &mut showing.sent),
                 round.stamp,
             );
             false
@@ -239,25 +283,37 @@ pub fn gauge_budget(subscriptions: usize, interval: Duration, tick: Duration) ->
 }
 
 /// Shows only the broker's gauges for `sub` (a Subscription whose runtime has not reported):
-/// sends a gauges-only patch when status shows other gauges, at most once per stats interval.
+/// sends a gauges-only patch when status shows other gauges, at most once per stats interval,
+/// and not while the same patch is [on its way](on_its_way).
 pub fn show_gauges(
     writer: &Writer,
     interval: Duration,
     key: &(String, String),
     sub: &Subscription,
     (pending, ack_pending): (u64, u64),
-    last_write: &mut Option<Instant>,
+    (last_write, sent): (&mut Option<Instant>, &mut Option<(u64, Instant)>),
     stamp: &Time,
 ) {
     let shown = sub.status.as_ref().and_then(|s| s.stats.as_ref());
     let due = last_write.is_none_or(|t| t.elapsed() >= interval);
-    if shown.map(|s| (s.pending, s.ack_pending)) != Some((pending, ack_pending)) && due {
-        *last_write = Some(Instant::now());
-        // Counters status already shows are sent again: a server-side apply without them
-        // would remove them.
-        let counters = shown
-            .filter(|s| s.counters != Default::default())
-            .map(|s| &s.counters);
+    // Counters status already shows are sent again: a server-side apply without them
+    // would remove them.
+    let counters = shown
+        .filter(|s| s.counters != Default::default())
+        .map(|s| &s.counters);
+    let content = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (pending, ack_pending, counters).hash(&mut h);
+        h.finish()
+    };
+    if shown.map(|s| (s.pending, s.ack_pending)) != Some((pending, ack_pending))
+        && due
+        && !on_its_way(*sent, content, interval, || writer.failed(key))
+    {
+        let now = Instant::now();
+        *last_write = Some(now);
+        *sent = Some((content, now));
         writer.send(Write {
             urgent: false,
             namespace: key.0.clone(),
@@ -353,6 +409,100 @@ mod tests {
         sub.metadata.resource_version = Some("2".into());
         show(&round, &key, &sub, more, &mut showing);
         assert_ne!(when(&showing), Some(first), "a changed object is looked at");
+    }
+
+    #[test]
+    fn a_patch_is_on_its_way_while_the_same_was_sent_within_three_intervals_and_did_not_fail() {
+        let interval = Duration::from_secs(10);
+        let now = Instant::now();
+        let never = || -> bool { panic!("the writer is asked only when the patch is the same") };
+        assert!(on_its_way(Some((7, now)), 7, interval, || false));
+        assert!(!on_its_way(None, 7, interval, never));
+        assert!(
+            !on_its_way(Some((7, now)), 8, interval, never),
+            "another patch is sent"
+        );
+        assert!(
+            !on_its_way(Some((7, now)), 7, interval, || true),
+            "a failed write is sent again"
+        );
+        let long_ago = now
+            .checked_sub(interval * RESEND_AFTER)
+            .expect("an instant");
+        assert!(
+            !on_its_way(Some((7, long_ago)), 7, interval, never),
+            "sent again after three intervals"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_same_patch_is_not_sent_twice_while_on_its_way_but_again_when_its_write_failed() {
+        let registry = prometheus::Registry::new();
+        let metrics = Metrics::new(&registry, &Default::default()).expect("metrics");
+        // Every write fails (no API server there), and the writer notes it.
+        let client = kube::Client::try_from(kube::Config::new(
+            "http://127.0.0.1:1".parse().expect("a URL"),
+        ))
+        .expect("a client");
+        let writer = Writer::start(client, metrics.clone(), 20);
+        let config = Config {
+            stats_interval: Duration::from_millis(50),
+            ..config()
+        };
+        let stamp = Time(k8s_openapi::jiff::Timestamp::now());
+        let round = Round {
+            writer: &writer,
+            metrics: &metrics,
+            config: &config,
+            unseen_attempts: status::Unseen::Never,
+            now_ms: 1,
+            stamp: &stamp,
+        };
+        let sub: Subscription = serde_json::from_value(serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": "orders", "namespace": "shop", "resourceVersion": "1"},
+            "spec": {"backendRef": {"name": "nats"}, "pattern": "orders.>"}
+        }))
+        .expect("a Subscription");
+        let key = ("shop".to_string(), "orders".to_string());
+        let stats = SubscriptionStats::default();
+        let mut showing = Showing::default();
+        let sent = |s: &Showing| s.sent.map(|(_, at)| at);
+        let failed = async |writer: &Writer| {
+            for _ in 0..1000 {
+                if writer.failure_noted(&key) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("the write to no API server did not fail within 10 s");
+        };
+
+        show(&round, &key, &sub, stats.clone(), &mut showing);
+        let first = sent(&showing).expect("the first patch is sent");
+        failed(&writer).await;
+        tokio::time::sleep(config.stats_interval).await;
+        show(&round, &key, &sub, stats.clone(), &mut showing);
+        let second = sent(&showing).expect("sent");
+        assert!(second > first, "a patch whose write failed is sent again");
+        assert!(!writer.failure_noted(&key), "asking forgets the failure");
+
+        // Its write not known to have failed (the note taken away): status, still without it,
+        // is not written again with the same.
+        failed(&writer).await;
+        assert!(writer.failed(&key));
+        tokio::time::sleep(config.stats_interval).await;
+        show(&round, &key, &sub, stats.clone(), &mut showing);
+        assert_eq!(sent(&showing), Some(second), "the same patch is on its way");
+
+        let mut more = stats;
+        more.counters.delivered = 1;
+        show(&round, &key, &sub, more, &mut showing);
+        assert!(
+            sent(&showing) > Some(second),
+            "another patch is sent at once when due"
+        );
     }
 
     #[test]

@@ -14,9 +14,12 @@
 //!
 //! How often a Subscription is written, and whether its patch is urgent, is the keeper's
 //! decision (`show`: at most once per stats interval, only on change); this module must not
-//! compute status nor look inside a patch.
+//! compute status nor look inside a patch. It tells the keepers which Subscriptions' last
+//! write failed ([`Writer::failed`]), so that one is sent again at once, not after the wait
+//! for a patch on its way.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use crate::events::{Event, EventType, Recorder, Reporter};
 use futures::StreamExt;
@@ -52,11 +55,19 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// The Subscriptions whose last write failed, until a keeper asks ([`Writer::failed`]). A
+/// Subscription deleted before its keeper asked stays; past this many, a failure is not noted
+/// and its patch is sent again after the wait for one on its way (`show`).
+const MAX_FAILED: usize = 10_000;
+
+type Failed = Arc<Mutex<HashSet<(String, String)>>>;
+
 /// The handle keepers send patches to; the task ends when the last handle is dropped.
 #[derive(Clone)]
 pub struct Writer {
     tx: mpsc::UnboundedSender<Write>,
     recorder: Recorder,
+    failed: Failed,
     _task: Arc<AbortOnDrop>,
 }
 
@@ -71,16 +82,39 @@ impl Writer {
                 instance: None,
             },
         );
-        let task = tokio::spawn(serve(client, metrics.clone(), per_second, rx));
+        let failed = Failed::default();
+        let task = tokio::spawn(serve(
+            client,
+            metrics.clone(),
+            per_second,
+            rx,
+            failed.clone(),
+        ));
         Writer {
             tx,
             recorder,
+            failed,
             _task: Arc::new(AbortOnDrop(task, metrics)),
         }
     }
 
     pub fn send(&self, w: Write) {
         let _ = self.tx.send(w);
+    }
+
+    /// Whether the last write for `key` (namespace, name) failed since a keeper last asked;
+    /// asking forgets it.
+    pub fn failed(&self, key: &(String, String)) -> bool {
+        self.failed
+            .lock()
+            .map(|mut f| f.remove(key))
+            .unwrap_or(false)
+    }
+
+    /// Whether a failure of `key`'s last write is noted, without forgetting it.
+    #[cfg(test)]
+    pub(crate) fn failure_noted(&self, key: &(String, String)) -> bool {
+        self.failed.lock().map(|f| f.contains(key)).unwrap_or(false)
     }
 
     /// Records an Event on `sub` (in the background: a keeper never waits for it).
@@ -114,6 +148,7 @@ async fn serve(
     metrics: Metrics,
     per_second: u32,
     mut rx: mpsc::UnboundedReceiver<Write>,
+    failed: Failed,
 ) {
     let mut queue: Queue<(String, String), Box<RawValue>> = Queue::default();
     let mut bucket = Bucket::new(per_second, Instant::now());
@@ -139,7 +174,14 @@ async fn serve(
             if refused_at.is_some_and(|t| t >= since) {
                 metrics.deferred.with_label_values(&["budget"]).inc();
             }
-            inflight.push(write(client.clone(), metrics.clone(), key, body, urgent));
+            inflight.push(write(
+                client.clone(),
+                metrics.clone(),
+                failed.clone(),
+                key,
+                body,
+                urgent,
+            ));
         }
         metrics
             .backlog
@@ -158,6 +200,7 @@ async fn serve(
                         Err(e) => {
                             metrics.writes.with_label_values(&["error"]).inc();
                             tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not serialize the account's status patch; it is written again at the next interval");
+                            note_failed(&failed, key);
                             continue;
                         }
                     };
@@ -181,9 +224,19 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+/// Notes that `key`'s write failed, for its keeper to send it again (at most [`MAX_FAILED`]).
+fn note_failed(failed: &Failed, key: (String, String)) {
+    if let Ok(mut f) = failed.lock()
+        && f.len() < MAX_FAILED
+    {
+        f.insert(key);
+    }
+}
+
 async fn write(
     client: Client,
     metrics: Metrics,
+    failed: Failed,
     key: (String, String),
     body: Box<RawValue>,
     urgent: bool,
@@ -208,6 +261,7 @@ async fn write(
         Err(e) => {
             metrics.writes.with_label_values(&["error"]).inc();
             tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not write the account to status; it is written again at the next interval");
+            note_failed(&failed, key.clone());
         }
     }
     key

@@ -562,6 +562,7 @@ impl NatsKeeper {
                         last_early: None,
                         stall: None,
                         seen: None,
+                        sent: None,
                     },
                     // A ledger missing or unreadable is written at once, before status shows
                     // anything from this book: so status showing counters with no ledger there
