@@ -54,8 +54,8 @@ pub struct Showing {
     /// looked at anew. A fingerprint, not a copy: it is kept for every Subscription (a copy
     /// had been a quarter of each book, issue: scale).
     pub seen: Option<(u64, Instant)>,
-    /// What the last patch sent showed (a [`fingerprint`] of its stats and conditions, without
-    /// their times), and when it was sent.
+    /// What the last patch sent showed (its stats and conditions without their times, hashed
+    /// as [`fingerprint`] hashes a look), and when it was sent.
     pub sent: Option<(u64, Instant)>,
 }
 
