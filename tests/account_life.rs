@@ -287,26 +287,7 @@ async fn an_application_killed_while_holding_attempts_balances_once_it_is_folded
 /// delivered, nacked, delivered again and left unacknowledged, then a pull waits past the ack
 /// wait, so the server says MAX_DELIVERIES for each.
 async fn spend_last_attempts(stream: &TestStream, consumer: &str, n: usize) {
-    poll(
-        "the controller to make the consumer",
-        Duration::from_secs(30),
-        || async {
-            settle::backend::nats::jsapi::consumer_info(&stream.js, &stream.name, consumer)
-                .await
-                .map_err(|e| e.to_string())?
-                .map(|_| ())
-                .ok_or_else(|| "not yet".to_string())
-        },
-    )
-    .await;
-    let pull: consumer::PullConsumer = stream
-        .js
-        .get_stream(&stream.name)
-        .await
-        .expect("the stream")
-        .get_consumer(consumer)
-        .await
-        .expect("the consumer");
+    let pull = pull_when_made(stream, consumer).await;
     common::account::publish_to(stream, bodies(n)).await;
     let deliveries = pull_attempts(&pull, 2 * n, |delivered| delivered == 1).await;
     assert_eq!(deliveries, 2 * n, "two attempts each");
@@ -340,6 +321,37 @@ async fn pull_attempts(
             }
         }
     }
+    pull_past_ack_wait(pull).await;
+    deliveries
+}
+
+/// `stream`'s `consumer` as a plain pull consumer, once the controller made it.
+async fn pull_when_made(stream: &TestStream, consumer: &str) -> consumer::PullConsumer {
+    poll(
+        "the controller to make the consumer",
+        Duration::from_secs(30),
+        || async {
+            settle::backend::nats::jsapi::consumer_info(&stream.js, &stream.name, consumer)
+                .await
+                .map_err(|e| e.to_string())?
+                .map(|_| ())
+                .ok_or_else(|| "not yet".to_string())
+        },
+    )
+    .await;
+    stream
+        .js
+        .get_stream(&stream.name)
+        .await
+        .expect("the stream")
+        .get_consumer(consumer)
+        .await
+        .expect("the consumer")
+}
+
+/// One pull that waits 3 s, past the ack wait: the server says MAX_DELIVERIES for the attempts
+/// that ran out while a pull waits (with none, only at the next pull).
+async fn pull_past_ack_wait(pull: &consumer::PullConsumer) {
     let mut last = pull
         .fetch()
         .max_messages(10)
@@ -348,7 +360,6 @@ async fn pull_attempts(
         .await
         .expect("fetch");
     while last.next().await.is_some() {}
-    deliveries
 }
 
 /// The capture stream, once `ns`'s operator reads it (its reader there for Backend `nats`): an
@@ -581,26 +592,7 @@ async fn the_hold_of_losses_read_before_the_status_is_bounded_and_what_it_drops_
         ),
     );
     let _capture = capture_read(&scene.stream.js, &scene.ns).await;
-    poll(
-        "the controller to make the consumer",
-        Duration::from_secs(30),
-        || async {
-            settle::backend::nats::jsapi::consumer_info(&stream.js, &stream.name, &durable)
-                .await
-                .map_err(|e| e.to_string())?
-                .map(|_| ())
-                .ok_or_else(|| "not yet".to_string())
-        },
-    )
-    .await;
-    let pull: consumer::PullConsumer = stream
-        .js
-        .get_stream(&stream.name)
-        .await
-        .expect("the stream")
-        .get_consumer(&durable)
-        .await
-        .expect("the consumer");
+    let pull = pull_when_made(&stream, &durable).await;
     common::account::publish_to(&stream, bodies(N)).await;
     // Each delivered once and left: its one attempt runs out at the ack wait, with a pull
     // waiting (so the server says MAX_DELIVERIES then).
@@ -621,14 +613,7 @@ async fn the_hold_of_losses_read_before_the_status_is_bounded_and_what_it_drops_
         }
     }
     assert_eq!(delivered, N, "each delivered once");
-    let mut last = pull
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(3))
-        .messages()
-        .await
-        .expect("fetch");
-    while last.next().await.is_some() {}
+    pull_past_ack_wait(&pull).await;
     let metric = |kind: &str| {
         scene
             .op
