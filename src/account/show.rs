@@ -96,10 +96,7 @@ fn shown_fingerprint(stats: &SubscriptionStats, wants: &[Want]) -> u64 {
 /// same fingerprint (one chance in 2^64) would only wait until the stats interval is up to be
 /// looked at: it decides when to look, never what is counted or shown.
 pub fn fingerprint(stats: &SubscriptionStats, trouble: &Trouble, version: Option<&str>) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (stats, trouble, version).hash(&mut h);
-    h.finish()
+    crate::backend::fingerprint(&(stats, trouble, version))
 }
 
 /// Shows `stats` for `sub` (namespace, name): notes the exhausted total in the loss log, sets the
@@ -301,12 +298,7 @@ pub fn show_gauges(
     let counters = shown
         .filter(|s| s.counters != Default::default())
         .map(|s| &s.counters);
-    let content = {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (pending, ack_pending, counters).hash(&mut h);
-        h.finish()
-    };
+    let content = crate::backend::fingerprint(&(pending, ack_pending, counters));
     if shown.map(|s| (s.pending, s.ack_pending)) != Some((pending, ack_pending))
         && due
         && !on_its_way(*sent, content, interval, || writer.failed(key))
@@ -327,8 +319,7 @@ pub fn show_gauges(
 mod tests {
     use super::*;
 
-    /// A round whose writer sends to an API server that is never there (nothing here waits for
-    /// a write), with an interval longer than the test.
+    /// The account's settings, with an interval longer than the test.
     fn config() -> Config {
         Config {
             stats_interval: Duration::from_secs(3600),
@@ -352,9 +343,9 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn an_unchanged_subscription_is_not_looked_at_again_within_the_interval_a_changed_one_is()
-    {
+    /// The account's metrics, and a writer to an API server that is never there: every write
+    /// fails.
+    fn nowhere() -> (Metrics, Writer) {
         let registry = prometheus::Registry::new();
         let metrics = Metrics::new(&registry, &Default::default()).expect("metrics");
         let client = kube::Client::try_from(kube::Config::new(
@@ -362,6 +353,24 @@ mod tests {
         ))
         .expect("a client");
         let writer = Writer::start(client, metrics.clone(), 20);
+        (metrics, writer)
+    }
+
+    /// Subscription shop/orders at resourceVersion 1, with no status.
+    fn orders() -> Subscription {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Subscription",
+            "metadata": {"name": "orders", "namespace": "shop", "resourceVersion": "1"},
+            "spec": {"backendRef": {"name": "nats"}, "pattern": "orders.>"}
+        }))
+        .expect("a Subscription")
+    }
+
+    #[tokio::test]
+    async fn an_unchanged_subscription_is_not_looked_at_again_within_the_interval_a_changed_one_is()
+    {
+        let (metrics, writer) = nowhere();
         let config = config();
         let stamp = Time(k8s_openapi::jiff::Timestamp::now());
         let round = Round {
@@ -372,13 +381,7 @@ mod tests {
             now_ms: 1,
             stamp: &stamp,
         };
-        let mut sub: Subscription = serde_json::from_value(serde_json::json!({
-            "apiVersion": "messaging.settle.dev/v1alpha1",
-            "kind": "Subscription",
-            "metadata": {"name": "orders", "namespace": "shop", "resourceVersion": "1"},
-            "spec": {"backendRef": {"name": "nats"}, "pattern": "orders.>"}
-        }))
-        .expect("a Subscription");
+        let mut sub = orders();
         let key = ("shop".to_string(), "orders".to_string());
         let stats = SubscriptionStats::default();
         let mut showing = Showing::default();
@@ -437,14 +440,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_same_patch_is_not_sent_twice_while_on_its_way_but_again_when_its_write_failed() {
-        let registry = prometheus::Registry::new();
-        let metrics = Metrics::new(&registry, &Default::default()).expect("metrics");
         // Every write fails (no API server there), and the writer notes it.
-        let client = kube::Client::try_from(kube::Config::new(
-            "http://127.0.0.1:1".parse().expect("a URL"),
-        ))
-        .expect("a client");
-        let writer = Writer::start(client, metrics.clone(), 20);
+        let (metrics, writer) = nowhere();
         let config = Config {
             stats_interval: Duration::from_millis(50),
             ..config()
@@ -458,13 +455,7 @@ mod tests {
             now_ms: 1,
             stamp: &stamp,
         };
-        let sub: Subscription = serde_json::from_value(serde_json::json!({
-            "apiVersion": "messaging.settle.dev/v1alpha1",
-            "kind": "Subscription",
-            "metadata": {"name": "orders", "namespace": "shop", "resourceVersion": "1"},
-            "spec": {"backendRef": {"name": "nats"}, "pattern": "orders.>"}
-        }))
-        .expect("a Subscription");
+        let sub = orders();
         let key = ("shop".to_string(), "orders".to_string());
         let stats = SubscriptionStats::default();
         let mut showing = Showing::default();

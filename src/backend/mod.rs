@@ -24,8 +24,9 @@ pub mod sqs;
 #[cfg(feature = "operator")]
 pub mod term;
 
-/// A fingerprint of a connection's settings (credentials included), to tell a changed one
-/// apart; the same in one process only (the std hasher's keys are fixed, its algorithm is not).
+/// A fingerprint of a value (a connection's settings, credentials included; what a keeper or a
+/// controller last looked at), to tell a changed one apart; the same in one process only (the
+/// std hasher's keys are fixed, its algorithm is not).
 pub fn fingerprint<T: std::hash::Hash>(settings: &T) -> u64 {
     use std::hash::Hasher;
     let mut h = std::collections::hash_map::DefaultHasher::new();

@@ -33,7 +33,6 @@ pub mod subscription;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -257,13 +256,10 @@ fn resync_walk(
 /// Which of `slots` ticks of the resync walk looks at `sub`: by its namespace and name, so the
 /// same each walk.
 fn slot(sub: &Subscription, slots: u64) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (
+    crate::backend::fingerprint(&(
         sub.metadata.namespace.as_deref(),
         sub.metadata.name.as_deref(),
-    )
-        .hash(&mut h);
-    h.finish() % slots.max(1)
+    )) % slots.max(1)
 }
 
 /// Whether `sub`'s status has said Ready=True for at least `every` (the controller stamps the
@@ -342,14 +338,11 @@ where
 /// adopt annotation (docs/semantics.md J8, R8, Q7). Not its status (this controller's own
 /// writes) nor its finalizers (its own too).
 fn subscription_predicate(s: &Subscription) -> Option<u64> {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (
+    Some(crate::backend::fingerprint(&(
         s.metadata.generation,
         s.metadata.deletion_timestamp.is_some(),
         s.annotations().get(status::ADOPT_ANNOTATION),
-    )
-        .hash(&mut h);
-    Some(h.finish())
+    )))
 }
 
 /// What of a Backend its Subscriptions depend on: its generation and its Ready status.

@@ -10,7 +10,6 @@
 //! It must not decide what counts (that is `count` and the ledger).
 
 use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use kube::ResourceExt;
@@ -71,9 +70,7 @@ pub(super) struct Members {
 }
 
 fn hash(a: &str, b: &str) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (a, b).hash(&mut h);
-    h.finish()
+    crate::backend::fingerprint(&(a, b))
 }
 
 impl Members {
