@@ -266,3 +266,29 @@ async fn write(
     }
     key
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_are_noted_up_to_the_bound() {
+        let failed = Failed::default();
+        for i in 0..MAX_FAILED {
+            note_failed(&failed, ("ns".into(), format!("s{i}")));
+        }
+        note_failed(&failed, ("ns".into(), "one-too-many".into()));
+        let noted = |k: &str| {
+            failed
+                .lock()
+                .map(|f| f.contains(&("ns".to_string(), k.to_string())))
+                .unwrap_or(false)
+        };
+        assert!(noted("s0"));
+        assert!(
+            !noted("one-too-many"),
+            "past the bound a failure is not noted"
+        );
+        assert_eq!(failed.lock().map(|f| f.len()).unwrap_or(0), MAX_FAILED);
+    }
+}

@@ -584,3 +584,35 @@ impl NatsKeeper {
             .ok_or_else(|| broken("a ledger", "missing after loading"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::nats::advisory::DeliveryKind;
+
+    fn lost(stream: &str, consumer: &str) -> DeliveryEvent {
+        DeliveryEvent {
+            kind: DeliveryKind::MaxDeliveries,
+            stream: stream.into(),
+            consumer: consumer.into(),
+            stream_seq: 1,
+            deliveries: 1,
+            at_ns: None,
+        }
+    }
+
+    #[test]
+    fn dropped_advisories_are_remembered_by_stream_and_consumer_up_to_the_bound() {
+        let mut u = Uncounted::default();
+        for i in 0..UNVERIFIED_ADVISORIES {
+            u.note(&lost("S", &format!("c{i}")));
+        }
+        // A consumer of another stream is another key; past the bound a new one is not kept,
+        // and one already kept still counts every drop.
+        u.note(&lost("T", "c0"));
+        u.note(&lost("S", "c0"));
+        assert_eq!(u.0.len(), UNVERIFIED_ADVISORIES);
+        assert_eq!(u.0.get(&("S".into(), "c0".into())), Some(&2));
+        assert_eq!(u.0.get(&("T".into(), "c0".into())), None);
+    }
+}
