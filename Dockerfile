@@ -5,13 +5,11 @@
 # (the files gcr.io/distroless/cc-debian12 holds for this binary); tests/image.rs compares the two.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock build.rs ./
-# build.rs lays the operator's code out from link/hot-functions.txt (link/layout.rs).
-COPY link ./link
-COPY src ./src
-# Cargo.toml names test and bench targets: without their files the manifest does not parse.
-COPY benches ./benches
-COPY tests ./tests
+COPY Cargo.toml Cargo.lock ./
+# The whole workspace: every member's manifest must parse (with the test and bench targets it
+# names), and settle-operator's build.rs lays the operator's code out from
+# crates/settle-operator/link/hot-functions.txt.
+COPY crates ./crates
 RUN cargo build --release --locked --bin settle
 
 FROM gcr.io/distroless/cc-debian12:nonroot

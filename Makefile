@@ -1,20 +1,23 @@
 # Settle's two commands: `make demo` runs the main job locally, `make test` runs every test.
-.PHONY: test demo build image crds tools env-up env-down env-status bench lint clean
+.PHONY: test check demo build image crds tools env-up env-down env-status bench lint clean
 
 test:            ## build what is missing, start the real environment, run every test, stop it
 	hack/test.sh
+
+check:           ## the quick tier: lint, and every test that needs no environment (about two minutes warm)
+	hack/check.sh
 
 demo:            ## run Settle locally against a real API server and brokers
 	hack/demo.sh
 
 build:
-	cargo build --release
+	cargo build --release --locked --bin settle --bin kubectl-settle
 
 image:           ## the operator and example images as OCI archives, offline and reproducible (target/image/)
 	hack/image.sh build
 
 crds:            ## regenerate crds/ and its copies (chart, kustomize) from the Rust types
-	cargo run --quiet -- crds > crds/settle.yaml
+	cargo run --quiet --bin settle -- crds > crds/settle.yaml
 	cp crds/settle.yaml charts/settle/crds/settle.yaml
 	cp crds/settle.yaml config/crd/settle.yaml
 
@@ -32,11 +35,11 @@ env-status:
 
 bench:           ## run the benchmarks against a real environment (prints figures)
 	hack/env.sh up
-	cargo bench
+	cargo bench --workspace
 
 lint:            ## rustfmt, clippy, and shellcheck over the scripts (installs shellcheck with apt when missing)
-	cargo fmt --check
-	cargo clippy --all-targets --locked -- -D warnings
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --locked -- -D warnings
 	hack/tools.sh build shellcheck
 	shellcheck -x hack/*.sh .ci/run
 

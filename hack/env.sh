@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Starts and stops Settle's local environment of real parts, all on 127.0.0.1:
-#   kube-apiserver + etcd (tests/controlplane), nats-server with JetStream, RabbitMQ (with its
+#   kube-apiserver + etcd (hack/controlplane), nats-server with JetStream, RabbitMQ (with its
 #   management plugin and its own epmd) and ElasticMQ (SQS).
 #   hack/env.sh up       install what is missing, start all four side by side, wait until each is
 #                        ready, write $SETTLE_ENV_DIR/settle.env (default target/env/settle.env)

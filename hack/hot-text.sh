@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes link/hot-functions.txt: the functions `settle operator` runs, first call first, which
+# Writes crates/settle-operator/link/hot-functions.txt: the functions `settle operator` runs, first call first, which
 # build.rs places first and together in a release build, so the operator touches few pages of
 # its code and the kernel maps few around them. Run it when the operator's code changed much,
 # or after a dependency or toolchain update (they rename most functions): the reconcile
@@ -57,6 +57,6 @@ if [ -n "${PERF:-}" ]; then
         awk -v dso="($COVERAGE_BIN)" '$NF == dso { print $2 }' | awk '!seen[$0]++' >"$OUT/sampled"
 fi
 
-python3 "$ROOT/hack/hot-text/layout.py" "$COVERAGE_BIN" "$OUT/sampled" "$OUT"/calls.* >"$ROOT/link/hot-functions.txt.new"
-mv "$ROOT/link/hot-functions.txt.new" "$ROOT/link/hot-functions.txt"
+python3 "$ROOT/hack/hot-text/layout.py" "$COVERAGE_BIN" "$OUT/sampled" "$OUT"/calls.* >"$ROOT/crates/settle-operator/link/hot-functions.txt.new"
+mv "$ROOT/crates/settle-operator/link/hot-functions.txt.new" "$ROOT/crates/settle-operator/link/hot-functions.txt"
 echo "wrote link/hot-functions.txt"

@@ -17,7 +17,7 @@ phase() { phases="$phases $1 $((SECONDS - mark))s,"; mark=$SECONDS; }
 mark=$SECONDS
 
 hack/tools.sh build; phase tools
-cargo build --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
+cargo build --workspace --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
 phase build
 hack/image.sh build                          # the images tests/image.rs and the pod suite read
 phase images
@@ -38,9 +38,9 @@ source "$SETTLE_ENV_DIR/settle.env"
 # binary gets SETTLE_TEST_TIMEOUT seconds (default 900), then it and its children are killed.
 log="$ROOT/target/test-output.log"
 {
-  cargo test --locked --no-run --lib --bins --tests --examples --message-format=json-render-diagnostics \
+  cargo test --workspace --locked --no-run --lib --bins --tests --examples --message-format=json-render-diagnostics \
     | python3 hack/run-tests.py "${SETTLE_TEST_JOBS:-3}"
-  cargo test --locked --doc
+  cargo test --workspace --locked --doc
 } 2>&1 | tee "$log"
 phase tests
 # The node changed the host (a bridge, iptables chains, sysctls): its `down` must undo all of it.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs (once) and prints the paths of the real parts Settle's tests and demo run against,
 # each pinned: kube-apiserver+etcd with the node's kubelet, kube-proxy, kube-controller-manager
-# and kube-scheduler (one binary, tests/controlplane), containerd, nats-server, helm and
+# and kube-scheduler (one binary, hack/controlplane), containerd, nats-server, helm and
 # kube-score (the chart's lint), promtool (checks and unit-tests the chart's alerts), built from
 # Go modules and cached under target/tools/<name>-<version>/; ElasticMQ, its jars resolved from
 # Maven Central into target/tools/elasticmq-<version>/; NACK's jetstream-controller (a test tool
-# only, for tests/nack_migration.rs: never in the image or the chart) from its module pinned in
-# tests/nack/go.mod, with its CRDs (deploy/crds.yml of the same module) beside it; RabbitMQ,
+# only, for crates/settle-operator/tests/nack_migration.rs: never in the image or the chart) from its module pinned in
+# hack/nack/go.mod, with its CRDs (deploy/crds.yml of the same module) beside it; RabbitMQ,
 # runc, the CNI plugins, iptables and shellcheck, Debian packages installed with apt-get when
 # missing. Safe to run repeatedly; nothing finished is redone.
 #   hack/tools.sh build [NAMES]  install whatever is missing (default: everything the tests need)
@@ -17,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=hack/lib.sh
 . "$ROOT/hack/lib.sh"
-CP_VERSION="$(cat "$ROOT/tests/controlplane/VERSION")"
+CP_VERSION="$(cat "$ROOT/hack/controlplane/VERSION")"
 NATS_VERSION="v2.15.3"
 HELM_VERSION="v3.21.4"
 KUBE_SCORE_VERSION="v1.20.0"
@@ -28,13 +28,13 @@ MAVEN_DEPENDENCY_PLUGIN="3.6.1"
 TOOLS="${CARGO_TARGET_DIR:-$ROOT/target}/tools"
 
 CONTAINERD_VERSION="v2.4.2"      # github.com/containerd/containerd/v2 (the CRI the node's kubelet runs pods on)
-# NATS's own controller, which tests/nack_migration.rs migrates from. The version is the one
-# tests/nack/go.mod requires (its go.sum pins the rest); the proxy serves no version list for it,
+# NATS's own controller, which crates/settle-operator/tests/nack_migration.rs migrates from. The version is the one
+# hack/nack/go.mod requires (its go.sum pins the rest); the proxy serves no version list for it,
 # so it is built from that module, not with `go install ...@version`.
-NACK_VERSION="$(awk '$1 == "require" && $2 == "github.com/nats-io/nack" {print $3}' "$ROOT/tests/nack/go.mod")"
-nack_hash() { cat "$ROOT"/tests/nack/{go.mod,go.sum,tools.go} | sha256sum | cut -c1-12; }
+NACK_VERSION="$(awk '$1 == "require" && $2 == "github.com/nats-io/nack" {print $3}' "$ROOT/hack/nack/go.mod")"
+nack_hash() { cat "$ROOT"/hack/nack/{go.mod,go.sum,tools.go} | sha256sum | cut -c1-12; }
 
-cp_hash() { cat "$ROOT"/tests/controlplane/{VERSION,go.mod,go.sum,main.go,node.go} | sha256sum | cut -c1-12; }
+cp_hash() { cat "$ROOT"/hack/controlplane/{VERSION,go.mod,go.sum,main.go,node.go} | sha256sum | cut -c1-12; }
 # Stamp the release into the binary as upstream's hack/lib/version.sh does: unstamped, /version
 # says v0.0.0-master, which kubectl cannot parse and Helm's kubeVersion checks read as 0.0.0.
 cp_ldflags() {
@@ -208,7 +208,7 @@ build_one() {
   local start=$SECONDS
   case "$name" in
     controlplane)
-      (cd "$ROOT/tests/controlplane" && with_progress "kube-apiserver+etcd $CP_VERSION" \
+      (cd "$ROOT/hack/controlplane" && with_progress "kube-apiserver+etcd $CP_VERSION" \
         go build -trimpath -ldflags="$(cp_ldflags)" -o "$tmp/settle-controlplane" .) ;;
     containerd)
       # The shim beside containerd: the node puts this directory first in containerd's PATH.
@@ -218,10 +218,10 @@ build_one() {
         "github.com/containerd/containerd/v2/cmd/ctr@$CONTAINERD_VERSION"
       mv "$tmp/containerd-shim-runc-v2" "$tmp/ctr" "$(dirname "$out")/" ;;
     nack)
-      (cd "$ROOT/tests/nack" && with_progress "nack $NACK_VERSION" \
+      (cd "$ROOT/hack/nack" && with_progress "nack $NACK_VERSION" \
         go build -trimpath -ldflags="-s -w" -o "$tmp/jetstream-controller" github.com/nats-io/nack/cmd/jetstream-controller)
       # The CRDs of the same module, for the test's API server.
-      install -m 0644 "$(cd "$ROOT/tests/nack" && go list -m -f '{{.Dir}}' github.com/nats-io/nack)/deploy/crds.yml" "$(dirname "$out")/crds.yml" ;;
+      install -m 0644 "$(cd "$ROOT/hack/nack" && go list -m -f '{{.Dir}}' github.com/nats-io/nack)/deploy/crds.yml" "$(dirname "$out")/crds.yml" ;;
     nats-server)
       with_progress "nats-server $NATS_VERSION" env GOBIN="$tmp" go install "github.com/nats-io/nats-server/v2@$NATS_VERSION" ;;
     helm)

@@ -1,0 +1,1 @@
+//! No code: this crate holds the end-to-end suites under `tests/` (README.md).

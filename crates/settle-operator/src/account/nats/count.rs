@@ -1,0 +1,341 @@
+//! What a NATS keeper counts as it comes: a runtime's report from the `settle-stats` bucket
+//! (judged under its own key and within the account's bounds, held back while its Subscription
+//! is not in the cache yet), a delivery advisory from the capture (a loss counted only through
+//! the consumer the controller verified, never an earlier consumer's of the same name), and
+//! the advisories the capture dropped before they were read.
+//!
+//! It must not save or acknowledge anything (that is `settle`), nor decide counts (that is the
+//! ledger).
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+
+use super::{Book, Books, Member, Members, NatsKeeper, SubKey, broken};
+use crate::account::ledger::{Account, BrokerOutcome, Outcome};
+use settle::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
+use settle::backend::nats::capture;
+use settle::backend::nats::jsapi::NatsError;
+use settle::bus::report::{StatsReport, report_key};
+
+impl NatsKeeper {
+    /// Counts advisories the capture dropped before they were read, on every book of this
+    /// Backend (any of them may have lost a message no handler saw).
+    pub(super) async fn missed(
+        &self,
+        books: &mut Books,
+        members: &Members,
+        ledgers: &kv::Store,
+        missed: u64,
+    ) -> Result<(), NatsError> {
+        tracing::warn!(backend = %format!("{}/{}", self.backend.0, self.backend.1), missed, "advisories were dropped from the capture stream before the account read them");
+        self.metrics
+            .capture_gap
+            .with_label_values(&[&format!("{}/{}", self.backend.0, self.backend.1)])
+            .inc_by(missed);
+        for (key, m) in members.iter() {
+            let book = self.book(ledgers, books, key, m).await?;
+            book.showing.trouble.missed_advisories += missed;
+            book.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// Counts one report. Returns it when its Subscription is not (yet) one of this Backend's,
+    /// to be tried again.
+    pub(super) async fn on_report(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        entry: kv::Entry,
+    ) -> Result<Option<kv::Entry>, NatsError> {
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        if self.config.limits.too_large(entry.value.len()) {
+            self.metrics.reports.with_label_values(&["too_large"]).inc();
+            tracing::warn!(key = %entry.key, bytes = entry.value.len(), "a stats report larger than --max-report-bytes: dropped");
+            return Ok(None);
+        }
+        let report: StatsReport = match serde_json::from_slice(&entry.value) {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics
+                    .reports
+                    .with_label_values(&["unreadable"])
+                    .inc();
+                tracing::warn!(key = %entry.key, error = %e, "a stats report is unreadable: skipped");
+                return Ok(None);
+            }
+        };
+        // A report counts only under its own key: a body naming another Subscription or
+        // instance than the key it was written to is dropped.
+        if report.key() != entry.key {
+            self.metrics.reports.with_label_values(&["misfiled"]).inc();
+            tracing::warn!(key = %entry.key, named = %report.key(), "a stats report whose body names another key than the one it was written to: dropped");
+            return Ok(None);
+        }
+        let key = (report.namespace.clone(), report.subscription.clone());
+        // Another Backend's Subscription, a subscription defined in code only, or one the cache
+        // has not seen yet: kept to be tried again while it is in this Backend's namespace.
+        let Some(member) = members.get(&key) else {
+            if report.subscription_uid.is_some()
+                && report.namespace == self.backend.0
+                && self.cached(&key.0, &key.1).is_none()
+            {
+                // Bound to an operator's consumer once, and that Subscription is gone.
+                self.metrics.reports.with_label_values(&["gone"]).inc();
+                let _ = capture::drop_report(
+                    &jetstream::new(self.client.clone()),
+                    &entry.key,
+                    entry.revision,
+                )
+                .await;
+                return Ok(None);
+            }
+            return Ok((report.namespace == self.backend.0).then_some(entry));
+        };
+        // A report of the object that now holds the name, while this round's members still
+        // name the one before (it was deleted and applied again meanwhile): tried again next
+        // round, never dropped.
+        if report.subscription_uid.is_some()
+            && report.subscription_uid.as_deref() != member.uid()
+            && self
+                .cached(&key.0, &key.1)
+                .and_then(|s| s.metadata.uid.clone())
+                == report.subscription_uid
+        {
+            return Ok(Some(entry));
+        }
+        let book = self.book(ledgers, books, &key, member).await?;
+        if let Some(why) = self.config.limits.refuse(&report, &book.account) {
+            self.metrics.reports.with_label_values(&[why]).inc();
+            tracing::warn!(key = %entry.key, reason = why, "a stats report past the account's bounds (--max-instances-per-subscription, the instance name's length): dropped");
+            return Ok(None);
+        }
+        let before = kept(&book.account);
+        let label = match book.account.report(&report) {
+            Outcome::Counted => {
+                book.revisions
+                    .insert(report.instance.clone(), entry.revision);
+                // A life replaced by a newer one, a folded one back, or a charge against the
+                // offset changes what is persisted: saved, or a restart would lose it.
+                if kept(&book.account) != before {
+                    book.dirty = true;
+                }
+                "counted"
+            }
+            Outcome::OtherObject => {
+                // An earlier object's report of the same name: never this one's.
+                let _ = capture::drop_report(
+                    &jetstream::new(self.client.clone()),
+                    &entry.key,
+                    entry.revision,
+                )
+                .await;
+                "other_object"
+            }
+            Outcome::Stale => "stale",
+            Outcome::UnknownVersion => {
+                tracing::warn!(key = %entry.key, version = report.version, "a stats report of a version this operator does not know: skipped (upgrade the operator)");
+                "unknown_version"
+            }
+        };
+        self.metrics.reports.with_label_values(&[label]).inc();
+        Ok(None)
+    }
+
+    /// A book read anew: its ledger from the bucket, and every live report of its Subscription
+    /// from the report bucket (the watch has passed them; they are cumulative, so reading them
+    /// again counts each once).
+    pub(super) async fn rebuild(
+        &self,
+        ledgers: &kv::Store,
+        reports: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        key: &SubKey,
+    ) -> Result<(), NatsError> {
+        let Some(member) = members.get(key) else {
+            return Ok(());
+        };
+        self.book(ledgers, books, key, member).await?;
+        let prefix = format!(
+            "{}.",
+            report_key(&key.0, &key.1, "_")
+                .rsplit_once('.')
+                .map_or("", |(p, _)| p)
+        );
+        let keys: Vec<String> = reports
+            .keys()
+            .await
+            .map_err(|e| broken("listing the report bucket", e))?
+            .filter_map(|k| async move { k.ok() })
+            .filter(|k| futures::future::ready(k.starts_with(&prefix)))
+            .collect()
+            .await;
+        for k in keys {
+            if let Ok(Some(entry)) = reports.entry(k).await {
+                self.on_report(ledgers, members, books, entry).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies one advisory: the Subscription whose book it changed (its acknowledgement waits
+    /// for that book's save), a loss waiting for its Subscription's consumer to be verified, or
+    /// nothing of this Backend's.
+    pub(super) async fn on_advisory(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        msg: &jetstream::Message,
+    ) -> Result<Applied, NatsError> {
+        let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let subject = msg.subject.as_str();
+        // Only the consumer the controller verified as a Subscription's counts for it
+        // (`members.owner`: an index, where a search of every Subscription per advisory had made
+        // a mass apply of N Subscriptions, each announcing its consumer, cost N² comparisons).
+        if let Some(change) = advisory::parse(subject, &msg.payload) {
+            self.metrics
+                .advisories
+                .with_label_values(&["consumer_change"])
+                .inc();
+            if change.kind == ChangeKind::Created
+                && let Some((key, m)) = members.owner(&change.stream, &change.consumer)
+            {
+                let book = self.book(ledgers, books, key, m).await?;
+                book.account.consumer_recreated();
+                book.consumer_since = None;
+                book.dirty = true;
+                return Ok(Applied::Book(key.clone()));
+            }
+            return Ok(Applied::Nothing);
+        }
+        let Some(event) = advisory::parse_delivery(subject, &msg.payload) else {
+            return Ok(Applied::Nothing);
+        };
+        self.metrics
+            .advisories
+            .with_label_values(&[label(event.kind)])
+            .inc();
+        self.on_delivery(ledgers, members, books, capture_seq, event)
+            .await
+    }
+
+    /// Applies one delivery advisory (read now, or held since for its Subscription's consumer
+    /// to be verified).
+    pub(super) async fn on_delivery(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        capture_seq: u64,
+        event: DeliveryEvent,
+    ) -> Result<Applied, NatsError> {
+        let Some((key, m)) = members.owner(&event.stream, &event.consumer) else {
+            // A Subscription the controller has not checked yet would make a consumer of this
+            // name: it may have made it, its status saying so not in the cache yet. Held, not
+            // dropped (a last attempt that ran out within seconds of the consumer's making had
+            // been lost so).
+            if members.awaits(&event.consumer) && event.kind != DeliveryKind::Naked {
+                return Ok(Applied::Unverified(event));
+            }
+            return Ok(Applied::Nothing);
+        };
+        let kind = label(event.kind);
+        // A terminate is a loss only on the last attempt (the runtime's decline of it).
+        let exhausted = match event.kind {
+            DeliveryKind::MaxDeliveries => true,
+            DeliveryKind::Terminated => m
+                .max_deliver
+                .is_some_and(|max| event.deliveries >= u64::from(max)),
+            DeliveryKind::Naked => false,
+        };
+        if exhausted {
+            let book = self.book(ledgers, books, key, m).await?;
+            if let (Some(at), Some(since)) =
+                (event.at_ns, consumer_since(&self.client, book, m).await)
+                && at < since
+            {
+                self.metrics
+                    .advisories
+                    .with_label_values(&["earlier_consumer"])
+                    .inc();
+                tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), stream_seq = event.stream_seq, "an advisory of an earlier consumer of the same name: not this object's");
+                return Ok(Applied::Nothing);
+            }
+            if book
+                .account
+                .broker_exhausted_message(capture_seq, event.stream_seq)
+                == BrokerOutcome::Counted
+            {
+                tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), stream_seq = event.stream_seq, %kind, "a message ran out of attempts");
+            }
+            book.dirty = true;
+            return Ok(Applied::Book(key.clone()));
+        }
+        Ok(Applied::Nothing)
+    }
+}
+
+/// A delivery advisory's kind, as the metric and the log name it.
+fn label(kind: DeliveryKind) -> &'static str {
+    match kind {
+        DeliveryKind::MaxDeliveries => "max_deliveries",
+        DeliveryKind::Terminated => "terminated",
+        DeliveryKind::Naked => "naked",
+    }
+}
+
+/// What an advisory did.
+pub(super) enum Applied {
+    /// It changed this Subscription's book: acknowledged once the book is saved.
+    Book(SubKey),
+    /// A loss of a consumer a Subscription would make and whose status names none yet: held and
+    /// tried again each round (`Unverified`, in the keeper).
+    Unverified(DeliveryEvent),
+    /// Nothing of this Backend's: acknowledged at the next round.
+    Nothing,
+}
+
+/// What of an account is persisted and a report can change (to tell when to save).
+pub(super) fn kept(
+    account: &Account,
+) -> (
+    settle::api::ConsumerStats,
+    settle::api::ConsumerStats,
+    usize,
+) {
+    let p = account.persisted();
+    (
+        p.retired,
+        p.offset,
+        p.lost.as_ref().map_or(0, |l| l.known.len()),
+    )
+}
+
+/// When `m`'s consumer was made, in nanoseconds (the server's clock), read once per consumer and
+/// kept in `book`; None when it cannot be read (then every advisory of the name counts, as before).
+pub(super) async fn consumer_since(
+    client: &async_nats::Client,
+    book: &mut Book,
+    m: &Member,
+) -> Option<i128> {
+    let (stream_name, consumer) = m.consumer()?;
+    if let Some(((s, c), since)) = &book.consumer_since
+        && (s.as_str(), c.as_str()) == (stream_name, consumer)
+    {
+        return Some(*since);
+    }
+    let js = jetstream::new(client.clone());
+    let stream = js.get_stream(stream_name).await.ok()?;
+    let info = stream.consumer_info(consumer).await.ok()?;
+    // Read off the time itself: serialized alone (no human-readable serde for `time`), it is a
+    // tuple, not RFC 3339 text, and read as text it gave nothing, so every advisory of the name
+    // counted (the earlier object's too: account_life's recreate-while-down failed so).
+    let since = info.created.unix_timestamp_nanos();
+    book.consumer_since = Some(((stream_name.to_string(), consumer.to_string()), since));
+    Some(since)
+}

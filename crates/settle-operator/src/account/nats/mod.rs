@@ -1,0 +1,618 @@
+//! One NATS Backend's account keeper. It reads two sources and keeps one ledger per
+//! Subscription of that Backend:
+//!
+//! - the runtime's stats reports (the `settle-stats` bucket, latest value per instance, then
+//!   every update), and
+//! - the broker's delivery advisories, from the operator's capture stream through this
+//!   Backend's durable reader (its checkpoint: nothing is missed while the operator is down),
+//!   named for this Backend alone ([`reader_name`]); the reader of an operator before that
+//!   naming is taken over at start, the new one continuing after what it acknowledged.
+//!
+//! Twice a second it folds idle instances, persists the ledgers that changed (bucket
+//! `settle-account`, each write checked against the revision it read, so two operators at a
+//! leader handover cannot overwrite each other), and only then acknowledges the advisories each
+//! ledger applied, so a restart re-applies nothing twice (the ledger skips a capture sequence it
+//! already counted). A save that fails holds back that Subscription's advisories only and is
+//! said in its `Accounted` condition; every other Subscription goes on. It reads the broker's
+//! gauges once per stats interval and hands the writer a status patch when what the
+//! Subscription shows differs from the account, at most once per stats interval.
+//!
+//! A source lost (semantics C17): once the report bucket's history is replayed (the watch's
+//! initial values are in), each Subscription loaded in this session is checked once: when what
+//! its saved ledger and the reports sum to is below what status shows (the ledger missing or
+//! unreadable, the reports gone), the ledger continues from status as an offset, saved with the
+//! ledger, and `Accounted` says so (reason `SourceLost`) for the loss window.
+//!
+//! A report counts only under its own key (a body naming another is dropped, `misfiled`) and
+//! within the account's bounds ([`super::Limits`]: an implausible sequence or time included).
+//!
+//! An account belongs to one Subscription object (its UID): a report or saved ledger of an
+//! earlier object of the same name is dropped, never counted. The broker's advisories and
+//! gauges count for a Subscription only through the consumer the controller verified as its own
+//! (`status.consumer`), never by a name alone: a loss advisory read while a Subscription that
+//! would make a consumer of its name has no `status.consumer` yet is held (at most
+//! [`UNVERIFIED_ADVISORIES`], for [`UNVERIFIED_GRACE`]) until the status names one. One dropped
+//! instead (the hold full, or the grace over) is remembered by its consumer, and when a
+//! Subscription's status names that consumer, its `Accounted` says how many may be missing.
+//!
+//! This file holds the keeper, its session and its loop, and loads each Subscription's book;
+//! [`count`] counts what comes in (reports, advisories), [`round`] is the round (save, then
+//! acknowledge, gauges, status), [`members`] holds the Backend's Subscriptions as a round sees
+//! them, [`names`] names the ledger keys and the durable reader.
+//!
+//! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, kv};
+use futures::StreamExt;
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+use serde::{Deserialize, Serialize};
+
+mod count;
+mod members;
+mod names;
+mod round;
+use super::Config;
+use super::ledger::{Account, Persisted};
+use super::metrics::Metrics;
+use super::show::Showing;
+use super::status::LossLog;
+use super::writer::Writer;
+use count::Applied;
+use members::{Member, Members};
+use names::ledger_key;
+pub use names::{legacy_reader_name, reader_name};
+use settle::api::Subscription;
+use settle::backend::nats::advisory::DeliveryEvent;
+use settle::backend::nats::capture;
+use settle::backend::nats::jsapi::NatsError;
+use settle::bus::report::{now_ms, report_key};
+
+/// How often the keeper folds, persists, acknowledges and decides what to write: a change
+/// reaches status within the stats interval plus this (and the write).
+const TICK: Duration = Duration::from_millis(500);
+
+/// Reports held back for a Subscription not in the cache yet, at most.
+const EARLY_REPORTS: usize = 10_000;
+
+/// How long a loss advisory of a consumer a Subscription would make waits for that
+/// Subscription's status to name it (`count::Applied::Unverified`): the controller's status
+/// write reaching the cache takes well under a second at rest and seconds under load. Below the
+/// capture reader's ack wait, so a held advisory is never delivered again meanwhile.
+const UNVERIFIED_GRACE: Duration = Duration::from_secs(15);
+
+/// Loss advisories held for [`UNVERIFIED_GRACE`], at most (one is about half a KiB).
+const UNVERIFIED_ADVISORIES: usize = 1_000;
+
+/// Loss advisories dropped unverified, by stream and consumer, until a Subscription's status
+/// names the consumer (then that Subscription is told) or no Subscription awaits it any more
+/// (then forgotten); at most [`UNVERIFIED_ADVISORIES`] consumers.
+#[derive(Default)]
+struct Uncounted(HashMap<(String, String), u64>);
+
+impl Uncounted {
+    fn note(&mut self, event: &DeliveryEvent) {
+        let key = (event.stream.clone(), event.consumer.clone());
+        if let Some(n) = self.0.get_mut(&key) {
+            *n += 1;
+        } else if self.0.len() < UNVERIFIED_ADVISORIES {
+            self.0.insert(key, 1);
+        }
+    }
+
+    /// The Subscriptions whose status now names a consumer of a dropped advisory, with how many
+    /// were dropped; those no Subscription awaits or names any more are forgotten.
+    fn claimed(&mut self, members: &Members) -> Vec<(SubKey, u64)> {
+        let mut claimed = Vec::new();
+        self.0.retain(|(stream, consumer), n| {
+            if let Some((key, _)) = members.owner(stream, consumer) {
+                claimed.push((key.clone(), *n));
+                false
+            } else {
+                members.awaits(consumer)
+            }
+        });
+        claimed
+    }
+}
+
+/// An empty report bucket delivers no initial value at all: when none has come this long after
+/// the watch started, its replay is complete.
+const EMPTY_REPLAY: Duration = Duration::from_secs(5);
+
+/// How long after its session starts a keeper deletes the reader of its legacy name: two
+/// Backends whose legacy names were alike shared that reader, and the other's keeper takes it
+/// over when its Backend connects.
+const LEGACY_READER_GRACE: Duration = Duration::from_secs(600);
+
+/// An advisory that changed `key`'s book is acknowledged once that book is saved; one whose book
+/// is gone, at the next round.
+fn ack_with_book(
+    books: &mut Books,
+    loose: &mut Vec<jetstream::Message>,
+    key: &SubKey,
+    msg: jetstream::Message,
+) {
+    match books.get_mut(key) {
+        Some(book) => book.acks.push(msg),
+        None => loose.push(msg),
+    }
+}
+
+/// A Subscription, by namespace and name.
+type SubKey = (String, String);
+
+/// A session's rounds, until one breaks (the type an async block with `?` in it needs).
+async fn rounds(f: impl Future<Output = Result<(), NatsError>>) -> Result<(), NatsError> {
+    f.await
+}
+
+/// What is persisted per Subscription.
+#[derive(Default, Serialize, Deserialize)]
+struct Saved {
+    ledger: Persisted,
+    loss: LossLog,
+    /// Advisories dropped from the capture before they were read, while this was counted.
+    #[serde(default)]
+    missed_advisories: u64,
+}
+
+/// Every book of a session, each boxed: a map sizes its table in powers of two, so unboxed
+/// books (about 1.1 KiB each) had held up to twice their size in empty slots.
+type Books = HashMap<SubKey, Box<Book>>;
+
+/// One Subscription's account as the keeper holds it.
+struct Book {
+    account: Account,
+    showing: Showing,
+    /// Something persisted changed since the last save.
+    dirty: bool,
+    /// The ledger's revision in the bucket as last read or written (None: no ledger there).
+    revision: Option<u64>,
+    /// Advisories this book applied since its last save: acknowledged once it is saved.
+    acks: Vec<jetstream::Message>,
+    /// The bucket revision of each live instance's latest report (to drop folded ones).
+    revisions: HashMap<String, u64>,
+    gauges: (u64, u64),
+    gauges_at: Option<Instant>,
+    /// Whether a source may have been lost, to check once the report replay is complete:
+    /// `Some(ledger_lost)` on a book's first load in a session (a book read again after a lost
+    /// race has no replay of its reports coming, so it is not checked).
+    check: Option<bool>,
+    /// When the consumer this book counts through was made (the server's clock), once read: a
+    /// delivery advisory written before it is an earlier consumer's of the same name (an earlier
+    /// object's, its advisories still unread when no operator ran), never this object's.
+    consumer_since: Option<((String, String), i128)>,
+}
+
+pub struct NatsKeeper {
+    backend: SubKey,
+    client: async_nats::Client,
+    subs: Store<Subscription>,
+    writer: Writer,
+    config: Config,
+    metrics: Metrics,
+    unseen_attempts: super::status::Unseen,
+    /// The Subscriptions whose book was loaded in this session.
+    loaded: std::sync::Mutex<std::collections::HashSet<SubKey>>,
+}
+
+fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
+    NatsError::Unreachable(format!("{what}: {e}"))
+}
+
+impl NatsKeeper {
+    pub fn new(
+        backend: SubKey,
+        client: async_nats::Client,
+        subs: Store<Subscription>,
+        writer: Writer,
+        config: Config,
+        metrics: Metrics,
+        unseen_attempts: super::status::Unseen,
+    ) -> NatsKeeper {
+        NatsKeeper {
+            backend,
+            client,
+            subs,
+            writer,
+            config,
+            metrics,
+            unseen_attempts,
+            loaded: Default::default(),
+        }
+    }
+
+    /// Runs until aborted; a broken session (the broker went away) starts again.
+    pub async fn run(self) {
+        loop {
+            if let Err(e) = self.session().await {
+                tracing::warn!(backend = %format!("{}/{}", self.backend.0, self.backend.1), error = %e, "the account lost its broker session; starting it again in 2s");
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+
+    /// This Backend's durable reader of the capture (one per Backend: two Backends on one
+    /// server each read every advisory).
+    fn reader(&self) -> String {
+        reader_name(&self.backend.0, &self.backend.1)
+    }
+
+    /// Subscription `ns/name` in the cache now (of any Backend).
+    fn cached(&self, ns: &str, name: &str) -> Option<Arc<Subscription>> {
+        self.subs
+            .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+    }
+
+    /// Removes the ledgers of this namespace's Subscriptions that no longer exist (deleted while
+    /// no operator ran): the next object of the same name starts at zero.
+    async fn sweep(&self, ledgers: &kv::Store) {
+        let Ok(keys) = ledgers.keys().await else {
+            return;
+        };
+        let keys: Vec<String> = keys.filter_map(|k| async move { k.ok() }).collect().await;
+        // Keys are `<namespace>.<subscription>.ledger`, each part reduced to the key alphabet.
+        let prefix = match report_key(&self.backend.0, "_", "_").split_once('.') {
+            Some((ns, _)) => format!("{ns}."),
+            None => return,
+        };
+        // A set: with thousands of Subscriptions, a list searched once per key was quadratic.
+        let alive: HashSet<String> = self
+            .subs
+            .state()
+            .iter()
+            .filter(|s| s.namespace().as_deref() == Some(self.backend.0.as_str()))
+            .map(|s| ledger_key(&(self.backend.0.clone(), s.name_any())))
+            .collect();
+        for key in keys {
+            if key.starts_with(&prefix) && key.ends_with(".ledger") && !alive.contains(&key) {
+                match ledgers.purge(&key).await {
+                    Ok(()) => {
+                        tracing::info!(key = %key, "removed the ledger of a Subscription deleted while no operator ran")
+                    }
+                    Err(e) => {
+                        tracing::debug!(key = %key, error = %e, "cannot remove a leftover ledger")
+                    }
+                }
+            }
+        }
+    }
+
+    async fn session(&self) -> Result<(), NatsError> {
+        let js = jetstream::new(self.client.clone());
+        let reports =
+            capture::reports(&js, self.config.limits.report_bucket, self.config.replicas).await?;
+        let ledgers = capture::ledgers(&js, self.config.replicas).await?;
+        // An operator before unambiguous reader names read through the legacy name: that
+        // reader is the checkpoint, so the new one starts right after what it acknowledged.
+        let legacy = legacy_reader_name(&self.backend.0, &self.backend.1);
+        capture::take_over_reader(&js, &legacy, &self.reader()).await?;
+        // Deleted once every Backend that shared the legacy name had the time to take it over.
+        let mut legacy_dropped = false;
+        let session_started = Instant::now();
+        let reader = capture::open(
+            &js,
+            &self.reader(),
+            self.config.capture_max_bytes,
+            self.config.replicas,
+        )
+        .await?;
+        capture::replicate(&js, self.config.replicas).await?;
+        if let Ok(mut loaded) = self.loaded.lock() {
+            loaded.clear();
+        }
+        // The replay of the report bucket's history is complete when the watch says it has seen
+        // the current values, or at once when the bucket is empty.
+        let mut replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
+        let mut initial_values = 0u64;
+        let watch_started = Instant::now();
+        let mut watch = reports
+            .watch_with_history(">")
+            .await
+            .map_err(|e| broken("watching the report bucket", e))?;
+        let mut advisories = reader
+            .messages()
+            .await
+            .map_err(|e| broken("reading the advisory capture", e))?;
+        // Where new advisories start: a first delivery past it by more than one was dropped by
+        // the capture's limits before this reader got to it.
+        let mut read_to = match reader.clone().info().await {
+            Ok(info) => {
+                tracing::info!(
+                    backend = %format!("{}/{}", self.backend.0, self.backend.1),
+                    reader = %self.reader(),
+                    delivered = info.delivered.stream_sequence,
+                    acknowledged = info.ack_floor.stream_sequence,
+                    pending = info.num_pending,
+                    unacknowledged = info.num_ack_pending,
+                    leader = ?info.cluster.as_ref().and_then(|c| c.leader.as_deref()),
+                    "account keeper started"
+                );
+                info.delivered.stream_sequence
+            }
+            Err(e) => return Err(broken("reading the capture reader", e)),
+        };
+        self.sweep(&ledgers).await;
+
+        let mut books: Books = HashMap::new();
+        let mut members = Members::default();
+        members.refresh(&self.subs, &self.backend);
+        // Reports of Subscriptions not in the cache yet (applied and the app reported first).
+        let mut early: HashMap<String, kv::Entry> = HashMap::new();
+        // Advisories that counted for no book: acknowledged at the next round.
+        let mut loose: Vec<jetstream::Message> = Vec::new();
+        // Loss advisories of a consumer a Subscription would make, read before its status named
+        // it: tried again each round, for UNVERIFIED_GRACE.
+        let mut unverified: Vec<(Instant, jetstream::Message, DeliveryEvent)> = Vec::new();
+        // Those dropped (the hold full, or the grace over), by stream and consumer: the
+        // Subscription whose status comes to name the consumer is told they may be missing.
+        let mut uncounted = Uncounted::default();
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let ended = rounds(async {
+        loop {
+            tokio::select! {
+                entry = watch.next() => {
+                    let entry = entry
+                        .ok_or_else(|| broken("the report watch", "ended"))?
+                        .map_err(|e| broken("the report watch", e))?;
+                    initial_values += 1;
+                    replayed |= entry.seen_current;
+                    if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
+                        let held: usize = early.values().map(|e| e.value.len()).sum();
+                        if early.len() < EARLY_REPORTS
+                            && held + entry.value.len() <= self.config.limits.max_early_bytes
+                        {
+                            early.insert(entry.key.clone(), entry);
+                        } else {
+                            self.metrics.reports.with_label_values(&["early_dropped"]).inc();
+                        }
+                    }
+                }
+                msg = advisories.next() => {
+                    let msg = msg
+                        .ok_or_else(|| broken("the advisory capture", "ended"))?
+                        .map_err(|e| broken("the advisory capture", e))?;
+                    let info = msg.info().ok();
+                    if let Some(info) = &info {
+                        tracing::debug!(subject = %msg.subject, capture_seq = info.stream_sequence, delivered = info.delivered, "an advisory read");
+                    }
+                    if let Some(info) = info
+                        && info.delivered == 1
+                        && info.stream_sequence > read_to
+                    {
+                        let missed = info.stream_sequence.saturating_sub(read_to + 1);
+                        if missed > 0 && read_to > 0 {
+                            self.missed(&mut books, &members, &ledgers, missed).await?;
+                        }
+                        read_to = info.stream_sequence;
+                    }
+                    match self.on_advisory(&ledgers, &members, &mut books, &msg).await? {
+                        Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
+                        Applied::Unverified(event) if unverified.len() < UNVERIFIED_ADVISORIES => {
+                            self.metrics.advisories.with_label_values(&["held_unverified"]).inc();
+                            unverified.push((Instant::now(), msg, event));
+                        }
+                        Applied::Unverified(event) => {
+                            self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
+                            tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, held = UNVERIFIED_ADVISORIES, "a loss advisory of a consumer whose Subscription is not verified yet, with the most held already: dropped");
+                            uncounted.note(&event);
+                            loose.push(msg);
+                        }
+                        Applied::Nothing => loose.push(msg),
+                    }
+                }
+                _ = tick.tick() => {
+                    if !legacy_dropped && session_started.elapsed() >= LEGACY_READER_GRACE {
+                        match capture::drop_reader(&js, &legacy).await {
+                            Ok(()) => legacy_dropped = true,
+                            Err(e) => tracing::debug!(reader = %legacy, error = %e, "cannot delete the account's former reader yet"),
+                        }
+                    }
+                    if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
+                        replayed = true;
+                    }
+                    members.refresh(&self.subs, &self.backend);
+                    for (since, msg, event) in std::mem::take(&mut unverified) {
+                        let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+                        match self.on_delivery(&ledgers, &members, &mut books, capture_seq, event).await? {
+                            Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
+                            Applied::Unverified(event) if since.elapsed() < UNVERIFIED_GRACE => {
+                                unverified.push((since, msg, event));
+                            }
+                            Applied::Unverified(event) => {
+                                self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
+                                tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?UNVERIFIED_GRACE, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
+                                uncounted.note(&event);
+                                loose.push(msg);
+                            }
+                            Applied::Nothing => {
+                                self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
+                                loose.push(msg);
+                            }
+                        }
+                    }
+                    for (key, n) in uncounted.claimed(&members) {
+                        let Some(m) = members.get(&key) else { continue };
+                        let book = self.book(&ledgers, &mut books, &key, m).await?;
+                        book.showing.trouble.missed_advisories += n;
+                        book.dirty = true;
+                        tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), missed = n, "loss advisories of this Subscription's consumer were dropped before its status named it: Accounted says they may be missing");
+                    }
+                    for (_, entry) in std::mem::take(&mut early) {
+                        if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
+                            early.insert(entry.key.clone(), entry);
+                        }
+                    }
+                    // Taken, not drained: a burst of them would keep its buffer for good.
+                    for msg in std::mem::take(&mut loose) {
+                        if let Err(e) = msg.ack().await {
+                            tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+                        }
+                    }
+                    self.settle(&js, &ledgers, &reports, &members, &mut books, replayed).await?;
+                }
+            }
+        }
+        })
+        .await;
+        // The session is over and its books with it: the advisories they counted and did not
+        // save yet are declined, so they come to the next session at once, not after the
+        // reader's ack wait (one saved after all is skipped there by its capture sequence).
+        let unsaved: Vec<jetstream::Message> = books
+            .into_values()
+            .flat_map(|book| book.acks)
+            .chain(unverified.into_iter().map(|(_, msg, _)| msg))
+            .collect();
+        if !unsaved.is_empty() {
+            tracing::info!(backend = %format!("{}/{}", self.backend.0, self.backend.1), advisories = unsaved.len(), "the session ended with advisories counted and not saved, or held for a consumer not verified yet: declined, for the next session to count");
+        }
+        for msg in unsaved {
+            if let Err(e) = msg.ack_with(jetstream::AckKind::Nak(None)).await {
+                tracing::debug!(error = %e, "declining an advisory failed: it comes again after the reader's ack wait");
+            }
+        }
+        for msg in loose {
+            let _ = msg.ack().await;
+        }
+        ended
+    }
+
+    /// The book of `key` for the Subscription object `m` is, loaded from the ledger bucket the
+    /// first time; a book or saved ledger of an earlier object of that name is dropped.
+    async fn book<'a>(
+        &self,
+        ledgers: &kv::Store,
+        books: &'a mut Books,
+        key: &SubKey,
+        m: &Member,
+    ) -> Result<&'a mut Book, NatsError> {
+        let name = || format!("{}/{}", key.0, key.1);
+        if let Some(book) = books.get(key)
+            && !book.account.persisted().belongs_to(m.uid())
+        {
+            tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
+            let old = books.remove(key);
+            for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
+                let report = report_key(&key.0, &key.1, instance);
+                let _ =
+                    capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
+                        .await;
+            }
+        }
+        if !books.contains_key(key) {
+            let sub = &m.sub;
+            let entry = ledgers
+                .entry(ledger_key(key))
+                .await
+                .map_err(|e| broken("reading a ledger", e))?;
+            let revision = entry.as_ref().map(|e| e.revision);
+            let mut ledger_lost = false;
+            let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
+                Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
+                    tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
+                    ledger_lost = true;
+                    Saved::default()
+                }),
+                None => {
+                    ledger_lost = true;
+                    Saved::default()
+                }
+            };
+            let saved = if saved.ledger.belongs_to(m.uid()) {
+                saved
+            } else {
+                tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
+                Saved::default()
+            };
+            let floor = sub
+                .status
+                .as_ref()
+                .and_then(|s| s.stats.as_ref())
+                .map(|s| s.counters)
+                .unwrap_or_default();
+            let mut loss = saved.loss;
+            loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
+            let first_load = self
+                .loaded
+                .lock()
+                .map(|mut loaded| loaded.insert(key.clone()))
+                .unwrap_or(false);
+            let mut account = Account::resume(saved.ledger, floor);
+            account.claim(m.uid().map(str::to_string));
+            books.insert(
+                key.clone(),
+                Box::new(Book {
+                    account,
+                    showing: Showing {
+                        loss,
+                        trouble: super::status::Trouble {
+                            unsaved: None,
+                            missed_advisories: saved.missed_advisories,
+                            source_lost: None,
+                            dead_letters: None,
+                            queue_missing: None,
+                        },
+                        last_write: None,
+                        last_early: None,
+                        stall: None,
+                        seen: None,
+                        sent: None,
+                    },
+                    // A ledger missing or unreadable is written at once, before status shows
+                    // anything from this book: so status showing counters with no ledger there
+                    // means the ledger was lost.
+                    dirty: ledger_lost,
+                    revision,
+                    acks: Vec::new(),
+                    revisions: HashMap::new(),
+                    consumer_since: None,
+                    gauges: (0, 0),
+                    gauges_at: None,
+                    check: first_load.then_some(ledger_lost),
+                }),
+            );
+        }
+        books
+            .get_mut(key)
+            .map(Box::as_mut)
+            .ok_or_else(|| broken("a ledger", "missing after loading"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use settle::backend::nats::advisory::DeliveryKind;
+
+    fn lost(stream: &str, consumer: &str) -> DeliveryEvent {
+        DeliveryEvent {
+            kind: DeliveryKind::MaxDeliveries,
+            stream: stream.into(),
+            consumer: consumer.into(),
+            stream_seq: 1,
+            deliveries: 1,
+            at_ns: None,
+        }
+    }
+
+    #[test]
+    fn dropped_advisories_are_remembered_by_stream_and_consumer_up_to_the_bound() {
+        let mut u = Uncounted::default();
+        for i in 0..UNVERIFIED_ADVISORIES {
+            u.note(&lost("S", &format!("c{i}")));
+        }
+        // A consumer of another stream is another key; past the bound a new one is not kept,
+        // and one already kept still counts every drop.
+        u.note(&lost("T", "c0"));
+        u.note(&lost("S", "c0"));
+        assert_eq!(u.0.len(), UNVERIFIED_ADVISORIES);
+        assert_eq!(u.0.get(&("S".into(), "c0".into())), Some(&2));
+        assert_eq!(u.0.get(&("T".into(), "c0".into())), None);
+    }
+}

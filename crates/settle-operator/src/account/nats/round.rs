@@ -1,0 +1,291 @@
+//! A NATS keeper's round, every tick: a book for every Subscription of the Backend, a lost
+//! source found once the report replay is complete (semantics C17), a deleted Subscription's
+//! ledger and reports removed, idle instances folded, the ledgers that changed saved (checked
+//! against the revision read, so two operators cannot overwrite each other) and only then their
+//! advisories acknowledged, the consumers' gauges read once per stats interval, and the account
+//! shown through `show`.
+//!
+//! It must not count (that is `count` and the ledger) nor write status itself (that is the
+//! writer).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use async_nats::jetstream::{self, kv};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use super::names::ledger_key;
+use super::{Book, Books, Members, NatsKeeper, Saved, SubKey};
+use crate::account::ledger::Source;
+use crate::account::show;
+use settle::api::SubscriptionStats;
+use settle::backend::nats::capture;
+use settle::backend::nats::jsapi::{self, NatsError};
+use settle::bus::report::{now_ms, report_key};
+
+impl NatsKeeper {
+    /// Every tick: fold, persist, acknowledge, gauges, status.
+    pub(super) async fn settle(
+        &self,
+        js: &jetstream::Context,
+        ledgers: &kv::Store,
+        reports: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        replayed: bool,
+    ) -> Result<(), NatsError> {
+        // Every Subscription of this Backend has a book, so each shows its counters.
+        for (key, m) in members.iter() {
+            self.book(ledgers, books, key, m).await?;
+        }
+        // Every report there was is counted now: what status shows and they do not explain was
+        // lost with a source (C17).
+        if replayed {
+            let now = now_ms();
+            for (key, book) in books.iter_mut() {
+                let (Some(ledger_lost), Some(m)) = (book.check, members.get(key)) else {
+                    continue;
+                };
+                book.check = None;
+                if let Some(source) = book.account.recover(ledger_lost, now, m.mode) {
+                    book.dirty = true;
+                    let offset = book.account.offset();
+                    tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), ?source, offered = offset.offered, exhausted = offset.exhausted, "a source of the account was lost: counting continues from what status showed (an offset)");
+                    self.metrics
+                        .source_lost
+                        .with_label_values(&[match source {
+                            Source::Ledger => "ledger",
+                            Source::Reports => "reports",
+                        }])
+                        .inc();
+                }
+            }
+        }
+        // Deleted Subscriptions: their ledger and reports go with them. Every member has a book
+        // now, so there is one to find only when there are more books than members.
+        let gone: Vec<SubKey> = if books.len() > members.len() {
+            books
+                .keys()
+                .filter(|k| !members.contains_key(k))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for key in gone {
+            if let Some(book) = books.remove(&key) {
+                for (instance, revision) in &book.revisions {
+                    let report = report_key(&key.0, &key.1, instance);
+                    let _ = capture::drop_report(js, &report, *revision).await;
+                }
+                let _ = ledgers.purge(ledger_key(&key)).await;
+                self.metrics.forget(&key.0, &key.1);
+                tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription is gone: its account is dropped");
+            }
+        }
+
+        let now = now_ms();
+        let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
+        let mut dropped = Vec::new();
+        for (key, book) in books.iter_mut() {
+            for instance in book.account.fold_idle(now, fold_after) {
+                book.dirty = true;
+                if let Some(r) = book.revisions.remove(&instance) {
+                    dropped.push((report_key(&key.0, &key.1, &instance), r));
+                }
+            }
+        }
+        // Persist, then acknowledge: an advisory is never acknowledged before what it counted
+        // is saved. A save that fails holds back that book's advisories only.
+        let mut lost_race = Vec::new();
+        for (key, book) in books.iter_mut() {
+            if book.dirty {
+                let was_unsaved = book.showing.trouble.unsaved.is_some();
+                match self.save(ledgers, key, book).await {
+                    Ok(()) => {
+                        if was_unsaved && let Some(m) = members.get(key) {
+                            self.writer.event(
+                                &m.sub,
+                                false,
+                                "LedgerSaved",
+                                "the account's ledger is saved on the broker again".into(),
+                            );
+                        }
+                    }
+                    Err(Save::Conflict) => {
+                        lost_race.push(key.clone());
+                        continue;
+                    }
+                    Err(Save::Failed(why)) => {
+                        if book.showing.trouble.unsaved.is_none() {
+                            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %why, "cannot save the Subscription's ledger; its advisories stay unacknowledged until it can");
+                            if let Some(m) = members.get(key) {
+                                self.writer.event(&m.sub, true, crate::account::status::reasons::LEDGER_NOT_SAVED, format!("the account's ledger cannot be saved on the broker ({why}); counts are still shown and nothing is lost meanwhile"));
+                            }
+                        }
+                        book.showing.trouble.unsaved = Some(why);
+                        continue;
+                    }
+                }
+            }
+            // Taken, not drained: a drained Vec keeps its buffer, and a book's advisories
+            // (each message holds its JetStream context) had kept 6.7 KiB a Subscription at rest.
+            for msg in std::mem::take(&mut book.acks) {
+                if let Err(e) = msg.ack().await {
+                    tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+                }
+            }
+        }
+        // Another operator wrote a ledger since this one read it (a leader handover): this
+        // book is read again from the bucket, its unacknowledged advisories come back.
+        for key in lost_race {
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the ledger was written by another writer meanwhile: reading it and the Subscription's reports again");
+            books.remove(&key);
+            self.rebuild(ledgers, reports, members, books, &key).await?;
+        }
+        for (report, revision) in dropped {
+            if let Err(e) = capture::drop_report(js, &report, revision).await {
+                tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
+            }
+        }
+
+        let interval = self.config.stats_interval;
+        let loss_window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
+        let stamp = Time(Timestamp::now());
+        let round = show::Round {
+            writer: &self.writer,
+            metrics: &self.metrics,
+            config: &self.config,
+            unseen_attempts: self.unseen_attempts,
+            now_ms: now,
+            stamp: &stamp,
+        };
+        // Gauges: each Subscription's once per interval. A stream with a book due is listed
+        // whole (256 consumers a call) and every book on it takes its gauges from that listing:
+        // asking each consumer had cost the broker a call per Subscription per interval, 1,000
+        // calls a second at rest for 10,000 Subscriptions.
+        let due = |book: &Book| book.gauges_at.is_none_or(|t| t.elapsed() >= interval);
+        // A stream's listing: None when it failed, Some(None) when the stream is gone.
+        type Listing = Option<Option<HashMap<String, (u64, u64)>>>;
+        let mut listed: HashMap<&str, Listing> = HashMap::new();
+        for (key, book) in books.iter() {
+            if let Some((stream, _)) = members.get(key).and_then(|m| m.consumer())
+                && due(book)
+                && !listed.contains_key(stream)
+            {
+                self.metrics.gauge_calls.with_label_values(&["list"]).inc();
+                match jsapi::consumer_gauges(js, stream).await {
+                    Ok(consumers) => {
+                        listed.insert(stream, Some(consumers));
+                    }
+                    Err(e) => {
+                        tracing::debug!(%stream, error = %e, "cannot list the stream's consumers for their gauges");
+                        listed.insert(stream, None);
+                    }
+                }
+            }
+        }
+        for (key, book) in books.iter_mut() {
+            let Some(m) = members.get(key) else { continue };
+            match m.consumer() {
+                Some((stream, consumer)) => {
+                    if let Some(listing) = listed.get(stream) {
+                        book.gauges_at = Some(Instant::now());
+                        match listing {
+                            Some(Some(consumers)) if consumers.contains_key(consumer) => {
+                                book.gauges = consumers[consumer];
+                            }
+                            // The stream is gone, and its consumers with it.
+                            Some(None) => book.gauges = (0, 0),
+                            // The listing failed: the gauges shown stay, read again next interval.
+                            None => {}
+                            // Not in the listing (made or deleted meanwhile): asked on its own.
+                            Some(Some(_)) => {
+                                self.metrics.gauge_calls.with_label_values(&["info"]).inc();
+                                match jsapi::consumer_info(js, stream, consumer).await {
+                                    Ok(Some(info)) => {
+                                        book.gauges = (
+                                            info.num_pending,
+                                            u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX),
+                                        );
+                                    }
+                                    Ok(None) => book.gauges = (0, 0),
+                                    Err(e) => {
+                                        tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot read the consumer's gauges")
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                // Not (or no longer) its own consumer: the broker's gauges are not its.
+                None => book.gauges = (0, 0),
+            }
+            book.showing.trouble.source_lost = book
+                .account
+                .persisted()
+                .lost
+                .as_ref()
+                .filter(|l| now.saturating_sub(l.at_ms) < loss_window)
+                .map(|l| l.source);
+            let stats = SubscriptionStats {
+                counters: book.account.totals(),
+                pending: book.gauges.0,
+                ack_pending: book.gauges.1,
+            };
+            if show::show(&round, key, &m.sub, stats, &mut book.showing) {
+                book.dirty = true;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a ledger was not saved.
+pub(super) enum Save {
+    /// Another operator wrote it since it was read.
+    Conflict,
+    Failed(String),
+}
+
+impl NatsKeeper {
+    /// Saves one book's ledger, checked against the revision it was read or last written at.
+    async fn save(&self, ledgers: &kv::Store, key: &SubKey, book: &mut Book) -> Result<(), Save> {
+        let saved = Saved {
+            ledger: book.account.persisted().clone(),
+            loss: book.showing.loss.clone(),
+            missed_advisories: book.showing.trouble.missed_advisories,
+        };
+        let body = serde_json::to_vec(&saved).map_err(|e| Save::Failed(e.to_string()))?;
+        let written = match book.revision {
+            Some(rev) => ledgers
+                .update(ledger_key(key), body.into(), rev)
+                .await
+                .map_err(|e| match e.kind() {
+                    kv::UpdateErrorKind::WrongLastRevision => Save::Conflict,
+                    _ => Save::Failed(e.to_string()),
+                }),
+            None => ledgers
+                .create(ledger_key(key), body.into())
+                .await
+                .map_err(|e| match e.kind() {
+                    kv::CreateErrorKind::AlreadyExists => Save::Conflict,
+                    _ => Save::Failed(e.to_string()),
+                }),
+        };
+        let label = match &written {
+            Ok(_) => "ok",
+            Err(Save::Conflict) => "conflict",
+            Err(Save::Failed(_)) => "error",
+        };
+        self.metrics.saves.with_label_values(&[label]).inc();
+        let revision = written?;
+        if book.showing.trouble.unsaved.take().is_some() {
+            tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription's ledger is saved again");
+        }
+        book.revision = Some(revision);
+        book.dirty = false;
+        Ok(())
+    }
+}

@@ -1,0 +1,492 @@
+//! One SQS Backend's account keeper. Every instance of a Subscription's runtime sends its
+//! cumulative report to the Subscription's report queue (`backend::sqs::report`, made by the
+//! operator beside the queue); this keeper receives them (hidden for [`REPORT_HIDE`] while it
+//! holds them), counts them with the ledger, and keeps the newest snapshot of the whole account
+//! in the Subscription's ledger queue. Once a second it folds idle instances, saves the snapshots
+//! that changed, and only then deletes the reports they contain, so a restart finds every
+//! deleted report in the snapshot and every other one back in the queue (counted once: the
+//! ledger skips a report it already holds). A SIGKILLed operator loses nothing and counts
+//! nothing twice.
+//!
+//! Exhausted also comes from the broker side: messages the redrive policy moved to the
+//! Subscription's dead-letter queue ([`dead_letters`]), each counted once by its message
+//! id, and the account takes the larger of the runtime's and the broker's count.
+//!
+//! It reads the queue's gauges once per stats interval and shows the account through [`show`]
+//! exactly as the other keepers do. Until a Subscription's runtime has reported (or a snapshot
+//! exists), only the broker's gauges are written: no counter is invented. A report queue missing
+//! on the server (deleted there; the reconcile makes it again) is said in `Accounted`.
+//!
+//! A report counts only where it belongs: its body names the Subscription whose report queue it
+//! came from, else it is dropped (`misfiled`); who may send to that queue is the cloud
+//! provider's permissions' to decide (docs/stats-report.md).
+//!
+//! It must not write status itself (that is the writer), decide counts (that is the ledger), nor
+//! make or delete a queue (that is the reconcile).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use aws_sdk_sqs::Client;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::reflector::{ObjectRef, Store};
+
+mod dead_letters;
+mod store;
+use super::ledger::Account;
+use super::metrics::Metrics;
+use super::queue_keeper::{self, Gauges, SubKey, who};
+use super::show::{self, Showing};
+use super::status::Unseen;
+use super::writer::Writer;
+use super::{Config, QueueLookup};
+use dead_letters::DeadLetters;
+use settle::api::{Backend, Subscription};
+use settle::backend::QueueGauges;
+use settle::backend::sqs::{admin, queue, report};
+use settle::bus::report::now_ms;
+use settle::policy::ResolvedPolicy;
+use store::{Loaded, Saved, delete_all, load, prune, secs, store};
+
+/// How long a received report stays hidden from another receive while the keeper holds it
+/// (counted, waiting for the snapshot that holds it to be saved, then deleted).
+pub const REPORT_HIDE: Duration = Duration::from_secs(30);
+/// Receives of (at most 10) reports per Subscription per second, at most: 300 reports a
+/// second; more wait in the queue for the next second.
+pub const REPORT_RECEIVES_PER_TICK: usize = 30;
+/// SQS's largest batch.
+pub(super) const BATCH: i32 = 10;
+/// How often the keeper receives, folds, saves, deletes and decides what to write.
+const TICK: Duration = Duration::from_secs(1);
+
+/// One Subscription's account as the keeper holds it.
+struct Book {
+    account: Account,
+    showing: Showing,
+    generation: u64,
+    dead_letters: DeadLetters,
+    /// Something in the snapshot changed since the last save.
+    dirty: bool,
+    /// Receipts of the reports counted (or dropped) since the last save, with when they were
+    /// received: deleted once it is saved (a receipt older than [`REPORT_HIDE`] is let go: that
+    /// report is back in the queue, and counted as stale when it comes again).
+    acks: Vec<(String, Instant)>,
+    /// The runtime has reported (or a snapshot existed): counters are shown.
+    counting: bool,
+    /// The Subscription's queue (its full name) and its account queues' URLs.
+    queue: String,
+    report_url: String,
+    ledger_url: String,
+    /// The Subscription has a dead-letter queue the redrive moves exhausted messages to.
+    redrives: bool,
+    gauges: Gauges,
+}
+
+pub struct SqsKeeper {
+    backend: SubKey,
+    backends: Store<Backend>,
+    queues: QueueLookup,
+    subs: Store<Subscription>,
+    writer: Writer,
+    config: Config,
+    metrics: Metrics,
+    /// Whether the backend can spend a last attempt no handler saw (SQS: yes, semantics Q6).
+    unseen: bool,
+}
+
+impl SqsKeeper {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        backend: SubKey,
+        backends: Store<Backend>,
+        queues: QueueLookup,
+        subs: Store<Subscription>,
+        writer: Writer,
+        config: Config,
+        metrics: Metrics,
+        unseen: bool,
+    ) -> SqsKeeper {
+        SqsKeeper {
+            backend,
+            backends,
+            queues,
+            subs,
+            writer,
+            config,
+            metrics,
+            unseen,
+        }
+    }
+
+    fn name(&self) -> String {
+        format!("{}/{}", self.backend.0, self.backend.1)
+    }
+
+    /// The Backend's SQS client and queue prefix, while it has a connection.
+    fn client(&self) -> Option<(Client, String)> {
+        let prefix = self
+            .backends
+            .get(&ObjectRef::new(&self.backend.1).within(&self.backend.0))
+            .and_then(|b| b.spec.sqs.as_ref().map(|s| s.queue_prefix.clone()))?
+            .unwrap_or_default();
+        match (self.queues)(&self.backend.0, &self.backend.1)? {
+            QueueGauges::Sqs(client) => Some((client, prefix)),
+            QueueGauges::Rabbitmq { .. } => None,
+        }
+    }
+
+    /// Runs until aborted.
+    pub async fn run(self) {
+        let mut books: HashMap<SubKey, Book> = HashMap::new();
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut connected: Option<bool> = None;
+        loop {
+            tick.tick().await;
+            let Some((client, prefix)) = self.client() else {
+                if connected != Some(false) {
+                    tracing::debug!(backend = %self.name(), "account: the SQS Backend has no connection yet");
+                    connected = Some(false);
+                }
+                continue;
+            };
+            if connected != Some(true) {
+                tracing::info!(backend = %self.name(), "account keeper started (SQS report queues)");
+                connected = Some(true);
+            }
+            let members = queue_keeper::members(&self.subs, &self.backend);
+            // Gone, moved to another Backend, or deleted and applied again (another object):
+            // the book is dropped (reports it counted but did not save were not deleted: they
+            // come back to whichever book counts them next).
+            books.retain(|key, book| {
+                let keep = members
+                    .get(key)
+                    .is_some_and(|s| book.account.persisted().belongs_to(s.metadata.uid.as_deref()));
+                if !keep && !members.contains_key(key) {
+                    self.metrics.forget(&key.0, &key.1);
+                    tracing::info!(subscription = %who(key), "the Subscription is gone from this Backend: its account is dropped here");
+                }
+                keep
+            });
+            self.open_new(&client, &prefix, &members, &mut books).await;
+            self.settle(&client, &members, &mut books).await;
+        }
+    }
+
+    /// Loads the book of every new Subscription whose account queues exist (its snapshot).
+    async fn open_new(
+        &self,
+        client: &Client,
+        prefix: &str,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        books: &mut HashMap<SubKey, Book>,
+    ) {
+        for (key, sub) in members {
+            if books.contains_key(key) {
+                continue;
+            }
+            // Only once the reconcile has made the queues (its consumer in status).
+            if !queue_keeper::has_queue(sub) {
+                continue;
+            }
+            let policy = ResolvedPolicy::resolve(&sub.spec.policy);
+            let Ok(want) = queue::desired(prefix, &policy) else {
+                continue;
+            };
+            let who = who(key);
+            let (report_q, ledger_q) = (
+                report::report_queue(&want.name),
+                report::ledger_queue(&want.name),
+            );
+            let urls = (
+                admin::queue_url(client, &report_q).await,
+                admin::queue_url(client, &ledger_q).await,
+            );
+            let (report_url, ledger_url) = match urls {
+                (Ok(Some(r)), Ok(Some(l))) => (r, l),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::debug!(subscription = %who, error = %e, "cannot look up the account queues; trying again");
+                    continue;
+                }
+                _ => {
+                    tracing::debug!(subscription = %who, "the account queues are not made yet; waiting for the reconcile");
+                    continue;
+                }
+            };
+            let saved = match load(client, &ledger_url).await {
+                Ok(Loaded::Saved(s)) => s,
+                Ok(Loaded::Busy) => {
+                    tracing::debug!(subscription = %who, "a snapshot is in flight in the ledger queue (an operator before this one read it): waiting until it is back");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(subscription = %who, error = %e, "cannot read the saved ledger; trying again");
+                    continue;
+                }
+            };
+            // A snapshot of an earlier object of this name is not this one's (semantics C15).
+            let saved = match saved.map(|s| *s) {
+                Some(s) if !s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref()) => {
+                    tracing::info!(subscription = %who, "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
+                    None
+                }
+                other => other,
+            };
+            let counting = saved.is_some();
+            let Saved {
+                generation,
+                ledger,
+                mut loss,
+            } = saved.unwrap_or_default();
+            let account = queue_keeper::open(sub, ledger, &mut loss, &self.config);
+            tracing::info!(subscription = %who, generation, "counting the Subscription's SQS reports");
+            books.insert(
+                key.clone(),
+                Book {
+                    account,
+                    showing: Showing {
+                        loss,
+                        ..Default::default()
+                    },
+                    generation,
+                    dead_letters: DeadLetters::default(),
+                    dirty: false,
+                    acks: Vec::new(),
+                    counting,
+                    queue: want.name.clone(),
+                    report_url,
+                    ledger_url,
+                    redrives: want.redrive.is_some(),
+                    gauges: Gauges::default(),
+                },
+            );
+        }
+    }
+
+    /// Receives what is waiting in one Subscription's report queue (bounded) and counts it.
+    async fn receive(&self, client: &Client, key: &SubKey, book: &mut Book) {
+        let who = who(key);
+        for _ in 0..REPORT_RECEIVES_PER_TICK {
+            let got = client
+                .receive_message()
+                .queue_url(&book.report_url)
+                .max_number_of_messages(BATCH)
+                .visibility_timeout(secs(REPORT_HIDE))
+                .wait_time_seconds(0)
+                .send()
+                .await;
+            let messages = match got {
+                Ok(out) => {
+                    if book.showing.trouble.queue_missing.take().is_some() {
+                        tracing::info!(subscription = %who, "the report queue is back");
+                    }
+                    out.messages.unwrap_or_default()
+                }
+                Err(e) => {
+                    let missing = e.as_service_error().is_some_and(|s| {
+                        aws_sdk_sqs::error::ProvideErrorMetadata::code(s).is_some_and(|c| {
+                            c.contains("QueueDoesNotExist") || c.contains("NonExistentQueue")
+                        })
+                    });
+                    if missing {
+                        if book.showing.trouble.queue_missing.is_none() {
+                            tracing::warn!(subscription = %who, queue = %report::report_queue(&book.queue), "the report queue does not exist on the server (deleted there?): the reconcile makes it again");
+                        }
+                        book.showing.trouble.queue_missing =
+                            Some(report::report_queue(&book.queue));
+                        // Looked up again once it is back (a new queue has a new URL on SQS).
+                        if let Ok(Some(url)) =
+                            admin::queue_url(client, &report::report_queue(&book.queue)).await
+                        {
+                            book.report_url = url;
+                        }
+                    } else {
+                        tracing::debug!(subscription = %who, error = %e, "cannot receive reports; trying again");
+                    }
+                    return;
+                }
+            };
+            let full = messages.len() >= usize::try_from(BATCH).unwrap_or(10);
+            for m in messages {
+                let Some(receipt) = m.receipt_handle else {
+                    continue;
+                };
+                book.acks.push((receipt, Instant::now()));
+                let body = m.body.unwrap_or_default();
+                self.on_report(key, book, body.as_bytes());
+            }
+            if !full {
+                return;
+            }
+        }
+    }
+
+    /// Counts one report; it is deleted once the snapshot holding it is saved.
+    fn on_report(&self, key: &SubKey, book: &mut Book, body: &[u8]) {
+        let who = who(key);
+        let report = queue_keeper::parse(&self.config, body);
+        let refused = match &report {
+            None => Some("too_large"),
+            // A report counts only in its own Subscription's queue (semantics C18).
+            Some(Ok(r)) if r.namespace != key.0 || r.subscription != key.1 => Some("misfiled"),
+            Some(Ok(r)) => self.config.limits.refuse(r, &book.account),
+            Some(Err(_)) => None,
+        };
+        if let Some(why) = refused {
+            queue_keeper::refused(&self.metrics, &who, why);
+            return;
+        }
+        let Some(report) = report else { return };
+        if queue_keeper::count(&self.metrics, &who, &mut book.account, report) {
+            book.dirty = true;
+            book.counting = true;
+        }
+    }
+
+    /// Once a second: receive, look at the dead letters, fold, save, delete, gauges, status.
+    async fn settle(
+        &self,
+        client: &Client,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        books: &mut HashMap<SubKey, Book>,
+    ) {
+        let now = now_ms();
+        let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
+        for (key, book) in books.iter_mut() {
+            self.receive(client, key, book).await;
+            if book.redrives
+                && let Some(sub) = members.get(key)
+            {
+                let since_ms = sub
+                    .metadata
+                    .creation_timestamp
+                    .as_ref()
+                    .map_or(0, |t| u64::try_from(t.0.as_millisecond()).unwrap_or(0));
+                let counted = book
+                    .dead_letters
+                    .scan(
+                        client,
+                        &book.queue,
+                        since_ms,
+                        &mut book.account,
+                        &self.metrics,
+                    )
+                    .await;
+                if counted > 0 {
+                    book.dirty = true;
+                    book.counting = true;
+                }
+            }
+            if !book.account.fold_idle(now, fold_after).is_empty() {
+                book.dirty = true;
+            }
+            self.save(client, key, members.get(key), book).await;
+        }
+
+        let interval = self.config.stats_interval;
+        let stamp = Time(Timestamp::now());
+        let mut budget = show::gauge_budget(books.len(), interval, TICK);
+        for (key, book) in books.iter_mut() {
+            let Some(sub) = members.get(key) else {
+                continue;
+            };
+            if book.gauges.due(&mut budget, interval) {
+                let got = admin::queue_gauges(client, &book.queue).await;
+                book.gauges.note(&who(key), got);
+            }
+            let unseen = match (self.unseen, book.redrives, book.dead_letters.too_many()) {
+                (false, _, _) => Unseen::Never,
+                (true, true, None) => Unseen::FromDeadLetters,
+                (true, true, Some(depth)) => Unseen::TooManyDeadLetters(depth),
+                // No redrive: no message ever runs out of attempts (no maxDeliver), or AtMostOnce.
+                (true, false, _) => Unseen::Never,
+            };
+            let round = show::Round {
+                writer: &self.writer,
+                metrics: &self.metrics,
+                config: &self.config,
+                unseen_attempts: unseen,
+                now_ms: now,
+                stamp: &stamp,
+            };
+            let totals = book.counting.then(|| book.account.totals());
+            if show::show_counted_or_gauges(
+                &round,
+                key,
+                sub,
+                totals,
+                book.gauges.read,
+                &mut book.showing,
+                &mut book.gauges.written,
+            ) {
+                book.dirty = true;
+            }
+        }
+    }
+
+    /// Saves the book's snapshot if it changed, then deletes the reports it holds.
+    async fn save(
+        &self,
+        client: &Client,
+        key: &SubKey,
+        sub: Option<&Arc<Subscription>>,
+        book: &mut Book,
+    ) {
+        let who = who(key);
+        if book.dirty {
+            let saved = Saved {
+                generation: book.generation + 1,
+                ledger: book.account.snapshot(),
+                loss: book.showing.loss.clone(),
+            };
+            match store(client, &book.ledger_url, &saved).await {
+                Ok(()) => {
+                    book.generation = saved.generation;
+                    book.dirty = false;
+                    queue_keeper::saved(
+                        &self.writer,
+                        &self.metrics,
+                        &who,
+                        sub,
+                        &mut book.showing.trouble,
+                    );
+                }
+                Err(e) => {
+                    let first = queue_keeper::not_saved(
+                        &self.writer,
+                        &self.metrics,
+                        &who,
+                        sub,
+                        &mut book.showing.trouble,
+                        e,
+                        "its reports stay in the report queue until it can",
+                    );
+                    // The ledger queue may have been deleted on the server: look it up again.
+                    if first
+                        && let Ok(Some(url)) =
+                            admin::queue_url(client, &report::ledger_queue(&book.queue)).await
+                    {
+                        book.ledger_url = url;
+                    }
+                    // Receipts past the hide time are let go: those reports are back in the queue.
+                    book.acks.retain(|(_, at)| at.elapsed() < REPORT_HIDE);
+                    return;
+                }
+            }
+            // Older snapshots go (the newest, just saved, stays).
+            if let Err(e) = prune(client, &book.ledger_url, book.generation).await {
+                tracing::debug!(subscription = %who, error = %e, "cannot delete older snapshots yet (the next save tries again)");
+            }
+        }
+        let acks: Vec<String> = std::mem::take(&mut book.acks)
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect();
+        if let Err(e) = delete_all(client, &book.report_url, &acks).await {
+            // Those reports come back after the hide time and are counted stale.
+            tracing::debug!(subscription = %who, error = %e, "cannot delete counted reports; they come back and are skipped");
+        }
+    }
+}

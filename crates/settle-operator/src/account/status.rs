@@ -1,0 +1,708 @@
+//! What the account writes into a Subscription's status, and when: `status.stats` (the ledger's
+//! totals and the broker's gauges), `statsUpdatedAt`, and the conditions `Exhausting` (messages
+//! ran out of attempts within the loss window: data loss), `Stranding` (messages were declined
+//! where the broker could not take them back) and `Accounted` (whether the account is kept
+//! whole: saved on the broker, nothing missed from the capture, no source lost within the loss
+//! window). `Stalled`, written beside them, is decided in [`super::stall`].
+//!
+//! Pure: no I/O and no clock (times come in as arguments). It must not count (that is the
+//! ledger) nor send anything (that is the writer).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use serde::{Deserialize, Serialize};
+
+use super::ledger::Source;
+use settle::api::SubscriptionStats;
+use settle::api::condition::{self, Status, Want};
+
+/// The field manager of every status write the account makes.
+pub const FIELD_MANAGER: &str = "settle-account";
+
+/// Condition types this writer owns.
+pub mod types {
+    /// Exhausted grew within the loss window: messages were dropped or dead-lettered.
+    pub const EXHAUSTING: &str = "Exhausting";
+    /// Stranded is above zero: declined messages the broker could not take back.
+    pub const STRANDING: &str = "Stranding";
+    /// The account is kept whole (False: a save failed, or advisories were missed).
+    pub const ACCOUNTED: &str = "Accounted";
+}
+
+/// Their reasons.
+pub mod reasons {
+    pub const MESSAGES_EXHAUSTED: &str = "MessagesExhausted";
+    pub const NO_RECENT_LOSS: &str = "NoRecentLoss";
+    pub const MESSAGES_STRANDED: &str = "MessagesStranded";
+    pub const NONE_STRANDED: &str = "NoneStranded";
+    pub const KEPT: &str = "Kept";
+    pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
+    pub const CAPTURE_GAP: &str = "CaptureGap";
+    pub const SOURCE_LOST: &str = "SourceLost";
+    pub const DEAD_LETTERS_MISSED: &str = "DeadLettersMissed";
+    pub const REPORT_QUEUE_MISSING: &str = "ReportQueueMissing";
+}
+
+/// What keeps one Subscription's account from being whole now, for `Accounted`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Trouble {
+    /// The last save of its ledger failed, with why (it is tried again every round).
+    pub unsaved: Option<String>,
+    /// Advisories dropped before the operator counted them, in all: from the capture (its
+    /// limits) while this Subscription was counted, or, read before its status named its
+    /// consumer, from the keeper's hold of such advisories (full, or its grace over).
+    pub missed_advisories: u64,
+    /// A source of the account was lost within the loss window (semantics C17): counting goes
+    /// on from what status showed.
+    pub source_lost: Option<Source>,
+    /// Dead letters the operator's copy may not hold (RabbitMQ), with why: the copy queue was
+    /// lost or full, or the dead-letter exchange cannot be copied whole. Exhausted may then
+    /// undercount the last attempts a crash spent.
+    pub dead_letters: Option<String>,
+    /// The queue the runtime reports to does not exist on the broker (SQS: deleted there),
+    /// named: its reports wait in the applications until it is made again.
+    pub queue_missing: Option<String>,
+}
+
+/// Exhausted totals over time: enough to say how many ran out within the loss window, kept
+/// with the ledger so an operator restart does not forget a recent loss.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LossLog {
+    /// `(unix ms, exhausted total from then on)`, oldest first; the first is the baseline.
+    samples: VecDeque<(u64, u64)>,
+}
+
+impl LossLog {
+    /// Notes the exhausted total at `now_ms` (kept only when it grew), and forgets what lies
+    /// before the window except the one sample that says what the total was when it began.
+    pub fn observe(&mut self, now_ms: u64, total: u64, window: Duration) {
+        match self.samples.back() {
+            Some(&(_, last)) if last >= total => {}
+            _ => self.samples.push_back((now_ms, total)),
+        }
+        let start = now_ms.saturating_sub(millis(window));
+        while self.samples.len() > 1 && self.samples[1].0 <= start {
+            self.samples.pop_front();
+        }
+    }
+
+    /// How many ran out within the window ending at `now_ms`.
+    pub fn lost_within(&self, now_ms: u64, window: Duration) -> u64 {
+        let start = now_ms.saturating_sub(millis(window));
+        let Some(&(_, now_total)) = self.samples.back() else {
+            return 0;
+        };
+        // The total when the window began: the latest sample at or before its start; when every
+        // sample is inside it, the first (the baseline when counting began).
+        let before = self
+            .samples
+            .iter()
+            .rev()
+            .find(|(t, _)| *t <= start)
+            .or(self.samples.front())
+            .map_or(now_total, |&(_, v)| v);
+        now_total.saturating_sub(before)
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A Kubernetes-style rendering of the window (`15m`, `1h`, `90s`).
+pub fn window_text(window: Duration) -> String {
+    let s = window.as_secs();
+    if s > 0 && s.is_multiple_of(3600) {
+        format!("{}h", s / 3600)
+    } else if s > 0 && s.is_multiple_of(60) {
+        format!("{}m", s / 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+/// Whether a backend can spend a last attempt no handler saw (semantics I3, K3), and whether
+/// the operator sees such a loss on the broker side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unseen {
+    /// It cannot: every loss is one a runtime counted.
+    Never,
+    /// It can, and the broker's advisories count such losses (NATS JetStream).
+    FromAdvisories,
+    /// It can, and the operator counts such losses where the broker dead-letters them (a copy
+    /// of RabbitMQ's dead-letter exchange, SQS's dead-letter queue).
+    FromDeadLetters,
+    /// It can, and nothing on the broker side counts them (a RabbitMQ Backend without a
+    /// dead-letter exchange).
+    Uncounted,
+    /// It can, and the operator would count them in the dead-letter queue, but that queue holds
+    /// more messages (this many) than the account remembers ids of, so they are not counted
+    /// until it holds fewer (SQS).
+    TooManyDeadLetters(u64),
+}
+
+/// The account's three conditions, as wanted now.
+pub fn wants(
+    stats: &SubscriptionStats,
+    lost_recently: u64,
+    window: Duration,
+    unseen: Unseen,
+    trouble: &Trouble,
+) -> [Want; 3] {
+    let exhausted = stats.counters.exhausted;
+    let w = window_text(window);
+    let too_many;
+    let note = match unseen {
+        Unseen::TooManyDeadLetters(depth) => {
+            too_many = format!(
+                " On this backend a crash or restart can spend a last attempt no handler saw: such \
+                 messages are counted in the dead-letter queue, but it holds {depth} messages, more \
+                 than the {} the account remembers, so they are not counted now and Exhausted may \
+                 undercount by them. Empty the dead-letter queue (redrive or delete what you \
+                 handled) and counting there resumes.",
+                super::ledger::REMEMBERED_EXHAUSTED
+            );
+            too_many.as_str()
+        }
+        Unseen::Never => "",
+        Unseen::FromAdvisories => {
+            " On this backend a restart can spend a last attempt no handler saw: such messages are \
+             counted from the broker's advisories, which the operator captures from the moment it \
+             manages the Backend; a message that ran out before then is not counted, so Exhausted may \
+             undercount for that time."
+        }
+        Unseen::FromDeadLetters => {
+            " On this backend a crash or restart can spend a last attempt no handler saw: such \
+             messages are counted where the broker dead-letters them, which the operator watches \
+             from the moment it manages the Subscription; a message dead-lettered before then is \
+             not counted, so Exhausted may undercount for that time."
+        }
+        Unseen::Uncounted => {
+            " On this backend a crash or restart can spend a last attempt no handler saw, and the \
+             broker reports no such loss to the operator: Exhausted may undercount by the last \
+             attempts in flight when an application instance died. On RabbitMQ, set the \
+             Backend's spec.rabbitmq.deadLetterExchange: the operator then counts such losses \
+             from a copy of what the queue dead-letters."
+        }
+    };
+    let exhausting = if lost_recently > 0 {
+        Want::new(
+            types::EXHAUSTING,
+            Status::True,
+            reasons::MESSAGES_EXHAUSTED,
+            format!(
+                "{lost_recently} message(s) ran out of attempts (maxDeliver) in the last {w} \
+                 ({exhausted} in all): they were dropped, or dead-lettered where the backend has a \
+                 dead-letter target. Find why the handler declines them (its logs), fix it, and \
+                 replay them from the stream if they matter.{note}"
+            ),
+        )
+    } else {
+        Want::new(
+            types::EXHAUSTING,
+            Status::False,
+            reasons::NO_RECENT_LOSS,
+            format!("no message ran out of attempts in the last {w} ({exhausted} in all).{note}"),
+        )
+    };
+    let stranded = stats.counters.stranded;
+    let stranding = if stranded > 0 {
+        Want::new(
+            types::STRANDING,
+            Status::True,
+            reasons::MESSAGES_STRANDED,
+            format!(
+                "{stranded} message(s) were declined while the broker could not take them back \
+                 (the consumer was gone): nothing will redeliver them. Check why the consumer \
+                 went away (kubectl get events), and republish them if they matter."
+            ),
+        )
+    } else {
+        Want::new(
+            types::STRANDING,
+            Status::False,
+            reasons::NONE_STRANDED,
+            "no message was stranded.",
+        )
+    };
+    let accounted = if let Some(why) = &trouble.unsaved {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::LEDGER_NOT_SAVED,
+            format!(
+                "the account cannot be saved on the broker ({why}). The counts shown are right, \
+                 and nothing is lost: the reports and advisories they hold stay unacknowledged \
+                 until the save succeeds (it is tried every second). Check the broker's \
+                 JetStream storage and the settle-account bucket."
+            ),
+        )
+    } else if let Some(queue) = &trouble.queue_missing {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::REPORT_QUEUE_MISSING,
+            format!(
+                "the report queue {queue} does not exist on the broker (deleted there?). The \
+                 applications keep their counts and send them again every interval (reports are \
+                 cumulative, so nothing is lost); the operator makes the queue again within \
+                 --drift-interval. The counts shown are those received before it went."
+            ),
+        )
+    } else if let Some(source) = trouble.source_lost {
+        let (what, how) = match source {
+            Source::Ledger => (
+                "the account's saved ledger (bucket settle-account) was missing or unreadable",
+                "its folded instances and the broker's tally were gone",
+            ),
+            Source::Reports => (
+                "the runtime's stats reports (bucket settle-stats) were gone",
+                "the reports left summed to less than status showed",
+            ),
+        };
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::SOURCE_LOST,
+            format!(
+                "{what} when the operator read it ({how}). Counting continues from what status \
+                 showed: each counter moves on with what is counted from now, none goes down, and \
+                 offered == delivered + released + lost still holds at rest. What happened while \
+                 the source was gone (between the last status write and the loss being found) may \
+                 be missing, Exhausted included. Find what removed it (a broker reset, a deleted \
+                 bucket); this condition turns True by itself {w} after the loss was found."
+            ),
+        )
+    } else if trouble.missed_advisories > 0 {
+        let n = trouble.missed_advisories;
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::CAPTURE_GAP,
+            format!(
+                "{n} advisory(ies) were dropped before the operator counted them (the capture \
+                 stream's age or size limit, or, read before this Subscription's status named \
+                 its consumer, the operator's hold of such advisories: at most 1,000, for 15 s): \
+                 messages whose attempts ran out unseen by any handler may be missing from \
+                 Exhausted (at most {n}). Keep the operator running, or raise the capture's \
+                 limits (--capture-max-bytes); see settle_account_advisories_total{{kind=\"unverified_dropped\"}}."
+            ),
+        )
+    } else if let Some(why) = &trouble.dead_letters {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::DEAD_LETTERS_MISSED,
+            format!(
+                "the operator's copy of the dead-letter exchange may not hold every dead letter \
+                 ({why}), so Exhausted may undercount the last attempts a crash spent. The \
+                 runtime's own count, and your dead-letter queue, are unaffected."
+            ),
+        )
+    } else {
+        Want::new(
+            types::ACCOUNTED,
+            Status::True,
+            reasons::KEPT,
+            "every report and advisory read is counted and saved on the broker.",
+        )
+    };
+    [exhausting, stranding, accounted]
+}
+
+/// What the account last wrote (or found) for one Subscription: written again only when this
+/// changes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shown {
+    pub stats: SubscriptionStats,
+    pub conditions: [Want; 3],
+}
+
+/// The status a Subscription shows now, as far as the account owns it.
+pub fn shown(
+    status: Option<&settle::api::SubscriptionStatus>,
+) -> Option<(SubscriptionStats, Vec<Condition>)> {
+    let s = status?;
+    Some((s.stats.clone()?, s.conditions.clone()))
+}
+
+/// Whether `want` differs from what the conditions on the object say (ignoring times).
+pub fn conditions_differ(existing: &[Condition], want: &[Want]) -> bool {
+    want.iter().any(|w| {
+        condition::find(existing, w.type_).is_none_or(|c| {
+            c.status != w.status.as_str() || c.reason != w.reason || c.message != w.message
+        })
+    })
+}
+
+/// Whether showing `stats` and `want` where status shows `shown` and `existing` is a change that
+/// matters, written before every other under the status budget (semantics C21): Exhausted or
+/// Stranded grew (data loss, or a decline the broker could not take back), or one of the
+/// account's conditions is there with another status (a condition not written yet is not a
+/// flip: a new Subscription's first status waits its turn, unless it already shows a loss).
+pub fn matters(
+    shown: Option<&SubscriptionStats>,
+    existing: &[Condition],
+    stats: &SubscriptionStats,
+    want: &[Want],
+) -> bool {
+    let was = shown.map(|s| s.counters).unwrap_or_default();
+    stats.counters.exhausted > was.exhausted
+        || stats.counters.stranded > was.stranded
+        || want.iter().any(|w| {
+            condition::find(existing, w.type_).is_some_and(|c| c.status != w.status.as_str())
+        })
+}
+
+/// The status patch (server-side apply body) for `stats` and the account's conditions.
+pub fn patch(
+    stats: &SubscriptionStats,
+    wants: &[Want],
+    existing: &[Condition],
+    generation: Option<i64>,
+    now: &Time,
+) -> serde_json::Value {
+    let conditions: Vec<Condition> = wants
+        .iter()
+        .map(|w| condition::settle(existing, w, generation, now))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "messaging.settle.dev/v1alpha1",
+        "kind": "Subscription",
+        "status": {
+            "stats": stats,
+            "statsUpdatedAt": now,
+            "conditions": conditions,
+        }
+    })
+}
+
+/// The status patch of a Subscription whose runtime has not reported counters: the broker's
+/// gauges, and the counters status already shows (`shown`), if any. No counter is invented (none
+/// reads as a false zero), and none is removed: a server-side apply drops the fields this field
+/// manager owned and no longer sends.
+pub fn gauges_patch(
+    pending: u64,
+    ack_pending: u64,
+    shown: Option<&settle::api::ConsumerStats>,
+    now: &Time,
+) -> serde_json::Value {
+    let mut stats = match shown {
+        Some(counters) => serde_json::to_value(counters).unwrap_or_else(|_| serde_json::json!({})),
+        None => serde_json::json!({}),
+    };
+    if let Some(map) = stats.as_object_mut() {
+        map.insert("pending".into(), pending.into());
+        map.insert("ackPending".into(), ack_pending.into());
+    }
+    serde_json::json!({
+        "apiVersion": "messaging.settle.dev/v1alpha1",
+        "kind": "Subscription",
+        "status": {
+            "stats": stats,
+            "statsUpdatedAt": now,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::Timestamp;
+    use settle::api::ConsumerStats;
+
+    const MIN: u64 = 60_000;
+    const WINDOW: Duration = Duration::from_secs(15 * 60);
+
+    fn stats(exhausted: u64, stranded: u64) -> SubscriptionStats {
+        SubscriptionStats {
+            counters: ConsumerStats {
+                exhausted,
+                stranded,
+                ..ConsumerStats::default()
+            },
+            ..SubscriptionStats::default()
+        }
+    }
+
+    #[test]
+    fn a_loss_a_stranding_or_a_flipped_condition_matters_other_counters_do_not() {
+        let now = Time(Timestamp::from_second(1_700_000_000).expect("time"));
+        let quiet = |s: &SubscriptionStats| wants(s, 0, WINDOW, Unseen::Never, &Trouble::default());
+        let shown = stats(2, 1);
+        let existing: Vec<Condition> = quiet(&shown)
+            .iter()
+            .map(|w| condition::settle(&[], w, Some(1), &now))
+            .collect();
+        // Acked, delivered, the gauges move: not urgent.
+        let mut moved = shown.clone();
+        moved.counters.offered = 100;
+        moved.counters.settlement.acked = 90;
+        moved.pending = 7;
+        assert!(!matters(Some(&shown), &existing, &moved, &quiet(&moved)));
+        // Exhausted grew: urgent, and so does Stranded.
+        let lost = stats(3, 1);
+        assert!(matters(Some(&shown), &existing, &lost, &quiet(&lost)));
+        let stranded = stats(2, 2);
+        assert!(matters(
+            Some(&shown),
+            &existing,
+            &stranded,
+            &quiet(&stranded)
+        ));
+        // Exhausting turns True with the same counts shown (the loss was shown, its condition
+        // not yet): a flip.
+        let losing = wants(&shown, 1, WINDOW, Unseen::Never, &Trouble::default());
+        assert!(matters(Some(&shown), &existing, &shown, &losing));
+        // A first status: urgent only if it shows a loss.
+        let mut first = stats(0, 0);
+        first.counters.settlement.acked = 5;
+        assert!(!matters(None, &[], &first, &quiet(&first)));
+        assert!(matters(None, &[], &lost, &quiet(&lost)));
+    }
+
+    #[test]
+    fn loss_counts_only_growth_inside_the_window() {
+        let mut log = LossLog::default();
+        log.observe(0, 5, WINDOW); // baseline: 5 lost before counting began
+        assert_eq!(log.lost_within(0, WINDOW), 0);
+        log.observe(MIN, 8, WINDOW);
+        assert_eq!(log.lost_within(MIN, WINDOW), 3);
+        log.observe(10 * MIN, 10, WINDOW);
+        assert_eq!(log.lost_within(10 * MIN, WINDOW), 5);
+        // 16 minutes in, the growth at minute 1 has left the window; minute 10's is inside.
+        log.observe(16 * MIN, 10, WINDOW);
+        assert_eq!(log.lost_within(16 * MIN, WINDOW), 2);
+        // 26 minutes in, nothing grew within the window.
+        log.observe(26 * MIN, 10, WINDOW);
+        assert_eq!(log.lost_within(26 * MIN, WINDOW), 0);
+        assert!(log.samples.len() <= 2, "old samples are dropped: {log:?}");
+    }
+
+    #[test]
+    fn a_total_that_does_not_grow_adds_no_sample() {
+        let mut log = LossLog::default();
+        for t in 0..100 {
+            log.observe(t * 1000, 7, WINDOW);
+        }
+        assert_eq!(log.samples.len(), 1);
+        assert_eq!(log.lost_within(100_000, WINDOW), 0);
+    }
+
+    #[test]
+    fn the_log_survives_a_restart() {
+        let mut log = LossLog::default();
+        log.observe(0, 0, WINDOW);
+        log.observe(MIN, 4, WINDOW);
+        let back: LossLog =
+            serde_json::from_str(&serde_json::to_string(&log).expect("json")).expect("parses");
+        assert_eq!(back.lost_within(2 * MIN, WINDOW), 4);
+    }
+
+    #[test]
+    fn exhausting_says_how_many_within_the_window_and_stranding_says_how_many_in_all() {
+        let [e, s, a] = wants(&stats(12, 0), 3, WINDOW, Unseen::Never, &Trouble::default());
+        assert_eq!((a.status, a.reason), (Status::True, reasons::KEPT));
+        assert_eq!(
+            (e.status, e.reason),
+            (Status::True, reasons::MESSAGES_EXHAUSTED)
+        );
+        assert!(
+            e.message.starts_with(
+                "3 message(s) ran out of attempts (maxDeliver) in the last 15m (12 in all)"
+            ),
+            "{}",
+            e.message
+        );
+        assert_eq!(
+            (s.status, s.reason),
+            (Status::False, reasons::NONE_STRANDED)
+        );
+
+        let [e, s, _] = wants(
+            &stats(12, 2),
+            0,
+            WINDOW,
+            Unseen::FromAdvisories,
+            &Trouble::default(),
+        );
+        assert_eq!(
+            (e.status, e.reason),
+            (Status::False, reasons::NO_RECENT_LOSS)
+        );
+        assert!(
+            e.message.contains("may undercount"),
+            "the unseen-attempt note: {}",
+            e.message
+        );
+        assert_eq!(
+            (s.status, s.reason),
+            (Status::True, reasons::MESSAGES_STRANDED)
+        );
+        assert!(s.message.starts_with("2 message(s)"));
+    }
+
+    #[test]
+    fn windows_read_like_kubernetes_durations() {
+        assert_eq!(window_text(Duration::from_secs(900)), "15m");
+        assert_eq!(window_text(Duration::from_secs(7200)), "2h");
+        assert_eq!(window_text(Duration::from_secs(90)), "90s");
+    }
+
+    #[test]
+    fn the_patch_keeps_transition_times_of_unchanged_conditions() {
+        let t0 = Time(Timestamp::from_second(1_000).expect("time"));
+        let t1 = Time(Timestamp::from_second(2_000).expect("time"));
+        let w = wants(&stats(1, 0), 1, WINDOW, Unseen::Never, &Trouble::default());
+        let first = patch(&stats(1, 0), &w, &[], Some(1), &t0);
+        let existing: Vec<Condition> =
+            serde_json::from_value(first["status"]["conditions"].clone()).expect("conditions");
+        assert!(!conditions_differ(&existing, &w));
+        let again = patch(
+            &stats(2, 0),
+            &wants(&stats(2, 0), 2, WINDOW, Unseen::Never, &Trouble::default()),
+            &existing,
+            Some(1),
+            &t1,
+        );
+        let conds: Vec<Condition> =
+            serde_json::from_value(again["status"]["conditions"].clone()).expect("conditions");
+        assert_eq!(
+            conds[0].last_transition_time, t0,
+            "still True: its time stays"
+        );
+        assert_eq!(again["status"]["stats"]["exhausted"], 2);
+        assert_eq!(again["status"]["statsUpdatedAt"], serde_json::json!(t1));
+        assert!(conditions_differ(
+            &existing,
+            &wants(&stats(1, 0), 0, WINDOW, Unseen::Never, &Trouble::default())
+        ));
+    }
+
+    #[test]
+    fn a_missing_report_queue_and_too_many_dead_letters_are_said() {
+        let missing = Trouble {
+            queue_missing: Some("shop-orders-settle-stats.fifo".into()),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &missing);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::REPORT_QUEUE_MISSING)
+        );
+        assert!(
+            a.message.contains("shop-orders-settle-stats.fifo"),
+            "{}",
+            a.message
+        );
+        let [e, _, _] = wants(
+            &stats(1, 0),
+            1,
+            WINDOW,
+            Unseen::TooManyDeadLetters(2000),
+            &Trouble::default(),
+        );
+        assert!(
+            e.message.contains("holds 2000 messages") && e.message.contains("undercount"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn accounted_says_why_the_account_is_not_whole() {
+        let unsaved = Trouble {
+            unsaved: Some("no space".into()),
+            missed_advisories: 3,
+            source_lost: Some(Source::Ledger),
+            dead_letters: None,
+            queue_missing: None,
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::LEDGER_NOT_SAVED)
+        );
+        assert!(a.message.contains("(no space)"), "{}", a.message);
+        let gap = Trouble {
+            unsaved: None,
+            missed_advisories: 3,
+            source_lost: None,
+            dead_letters: None,
+            queue_missing: None,
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
+        assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));
+        assert!(a.message.starts_with("3 advisory(ies)"), "{}", a.message);
+        let [e, _, _] = wants(&stats(1, 0), 1, WINDOW, Unseen::Uncounted, &gap);
+        assert!(
+            e.message.contains("reports no such loss")
+                && e.message.contains("spec.rabbitmq.deadLetterExchange"),
+            "the RabbitMQ note says how to count them: {}",
+            e.message
+        );
+        let [e, _, _] = wants(&stats(1, 0), 1, WINDOW, Unseen::FromDeadLetters, &gap);
+        assert!(!e.message.contains("reports no such loss"), "{}", e.message);
+        let missed = Trouble {
+            dead_letters: Some("the copy queue was deleted on the broker".into()),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::FromDeadLetters, &missed);
+        assert_eq!(
+            (a.status, a.reason),
+            (Status::False, reasons::DEAD_LETTERS_MISSED)
+        );
+        assert!(a.message.contains("deleted on the broker"), "{}", a.message);
+    }
+
+    #[test]
+    fn accounted_says_which_source_was_lost_and_that_counting_goes_on_from_status() {
+        for (source, names) in [
+            (Source::Ledger, "settle-account"),
+            (Source::Reports, "settle-stats"),
+        ] {
+            let lost = Trouble {
+                source_lost: Some(source),
+                missed_advisories: 2,
+                ..Trouble::default()
+            };
+            let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &lost);
+            assert_eq!((a.status, a.reason), (Status::False, reasons::SOURCE_LOST));
+            assert!(a.message.contains(names), "{}", a.message);
+            assert!(
+                a.message
+                    .contains("Counting continues from what status showed"),
+                "{}",
+                a.message
+            );
+            assert!(a.message.contains("may be missing"), "{}", a.message);
+            assert!(a.message.contains("15m after"), "{}", a.message);
+        }
+        // A save failing now says more than a loss that is over.
+        let both = Trouble {
+            unsaved: Some("no space".into()),
+            source_lost: Some(Source::Reports),
+            ..Trouble::default()
+        };
+        let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &both);
+        assert_eq!(a.reason, reasons::LEDGER_NOT_SAVED);
+    }
+
+    #[test]
+    fn a_gauges_only_patch_keeps_the_counters_status_shows() {
+        let t = Time(Timestamp::from_second(1_000).expect("time"));
+        let counters = ConsumerStats {
+            offered: 7,
+            delivered: 7,
+            ..ConsumerStats::default()
+        };
+        let p = gauges_patch(3, 1, Some(&counters), &t);
+        assert_eq!(p["status"]["stats"]["offered"], 7);
+        assert_eq!(p["status"]["stats"]["pending"], 3);
+        let p = gauges_patch(3, 1, None, &t);
+        assert!(p["status"]["stats"].get("offered").is_none(), "{p}");
+        assert_eq!(p["status"]["stats"]["ackPending"], 1);
+    }
+}

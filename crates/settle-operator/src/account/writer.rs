@@ -1,0 +1,294 @@
+//! The one status writer of the account: every keeper hands it patches; it applies them with
+//! server-side apply (field manager `settle-account`, owning `status.stats`,
+//! `statsUpdatedAt` and the `Exhausting`/`Stranding` conditions, never the controllers' fields),
+//! a few at once but one at a time per Subscription, and when several patches for one
+//! Subscription wait, only the newest is sent. Writes go out within the cluster-wide budget
+//! (`--status-writes-per-second`, [`super::budget`]): urgent patches first, the rest in the
+//! order they started waiting; `settle_account_status_backlog` counts the Subscriptions whose
+//! patch waits. A waiting patch is kept as its JSON text, not as a tree of values: after a mass
+//! apply every Subscription's first patch waits its turn, and a tree had been several times the
+//! size of its text.
+//!
+//! It also records the account's Kubernetes Events (a ledger that cannot be saved, and saved
+//! again), so the account reaches the API server through this one place.
+//!
+//! How often a Subscription is written, and whether its patch is urgent, is the keeper's
+//! decision (`show`: at most once per stats interval, only on change); this module must not
+//! compute status nor look inside a patch. It tells the keepers which Subscriptions' last
+//! write failed ([`Writer::failed`]), so that one is sent again at once, not after the wait
+//! for a patch on its way.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use crate::events::{Event, EventType, Recorder, Reporter};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client, Resource};
+use serde_json::value::RawValue;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::budget::{Bucket, Pushed, Queue};
+use super::metrics::Metrics;
+use super::status::FIELD_MANAGER;
+use settle::api::Subscription;
+
+/// One status patch for one Subscription.
+pub struct Write {
+    pub namespace: String,
+    pub name: String,
+    pub body: serde_json::Value,
+    /// A change that matters (Exhausted or Stranded grew, a condition flipped: the keeper
+    /// decides): written before every patch that is not.
+    pub urgent: bool,
+}
+
+/// Ends the writer with its last handle; what waited is no longer this replica's to write.
+struct AbortOnDrop(tokio::task::JoinHandle<()>, Metrics);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+        self.1.backlog.set(0);
+    }
+}
+
+/// The Subscriptions whose last write failed, until a keeper asks ([`Writer::failed`]). A
+/// Subscription deleted before its keeper asked stays; past this many, a failure is not noted
+/// and its patch is sent again after the wait for one on its way (`show`).
+const MAX_FAILED: usize = 10_000;
+
+type Failed = Arc<Mutex<HashSet<(String, String)>>>;
+
+/// The handle keepers send patches to; the task ends when the last handle is dropped.
+#[derive(Clone)]
+pub struct Writer {
+    tx: mpsc::UnboundedSender<Write>,
+    recorder: Recorder,
+    failed: Failed,
+    _task: Arc<AbortOnDrop>,
+}
+
+impl Writer {
+    /// Starts the writer, sending at most `per_second` status writes a second.
+    pub fn start(client: Client, metrics: Metrics, per_second: u32) -> Writer {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "settle-account".into(),
+                instance: None,
+            },
+        );
+        let failed = Failed::default();
+        let task = tokio::spawn(serve(
+            client,
+            metrics.clone(),
+            per_second,
+            rx,
+            failed.clone(),
+        ));
+        Writer {
+            tx,
+            recorder,
+            failed,
+            _task: Arc::new(AbortOnDrop(task, metrics)),
+        }
+    }
+
+    pub fn send(&self, w: Write) {
+        let _ = self.tx.send(w);
+    }
+
+    /// Whether the last write for `key` (namespace, name) failed since a keeper last asked;
+    /// asking forgets it.
+    pub fn failed(&self, key: &(String, String)) -> bool {
+        self.failed
+            .lock()
+            .map(|mut f| f.remove(key))
+            .unwrap_or(false)
+    }
+
+    /// Whether a failure of `key`'s last write is noted, without forgetting it.
+    #[cfg(test)]
+    pub(crate) fn failure_noted(&self, key: &(String, String)) -> bool {
+        self.failed.lock().map(|f| f.contains(key)).unwrap_or(false)
+    }
+
+    /// Records an Event on `sub` (in the background: a keeper never waits for it).
+    pub fn event(&self, sub: &Subscription, warning: bool, reason: &str, note: String) {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_string(),
+            note: Some(note),
+            action: "Account".to_string(),
+            secondary: None,
+        };
+        let (recorder, object) = (self.recorder.clone(), sub.object_ref(&()));
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&ev, &object).await {
+                tracing::debug!(error = %e, "could not record an account Event");
+            }
+        });
+    }
+}
+
+/// Status patches in flight at once: enough that a burst of Subscriptions due together is
+/// written within a second or two, few enough to be gentle on the API server.
+const CONCURRENCY: usize = 8;
+
+async fn serve(
+    client: Client,
+    metrics: Metrics,
+    per_second: u32,
+    mut rx: mpsc::UnboundedReceiver<Write>,
+    failed: Failed,
+) {
+    let mut queue: Queue<(String, String), Box<RawValue>> = Queue::default();
+    let mut bucket = Bucket::new(per_second, Instant::now());
+    // When the budget last had no token for the next patch: a patch that waited since before
+    // then was deferred by the budget.
+    let mut refused_at: Option<Instant> = None;
+    let mut inflight = FuturesUnordered::new();
+    let mut open = true;
+    loop {
+        // Start what may start: one patch per Subscription at a time (the newest one), urgent
+        // ones first, each with a token of the budget.
+        let mut refill = None;
+        while inflight.len() < CONCURRENCY && queue.ready() {
+            let now = Instant::now();
+            if let Err(wait) = bucket.take(now) {
+                refused_at = Some(now);
+                refill = Some(now + wait);
+                break;
+            }
+            let Some((key, body, urgent, since)) = queue.pop() else {
+                break;
+            };
+            if refused_at.is_some_and(|t| t >= since) {
+                metrics.deferred.with_label_values(&["budget"]).inc();
+            }
+            inflight.push(write(
+                client.clone(),
+                metrics.clone(),
+                failed.clone(),
+                key,
+                body,
+                urgent,
+            ));
+        }
+        metrics
+            .backlog
+            .set(i64::try_from(queue.backlog()).unwrap_or(i64::MAX));
+        if !open && inflight.is_empty() && queue.backlog() == 0 {
+            return;
+        }
+        tokio::select! {
+            w = rx.recv(), if open => match w {
+                Some(w) => {
+                    let key = (w.namespace, w.name);
+                    // A JSON value always serializes; were it ever to fail, the patch is
+                    // counted as a failed write, and the keeper sends it again next interval.
+                    let body = match serde_json::value::to_raw_value(&w.body) {
+                        Ok(body) => body,
+                        Err(e) => {
+                            metrics.writes.with_label_values(&["error"]).inc();
+                            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not serialize the account's status patch; it is written again at the next interval");
+                            note_failed(&failed, key);
+                            continue;
+                        }
+                    };
+                    if queue.push(key, body, w.urgent, Instant::now()) == Pushed::Coalesced {
+                        metrics.deferred.with_label_values(&["coalesced"]).inc();
+                    }
+                }
+                None => open = false,
+            },
+            Some(key) = inflight.next(), if !inflight.is_empty() => {
+                queue.done(&key);
+            }
+            () = sleep_until(refill), if refill.is_some() => {}
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    if let Some(at) = at {
+        tokio::time::sleep_until(at).await;
+    }
+}
+
+/// Notes that `key`'s write failed, for its keeper to send it again (at most [`MAX_FAILED`]).
+fn note_failed(failed: &Failed, key: (String, String)) {
+    if let Ok(mut f) = failed.lock()
+        && f.len() < MAX_FAILED
+    {
+        f.insert(key);
+    }
+}
+
+async fn write(
+    client: Client,
+    metrics: Metrics,
+    failed: Failed,
+    key: (String, String),
+    body: Box<RawValue>,
+    urgent: bool,
+) -> (String, String) {
+    let api: Api<Subscription> = Api::namespaced(client, &key.0);
+    let result = api
+        .patch_status(
+            &key.1,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await;
+    match result {
+        Ok(_) => {
+            metrics.writes.with_label_values(&["ok"]).inc();
+            if urgent {
+                metrics.urgent_writes.inc();
+            }
+        }
+        // Deleted meanwhile: nothing to account for any more.
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => {
+            metrics.writes.with_label_values(&["error"]).inc();
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "could not write the account to status; it is written again at the next interval");
+            note_failed(&failed, key.clone());
+        }
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_are_noted_up_to_the_bound() {
+        let failed = Failed::default();
+        for i in 0..MAX_FAILED {
+            note_failed(&failed, ("ns".into(), format!("s{i}")));
+        }
+        note_failed(&failed, ("ns".into(), "one-too-many".into()));
+        let noted = |k: &str| {
+            failed
+                .lock()
+                .map(|f| f.contains(&("ns".to_string(), k.to_string())))
+                .unwrap_or(false)
+        };
+        assert!(noted("s0"));
+        assert!(
+            !noted("one-too-many"),
+            "past the bound a failure is not noted"
+        );
+        assert_eq!(failed.lock().map(|f| f.len()).unwrap_or(0), MAX_FAILED);
+    }
+}

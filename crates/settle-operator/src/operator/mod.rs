@@ -1,0 +1,310 @@
+//! `settle operator`: the long-running process. Every replica serves the admission webhook (with
+//! its certificates and a Backend cache behind it) and a metrics/health endpoint, and contends for
+//! the leader Lease; only the leader runs the controllers (`reconcile`), gated on
+//! [`leader::LeaderGate`].
+//!
+//! This module wires parts together and owns process concerns (its flags, in `args`; logging;
+//! signals). It must not hold admission rules or broker logic: those live in `admission/` and
+//! `backend/`.
+
+mod args;
+mod auth;
+mod health;
+mod lag;
+pub mod leader;
+mod memory;
+mod owner;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use kube::Client;
+use kube::runtime::{WatchStreamExt, reflector};
+use tokio::sync::watch;
+
+use crate::account;
+use crate::admission::certs::{self, CertSource, FileCertConfig, Sans, SelfManagedConfig};
+use crate::admission::webhook::{self, StoreLookup};
+use crate::exposition::Exposition;
+use crate::reconcile;
+use settle::api::Backend;
+
+pub use args::{LogFormat, OperatorArgs};
+pub use memory::tune_allocator;
+
+/// Why the operator stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("cannot reach the Kubernetes API (set KUBECONFIG, or run in a pod): {0}")]
+    Kube(#[from] kube::Error),
+    #[error("webhook certificate: {0}")]
+    Certs(#[from] certs::CertError),
+    #[error("admission webhook: {0}")]
+    Webhook(#[from] webhook::WebhookError),
+    #[error("metrics server: {0}")]
+    Health(#[from] health::HealthError),
+    #[error("leader election: {0}")]
+    Leader(#[from] leader::LeaderError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// Sets up logging: JSON lines in a cluster (or when asked), human text otherwise. RUST_LOG
+/// filters as usual; the default is `info`.
+pub fn init_logging(format: LogFormat) {
+    let json = match format {
+        LogFormat::Json => true,
+        LogFormat::Text => false,
+        LogFormat::Auto => std::env::var_os("KUBERNETES_SERVICE_HOST").is_some(),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
+/// Runs until SIGTERM or SIGINT.
+pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
+    let client = Client::try_default().await?;
+    // What /metrics writes: the registry's families, then the per-Subscription series the
+    // tables write from their rows.
+    let exposition = Exposition::default();
+    let (registry, tables) = (&exposition.registry, &exposition.tables);
+    memory::spawn_release(args.release_memory_interval.get(), registry);
+    // Two moments: `stopping` (the signal: the Lease and the controllers stop, `/readyz` turns
+    // 503) and `closed` (the shutdown delay later: the ports close).
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (close_tx, close_rx) = watch::channel(false);
+    let delay = args.shutdown_delay.get();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!(
+            shutdown_delay = ?delay,
+            "shutting down: the Lease is released now, admission is answered until the delay ends"
+        );
+        let _ = stop_tx.send(true);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {},
+            () = shutdown_signal() => tracing::info!("a second signal: closing at once"),
+        }
+        let _ = close_tx.send(true);
+    });
+    let until = |rx: &watch::Receiver<bool>| {
+        let mut rx = rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let stopping_rx = stop_rx.clone();
+    let stopped = move || until(&stop_rx);
+    let closed = move || until(&close_rx);
+
+    // The Backends admission resolves capabilities from, cached by a watch of the watched
+    // namespaces only (a Backend elsewhere is looked up with one GET when a review names it).
+    let watch_namespaces: Vec<String> = args
+        .watch_namespaces
+        .iter()
+        .filter(|n| !n.is_empty())
+        .cloned()
+        .collect();
+    let (store, writer) = reflector::store::<Backend>();
+    let backends = reconcile::watch::<Backend>(&client, &watch_namespaces)
+        .reflect(writer)
+        .touched_objects()
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "Backend watch error; retrying");
+            }
+        });
+    let backends_task = tokio::spawn(backends);
+
+    // What the operator creates for itself goes with its ServiceAccount (helm uninstall).
+    let owner = owner::own_service_account(&client, &args.namespace).await;
+
+    // Contend for the Lease from the start; only what reconciles waits on it.
+    let mut leadership = if args.leader_election {
+        let mut lease =
+            leader::LeaseConfig::new(&args.namespace, &args.lease_name, leader::identity());
+        lease.owner = owner.clone();
+        leader::start(client.clone(), lease, registry)?
+    } else {
+        tracing::warn!(
+            "leader election is off: this replica reconciles as if it were the only one; run one replica"
+        );
+        leader::Leadership::always(registry)?
+    };
+
+    let source = match (&args.tls_cert_file, &args.tls_key_file) {
+        (Some(cert), Some(key)) => CertSource::Files(FileCertConfig::new(cert, key)),
+        _ => {
+            let mut config = SelfManagedConfig::new(
+                &args.namespace,
+                &args.webhook_secret,
+                Sans {
+                    dns_names: args.webhook_dns_names.clone(),
+                    ip_addresses: args.webhook_ips.clone(),
+                },
+            );
+            config.webhook_configuration =
+                Some(args.webhook_configuration.clone()).filter(|s| !s.is_empty());
+            config.owner = owner.clone().map(Box::new);
+            CertSource::SelfManaged {
+                client: client.clone(),
+                config,
+            }
+        }
+    };
+    let serving = certs::start(source).await?;
+
+    let lookup = Arc::new(StoreLookup::new(store.clone(), client.clone()));
+    let webhook = webhook::Server::bind(
+        args.webhook_config(),
+        lookup,
+        serving.resolver.clone(),
+        registry,
+    )
+    .await?;
+    tracing::info!(addr = %webhook.local_addr()?, "admission webhook bound");
+    // The controllers run while this replica leads; /readyz waits for their caches too.
+    let readiness = reconcile::Readiness::default();
+    let metrics_auth = if args.metrics_auth {
+        let authorizer = auth::Authorizer::new(
+            client.clone(),
+            auth::AuthConfig {
+                cache_ttl: args.metrics_auth_cache_ttl,
+                cache_size: args.metrics_auth_cache_size.get(),
+            },
+            registry,
+        )?;
+        Some((authorizer, serving.resolver.clone()))
+    } else {
+        None
+    };
+    let health = health::Server::bind(
+        args.health_config(),
+        client.clone(),
+        exposition.clone(),
+        store.clone(),
+        readiness.clone(),
+        stopping_rx,
+        metrics_auth,
+    )
+    .await?;
+    let controllers = reconcile::run(
+        client.clone(),
+        reconcile::Config {
+            watch_namespaces,
+            resync: args.resync_interval,
+            drift: args.drift_interval,
+            concurrency: args.concurrency,
+            identity: leader::identity(),
+            backend_rules: args.backend_rules(),
+            dead_letter_copy_max_length: args.dead_letter_copy_max_length,
+            adopt_namespaces: reconcile::AdoptNamespaces::new(&args.adopt_namespaces),
+        },
+        leadership.gate().receiver(),
+        reconcile::Metrics::new(registry, tables)?,
+        readiness,
+        Some(account_hook(
+            account::Config {
+                stats_interval: args.stats_interval,
+                status_writes_per_second: args.status_writes_per_second,
+                loss_window: args.loss_window,
+                stall_window: args.stall_window,
+                fold_after: args.fold_after,
+                capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),
+                replicas: usize::from(args.account_replicas),
+                limits: account::Limits {
+                    max_report_bytes: usize::try_from(args.max_report_bytes).unwrap_or(usize::MAX),
+                    max_instances: usize::try_from(args.max_instances_per_subscription)
+                        .unwrap_or(usize::MAX),
+                    max_early_bytes: usize::try_from(args.max_early_report_bytes)
+                        .unwrap_or(usize::MAX),
+                    max_sequence_jump: args.max_sequence_jump,
+                    max_clock_skew_ms: u64::try_from(args.max_clock_skew.as_millis())
+                        .unwrap_or(u64::MAX),
+                    report_bucket: account::BucketLimits {
+                        max_value_bytes: args.report_bucket_max_value_bytes,
+                        max_bytes: args.report_bucket_max_bytes,
+                    },
+                    report_prefetch: args.report_prefetch,
+                    dead_letter_prefetch: args.dead_letter_prefetch,
+                    dead_letter_copy_max_length: args.dead_letter_copy_max_length,
+                },
+            },
+            account::Metrics::new(registry, tables)?,
+        )),
+        stopped(),
+    );
+
+    // On SIGTERM the Lease is released at once, so a standby leads while this replica's webhook
+    // drains; if leader election stops by itself, the process ends with its error.
+    let lease = async {
+        let ended = tokio::select! {
+            () = stopped() => None,
+            e = leadership.ended() => Some(e),
+        };
+        match ended {
+            None => {
+                leadership.release().await;
+                Ok(())
+            }
+            Some(e) => Err(OperatorError::from(e)),
+        }
+    };
+    let result = tokio::try_join!(
+        async { webhook.run(closed()).await.map_err(OperatorError::from) },
+        async { health.run(closed()).await.map_err(OperatorError::from) },
+        async {
+            controllers.await;
+            Ok(())
+        },
+        lease,
+    );
+    serving.task.abort();
+    backends_task.abort();
+    // Give in-flight log lines a moment; nothing else is pending.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    result.map(|_| ())
+}
+
+/// The account runs beside the controllers, on their caches and connections, term by term.
+fn account_hook(config: account::Config, metrics: account::Metrics) -> reconcile::TermHook {
+    Arc::new(move |term: reconcile::Term| {
+        Box::pin(account::run(term, config.clone(), metrics.clone()))
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
