@@ -1,0 +1,273 @@
+//! The Subscription controller's broker step on RabbitMQ: the quorum queue from the one mapping
+//! (`backend::rabbitmq::queue::desired`), bound to the Backend's exchange by the pattern; made
+//! when missing (again when deleted on the broker), its binding repaired in place, an argument
+//! RabbitMQ cannot change in place reported `ImmutableField` with the argument and its field
+//! named; deleted when the Subscription goes. Under AtLeastOnce on a Backend with a dead-letter
+//! exchange, the Backend's dead-letter copy queue is made and bound before the queue is made
+//! (R9), so the account sees every dead letter of the queue from its start (the account keeps
+//! it from then on, and deletes it).
+//!
+//! Only a queue this Subscription object made (or took over by the `settle.dev/adopt`
+//! annotation) is bound or deleted; any other is left alone (`ConsumerConflict`): [`claim`]
+//! decides, from the queue's owner and object arguments, the object mark
+//! `settle.object.<ns>.<name>` (written before the queue is declared) and the status
+//! (docs/semantics.md R8). A queue Settle did not make (no owner argument) is taken over only
+//! when `spec.adopt: IfCompatible` asks, the namespace may (`--adopt-namespaces`), the management
+//! API shows its arguments and they equal the mapping's; the owner and object arguments it cannot
+//! take are then kept beside it, in `settle.adopted.<queue>`, and read in their place (R13). With the Backend's management API (spec.rabbitmq.managementUrl) the
+//! live queue's arguments, bindings and owner are read and compared. Without it only AMQP is
+//! there: a missing queue is made and, once the object mark says it is this object's, its binding
+//! declared again on every check; a differing argument shows as the broker's refusal to
+//! redeclare the queue; a queue that exists with no mark of this object is not Settle's.
+//!
+//! The account's queues of the Subscription (report, ledger, index) are made before its queue
+//! (the account deletes them once the object is gone): each is a place under a vhost's
+//! `max-queues`, so the limit refuses a Subscription whole, never its account alone.
+//!
+//! A paused Subscription has the marker exchange `settle.paused.<queue>` its applications check,
+//! a running one `settle.running.<queue>` (`backend::rabbitmq::pause`, W3), kept as the spec
+//! says and deleted with the queue.
+//!
+//! The files: this one is the step (`ensure`: converge, repair in place); [`claim`] says whose
+//! a live queue is, [`create`] makes one, [`pause`] keeps its markers, [`remove`] deletes it.
+//!
+//! It must not write status or Events, add finalizers or decide requeues (the pipeline in
+//! [`super::subscription`] does: this step returns what it changed, [`super::step`]), nor re-state an admission rule: the pipeline's one
+//! `policy::validate` has refused what this broker cannot honour (`spec.stream`, A15) before
+//! this step runs.
+
+use super::Ctx;
+use super::connections::RabbitConn;
+use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
+use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
+use settle::api::ConsumerRef;
+use settle::api::Mode;
+use settle::backend::Classify;
+use settle::backend::rabbitmq::admin::{self, AdminError};
+use settle::backend::rabbitmq::deadletter;
+use settle::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
+use settle::backend::rabbitmq::report::{self, AdoptedMark};
+
+mod claim;
+mod create;
+mod pause;
+mod remove;
+
+use claim::*;
+use create::*;
+use pause::*;
+pub use remove::remove;
+
+pub(super) fn failure(error: BrokerError, known: Option<ConsumerRef>) -> SubOutcome {
+    // Only while the broker cannot answer is the queue known from before still shown.
+    let consumer = error.is_unreachable().then_some(known).flatten();
+    SubOutcome::Broker { error, consumer }
+}
+
+/// Step 5 on RabbitMQ: the queue exists, is bound, and matches the spec, its pause marker
+/// included, or why not.
+pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Converged {
+    let mut changes = Changes::default();
+    let mut outcome = converge(t, ctx, conn, &mut changes).await;
+    if let SubOutcome::Ready { object, .. } = &outcome
+        && let Err(failed) = keep_paused(t, ctx, conn, object, &mut changes).await
+    {
+        outcome = failed;
+    }
+    changes.with(outcome)
+}
+
+async fn converge(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    conn: &RabbitConn,
+    changes: &mut Changes,
+) -> SubOutcome {
+    let known = t.known.clone();
+    let uid = t.uid();
+    let policy = &t.policy;
+    let want = queue::desired(&t.namespace, &t.name, policy, &conn.exchanges).for_object(uid);
+    let here = ConsumerRef {
+        stream: want.binding.exchange.clone(),
+        name: want.name.clone(),
+    };
+    let ready = || SubOutcome::Ready {
+        kind: ObjectKind::RabbitmqQueue,
+        object: here.clone(),
+    };
+    // Refused for a limit before and its gate still closed: not a single broker call.
+    let backend = (t.namespace.clone(), t.sub.spec.backend_ref.name.clone());
+    let who = (t.namespace.clone(), t.name.clone());
+    if let Some(limit) = ctx.conns.gates.held(&backend, &who) {
+        return failure(BrokerError::Limit(limit), None);
+    }
+    let amqp = match conn.connection().await {
+        Ok(c) => c,
+        Err(e) => return failure(BrokerError::of(e), known),
+    };
+    let found = match find(ctx, conn, &amqp, &want.name).await {
+        Ok(f) => f,
+        Err(e) => return failure(e, known),
+    };
+    if matches!(found, Found::Missing) {
+        if let Some(limit) = ctx
+            .conns
+            .gates
+            .check(&backend, &want.binding.exchange, &who)
+        {
+            return failure(BrokerError::Limit(limit), None);
+        }
+        if policy.mode == Mode::AtLeastOnce {
+            copy_dead_letters(t, ctx, conn, &amqp, &want).await;
+        }
+        return match create(t, ctx, &amqp, &want, &here).await {
+            Ok(change) => {
+                ctx.conns.gates.created(&backend, &want.binding.exchange);
+                changes.push(change.kind, change.note);
+                ready()
+            }
+            Err(o) => {
+                if let SubOutcome::Broker { error, .. } = &o
+                    && let Some(limit) = error.limit()
+                {
+                    let delay = ctx.conns.gates.refused(&backend, limit.clone(), &who);
+                    tracing::info!(subscription = %t.owner, limit = limit.label(), retry_in = ?delay, "the broker refused the queue for a limit: creates it holds back wait");
+                }
+                o
+            }
+        };
+    }
+    let shown = known.as_ref().is_some_and(|k| k.name == want.name);
+    let Whose {
+        claim: claimed,
+        mark,
+        taken,
+    } = claim_found(t, ctx, &amqp, &found, &want.name, shown).await;
+    match &claimed {
+        // Settle did not make it: taken over only as spec.adopt asks (R13).
+        Claim::NotOurs(Holder::Unmarked) => {
+            let owner = match (t.adoption(&ctx.adopt_namespaces), &found) {
+                (Adoption::IfCompatible, Found::Shown(live)) => {
+                    return adopt(t, ctx, conn, &amqp, &want, live, here, changes).await;
+                }
+                (Adoption::NotAllowed, _) => {
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                }
+                _ => Holder::Unmarked,
+            };
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner,
+            };
+        }
+        Claim::NotOurs(holder) => {
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner: holder.clone(),
+            };
+        }
+        Claim::Ours | Claim::Adopted(_) => {
+            if !shown
+                && mark.as_deref() != uid
+                && let Err(o) = mark_object(t, ctx, &amqp).await
+            {
+                // Whose queue it is, written where the runtime reads it, first.
+                return *o;
+            }
+        }
+    }
+    if let Claim::Adopted(old) = &claimed {
+        // Taken over without arguments by the earlier object: its adopted mark names this one now.
+        if taken && let Err(o) = mark_adopted(t, ctx, &amqp, &want.name).await {
+            return *o;
+        }
+        let note = format!(
+            "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
+            want.name
+        );
+        tracing::info!(subscription = %t.owner, queue = %want.name, "{note}");
+        changes.push(ChangeKind::Adopted, note);
+    }
+    let Found::Shown(live) = found else {
+        // AMQP only: redeclare (refused when a compared argument differs) and bind again
+        // (harmless when bound).
+        ctx.metrics.js("queue.declare");
+        match admin::declare(&amqp, &want).await {
+            Ok(()) => {}
+            Err(AdminError::Differs { text, .. }) => {
+                return SubOutcome::Immutable {
+                    kind: ObjectKind::RabbitmqQueue,
+                    object: here,
+                    fields: vec![format!(
+                        "one of {} ({text})",
+                        want.arguments
+                            .keys()
+                            .filter(|k| k.as_str() != OWNER_ARG && k.as_str() != OBJECT_ARG)
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )],
+                };
+            }
+            Err(e) => return failure(BrokerError::of(e), known),
+        }
+        ctx.metrics.js("queue.bind");
+        if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
+            return failure(BrokerError::of(e), known);
+        }
+        return ready();
+    };
+    match judge(&want, &live) {
+        Verdict::Immutable(fields) => SubOutcome::Immutable {
+            kind: ObjectKind::RabbitmqQueue,
+            object: here,
+            fields,
+        },
+        Verdict::Repair { bind, unbind } => {
+            let edits = match repair(ctx, &amqp, &want, bind, &unbind).await {
+                Ok(edits) => edits,
+                Err(e) => return failure(e, known),
+            };
+            if !edits.is_empty() {
+                let edits = edits.join("; ");
+                tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
+                changes.push(ChangeKind::Updated, format!("queue {}: {edits}", want.name));
+            }
+            ready()
+        }
+    }
+}
+
+/// The binding repairs [`judge`] asked for, done: what each did, as an Event says it.
+async fn repair(
+    ctx: &Ctx,
+    amqp: &lapin::Connection,
+    want: &QueueSpec,
+    bind: bool,
+    unbind: &[queue::Binding],
+) -> Result<Vec<String>, BrokerError> {
+    let mut edits = Vec::new();
+    if bind {
+        ctx.metrics.js("queue.bind");
+        admin::bind(amqp, &want.name, &want.binding)
+            .await
+            .map_err(BrokerError::of)?;
+        edits.push(format!(
+            "bound it to exchange {} with {}",
+            want.binding.exchange, want.binding.routing_key
+        ));
+    }
+    for b in unbind {
+        ctx.metrics.js("queue.unbind");
+        admin::unbind(amqp, &want.name, b)
+            .await
+            .map_err(BrokerError::of)?;
+        edits.push(format!(
+            "removed its binding to {} with {}",
+            b.exchange, b.routing_key
+        ));
+    }
+    Ok(edits)
+}
