@@ -1458,16 +1458,18 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
     }
 }
 
-/// README's KEDA recipe (issue 23 item 5): the `prometheus` trigger's `query:` under the marker
-/// `keda-prometheus` reads only metrics the operator exports, passes `promtool check rules`, and
-/// evaluates to the Subscription's pending + ack_pending, and no other Subscription's.
+/// The KEDA recipe in docs/guide/keda.md (issue 23 item 5): the `prometheus` trigger's `query:`
+/// under the marker `keda-prometheus` reads only metrics the operator exports, passes `promtool
+/// check rules`, and evaluates to the Subscription's pending + ack_pending, and no other
+/// Subscription's.
 #[test]
 fn the_keda_recipes_query_reads_exported_metrics_and_is_pending_plus_ack_pending() {
-    let readme = std::fs::read_to_string(common::root().join("README.md")).expect("README.md");
-    let recipe = readme
+    let guide = std::fs::read_to_string(common::root().join("docs/guide/keda.md"))
+        .expect("docs/guide/keda.md");
+    let recipe = guide
         .split("<!-- keda-prometheus")
         .nth(1)
-        .expect("README has the KEDA recipe's marker <!-- keda-prometheus");
+        .expect("docs/guide/keda.md has the KEDA recipe's marker <!-- keda-prometheus");
     let query = recipe
         .lines()
         .take_while(|l| !l.starts_with("```") || l.starts_with("```yaml"))
