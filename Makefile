@@ -1,5 +1,5 @@
 # Settle's two commands: `make demo` runs the main job locally, `make test` runs every test.
-.PHONY: test check demo build image crds tools env-up env-down env-status bench lint clean
+.PHONY: test check demo build image crds reference tools env-up env-down env-status bench lint clean
 
 test:            ## build what is missing, start the real environment, run every test, stop it
 	hack/test.sh
@@ -20,6 +20,9 @@ crds:            ## regenerate crds/ and its copies (chart, kustomize) from the 
 	cargo run --quiet --bin settle -- crds > crds/settle.yaml
 	cp crds/settle.yaml charts/settle/crds/settle.yaml
 	cp crds/settle.yaml config/crd/settle.yaml
+
+reference:       ## regenerate docs/reference/{flags,metrics,conditions,values}.md from the code (tests/reference.rs writes them)
+	SETTLE_WRITE_REFERENCE=1 cargo test --locked --quiet -p settle-operator --test reference
 
 tools:           ## install the pinned kube-apiserver+etcd, nats-server, helm, kube-score, promtool, ElasticMQ (target/tools) and RabbitMQ (apt)
 	hack/tools.sh build

@@ -14,7 +14,7 @@ start=$SECONDS
 make --no-print-directory lint
 cargo test --workspace --locked --lib --bins --quiet
 for suite in settle:admission_rules settle-operator:layering settle-operator:hot_text \
-  settle-operator:check_cli settle-operator:webhook_review settle-e2e:docs; do
+  settle-operator:check_cli settle-operator:webhook_review settle-operator:reference settle-e2e:docs; do
   cargo test --locked --quiet -p "${suite%%:*}" --test "${suite#*:}"
 done
 echo "make check: lint and the tests that need no environment passed in $((SECONDS - start))s"

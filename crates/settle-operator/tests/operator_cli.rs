@@ -1,6 +1,8 @@
-//! `settle operator` as the README describes it: every flag in its table with the env fallback
-//! and default the binary really has (and no flag the table leaves out), one env fallback
-//! exercised for real, and `/healthz` / `/readyz` (on the probe port) before and after the Backend cache syncs.
+//! `settle operator` as docs/reference/flags.md describes it: every flag in its table with the
+//! env fallback and default the built binary's `--help` really prints (and no flag the table
+//! leaves out; tests/reference.rs makes that page from clap, this checks it against the binary),
+//! one env fallback exercised for real, and `/healthz` / `/readyz` (on the probe port) before
+//! and after the Backend cache syncs.
 
 use settle_testkit as common;
 
@@ -12,7 +14,7 @@ use std::time::Duration;
 use common::free_port;
 use common::process::{Killed, poll_until};
 
-/// One row of the README's flag table: flags, env variables, default (None: "none", "self-managed").
+/// One row of the flag reference's table: its env variable and default (None: "none").
 #[derive(Debug, PartialEq)]
 struct Flag {
     env: String,
@@ -27,13 +29,15 @@ fn backticked(cell: &str) -> Vec<String> {
         .collect()
 }
 
-/// The README's `| flag | env | default |` table, by flag.
-fn readme_flags() -> BTreeMap<String, Flag> {
-    let readme = std::fs::read_to_string(common::root().join("README.md")).expect("README.md");
-    let table = readme
-        .split("| flag | env | default |")
+/// docs/reference/flags.md's `| flag | env | default | description |` table, by flag: one flag
+/// and one env variable a row, the default backticked or `none`.
+fn reference_flags() -> BTreeMap<String, Flag> {
+    let path = common::root().join("docs/reference/flags.md");
+    let page = std::fs::read_to_string(&path).expect("docs/reference/flags.md");
+    let table = page
+        .split("| flag | env | default | description |")
         .nth(1)
-        .expect("the README has a `| flag | env | default |` table");
+        .expect("docs/reference/flags.md has a `| flag | env | default | description |` table");
     let mut out = BTreeMap::new();
     for line in table.lines().skip(2) {
         if !line.starts_with('|') {
@@ -41,19 +45,21 @@ fn readme_flags() -> BTreeMap<String, Flag> {
         }
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
         let (flags, envs, default) = (backticked(cells[1]), backticked(cells[2]), cells[3]);
-        assert_eq!(flags.len(), envs.len(), "one env per flag: {line}");
+        assert_eq!(
+            (flags.len(), envs.len()),
+            (1, 1),
+            "one flag and one env a row: {line}"
+        );
         let default = default
             .starts_with('`')
             .then(|| backticked(default)[0].clone());
-        for (flag, env) in flags.into_iter().zip(envs) {
-            out.insert(
-                flag,
-                Flag {
-                    env,
-                    default: default.clone(),
-                },
-            );
-        }
+        out.insert(
+            flags[0].clone(),
+            Flag {
+                env: envs[0].clone(),
+                default,
+            },
+        );
     }
     assert!(out.len() >= 10, "the flag table was found: {out:?}");
     out
@@ -105,16 +111,20 @@ fn help_flags() -> BTreeMap<String, Flag> {
 }
 
 #[test]
-fn every_operator_flag_has_the_env_fallback_and_default_the_readme_gives() {
-    let readme = readme_flags();
+fn every_operator_flag_has_the_env_fallback_and_default_the_flag_reference_gives() {
+    let reference = reference_flags();
     let help = help_flags();
     assert_eq!(
         help.keys().collect::<Vec<_>>(),
-        readme.keys().collect::<Vec<_>>(),
-        "the README's flag table and `settle operator --help` list the same flags"
+        reference.keys().collect::<Vec<_>>(),
+        "docs/reference/flags.md and `settle operator --help` list the same flags (with an env \
+         fallback each)"
     );
-    for (flag, want) in &readme {
-        assert_eq!(&help[flag], want, "{flag}: README vs --help");
+    for (flag, want) in &reference {
+        assert_eq!(
+            &help[flag], want,
+            "{flag}: docs/reference/flags.md vs --help"
+        );
     }
 }
 
