@@ -238,6 +238,7 @@ fn the_crates_depend_only_downward() {
         ),
         ("settle-testkit", &["settle", "settle-operator"]),
         ("settle-e2e", &[]),
+        ("settle-examples", &["settle"]),
     ];
     let members: Vec<String> = std::fs::read_dir(settle_testkit::root().join("crates"))
         .expect("read crates/")
@@ -263,13 +264,18 @@ fn the_crates_depend_only_downward() {
 /// What an application that links `settle` compiles: `cargo tree` of its normal dependencies
 /// with the default features.
 fn library_tree(features: &[&str]) -> String {
+    tree_of("settle", features)
+}
+
+/// `cargo tree` of a member's normal dependencies, one crate a line.
+fn tree_of(package: &str, features: &[&str]) -> String {
     let mut cmd = std::process::Command::new(env!("CARGO"));
     cmd.current_dir(settle_testkit::root()).args([
         "tree",
         "--locked",
         "--offline",
         "-p",
-        "settle",
+        package,
         "-e",
         "normal",
         "--prefix",
@@ -313,6 +319,27 @@ fn the_library_carries_nothing_only_the_operator_needs() {
             "an application linking `settle` compiles {crate_name}"
         );
     }
+    // The example applications (crates/settle-examples) link the library and what an application
+    // itself uses, nothing of the operator.
+    let examples = names(&tree_of("settle-examples", &[]));
+    for crate_name in [
+        "settle-operator",
+        "kube-runtime",
+        "clap",
+        "rcgen",
+        "x509-parser",
+    ] {
+        assert!(
+            !examples.contains(crate_name),
+            "the example applications compile {crate_name}"
+        );
+    }
+    println!(
+        "crates an application compiles: settle {}, settle with sqs {}, the example applications {}",
+        plain.len(),
+        names(&library_tree(&["sqs"])).len(),
+        examples.len()
+    );
     // The grep reads what it should: the features bring in what they say.
     assert!(names(&library_tree(&["sqs"])).contains("aws-sdk-sqs"));
     assert!(names(&library_tree(&["admin"])).contains("kube-runtime"));
