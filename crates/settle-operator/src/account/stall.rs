@@ -24,7 +24,8 @@ use tokio::time::Instant;
 use super::status::window_text;
 use settle::api::condition::{Status, Want};
 
-/// Condition type.
+/// Messages are owed on the broker and no handler returned within the stall window (semantics
+/// C22): the condition says what is owed and since when.
 pub const STALLED: &str = "Stalled";
 
 /// Its reasons.

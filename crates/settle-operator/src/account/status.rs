@@ -33,15 +33,31 @@ pub mod types {
 
 /// Their reasons.
 pub mod reasons {
+    /// Exhausting=True: messages ran out of attempts (maxDeliver) or were dead-lettered within
+    /// the loss window; the message says how many, and how many in all.
     pub const MESSAGES_EXHAUSTED: &str = "MessagesExhausted";
+    /// Exhausting=False: nothing ran out of attempts within the loss window.
     pub const NO_RECENT_LOSS: &str = "NoRecentLoss";
+    /// Stranding=True: declined messages the broker could not take back (Stranded above zero).
     pub const MESSAGES_STRANDED: &str = "MessagesStranded";
+    /// Stranding=False: no message is stranded.
     pub const NONE_STRANDED: &str = "NoneStranded";
+    /// Accounted=True: every source of the account was read and its ledger saved.
     pub const KEPT: &str = "Kept";
+    /// Accounted=False: the last save of the ledger failed (tried again every round); the
+    /// counters shown hold, and may be counted again from the last save after a restart.
     pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
+    /// Accounted=False: loss advisories were dropped before the operator counted them (the
+    /// capture's limits, or its hold of advisories read before the status named the consumer).
     pub const CAPTURE_GAP: &str = "CaptureGap";
+    /// Accounted=False: a source of the account was lost within the loss window (semantics
+    /// C17); counting goes on from what status showed.
     pub const SOURCE_LOST: &str = "SourceLost";
+    /// Accounted=False: the operator's copy may not hold every dead letter (RabbitMQ: the copy
+    /// queue lost or full, or the exchange cannot be copied whole), so Exhausted may undercount.
     pub const DEAD_LETTERS_MISSED: &str = "DeadLettersMissed";
+    /// Accounted=False: the queue the runtime reports to does not exist on the broker (SQS:
+    /// deleted there); its reports wait in the applications until it is made again.
     pub const REPORT_QUEUE_MISSING: &str = "ReportQueueMissing";
 }
 
