@@ -1,5 +1,5 @@
-//! The one spec → consumer mapping (`backend::nats::consumer`) and its typed JetStream calls
-//! (`backend::nats::jsapi`) against a real nats-server: what `desired` creates is exactly what
+//! The one spec → consumer mapping (`backend::nats::mapping`) and its typed JetStream calls
+//! (`backend::nats::admin`) against a real nats-server: what `desired` creates is exactly what
 //! the server holds (after `normalise`), editable fields change in place, identity fields are
 //! refused by the server, streams resolve or fail with a typed reason, and the runtime binds to
 //! an operator's consumer without ever creating one.
@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
 use settle::api::{self, BackendRef, DeliveryPolicy, Mode, SubscriptionSpec};
 use settle::backend::nats::NatsBroker;
-use settle::backend::nats::consumer::{self, ConsumerConfig};
-use settle::backend::nats::jsapi::{self, NatsError};
+use settle::backend::nats::admin::{self, NatsError};
+use settle::backend::nats::mapping::{self, ConsumerConfig};
 use settle::bus::{Bus, Subscriber, handler};
 use settle::policy::ResolvedPolicy;
 use tokio::time::Instant;
@@ -65,11 +65,11 @@ impl Stream {
     }
 
     fn desired(&self, p: &DeliveryPolicy) -> ConsumerConfig {
-        consumer::desired("shop", "orders", &self.name, &ResolvedPolicy::resolve(p))
+        mapping::desired("shop", "orders", &self.name, &ResolvedPolicy::resolve(p))
     }
 
     async fn live(&self, name: &str) -> Option<async_nats::jetstream::consumer::Info> {
-        jsapi::consumer_info(&self.js, &self.name, name)
+        admin::consumer_info(&self.js, &self.name, name)
             .await
             .expect("consumer info")
     }
@@ -101,13 +101,13 @@ async fn what_desired_creates_is_exactly_what_the_server_holds() {
     ];
     for p in policies {
         let want = s.desired(&p);
-        jsapi::create_consumer(&s.js, &want)
+        admin::create_consumer(&s.js, &want)
             .await
             .unwrap_or_else(|e| panic!("create {}: {e}", want.name));
         let info = s.live(&want.name).await.expect("the consumer exists");
-        let live = consumer::normalise(&s.name, &want.name, &info.config);
+        let live = mapping::normalise(&s.name, &want.name, &info.config);
         assert_eq!(live, want, "the server holds exactly the mapped config");
-        assert!(consumer::diff(&want, &live).is_empty());
+        assert!(mapping::diff(&want, &live).is_empty());
         // Every field, as the server reports it.
         let c = &info.config;
         assert_eq!(c.durable_name.as_deref(), Some(want.name.as_str()));
@@ -116,7 +116,7 @@ async fn what_desired_creates_is_exactly_what_the_server_holds() {
         assert_eq!(c.filter_subject, want.filter_subject);
         assert!(c.backoff.is_empty(), "never a backoff list");
         assert_eq!(
-            c.metadata.get(consumer::OWNER_KEY).map(String::as_str),
+            c.metadata.get(mapping::OWNER_KEY).map(String::as_str),
             Some("shop/orders")
         );
         if p.mode == Mode::AtLeastOnce {
@@ -128,7 +128,7 @@ async fn what_desired_creates_is_exactly_what_the_server_holds() {
             assert_eq!(c.ack_policy, AckPolicy::None);
         }
         // Creating the same consumer again is accepted and changes nothing (idempotent).
-        jsapi::create_consumer(&s.js, &want)
+        admin::create_consumer(&s.js, &want)
             .await
             .expect("an identical create is idempotent");
     }
@@ -139,7 +139,7 @@ async fn what_desired_creates_is_exactly_what_the_server_holds() {
 async fn editable_fields_change_in_place_on_the_same_consumer() {
     let s = Stream::new("edit").await;
     let before = s.desired(&s.policy(|_| {}));
-    jsapi::create_consumer(&s.js, &before).await.unwrap();
+    admin::create_consumer(&s.js, &before).await.unwrap();
     let created = s.live("orders").await.unwrap().created;
     let after = s.desired(&s.policy(|p| {
         p.max_deliver = Some(4);
@@ -147,9 +147,9 @@ async fn editable_fields_change_in_place_on_the_same_consumer() {
         p.max_in_flight = Some(5);
         p.pattern = format!("{}.eu.>", s.prefix);
     }));
-    let d = consumer::diff(
+    let d = mapping::diff(
         &after,
-        &consumer::normalise(&s.name, "orders", &s.live("orders").await.unwrap().config),
+        &mapping::normalise(&s.name, "orders", &s.live("orders").await.unwrap().config),
     );
     assert!(d.immutable.is_empty(), "{d:?}");
     assert_eq!(
@@ -161,18 +161,12 @@ async fn editable_fields_change_in_place_on_the_same_consumer() {
             "filter_subject"
         ]
     );
-    jsapi::update_consumer(&s.js, &after)
+    admin::update_consumer(&s.js, &after)
         .await
         .expect("update in place");
     let info = s.live("orders").await.unwrap();
     assert_eq!(info.created, created, "the same consumer, not a new one");
-    assert!(
-        consumer::diff(
-            &after,
-            &consumer::normalise(&s.name, "orders", &info.config)
-        )
-        .is_empty()
-    );
+    assert!(mapping::diff(&after, &mapping::normalise(&s.name, "orders", &info.config)).is_empty());
     s.drop_it().await;
 }
 
@@ -180,15 +174,15 @@ async fn editable_fields_change_in_place_on_the_same_consumer() {
 async fn the_server_refuses_in_place_what_diff_calls_immutable() {
     let s = Stream::new("immutable").await;
     let base = s.desired(&s.policy(|_| {}));
-    jsapi::create_consumer(&s.js, &base).await.unwrap();
+    admin::create_consumer(&s.js, &base).await.unwrap();
     let mut ack_none = base.clone();
     ack_none.ack_policy = AckPolicy::None;
     let mut from_new = base.clone();
     from_new.deliver_policy = DeliverPolicy::New;
     for changed in [ack_none, from_new] {
-        let d = consumer::diff(&changed, &base);
+        let d = mapping::diff(&changed, &base);
         assert_eq!(d.immutable.len(), 1, "{d:?}");
-        let e = jsapi::update_consumer(&s.js, &changed)
+        let e = admin::update_consumer(&s.js, &changed)
             .await
             .expect_err("the server must refuse to change an identity field in place");
         assert!(
@@ -205,21 +199,21 @@ async fn streams_resolve_or_fail_with_a_reason_the_status_can_name() {
     let s = Stream::new("streams").await;
     let pattern = format!("{}.>", s.prefix);
     assert_eq!(
-        jsapi::resolve_stream(&s.js, None, &pattern).await.unwrap(),
+        admin::resolve_stream(&s.js, None, &pattern).await.unwrap(),
         s.name
     );
     assert_eq!(
-        jsapi::resolve_stream(&s.js, Some(&s.name), "anything.>")
+        admin::resolve_stream(&s.js, Some(&s.name), "anything.>")
             .await
             .unwrap(),
         s.name
     );
     assert_eq!(
-        jsapi::resolve_stream(&s.js, Some("NO_SUCH_STREAM_XYZ"), &pattern).await,
+        admin::resolve_stream(&s.js, Some("NO_SUCH_STREAM_XYZ"), &pattern).await,
         Err(NatsError::StreamNotFound("NO_SUCH_STREAM_XYZ".into()))
     );
     assert_eq!(
-        jsapi::resolve_stream(&s.js, None, "nobody.carries.this.>").await,
+        admin::resolve_stream(&s.js, None, "nobody.carries.this.>").await,
         Err(NatsError::NoStreamFor("nobody.carries.this.>".into()))
     );
     // A second stream whose subjects overlap the pattern too makes it ambiguous.
@@ -232,7 +226,7 @@ async fn streams_resolve_or_fail_with_a_reason_the_status_can_name() {
     })
     .await
     .unwrap();
-    match jsapi::resolve_stream(&s.js, None, "map.*.>").await {
+    match admin::resolve_stream(&s.js, None, "map.*.>").await {
         Err(NatsError::StreamAmbiguous { streams, .. }) => assert!(
             streams.contains(&s.name) && streams.contains(&second),
             "{streams:?}"
@@ -250,7 +244,7 @@ async fn a_code_defined_subscription_updates_its_consumer_and_refuses_an_incompa
     let bus = Bus::builder(broker).without_reports().build();
     // Someone left a consumer named `orders` with another maxDeliver: the runtime updates it.
     let stale = s.desired(&s.policy(|p| p.max_deliver = Some(9)));
-    jsapi::create_consumer(&s.js, &stale).await.unwrap();
+    admin::create_consumer(&s.js, &stale).await.unwrap();
     let p = s.policy(|p| p.max_deliver = Some(2));
     bus.subscribe(
         Subscriber::new(
@@ -273,7 +267,7 @@ async fn a_code_defined_subscription_updates_its_consumer_and_refuses_an_incompa
     let other = Stream::new("own2").await;
     let mut amo = other.desired(&other.policy(|_| {}));
     amo.ack_policy = AckPolicy::None;
-    jsapi::create_consumer(&other.js, &amo).await.unwrap();
+    admin::create_consumer(&other.js, &amo).await.unwrap();
     let bus = Bus::builder(NatsBroker::connect(&common::env().nats_url).await.unwrap())
         .without_reports()
         .build();
@@ -342,7 +336,7 @@ async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_ne
     );
 
     // The operator makes it (through the same mapping): the runtime binds and consumes.
-    jsapi::create_consumer(&s.js, &s.desired(&resource.policy))
+    admin::create_consumer(&s.js, &s.desired(&resource.policy))
         .await
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -371,7 +365,7 @@ async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_ne
     // The Subscription is deleted (the operator deletes its consumer): the running app must not
     // bring it back.
     assert!(
-        jsapi::delete_consumer(&s.js, &s.name, "orders")
+        admin::delete_consumer(&s.js, &s.name, "orders")
             .await
             .unwrap()
     );
@@ -418,7 +412,7 @@ async fn a_streams_consumers_are_listed_with_their_gauges_across_pages() {
     let held: Vec<_> = batch.collect().await;
     assert_eq!(held.len(), 2);
 
-    let listed = jsapi::consumer_gauges(&s.js, &s.name)
+    let listed = admin::consumer_gauges(&s.js, &s.name)
         .await
         .expect("listing")
         .expect("the stream exists");
@@ -427,7 +421,7 @@ async fn a_streams_consumers_are_listed_with_their_gauges_across_pages() {
     assert_eq!(listed["c0"], (3, 0));
     assert_eq!(listed["c299"], (3, 0));
     assert_eq!(
-        jsapi::consumer_gauges(&s.js, "NO_SUCH_STREAM_XYZ").await,
+        admin::consumer_gauges(&s.js, "NO_SUCH_STREAM_XYZ").await,
         Ok(None)
     );
     drop(held);

@@ -250,6 +250,25 @@ async fn at_most_once_acts_on_nothing_and_records_everything() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn at_most_once_a_nack_brings_nothing_back_on_memory_as_on_every_broker() {
+    // semantics M1, the shared scene: four messages, each declined once under AtMostOnce; ten
+    // seconds on, none came back and every decline is counted, with no Exhausted.
+    let scene = Memory(MemoryBroker::new());
+    let (bus, seen) = common::bus::at_most_once_nacks_bring_nothing_back(
+        &scene,
+        "metrics",
+        amo("metrics.>"),
+        4,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(seen.attempts(), [1, 1, 1, 1]);
+    let st = stats(&bus, "metrics");
+    assert_eq!((st.exhausted, st.settlement.refused), (0, 0), "{st:?}");
+    assert!(st.balanced(), "{st:?}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn at_most_once_still_refuses_a_second_settlement() {
     // semantics M1, S2: under AtMostOnce too, a second settlement is refused and records nothing.
     let mem = MemoryBroker::new();
@@ -1182,6 +1201,17 @@ async fn a_masstransit_envelope_contradicted_by_a_transport_header_counts_one_fo
     .await;
     assert_eq!(st.foreign_conflicts, 0);
     assert!(d.foreign().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_masstransit_envelope_contradicted_by_a_header_through_the_bus_is_a_foreign_conflict() {
+    // semantics C11, the shared scene: the same contradiction published through the bus and
+    // handled by a subscription (not read off a bare consumer, as above) counts one
+    // ForeignConflict and keeps the envelope's correlationId.
+    common::bus::a_masstransit_envelope_contradicted_by_a_header_is_a_foreign_conflict(&Memory(
+        MemoryBroker::new(),
+    ))
+    .await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -15,7 +15,7 @@ use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
-use settle::api::{Backoff, DeliveryPolicy};
+use settle::api::{self, Backoff, DeliveryPolicy, SlowHandler};
 use settle::backend::rabbitmq::RabbitBroker;
 use settle::backend::rabbitmq::queue::{self, Binding, Exchanges, LiveQueue};
 use settle::bus::{self, Bus, BusBuilder, BusError, Delivery, Subscriber, handler};
@@ -256,6 +256,23 @@ async fn a_code_defined_subscription_declares_exactly_the_mapped_quorum_queue_an
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_least_once_requires_a_durable_name_on_rabbitmq() {
+    // semantics M3: durableName is required under AtLeastOnce, on every backend; on RabbitMQ it
+    // is the queue's name, so without one no queue is declared.
+    let scope = Scope::new("durable").await;
+    common::bus::refused_without_a_durable_name(&scope, "x").await;
+    assert_eq!(
+        mgmt_status(
+            "GET",
+            &format!("/api/queues/%2f/{}", encode(&scope.durable("x")))
+        ),
+        404,
+        "a refused subscription declares nothing"
+    );
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_queue_with_other_arguments_is_refused_not_silently_reused() {
     // semantics R1: RabbitMQ cannot change a queue's arguments in place; the runtime says so and
     // names the way out instead of consuming with the old limit.
@@ -389,6 +406,26 @@ async fn a_forgotten_ack_with_prefetch_five_never_stalls_and_is_counted_silent_e
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_rabbitmq() {
+    // semantics P3: with maxInFlight 1 (prefetch 1) a forgotten ack would stop the consumer
+    // after one message; in Settle each is counted Silent and requeued, and on its last attempt
+    // (maxDeliver 2) Exhausted and rejected, so the consumer goes on and the queue drains.
+    let scope = Scope::new("forgottenone").await;
+    let (bus, runs) =
+        common::bus::a_forgotten_ack_with_prefetch_one_never_stalls(&scope, "fg1", 4).await;
+    assert_eq!(runs, 8, "the consumer went past the first message");
+    let name = scope.durable("fg1");
+    let mine = consumer_of(&name).await;
+    assert_eq!(mine["prefetch_count"], 1, "prefetch is maxInFlight: {mine}");
+    until_queue(&name, "drained", |q| {
+        q["messages"] == 0 && q["messages_unacknowledged"] == 0
+    })
+    .await;
+    bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_most_once_consumes_with_automatic_ack_and_a_nack_brings_nothing_back() {
     // semantics M1, P4, R2: AtMostOnce is RabbitMQ's `none`: the broker forgets each message
     // when it sends it. A Nack is counted and changes nothing.
@@ -422,6 +459,29 @@ async fn at_most_once_consumes_with_automatic_ack_and_a_nack_brings_nothing_back
     })
     .await;
     bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rabbitmq_never_hands_a_message_on_while_its_handler_runs_whatever_the_slow_handler_settings()
+ {
+    // semantics H4, K6, A10: RabbitMQ has no per-subscription ack timeout; it hands a message on
+    // only when the channel that received it closes. ackWait 1 s and maxProcessingTime 2 s are
+    // warned of as having no effect, and have none: a handler of 4 s keeps its message, once,
+    // under either slowHandler setting, with no LeaseExpired.
+    let scope = Scope::new("slow").await;
+    for slow in [SlowHandler::ExtendLease, SlowHandler::Redeliver] {
+        let name = format!("slow-{slow:?}").to_lowercase();
+        let mut p = scope.alo(&name);
+        p.slow_handler = Some(slow);
+        p.ack_wait = Some(api::Duration::from_secs(1));
+        p.max_processing_time = Some(api::Duration::from_secs(2));
+        let (bus, _) =
+            common::bus::a_slow_handler_keeps_its_message(&scope, &name, p, Duration::from_secs(4))
+                .await;
+        assert_eq!(stats(&bus, &name).settlement.acked, 1, "{slow:?}");
+        bus.close().await;
+    }
     scope.cleanup().await;
 }
 

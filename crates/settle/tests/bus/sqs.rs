@@ -180,6 +180,18 @@ async fn publishing_to_a_subject_without_a_queue_says_what_a_subject_is() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn at_least_once_requires_a_durable_name_on_sqs() {
+    // semantics M3: durableName is required under AtLeastOnce, on every backend; a refused
+    // subscription makes no queue.
+    let scope = Scope::new("durable");
+    let broker = scope.broker().await;
+    common::bus::refused_without_a_durable_name(&scope, "x").await;
+    let name = format!("{}x", scope.prefix);
+    assert_eq!(broker.queue_url(&name).await.unwrap(), None);
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_wildcard_pattern_is_refused_when_the_bus_is_built() {
     // semantics A12: the same rule as admission.
     let scope = Scope::new("wild");
@@ -232,6 +244,31 @@ async fn always_nack_with_max_deliver_3_exhausts_every_message_into_the_dead_let
         seen.attempts()
     );
     bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_given_up_at_close_is_released_and_comes_back_on_sqs() {
+    // semantics C3: an attempt given up before its handler returned is Released; SQS owes it
+    // back, and a second bus on the same queue gets it as a later attempt (its receive count).
+    // ackWait is 2 s: on ElasticMQ the released message stays invisible until its visibility
+    // timeout runs out (the queue reads NotVisible 1 right after close), so with the default
+    // 30 s this test would wait 30 s for it.
+    let scope = Scope::new("release");
+    let mut p = alo("rel");
+    p.ack_wait = Some(api::Duration::from_secs(2));
+    let attempts = common::bus::released_at_close_comes_back(
+        &scope,
+        "rel",
+        p,
+        Duration::from_millis(200),
+        async |st| assert_eq!((st.released, st.delivered, st.lost), (1, 0, 0)),
+    )
+    .await;
+    assert!(
+        attempts[0] >= 2,
+        "comes back as a later attempt: {attempts:?}"
+    );
     scope.cleanup().await;
 }
 
@@ -381,6 +418,32 @@ async fn a_real_message_is_held_from_its_first_receive_as_the_server_reports_it(
 // ---------------------------------------------------------------- in flight, modes, owners
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forgotten_ack_with_prefetch_one_never_stalls_the_consumer_on_sqs() {
+    // semantics P3, Q3: with maxInFlight 1 a forgotten ack would stop the consumer after one
+    // message; in Settle each is counted Silent and offered again, and on its last attempt
+    // (maxDeliver 2) Exhausted, so the consumer goes on and all four reach the dead-letter queue.
+    let scope = Scope::new("forgotten");
+    let broker = scope.broker().await;
+    let (bus, runs) =
+        common::bus::a_forgotten_ack_with_prefetch_one_never_stalls(&scope, "fg", 4).await;
+    assert_eq!(runs, 8, "the consumer went past the first message");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let dlq = scope.attributes(&broker, "fg-dlq").await;
+        if dlq["ApproximateNumberOfMessages"] == "4" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for 4 messages in the dead-letter queue: {dlq:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn max_in_flight_bounds_what_is_received_and_held() {
     // semantics P1, Q3: receives ask for no more than the free slots, so SQS never holds more
     // than maxInFlight of this subscription's messages invisible at once.
@@ -514,6 +577,17 @@ async fn a_subscription_from_a_resource_waits_for_the_operators_queue_and_never_
     until("acked", || stats(&bus, "billing").settlement.acked == 1).await;
     assert_eq!(seen.attempts(), [1]);
     bus.close().await;
+    scope.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_attribute_contradicting_a_masstransit_envelope_is_a_foreign_conflict() {
+    // semantics C11: transport headers travel as message attributes; a correlation-id attribute
+    // that differs from the MassTransit envelope's correlationId is a ForeignConflict, and the
+    // envelope's value is kept.
+    let scope = Scope::new("foreign");
+    common::bus::a_masstransit_envelope_contradicted_by_a_header_is_a_foreign_conflict(&scope)
+        .await;
     scope.cleanup().await;
 }
 
