@@ -220,14 +220,15 @@ fn every_link_in_the_docs_resolves() {
                     ));
                     continue;
                 }
-                if let Some(anchor) = anchor {
-                    if resolved.extension().is_some_and(|e| e == "md") && resolved.is_file() {
-                        let other = fs::read_to_string(&resolved).unwrap_or_default();
-                        if !anchors(&other).contains(anchor) {
-                            broken.push(format!(
-                                "{here}:{line_no}: ({target}): {path} has no heading #{anchor}"
-                            ));
-                        }
+                if let Some(anchor) = anchor
+                    && resolved.extension().is_some_and(|e| e == "md")
+                    && resolved.is_file()
+                {
+                    let other = fs::read_to_string(&resolved).unwrap_or_default();
+                    if !anchors(&other).contains(anchor) {
+                        broken.push(format!(
+                            "{here}:{line_no}: ({target}): {path} has no heading #{anchor}"
+                        ));
                     }
                 }
             }
