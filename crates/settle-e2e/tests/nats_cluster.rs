@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use settle::api::ConsumerStats;
 use settle::backend::nats::capture::CAPTURE_STREAM;
-use settle::backend::nats::{consumer, jsapi};
+use settle::backend::nats::{admin, mapping};
 use settle::policy::ResolvedPolicy;
 use tokio::sync::Mutex;
 
@@ -86,7 +86,7 @@ async fn wait_all_acked(scene: &Scene, js: &jetstream::Context, app: &App, sent:
                 .iter()
                 .filter(|b| !seen.get(*b).is_some_and(|a| a.iter().any(|&n| n >= 2)))
                 .count();
-            let info = jsapi::consumer_info(js, &scene.stream.name, "orders")
+            let info = admin::consumer_info(js, &scene.stream.name, "orders")
                 .await
                 .map_err(|e| e.to_string())?
                 .ok_or("no consumer")?;
@@ -189,7 +189,7 @@ async fn assert_exact(
 /// An edit of the consumer on the broker is undone by the operator.
 async fn drift_repaired(scene: &Scene, js: &jetstream::Context) {
     let sub = scene.sub().await;
-    let mut edited = consumer::desired(
+    let mut edited = mapping::desired(
         &scene.ns,
         "orders",
         &scene.stream.name,
@@ -200,7 +200,7 @@ async fn drift_repaired(scene: &Scene, js: &jetstream::Context) {
         "the edit made on the broker",
         Duration::from_secs(30),
         || async {
-            jsapi::update_consumer(js, &edited)
+            admin::update_consumer(js, &edited)
                 .await
                 .map_err(|e| e.to_string())
         },
@@ -208,7 +208,7 @@ async fn drift_repaired(scene: &Scene, js: &jetstream::Context) {
     .await;
     let start = Instant::now();
     poll("the edit to be undone", Duration::from_secs(30), || async {
-        let info = jsapi::consumer_info(js, &scene.stream.name, "orders")
+        let info = admin::consumer_info(js, &scene.stream.name, "orders")
             .await
             .map_err(|e| e.to_string())?
             .ok_or("gone")?;

@@ -985,7 +985,7 @@ async fn assert_consumer(api: &Api<Subscription>, js: &async_nats::jetstream::Co
         },
     )
     .await;
-    let info = settle::backend::nats::jsapi::consumer_info(js, &consumer.stream, &consumer.name)
+    let info = settle::backend::nats::admin::consumer_info(js, &consumer.stream, &consumer.name)
         .await
         .expect("consumer info");
     assert!(

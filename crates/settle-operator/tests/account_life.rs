@@ -144,7 +144,7 @@ async fn an_earlier_objects_advisories_read_only_after_it_was_made_again_count_f
         "the five messages terminated on the broker",
         Duration::from_secs(40),
         || async {
-            let info = settle::backend::nats::jsapi::consumer_info(
+            let info = settle::backend::nats::admin::consumer_info(
                 &scene.stream.js,
                 &scene.stream.name,
                 "orders",
@@ -331,7 +331,7 @@ async fn pull_when_made(stream: &TestStream, consumer: &str) -> consumer::PullCo
         "the controller to make the consumer",
         Duration::from_secs(30),
         || async {
-            settle::backend::nats::jsapi::consumer_info(&stream.js, &stream.name, consumer)
+            settle::backend::nats::admin::consumer_info(&stream.js, &stream.name, consumer)
                 .await
                 .map_err(|e| e.to_string())?
                 .map(|_| ())

@@ -1,6 +1,6 @@
 //! The layout of the operator's code (build.rs, `link/layout.rs`): which sections the linker
 //! script places first, and in what order. The shipped binary's layout is checked where it is
-//! built (tests/image.rs).
+//! built (crates/settle-e2e/tests/image.rs).
 
 #[path = "../link/layout.rs"]
 mod layout;

@@ -1,6 +1,6 @@
 //! `settle operator` as docs/reference/flags.md describes it: every flag in its table with the
 //! env fallback and default the built binary's `--help` really prints (and no flag the table
-//! leaves out; tests/reference.rs makes that page from clap, this checks it against the binary),
+//! leaves out; crates/settle-operator/tests/reference.rs makes that page from clap, this checks it against the binary),
 //! one env fallback exercised for real, and `/healthz` / `/readyz` (on the probe port) before
 //! and after the Backend cache syncs.
 

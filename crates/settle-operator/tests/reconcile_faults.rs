@@ -17,7 +17,7 @@ use common::subs::{
 };
 use common::{install_crds, kubectl_ok, namespace};
 use kube::api::{DeleteParams, ListParams};
-use settle::backend::nats::{consumer, jsapi};
+use settle::backend::nats::{admin, mapping};
 use settle::policy::ResolvedPolicy;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,7 +44,7 @@ async fn a_consumer_deleted_or_edited_on_the_broker_is_restored_and_an_event_say
 
     // Deleted with a NATS client: made again, and an Event says so.
     let start = Instant::now();
-    jsapi::delete_consumer(&stream.js, &stream.name, "orders")
+    admin::delete_consumer(&stream.js, &stream.name, "orders")
         .await
         .expect("delete on the broker");
     poll(
@@ -67,7 +67,7 @@ async fn a_consumer_deleted_or_edited_on_the_broker_is_restored_and_an_event_say
     );
 
     // Edited with a NATS client: put back.
-    let mut edited = consumer::desired(
+    let mut edited = mapping::desired(
         &ns,
         "orders",
         &stream.name,
@@ -76,7 +76,7 @@ async fn a_consumer_deleted_or_edited_on_the_broker_is_restored_and_an_event_say
     edited.max_deliver = 99;
     edited.max_ack_pending = 3;
     let start = Instant::now();
-    jsapi::update_consumer(&stream.js, &edited)
+    admin::update_consumer(&stream.js, &edited)
         .await
         .expect("edit on the broker");
     poll("the edit to be undone", Duration::from_secs(30), || async {

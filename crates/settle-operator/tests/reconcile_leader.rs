@@ -412,7 +412,7 @@ async fn a_leader_cut_off_mid_reconcile_whose_lease_is_taken_writes_no_status_af
     partition.pause(true);
     let leases: Api<Lease> = Api::namespaced(common::kube_client().await, &scene.ns);
     take_lease(&leases, &lease, "intruder", INTRUDER_HOLDS).await;
-    settle::backend::nats::jsapi::delete_consumer(&drift.js, &drift.name, "drift")
+    settle::backend::nats::admin::delete_consumer(&drift.js, &drift.name, "drift")
         .await
         .expect("delete the consumer on the broker");
     let cut = Instant::now();

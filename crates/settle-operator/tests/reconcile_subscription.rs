@@ -18,7 +18,7 @@ use common::subs::{
 use common::{install_crds, kubectl_ok, namespace};
 use kube::api::{DeleteParams, Patch, PatchParams};
 use settle::api::ConsumerRef;
-use settle::backend::nats::consumer;
+use settle::backend::nats::mapping;
 use settle::policy::{BackendKind, BackendView, ResolvedPolicy, capabilities_of, validate};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,14 +68,14 @@ async fn a_subscription_becomes_exactly_the_mapped_consumer_and_edits_apply_in_p
         .consumer("orders")
         .await
         .expect("the consumer exists");
-    let want = consumer::desired(
+    let want = mapping::desired(
         &ns,
         "orders",
         &stream.name,
         &ResolvedPolicy::resolve(&sub.spec.policy),
     )
     .for_object(sub.metadata.uid.as_deref(), sub.spec.deletion_policy);
-    let live = consumer::normalise(&stream.name, "orders", &info.config);
+    let live = mapping::normalise(&stream.name, "orders", &info.config);
     assert_eq!(live, want, "the live consumer is exactly the mapped one");
     assert_eq!(
         live.owner_uid(),
@@ -92,7 +92,7 @@ async fn a_subscription_becomes_exactly_the_mapped_consumer_and_edits_apply_in_p
     assert_eq!(c.filter_subject, format!("{}.>", stream.prefix));
     assert!(c.backoff.is_empty(), "never a backoff list");
     assert_eq!(
-        c.metadata.get(consumer::OWNER_KEY).map(String::as_str),
+        c.metadata.get(mapping::OWNER_KEY).map(String::as_str),
         Some(format!("{ns}/orders").as_str())
     );
     let created = info.created;

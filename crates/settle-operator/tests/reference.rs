@@ -294,7 +294,7 @@ impl Group {
             Group::Runtime
         } else {
             panic!(
-                "{path} makes metrics: say in tests/reference.rs (Group::of_file) which subsystem it is"
+                "{path} makes metrics: say in crates/settle-operator/tests/reference.rs (Group::of_file) which subsystem it is"
             )
         }
     }
@@ -377,7 +377,7 @@ fn from_collector(c: &dyn Collector, group: Group, into: &mut BTreeMap<String, M
             prometheus::proto::MetricType::GAUGE => "gauge",
             prometheus::proto::MetricType::HISTOGRAM => "histogram",
             other => panic!(
-                "{}: a {other:?}: add it to tests/reference.rs",
+                "{}: a {other:?}: add it to crates/settle-operator/tests/reference.rs",
                 desc.fq_name
             ),
         };
@@ -659,7 +659,7 @@ fn the_metrics_page_lists_every_metric_the_code_registers() {
         assert!(
             metrics.contains_key(name),
             "{name} is named in {file} but neither built nor read as a metric: make it in a way \
-             tests/reference.rs finds (a metric set it builds, or a literal constructor)"
+             crates/settle-operator/tests/reference.rs finds (a metric set it builds, or a literal constructor)"
         );
     }
     for (pattern, re) in &templates {
@@ -755,7 +755,9 @@ fn conditions_from_source() -> (Vec<Constant>, Vec<Constant>) {
         } else if rel.contains("/account/") {
             "account"
         } else {
-            panic!("{rel} declares conditions: say in tests/reference.rs which writer it is")
+            panic!(
+                "{rel} declares conditions: say in crates/settle-operator/tests/reference.rs which writer it is"
+            )
         };
         let module_path = rel
             .trim_start_matches("crates/settle-operator/src/")

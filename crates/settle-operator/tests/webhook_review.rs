@@ -7,7 +7,7 @@
 //! never panics, always answers, and answers malformed input with a 400 or a denial that says
 //! why; and that the webhook's lean reader of objects reads as `read_subscription` does.
 //!
-//! The rules themselves are pinned by `tests/admission_rules.rs`; this file must not re-test them.
+//! The rules themselves are pinned by `crates/settle/tests/admission_rules.rs`; this file must not re-test them.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;

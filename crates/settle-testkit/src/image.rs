@@ -1,5 +1,5 @@
 //! The images `hack/image.sh` builds (the operator's and the example application's), for
-//! tests/image.rs and the suites that run them as pods: where their archives are, building them
+//! crates/settle-e2e/tests/image.rs and the suites that run them as pods: where their archives are, building them
 //! once per test process, and reading one whole (index → manifest → config → layer, each blob
 //! checked against its digest). It only reads archives: loading an image into a node's
 //! containerd is the pod suite's business, and what goes into an image is hack/image.sh's.

@@ -288,7 +288,7 @@ impl Cluster {
         stream: &str,
         name: &str,
     ) -> Option<String> {
-        settle::backend::nats::jsapi::consumer_info(js, stream, name)
+        settle::backend::nats::admin::consumer_info(js, stream, name)
             .await
             .ok()
             .flatten()

@@ -1,4 +1,4 @@
-//! For the pod suite (`tests/pods.rs`): the real node `hack/env.sh up --node` runs (its own
+//! For the pod suite (`crates/settle-e2e/tests/pods.rs`): the real node `hack/env.sh up --node` runs (its own
 //! kube-apiserver on the bridge address, a kubelet on containerd), found from `node.env`; the
 //! images `hack/image.sh` builds, imported into the node's containerd; helm and kubectl on the
 //! node's kubeconfig; nats-servers of the suite's own on the bridge address, where pods reach them.

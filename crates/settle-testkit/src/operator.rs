@@ -414,7 +414,7 @@ impl TestStream {
 
     /// The consumer's info, `None` when it does not exist.
     pub async fn consumer(&self, name: &str) -> Option<async_nats::jetstream::consumer::Info> {
-        settle::backend::nats::jsapi::consumer_info(&self.js, &self.name, name)
+        settle::backend::nats::admin::consumer_info(&self.js, &self.name, name)
             .await
             .expect("consumer info")
     }

@@ -1,5 +1,5 @@
 //! The pause scenario (docs/semantics.md W1–W6), written once and run on every broker by
-//! `tests/pause.rs`: an application that acks, three messages delivered, the Subscription paused
+//! `crates/settle-operator/tests/pause.rs`: an application that acks, three messages delivered, the Subscription paused
 //! with a merge patch of `spec.paused` (as `kubectl settle pause` makes it), ten messages
 //! published while paused and none delivered for 10 s (no handler sees one, status shows
 //! `Paused=True`, and `Stalled` stays False although messages are pending and the stall window

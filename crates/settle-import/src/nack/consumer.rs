@@ -1,6 +1,6 @@
 //! One NACK Consumer's fields, each mapped onto a Subscription field or flagged.
 //!
-//! What Settle can take over is fixed by its one mapping (`backend::nats::consumer::desired`):
+//! What Settle can take over is fixed by its one mapping (`backend::nats::mapping::desired`):
 //! a pull consumer with deliver policy `all`, replay `instant`, ack policy `explicit`
 //! (AtLeastOnce) or `none` (AtMostOnce) and the server's `max_waiting`; JetStream cannot change
 //! those in place, so a consumer that differs in one of them is a [`Severity::Change`] that says

@@ -30,8 +30,8 @@ use super::metrics::BACKEND;
 use super::status::{BackendOutcome, BrokerError, backend_status, broker_reason};
 use super::{Ctx, Error, FIELD_MANAGER};
 use settle::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec};
+use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
-use settle::backend::nats::jsapi::{self, NatsError};
 use settle::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
 use settle::backend::rabbitmq::queue::{DEFAULT_EXCHANGE, Exchanges};
 use settle::backend::sqs::admin as sqs_admin;
@@ -257,7 +257,7 @@ async fn observe(
         }));
     }
     ctx.metrics.js("account");
-    Ok(match jsapi::account_info(&conn.js).await {
+    Ok(match admin::account_info(&conn.js).await {
         Ok(()) => BackendOutcome::Connected {
             kind: BackendKind::Nats,
             version,

@@ -5,7 +5,7 @@
 //! Pure: functions over the cached objects. It must not call the API or the broker.
 
 use settle::api::{Backend, ConsumerRef, Subscription};
-use settle::backend::nats::consumer::consumer_name;
+use settle::backend::nats::mapping::consumer_name;
 use settle::policy::ResolvedPolicy;
 
 /// The Subscriptions in `namespace` that use Backend `backend`.

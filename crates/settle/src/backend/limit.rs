@@ -3,7 +3,7 @@
 //! limit, where it is set and what to change; [`LimitScope`] says what else it holds back (the
 //! other creates on one stream, or on the whole Backend).
 //!
-//! Typed here, beside each broker's error (`nats::jsapi::NatsError::Limit`,
+//! Typed here, beside each broker's error (`nats::admin::NatsError::Limit`,
 //! `rabbitmq::admin::AdminError::Limit`), so no controller reads a broker's words. It must not
 //! decide when to retry (the controllers' gate does).
 

@@ -5,8 +5,8 @@
 //! names a broker's subject, header or config field lives under its folder here. Each broker's
 //! folder has the same files: `mod.rs` (the `Broker`), `connect.rs` (connecting, TLS,
 //! credentials), `consume.rs` (fetching and settling deliveries), its one spec → consumer
-//! mapping (`nats/consumer.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
-//! (`nats/jsapi.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
+//! mapping (`nats/mapping.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
+//! (`nats/admin.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
 //! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
 //! controllers map no broker's error by hand; a refusal for a broker's limit (a stream's
 //! `max_consumers`, a vhost's `max-queues`) is typed once, in [`limit`]; the runtime's poll of a
@@ -145,8 +145,8 @@ mod tests {
     /// used and a broker's refusal are Refused, silence is Unreachable.
     #[test]
     fn every_broker_error_names_the_class_it_was_mapped_to() {
+        use super::nats::admin::NatsError;
         use super::nats::connect::ConnectFailure as Nats;
-        use super::nats::jsapi::NatsError;
         use super::rabbitmq::admin::AdminError as Amqp;
         use super::rabbitmq::connect::ConnectFailure as Rabbit;
         use super::rabbitmq::management::ManagementError as Mgmt;

@@ -31,7 +31,7 @@ pub enum BusError {
     #[error("the bus is closed")]
     Closed,
     /// The broker failed or refused an operation. `source` is the broker's own typed error
-    /// (for example `backend::nats::jsapi::NatsError`), so a caller can tell causes apart.
+    /// (for example `backend::nats::admin::NatsError`), so a caller can tell causes apart.
     #[error("{backend} backend: {source}")]
     Broker {
         backend: BackendKind,

@@ -12,9 +12,9 @@ use futures::StreamExt;
 
 use super::{Book, Books, Member, Members, NatsKeeper, SubKey, broken};
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
+use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
 use settle::backend::nats::capture;
-use settle::backend::nats::jsapi::NatsError;
 use settle::bus::report::{StatsReport, report_key};
 
 impl NatsKeeper {

@@ -17,7 +17,7 @@ use kube::runtime::reflector::Store;
 
 use super::SubKey;
 use settle::api::Subscription;
-use settle::backend::nats::consumer::consumer_name;
+use settle::backend::nats::mapping::consumer_name;
 use settle::policy::ResolvedPolicy;
 
 /// A Subscription of this Backend, and the consumer the controller verified as its own.

@@ -67,9 +67,9 @@ use members::{Member, Members};
 use names::ledger_key;
 pub use names::{legacy_reader_name, reader_name};
 use settle::api::Subscription;
+use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::DeliveryEvent;
 use settle::backend::nats::capture;
-use settle::backend::nats::jsapi::NatsError;
 use settle::bus::report::{now_ms, report_key};
 
 /// How often the keeper folds, persists, acknowledges and decides what to write: a change

@@ -20,8 +20,8 @@ use super::{Book, Books, Members, NatsKeeper, Saved, SubKey};
 use crate::account::ledger::Source;
 use crate::account::show;
 use settle::api::SubscriptionStats;
+use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::capture;
-use settle::backend::nats::jsapi::{self, NatsError};
 use settle::bus::report::{now_ms, report_key};
 
 impl NatsKeeper {
@@ -175,7 +175,7 @@ impl NatsKeeper {
                 && !listed.contains_key(stream)
             {
                 self.metrics.gauge_calls.with_label_values(&["list"]).inc();
-                match jsapi::consumer_gauges(js, stream).await {
+                match admin::consumer_gauges(js, stream).await {
                     Ok(consumers) => {
                         listed.insert(stream, Some(consumers));
                     }
@@ -203,7 +203,7 @@ impl NatsKeeper {
                             // Not in the listing (made or deleted meanwhile): asked on its own.
                             Some(Some(_)) => {
                                 self.metrics.gauge_calls.with_label_values(&["info"]).inc();
-                                match jsapi::consumer_info(js, stream, consumer).await {
+                                match admin::consumer_info(js, stream, consumer).await {
                                     Ok(Some(info)) => {
                                         book.gauges = (
                                             info.num_pending,

@@ -15,14 +15,14 @@ pub(super) async fn adopt(
     t: &Target<'_>,
     ctx: &Ctx,
     conn: &NatsConn,
-    want: &consumer::ConsumerConfig,
-    d: &consumer::Diff,
+    want: &mapping::ConsumerConfig,
+    d: &mapping::Diff,
     before: &async_nats::jetstream::consumer::Info,
     here: ConsumerRef,
     changes: &mut Changes,
 ) -> SubOutcome {
     ctx.metrics.js("update");
-    let after = match jsapi::update_consumer(&conn.js, want).await {
+    let after = match admin::update_consumer(&conn.js, want).await {
         Ok(info) => info,
         Err(error) => return broker_failure(error, t.known.clone()),
     };

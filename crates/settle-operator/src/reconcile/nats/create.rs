@@ -40,7 +40,7 @@ pub(super) async fn refused(
                 Some(known) => known,
                 None => {
                     ctx.metrics.js("stream");
-                    jsapi::consumer_limit(&conn.js, &stream).await.unwrap_or(
+                    admin::consumer_limit(&conn.js, &stream).await.unwrap_or(
                         BrokerLimit::StreamConsumers {
                             stream,
                             max: None,
@@ -68,12 +68,12 @@ pub(super) fn ready(object: ConsumerRef) -> SubOutcome {
 pub(super) async fn create(
     conn: &NatsConn,
     ctx: &Ctx,
-    want: &consumer::ConsumerConfig,
+    want: &mapping::ConsumerConfig,
     pause: Pause,
 ) -> Result<LivePause, NatsError> {
     conn.mark_own(Own::Created, &want.stream, &want.name);
     ctx.metrics.js("create");
-    match jsapi::create_consumer_paused(&conn.js, want, pause::request(pause)).await {
+    match admin::create_consumer_paused(&conn.js, want, pause::request(pause)).await {
         Ok(info) => {
             conn.note_made(&want.stream, &want.name);
             Ok(LivePause::of(&info))

@@ -1,6 +1,6 @@
 //! The Subscription controller's broker step on NATS JetStream: resolve the stream, create the
 //! consumer of a new Subscription at once, else read it and create it or update it in place,
-//! through the one mapping (`backend::nats::consumer`), then keep its pause equal to the spec's
+//! through the one mapping (`backend::nats::mapping`), then keep its pause equal to the spec's
 //! (`backend::nats::pause`: read back from the info, set with `CONSUMER.PAUSE` when it differs,
 //! never through the config diff),
 //! and delete it when the Subscription goes. A consumer of another Subscription, or one an earlier
@@ -26,9 +26,9 @@ use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
 use settle::api::ConsumerRef;
 use settle::backend::Classify;
 use settle::backend::limit::{BrokerLimit, LimitScope, SetBy};
+use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::advisory::ChangeKind as Own;
-use settle::backend::nats::consumer;
-use settle::backend::nats::jsapi::{self, NatsError};
+use settle::backend::nats::mapping;
 use settle::backend::nats::pause::{self as pause_api, LivePause};
 use settle::policy::Pause;
 
@@ -79,7 +79,7 @@ async fn converge(
     }
     let policy = &t.policy;
     ctx.metrics.js("stream");
-    let stream = match jsapi::resolve_stream(
+    let stream = match admin::resolve_stream(
         &conn.js,
         t.sub.spec.stream.as_deref(),
         &policy.pattern,
@@ -91,7 +91,7 @@ async fn converge(
     };
     let uid = t.uid();
     let want =
-        consumer::desired(ns, name, &stream, policy).for_object(uid, t.sub.spec.deletion_policy);
+        mapping::desired(ns, name, &stream, policy).for_object(uid, t.sub.spec.deletion_policy);
     let here = ConsumerRef {
         stream: stream.clone(),
         name: want.name.clone(),
@@ -112,7 +112,7 @@ async fn converge(
         }
         conn.mark_own(Own::Created, &stream, &want.name);
         ctx.metrics.js("create");
-        match jsapi::create_consumer_paused(&conn.js, &want, pause_api::request(t.pause)).await {
+        match admin::create_consumer_paused(&conn.js, &want, pause_api::request(t.pause)).await {
             Ok(info) => {
                 conn.note_made(&stream, &want.name);
                 *live_pause = Some(LivePause::of(&info));
@@ -130,7 +130,7 @@ async fn converge(
         }
     }
     ctx.metrics.js("info");
-    let live = match jsapi::consumer_info(&conn.js, &stream, &want.name).await {
+    let live = match admin::consumer_info(&conn.js, &stream, &want.name).await {
         Ok(live) => live,
         Err(error) => return broker_failure(error, known),
     };
@@ -165,14 +165,14 @@ async fn converge(
         return ready(here);
     };
     *live_pause = Some(LivePause::of(&info));
-    let live = consumer::normalise(&stream, &want.name, &info.config);
+    let live = mapping::normalise(&stream, &want.name, &info.config);
     let owner = t.owner.as_str();
     if live.left_over_for_deletion(owner, uid) {
         // Made for an earlier object of this name, deleted while no operator ran: it asked for
         // its consumer to go with it. Removed, and made anew for this object.
         conn.mark_own(Own::Deleted, &stream, &want.name);
         ctx.metrics.js("delete");
-        if let Err(error) = jsapi::delete_consumer(&conn.js, &stream, &want.name).await {
+        if let Err(error) = admin::delete_consumer(&conn.js, &stream, &want.name).await {
             return broker_failure(error, known);
         }
         match create(conn, ctx, &want, t.pause).await {
@@ -209,7 +209,7 @@ async fn converge(
                     Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(ns.clone()))
                 }
                 Adoption::IfCompatible => {
-                    let d = consumer::diff(&want, &live);
+                    let d = mapping::diff(&want, &live);
                     if d.immutable.is_empty() {
                         return adopt(t, ctx, conn, &want, &d, &info, here, changes).await;
                     }
@@ -234,7 +234,7 @@ async fn converge(
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
         changes.push(ChangeKind::Adopted, note);
     }
-    let d = consumer::diff(&want, &live);
+    let d = mapping::diff(&want, &live);
     if !d.immutable.is_empty() {
         return SubOutcome::Immutable {
             kind: ObjectKind::Consumer,
@@ -250,7 +250,7 @@ async fn converge(
             .collect::<Vec<_>>()
             .join("; ");
         ctx.metrics.js("update");
-        if let Err(error) = jsapi::update_consumer(&conn.js, &want).await {
+        if let Err(error) = admin::update_consumer(&conn.js, &want).await {
             return broker_failure(error, known);
         }
         tracing::info!(subscription = %owner, %stream, consumer = %want.name, changes = %edits, "updated the consumer in place");

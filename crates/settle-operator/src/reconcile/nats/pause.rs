@@ -19,7 +19,7 @@ pub(super) async fn keep_paused(
         Some(l) => l,
         None => {
             ctx.metrics.js("info");
-            match jsapi::consumer_info(&conn.js, &object.stream, &object.name).await {
+            match admin::consumer_info(&conn.js, &object.stream, &object.name).await {
                 Ok(Some(info)) => LivePause::of(&info),
                 Ok(None) => {
                     return Err(broker_failure(
@@ -35,7 +35,7 @@ pub(super) async fn keep_paused(
         return Ok(());
     }
     ctx.metrics.js("pause");
-    let now = match jsapi::pause_consumer(
+    let now = match admin::pause_consumer(
         &conn.js,
         &object.stream,
         &object.name,

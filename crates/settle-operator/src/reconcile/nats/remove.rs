@@ -20,11 +20,11 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Removal {
         Some(c) => c,
         None => {
             ctx.metrics.js("stream");
-            match jsapi::resolve_stream(&conn.js, t.sub.spec.stream.as_deref(), &t.policy.pattern)
+            match admin::resolve_stream(&conn.js, t.sub.spec.stream.as_deref(), &t.policy.pattern)
                 .await
             {
                 Ok(stream) => ConsumerRef {
-                    name: consumer::consumer_name(&t.namespace, &t.name, &t.policy),
+                    name: mapping::consumer_name(&t.namespace, &t.name, &t.policy),
                     stream,
                 },
                 Err(NatsError::Unreachable(m)) => return Removal::Wait(m),
@@ -34,19 +34,19 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Removal {
         }
     };
     ctx.metrics.js("info");
-    let info = match jsapi::consumer_info(&conn.js, &target.stream, &target.name).await {
+    let info = match admin::consumer_info(&conn.js, &target.stream, &target.name).await {
         Ok(Some(i)) => i,
         Ok(None) => return Removal::Nothing,
         Err(e) => return waiting(e),
     };
     let owner = &t.owner;
-    if !consumer::normalise(&target.stream, &target.name, &info.config).belongs_to(owner, t.uid()) {
+    if !mapping::normalise(&target.stream, &target.name, &info.config).belongs_to(owner, t.uid()) {
         tracing::info!(subscription = %owner, consumer = %target.name, "the consumer is not this Subscription's: left alone");
         return Removal::Nothing;
     }
     conn.mark_own(Own::Deleted, &target.stream, &target.name);
     ctx.metrics.js("delete");
-    if let Err(e) = jsapi::delete_consumer(&conn.js, &target.stream, &target.name).await {
+    if let Err(e) = admin::delete_consumer(&conn.js, &target.stream, &target.name).await {
         return waiting(e);
     }
     // A place on the stream: a create its limit refused may go now.

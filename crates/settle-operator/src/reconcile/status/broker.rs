@@ -6,7 +6,7 @@
 
 use crate::reconcile::conditions::reasons;
 use settle::backend::limit::BrokerLimit;
-use settle::backend::nats::jsapi::NatsError;
+use settle::backend::nats::admin::NatsError;
 use settle::backend::{Classify, Failure};
 
 /// A broker call that failed, by kind.

@@ -224,8 +224,8 @@ pub fn subscription_status(
 mod tests {
     use super::*;
     use k8s_openapi::jiff::Timestamp;
-    use settle::backend::nats::consumer::FieldDiff;
-    use settle::backend::nats::jsapi::NatsError;
+    use settle::backend::nats::admin::NatsError;
+    use settle::backend::nats::mapping::FieldDiff;
 
     fn at(secs: i64) -> Time {
         Time(Timestamp::from_second(secs).expect("time"))

@@ -11,7 +11,7 @@ use async_nats::jetstream::{self, consumer, response::Response};
 use async_nats::jetstream::{ErrorCode, context::RequestErrorKind};
 use serde::{Deserialize, Serialize};
 
-use super::consumer::ConsumerConfig;
+use super::mapping::ConsumerConfig;
 use crate::backend::limit::{BrokerLimit, SetBy};
 use crate::backend::{Classify, Failure};
 use crate::bus::BusError;

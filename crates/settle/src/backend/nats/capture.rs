@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv, stream};
 
+use super::admin::NatsError;
 use super::advisory::DELIVERY_SUBJECTS;
-use super::jsapi::NatsError;
 use crate::bus::report::{REPORT_BUCKET, REPORT_BUCKET_MAX_BYTES, REPORT_BUCKET_MAX_VALUE_BYTES};
 
 /// The stream capturing delivery advisories for every Backend on this server.

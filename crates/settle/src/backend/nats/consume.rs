@@ -26,7 +26,7 @@
 //!   the schedule is paced client-side with delayed naks.
 //!
 //! It must not count anything (the settle path does), create streams (the platform or the
-//! operator owns them), decide what a consumer looks like (that is [`super::consumer`]) nor
+//! operator owns them), decide what a consumer looks like (that is [`super::mapping`]) nor
 //! change a consumer the operator owns.
 
 use std::sync::Arc;
@@ -39,7 +39,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 
-use super::{NatsBroker, consumer, err, jsapi};
+use super::{NatsBroker, admin, err, mapping};
 use crate::bus::{
     self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
     Performed, Refusal, SubscriptionCtx,
@@ -116,7 +116,7 @@ impl NatsBroker {
             ctx.bound_to(
                 info.config
                     .metadata
-                    .get(consumer::UID_KEY)
+                    .get(mapping::UID_KEY)
                     .map(String::as_str),
             );
         }
@@ -145,15 +145,15 @@ impl NatsBroker {
     async fn converge_own(&self, ctx: &SubscriptionCtx) -> Result<(String, String), BusError> {
         let b = ctx.binding();
         let p = ctx.policy();
-        let stream = jsapi::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await?;
-        let want = consumer::desired_by_runtime(&b.namespace, ctx.name(), &stream, p);
-        match jsapi::consumer_info(&self.js, &stream, &want.name).await? {
+        let stream = admin::resolve_stream(&self.js, b.stream.as_deref(), &p.pattern).await?;
+        let want = mapping::desired_by_runtime(&b.namespace, ctx.name(), &stream, p);
+        match admin::consumer_info(&self.js, &stream, &want.name).await? {
             None => {
-                jsapi::create_consumer(&self.js, &want).await?;
+                admin::create_consumer(&self.js, &want).await?;
             }
             Some(info) => {
-                let live = consumer::normalise(&stream, &want.name, &info.config);
-                let d = consumer::diff(&want, &live);
+                let live = mapping::normalise(&stream, &want.name, &info.config);
+                let d = mapping::diff(&want, &live);
                 if !d.immutable.is_empty() {
                     return Err(err(format!(
                         "consumer {} on stream {stream} exists with a config that cannot change in place ({}): \
@@ -168,7 +168,7 @@ impl NatsBroker {
                 }
                 if !d.editable.is_empty() {
                     tracing::info!(subscription = %ctx.name(), consumer = %want.name, changes = %d.editable.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "), "updating the consumer to the subscription's policy");
-                    jsapi::update_consumer(&self.js, &want).await?;
+                    admin::update_consumer(&self.js, &want).await?;
                 }
             }
         }
@@ -182,16 +182,16 @@ impl NatsBroker {
         let p = ctx.policy();
         let js = &self.js;
         bus::await_operator(ctx.name(), "consumer", move || async move {
-            let stream = jsapi::resolve_stream(js, b.stream.as_deref(), &p.pattern)
+            let stream = admin::resolve_stream(js, b.stream.as_deref(), &p.pattern)
                 .await
                 .map_err(|e| e.to_string())?;
-            let want = consumer::desired(&b.namespace, ctx.name(), &stream, p);
-            match jsapi::consumer_info(js, &stream, &want.name).await {
+            let want = mapping::desired(&b.namespace, ctx.name(), &stream, p);
+            match admin::consumer_info(js, &stream, &want.name).await {
                 Ok(Some(info)) => {
-                    let live = consumer::normalise(&stream, &want.name, &info.config);
+                    let live = mapping::normalise(&stream, &want.name, &info.config);
                     // The object mark is the operator's own, not the application's policy.
                     let want = want.marked_as(&live);
-                    let d = consumer::diff(&want, &live);
+                    let d = mapping::diff(&want, &live);
                     if !d.is_empty() {
                         let all: Vec<String> = d
                             .immutable
@@ -413,7 +413,7 @@ impl NatsSettler {
             return false;
         };
         !matches!(
-            jsapi::consumer_info(&self.js, a.stream, a.consumer).await,
+            admin::consumer_info(&self.js, a.stream, a.consumer).await,
             Ok(None)
         )
     }

@@ -23,12 +23,12 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::sync::OnceCell;
 
+pub mod admin;
 pub mod advisory;
 pub mod capture;
 pub mod connect;
 mod consume;
-pub mod consumer;
-pub mod jsapi;
+pub mod mapping;
 pub mod pause;
 
 pub use consume::{DEFAULT_PULL_BYTES, MIN_PULL_BATCH, PULL_BYTES_MARGIN, nak_body};

@@ -7,7 +7,7 @@
 //! The pause is not part of the consumer's config diff (`consumer::diff`): the server ignores
 //! `pause_until` in an update and keeps it in the config it reports, so comparing it there would
 //! fight the pause (an update every reconcile that changes nothing). It is set through the pause
-//! API only ([`super::jsapi::pause_consumer`]).
+//! API only ([`super::admin::pause_consumer`]).
 //!
 //! Pure: no I/O. It must not decide when to pause (the spec and the controller do).
 
