@@ -8,7 +8,7 @@
 #                        (hack/node.sh: kubelet, containerd, kube-proxy; root, one per machine),
 #                        for the pod suite; `make test` starts it
 #   hack/env.sh up --nats-cluster  the same plus a JetStream cluster of three more nats-servers
-#                        (settle-c1..c3, routes on loopback), for tests/nats_cluster.rs; the
+#                        (settle-c1..c3, routes on loopback), for crates/settle-e2e/tests/nats_cluster.rs; the
 #                        single nats-server stays what every other suite uses. Flags combine.
 #   hack/env.sh down     stop them all (the node too) and remove their state
 #   hack/env.sh status   say what runs

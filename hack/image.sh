@@ -5,7 +5,7 @@
 # holding what gcr.io/distroless/cc-debian12:nonroot holds for a Rust binary: the binary, the
 # glibc runtime libraries `ldd` says it links and the loader, Debian's CA bundle, /etc/passwd and
 # /etc/group with root and nonroot (65532), /tmp and /home/nonroot. The Dockerfile describes the
-# same operator image for those who build with Docker (tests/image.rs compares them).
+# same operator image for those who build with Docker (crates/settle-e2e/tests/image.rs compares them).
 #
 # Pinned inputs: the files come from this machine's Debian packages, and the image says which:
 # a label per package with its version (dev.settle.image.debian.<package>), the rustc version,

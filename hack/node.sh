@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node Kubernetes for the pod suite (tests/pods.rs), started by `hack/env.sh up
+# A real single-node Kubernetes for the pod suite (crates/settle-e2e/tests/pods.rs), started by `hack/env.sh up
 # --node` beside the other parts: containerd (its CRI, runc, the CNI bridge plugin), its own
 # etcd + kube-apiserver bound to the bridge address, kube-controller-manager, kube-scheduler, a
 # kubelet and kube-proxy (iptables), all upstream code (hack/tools.sh). It is separate from the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: builds what is missing, brings up the real environment (kube-apiserver + etcd,
 # nats-server, RabbitMQ, ElasticMQ, a JetStream cluster of three nats-servers for
-# tests/nats_cluster.rs, and a Kubernetes node for the pod suite), runs every test, and
+# crates/settle-e2e/tests/nats_cluster.rs, and a Kubernetes node for the pod suite), runs every test, and
 # always brings the environment down again (the node puts the host back as it was).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -19,7 +19,7 @@ mark=$SECONDS
 hack/tools.sh build; phase tools
 cargo build --workspace --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
 phase build
-hack/image.sh build                          # the images tests/image.rs and the pod suite read
+hack/image.sh build                          # the images crates/settle-e2e/tests/image.rs and the pod suite read
 phase images
 
 # The tests get an environment of their own (a developer's `make env-up` keeps running), and

@@ -4,7 +4,7 @@
 //! 127.0.0.1 or the bridge address, and a second node on the same machine is refused with a
 //! message that names the one running, without touching it.
 //!
-//! The pod suite (tests/pods.rs) runs Settle on this node; these tests check the node itself.
+//! The pod suite (crates/settle-e2e/tests/pods.rs) runs Settle on this node; these tests check the node itself.
 
 use settle_testkit as common;
 
