@@ -27,7 +27,7 @@ use common::{install_crds, namespace};
 use kube::api::DeleteParams;
 use lapin::options::BasicPublishOptions;
 use serde_json::Value;
-use settle::backend::rabbitmq::deadletter::copy_queue;
+use settle::backend::rabbitmq::dead_letters::copy_queue;
 use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
 
 /// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
@@ -793,7 +793,7 @@ async fn rejected_last_attempts_on_rabbitmq_count_once_from_the_runtime_and_the_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchange_routes() {
-    use settle::backend::rabbitmq::deadletter::{Copy, Kind, ensure_copy, exchange_kind};
+    use settle::backend::rabbitmq::dead_letters::{Copy, Kind, ensure_copy, exchange_kind};
     let env = common::env();
     let amqp =
         lapin::Connection::connect(&env.rabbitmq_url, lapin::ConnectionProperties::default())

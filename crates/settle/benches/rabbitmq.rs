@@ -29,7 +29,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use settle::api::{DeliveryPolicy, Mode};
 use settle::backend::rabbitmq::RabbitBroker;
-use settle::backend::rabbitmq::queue::{self, Exchanges};
+use settle::backend::rabbitmq::mapping::{self, Exchanges};
 use settle::bus::{Bus, Subscriber, handler};
 use settle::policy::ResolvedPolicy;
 use tokio::sync::Notify;
@@ -68,7 +68,7 @@ fn policy(queue: &str) -> DeliveryPolicy {
 
 /// Declares `queue` exactly as the runtime's mapping does, bound to `exchange` by its pattern.
 async fn declare(ch: &Channel, exchange: &str, queue: &str) {
-    let want = queue::desired_by_runtime(
+    let want = mapping::desired_by_runtime(
         "default",
         queue,
         &ResolvedPolicy::resolve(&policy(queue)),

@@ -33,7 +33,7 @@ use settle::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec}
 use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
 use settle::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
-use settle::backend::rabbitmq::queue::{DEFAULT_EXCHANGE, Exchanges};
+use settle::backend::rabbitmq::mapping::{DEFAULT_EXCHANGE, Exchanges};
 use settle::backend::sqs::admin as sqs_admin;
 use settle::backend::sqs::{SqsCredentials, SqsSettings};
 use settle::backend::{Classify, Failure};

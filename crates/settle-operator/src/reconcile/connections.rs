@@ -32,7 +32,7 @@ use settle::backend::nats::advisory::{self, ChangeKind};
 use settle::backend::nats::connect::{self, ConnectFailure, ConnectSpec};
 use settle::backend::rabbitmq::connect::{self as amqp, RabbitConnectSpec};
 use settle::backend::rabbitmq::management::Management;
-use settle::backend::rabbitmq::queue::Exchanges;
+use settle::backend::rabbitmq::mapping::Exchanges;
 use settle::backend::sqs::{SqsBroker, SqsSettings};
 
 /// A Backend, by namespace and name.

@@ -14,7 +14,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use settle::backend::rabbitmq::RabbitBroker;
-use settle::backend::rabbitmq::queue::{self, Exchanges};
+use settle::backend::rabbitmq::mapping::{self, Exchanges};
 use settle::policy::ResolvedPolicy;
 
 use super::{Cell, Harness, Side, Stopwatch, Taken, policy, settle_round};
@@ -121,7 +121,7 @@ impl Harness for Rabbit {
     async fn prepare(&mut self, cell: &Cell, _n_each: u64) {
         for side in [Side::Bare, Side::Settle] {
             for q in Self::queues(cell, side) {
-                let want = queue::desired_by_runtime(
+                let want = mapping::desired_by_runtime(
                     "default",
                     &q,
                     &ResolvedPolicy::resolve(&policy(&format!("{q}.>"), &q, cell)),

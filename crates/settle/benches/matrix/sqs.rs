@@ -17,7 +17,7 @@ use aws_sdk_sqs::types::{
     MessageSystemAttributeName, QueueAttributeName, SendMessageBatchRequestEntry,
 };
 use futures::StreamExt;
-use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings, queue};
+use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings, mapping};
 use settle::policy::ResolvedPolicy;
 use tokio::sync::Semaphore;
 
@@ -172,13 +172,13 @@ impl Harness for Sqs {
         self.sent = Default::default();
         for side in [Side::Bare, Side::Settle] {
             for q in Self::queues(cell, side) {
-                let want = queue::desired("", &ResolvedPolicy::resolve(&policy(&q, &q, cell)))
+                let want = mapping::desired("", &ResolvedPolicy::resolve(&policy(&q, &q, cell)))
                     .expect("queue spec");
                 self.client
                     .create_queue()
                     .queue_name(&want.name)
                     .set_attributes(Some(
-                        queue::attributes(&want, None)
+                        mapping::attributes(&want, None)
                             .into_iter()
                             .map(|(k, v)| (QueueAttributeName::from(k.as_str()), v))
                             .collect(),

@@ -5,14 +5,17 @@
 //! names a broker's subject, header or config field lives under its folder here. Each broker's
 //! folder has the same files: `mod.rs` (the `Broker`), `connect.rs` (connecting, TLS,
 //! credentials), `consume.rs` (fetching and settling deliveries), its one spec → consumer
-//! mapping (`nats/mapping.rs`, `rabbitmq/queue.rs`, `sqs/queue.rs`) and the operator's calls
+//! mapping (`nats/mapping.rs`, `rabbitmq/mapping.rs`, `sqs/mapping.rs`) and the operator's calls
 //! (`nats/admin.rs`, the typed JetStream API both sides call; `rabbitmq/admin.rs`,
 //! `sqs/admin.rs`). Every broker error names its [`Failure`] class ([`Classify`]), so the
 //! controllers map no broker's error by hand; a refusal for a broker's limit (a stream's
 //! `max_consumers`, a vhost's `max-queues`) is typed once, in [`limit`]; the runtime's poll of a
-//! pause signal on brokers without a pause of their own (RabbitMQ, SQS), in [`pause`]. This
-//! module must not
-//! decide policy (that is `policy`) nor talk to Kubernetes.
+//! pause signal on brokers without a pause of their own (RabbitMQ, SQS), in [`pause`]. The
+//! same names in the operator's wings: `reconcile/<broker>/` (the controller's step) and
+//! `account/<broker>/` (the keeper) of `settle-operator`.
+//!
+//! This module must not decide policy (that is `policy`) nor talk to Kubernetes (with the
+//! `admin` feature, [`Term`] only carries the controllers' caches to the account).
 
 pub mod limit;
 pub mod memory;

@@ -17,7 +17,7 @@ use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use serde_json::Value;
 use settle::api::{self, Backoff, DeliveryPolicy, SlowHandler};
 use settle::backend::rabbitmq::RabbitBroker;
-use settle::backend::rabbitmq::queue::{self, Binding, Exchanges, LiveQueue};
+use settle::backend::rabbitmq::mapping::{self, Binding, Exchanges, LiveQueue};
 use settle::bus::{self, Bus, BusBuilder, BusError, Delivery, Subscriber, handler};
 use settle::policy::ResolvedPolicy;
 use tokio::time::Instant;
@@ -232,7 +232,7 @@ async fn a_code_defined_subscription_declares_exactly_the_mapped_quorum_queue_an
         }]
     );
     // Exactly the mapping: nothing more, nothing less.
-    let want = queue::desired_by_runtime(
+    let want = mapping::desired_by_runtime(
         "default",
         "decl",
         &ResolvedPolicy::resolve(&p),
@@ -242,10 +242,10 @@ async fn a_code_defined_subscription_declares_exactly_the_mapped_quorum_queue_an
         },
     );
     let live = LiveQueue {
-        arguments: queue::normalise(arguments),
+        arguments: mapping::normalise(arguments),
         bindings,
     };
-    let d = queue::diff(&want, &live);
+    let d = mapping::diff(&want, &live);
     assert!(d.is_empty(), "{d:?}");
     // The consumer's prefetch is maxInFlight, with manual acknowledgement.
     let mine = consumer_of(&name).await;
@@ -679,7 +679,7 @@ async fn a_runtime_built_from_the_resource_waits_for_the_operators_queue_and_nev
     );
 
     // The operator makes the queue from the same mapping.
-    let want = queue::desired(
+    let want = mapping::desired(
         "shop",
         "op",
         &ResolvedPolicy::resolve(&policy),

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::bus::{BusScene, Message, Seen, at_least_once, stats, sub, until};
 use settle::api::{self, DeliveryPolicy};
 use settle::backend::sqs::hold::{HOLD_LIMIT, Hold, hold};
-use settle::backend::sqs::queue::parse_redrive;
+use settle::backend::sqs::mapping::parse_redrive;
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 use settle::bus::{self, Bus, BusBuilder, BusError, Delivery, Subscriber, handler};
 use tokio::time::Instant;

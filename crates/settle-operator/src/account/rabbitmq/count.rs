@@ -260,7 +260,7 @@ pub(super) fn queues_of(
         if policy.mode != settle::api::Mode::AtLeastOnce {
             continue;
         }
-        keys.insert(settle::backend::rabbitmq::queue::routing_key(
+        keys.insert(settle::backend::rabbitmq::mapping::routing_key(
             &policy.pattern,
         ));
         match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
@@ -268,7 +268,7 @@ pub(super) fn queues_of(
                 owners.insert(c.name.clone(), key.clone());
             }
             None => {
-                wanted.insert(settle::backend::rabbitmq::queue::queue_name(
+                wanted.insert(settle::backend::rabbitmq::mapping::queue_name(
                     &key.0, &key.1, &policy,
                 ));
             }

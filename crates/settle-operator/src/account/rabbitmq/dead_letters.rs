@@ -1,5 +1,5 @@
 //! A RabbitMQ Backend's dead letters, for its account keeper ([`super`]): consumes the
-//! Backend's copy queue (`backend::rabbitmq::deadletter`, made by the controller before the
+//! Backend's copy queue (`backend::rabbitmq::dead_letters`, made by the controller before the
 //! first queue that dead-letters, and again here when it is gone), attributes each copy to the
 //! Subscription whose verified queue (`status.consumer`) its newest `x-death` names, and says
 //! what the copy may be missing (the queue lost or full, an exchange no binding copies whole).
@@ -19,7 +19,7 @@ use lapin::{Channel, Connection};
 
 use crate::account::metrics::Metrics;
 use settle::backend::rabbitmq::admin;
-use settle::backend::rabbitmq::deadletter::{self, Copy};
+use settle::backend::rabbitmq::dead_letters::{self, Copy};
 
 /// How long a Backend has no AtLeastOnce Subscription before its copy queue is deleted (a
 /// Subscription being made meanwhile is in the cache by then).
@@ -54,15 +54,15 @@ pub fn attribute(
     props: &lapin::BasicProperties,
     body: &[u8],
 ) -> Attribution {
-    let Some(death) = deadletter::last_death(props) else {
+    let Some(death) = dead_letters::last_death(props) else {
         return Attribution::Nothing("not_exhausted");
     };
-    if !deadletter::counts_as_exhausted(&death.reason) {
+    if !dead_letters::counts_as_exhausted(&death.reason) {
         return Attribution::Nothing("not_exhausted");
     }
     match owners.get(&death.queue) {
         Some(key) => {
-            Attribution::Exhausted(key.clone(), deadletter::message_id(&death, props, body))
+            Attribution::Exhausted(key.clone(), dead_letters::message_id(&death, props, body))
         }
         None if wanted.contains(&death.queue) => Attribution::Unverified,
         None => Attribution::Nothing("not_ours"),
@@ -79,7 +79,7 @@ pub struct DeadLetters {
     queue: String,
     max_length: i64,
     consumer: Option<lapin::Consumer>,
-    /// What the last [`deadletter::ensure_copy`] found (`None`: not asked yet).
+    /// What the last [`dead_letters::ensure_copy`] found (`None`: not asked yet).
     copy: Option<Copy>,
     keys: BTreeSet<String>,
     /// The copy missed dead letters at this time (Unix ms), with why.
@@ -115,7 +115,7 @@ impl DeadLetters {
             namespace: namespace.to_string(),
             backend: backend.to_string(),
             dlx: dlx.to_string(),
-            queue: deadletter::copy_queue(namespace, backend),
+            queue: dead_letters::copy_queue(namespace, backend),
             max_length,
             consumer: None,
             copy: None,
@@ -203,7 +203,7 @@ impl DeadLetters {
             self.checked = Some(Instant::now());
         }
         if self.copy.is_none() || self.keys != keys || due {
-            match deadletter::ensure_copy(
+            match dead_letters::ensure_copy(
                 conn,
                 &self.namespace,
                 &self.backend,

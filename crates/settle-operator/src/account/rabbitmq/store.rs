@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::{Broken, RabbitKeeper, SubKey, broken};
 use crate::account::ledger::Snapshot;
 use crate::account::status::LossLog;
-use settle::backend::rabbitmq::{admin, deadletter, report};
+use settle::backend::rabbitmq::{admin, dead_letters, report};
 
 /// What is kept in a Subscription's ledger queue.
 #[derive(Default, Serialize, Deserialize)]
@@ -60,10 +60,10 @@ impl RabbitKeeper {
                         .as_ref()
                         .is_some_and(|r| r.dead_letter_exchange.is_some())
             })
-            .map(|b| deadletter::copy_queue(ns, &b.name_any()))
+            .map(|b| dead_letters::copy_queue(ns, &b.name_any()))
             .collect();
         for q in names {
-            if q.starts_with(&deadletter::copy_queue(ns, "")) {
+            if q.starts_with(&dead_letters::copy_queue(ns, "")) {
                 if !copying.contains(&q) {
                     match admin::delete(conn, &q).await {
                         Ok(()) => {

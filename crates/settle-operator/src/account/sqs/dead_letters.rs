@@ -28,7 +28,7 @@ use aws_sdk_sqs::types::{ChangeMessageVisibilityBatchRequestEntry, MessageSystem
 
 use crate::account::ledger::{Account, BrokerOutcome, REMEMBERED_EXHAUSTED};
 use crate::account::metrics::Metrics;
-use settle::backend::sqs::{admin, queue::DLQ_SUFFIX};
+use settle::backend::sqs::{admin, mapping::DLQ_SUFFIX};
 
 /// How long a scanned message is hidden at most (it is made visible again when the scan ends).
 pub const SCAN_HIDE: Duration = Duration::from_secs(10);

@@ -45,7 +45,7 @@ use super::{Config, QueueLookup};
 use dead_letters::DeadLetters;
 use settle::api::{Backend, Subscription};
 use settle::backend::QueueGauges;
-use settle::backend::sqs::{admin, queue, report};
+use settle::backend::sqs::{admin, mapping, report};
 use settle::bus::report::now_ms;
 use settle::policy::ResolvedPolicy;
 use store::{Loaded, Saved, delete_all, load, prune, secs, store};
@@ -192,7 +192,7 @@ impl SqsKeeper {
                 continue;
             }
             let policy = ResolvedPolicy::resolve(&sub.spec.policy);
-            let Ok(want) = queue::desired(prefix, &policy) else {
+            let Ok(want) = mapping::desired(prefix, &policy) else {
                 continue;
             };
             let who = who(key);

@@ -98,13 +98,13 @@ pub enum Verdict {
     /// As wanted, after these binding repairs (none: nothing to do).
     Repair {
         bind: bool,
-        unbind: Vec<queue::Binding>,
+        unbind: Vec<mapping::Binding>,
     },
 }
 
 /// Decides about a live queue that [`claim`] found ours (pure).
-pub fn judge(want: &QueueSpec, live: &queue::LiveQueue) -> Verdict {
-    let d = queue::diff(want, live);
+pub fn judge(want: &QueueSpec, live: &mapping::LiveQueue) -> Verdict {
+    let d = mapping::diff(want, live);
     if !d.arguments.is_empty() {
         return Verdict::Immutable(d.arguments.iter().map(ToString::to_string).collect());
     }
@@ -120,7 +120,7 @@ pub(super) enum Found {
     /// There; AMQP alone cannot show more.
     Exists,
     /// There, as the management API shows it.
-    Shown(queue::LiveQueue),
+    Shown(mapping::LiveQueue),
 }
 
 /// Looks the queue up: over the management API when the Backend has one, else a passive declare.
@@ -238,7 +238,7 @@ pub(super) async fn adopt(
     conn: &RabbitConn,
     amqp: &lapin::Connection,
     want: &QueueSpec,
-    live: &queue::LiveQueue,
+    live: &mapping::LiveQueue,
     here: ConsumerRef,
     changes: &mut Changes,
 ) -> SubOutcome {
@@ -287,7 +287,7 @@ pub(super) async fn adopt(
 mod tests {
     use super::*;
     use settle::api::{DeliveryPolicy, Mode};
-    use settle::backend::rabbitmq::queue::{Binding, Exchanges, LiveQueue};
+    use settle::backend::rabbitmq::mapping::{Binding, Exchanges, LiveQueue};
     use settle::policy::ResolvedPolicy;
 
     fn want() -> QueueSpec {
@@ -298,7 +298,7 @@ mod tests {
             max_deliver: Some(3),
             ..DeliveryPolicy::default()
         });
-        queue::desired("shop", "orders", &p, &Exchanges::default())
+        mapping::desired("shop", "orders", &p, &Exchanges::default())
     }
 
     fn live_of(q: &QueueSpec) -> LiveQueue {

@@ -21,7 +21,7 @@ pub(super) async fn copy_dead_letters(
     let ns = &t.namespace;
     let backend = &t.sub.spec.backend_ref.name;
     ctx.metrics.js("deadletters.copy");
-    let copy = deadletter::ensure_copy(
+    let copy = dead_letters::ensure_copy(
         amqp,
         ns,
         backend,
@@ -33,9 +33,10 @@ pub(super) async fn copy_dead_letters(
     let who = &t.owner;
     match copy {
         Ok(
-            deadletter::Copy::Whole { made: true } | deadletter::Copy::Partial { made: true, .. },
+            dead_letters::Copy::Whole { made: true }
+            | dead_letters::Copy::Partial { made: true, .. },
         ) => {
-            tracing::info!(subscription = %who, queue = %deadletter::copy_queue(ns, backend), "made the Backend's dead-letter copy queue")
+            tracing::info!(subscription = %who, queue = %dead_letters::copy_queue(ns, backend), "made the Backend's dead-letter copy queue")
         }
         Ok(_) => {}
         Err(e) => {

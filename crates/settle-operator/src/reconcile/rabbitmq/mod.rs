@@ -1,5 +1,5 @@
 //! The Subscription controller's broker step on RabbitMQ: the quorum queue from the one mapping
-//! (`backend::rabbitmq::queue::desired`), bound to the Backend's exchange by the pattern; made
+//! (`backend::rabbitmq::mapping::desired`), bound to the Backend's exchange by the pattern; made
 //! when missing (again when deleted on the broker), its binding repaired in place, an argument
 //! RabbitMQ cannot change in place reported `ImmutableField` with the argument and its field
 //! named; deleted when the Subscription goes. Under AtLeastOnce on a Backend with a dead-letter
@@ -44,8 +44,8 @@ use settle::api::ConsumerRef;
 use settle::api::Mode;
 use settle::backend::Classify;
 use settle::backend::rabbitmq::admin::{self, AdminError};
-use settle::backend::rabbitmq::deadletter;
-use settle::backend::rabbitmq::queue::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
+use settle::backend::rabbitmq::dead_letters;
+use settle::backend::rabbitmq::mapping::{self, Arg, OBJECT_ARG, OWNER_ARG, QueueSpec};
 use settle::backend::rabbitmq::report::{self, AdoptedMark};
 
 mod claim;
@@ -86,7 +86,7 @@ async fn converge(
     let known = t.known.clone();
     let uid = t.uid();
     let policy = &t.policy;
-    let want = queue::desired(&t.namespace, &t.name, policy, &conn.exchanges).for_object(uid);
+    let want = mapping::desired(&t.namespace, &t.name, policy, &conn.exchanges).for_object(uid);
     let here = ConsumerRef {
         stream: want.binding.exchange.clone(),
         name: want.name.clone(),
@@ -246,7 +246,7 @@ async fn repair(
     amqp: &lapin::Connection,
     want: &QueueSpec,
     bind: bool,
-    unbind: &[queue::Binding],
+    unbind: &[mapping::Binding],
 ) -> Result<Vec<String>, BrokerError> {
     let mut edits = Vec::new();
     if bind {

@@ -11,7 +11,7 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
     let shown = &t.known;
     let queue_name = match shown {
         Some(c) => c.name.clone(),
-        None => queue::queue_name(ns, name, &t.policy),
+        None => mapping::queue_name(ns, name, &t.policy),
     };
     let amqp = match conn.connection().await {
         Ok(c) => c,

@@ -1,5 +1,5 @@
 //! The Subscription controller's broker step on SQS: the queue and, under AtLeastOnce with
-//! maxDeliver, its dead-letter queue, from the one mapping (`backend::sqs::queue::desired`):
+//! maxDeliver, its dead-letter queue, from the one mapping (`backend::sqs::mapping::desired`):
 //! made when missing (again when deleted on the server), each tagged with the Subscription it
 //! belongs to (`namespace/name`, and the object's UID, which decides); attribute drift
 //! (VisibilityTimeout, RedrivePolicy) repaired in place with SetQueueAttributes; a queue tagged
@@ -33,7 +33,7 @@ use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, SQS_STREAM,
 use settle::api::ConsumerRef;
 use settle::backend::Classify;
 use settle::backend::sqs::admin::{self, AdminError, OwnerTags};
-use settle::backend::sqs::queue::{self, DLQ_SUFFIX, REDRIVE_POLICY};
+use settle::backend::sqs::mapping::{self, DLQ_SUFFIX, REDRIVE_POLICY};
 use settle::backend::sqs::report;
 
 mod claim;
@@ -75,7 +75,7 @@ async fn converge(
 ) -> SubOutcome {
     let (owner, known) = (&t.owner, &t.known);
     let client = conn.broker.client();
-    let want = match queue::desired(conn.broker.queue_prefix(), &t.policy) {
+    let want = match mapping::desired(conn.broker.queue_prefix(), &t.policy) {
         Ok(w) => w,
         Err(e) => return SubOutcome::Invalid(e.to_string()),
     };
@@ -95,7 +95,7 @@ async fn converge(
                 ctx,
                 t,
                 &r.dead_letter_queue,
-                queue::dead_letter_attributes(),
+                mapping::dead_letter_attributes(),
                 true,
                 changes,
             )
@@ -126,7 +126,7 @@ async fn converge(
             }
         }
     };
-    let attributes = queue::attributes(&want, dlq_arn.as_deref());
+    let attributes = mapping::attributes(&want, dlq_arn.as_deref());
     let found = match find_or_create(
         client,
         ctx,
@@ -164,7 +164,7 @@ async fn converge(
             }
             Err(e) => return failure(e, known),
         };
-        let diff = queue::diff(&want, &live);
+        let diff = mapping::diff(&want, &live);
         if !diff.is_empty() {
             let mut set = attributes;
             if want.redrive.is_none() {

@@ -18,7 +18,7 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Removal {
     let client = conn.broker.client();
     let queue_name = match &t.known {
         Some(c) if c.stream == SQS_STREAM => c.name.clone(),
-        _ => match queue::desired(conn.broker.queue_prefix(), &t.policy) {
+        _ => match mapping::desired(conn.broker.queue_prefix(), &t.policy) {
             Ok(w) => w.name,
             // No valid queue name: Settle never made one.
             Err(_) => return Removal::Nothing,

@@ -5,7 +5,7 @@
 //!
 //! Its files, the same as every broker's: [`connect`] (an application's URL, and a Backend's
 //! servers, credentials and CA, to a client), `consume` (the consumer bound to, each delivery
-//! and its settlement), [`consumer`] (the one spec → consumer mapping) and [`jsapi`] (the typed
+//! and its settlement), [`mapping`] (the one spec → consumer mapping) and [`admin`] (the typed
 //! JetStream calls: the operator's, and the runtime's for its own consumers), [`pause`] (a
 //! Subscription's pause as the server's consumer pause, and its live state). Beside them:
 //! [`advisory`] (the advisories the operator reads: consumer changes, delivery outcomes) and

@@ -3,14 +3,14 @@
 //! asks too), declare it from the mapping, bind and unbind it, delete it. Each call uses a channel
 //! of its own (a refused call closes its channel), closed after.
 //!
-//! It must not decide what a queue looks like (that is [`super::queue`]) nor what to do about a
+//! It must not decide what a queue looks like (that is [`super::mapping`]) nor what to do about a
 //! difference (the reconcile does).
 
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection};
 
-use super::queue::{Binding, QueueSpec};
+use super::mapping::{Binding, QueueSpec};
 use crate::backend::limit::BrokerLimit;
 use crate::backend::{Classify, Failure};
 

@@ -15,7 +15,7 @@ use lapin::types::LongString;
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
-use super::queue::Exchanges;
+use super::mapping::Exchanges;
 use super::{RabbitBroker, RabbitError, amqp, broker_err};
 use crate::backend::{Classify, Failure};
 use crate::bus::BusError;

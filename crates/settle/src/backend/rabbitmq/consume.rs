@@ -21,7 +21,7 @@
 //!   the channel as before. Once the marker is gone, `basic.consume` again on the same channel.
 //!
 //! It must not count anything (the settle path does), build queue arguments (that is
-//! [`super::queue`]) nor declare or bind a queue the operator owns.
+//! [`super::mapping`]) nor declare or bind a queue the operator owns.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,8 +37,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
 use super::admin::{self, reply_code};
+use super::mapping::{self, QueueSpec};
 use super::pause;
-use super::queue::{self, QueueSpec};
 use super::{RabbitBroker, RabbitError, amqp, broker_err, report};
 use crate::backend::pause::PauseWatch;
 use crate::bus::{
@@ -101,7 +101,8 @@ impl RabbitBroker {
         let p = ctx.policy();
         let want = match b.owner {
             ConsumerOwner::Runtime => {
-                let want = queue::desired_by_runtime(&b.namespace, ctx.name(), p, &self.exchanges);
+                let want =
+                    mapping::desired_by_runtime(&b.namespace, ctx.name(), p, &self.exchanges);
                 self.declare(&want).await?;
                 want
             }
@@ -212,7 +213,7 @@ impl RabbitBroker {
     /// never declares or binds it itself.
     async fn await_operator(&self, ctx: &SubscriptionCtx) -> QueueSpec {
         let b = ctx.binding();
-        let want = queue::desired(&b.namespace, ctx.name(), ctx.policy(), &self.exchanges);
+        let want = mapping::desired(&b.namespace, ctx.name(), ctx.policy(), &self.exchanges);
         let (conn, name) = (&self.conn, want.name.as_str());
         bus::await_operator(ctx.name(), "queue", move || async move {
             match admin::exists(conn, name).await {

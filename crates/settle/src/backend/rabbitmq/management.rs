@@ -1,6 +1,6 @@
 //! RabbitMQ's management API (the `rabbitmq_management` plugin's HTTP API), read-only: the
 //! server's version, a queue's arguments and bindings (what AMQP cannot show, for
-//! [`super::queue::diff`] and the owner check), and its gauges (messages ready and
+//! [`super::mapping::diff`] and the owner check), and its gauges (messages ready and
 //! unacknowledged) for the account.
 //!
 //! It must not change anything on the broker (queues are declared, bound and deleted over AMQP,
@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
-use super::queue::{Binding, LiveQueue, normalise};
+use super::mapping::{Binding, LiveQueue, normalise};
 use crate::backend::{Classify, Failure};
 
 /// How much of an unexpected answer's body the DEBUG log shows.
@@ -271,7 +271,7 @@ impl Management {
             .and_then(|v| v.get("rabbitmq_version")?.as_str().map(str::to_string)))
     }
 
-    /// Queue `name` in `vhost` as [`super::queue::diff`] compares it: its arguments and its
+    /// Queue `name` in `vhost` as [`super::mapping::diff`] compares it: its arguments and its
     /// bindings; `None` when it does not exist.
     pub async fn queue(
         &self,

@@ -11,15 +11,15 @@
 //!
 //! Its files, the same as every broker's: [`connect`] (an application's URL, and a Backend's
 //! settings, to a connection), `consume` (the queue consumed from, each delivery and its
-//! settlement), [`queue`] (the one spec → queue mapping) and [`admin`] (the operator's calls:
+//! settlement), [`mapping`] (the one spec → queue mapping) and [`admin`] (the operator's calls:
 //! declare, bind, unbind, delete a managed queue over AMQP). Beside them: `management` (the
 //! management API, read-only: arguments, bindings, version, gauges), [`report`] (the stats
 //! reports' per-Subscription queues: the runtime's `StatsSink`, the arguments both sides
-//! declare), `deadletter` (the operator's copy of a Backend's dead letters, R9–R12) and
+//! declare), `dead_letters` (the operator's copy of a Backend's dead letters, R9–R12) and
 //! [`pause`] (the marker exchange that says a Subscription is paused, W3).
 //!
 //! It must not count anything (the settle path does) nor build queue arguments (that is
-//! [`queue`], the one mapping); it declares queues only for code-defined subscriptions.
+//! [`mapping`], the one mapping); it declares queues only for code-defined subscriptions.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -36,18 +36,18 @@ pub mod admin;
 pub mod connect;
 mod consume;
 #[cfg(feature = "admin")]
-pub mod deadletter;
+pub mod dead_letters;
 #[cfg(feature = "admin")]
 pub mod management;
+pub mod mapping;
 pub mod pause;
-pub mod queue;
 pub mod report;
 
 pub use consume::{attempt, transport_headers};
 
 use crate::bus::{Broker, BusError, Consumer, StatsSink, SubscriptionCtx};
 use crate::policy::BackendKind;
-use queue::Exchanges;
+use mapping::Exchanges;
 
 /// Why the broker refused or failed an operation.
 #[derive(Debug, thiserror::Error)]

@@ -35,7 +35,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Connection, ExchangeKind};
 
 use super::admin::{AdminError, channel, classify, done, reply_code};
-use super::queue::OWNER_ARG;
+use super::mapping::OWNER_ARG;
 
 /// The exchange there while queue `queue`'s Subscription is paused.
 pub fn paused_marker(queue: &str) -> String {

@@ -4,7 +4,7 @@
 //! deleted there must be seen as gone), and a failure is told apart as unreachable, refused
 //! credentials or a refused call.
 //!
-//! It must not decide what a queue looks like (that is [`super::queue`]) nor what to do about a
+//! It must not decide what a queue looks like (that is [`super::mapping`]) nor what to do about a
 //! difference (the reconcile does).
 
 use std::collections::{BTreeMap, HashMap};

@@ -22,7 +22,7 @@
 //!   Receiving starts again once the tag is gone or its time has passed.
 //!
 //! It must not count anything (the settle path does), decide what a queue looks like (that is
-//! [`super::queue`]) nor make or change an operator-owned queue.
+//! [`super::mapping`]) nor make or change an operator-owned queue.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,7 +38,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::hold::hold;
-use super::{BODY_ENCODING_ATTRIBUTE, SqsBroker, SqsError, admin, api, lock, pause, queue, report};
+use super::{
+    BODY_ENCODING_ATTRIBUTE, SqsBroker, SqsError, admin, api, lock, mapping, pause, report,
+};
 use crate::backend::pause::PauseWatch;
 use crate::bus::{
     self, BrokerAction, BusError, Consumer, ConsumerOwner, Delivery, DeliveryOptions, OnSettle,
@@ -78,7 +80,7 @@ impl SqsBroker {
                         tracing::warn!(subscription = %ctx.name(), error = %e, "cannot read the queue's owner tags: the reports name no Subscription object");
                     }
                 }
-                let name = queue::desired(&self.prefix, ctx.policy())
+                let name = mapping::desired(&self.prefix, ctx.policy())
                     .map_err(SqsError::from)?
                     .name;
                 lock(&self.reports).insert(
@@ -129,7 +131,7 @@ impl SqsBroker {
             Arc::clone(&permits),
             tx,
             wait,
-            queue::visibility_secs(p.ack_wait),
+            mapping::visibility_secs(p.ack_wait),
             pause.receiver(),
         ));
         let subject = p.pattern.clone();
@@ -168,14 +170,14 @@ impl SqsBroker {
     /// A code-defined subscription's queue (and dead-letter queue): created from the mapping, or
     /// brought in line with it. Returns the queue's URL and whether it redrives.
     async fn converge_own(&self, ctx: &SubscriptionCtx) -> Result<(String, bool), SqsError> {
-        let want = queue::desired(&self.prefix, ctx.policy())?;
+        let want = mapping::desired(&self.prefix, ctx.policy())?;
         let dlq_arn = match &want.redrive {
             None => None,
             Some(r) => {
                 let url = match self.queue_url(&r.dead_letter_queue).await? {
                     Some(u) => u,
                     None => {
-                        self.create_queue(&r.dead_letter_queue, queue::dead_letter_attributes())
+                        self.create_queue(&r.dead_letter_queue, mapping::dead_letter_attributes())
                             .await?
                     }
                 };
@@ -191,7 +193,7 @@ impl SqsBroker {
                 )
             }
         };
-        let attributes = queue::attributes(&want, dlq_arn.as_deref());
+        let attributes = mapping::attributes(&want, dlq_arn.as_deref());
         let url = match self.queue_url(&want.name).await? {
             None => {
                 tracing::info!(subscription = %ctx.name(), queue = %want.name, "creating the subscription's SQS queue");
@@ -199,13 +201,13 @@ impl SqsBroker {
             }
             Some(url) => {
                 let live = self.queue_attributes(&url).await?;
-                let changes = queue::diff(&want, &live);
+                let changes = mapping::diff(&want, &live);
                 if !changes.is_empty() {
                     tracing::info!(subscription = %ctx.name(), queue = %want.name, changes = %changes.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "), "updating the queue to the subscription's policy");
                     let mut set = attributes.clone();
                     if want.redrive.is_none() {
                         // An empty RedrivePolicy removes it.
-                        set.insert(queue::REDRIVE_POLICY.to_string(), String::new());
+                        set.insert(mapping::REDRIVE_POLICY.to_string(), String::new());
                     }
                     self.client
                         .set_queue_attributes()
@@ -228,7 +230,7 @@ impl SqsBroker {
     /// An operator-owned queue: waits, logging why, until it exists; warns (never silently) when
     /// it differs from the policy this runtime runs.
     async fn await_operator(&self, ctx: &SubscriptionCtx) -> Result<(String, bool), SqsError> {
-        let want = &queue::desired(&self.prefix, ctx.policy())?;
+        let want = &mapping::desired(&self.prefix, ctx.policy())?;
         let b = ctx.binding();
         let found = bus::await_operator(ctx.name(), "queue", move || async move {
             let url = match self.queue_url(&want.name).await {
@@ -245,13 +247,13 @@ impl SqsBroker {
             };
             match self.queue_attributes(&url).await {
                 Ok(live) => {
-                    let changes = queue::diff(want, &live);
+                    let changes = mapping::diff(want, &live);
                     if !changes.is_empty() {
                         tracing::warn!(subscription = %ctx.name(), queue = %want.name, differences = %changes.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "), "the operator's queue differs from the policy this application runs: bound anyway; check that the Subscription resource and the application agree");
                     }
                     let redrives = live
-                        .get(queue::REDRIVE_POLICY)
-                        .and_then(|r| queue::parse_redrive(r))
+                        .get(mapping::REDRIVE_POLICY)
+                        .and_then(|r| mapping::parse_redrive(r))
                         .is_some();
                     Ok((url, redrives))
                 }

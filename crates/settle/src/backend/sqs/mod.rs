@@ -9,14 +9,14 @@
 //!   beside its queue ([`report`]); the object's UID is read from the queue's `settle-object` tag.
 //!
 //! Its files, the same as every broker's: [`connect`] (settings and credentials to a client),
-//! `consume` (the queue received from, each delivery and its settlement), [`queue`] (the one
+//! `consume` (the queue received from, each delivery and its settlement), [`mapping`] (the one
 //! spec → queue mapping) and [`admin`] (the operator's calls: find, create, tag, change, delete a
 //! managed queue, read its gauges). Beside them: [`hold`] (how long SQS may hold a message),
 //! [`report`] (the stats reports' queues) and [`pause`] (the tag that says a Subscription is
 //! paused, W4).
 //!
 //! It must not count anything (the settle path does) nor make an operator-owned queue: it creates
-//! (or brings in line) only the queue of a code-defined subscription, through `queue::desired`.
+//! (or brings in line) only the queue of a code-defined subscription, through `mapping::desired`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -33,8 +33,8 @@ pub mod admin;
 pub mod connect;
 mod consume;
 pub mod hold;
+pub mod mapping;
 pub mod pause;
-pub mod queue;
 pub mod report;
 
 pub use connect::{SqsCredentials, SqsSettings};
@@ -62,7 +62,7 @@ pub enum SqsError {
         message: String,
     },
     #[error(transparent)]
-    Mapping(#[from] queue::QueueError),
+    Mapping(#[from] mapping::QueueError),
     #[error("{0}")]
     Config(String),
 }

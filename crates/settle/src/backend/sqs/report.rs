@@ -27,7 +27,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde::Deserialize;
 
-use super::queue::{MESSAGE_RETENTION_PERIOD, NAME_MAX};
+use super::mapping::{MESSAGE_RETENTION_PERIOD, NAME_MAX};
 use super::{SqsBroker, SqsError, api, lock, queue_missing};
 use crate::bus::{BusError, StatsSink};
 
