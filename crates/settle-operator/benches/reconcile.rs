@@ -35,7 +35,7 @@ use futures::StreamExt;
 use kube::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use settle::api::Subscription;
-use settle::backend::nats::jsapi;
+use settle::backend::nats::admin;
 
 /// Consumers deleted on the broker for the repair (at most N).
 const REPAIRS: usize = 10;
@@ -344,7 +344,7 @@ async fn main() {
     }
     let t1 = Instant::now();
     for name in before.keys() {
-        jsapi::delete_consumer(&stream.js, &stream.name, name)
+        admin::delete_consumer(&stream.js, &stream.name, name)
             .await
             .expect("delete");
     }
@@ -459,6 +459,18 @@ async fn main() {
     println!(
         "  heap at rest (settle_memory_heap_bytes): {heap_used:.1} MiB in use, {heap_free:.1} MiB free in the allocator; {:.1} KiB in use per Subscription",
         heap_used * 1024.0 / n as f64
+    );
+    // The same figures as one machine-readable line, the columns of docs/img/cost-curve.tsv:
+    // `hack/charts.py --from-bench FILE` puts it in the row for this N.
+    println!(
+        "bench-row\tcost-curve\tn={n}\trss_rest_mib={rss_steady:.1}\trss_per_sub_kib={:.1}\tlag_p50_s={:.3}\tlag_p95_s={:.3}\tlag_max_s={:.3}\tapi_per_sub={:.2}\tall_ready_s={:.1}\tcpu_rest_s_per_min={:.2}",
+        (rss_steady - rss_before) * 1024.0 / n as f64,
+        pct(&lags, 0.50).as_secs_f64(),
+        pct(&lags, 0.95).as_secs_f64(),
+        lags.last().copied().unwrap_or_default().as_secs_f64(),
+        (kube_calls + account_calls) / n as f64,
+        all_ready.as_secs_f64(),
+        (cpu_steady - cpu_updated) * 60.0 / STEADY.as_secs_f64()
     );
 
     // A profiler's view of the heap at rest (`SETTLE_BENCH_PROFILE_AT_REST=1` with
