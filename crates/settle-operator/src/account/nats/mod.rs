@@ -35,10 +35,11 @@
 //! instead (the hold full, or the grace over) is remembered by its consumer, and when a
 //! Subscription's status names that consumer, its `Accounted` says how many may be missing.
 //!
-//! This file holds the keeper, its session and its loop, and loads each Subscription's book;
+//! Its files, the same as every keeper's: this one holds the keeper, its session and its loop;
 //! [`count`] counts what comes in (reports, advisories), [`round`] is the round (save, then
-//! acknowledge, gauges, status), [`members`] holds the Backend's Subscriptions as a round sees
-//! them, [`names`] names the ledger keys and the durable reader.
+//! acknowledge, gauges, status), [`store`] loads each Subscription's book from the ledger bucket
+//! and saves it there. Beside them: [`members`] holds the Backend's Subscriptions as a round
+//! sees them, [`names`] names the ledger keys and the durable reader.
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
@@ -56,6 +57,7 @@ mod count;
 mod members;
 mod names;
 mod round;
+mod store;
 use super::Config;
 use super::ledger::{Account, Persisted};
 use super::metrics::Metrics;
@@ -481,107 +483,6 @@ impl NatsKeeper {
             let _ = msg.ack().await;
         }
         ended
-    }
-
-    /// The book of `key` for the Subscription object `m` is, loaded from the ledger bucket the
-    /// first time; a book or saved ledger of an earlier object of that name is dropped.
-    async fn book<'a>(
-        &self,
-        ledgers: &kv::Store,
-        books: &'a mut Books,
-        key: &SubKey,
-        m: &Member,
-    ) -> Result<&'a mut Book, NatsError> {
-        let name = || format!("{}/{}", key.0, key.1);
-        if let Some(book) = books.get(key)
-            && !book.account.persisted().belongs_to(m.uid())
-        {
-            tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
-            let old = books.remove(key);
-            for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
-                let report = report_key(&key.0, &key.1, instance);
-                let _ =
-                    capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
-                        .await;
-            }
-        }
-        if !books.contains_key(key) {
-            let sub = &m.sub;
-            let entry = ledgers
-                .entry(ledger_key(key))
-                .await
-                .map_err(|e| broken("reading a ledger", e))?;
-            let revision = entry.as_ref().map(|e| e.revision);
-            let mut ledger_lost = false;
-            let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
-                Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
-                    tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
-                    ledger_lost = true;
-                    Saved::default()
-                }),
-                None => {
-                    ledger_lost = true;
-                    Saved::default()
-                }
-            };
-            let saved = if saved.ledger.belongs_to(m.uid()) {
-                saved
-            } else {
-                tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
-                Saved::default()
-            };
-            let floor = sub
-                .status
-                .as_ref()
-                .and_then(|s| s.stats.as_ref())
-                .map(|s| s.counters)
-                .unwrap_or_default();
-            let mut loss = saved.loss;
-            loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
-            let first_load = self
-                .loaded
-                .lock()
-                .map(|mut loaded| loaded.insert(key.clone()))
-                .unwrap_or(false);
-            let mut account = Account::resume(saved.ledger, floor);
-            account.claim(m.uid().map(str::to_string));
-            books.insert(
-                key.clone(),
-                Box::new(Book {
-                    account,
-                    showing: Showing {
-                        loss,
-                        trouble: super::status::Trouble {
-                            unsaved: None,
-                            missed_advisories: saved.missed_advisories,
-                            source_lost: None,
-                            dead_letters: None,
-                            queue_missing: None,
-                        },
-                        last_write: None,
-                        last_early: None,
-                        stall: None,
-                        seen: None,
-                        sent: None,
-                    },
-                    // A ledger missing or unreadable is written at once, before status shows
-                    // anything from this book: so status showing counters with no ledger there
-                    // means the ledger was lost.
-                    dirty: ledger_lost,
-                    revision,
-                    acks: Vec::new(),
-                    revisions: HashMap::new(),
-                    consumer_since: None,
-                    gauges: (0, 0),
-                    gauges_at: None,
-                    check: first_load.then_some(ledger_lost),
-                }),
-            );
-        }
-        books
-            .get_mut(key)
-            .map(Box::as_mut)
-            .ok_or_else(|| broken("a ledger", "missing after loading"))
     }
 }
 

@@ -16,7 +16,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
 use super::names::ledger_key;
-use super::{Book, Books, Members, NatsKeeper, Saved, SubKey};
+use super::store::Save;
+use super::{Book, Books, Members, NatsKeeper, SubKey};
 use crate::account::ledger::Source;
 use crate::account::show;
 use settle::api::SubscriptionStats;
@@ -238,54 +239,6 @@ impl NatsKeeper {
                 book.dirty = true;
             }
         }
-        Ok(())
-    }
-}
-
-/// Why a ledger was not saved.
-pub(super) enum Save {
-    /// Another operator wrote it since it was read.
-    Conflict,
-    Failed(String),
-}
-
-impl NatsKeeper {
-    /// Saves one book's ledger, checked against the revision it was read or last written at.
-    async fn save(&self, ledgers: &kv::Store, key: &SubKey, book: &mut Book) -> Result<(), Save> {
-        let saved = Saved {
-            ledger: book.account.persisted().clone(),
-            loss: book.showing.loss.clone(),
-            missed_advisories: book.showing.trouble.missed_advisories,
-        };
-        let body = serde_json::to_vec(&saved).map_err(|e| Save::Failed(e.to_string()))?;
-        let written = match book.revision {
-            Some(rev) => ledgers
-                .update(ledger_key(key), body.into(), rev)
-                .await
-                .map_err(|e| match e.kind() {
-                    kv::UpdateErrorKind::WrongLastRevision => Save::Conflict,
-                    _ => Save::Failed(e.to_string()),
-                }),
-            None => ledgers
-                .create(ledger_key(key), body.into())
-                .await
-                .map_err(|e| match e.kind() {
-                    kv::CreateErrorKind::AlreadyExists => Save::Conflict,
-                    _ => Save::Failed(e.to_string()),
-                }),
-        };
-        let label = match &written {
-            Ok(_) => "ok",
-            Err(Save::Conflict) => "conflict",
-            Err(Save::Failed(_)) => "error",
-        };
-        self.metrics.saves.with_label_values(&[label]).inc();
-        let revision = written?;
-        if book.showing.trouble.unsaved.take().is_some() {
-            tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription's ledger is saved again");
-        }
-        book.revision = Some(revision);
-        book.dirty = false;
         Ok(())
     }
 }

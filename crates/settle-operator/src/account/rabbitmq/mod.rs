@@ -26,7 +26,8 @@
 //! (else `wrong_writer`), since on a shared vhost anyone may publish to any queue through the
 //! default exchange.
 //!
-//! This file holds the keeper, its session and its loop, and opens each Subscription's book;
+//! Its files, the same as every keeper's: this one holds the keeper, its session and its loop,
+//! and opens each Subscription's book;
 //! [`count`] judges and counts what comes in, [`round`] is the round (save, then
 //! acknowledge, gauges, status), [`store`] reads and writes the account queues on the broker.
 //! The parts the SQS keeper also has are in `account::queue_keeper`.

@@ -21,6 +21,10 @@
 //! came from, else it is dropped (`misfiled`); who may send to that queue is the cloud
 //! provider's permissions' to decide (docs/stats-report.md).
 //!
+//! Its files, the same as every keeper's: this one is the loop (a session, a Subscription's
+//! book opened); [`count`] counts what comes in, [`round`] is the round (save, then delete),
+//! [`store`] reads and writes the ledger queue, [`dead_letters`] counts the broker's.
+//!
 //! It must not write status itself (that is the writer), decide counts (that is the ledger), nor
 //! make or delete a queue (that is the reconcile).
 
@@ -33,8 +37,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::{ObjectRef, Store};
 
+mod count;
 mod dead_letters;
+mod round;
 mod store;
+
 use super::ledger::Account;
 use super::metrics::Metrics;
 use super::queue_keeper::{self, Gauges, SubKey, who};
@@ -262,231 +269,6 @@ impl SqsKeeper {
                     gauges: Gauges::default(),
                 },
             );
-        }
-    }
-
-    /// Receives what is waiting in one Subscription's report queue (bounded) and counts it.
-    async fn receive(&self, client: &Client, key: &SubKey, book: &mut Book) {
-        let who = who(key);
-        for _ in 0..REPORT_RECEIVES_PER_TICK {
-            let got = client
-                .receive_message()
-                .queue_url(&book.report_url)
-                .max_number_of_messages(BATCH)
-                .visibility_timeout(secs(REPORT_HIDE))
-                .wait_time_seconds(0)
-                .send()
-                .await;
-            let messages = match got {
-                Ok(out) => {
-                    if book.showing.trouble.queue_missing.take().is_some() {
-                        tracing::info!(subscription = %who, "the report queue is back");
-                    }
-                    out.messages.unwrap_or_default()
-                }
-                Err(e) => {
-                    let missing = e.as_service_error().is_some_and(|s| {
-                        aws_sdk_sqs::error::ProvideErrorMetadata::code(s).is_some_and(|c| {
-                            c.contains("QueueDoesNotExist") || c.contains("NonExistentQueue")
-                        })
-                    });
-                    if missing {
-                        if book.showing.trouble.queue_missing.is_none() {
-                            tracing::warn!(subscription = %who, queue = %report::report_queue(&book.queue), "the report queue does not exist on the server (deleted there?): the reconcile makes it again");
-                        }
-                        book.showing.trouble.queue_missing =
-                            Some(report::report_queue(&book.queue));
-                        // Looked up again once it is back (a new queue has a new URL on SQS).
-                        if let Ok(Some(url)) =
-                            admin::queue_url(client, &report::report_queue(&book.queue)).await
-                        {
-                            book.report_url = url;
-                        }
-                    } else {
-                        tracing::debug!(subscription = %who, error = %e, "cannot receive reports; trying again");
-                    }
-                    return;
-                }
-            };
-            let full = messages.len() >= usize::try_from(BATCH).unwrap_or(10);
-            for m in messages {
-                let Some(receipt) = m.receipt_handle else {
-                    continue;
-                };
-                book.acks.push((receipt, Instant::now()));
-                let body = m.body.unwrap_or_default();
-                self.on_report(key, book, body.as_bytes());
-            }
-            if !full {
-                return;
-            }
-        }
-    }
-
-    /// Counts one report; it is deleted once the snapshot holding it is saved.
-    fn on_report(&self, key: &SubKey, book: &mut Book, body: &[u8]) {
-        let who = who(key);
-        let report = queue_keeper::parse(&self.config, body);
-        let refused = match &report {
-            None => Some("too_large"),
-            // A report counts only in its own Subscription's queue (semantics C18).
-            Some(Ok(r)) if r.namespace != key.0 || r.subscription != key.1 => Some("misfiled"),
-            Some(Ok(r)) => self.config.limits.refuse(r, &book.account),
-            Some(Err(_)) => None,
-        };
-        if let Some(why) = refused {
-            queue_keeper::refused(&self.metrics, &who, why);
-            return;
-        }
-        let Some(report) = report else { return };
-        if queue_keeper::count(&self.metrics, &who, &mut book.account, report) {
-            book.dirty = true;
-            book.counting = true;
-        }
-    }
-
-    /// Once a second: receive, look at the dead letters, fold, save, delete, gauges, status.
-    async fn settle(
-        &self,
-        client: &Client,
-        members: &HashMap<SubKey, Arc<Subscription>>,
-        books: &mut HashMap<SubKey, Book>,
-    ) {
-        let now = now_ms();
-        let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
-        for (key, book) in books.iter_mut() {
-            self.receive(client, key, book).await;
-            if book.redrives
-                && let Some(sub) = members.get(key)
-            {
-                let since_ms = sub
-                    .metadata
-                    .creation_timestamp
-                    .as_ref()
-                    .map_or(0, |t| u64::try_from(t.0.as_millisecond()).unwrap_or(0));
-                let counted = book
-                    .dead_letters
-                    .scan(
-                        client,
-                        &book.queue,
-                        since_ms,
-                        &mut book.account,
-                        &self.metrics,
-                    )
-                    .await;
-                if counted > 0 {
-                    book.dirty = true;
-                    book.counting = true;
-                }
-            }
-            if !book.account.fold_idle(now, fold_after).is_empty() {
-                book.dirty = true;
-            }
-            self.save(client, key, members.get(key), book).await;
-        }
-
-        let interval = self.config.stats_interval;
-        let stamp = Time(Timestamp::now());
-        let mut budget = show::gauge_budget(books.len(), interval, TICK);
-        for (key, book) in books.iter_mut() {
-            let Some(sub) = members.get(key) else {
-                continue;
-            };
-            if book.gauges.due(&mut budget, interval) {
-                let got = admin::queue_gauges(client, &book.queue).await;
-                book.gauges.note(&who(key), got);
-            }
-            let unseen = match (self.unseen, book.redrives, book.dead_letters.too_many()) {
-                (false, _, _) => Unseen::Never,
-                (true, true, None) => Unseen::FromDeadLetters,
-                (true, true, Some(depth)) => Unseen::TooManyDeadLetters(depth),
-                // No redrive: no message ever runs out of attempts (no maxDeliver), or AtMostOnce.
-                (true, false, _) => Unseen::Never,
-            };
-            let round = show::Round {
-                writer: &self.writer,
-                metrics: &self.metrics,
-                config: &self.config,
-                unseen_attempts: unseen,
-                now_ms: now,
-                stamp: &stamp,
-            };
-            let totals = book.counting.then(|| book.account.totals());
-            if show::show_counted_or_gauges(
-                &round,
-                key,
-                sub,
-                totals,
-                book.gauges.read,
-                &mut book.showing,
-                &mut book.gauges.written,
-            ) {
-                book.dirty = true;
-            }
-        }
-    }
-
-    /// Saves the book's snapshot if it changed, then deletes the reports it holds.
-    async fn save(
-        &self,
-        client: &Client,
-        key: &SubKey,
-        sub: Option<&Arc<Subscription>>,
-        book: &mut Book,
-    ) {
-        let who = who(key);
-        if book.dirty {
-            let saved = Saved {
-                generation: book.generation + 1,
-                ledger: book.account.snapshot(),
-                loss: book.showing.loss.clone(),
-            };
-            match store(client, &book.ledger_url, &saved).await {
-                Ok(()) => {
-                    book.generation = saved.generation;
-                    book.dirty = false;
-                    queue_keeper::saved(
-                        &self.writer,
-                        &self.metrics,
-                        &who,
-                        sub,
-                        &mut book.showing.trouble,
-                    );
-                }
-                Err(e) => {
-                    let first = queue_keeper::not_saved(
-                        &self.writer,
-                        &self.metrics,
-                        &who,
-                        sub,
-                        &mut book.showing.trouble,
-                        e,
-                        "its reports stay in the report queue until it can",
-                    );
-                    // The ledger queue may have been deleted on the server: look it up again.
-                    if first
-                        && let Ok(Some(url)) =
-                            admin::queue_url(client, &report::ledger_queue(&book.queue)).await
-                    {
-                        book.ledger_url = url;
-                    }
-                    // Receipts past the hide time are let go: those reports are back in the queue.
-                    book.acks.retain(|(_, at)| at.elapsed() < REPORT_HIDE);
-                    return;
-                }
-            }
-            // Older snapshots go (the newest, just saved, stays).
-            if let Err(e) = prune(client, &book.ledger_url, book.generation).await {
-                tracing::debug!(subscription = %who, error = %e, "cannot delete older snapshots yet (the next save tries again)");
-            }
-        }
-        let acks: Vec<String> = std::mem::take(&mut book.acks)
-            .into_iter()
-            .map(|(r, _)| r)
-            .collect();
-        if let Err(e) = delete_all(client, &book.report_url, &acks).await {
-            // Those reports come back after the hide time and are counted stale.
-            tracing::debug!(subscription = %who, error = %e, "cannot delete counted reports; they come back and are skipped");
         }
     }
 }
