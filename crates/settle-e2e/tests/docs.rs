@@ -283,3 +283,22 @@ fn the_slug_of_a_heading_is_githubs() {
         vec!["a.md#b", "img/c.svg"]
     );
 }
+
+/// The benchmark page's charts are what `hack/charts.py` makes of their data files
+/// (docs/img/*.tsv): a figure changed in a data file, or an SVG edited by hand, fails here until
+/// `python3 hack/charts.py` writes them again.
+#[test]
+fn the_benchmark_charts_are_what_the_script_makes_of_their_data() {
+    let out = std::process::Command::new("python3")
+        .arg("hack/charts.py")
+        .arg("--check")
+        .current_dir(settle_testkit::root())
+        .output()
+        .expect("run python3 hack/charts.py --check");
+    assert!(
+        out.status.success(),
+        "the charts differ from their data: run `python3 hack/charts.py`\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
