@@ -609,7 +609,7 @@ async fn without_the_management_api_queues_are_still_made_and_a_closed_connectio
 
 /// The account reads a managed queue's gauges from the management API into status: messages
 /// ready as `pending`, unacknowledged as `ackPending`. Counters appear once the runtime reports
-/// (crates/settle-operator/tests/account_rabbitmq.rs); with no runtime running none is written, so none reads as a
+/// (crates/settle-operator/tests/account/rabbitmq.rs); with no runtime running none is written, so none reads as a
 /// false zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_queues_gauges_reach_status_and_no_counter_is_invented() {

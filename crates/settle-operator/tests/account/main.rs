@@ -1,0 +1,25 @@
+//! The delivery account end to end on the real API server and the real brokers: `settle
+//! operator` and an application on the `settle` library as processes, messages on the broker,
+//! `status.stats` read back. One test binary (`cargo test -p settle-operator --test account`), a
+//! module per broker and subject, so every test's name starts with the broker it runs on.
+//!
+//! | module | broker | what |
+//! |---|---|---|
+//! | [`nats`] | NATS JetStream | every counter, conditions, `kubectl describe` |
+//! | [`nats_life`] | NATS JetStream | delete and apply, applications stopped and killed, operator restarts and leader changes, lost sources |
+//! | [`nats_budget`] | NATS JetStream | the cluster-wide status write budget |
+//! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
+//! | [`tenants`] | NATS JetStream and RabbitMQ | reports bound to their writer: no tenant forges another's account |
+//! | [`rabbitmq`] | RabbitMQ | report queues, snapshots, dead-letter copies, operator kills |
+//! | [`sqs`] | SQS (ElasticMQ) | report queues, the ledger queue, the dead-letter queue |
+//!
+//! The budget and the flood bounds are the account's own, the same for every broker's keeper, so
+//! they run on NATS only; `tenants` runs where a broker lets tenants share it.
+
+mod nats;
+mod nats_budget;
+mod nats_flood;
+mod nats_life;
+mod rabbitmq;
+mod sqs;
+mod tenants;
