@@ -248,8 +248,6 @@ kubectl wait -n "$NS" --for=condition=Ready --timeout=60s backend/sqs subscripti
 kubectl get subscription invoices -n "$NS" -o yaml >"$ENV_DIR/demo-invoices.yaml"
 stop_one demo-sqs-app
 
-step "The whole account in one command: kubectl settle status (the plugin, found on PATH)"
-PATH="${CARGO_TARGET_DIR:-$ROOT/target}/debug:$PATH" kubectl settle status -n "$NS"
 SETTLE_SQS_ENDPOINT="$SETTLE_SQS_ENDPOINT" SETTLE_SQS_QUEUE_PREFIX="settle-demo-$$-" \
   SETTLE_SUBSCRIPTION_FILE="$ENV_DIR/demo-invoices.yaml" SETTLE_APP_HANDLER=demo SETTLE_REPORT_INTERVAL=500ms \
   spawn demo-sqs-app env -u SETTLE_NATS_URL -u SETTLE_RABBITMQ_URL "$APP"
@@ -278,6 +276,9 @@ echo "The NATS and the SQS Subscription side by side:"
 kubectl get subscriptions orders invoices -n "$NS"
 kubectl describe subscription invoices -n "$NS" | sed -n '/^Status:/,/^Events:/p'
 stop_one demo-sqs-app
+
+step "The whole account in one command: kubectl settle status (the plugin, found on PATH)"
+PATH="${CARGO_TARGET_DIR:-$ROOT/target}/debug:$PATH" kubectl settle status -n "$NS"
 
 step "The same account at full resolution on /metrics, with admission and reconcile counters"
 python3 -c "import urllib.request; print(''.join(l for l in urllib.request.urlopen('http://127.0.0.1:$METRICS_PORT/metrics').read().decode().splitlines(True) if l.startswith(('settle_admission_requests_total', 'settle_reconcile_total', 'settle_consumer_operations_total', 'settle_status_writes_total', 'settle_subscription_exhausted_total', 'settle_subscription_acked_total', 'settle_subscription_nacked_total', 'settle_subscription_exhausting', 'settle_account_status_writes_total'))))"

@@ -97,6 +97,24 @@ fn make_demo_tells_the_whole_story_and_env_down_stops_it() {
         );
     }
 
+    // `kubectl settle status` runs once both accounts are whole: the SQS Subscription's row shows
+    // the counts the demo waited for (acked, nacked, silent, exhausted, stranded), after them.
+    let sqs_reached = stdout
+        .find("invoices exhausted/acked/silent/nacked: 3/27/3/9")
+        .expect("the SQS account reached status");
+    let row = stdout[sqs_reached..]
+        .lines()
+        .find(|l| l.starts_with("invoices ") && l.contains(" sqs "))
+        .unwrap_or_else(|| {
+            panic!("kubectl settle status shows no invoices row after the SQS account was whole:\n{stdout}")
+        });
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        cells.get(4..9),
+        Some(&["27", "9", "3", "3", "0"][..]),
+        "kubectl settle status's invoices row (ACKED NACKED SILENT EXHAUSTED STRANDED): {row}"
+    );
+
     drop(down);
     assert!(
         !dir.exists(),

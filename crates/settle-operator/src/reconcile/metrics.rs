@@ -62,6 +62,8 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    // Long on purpose: one constructor and registration per metric, the whole set in one place
+    // (docs/reference/metrics.md is generated from it).
     /// Registers the controllers' metrics in `registry`, and `settle_subscription_ready` in
     /// `tables`.
     pub fn new(registry: &Registry, tables: &Tables) -> Result<Metrics, prometheus::Error> {

@@ -10,6 +10,9 @@ use super::*;
 /// What of a Backend its Subscriptions depend on: its generation and its Ready status.
 type BackendSeen = (Option<i64>, Option<String>);
 
+// About a hundred lines on purpose: the term's wiring in the order it starts (caches, watches,
+// both controllers, the sync, the account's handles, the stop); each part with logic of its own
+// is a function below, and splitting the wiring further would only pass its streams around.
 /// One leadership term: both controllers, the Secret watch, until `stop`.
 pub(super) async fn run_term(
     client: Client,

@@ -204,6 +204,9 @@ fn stream_rules(v: &mut Verdict, stream: Option<&str>, caps: &Capabilities) {
     }
 }
 
+// Long on purpose: the delivery policy's admission rules (A1, A2, A3, A5, A7, A9–A12) one after
+// another, each a guarded `v.error`/`v.warn` with its field and fix, so the code reads as the
+// table docs/semantics.md gives.
 fn policy_rules(v: &mut Verdict, p: &DeliveryPolicy, caps: Option<&Capabilities>) {
     let at_least_once = p.mode == Mode::AtLeastOnce;
 

@@ -89,6 +89,8 @@ pub enum SecretView {
     Unknown,
 }
 
+// Long on purpose: the Backend's access rules (A16, A18–A21) one after another, each a guarded
+// finding on its field, as docs/semantics.md gives them.
 pub(super) fn access_rules(
     v: &mut Verdict,
     spec: &BackendSpec,
