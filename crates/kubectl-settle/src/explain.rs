@@ -73,20 +73,36 @@ pub fn explain(sub: &Subscription, backend: Option<&Backend>) -> String {
     out
 }
 
+/// Each part in turn: the verdict, what is wrong, the conditions, the account, the Backend and
+/// the admission rules.
 fn write_explanation(
     out: &mut String,
     sub: &Subscription,
     backend: Option<&Backend>,
 ) -> std::fmt::Result {
-    let ns = sub.metadata.namespace.as_deref().unwrap_or("default");
-    let name = sub.metadata.name.as_deref().unwrap_or_default();
-    let status = sub.status.as_ref();
-    let conds: &[Condition] = status.map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let conds: &[Condition] = sub
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
     let troubles = conditions::shown(conds);
+    let kind = backend.and_then(|b| BackendKind::of(&b.spec));
+    write_summary(out, sub, conds, &troubles, kind)?;
+    write_troubles(out, sub, &troubles)?;
+    write_conditions(out, conds)?;
+    writeln!(out)?;
+    write_account(out, sub)?;
+    writeln!(out)?;
+    let capabilities = backend.and_then(policy::effective_capabilities);
+    write_backend(out, sub, backend, capabilities.as_ref(), kind)?;
+    write_admission(out, sub, capabilities.as_ref())
+}
+
+/// The first line's verdict, from the conditions and those that report trouble.
+fn verdict(ns: &str, conds: &[Condition], troubles: &[&Condition]) -> String {
     let is_true =
         |t: &str| settle::api::condition::find(conds, t).is_some_and(|c| c.status == "True");
-
-    let verdict = if conds.is_empty() {
+    if conds.is_empty() {
         format!(
             "no conditions yet: the operator has not reconciled it (is `settle operator` running, and does it watch namespace {ns}?)"
         )
@@ -99,9 +115,24 @@ fn write_explanation(
     } else {
         let names: Vec<&str> = troubles.iter().map(|c| c.type_.as_str()).collect();
         format!("Ready, with trouble: {}", names.join(", "))
-    };
-    writeln!(out, "Subscription {ns}/{name}: {verdict}")?;
-    let kind = backend.and_then(|b| BackendKind::of(&b.spec));
+    }
+}
+
+/// The Subscription, its verdict, and its backend, mode, pattern and consumer.
+fn write_summary(
+    out: &mut String,
+    sub: &Subscription,
+    conds: &[Condition],
+    troubles: &[&Condition],
+    kind: Option<BackendKind>,
+) -> std::fmt::Result {
+    let ns = sub.metadata.namespace.as_deref().unwrap_or("default");
+    let name = sub.metadata.name.as_deref().unwrap_or_default();
+    writeln!(
+        out,
+        "Subscription {ns}/{name}: {}",
+        verdict(ns, conds, troubles)
+    )?;
     writeln!(
         out,
         "  backend {} ({}), mode {:?}, pattern {}{}",
@@ -109,135 +140,173 @@ fn write_explanation(
         kind.map_or("not found", BackendKind::name),
         sub.spec.policy.mode,
         sub.spec.policy.pattern,
-        status
+        sub.status
+            .as_ref()
             .and_then(|s| s.consumer.as_ref())
             .map(|c| format!(", consumer {}/{}", c.stream, c.name))
             .unwrap_or_default(),
-    )?;
+    )
+}
 
-    if !troubles.is_empty() {
-        writeln!(out, "\nWhat is wrong, and what to do:")?;
-        for c in &troubles {
-            writeln!(
-                out,
-                "  {} ({}): {}",
-                conditions::label(&c.type_, &c.status, None),
-                c.reason,
-                c.message
-            )?;
-            if conditions::healthy(c).is_some() {
-                writeln!(out, "    next: {}", next_step(&c.reason, sub))?;
-            }
+/// Each condition that reports trouble, with the next step for its reason.
+fn write_troubles(
+    out: &mut String,
+    sub: &Subscription,
+    troubles: &[&Condition],
+) -> std::fmt::Result {
+    if troubles.is_empty() {
+        return Ok(());
+    }
+    writeln!(out, "\nWhat is wrong, and what to do:")?;
+    for c in troubles {
+        writeln!(
+            out,
+            "  {} ({}): {}",
+            conditions::label(&c.type_, &c.status, None),
+            c.reason,
+            c.message
+        )?;
+        if conditions::healthy(c).is_some() {
+            writeln!(out, "    next: {}", next_step(&c.reason, sub))?;
         }
     }
+    Ok(())
+}
 
-    if !conds.is_empty() {
-        writeln!(out, "\nConditions:")?;
-        for c in conds {
-            let mark = match conditions::healthy(c) {
-                Some(true) => "ok",
-                Some(false) => "TROUBLE",
-                None => "?",
-            };
-            writeln!(
-                out,
-                "  {:<11} {:<7} {:<20} {:<7} since {}",
-                c.type_, c.status, c.reason, mark, c.last_transition_time.0
-            )?;
-        }
+/// Every condition, one line each, marked ok, TROUBLE or ? (a type this plugin does not know).
+fn write_conditions(out: &mut String, conds: &[Condition]) -> std::fmt::Result {
+    if conds.is_empty() {
+        return Ok(());
     }
+    writeln!(out, "\nConditions:")?;
+    for c in conds {
+        let mark = match conditions::healthy(c) {
+            Some(true) => "ok",
+            Some(false) => "TROUBLE",
+            None => "?",
+        };
+        writeln!(
+            out,
+            "  {:<11} {:<7} {:<20} {:<7} since {}",
+            c.type_, c.status, c.reason, mark, c.last_transition_time.0
+        )?;
+    }
+    Ok(())
+}
 
-    writeln!(out)?;
-    match status.and_then(|s| s.stats.as_ref()) {
-        None => writeln!(
+/// The account: `status.stats`' counters and gauges.
+fn write_account(out: &mut String, sub: &Subscription) -> std::fmt::Result {
+    let status = sub.status.as_ref();
+    let Some(s) = status.and_then(|s| s.stats.as_ref()) else {
+        return writeln!(
             out,
             "Account: no stats yet (the account writes status.stats once the runtime or the broker reports)"
-        )?,
-        Some(s) => {
-            let c = &s.counters;
-            let updated = status
-                .and_then(|s| s.stats_updated_at.as_ref())
-                .map(|t| format!(", updated {}", t.0))
-                .unwrap_or_default();
-            writeln!(out, "Account (status.stats{updated}):")?;
-            writeln!(
-                out,
-                "  offered {}   delivered {}   released {}   lost {}",
-                c.offered, c.delivered, c.released, c.lost
-            )?;
-            writeln!(
-                out,
-                "  acked {}   nacked {}   silent {}   refused {}",
-                c.settlement.acked, c.settlement.nacked, c.settlement.silent, c.settlement.refused
-            )?;
-            writeln!(
-                out,
-                "  exhausted {}   stranded {}   leaseExpired {}   delayShortened {}   foreignConflicts {}",
-                c.exhausted, c.stranded, c.lease_expired, c.delay_shortened, c.foreign_conflicts
-            )?;
-            writeln!(
-                out,
-                "  pending {}   ackPending {}",
-                s.pending, s.ack_pending
-            )?;
-        }
-    }
+        );
+    };
+    let c = &s.counters;
+    let updated = status
+        .and_then(|s| s.stats_updated_at.as_ref())
+        .map(|t| format!(", updated {}", t.0))
+        .unwrap_or_default();
+    writeln!(out, "Account (status.stats{updated}):")?;
+    writeln!(
+        out,
+        "  offered {}   delivered {}   released {}   lost {}",
+        c.offered, c.delivered, c.released, c.lost
+    )?;
+    writeln!(
+        out,
+        "  acked {}   nacked {}   silent {}   refused {}",
+        c.settlement.acked, c.settlement.nacked, c.settlement.silent, c.settlement.refused
+    )?;
+    writeln!(
+        out,
+        "  exhausted {}   stranded {}   leaseExpired {}   delayShortened {}   foreignConflicts {}",
+        c.exhausted, c.stranded, c.lease_expired, c.delay_shortened, c.foreign_conflicts
+    )?;
+    writeln!(
+        out,
+        "  pending {}   ackPending {}",
+        s.pending, s.ack_pending
+    )
+}
 
-    writeln!(out)?;
+/// The Backend: not found, of no single kind, or what it can honour and its Ready condition.
+fn write_backend(
+    out: &mut String,
+    sub: &Subscription,
+    backend: Option<&Backend>,
+    capabilities: Option<&Capabilities>,
+    kind: Option<BackendKind>,
+) -> std::fmt::Result {
+    let ns = sub.metadata.namespace.as_deref().unwrap_or("default");
     let backend_name = sub.spec.backend_ref.name.as_str();
-    let capabilities = backend.and_then(policy::effective_capabilities);
-    match (backend, &capabilities) {
-        (None, _) => writeln!(
-            out,
-            "Backend {backend_name:?}: not found in namespace {ns}, so nothing can be said of what its broker can honour"
-        )?,
-        (Some(_), None) => writeln!(
-            out,
-            "Backend {backend_name:?}: its spec names no single kind, so it has no capabilities"
-        )?,
-        (Some(b), Some(caps)) => {
-            let source = if b.status.as_ref().is_some_and(|s| s.capabilities.is_some()) {
-                "from its status: the live broker and its version".to_string()
-            } else {
-                format!(
-                    "from the {} row of the capability table: not yet in its status",
-                    kind.map_or("?", BackendKind::name)
-                )
-            };
-            let version = b
-                .status
-                .as_ref()
-                .and_then(|s| s.server_version.as_deref())
-                .map(|v| format!(", server {v}"))
-                .unwrap_or_default();
-            writeln!(
+    let (b, caps) = match (backend, capabilities) {
+        (None, _) => {
+            return writeln!(
                 out,
-                "Backend {backend_name}{version} can honour ({source}):"
-            )?;
-            write_capabilities(out, caps)?;
-            let backend_conds = b
-                .status
-                .as_ref()
-                .map(|s| s.conditions.as_slice())
-                .unwrap_or_default();
-            match settle::api::condition::find(backend_conds, READY) {
-                Some(c) if c.status == "True" => {
-                    writeln!(out, "  Backend Ready: True ({})", c.reason)?
-                }
-                Some(c) => writeln!(
-                    out,
-                    "  Backend Ready: {} ({}): {}\n    next: {}",
-                    c.status,
-                    c.reason,
-                    c.message,
-                    next_step(&c.reason, sub)
-                )?,
-                None => writeln!(out, "  Backend Ready: not written yet")?,
-            }
+                "Backend {backend_name:?}: not found in namespace {ns}, so nothing can be said of what its broker can honour"
+            );
         }
-    }
+        (Some(_), None) => {
+            return writeln!(
+                out,
+                "Backend {backend_name:?}: its spec names no single kind, so it has no capabilities"
+            );
+        }
+        (Some(b), Some(caps)) => (b, caps),
+    };
+    let source = if b.status.as_ref().is_some_and(|s| s.capabilities.is_some()) {
+        "from its status: the live broker and its version".to_string()
+    } else {
+        format!(
+            "from the {} row of the capability table: not yet in its status",
+            kind.map_or("?", BackendKind::name)
+        )
+    };
+    let version = b
+        .status
+        .as_ref()
+        .and_then(|s| s.server_version.as_deref())
+        .map(|v| format!(", server {v}"))
+        .unwrap_or_default();
+    writeln!(
+        out,
+        "Backend {backend_name}{version} can honour ({source}):"
+    )?;
+    write_capabilities(out, caps)?;
+    write_backend_ready(out, sub, b)
+}
 
-    let view = match &capabilities {
+/// The Backend's Ready condition, with the next step when it is not True.
+fn write_backend_ready(out: &mut String, sub: &Subscription, b: &Backend) -> std::fmt::Result {
+    let backend_conds = b
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
+    match settle::api::condition::find(backend_conds, READY) {
+        Some(c) if c.status == "True" => writeln!(out, "  Backend Ready: True ({})", c.reason),
+        Some(c) => writeln!(
+            out,
+            "  Backend Ready: {} ({}): {}\n    next: {}",
+            c.status,
+            c.reason,
+            c.message,
+            next_step(&c.reason, sub)
+        ),
+        None => writeln!(out, "  Backend Ready: not written yet"),
+    }
+}
+
+/// What the admission rules (`policy::validate`) say of the spec against the Backend now.
+fn write_admission(
+    out: &mut String,
+    sub: &Subscription,
+    capabilities: Option<&Capabilities>,
+) -> std::fmt::Result {
+    let backend_name = sub.spec.backend_ref.name.as_str();
+    let view = match capabilities {
         Some(caps) => BackendView::Known {
             name: backend_name,
             capabilities: caps,

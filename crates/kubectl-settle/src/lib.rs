@@ -160,19 +160,7 @@ pub enum Error {
 /// Runs the command and writes what it shows to `out`.
 pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
     if let Command::Import(Import::Nack(args)) = &cli.command {
-        // Files are converted offline: the cluster is read only with --from-cluster.
-        let code = settle_import::run_nack(
-            args,
-            cli.cluster.namespace.clone(),
-            || async { client(&cli.cluster).await.map_err(|e| e.to_string()) },
-            out,
-            &mut std::io::stderr().lock(),
-        )
-        .await;
-        return match code {
-            0 => Ok(()),
-            code => Err(Error::Exit(code)),
-        };
+        return import_nack(args, &cli.cluster, out).await;
     }
     let (client, default_namespace) = client(&cli.cluster).await?;
     let namespace = cli.cluster.namespace.clone().unwrap_or(default_namespace);
@@ -180,87 +168,12 @@ pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
         Command::Status {
             all_namespaces,
             output,
-        } => {
-            let (subs, backends) = if all_namespaces {
-                (
-                    list(
-                        Api::<Subscription>::all(client.clone()),
-                        "list Subscriptions",
-                    )
-                    .await?,
-                    list(Api::<Backend>::all(client), "list Backends").await?,
-                )
-            } else {
-                (
-                    list(
-                        Api::<Subscription>::namespaced(client.clone(), &namespace),
-                        "list Subscriptions",
-                    )
-                    .await?,
-                    list(
-                        Api::<Backend>::namespaced(client, &namespace),
-                        "list Backends",
-                    )
-                    .await?,
-                )
-            };
-            let rows = status::rows(&subs, &backends);
-            match output {
-                Some(Output::Json) => {
-                    let mut s = serde_json::to_string_pretty(&rows)?;
-                    s.push('\n');
-                    s
-                }
-                Some(Output::Wide) => status::table(&rows, all_namespaces, true),
-                None if rows.is_empty() && !all_namespaces => {
-                    format!("No Subscriptions found in namespace {namespace}.\n")
-                }
-                None if rows.is_empty() => "No Subscriptions found.\n".to_string(),
-                None => status::table(&rows, all_namespaces, false),
-            }
-        }
+        } => status_text(client, &namespace, all_namespaces, output).await?,
         // Run above, before any client is made.
         Command::Import(_) => String::new(),
-        Command::Explain { name } => {
-            let subs = Api::<Subscription>::namespaced(client.clone(), &namespace);
-            let sub = subs
-                .get_opt(&name)
-                .await
-                .map_err(|source| Error::Api {
-                    what: format!("read Subscription {namespace}/{name}"),
-                    source,
-                })?
-                .ok_or_else(|| Error::NotFound {
-                    namespace: namespace.clone(),
-                    name: name.clone(),
-                })?;
-            let backend_name = &sub.spec.backend_ref.name;
-            let backend = Api::<Backend>::namespaced(client, &namespace)
-                .get_opt(backend_name)
-                .await
-                .map_err(|source| Error::Api {
-                    what: format!("read Backend {namespace}/{backend_name}"),
-                    source,
-                })?;
-            explain::explain(&sub, backend.as_ref())
-        }
+        Command::Explain { name } => explain_text(client, &namespace, &name).await?,
         Command::Pause { name, until, for_ } => {
-            let now = k8s_openapi::jiff::Timestamp::now();
-            let until = match (until, for_) {
-                (Some(t), _) => Some(t),
-                (None, Some(d)) => Some(pause::after(now, d.get())?),
-                (None, None) => None,
-            };
-            if let Some(t) = until
-                && t <= now
-            {
-                return Err(Error::Usage(format!(
-                    "--until {t} has passed already: a pause until then is no pause; give a later time, or --for"
-                )));
-            }
-            let subs = Api::<Subscription>::namespaced(client, &namespace);
-            pause::patch(&subs, &namespace, &name, &pause::pause_body(until)).await?;
-            pause::paused_text(&namespace, &name, until)
+            pause_text(client, &namespace, &name, until, for_).await?
         }
         Command::Resume { name } => {
             let subs = Api::<Subscription>::namespaced(client, &namespace);
@@ -271,6 +184,125 @@ pub async fn run(cli: Cli, out: &mut impl std::io::Write) -> Result<(), Error> {
     // A reader that went away (`| head`) is not an error worth a message.
     let _ = out.write_all(text.as_bytes());
     Ok(())
+}
+
+/// `import nack`, which says itself what went wrong: its exit status as [`Error::Exit`].
+async fn import_nack(
+    args: &settle_import::NackArgs,
+    cluster: &ClusterArgs,
+    out: &mut impl std::io::Write,
+) -> Result<(), Error> {
+    // Files are converted offline: the cluster is read only with --from-cluster.
+    let code = settle_import::run_nack(
+        args,
+        cluster.namespace.clone(),
+        || async { client(cluster).await.map_err(|e| e.to_string()) },
+        out,
+        &mut std::io::stderr().lock(),
+    )
+    .await;
+    match code {
+        0 => Ok(()),
+        code => Err(Error::Exit(code)),
+    }
+}
+
+/// `status`: the Subscriptions and Backends of `namespace` (or all), as a table or JSON.
+async fn status_text(
+    client: Client,
+    namespace: &str,
+    all_namespaces: bool,
+    output: Option<Output>,
+) -> Result<String, Error> {
+    let (subs, backends) = if all_namespaces {
+        (
+            list(
+                Api::<Subscription>::all(client.clone()),
+                "list Subscriptions",
+            )
+            .await?,
+            list(Api::<Backend>::all(client), "list Backends").await?,
+        )
+    } else {
+        (
+            list(
+                Api::<Subscription>::namespaced(client.clone(), namespace),
+                "list Subscriptions",
+            )
+            .await?,
+            list(
+                Api::<Backend>::namespaced(client, namespace),
+                "list Backends",
+            )
+            .await?,
+        )
+    };
+    let rows = status::rows(&subs, &backends);
+    Ok(match output {
+        Some(Output::Json) => {
+            let mut s = serde_json::to_string_pretty(&rows)?;
+            s.push('\n');
+            s
+        }
+        Some(Output::Wide) => status::table(&rows, all_namespaces, true),
+        None if rows.is_empty() && !all_namespaces => {
+            format!("No Subscriptions found in namespace {namespace}.\n")
+        }
+        None if rows.is_empty() => "No Subscriptions found.\n".to_string(),
+        None => status::table(&rows, all_namespaces, false),
+    })
+}
+
+/// `explain NAME`: the Subscription and its Backend read, then explained.
+async fn explain_text(client: Client, namespace: &str, name: &str) -> Result<String, Error> {
+    let subs = Api::<Subscription>::namespaced(client.clone(), namespace);
+    let sub = subs
+        .get_opt(name)
+        .await
+        .map_err(|source| Error::Api {
+            what: format!("read Subscription {namespace}/{name}"),
+            source,
+        })?
+        .ok_or_else(|| Error::NotFound {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+        })?;
+    let backend_name = &sub.spec.backend_ref.name;
+    let backend = Api::<Backend>::namespaced(client, namespace)
+        .get_opt(backend_name)
+        .await
+        .map_err(|source| Error::Api {
+            what: format!("read Backend {namespace}/{backend_name}"),
+            source,
+        })?;
+    Ok(explain::explain(&sub, backend.as_ref()))
+}
+
+/// `pause NAME`: `spec.paused` (and `spec.pausedUntil` from --until or --for) patched; a time
+/// already past is a usage error.
+async fn pause_text(
+    client: Client,
+    namespace: &str,
+    name: &str,
+    until: Option<k8s_openapi::jiff::Timestamp>,
+    for_: Option<Duration>,
+) -> Result<String, Error> {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let until = match (until, for_) {
+        (Some(t), _) => Some(t),
+        (None, Some(d)) => Some(pause::after(now, d.get())?),
+        (None, None) => None,
+    };
+    if let Some(t) = until
+        && t <= now
+    {
+        return Err(Error::Usage(format!(
+            "--until {t} has passed already: a pause until then is no pause; give a later time, or --for"
+        )));
+    }
+    let subs = Api::<Subscription>::namespaced(client, namespace);
+    pause::patch(&subs, namespace, name, &pause::pause_body(until)).await?;
+    Ok(pause::paused_text(namespace, name, until))
 }
 
 async fn list<K>(api: Api<K>, what: &str) -> Result<Vec<K>, Error>

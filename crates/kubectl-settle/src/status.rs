@@ -113,7 +113,13 @@ pub fn rows(subs: &[Subscription], backends: &[Backend]) -> Vec<Row> {
 /// The table: kubectl's look (upper-case headers, columns three spaces apart). `all` adds
 /// NAMESPACE first; `wide` adds KIND, OFFERED, RELEASED, LOST, REFUSED and the reasons.
 pub fn table(rows: &[Row], all: bool, wide: bool) -> String {
-    let n = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
+    let mut lines: Vec<Vec<String>> = vec![header(all, wide)];
+    lines.extend(rows.iter().map(|r| cells(r, all, wide)));
+    aligned(&lines)
+}
+
+/// The header's cells, in the columns [`cells`] fills.
+fn header(all: bool, wide: bool) -> Vec<String> {
     let mut header: Vec<&str> = Vec::new();
     if all {
         header.push("NAMESPACE");
@@ -137,42 +143,50 @@ pub fn table(rows: &[Row], all: bool, wide: bool) -> String {
         "ACKPENDING",
         "CONDITIONS",
     ]);
-    let mut lines: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
-    for r in rows {
-        let mut line = Vec::new();
-        if all {
-            line.push(r.namespace.clone());
-        }
-        line.extend([r.name.clone(), r.backend.clone()]);
-        if wide {
-            line.push(r.backend_kind.clone().unwrap_or_else(|| "-".into()));
-        }
-        line.push(r.ready.clone().unwrap_or_else(|| "-".into()));
-        if wide {
-            line.push(n(r.offered));
-        }
-        line.extend([n(r.delivered), n(r.acked), n(r.nacked), n(r.silent)]);
-        if wide {
-            line.extend([n(r.refused), n(r.released), n(r.lost)]);
-        }
-        line.extend([
-            n(r.exhausted),
-            n(r.stranded),
-            n(r.pending),
-            n(r.ack_pending),
-        ]);
-        let shown: Vec<String> = r
-            .conditions
-            .iter()
-            .map(|c| conditions::label(&c.type_, &c.status, wide.then_some(c.reason.as_str())))
-            .collect();
-        line.push(if shown.is_empty() {
-            "-".into()
-        } else {
-            shown.join(",")
-        });
-        lines.push(line);
+    header.iter().map(|h| h.to_string()).collect()
+}
+
+/// One row's cells, in the columns of [`header`]: `-` where there is no value.
+fn cells(r: &Row, all: bool, wide: bool) -> Vec<String> {
+    let n = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| v.to_string());
+    let mut line = Vec::new();
+    if all {
+        line.push(r.namespace.clone());
     }
+    line.extend([r.name.clone(), r.backend.clone()]);
+    if wide {
+        line.push(r.backend_kind.clone().unwrap_or_else(|| "-".into()));
+    }
+    line.push(r.ready.clone().unwrap_or_else(|| "-".into()));
+    if wide {
+        line.push(n(r.offered));
+    }
+    line.extend([n(r.delivered), n(r.acked), n(r.nacked), n(r.silent)]);
+    if wide {
+        line.extend([n(r.refused), n(r.released), n(r.lost)]);
+    }
+    line.extend([
+        n(r.exhausted),
+        n(r.stranded),
+        n(r.pending),
+        n(r.ack_pending),
+    ]);
+    let shown: Vec<String> = r
+        .conditions
+        .iter()
+        .map(|c| conditions::label(&c.type_, &c.status, wide.then_some(c.reason.as_str())))
+        .collect();
+    line.push(if shown.is_empty() {
+        "-".into()
+    } else {
+        shown.join(",")
+    });
+    line
+}
+
+/// The lines as text: each column as wide as its widest cell, three spaces apart, the last
+/// left as it is.
+fn aligned(lines: &[Vec<String>]) -> String {
     let columns = lines[0].len();
     let widths: Vec<usize> = (0..columns)
         .map(|i| {
@@ -184,7 +198,7 @@ pub fn table(rows: &[Row], all: bool, wide: bool) -> String {
         })
         .collect();
     let mut out = String::new();
-    for line in &lines {
+    for line in lines {
         let mut text = String::new();
         for (i, cell) in line.iter().enumerate() {
             if i + 1 == columns {

@@ -2,6 +2,7 @@
 //! the input (files, stdin, or the cluster), the conversion, and writing the manifests (stdout or
 //! one file per namespace) and the findings (stderr).
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -117,34 +118,9 @@ where
     C: FnOnce() -> Fut,
     Fut: Future<Output = Result<(Client, String), String>>,
 {
-    let (input, default_namespace) = if args.from_cluster {
-        let (client, context_ns) = match connect().await {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = writeln!(
-                    err,
-                    "error: cannot load the kubeconfig: {e} (set KUBECONFIG or --kubeconfig, as for kubectl)"
-                );
-                return EXIT_INPUT;
-            }
-        };
-        let ns = namespace.unwrap_or(context_ns);
-        let read_ns = (!args.all_namespaces).then_some(ns.as_str());
-        match cluster::read(&client, read_ns).await {
-            Ok(i) => (i, ns),
-            Err(e) => {
-                let _ = writeln!(err, "error: {e}");
-                return EXIT_INPUT;
-            }
-        }
-    } else {
-        match read_files(&args.files) {
-            Ok(i) => (i, namespace.unwrap_or_else(|| "default".to_string())),
-            Err(e) => {
-                let _ = writeln!(err, "error: {e}");
-                return EXIT_INPUT;
-            }
-        }
+    let (input, default_namespace) = match read_input(args, namespace, connect, err).await {
+        Ok(read) => read,
+        Err(code) => return code,
     };
     if input.consumers.is_empty() {
         let _ = writeln!(
@@ -162,7 +138,68 @@ where
     );
     let _ = err.write_all(render::report(&migration, args.allow_changes).as_bytes());
     let manifests = render::manifests(&migration, args.allow_changes);
-    match &args.output_dir {
+    if let Err(code) = write_manifests(args.output_dir.as_deref(), &manifests, out, err) {
+        return code;
+    }
+    if migration.clean(args.allow_changes) {
+        EXIT_OK
+    } else {
+        EXIT_NOT_ALL
+    }
+}
+
+/// The input, from the cluster (--from-cluster) or the files, and the namespace of resources
+/// that name none; [`EXIT_INPUT`] when it cannot be read (said on `err`).
+async fn read_input<C, Fut>(
+    args: &NackArgs,
+    namespace: Option<String>,
+    connect: C,
+    err: &mut dyn Write,
+) -> Result<(Input, String), u8>
+where
+    C: FnOnce() -> Fut,
+    Fut: Future<Output = Result<(Client, String), String>>,
+{
+    if args.from_cluster {
+        let (client, context_ns) = match connect().await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = writeln!(
+                    err,
+                    "error: cannot load the kubeconfig: {e} (set KUBECONFIG or --kubeconfig, as for kubectl)"
+                );
+                return Err(EXIT_INPUT);
+            }
+        };
+        let ns = namespace.unwrap_or(context_ns);
+        let read_ns = (!args.all_namespaces).then_some(ns.as_str());
+        match cluster::read(&client, read_ns).await {
+            Ok(i) => Ok((i, ns)),
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                Err(EXIT_INPUT)
+            }
+        }
+    } else {
+        match read_files(&args.files) {
+            Ok(i) => Ok((i, namespace.unwrap_or_else(|| "default".to_string()))),
+            Err(e) => {
+                let _ = writeln!(err, "error: {e}");
+                Err(EXIT_INPUT)
+            }
+        }
+    }
+}
+
+/// The manifests to `out`, or one file per namespace in `output_dir` (each said on `err`);
+/// [`EXIT_INPUT`] when one cannot be written.
+fn write_manifests(
+    output_dir: Option<&Path>,
+    manifests: &BTreeMap<String, String>,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> Result<(), u8> {
+    match output_dir {
         None => {
             for text in manifests.values() {
                 let _ = out.write_all(text.as_bytes());
@@ -171,23 +208,19 @@ where
         Some(dir) => {
             if let Err(e) = std::fs::create_dir_all(dir) {
                 let _ = writeln!(err, "error: cannot make {}: {e}", dir.display());
-                return EXIT_INPUT;
+                return Err(EXIT_INPUT);
             }
-            for (ns, text) in &manifests {
+            for (ns, text) in manifests {
                 let path = dir.join(format!("{ns}.yaml"));
                 if let Err(e) = std::fs::write(&path, text) {
                     let _ = writeln!(err, "error: cannot write {}: {e}", path.display());
-                    return EXIT_INPUT;
+                    return Err(EXIT_INPUT);
                 }
                 let _ = writeln!(err, "wrote {}", path.display());
             }
         }
     }
-    if migration.clean(args.allow_changes) {
-        EXIT_OK
-    } else {
-        EXIT_NOT_ALL
-    }
+    Ok(())
 }
 
 /// Every document of `paths` (files, directories searched for *.yaml and *.yml, `-` for stdin).

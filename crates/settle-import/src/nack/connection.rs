@@ -66,68 +66,24 @@ impl Backends {
         default_servers: &[String],
     ) -> Result<(String, Vec<Finding>), Finding> {
         let mut findings = Vec::new();
-        let mut servers: Vec<String> = spec.servers.iter().map(|s| url(s)).collect();
-        servers.sort();
-        servers.dedup();
         if let Some(tls) = &spec.tls
             && (tls.client_cert.is_some() || tls.client_key.is_some())
         {
             findings.push(client_cert_finding("spec.tls.clientCert"));
         }
-        let key = match account {
-            Some((name, None)) => {
-                return Err(Finding {
-                    severity: Severity::Refused,
-                    field: "spec.account".into(),
-                    message: format!(
-                        "names NACK Account {name:?}, which is not in the input (or not in this \
-                         namespace): add it (or use --from-cluster) so its servers and Secrets are known"
-                    ),
-                });
-            }
-            Some((name, Some(acc))) => {
-                if acc
-                    .tls
-                    .as_ref()
-                    .is_some_and(|t| t.cert.is_some() || t.key.is_some())
-                {
-                    findings.push(client_cert_finding("Account spec.tls.cert"));
-                }
-                Key::Account {
-                    account: name.to_string(),
-                    servers,
-                }
-            }
-            None => {
-                if servers.is_empty() {
-                    if default_servers.is_empty() {
-                        return Err(Finding {
-                            severity: Severity::Refused,
-                            field: "spec.servers".into(),
-                            message: "not set, and no account: NACK's controller connected with its \
-                                      own -s flag, which no resource shows. Pass --servers URL (the \
-                                      -s NACK runs with)"
-                                .into(),
-                        });
-                    }
-                    servers = default_servers.iter().map(|s| url(s)).collect();
-                }
-                Key::Servers {
-                    servers,
-                    creds: spec.creds.clone(),
-                    nkey: spec.nkey.clone(),
-                    cas: spec
-                        .tls
-                        .as_ref()
-                        .map(|t| t.root_cas.clone())
-                        .unwrap_or_default(),
-                }
-            }
-        };
+        let key = key(spec, account, default_servers, &mut findings)?;
         let k = (namespace.to_string(), key);
         if let Some(&i) = self.by_key.get(&k) {
             return Ok((self.plans[i].name.clone(), findings));
         }
+        let name = self.add(k, account.and_then(|(_, acc)| acc));
+        Ok((name, findings))
+    }
+
+    /// A new Backend for `k` (namespace and key), filled from its Account when it has one;
+    /// returns its name.
+    fn add(&mut self, k: (String, Key), account: Option<&AccountSpec>) -> String {
+        let namespace = k.0.as_str();
         let name = self.free_name(namespace, &k.1);
         let plan = match &k.1 {
             Key::Account { account, servers } => from_account(namespace, &name, account, servers),
@@ -139,7 +95,7 @@ impl Backends {
             } => from_files(namespace, &name, servers, creds, nkey, cas),
         };
         let plan = match (plan, account) {
-            (mut p, Some((_, Some(acc)))) => {
+            (mut p, Some(acc)) => {
                 fill_account(&mut p, acc);
                 p
             }
@@ -147,7 +103,7 @@ impl Backends {
         };
         self.plans.push(plan);
         self.by_key.insert(k, self.plans.len() - 1);
-        Ok((name, findings))
+        name
     }
 
     /// A Backend name not yet taken in `namespace`: the Account's name, else `nats`, `nats-2`, ...
@@ -175,6 +131,67 @@ impl Backends {
 
     pub fn into_plans(self) -> Vec<BackendPlan> {
         self.plans
+    }
+}
+
+/// What makes the Consumer's Backend: its Account (which must be in the input) and servers, or
+/// its servers (else `default_servers`) and credential files.
+fn key(
+    spec: &ConsumerSpec,
+    account: Option<(&str, Option<&AccountSpec>)>,
+    default_servers: &[String],
+    findings: &mut Vec<Finding>,
+) -> Result<Key, Finding> {
+    let mut servers: Vec<String> = spec.servers.iter().map(|s| url(s)).collect();
+    servers.sort();
+    servers.dedup();
+    match account {
+        Some((name, None)) => Err(Finding {
+            severity: Severity::Refused,
+            field: "spec.account".into(),
+            message: format!(
+                "names NACK Account {name:?}, which is not in the input (or not in this \
+                 namespace): add it (or use --from-cluster) so its servers and Secrets are known"
+            ),
+        }),
+        Some((name, Some(acc))) => {
+            if acc
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.cert.is_some() || t.key.is_some())
+            {
+                findings.push(client_cert_finding("Account spec.tls.cert"));
+            }
+            Ok(Key::Account {
+                account: name.to_string(),
+                servers,
+            })
+        }
+        None => {
+            if servers.is_empty() {
+                if default_servers.is_empty() {
+                    return Err(Finding {
+                        severity: Severity::Refused,
+                        field: "spec.servers".into(),
+                        message: "not set, and no account: NACK's controller connected with its \
+                                  own -s flag, which no resource shows. Pass --servers URL (the \
+                                  -s NACK runs with)"
+                            .into(),
+                    });
+                }
+                servers = default_servers.iter().map(|s| url(s)).collect();
+            }
+            Ok(Key::Servers {
+                servers,
+                creds: spec.creds.clone(),
+                nkey: spec.nkey.clone(),
+                cas: spec
+                    .tls
+                    .as_ref()
+                    .map(|t| t.root_cas.clone())
+                    .unwrap_or_default(),
+            })
+        }
     }
 }
 

@@ -6,12 +6,15 @@
 //! those in place, so a consumer that differs in one of them is a [`Severity::Change`] that says
 //! what taking it over costs. What JetStream can change in place (ack wait, max deliver, max ack
 //! pending, the filter, backoff, ...) is written so that Settle's first update changes nothing
-//! that affects delivery, or flagged when it must.
+//! that affects delivery, or flagged when it must; the ack fields are mapped in [`acks`].
+
+mod acks;
 
 use std::time::Duration as StdDuration;
 
 use super::super::{Finding, Severity, SubscriptionPlan};
-use super::{ConsumerSpec, DEFAULT_ACK_WAIT, Status};
+use super::{ConsumerSpec, Status};
+use acks::{acked_fields, unacked_fields};
 use settle::api::{
     Adopt, BackendRef, Backoff, DeletionPolicy, DeliveryPolicy, Duration, Mode, SubscriptionSpec,
 };
@@ -69,16 +72,58 @@ pub fn plan(
     let stream = spec.stream_name.clone().unwrap_or_default();
     let durable = spec.durable_name.clone().unwrap_or_default();
     let consumer = format!("{stream}/{durable}");
-    let mut refused = false;
+    let mut refused = !names_valid(&stream, &durable, &mut f);
 
+    let pattern = pattern(spec, stream_subjects, &mut f);
+    refused |= pattern.is_none();
+
+    fixed_fields(spec, &stream, &durable, &mut f);
+    let (mode, ack_refused) = mode(spec, &stream, &durable, &mut f);
+    refused |= ack_refused;
+
+    let mut policy = DeliveryPolicy {
+        pattern: pattern.unwrap_or_default(),
+        mode,
+        durable_name: Some(durable.clone()),
+        ..DeliveryPolicy::default()
+    };
+    match mode {
+        Mode::AtLeastOnce => refused |= !acked_fields(spec, &mut policy, &mut f),
+        Mode::AtMostOnce => unacked_fields(spec, &mut f),
+    }
+    other_fields(spec, &mut f);
+    let deletion_policy = deletion_policy(spec, &mut f);
+
+    SubscriptionPlan {
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+        consumer,
+        spec: (!refused).then(|| SubscriptionSpec {
+            backend_ref: BackendRef::default(),
+            stream: Some(stream),
+            deletion_policy,
+            // Take over the consumer NACK made when it matches, keeping its position.
+            adopt: Adopt::IfCompatible,
+            paused: false,
+            paused_until: None,
+            policy,
+        }),
+        findings: f.0,
+    }
+}
+
+/// `streamName` and `durableName`, which Settle names the consumer by; false when either is
+/// missing or not a name Settle can write.
+fn names_valid(stream: &str, durable: &str, f: &mut Findings) -> bool {
+    let mut valid = true;
     if stream.is_empty() {
         f.add(
             Severity::Refused,
             "spec.streamName",
             "not set: NACK made no consumer for it. Set streamName on the NACK Consumer, or write the Subscription by hand",
         );
-        refused = true;
-    } else if !valid_stream_name(&stream) {
+        valid = false;
+    } else if !valid_stream_name(stream) {
         f.add(
             Severity::Refused,
             "spec.streamName",
@@ -87,7 +132,7 @@ pub fn plan(
                  '.', '*', '>', '/' or '\\'): write the Subscription without spec.stream, by its pattern"
             ),
         );
-        refused = true;
+        valid = false;
     }
     if durable.is_empty() {
         f.add(
@@ -96,8 +141,8 @@ pub fn plan(
             "not set: NACK made an ephemeral consumer, which has no position to keep. Write a new \
              Subscription with a durableName instead",
         );
-        refused = true;
-    } else if !valid_durable_name(&durable) {
+        valid = false;
+    } else if !valid_durable_name(durable) {
         f.add(
             Severity::Refused,
             "spec.durableName",
@@ -107,32 +152,67 @@ pub fn plan(
                  durableName, and delete this one when it has drained"
             ),
         );
-        refused = true;
+        valid = false;
     }
+    valid
+}
 
-    let pattern = pattern(spec, stream_subjects, &mut f);
-    refused |= pattern.is_none();
-
-    // The fields JetStream cannot change in place: each must be what Settle's mapping makes.
-    let deliver = spec.deliver_policy.as_deref().unwrap_or("all");
-    if deliver != "all" {
-        let start = match deliver {
-            "byStartSequence" => format!(" (optStartSeq {})", spec.opt_start_seq.unwrap_or(0)),
-            "byStartTime" => format!(
-                " (optStartTime {})",
-                spec.opt_start_time.as_deref().unwrap_or("unset")
-            ),
-            _ => String::new(),
-        };
+/// The fields JetStream cannot change in place: each must be what Settle's mapping makes.
+fn fixed_fields(spec: &ConsumerSpec, stream: &str, durable: &str, f: &mut Findings) {
+    deliver_policy(spec, stream, durable, f);
+    push_fields(spec, stream, durable, f);
+    let replay = spec.replay_policy.as_deref().unwrap_or("instant");
+    if replay != "instant" {
         f.add(
             Severity::Change,
-            "spec.deliverPolicy",
+            "spec.replayPolicy",
             format!(
-                "{deliver}{start}: Settle makes every named consumer with deliver policy all. {}",
-                cannot_take_over(&stream, &durable)
+                "{replay}: Settle's consumers replay instantly. {}",
+                cannot_take_over(stream, durable)
             ),
         );
     }
+    if let Some(w) = spec
+        .max_waiting
+        .filter(|w| *w != 0 && *w != SERVER_MAX_WAITING)
+    {
+        f.add(
+            Severity::Change,
+            "spec.maxWaiting",
+            format!(
+                "{w}: Settle's consumers keep the server's {SERVER_MAX_WAITING}. {}",
+                cannot_take_over(stream, durable)
+            ),
+        );
+    }
+}
+
+/// `deliverPolicy` (with its start): Settle's consumers deliver `all`.
+fn deliver_policy(spec: &ConsumerSpec, stream: &str, durable: &str, f: &mut Findings) {
+    let deliver = spec.deliver_policy.as_deref().unwrap_or("all");
+    if deliver == "all" {
+        return;
+    }
+    let start = match deliver {
+        "byStartSequence" => format!(" (optStartSeq {})", spec.opt_start_seq.unwrap_or(0)),
+        "byStartTime" => format!(
+            " (optStartTime {})",
+            spec.opt_start_time.as_deref().unwrap_or("unset")
+        ),
+        _ => String::new(),
+    };
+    f.add(
+        Severity::Change,
+        "spec.deliverPolicy",
+        format!(
+            "{deliver}{start}: Settle makes every named consumer with deliver policy all. {}",
+            cannot_take_over(stream, durable)
+        ),
+    );
+}
+
+/// A push consumer's fields (Settle's are pull consumers), or a pull consumer's rate limit.
+fn push_fields(spec: &ConsumerSpec, stream: &str, durable: &str, f: &mut Findings) {
     if let Some(subject) = &spec.deliver_subject {
         let mut push = vec![format!("deliverSubject {subject:?}")];
         if let Some(g) = &spec.deliver_group {
@@ -154,7 +234,7 @@ pub fn plan(
                 "a push consumer ({}); Settle's consumers are pull consumers, which its runtime \
                  fetches from. {}",
                 push.join(", "),
-                cannot_take_over(&stream, &durable)
+                cannot_take_over(stream, durable)
             ),
         );
     } else if let Some(r) = spec.rate_limit_bps.filter(|r| *r > 0) {
@@ -164,34 +244,12 @@ pub fn plan(
             format!("{r}: Settle sets no rate limit; its first update of the consumer clears it"),
         );
     }
-    let replay = spec.replay_policy.as_deref().unwrap_or("instant");
-    if replay != "instant" {
-        f.add(
-            Severity::Change,
-            "spec.replayPolicy",
-            format!(
-                "{replay}: Settle's consumers replay instantly. {}",
-                cannot_take_over(&stream, &durable)
-            ),
-        );
-    }
-    if let Some(w) = spec
-        .max_waiting
-        .filter(|w| *w != 0 && *w != SERVER_MAX_WAITING)
-    {
-        f.add(
-            Severity::Change,
-            "spec.maxWaiting",
-            format!(
-                "{w}: Settle's consumers keep the server's {SERVER_MAX_WAITING}. {}",
-                cannot_take_over(&stream, &durable)
-            ),
-        );
-    }
+}
 
-    let ack = spec.ack_policy.as_deref().unwrap_or("none");
-    let mode = match ack {
-        "explicit" => Mode::AtLeastOnce,
+/// The Subscription's mode from `ackPolicy`, and whether the policy is refused.
+fn mode(spec: &ConsumerSpec, stream: &str, durable: &str, f: &mut Findings) -> (Mode, bool) {
+    match spec.ack_policy.as_deref().unwrap_or("none") {
+        "explicit" => (Mode::AtLeastOnce, false),
         "none" => {
             f.add(
                 Severity::Unsafe,
@@ -210,7 +268,7 @@ pub fn plan(
                     }
                 ),
             );
-            Mode::AtMostOnce
+            (Mode::AtMostOnce, false)
         }
         "all" => {
             f.add(
@@ -219,10 +277,10 @@ pub fn plan(
                 format!(
                     "all: acknowledging one message acknowledges every earlier one; Settle \
                      acknowledges each message (mode: AtLeastOnce, ack policy explicit). {}",
-                    cannot_take_over(&stream, &durable)
+                    cannot_take_over(stream, durable)
                 ),
             );
-            Mode::AtLeastOnce
+            (Mode::AtLeastOnce, false)
         }
         other => {
             f.add(
@@ -230,24 +288,14 @@ pub fn plan(
                 "spec.ackPolicy",
                 format!("{other:?} is not one of NACK's ack policies (none, all, explicit)"),
             );
-            refused = true;
-            Mode::AtLeastOnce
+            (Mode::AtLeastOnce, true)
         }
-    };
-
-    let mut policy = DeliveryPolicy {
-        pattern: pattern.unwrap_or_default(),
-        mode,
-        durable_name: Some(durable.clone()),
-        ..DeliveryPolicy::default()
-    };
-    match mode {
-        Mode::AtLeastOnce => refused |= !acked_fields(spec, &mut policy, &mut f),
-        Mode::AtMostOnce => unacked_fields(spec, &mut f),
     }
-    other_fields(spec, &mut f);
+}
 
-    let deletion_policy = if spec.prevent_delete {
+/// `preventDelete` as the Subscription's deletion policy.
+fn deletion_policy(spec: &ConsumerSpec, f: &mut Findings) -> DeletionPolicy {
+    if spec.prevent_delete {
         f.add(
             Severity::Note,
             "spec.preventDelete",
@@ -256,23 +304,6 @@ pub fn plan(
         DeletionPolicy::Retain
     } else {
         DeletionPolicy::Delete
-    };
-
-    SubscriptionPlan {
-        namespace: namespace.to_string(),
-        name: name.to_string(),
-        consumer,
-        spec: (!refused).then(|| SubscriptionSpec {
-            backend_ref: BackendRef::default(),
-            stream: Some(stream),
-            deletion_policy,
-            // Take over the consumer NACK made when it matches, keeping its position.
-            adopt: Adopt::IfCompatible,
-            paused: false,
-            paused_until: None,
-            policy,
-        }),
-        findings: f.0,
     }
 }
 
@@ -349,122 +380,6 @@ fn pattern(spec: &ConsumerSpec, subjects: Option<&[String]>, f: &mut Findings) -
     }
 }
 
-/// The fields that matter with acks (AtLeastOnce); false when one cannot be written at all.
-fn acked_fields(spec: &ConsumerSpec, policy: &mut DeliveryPolicy, f: &mut Findings) -> bool {
-    let text = spec.ack_wait.as_deref().unwrap_or(DEFAULT_ACK_WAIT);
-    match go_duration(text) {
-        Err(e) => {
-            f.add(Severity::Refused, "spec.ackWait", e);
-            return false;
-        }
-        Ok(d) if d.get() < UNSAFE_ACK_WAIT => {
-            let default = if spec_default(&spec.ack_wait, DEFAULT_ACK_WAIT) {
-                " (NACK's default: the NACK Consumer does not set ackWait)"
-            } else {
-                ""
-            };
-            f.add(
-                Severity::Change,
-                "spec.ackWait",
-                format!(
-                    "{text}{default} is unsafe: the server redelivers a message {text} after sending \
-                     it unless it is acknowledged by then, so nearly every message is handed out again \
-                     while its first handler still runs. Written without ackWait (Settle's default, \
-                     30s), which Settle's first update sets on the consumer. To migrate without a \
-                     change, set spec.ackWait on the NACK Consumer first"
-                ),
-            );
-        }
-        Ok(d) => policy.ack_wait = Some(d),
-    }
-
-    match spec.max_deliver {
-        Some(n) if n >= 1 => policy.max_deliver = Some(n),
-        Some(n) if n < -1 => {
-            f.add(
-                Severity::Refused,
-                "spec.maxDeliver",
-                format!("{n}: below -1, which NACK's CRD refuses"),
-            );
-            return false;
-        }
-        _ => f.add(
-            Severity::Note,
-            "spec.maxDeliver",
-            "unlimited (NACK's default): a message no handler can process comes back forever and \
-             holds a place in maxInFlight. Written as it is (maxDeliver unset); set spec.maxDeliver \
-             on the Subscription to bound it (Settle counts the last declined attempt Exhausted)",
-        ),
-    }
-
-    match spec.max_ack_pending {
-        None | Some(0) => {
-            policy.max_in_flight = Some(SERVER_MAX_ACK_PENDING);
-            f.add(
-                Severity::Note,
-                "spec.maxAckPending",
-                format!(
-                    "not set: the server's default, {SERVER_MAX_ACK_PENDING}, written as maxInFlight: \
-                     {SERVER_MAX_ACK_PENDING} (Settle's own default would be 250)"
-                ),
-            );
-        }
-        Some(n) if !(0..=MAX_IN_FLIGHT).contains(&n) => {
-            policy.max_in_flight = Some(MAX_IN_FLIGHT as i32);
-            f.add(
-                Severity::Change,
-                "spec.maxAckPending",
-                format!(
-                    "{n} ({}): Settle holds at most {MAX_IN_FLIGHT} unsettled deliveries; written as \
-                     maxInFlight: {MAX_IN_FLIGHT}",
-                    if n < 0 { "unlimited" } else { "above Settle's limit" }
-                ),
-            );
-        }
-        Some(n) => policy.max_in_flight = i32::try_from(n).ok(),
-    }
-
-    if !spec.backoff.is_empty() {
-        let mut steps = Vec::new();
-        for b in &spec.backoff {
-            match go_duration(b) {
-                Ok(d) if !d.is_zero() => steps.push(d.get()),
-                Ok(_) => {
-                    f.add(Severity::Refused, "spec.backoff", format!("{b}: zero"));
-                    return false;
-                }
-                Err(e) => {
-                    f.add(Severity::Refused, "spec.backoff", e);
-                    return false;
-                }
-            }
-        }
-        let (backoff, exact) = schedule_of(&steps);
-        let shown: Vec<&str> = spec.backoff.iter().map(String::as_str).collect();
-        f.add(
-            Severity::Change,
-            "spec.backoff",
-            format!(
-                "[{}]: the server times the redeliveries of unacknowledged messages by this list. \
-                 Settle keeps no list on the consumer (its first update clears it): its runtime \
-                 delays each declined attempt, a nack or silence, by spec.backoff {{initial: {}, \
-                 max: {}, multiplier: {}}}{}; a message whose handler died comes back after ackWait",
-                shown.join(", "),
-                backoff.initial,
-                backoff.max,
-                backoff.multiplier,
-                if exact {
-                    ", the same steps"
-                } else {
-                    ", the nearest geometric schedule (not the same steps)"
-                }
-            ),
-        );
-        policy.backoff = Some(backoff);
-    }
-    true
-}
-
 /// The nearest Settle schedule to a list of delays, and whether it gives the same steps (the
 /// server repeats the last step, as Settle's `max` does).
 pub fn schedule_of(steps: &[StdDuration]) -> (Backoff, bool) {
@@ -491,33 +406,7 @@ pub fn schedule_of(steps: &[StdDuration]) -> (Backoff, bool) {
     )
 }
 
-/// Without acks (AtMostOnce) the ack fields have no effect: said, not written.
-fn unacked_fields(spec: &ConsumerSpec, f: &mut Findings) {
-    let mut ignored = Vec::new();
-    if let Some(w) = spec.ack_wait.as_deref().filter(|w| *w != DEFAULT_ACK_WAIT) {
-        ignored.push(format!("ackWait {w}"));
-    }
-    if let Some(n) = spec.max_deliver.filter(|n| *n > 0) {
-        ignored.push(format!("maxDeliver {n}"));
-    }
-    if !spec.backoff.is_empty() {
-        ignored.push(format!("backoff {:?}", spec.backoff));
-    }
-    if let Some(n) = spec.max_ack_pending.filter(|n| *n != 0) {
-        ignored.push(format!("maxAckPending {n}"));
-    }
-    if !ignored.is_empty() {
-        f.add(
-            Severity::Note,
-            "spec.ackPolicy",
-            format!(
-                "none, so {} had no effect (nothing is acknowledged); not written",
-                ignored.join(", ")
-            ),
-        );
-    }
-}
-
+// Long on purpose: a table, one independent row per field read top to bottom; split, it would only scatter.
 /// The fields that do not decide which messages are delivered when.
 fn other_fields(spec: &ConsumerSpec, f: &mut Findings) {
     if spec.headers_only {

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 
-use super::{Finding, Migration, Severity};
+use super::{BackendPlan, Finding, Migration, Severity};
 use settle::policy::{
     BackendKind, BackendRules, BackendView, SecretView, capabilities_of, validate, validate_backend,
 };
@@ -283,6 +283,16 @@ pub struct Options {
 
 /// Converts every NACK Consumer in `input` (in namespace and name order).
 pub fn convert(input: &Input, options: &Options) -> Migration {
+    let mut migration = plan_consumers(input, options);
+    // Settle's own admission rules, on what was made: what they refuse is not written.
+    admit_backends(&mut migration.backends);
+    admit_subscriptions(&mut migration);
+    migration.notes = notes(input, &migration);
+    migration
+}
+
+/// A Subscription per Consumer (in namespace and name order) and the Backends they share.
+fn plan_consumers(input: &Input, options: &Options) -> Migration {
     let mut consumers: Vec<&Object<ConsumerSpec>> = input.consumers.iter().collect();
     let ns_of = |m: &ObjectMeta| {
         m.namespace
@@ -306,14 +316,10 @@ pub fn convert(input: &Input, options: &Options) -> Migration {
     for c in consumers {
         let namespace = ns_of(&c.metadata);
         let spec = c.spec.with_defaults();
-        let subjects = spec.stream_name.as_deref().and_then(|name| {
-            streams
-                .iter()
-                .filter(|(_, s)| s.name.as_deref() == Some(name))
-                // A Stream in the Consumer's namespace before one elsewhere.
-                .min_by_key(|(ns, _)| *ns != namespace)
-                .map(|(_, s)| s.subjects.clone())
-        });
+        let subjects = spec
+            .stream_name
+            .as_deref()
+            .and_then(|name| stream_subjects(&streams, name, &namespace));
         let mut plan = consumer::plan(&namespace, c.name(), &spec, subjects.as_deref());
         if let Some(status) = &c.status {
             consumer::status_findings(&mut plan, status);
@@ -342,10 +348,26 @@ pub fn convert(input: &Input, options: &Options) -> Migration {
         migration.subscriptions.push(plan);
     }
     migration.backends = backends.into_plans();
+    migration
+}
 
-    // Settle's own admission rules, on what was made: what they refuse is not written.
-    let nats = capabilities_of(BackendKind::Nats);
-    for b in &mut migration.backends {
+/// The subjects of the Stream `name`: one in `namespace` before one elsewhere.
+fn stream_subjects(
+    streams: &[(String, &StreamSpec)],
+    name: &str,
+    namespace: &str,
+) -> Option<Vec<String>> {
+    streams
+        .iter()
+        .filter(|(_, s)| s.name.as_deref() == Some(name))
+        // A Stream in the Consumer's namespace before one elsewhere.
+        .min_by_key(|(ns, _)| ns != namespace)
+        .map(|(_, s)| s.subjects.clone())
+}
+
+/// `policy::validate_backend` on each Backend: its errors refuse it, its warnings are noted.
+fn admit_backends(backends: &mut [BackendPlan]) {
+    for b in backends {
         let v = validate_backend(
             &b.spec,
             None,
@@ -373,6 +395,12 @@ pub fn convert(input: &Input, options: &Options) -> Migration {
             });
         }
     }
+}
+
+/// `policy::validate` on each Subscription against its Backend: refused with a refused
+/// Backend or on an error, its warnings noted.
+fn admit_subscriptions(migration: &mut Migration) {
+    let nats = capabilities_of(BackendKind::Nats);
     for plan in &mut migration.subscriptions {
         let Some(spec) = &plan.spec else { continue };
         let backend = migration
@@ -414,9 +442,6 @@ pub fn convert(input: &Input, options: &Options) -> Migration {
             plan.spec = None;
         }
     }
-
-    migration.notes = notes(input, &migration);
-    migration
 }
 
 /// What applies to the whole migration.
