@@ -318,49 +318,58 @@ impl Decision {
 
 /// The part of the decision the body alone settles, and the reading of the Subscription(s).
 fn prepare(request: &RequestIn<'_>) -> Next {
-    // Anything else is not Settle's; status and other subresources carry no spec change to
-    // judge, and must never be blocked by a spec that got in while the webhook was down.
-    if request.kind.group != GROUP
+    if not_judged(request) {
+        return Next::Decided(Box::new(Decision::allow()));
+    }
+    let update = match is_update(&request.operation) {
+        Ok(update) => update,
+        Err(decided) => return decided,
+    };
+    let Some(object) = request.object else {
+        return bad_request("the admission request carries no object to validate".into());
+    };
+    if request.kind.kind == "Backend" {
+        return prepare_backend(request, object, update);
+    }
+    prepare_subscription(request, object, update)
+}
+
+/// Whether the request is allowed without a look: anything else is not Settle's; status and
+/// other subresources carry no spec change to judge, and must never be blocked by a spec that
+/// got in while the webhook was down.
+fn not_judged(request: &RequestIn<'_>) -> bool {
+    request.kind.group != GROUP
         || !matches!(request.kind.kind.as_str(), "Subscription" | "Backend")
         || request
             .sub_resource
             .as_deref()
             .is_some_and(|s| !s.is_empty())
-    {
-        return Next::Decided(Box::new(Decision::allow()));
-    }
-    let update = match request.operation.as_str() {
-        "CREATE" => false,
-        "UPDATE" => true,
-        "DELETE" | "CONNECT" => return Next::Decided(Box::new(Decision::allow())),
-        other => {
-            return Next::Decided(Box::new(Decision::deny(
-                400,
-                "BadRequest",
-                format!("unknown admission operation {other:?}"),
-            )));
-        }
-    };
+}
 
-    let Some(object) = request.object else {
-        return Next::Decided(Box::new(Decision::deny(
-            400,
-            "BadRequest",
-            "the admission request carries no object to validate".into(),
-        )));
-    };
-    if request.kind.kind == "Backend" {
-        return prepare_backend(request, object, update);
+/// Whether the operation is an UPDATE (else a CREATE), the two that are judged; the others are
+/// decided here: DELETE and CONNECT allowed, anything else denied.
+fn is_update(operation: &str) -> Result<bool, Next> {
+    match operation {
+        "CREATE" => Ok(false),
+        "UPDATE" => Ok(true),
+        "DELETE" | "CONNECT" => Err(Next::Decided(Box::new(Decision::allow()))),
+        other => Err(bad_request(format!(
+            "unknown admission operation {other:?}"
+        ))),
     }
+}
+
+/// Denied from the body alone, 400.
+fn bad_request(message: String) -> Next {
+    Next::Decided(Box::new(Decision::deny(400, "BadRequest", message)))
+}
+
+/// A Subscription's part of [`prepare`]: read it (and the stored one), and allow an UPDATE of
+/// one being deleted or with its spec unchanged from the body alone (A14).
+fn prepare_subscription(request: &RequestIn<'_>, object: &RawValue, update: bool) -> Next {
     let new = match read_subscription_under_review(object.get()) {
         Ok(s) => s,
-        Err(why) => {
-            return Next::Decided(Box::new(Decision::deny(
-                400,
-                "BadRequest",
-                format!("the Subscription could not be read: {why}"),
-            )));
-        }
+        Err(why) => return bad_request(format!("the Subscription could not be read: {why}")),
     };
     // A14: the cleanup of an object being deleted is never blocked; nothing of the stored object
     // needs reading for that.
@@ -370,27 +379,9 @@ fn prepare(request: &RequestIn<'_>) -> Next {
         )));
     }
     let old = if update {
-        match request
-            .old_object
-            .map(|o| read_subscription_under_review(o.get()))
-        {
-            Some(Ok(old)) => Some(Box::new(old)),
-            Some(Err(why)) => {
-                return Next::Decided(Box::new(Decision::deny(
-                    400,
-                    "BadRequest",
-                    format!(
-                        "the stored Subscription could not be read ({why}): delete it and create it again"
-                    ),
-                )));
-            }
-            None => {
-                return Next::Decided(Box::new(Decision::deny(
-                    400,
-                    "BadRequest",
-                    "the UPDATE request carries no oldObject to compare with".into(),
-                )));
-            }
+        match read_stored_subscription(request) {
+            Ok(old) => Some(Box::new(old)),
+            Err(denied) => return denied,
         }
     } else {
         None
@@ -409,16 +400,29 @@ fn prepare(request: &RequestIn<'_>) -> Next {
         .or(new.metadata.namespace.as_deref())
         .filter(|n| !n.is_empty())
     else {
-        return Next::Decided(Box::new(Decision::deny(
-            400,
-            "BadRequest",
-            "the admission request names no namespace".into(),
-        )));
+        return bad_request("the admission request names no namespace".into());
     };
     Next::Judge {
         namespace: namespace.to_string(),
         new: Box::new(new),
         old,
+    }
+}
+
+/// The stored Subscription an UPDATE carries (`oldObject`); or the 400 when it has none or it
+/// cannot be read.
+fn read_stored_subscription(request: &RequestIn<'_>) -> Result<SubscriptionUnderReview, Next> {
+    match request
+        .old_object
+        .map(|o| read_subscription_under_review(o.get()))
+    {
+        Some(Ok(old)) => Ok(old),
+        Some(Err(why)) => Err(bad_request(format!(
+            "the stored Subscription could not be read ({why}): delete it and create it again"
+        ))),
+        None => Err(bad_request(
+            "the UPDATE request carries no oldObject to compare with".into(),
+        )),
     }
 }
 

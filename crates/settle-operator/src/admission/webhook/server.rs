@@ -22,12 +22,12 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use prometheus::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_rustls::TlsAcceptor;
 
 use super::LOOKUP_TIMEOUT;
 use super::lookup::BackendLookup;
-use super::metrics::{Rejected, WebhookMetrics};
+use super::metrics::{Counted, Rejected, WebhookMetrics};
 use super::{mutate, review};
 use crate::admission::certs::{CertResolver, crypto_provider};
 use crate::serve;
@@ -260,102 +260,181 @@ async fn answer_review(
     req: Request<Incoming>,
     hook: Hook,
 ) -> Response<Full<Bytes>> {
-    let config = &reviewer.config;
     let started = Instant::now();
-    let deadline = tokio::time::Instant::from_std(started) + config.body_timeout;
-    let reject = |why: Rejected, status: StatusCode, text: String| {
-        reviewer.metrics.request_rejected(why);
-        tracing::warn!(
-            reason = why.label(),
-            status = status.as_u16(),
-            "{}",
-            text.trim_end()
-        );
-        plain(status, text)
+    let deadline = tokio::time::Instant::from_std(started) + reviewer.config.body_timeout;
+    let read = match read_in_turn(reviewer, req, deadline).await {
+        Ok(read) => read,
+        Err(rejected) => return rejected,
     };
+    let answer = match hook {
+        Hook::Mutate => answer_mutate(reviewer, read),
+        Hook::Validate => answer_validate(reviewer, read, started).await,
+    };
+    respond(answer)
+}
+
+/// A body read, with the turn it was read in and the gauge counting it, both held until it is
+/// parsed.
+struct InTurn<'a> {
+    body: Vec<u8>,
+    turn: SemaphorePermit<'a>,
+    reading: Counted,
+}
+
+/// Refuses a body that says it is too large, waits for a turn and reads the body, all by
+/// `deadline`; or the rejection to answer.
+async fn read_in_turn<'a>(
+    reviewer: &'a Reviewer,
+    req: Request<Incoming>,
+    deadline: tokio::time::Instant,
+) -> Result<InTurn<'a>, Response<Full<Bytes>>> {
+    let config = &reviewer.config;
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > config.max_body_bytes as u64) {
-        return reject(
-            Rejected::TooLarge,
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the body is larger than {} bytes\n", config.max_body_bytes),
-        );
+        return Err(too_large(reviewer));
     }
+    let turn = wait_for_turn(reviewer, deadline).await?;
+    let reading = reviewer.metrics.reading();
+    let capacity = declared.map_or(0, |n| n as usize);
+    let body = read_by(reviewer, req.into_body(), capacity, deadline).await?;
+    Ok(InTurn {
+        body,
+        turn,
+        reading,
+    })
+}
+
+/// Waits for a turn to read a body until `deadline`, counted as waiting; or the 503 to answer.
+async fn wait_for_turn(
+    reviewer: &Reviewer,
+    deadline: tokio::time::Instant,
+) -> Result<SemaphorePermit<'_>, Response<Full<Bytes>>> {
+    let config = &reviewer.config;
     let waiting = reviewer.metrics.waiting();
     let turn = tokio::time::timeout_at(deadline, reviewer.reading.acquire()).await;
     drop(waiting);
     let Ok(Ok(turn)) = turn else {
-        return reject(
+        return Err(reject(
+            reviewer,
             Rejected::Busy,
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
                 "the admission webhook is busy: {} reviews were being read for {:?}; retry in a moment\n",
                 config.max_concurrent_reviews, config.body_timeout
             ),
-        );
+        ));
     };
-    let reading = reviewer.metrics.reading();
-    let capacity = declared.map_or(0, |n| n as usize);
-    let body = match tokio::time::timeout_at(
-        deadline,
-        read_body(req.into_body(), config.max_body_bytes, capacity),
-    )
-    .await
+    Ok(turn)
+}
+
+/// Reads the body until `deadline`; or the rejection to answer (too large, unreadable, slow).
+async fn read_by(
+    reviewer: &Reviewer,
+    body: Incoming,
+    capacity: usize,
+    deadline: tokio::time::Instant,
+) -> Result<Vec<u8>, Response<Full<Bytes>>> {
+    let config = &reviewer.config;
+    match tokio::time::timeout_at(deadline, read_body(body, config.max_body_bytes, capacity)).await
     {
-        Ok(Ok(body)) => body,
-        Ok(Err(BodyError::TooLarge)) => {
-            return reject(
-                Rejected::TooLarge,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the body is larger than {} bytes\n", config.max_body_bytes),
-            );
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(BodyError::TooLarge)) => Err(too_large(reviewer)),
+        Ok(Err(BodyError::Read(e))) => Err(reject(
+            reviewer,
+            Rejected::UnreadableBody,
+            StatusCode::BAD_REQUEST,
+            format!("could not read the body: {e}\n"),
+        )),
+        Err(_) => Err(reject(
+            reviewer,
+            Rejected::SlowBody,
+            StatusCode::REQUEST_TIMEOUT,
+            "the body did not arrive in time\n".to_string(),
+        )),
+    }
+}
+
+/// The 413 for a body over `max_body_bytes`, declared or read.
+fn too_large(reviewer: &Reviewer) -> Response<Full<Bytes>> {
+    reject(
+        reviewer,
+        Rejected::TooLarge,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "the body is larger than {} bytes\n",
+            reviewer.config.max_body_bytes
+        ),
+    )
+}
+
+/// A request refused before it is reviewed: counted, logged at WARN, answered in plain text.
+fn reject(
+    reviewer: &Reviewer,
+    why: Rejected,
+    status: StatusCode,
+    text: String,
+) -> Response<Full<Bytes>> {
+    reviewer.metrics.request_rejected(why);
+    tracing::warn!(
+        reason = why.label(),
+        status = status.as_u16(),
+        "{}",
+        text.trim_end()
+    );
+    plain(status, text)
+}
+
+/// `POST /mutate`: the patch, from the body alone; the turn is given back before it is counted.
+fn answer_mutate(reviewer: &Reviewer, read: InTurn<'_>) -> review::Answer {
+    let InTurn {
+        body,
+        turn,
+        reading,
+    } = read;
+    let (answer, patched) = mutate::mutate(&body);
+    drop(body);
+    drop((reading, turn));
+    reviewer.metrics.mutated(&answer, patched);
+    answer
+}
+
+/// `POST /validate`: the body parsed, the turn given back, then the verdict (which may wait on
+/// a Backend lookup), observed from `started`.
+async fn answer_validate(
+    reviewer: &Reviewer,
+    read: InTurn<'_>,
+    started: Instant,
+) -> review::Answer {
+    let InTurn {
+        body,
+        turn,
+        reading,
+    } = read;
+    let read = review::read(&body);
+    drop(body);
+    drop((reading, turn));
+    let answer = match read {
+        Ok(review) => {
+            review::answer(
+                review,
+                reviewer.backends.as_ref(),
+                &reviewer.config.backend_rules,
+            )
+            .await
         }
-        Ok(Err(BodyError::Read(e))) => {
-            return reject(
-                Rejected::UnreadableBody,
-                StatusCode::BAD_REQUEST,
-                format!("could not read the body: {e}\n"),
-            );
-        }
-        Err(_) => {
-            return reject(
-                Rejected::SlowBody,
-                StatusCode::REQUEST_TIMEOUT,
-                "the body did not arrive in time\n".to_string(),
-            );
-        }
+        Err(bad_request) => bad_request,
     };
-    let answer = match hook {
-        Hook::Mutate => {
-            let (answer, patched) = mutate::mutate(&body);
-            drop(body);
-            drop((reading, turn));
-            reviewer.metrics.mutated(&answer, patched);
-            answer
-        }
-        Hook::Validate => {
-            let read = review::read(&body);
-            drop(body);
-            drop((reading, turn));
-            let answer = match read {
-                Ok(review) => {
-                    review::answer(
-                        review,
-                        reviewer.backends.as_ref(),
-                        &reviewer.config.backend_rules,
-                    )
-                    .await
-                }
-                Err(bad_request) => bad_request,
-            };
-            reviewer.metrics.observe(&answer, started.elapsed());
-            answer
-        }
-    };
+    reviewer.metrics.observe(&answer, started.elapsed());
+    answer
+}
+
+/// The HTTP response for an answer: JSON when it is an AdmissionReview (200), plain text
+/// otherwise.
+fn respond(answer: review::Answer) -> Response<Full<Bytes>> {
     let content_type = if answer.status == StatusCode::OK {
         "application/json"
     } else {
