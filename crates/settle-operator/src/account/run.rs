@@ -27,6 +27,8 @@ pub struct Config {
     pub stall_window: Duration,
     /// An instance that has not reported for this long is folded into the retired total.
     pub fold_after: Duration,
+    /// How long a NATS keeper holds a loss advisory whose consumer no status names yet.
+    pub unverified_grace: Duration,
     /// The advisory capture's size limit on each NATS server, in bytes.
     pub capture_max_bytes: i64,
     /// The replicas of the capture stream and the account's buckets on each NATS server.

@@ -327,6 +327,7 @@ mod tests {
             loss_window: Duration::from_secs(900),
             stall_window: Duration::from_secs(300),
             fold_after: Duration::from_secs(600),
+            unverified_grace: Duration::from_secs(15),
             capture_max_bytes: 1 << 20,
             replicas: 1,
             limits: crate::account::Limits {

@@ -125,6 +125,13 @@ pub struct OperatorArgs {
     /// kept, its unfinished attempts counted given up (live ones re-report every 5 minutes).
     #[arg(long, env = "SETTLE_FOLD_AFTER", default_value = "1h", value_parser = positive_duration)]
     pub fold_after: Duration,
+    /// How long a NATS keeper holds a loss advisory whose consumer no Subscription's status
+    /// names yet (its status may not have reached the operator: a last attempt can run out
+    /// within seconds of the consumer's making); past it the advisory counts for nobody and the
+    /// Subscription that names the consumer later says so in Accounted (CaptureGap). Below
+    /// 30s, the capture reader's ack wait, so a held advisory is never delivered again.
+    #[arg(long, env = "SETTLE_UNVERIFIED_ADVISORY_GRACE", default_value = "15s", value_parser = advisory_grace)]
+    pub unverified_advisory_grace: Duration,
     /// The size limit, in bytes, of the stream in which each NATS server's delivery advisories
     /// are captured for the account (the oldest go first; a gap is said in status).
     #[arg(long, env = "SETTLE_CAPTURE_MAX_BYTES", default_value_t = 256 * 1024 * 1024)]
@@ -362,6 +369,19 @@ fn positive_duration(text: &str) -> Result<Duration, String> {
         ));
     }
     Ok(d.get())
+}
+
+/// A hold of loss advisories: above zero and below the capture reader's ack wait (30s), so
+/// an advisory held is never delivered to the reader again meanwhile.
+fn advisory_grace(text: &str) -> Result<Duration, String> {
+    let d = positive_duration(text)?;
+    let most = settle::backend::nats::capture::READER_ACK_WAIT;
+    if d >= most {
+        return Err(format!(
+            "{text:?} is not below {most:?}, the capture reader's ack wait: a held advisory would be delivered again; give less, e.g. 25s"
+        ));
+    }
+    Ok(d)
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

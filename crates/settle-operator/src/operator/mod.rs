@@ -322,6 +322,7 @@ fn account_config(args: &OperatorArgs) -> account::Config {
         loss_window: args.loss_window,
         stall_window: args.stall_window,
         fold_after: args.fold_after,
+        unverified_grace: args.unverified_advisory_grace,
         capture_max_bytes: i64::try_from(args.capture_max_bytes).unwrap_or(i64::MAX),
         replicas: usize::from(args.account_replicas),
         limits: account::Limits {

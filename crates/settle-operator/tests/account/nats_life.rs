@@ -424,12 +424,26 @@ async fn captured_max_deliveries(
 /// controller's status naming that consumer reaches the operator (it failed CI once so, under
 /// load). Here the API server refuses that status (a ValidatingAdmissionPolicy) while three
 /// attempts run out on each of two new Subscriptions: their advisories wait. The first's gate
-/// opens within the wait: its three count, once. The second's opens only after the wait (15 s):
-/// its three count for nobody, and its status names the consumer with nothing exhausted
-/// (docs/semantics.md C15).
+/// opens within the wait: its three count, once. The second's opens only after the wait: its
+/// three count for nobody, and its status names the consumer with nothing exhausted
+/// (docs/semantics.md C15). The wait is 25 s (`--unverified-advisory-grace`), and `late`'s
+/// attempts run out first: the steps between `waited`'s advisories being read and its gate
+/// opening (the capture and the reader checked) took over the default 15 s on a loaded machine,
+/// so the hold had let them go before the test opened the gate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
-    let scene = Scene::new("life-unverified", NACK_SPEC).await;
+    let scene = Scene::with_flags(
+        "life-unverified",
+        NACK_SPEC,
+        &[
+            "--leader-election=false",
+            "--stats-interval",
+            "1s",
+            "--unverified-advisory-grace",
+            "25s",
+        ],
+    )
+    .await;
     let mut gates = Vec::new();
     let mut streams = Vec::new();
     for name in ["waited", "late"] {
@@ -446,7 +460,8 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
     }
     let (waited_seen, waited_watcher) = watch(&scene.api, "waited");
     let capture = capture_read(&scene.stream.js, &scene.ns).await;
-    for (stream, name) in streams.iter().zip(["waited", "late"]) {
+    // `late` first: `waited`'s advisories are read last, closest to its gate's opening.
+    for (stream, name) in streams.iter().zip(["waited", "late"]).rev() {
         spend_last_attempts(stream, name, 3).await;
     }
     // The keeper has read the six advisories: its reader got past the last of them.

@@ -31,7 +31,9 @@
 //! gauges count for a Subscription only through the consumer the controller verified as its own
 //! (`status.consumer`), never by a name alone: a loss advisory read while a Subscription that
 //! would make a consumer of its name has no `status.consumer` yet is held (at most
-//! [`UNVERIFIED_ADVISORIES`], for [`UNVERIFIED_GRACE`]) until the status names one. One dropped
+//! [`UNVERIFIED_ADVISORIES`], for `--unverified-advisory-grace`: the controller's status write
+//! reaching the cache takes well under a second at rest and seconds under load) until the
+//! status names one. One dropped
 //! instead (the hold full, or the grace over) is remembered by its consumer, and when a
 //! Subscription's status names that consumer, its `Accounted` says how many may be missing.
 //!
@@ -81,13 +83,7 @@ const TICK: Duration = Duration::from_millis(500);
 /// Reports held back for a Subscription not in the cache yet, at most.
 const EARLY_REPORTS: usize = 10_000;
 
-/// How long a loss advisory of a consumer a Subscription would make waits for that
-/// Subscription's status to name it (`count::Applied::Unverified`): the controller's status
-/// write reaching the cache takes well under a second at rest and seconds under load. Below the
-/// capture reader's ack wait, so a held advisory is never delivered again meanwhile.
-const UNVERIFIED_GRACE: Duration = Duration::from_secs(15);
-
-/// Loss advisories held for [`UNVERIFIED_GRACE`], at most (one is about half a KiB).
+/// Loss advisories held (for the configured grace), at most (one is about half a KiB).
 const UNVERIFIED_ADVISORIES: usize = 1_000;
 
 /// Loss advisories dropped unverified, by stream and consumer, until a Subscription's status
@@ -349,7 +345,7 @@ impl NatsKeeper {
         // Advisories that counted for no book: acknowledged at the next round.
         let mut loose: Vec<jetstream::Message> = Vec::new();
         // Loss advisories of a consumer a Subscription would make, read before its status named
-        // it: tried again each round, for UNVERIFIED_GRACE.
+        // it: tried again each round, for the configured grace.
         let mut unverified: Vec<(Instant, jetstream::Message, DeliveryEvent)> = Vec::new();
         // Those dropped (the hold full, or the grace over), by stream and consumer: the
         // Subscription whose status comes to name the consumer is told they may be missing.
@@ -424,12 +420,12 @@ impl NatsKeeper {
                         let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
                         match self.on_delivery(&ledgers, &members, &mut books, capture_seq, event).await? {
                             Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
-                            Applied::Unverified(event) if since.elapsed() < UNVERIFIED_GRACE => {
+                            Applied::Unverified(event) if since.elapsed() < self.config.unverified_grace => {
                                 unverified.push((since, msg, event));
                             }
                             Applied::Unverified(event) => {
                                 self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
-                                tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?UNVERIFIED_GRACE, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
+                                tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?self.config.unverified_grace, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
                                 uncounted.note(&event);
                                 loose.push(msg);
                             }
