@@ -91,106 +91,25 @@ fn looks_like(payload: &[u8], key: &[u8]) -> bool {
 pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
     // Fast path: no headers and not a JSON object, so no envelope.
     if headers.is_empty() && payload.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Parsed {
-            event: EnvelopeEvent {
-                format: Format::Raw,
-                id: None,
-                source: None,
-                event_type: None,
-                correlation_id: None,
-                content_type: None,
-            },
-            foreign: Foreign::default(),
-            data: Data::Bytes(payload.clone()),
-        };
+        return raw(None, payload);
     }
     let content_type = header(headers, "content-type").map(str::to_string);
     let ct = content_type.as_deref().unwrap_or("").to_ascii_lowercase();
 
-    // Binary mode: the attributes are headers (`ce-` prefix; `ce_` as some transports spell it).
-    let ce = |attr: &str| {
-        header(headers, &format!("ce-{attr}"))
-            .or_else(|| header(headers, &format!("ce_{attr}")))
-            .map(str::to_string)
-    };
-    if ce("specversion").is_some() {
-        return Parsed {
-            event: EnvelopeEvent {
-                format: Format::CloudEventsBinary,
-                id: ce("id"),
-                source: ce("source"),
-                event_type: ce("type"),
-                correlation_id: ce("correlationid"),
-                content_type,
-            },
-            foreign: Foreign::default(),
-            data: Data::Bytes(payload.clone()),
-        };
+    if let Some(parsed) = cloudevents_binary(headers, &content_type, payload) {
+        return parsed;
     }
-
-    let structured = ct.starts_with("application/cloudevents+json")
-        || (ct.is_empty() && looks_like(payload, b"\"specversion\""));
-    if structured && let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload) {
-        let data = match doc.get_mut("data").map(Value::take) {
-            Some(v) => Data::Json(v),
-            None => Data::Bytes(Bytes::new()),
-        };
-        return Parsed {
-            event: EnvelopeEvent {
-                format: Format::CloudEventsStructured,
-                id: str_field(&doc, "id"),
-                source: str_field(&doc, "source"),
-                event_type: str_field(&doc, "type"),
-                correlation_id: str_field(&doc, "correlationid"),
-                content_type: str_field(&doc, "datacontenttype").or(content_type),
-            },
-            foreign: Foreign::default(),
-            data,
-        };
+    if let Some(parsed) = cloudevents_structured(&ct, &content_type, payload) {
+        return parsed;
     }
-
-    let masstransit = ct.starts_with("application/vnd.masstransit+json")
-        || (ct.is_empty() && looks_like(payload, b"\"messageType\""));
-    if masstransit && let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload)
-    {
-        let event = EnvelopeEvent {
-            format: Format::MassTransit,
-            id: str_field(&doc, "messageId"),
-            source: str_field(&doc, "sourceAddress"),
-            event_type: doc
-                .get("messageType")
-                .and_then(|t| t.get(0))
-                .and_then(Value::as_str)
-                .map(str::to_string),
-            correlation_id: str_field(&doc, "correlationId"),
-            content_type,
-        };
-        let mut foreign = Foreign::default();
-        for (names, envelope_value) in [
-            (CORRELATION_HEADERS, &event.correlation_id),
-            (MESSAGE_ID_HEADERS, &event.id),
-        ] {
-            let Some(envelope_value) = envelope_value else {
-                continue;
-            };
-            for (k, v) in headers {
-                if names.iter().any(|n| k.eq_ignore_ascii_case(n)) && v != envelope_value {
-                    foreign.headers.push((k.clone(), v.clone()));
-                }
-            }
-        }
-        let data = Data::Json(
-            doc.get_mut("message")
-                .map(Value::take)
-                .unwrap_or(Value::Null),
-        );
-        return Parsed {
-            event,
-            foreign,
-            data,
-        };
+    if let Some(parsed) = masstransit(headers, &ct, &content_type, payload) {
+        return parsed;
     }
+    raw(content_type, payload)
+}
 
+/// No envelope: the payload is the data.
+fn raw(content_type: Option<String>, payload: &Bytes) -> Parsed {
     Parsed {
         event: EnvelopeEvent {
             format: Format::Raw,
@@ -203,4 +122,125 @@ pub(crate) fn parse(headers: &[(String, String)], payload: &Bytes) -> Parsed {
         foreign: Foreign::default(),
         data: Data::Bytes(payload.clone()),
     }
+}
+
+/// Binary mode: the attributes are headers (`ce-` prefix; `ce_` as some transports spell it).
+/// `None` when there is no `specversion` header.
+fn cloudevents_binary(
+    headers: &[(String, String)],
+    content_type: &Option<String>,
+    payload: &Bytes,
+) -> Option<Parsed> {
+    let ce = |attr: &str| {
+        header(headers, &format!("ce-{attr}"))
+            .or_else(|| header(headers, &format!("ce_{attr}")))
+            .map(str::to_string)
+    };
+    ce("specversion")?;
+    Some(Parsed {
+        event: EnvelopeEvent {
+            format: Format::CloudEventsBinary,
+            id: ce("id"),
+            source: ce("source"),
+            event_type: ce("type"),
+            correlation_id: ce("correlationid"),
+            content_type: content_type.clone(),
+        },
+        foreign: Foreign::default(),
+        data: Data::Bytes(payload.clone()),
+    })
+}
+
+/// Structured mode: one JSON object with the attributes and `data`. `None` when the content
+/// type (`ct`, lowercased) or, without one, the payload does not say so, or it is not an object.
+fn cloudevents_structured(
+    ct: &str,
+    content_type: &Option<String>,
+    payload: &Bytes,
+) -> Option<Parsed> {
+    let structured = ct.starts_with("application/cloudevents+json")
+        || (ct.is_empty() && looks_like(payload, b"\"specversion\""));
+    if !structured {
+        return None;
+    }
+    let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload) else {
+        return None;
+    };
+    let data = match doc.get_mut("data").map(Value::take) {
+        Some(v) => Data::Json(v),
+        None => Data::Bytes(Bytes::new()),
+    };
+    Some(Parsed {
+        event: EnvelopeEvent {
+            format: Format::CloudEventsStructured,
+            id: str_field(&doc, "id"),
+            source: str_field(&doc, "source"),
+            event_type: str_field(&doc, "type"),
+            correlation_id: str_field(&doc, "correlationid"),
+            content_type: str_field(&doc, "datacontenttype").or(content_type.clone()),
+        },
+        foreign: Foreign::default(),
+        data,
+    })
+}
+
+/// A MassTransit JSON envelope, with the transport headers that contradict it. `None` when the
+/// content type (`ct`, lowercased) or, without one, the payload does not say so, or it is not
+/// an object.
+fn masstransit(
+    headers: &[(String, String)],
+    ct: &str,
+    content_type: &Option<String>,
+    payload: &Bytes,
+) -> Option<Parsed> {
+    let masstransit = ct.starts_with("application/vnd.masstransit+json")
+        || (ct.is_empty() && looks_like(payload, b"\"messageType\""));
+    if !masstransit {
+        return None;
+    }
+    let Ok(mut doc @ Value::Object(_)) = serde_json::from_slice::<Value>(payload) else {
+        return None;
+    };
+    let event = EnvelopeEvent {
+        format: Format::MassTransit,
+        id: str_field(&doc, "messageId"),
+        source: str_field(&doc, "sourceAddress"),
+        event_type: doc
+            .get("messageType")
+            .and_then(|t| t.get(0))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        correlation_id: str_field(&doc, "correlationId"),
+        content_type: content_type.clone(),
+    };
+    let foreign = contradicting_headers(headers, &event);
+    let data = Data::Json(
+        doc.get_mut("message")
+            .map(Value::take)
+            .unwrap_or(Value::Null),
+    );
+    Some(Parsed {
+        event,
+        foreign,
+        data,
+    })
+}
+
+/// The correlation-id and message-id transport headers whose value differs from the envelope's.
+fn contradicting_headers(headers: &[(String, String)], event: &EnvelopeEvent) -> Foreign {
+    let mut foreign = Foreign::default();
+    for (names, envelope_value) in [
+        (CORRELATION_HEADERS, &event.correlation_id),
+        (MESSAGE_ID_HEADERS, &event.id),
+    ] {
+        let Some(envelope_value) = envelope_value else {
+            continue;
+        };
+        for (k, v) in headers {
+            if names.iter().any(|n| k.eq_ignore_ascii_case(n)) && v != envelope_value {
+                foreign.headers.push((k.clone(), v.clone()));
+            }
+        }
+    }
+    foreign
 }

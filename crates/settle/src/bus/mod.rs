@@ -487,7 +487,32 @@ async fn dispatch(
             drop(permit);
         });
     }
-    // Closing: running handlers get the grace; what is left is given up.
+    close(&ctx, consumer, tasks, &in_flight, grace).await;
+}
+
+/// Closing a subscription's loop: running handlers get the grace; what is left is given up
+/// (released), after the consumer stopped pulling; then the consumer is retired.
+async fn close(
+    ctx: &SubscriptionCtx,
+    mut consumer: Box<dyn Consumer>,
+    tasks: JoinSet<()>,
+    in_flight: &Mutex<HashMap<u64, Delivery>>,
+    grace: Duration,
+) {
+    wait_for_handlers(tasks, grace).await;
+    // Stop pulling before giving attempts back, so they are not offered to this consumer again.
+    consumer.stop().await;
+    let left: Vec<Delivery> = lock(in_flight).drain().map(|(_, d)| d).collect();
+    for d in left {
+        tracing::warn!(subscription = %ctx.name(), subject = %d.subject(), "handler still running at close: attempt given up");
+        d.release().await;
+    }
+    consumer.retire().await;
+}
+
+/// Waits up to `grace` for the running handlers' tasks; then aborts those left and waits for
+/// them to end.
+async fn wait_for_handlers(mut tasks: JoinSet<()>, grace: Duration) {
     let deadline = tokio::time::sleep(grace);
     tokio::pin!(deadline);
     loop {
@@ -500,14 +525,6 @@ async fn dispatch(
             }
         }
     }
-    // Stop pulling before giving attempts back, so they are not offered to this consumer again.
-    consumer.stop().await;
-    let left: Vec<Delivery> = lock(&in_flight).drain().map(|(_, d)| d).collect();
-    for d in left {
-        tracing::warn!(subscription = %ctx.name(), subject = %d.subject(), "handler still running at close: attempt given up");
-        d.release().await;
-    }
-    consumer.retire().await;
 }
 
 /// Runs one handler on one delivery: contains a panic, counts a returned error, keeps the

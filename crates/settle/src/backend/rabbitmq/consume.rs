@@ -332,6 +332,90 @@ impl RabbitConsumer {
             },
         )
     }
+
+    /// Paused: waits until the marker is gone, then consumes again on the same channel (or, if
+    /// it closed meanwhile, a new one); on failure, waits 1s so the caller tries again. `false`
+    /// when the pause watch ended (the consumer is done).
+    async fn resume(&mut self) -> bool {
+        // Resumed once the marker is gone: consume again on the same channel.
+        let mut rx = self.pause.receiver();
+        if !crate::backend::pause::until(&mut rx, false).await {
+            return false;
+        }
+        let queue = self.queue.clone();
+        let again = match self.broker.start(&self.channel, &self.ctx, &queue).await {
+            Ok(c) => Ok(c),
+            // The channel closed meanwhile: a new one (what it held was requeued).
+            Err(_) => self.broker.bind(&self.ctx).await.map(|(ch, c)| {
+                self.channel = ch;
+                c
+            }),
+        };
+        match again {
+            Ok(c) => {
+                self.consumer = Some(c);
+                self.flow = Flow::Consuming;
+                self.ctx.set_paused(false);
+                crate::backend::pause::shown(BackendKind::Rabbitmq, self.ctx.name(), false);
+                tracing::info!(subscription = %self.ctx.name(), %queue, "resumed: consuming again");
+            }
+            Err(e) => {
+                tracing::warn!(subscription = %self.ctx.name(), error = %e, "cannot consume again after the pause; trying again in 1s");
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+        true
+    }
+
+    /// A pause was asked: `basic.cancel` the consumer `tag` and drain.
+    async fn cancel_for_pause(&mut self, tag: ShortString) {
+        // Paused: the broker sends nothing more; what it sent already (the prefetch)
+        // still comes out of the stream, then the stream ends.
+        self.flow = Flow::Draining;
+        if let Err(e) = self
+            .channel
+            .basic_cancel(tag, BasicCancelOptions::default())
+            .await
+        {
+            tracing::warn!(subscription = %self.ctx.name(), error = %e, "basic.cancel for the pause");
+        }
+    }
+
+    /// The stream ended after a pause's `basic.cancel`: everything sent was handed out.
+    fn drained(&mut self) {
+        self.consumer = None;
+        self.flow = Flow::Paused;
+        self.ctx.set_paused(true);
+        crate::backend::pause::shown(BackendKind::Rabbitmq, self.ctx.name(), true);
+        tracing::info!(subscription = %self.ctx.name(), "paused: fetching stopped until the Subscription is resumed (deliveries already taken finish)");
+    }
+
+    /// The stream ended otherwise (consumer cancelled, channel closed). An operator-made queue
+    /// of a consumer not retired is waited for and consumed again: `true`. Otherwise `false`:
+    /// the consumer is done.
+    async fn consume_again_after_end(&mut self) -> bool {
+        self.consumer = None;
+        if self.ctx.binding().owner == ConsumerOwner::Operator
+            && !self.retired.load(Ordering::Acquire)
+        {
+            // The operator repairs a deleted queue while its Subscription
+            // exists: consume again when it is back.
+            tracing::warn!(subscription = %self.ctx.name(), "the operator's queue is gone or the channel closed; waiting for it to come back");
+            match self.broker.bind(&self.ctx).await {
+                Ok((ch, c)) => {
+                    self.channel = ch;
+                    self.consumer = Some(c);
+                    return true;
+                }
+                Err(e) => {
+                    tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot consume again")
+                }
+            }
+            return false;
+        }
+        tracing::error!(subscription = %self.ctx.name(), "the RabbitMQ consumer was cancelled or its channel closed");
+        false
+    }
 }
 
 impl Consumer for RabbitConsumer {
@@ -339,54 +423,16 @@ impl Consumer for RabbitConsumer {
         async move {
             loop {
                 if self.flow == Flow::Paused {
-                    // Resumed once the marker is gone: consume again on the same channel.
-                    let mut rx = self.pause.receiver();
-                    if !crate::backend::pause::until(&mut rx, false).await {
+                    if !self.resume().await {
                         return None;
-                    }
-                    let queue = self.queue.clone();
-                    let again = match self.broker.start(&self.channel, &self.ctx, &queue).await {
-                        Ok(c) => Ok(c),
-                        // The channel closed meanwhile: a new one (what it held was requeued).
-                        Err(_) => self.broker.bind(&self.ctx).await.map(|(ch, c)| {
-                            self.channel = ch;
-                            c
-                        }),
-                    };
-                    match again {
-                        Ok(c) => {
-                            self.consumer = Some(c);
-                            self.flow = Flow::Consuming;
-                            self.ctx.set_paused(false);
-                            crate::backend::pause::shown(
-                                BackendKind::Rabbitmq,
-                                self.ctx.name(),
-                                false,
-                            );
-                            tracing::info!(subscription = %self.ctx.name(), %queue, "resumed: consuming again");
-                        }
-                        Err(e) => {
-                            tracing::warn!(subscription = %self.ctx.name(), error = %e, "cannot consume again after the pause; trying again in 1s");
-                            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                        }
                     }
                     continue;
                 }
                 if self.flow == Flow::Consuming
                     && self.pause.is_paused()
-                    && let Some(c) = self.consumer.as_ref()
+                    && let Some(tag) = self.consumer.as_ref().map(|c| c.tag())
                 {
-                    // Paused: the broker sends nothing more; what it sent already (the prefetch)
-                    // still comes out of the stream, then the stream ends.
-                    let tag = c.tag();
-                    self.flow = Flow::Draining;
-                    if let Err(e) = self
-                        .channel
-                        .basic_cancel(tag, BasicCancelOptions::default())
-                        .await
-                    {
-                        tracing::warn!(subscription = %self.ctx.name(), error = %e, "basic.cancel for the pause");
-                    }
+                    self.cancel_for_pause(tag).await;
                     continue;
                 }
                 let consumer = self.consumer.as_mut()?;
@@ -403,35 +449,11 @@ impl Consumer for RabbitConsumer {
                     Some(Err(e)) => {
                         tracing::warn!(subscription = %self.ctx.name(), error = %e, "consuming from RabbitMQ");
                     }
-                    None if self.flow == Flow::Draining => {
-                        self.consumer = None;
-                        self.flow = Flow::Paused;
-                        self.ctx.set_paused(true);
-                        crate::backend::pause::shown(BackendKind::Rabbitmq, self.ctx.name(), true);
-                        tracing::info!(subscription = %self.ctx.name(), "paused: fetching stopped until the Subscription is resumed (deliveries already taken finish)");
-                    }
+                    None if self.flow == Flow::Draining => self.drained(),
                     None => {
-                        self.consumer = None;
-                        if self.ctx.binding().owner == ConsumerOwner::Operator
-                            && !self.retired.load(Ordering::Acquire)
-                        {
-                            // The operator repairs a deleted queue while its Subscription
-                            // exists: consume again when it is back.
-                            tracing::warn!(subscription = %self.ctx.name(), "the operator's queue is gone or the channel closed; waiting for it to come back");
-                            match self.broker.bind(&self.ctx).await {
-                                Ok((ch, c)) => {
-                                    self.channel = ch;
-                                    self.consumer = Some(c);
-                                    continue;
-                                }
-                                Err(e) => {
-                                    tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot consume again")
-                                }
-                            }
+                        if !self.consume_again_after_end().await {
                             return None;
                         }
-                        tracing::error!(subscription = %self.ctx.name(), "the RabbitMQ consumer was cancelled or its channel closed");
-                        return None;
                     }
                 }
             }

@@ -216,17 +216,45 @@ pub async fn ensure_copy(
     let made = !super::admin::exists(conn, &name).await?;
     let ch = channel(conn).await?;
     if made {
-        ch.queue_declare(
-            ShortString::from(name.as_str()),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            copy_arguments(namespace, backend, max_length),
-        )
-        .await
-        .map_err(|e| classify(format!("declaring queue {name:?}"), &e))?;
+        declare_copy(&ch, &name, namespace, backend, max_length).await?;
     }
+    let (binds, partial) = copy_binds(binding, dlx, keys);
+    bind_copy(&ch, &name, dlx, binds).await?;
+    done(ch).await;
+    Ok(match partial {
+        Some(why) => Copy::Partial { made, why },
+        None => Copy::Whole { made },
+    })
+}
+
+/// Declares the copy queue `name` on `ch`.
+async fn declare_copy(
+    ch: &lapin::Channel,
+    name: &str,
+    namespace: &str,
+    backend: &str,
+    max_length: i64,
+) -> Result<(), AdminError> {
+    ch.queue_declare(
+        ShortString::from(name),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        copy_arguments(namespace, backend, max_length),
+    )
+    .await
+    .map_err(|e| classify(format!("declaring queue {name:?}"), &e))?;
+    Ok(())
+}
+
+/// The bindings (key, arguments) that make `binding` on dead-letter exchange `dlx`, for
+/// Subscriptions bound by `keys`; and, when some dead letters cannot be copied, why.
+fn copy_binds(
+    binding: CopyBinding,
+    dlx: &str,
+    keys: &[String],
+) -> (Vec<(String, FieldTable)>, Option<String>) {
     let mut binds: Vec<(String, FieldTable)> = Vec::new();
     let mut partial = None;
     match binding {
@@ -259,9 +287,19 @@ pub async fn ensure_copy(
         }
         CopyBinding::Impossible(_) => {}
     }
+    (binds, partial)
+}
+
+/// Binds the copy queue `name` to `dlx` with each of `binds`, in order, on `ch`.
+async fn bind_copy(
+    ch: &lapin::Channel,
+    name: &str,
+    dlx: &str,
+    binds: Vec<(String, FieldTable)>,
+) -> Result<(), AdminError> {
     for (key, args) in binds {
         ch.queue_bind(
-            ShortString::from(name.as_str()),
+            ShortString::from(name),
             ShortString::from(dlx),
             ShortString::from(key.as_str()),
             QueueBindOptions::default(),
@@ -275,11 +313,7 @@ pub async fn ensure_copy(
             )
         })?;
     }
-    done(ch).await;
-    Ok(match partial {
-        Some(why) => Copy::Partial { made, why },
-        None => Copy::Whole { made },
-    })
+    Ok(())
 }
 
 /// The dead-lettering that put a message where it is now: the newest `x-death` entry (RabbitMQ

@@ -64,32 +64,7 @@ impl SqsBroker {
         &self,
         ctx: Arc<SubscriptionCtx>,
     ) -> Result<Box<dyn Consumer>, BusError> {
-        let (url, redrives) = match ctx.binding().owner {
-            ConsumerOwner::Runtime => {
-                let own = self.converge_own(&ctx).await?;
-                lock(&self.reports).insert(ctx.name().to_string(), report::ReportsTo::Nowhere);
-                own
-            }
-            ConsumerOwner::Operator => {
-                let found = self.await_operator(&ctx).await?;
-                // The object the operator made this queue for (its `settle-object` tag):
-                // the counts from here on are its (semantics C15).
-                match admin::owner(&self.client, &found.0).await {
-                    Ok(tags) => ctx.bound_to(tags.object.as_deref()),
-                    Err(e) => {
-                        tracing::warn!(subscription = %ctx.name(), error = %e, "cannot read the queue's owner tags: the reports name no Subscription object");
-                    }
-                }
-                let name = mapping::desired(&self.prefix, ctx.policy())
-                    .map_err(SqsError::from)?
-                    .name;
-                lock(&self.reports).insert(
-                    ctx.name().to_string(),
-                    report::ReportsTo::Queue(report::report_queue(&name)),
-                );
-                found
-            }
-        };
+        let (url, redrives) = self.bind_queue(&ctx).await?;
         let p = ctx.policy();
         tracing::info!(subscription = %ctx.name(), queue = %url, owner = ?ctx.binding().owner, "bound to an SQS queue");
         let bound = Arc::new(BoundQueue {
@@ -103,28 +78,7 @@ impl SqsBroker {
         });
         let permits = Arc::new(Semaphore::new(p.max_in_flight));
         let (tx, rx) = mpsc::unbounded_channel();
-        // Only the operator pauses a Subscription: an operator-made queue's tag is read (W4),
-        // and a receive waits at most one pause interval, so a pause stops it soon.
-        let (pause, wait) = match ctx.binding().owner {
-            ConsumerOwner::Operator => {
-                let (client, url) = (self.client.clone(), bound.url.clone());
-                let watch =
-                    PauseWatch::start(BackendKind::Sqs, ctx.name(), self.pause_poll, move || {
-                        let (client, url) = (client.clone(), url.clone());
-                        async move {
-                            pause::is_set(&client, &url)
-                                .await
-                                .map_err(|e| e.to_string())
-                        }
-                    });
-                let wait = self
-                    .long_poll
-                    .min(self.pause_poll)
-                    .max(Duration::from_secs(1));
-                (watch, wait)
-            }
-            ConsumerOwner::Runtime => (PauseWatch::never(), self.long_poll),
-        };
+        let (pause, wait) = self.pause_watch(&ctx, bound.url.clone());
         let poller = tokio::spawn(poll(
             Arc::clone(&bound),
             Arc::clone(&ctx),
@@ -143,6 +97,67 @@ impl SqsBroker {
             poller: Some(poller),
             _pause: pause,
         }))
+    }
+
+    /// The queue a subscription consumes from (its URL, and whether it redrives), found or
+    /// made, with where its stats reports go.
+    async fn bind_queue(&self, ctx: &SubscriptionCtx) -> Result<(String, bool), BusError> {
+        Ok(match ctx.binding().owner {
+            ConsumerOwner::Runtime => {
+                let own = self.converge_own(ctx).await?;
+                lock(&self.reports).insert(ctx.name().to_string(), report::ReportsTo::Nowhere);
+                own
+            }
+            ConsumerOwner::Operator => self.bind_operator(ctx).await?,
+        })
+    }
+
+    /// An operator-made queue, once it exists: the counts go to the object it was made for, and
+    /// the reports beside the queue.
+    async fn bind_operator(&self, ctx: &SubscriptionCtx) -> Result<(String, bool), BusError> {
+        let found = self.await_operator(ctx).await?;
+        // The object the operator made this queue for (its `settle-object` tag):
+        // the counts from here on are its (semantics C15).
+        match admin::owner(&self.client, &found.0).await {
+            Ok(tags) => ctx.bound_to(tags.object.as_deref()),
+            Err(e) => {
+                tracing::warn!(subscription = %ctx.name(), error = %e, "cannot read the queue's owner tags: the reports name no Subscription object");
+            }
+        }
+        let name = mapping::desired(&self.prefix, ctx.policy())
+            .map_err(SqsError::from)?
+            .name;
+        lock(&self.reports).insert(
+            ctx.name().to_string(),
+            report::ReportsTo::Queue(report::report_queue(&name)),
+        );
+        Ok(found)
+    }
+
+    /// The pause watch of the queue at `url`, and how long a receive waits.
+    fn pause_watch(&self, ctx: &SubscriptionCtx, url: String) -> (PauseWatch, Duration) {
+        // Only the operator pauses a Subscription: an operator-made queue's tag is read (W4),
+        // and a receive waits at most one pause interval, so a pause stops it soon.
+        match ctx.binding().owner {
+            ConsumerOwner::Operator => {
+                let client = self.client.clone();
+                let watch =
+                    PauseWatch::start(BackendKind::Sqs, ctx.name(), self.pause_poll, move || {
+                        let (client, url) = (client.clone(), url.clone());
+                        async move {
+                            pause::is_set(&client, &url)
+                                .await
+                                .map_err(|e| e.to_string())
+                        }
+                    });
+                let wait = self
+                    .long_poll
+                    .min(self.pause_poll)
+                    .max(Duration::from_secs(1));
+                (watch, wait)
+            }
+            ConsumerOwner::Runtime => (PauseWatch::never(), self.long_poll),
+        }
     }
 
     async fn create_queue(

@@ -1,0 +1,129 @@
+//! The test application (`examples/account_app.rs`) as a process: started with a handler and
+//! environment, its stdout lines collected, its log kept beside the test's, killed when dropped.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::operator::poll;
+
+/// The test application, killed when dropped; its stdout lines are collected, its log kept
+/// beside the test's.
+pub struct App {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    log: std::path::PathBuf,
+}
+
+static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl App {
+    /// `account_app` with `handler`, reporting every 100 ms, and the variables `env`, which pick
+    /// the broker (`SETTLE_NATS_URL`, `SETTLE_RABBITMQ_URL` or `SETTLE_SQS_ENDPOINT`: none is
+    /// inherited).
+    pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
+        let bin = crate::example("account_app");
+        let log = crate::root().join(format!(
+            "target/account-app-{}-{}.log",
+            std::process::id(),
+            APPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let mut child = Command::new(&bin)
+            .env_remove("SETTLE_NATS_URL")
+            .env_remove("SETTLE_RABBITMQ_URL")
+            .env_remove("SETTLE_SQS_ENDPOINT")
+            .envs(env.iter().copied())
+            .env("SETTLE_SUBSCRIPTION_FILE", manifest)
+            .env("SETTLE_APP_HANDLER", handler)
+            .env("SETTLE_REPORT_INTERVAL", "100ms")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).expect("the application's log"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("run {}: {e}", bin.display()));
+        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let out = child.stdout.take().expect("stdout");
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().expect("lines").push(l);
+            }
+        });
+        App { child, lines, log }
+    }
+
+    /// Every line printed so far that starts with `prefix`.
+    pub fn lines(&self, prefix: &str) -> Vec<String> {
+        self.lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .cloned()
+            .collect()
+    }
+
+    pub fn count(&self, prefix: &str) -> usize {
+        self.lines
+            .lock()
+            .expect("lines")
+            .iter()
+            .filter(|l| l.starts_with(prefix))
+            .count()
+    }
+
+    /// Waits until at least `n` lines start with `prefix`.
+    pub async fn wait_count(&self, prefix: &str, n: usize, limit: Duration) {
+        poll(
+            &format!(
+                "the application to print {n} {prefix:?} line(s) (its log: {})",
+                self.log.display()
+            ),
+            limit,
+            || async {
+                match self.count(prefix) {
+                    c if c >= n => Ok(()),
+                    c => Err(format!("{c} so far")),
+                }
+            },
+        )
+        .await;
+    }
+
+    pub async fn wait_ready(&self) {
+        // A minute: on a loaded machine a RabbitMQ application can take a while to subscribe.
+        self.wait_count("ready", 1, Duration::from_secs(60)).await;
+    }
+
+    /// SIGKILL: nothing is flushed, nothing is closed.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM, as Kubernetes stops a pod: the application closes its bus gracefully.
+    pub fn sigterm(&self) {
+        crate::process::sigterm(&self.child);
+    }
+
+    /// Waits for the process to exit by itself; true when it said `closed` (a graceful stop).
+    pub fn wait_exit(&mut self, limit: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                // Let the reader thread take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                return self.count("closed") == 1;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the application was still running {limit:?} after SIGTERM");
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

@@ -1,0 +1,295 @@
+//! The account scenarios written once for every broker: always-nack, held last attempts and
+//! stalled, with their specs, flags and the messages they publish.
+
+use std::time::Duration;
+
+use settle::api::{ConsumerStats, SubscriptionStatus};
+
+use super::app::App;
+use super::base::{AccountScene, Base};
+use super::wait::wait_for;
+use crate::kubectl_ok;
+use crate::operator::poll;
+
+pub fn bodies(n: usize) -> Vec<String> {
+    (1..=n).map(|i| i.to_string()).collect()
+}
+
+/// Always-nack's Subscription: AtLeastOnce, three attempts.
+pub const NACK_SPEC: &str = "  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n";
+
+/// What may happen halfway through the always-nack scenario.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Halfway {
+    Nothing,
+    /// The operator SIGKILLed, the second half published while it is down, then started again.
+    OperatorKilled,
+    /// The application replaced by a new instance ([`AccountScene::replace_app`]).
+    AppRestarted,
+    /// Both: the operator SIGKILLed and the application replaced, so the first instance's counts
+    /// live only in what the operator saved; the second half published while it is down.
+    OperatorKilledAppReplaced,
+}
+
+/// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them: the final
+/// account is the same whatever happened (exhausted 10, nacked 30, delivered 30, offered 30),
+/// settled, balanced, and no status observed ever went down. Returns it.
+pub async fn always_nack_scenario<S: AccountScene>(
+    scene: &mut S,
+    halfway: Halfway,
+) -> ConsumerStats {
+    let mut app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(5)).await;
+    wait_for(scene, "the first five messages exhausted in status", |s| {
+        s.exhausted == 5 && s.settlement.nacked == 15
+    })
+    .await;
+    let down = matches!(
+        halfway,
+        Halfway::OperatorKilled | Halfway::OperatorKilledAppReplaced
+    );
+    if down {
+        scene.op.kill9();
+    }
+    if matches!(
+        halfway,
+        Halfway::AppRestarted | Halfway::OperatorKilledAppReplaced
+    ) {
+        app = scene.replace_app(app).await;
+        app.wait_ready().await;
+    }
+    scene.publish(bodies(5)).await;
+    if down {
+        // Reports and losses while the operator is down wait on the broker.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        scene.restart_operator();
+    }
+    let s = wait_for(scene, "all ten messages exhausted in status", |s| {
+        s.exhausted >= 10 && s.settlement.nacked >= 30 && s.delivered >= 30
+    })
+    .await;
+    // Settle a little longer: nothing more may arrive.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s2 = scene.stats().await;
+    assert_eq!(s, s2, "the account kept moving after the work was done");
+    assert_eq!(s.exhausted, 10, "{halfway:?}: {s:?}");
+    assert_eq!(s.settlement.nacked, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.delivered, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.offered, 30, "{halfway:?}: {s:?}");
+    assert_eq!(s.settlement.acked, 0, "{halfway:?}: {s:?}");
+    assert!(
+        s.balanced(),
+        "offered == delivered + released + lost: {s:?}"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    s
+}
+
+/// What every broker shows a user after [`always_nack_scenario`] ran with [`Halfway::Nothing`]:
+/// `Exhausting` True (MessagesExhausted), its message saying ten messages ran out of attempts;
+/// `kubectl describe` with the counts and the condition; ten exhausted on /metrics. Returns the
+/// status and that message, for what each broker asserts of its own.
+pub async fn assert_always_nack_shown(base: &Base) -> (SubscriptionStatus, String) {
+    let st = base.sub().await.status.expect("status");
+    let (status, reason, message) =
+        crate::operator::condition(&st.conditions, "Exhausting").expect("an Exhausting condition");
+    assert_eq!(
+        (status.as_str(), reason.as_str()),
+        ("True", "MessagesExhausted"),
+        "{message}"
+    );
+    assert!(
+        message.starts_with("10 message(s) ran out of attempts"),
+        "{message}"
+    );
+    let described = kubectl_ok(
+        &["describe", "subscription", "orders", "-n", &base.ns],
+        None,
+    );
+    let flat: String = described.split_whitespace().collect::<Vec<_>>().join(" ");
+    for want in [
+        "Delivered: 30",
+        "Exhausted: 10",
+        "Nacked: 30",
+        "Type: Exhausting",
+        "Reason: MessagesExhausted",
+    ] {
+        assert!(
+            flat.contains(want),
+            "kubectl describe lacks {want:?}:\n{described}"
+        );
+    }
+    // The same numbers at full resolution on /metrics.
+    let labels = [("namespace", base.ns.as_str()), ("subscription", "orders")];
+    assert_eq!(
+        base.op
+            .metric("settle_subscription_exhausted_total", &labels),
+        10.0,
+        "settle_subscription_exhausted_total"
+    );
+    (st, message)
+}
+
+/// How long [`held_last_attempts_scenario`] waits on a broker, and what counts the exhausted.
+pub struct Patience {
+    /// For the four last attempts to be held, and then for them to be counted exhausted.
+    pub limit: Duration,
+    /// How long nothing more may arrive once they are.
+    pub quiet: Duration,
+    /// Where the exhausted are counted from, as the wait names it.
+    pub from: &'static str,
+}
+
+/// An application that nacks twice, then holds the last attempt (maxDeliver 3), dies (SIGKILL)
+/// holding four: the runtime never counts them. The broker finds their attempts spent when the
+/// replacement (started as a Deployment would) next takes from it, and the operator counts each
+/// exhausted once: exhausted 4, nacked 8, delivered 8, and no status observed ever went down.
+/// Returns the replacement and the final counts.
+pub async fn held_last_attempts_scenario<S: AccountScene>(
+    scene: &S,
+    patience: Patience,
+) -> (App, ConsumerStats) {
+    let mut app = scene.app("nack-then-hold");
+    app.wait_ready().await;
+    scene.publish(bodies(4)).await;
+    poll(
+        "the application to hold four last attempts",
+        patience.limit,
+        || async {
+            match app.count("held") {
+                4 => Ok(()),
+                n => Err(format!("{n} held")),
+            }
+        },
+    )
+    .await;
+    scene
+        .wait_stats(
+            "the first two attempts' nacks in status",
+            Duration::from_secs(30),
+            |s| s.settlement.nacked == 8,
+        )
+        .await;
+    app.kill9();
+    let replacement = scene.app("nack-then-hold");
+    replacement.wait_ready().await;
+    let s = scene
+        .wait_stats(
+            &format!("four messages exhausted, from {}", patience.from),
+            patience.limit,
+            |s| s.exhausted >= 4,
+        )
+        .await;
+    tokio::time::sleep(patience.quiet).await;
+    let later = scene.stats().await;
+    assert_eq!(
+        later.exhausted, 4,
+        "counted once each: {s:?} then {later:?}"
+    );
+    assert_eq!(later.settlement.nacked, 8);
+    assert_eq!(
+        later.delivered, 8,
+        "the held attempts never returned: {later:?}"
+    );
+    scene.assert_never_decreased();
+    (replacement, later)
+}
+
+/// The stall window the stall scenario's operator runs with, as `--stall-window` gives it.
+pub const STALL_WINDOW: &str = "3s";
+
+/// The stall scenario's operator flags: `--stall-window` beside a scene's own `flags`.
+pub fn stall_flags(flags: &[&'static str]) -> Vec<&'static str> {
+    let mut all = flags.to_vec();
+    all.extend(["--stall-window", STALL_WINDOW]);
+    all
+}
+
+/// The stall scenario's policy: ackWait 1s, so three ackWaits are within [`STALL_WINDOW`] and
+/// the window is the flag's.
+pub const STALL_SPEC: &str = "  mode: AtLeastOnce\n  ackWait: 1s\n";
+
+/// Waits until the scene's Subscription shows `Stalled` with `status`; returns its reason and
+/// message.
+pub async fn wait_stalled<S: AccountScene>(scene: &S, status: &str) -> (String, String) {
+    poll(
+        &format!("Stalled={status}"),
+        Duration::from_secs(60),
+        || async {
+            let sub = scene.api.get("orders").await.map_err(|e| e.to_string())?;
+            let conditions = sub.status.map(|s| s.conditions).unwrap_or_default();
+            match crate::operator::condition(&conditions, "Stalled") {
+                Some((s, reason, message)) if s == status => Ok((reason, message)),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await
+}
+
+/// A handler that blocks forever with three messages pending (semantics C22): once
+/// `--stall-window` passed without a handler returning, `Stalled` is True (reason
+/// `NothingDelivered`), its message names the three messages and the window, and
+/// `settle_subscription_stalled` reads 1; the blocked application replaced by one that acks,
+/// the three are acked and `Stalled` turns False, the gauge 0. Delivered stays 0 while blocked,
+/// and no status observed ever went down.
+pub async fn stalled_scenario<S: AccountScene>(scene: &S) {
+    let held = scene.app("hold");
+    held.wait_ready().await;
+    scene.publish(bodies(3)).await;
+    // All three handed to handlers that never return.
+    held.wait_count("held", 3, Duration::from_secs(60)).await;
+    let (reason, message) = wait_stalled(scene, "True").await;
+    println!("Stalled=True ({reason}): {message}");
+    assert_eq!(reason, "NothingDelivered", "{message}");
+    assert!(
+        message.starts_with("3 message(s) pending, nothing delivered since "),
+        "the message names what is pending: {message}"
+    );
+    assert!(
+        message.contains(&format!("(window {STALL_WINDOW})")),
+        "the message names the window: {message}"
+    );
+    let labels = [("namespace", scene.ns.as_str()), ("subscription", "orders")];
+    assert_eq!(
+        scene.op.metric("settle_subscription_stalled", &labels),
+        1.0,
+        "settle_subscription_stalled while Stalled=True"
+    );
+    assert_eq!(
+        scene.stats().await.delivered,
+        0,
+        "no handler returned while they were held"
+    );
+
+    // Unblocked: the holder goes (SIGKILL), an application that acks takes the three.
+    drop(held);
+    let acking = scene.app("ack");
+    acking.wait_ready().await;
+    wait_for(scene, "the three messages acked in status", |s| {
+        s.settlement.acked >= 3
+    })
+    .await;
+    let (reason, message) = wait_stalled(scene, "False").await;
+    println!("Stalled=False ({reason}): {message}");
+    assert!(
+        matches!(reason.as_str(), "Delivering" | "NothingPending"),
+        "{reason}: {message}"
+    );
+    poll(
+        "settle_subscription_stalled to read 0",
+        Duration::from_secs(30),
+        || async {
+            let v = scene.op.metric("settle_subscription_stalled", &labels);
+            if v == 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{v}"))
+            }
+        },
+    )
+    .await;
+    scene.assert_never_decreased();
+}
