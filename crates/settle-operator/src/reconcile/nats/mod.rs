@@ -213,7 +213,10 @@ impl<'a, 's> Check<'a, 's> {
     ) -> SubOutcome {
         let (t, ctx, conn) = (self.t, self.ctx, self.conn);
         let (want, stream) = (&self.want, &self.here.stream);
-        let again = t.known.as_ref() == Some(&self.here);
+        // Made again: the status names it, or this connection made it lately and the status
+        // saying so has not reached the cache yet (deleted on the broker within a moment of its
+        // making: an Event saying "created" would hide that it was lost).
+        let again = t.known.as_ref() == Some(&self.here) || conn.made_recently(stream, &want.name);
         let (backend, who) = keys(t);
         if let Some(limit) = ctx.conns.gates.check(&backend, stream, &who) {
             return limited(limit);
