@@ -1,5 +1,6 @@
 //! What the two report-queue keepers ([`super::rabbitmq`], [`super::sqs`]) share, written once:
-//! the Backend's Subscriptions now, a Subscription's account opened from its snapshot, one
+//! the Backend's Subscriptions now, a Subscription's account opened from its snapshot (an
+//! earlier object's snapshot told apart), one
 //! report judged and counted, a save's outcome counted and said once (log and Event), and the
 //! queue's gauges read once per stats interval within the round's budget.
 //!
@@ -64,6 +65,16 @@ pub fn open(sub: &Subscription, ledger: Snapshot, loss: &mut LossLog, config: &C
     let mut account = Account::restore(ledger, floor);
     account.claim(sub.metadata.uid.clone());
     account
+}
+
+/// Whether a saved snapshot (its `ledger`) is of an earlier object of `sub`'s name, not this
+/// one's (semantics C15); said (logged) when it is: the new object's account starts at zero.
+pub fn earlier_object(ledger: &Snapshot, sub: &Subscription, who: &str) -> bool {
+    let earlier = !ledger.persisted.belongs_to(sub.metadata.uid.as_deref());
+    if earlier {
+        tracing::info!(subscription = %who, "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
+    }
+    earlier
 }
 
 /// A report's body parsed, or `None` when it is larger than `--max-report-bytes` (then it is

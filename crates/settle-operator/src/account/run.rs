@@ -124,24 +124,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let mut wanted = Vec::new();
-        let mut kinds = HashMap::new();
-        for b in term.backends.state() {
-            let key = (b.namespace().unwrap_or_default(), b.name_any());
-            let unseen =
-                effective_capabilities(&b).is_none_or(|c| c.restart_can_spend_unseen_attempt);
-            let kind = if b.spec.nats.is_some() {
-                Kind::Nats { unseen }
-            } else if b.spec.rabbitmq.is_some() {
-                Kind::Rabbitmq { unseen }
-            } else if b.spec.sqs.is_some() {
-                Kind::Sqs { unseen }
-            } else {
-                continue;
-            };
-            kinds.insert(key.clone(), kind);
-            wanted.push(key);
-        }
+        let (wanted, kinds) = wanted_backends(&term);
         keepers.0.retain(|key, task| {
             let keep = wanted.contains(key) && !task.is_finished();
             if !keep {
@@ -153,66 +136,106 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             if keepers.0.contains_key(&key) {
                 continue;
             }
-            let unseen = match kinds.get(&key) {
-                Some(Kind::Nats { unseen }) => *unseen,
-                Some(Kind::Rabbitmq { unseen }) => {
-                    let r = rabbitmq::RabbitKeeper::new(
-                        key.clone(),
-                        term.backends.clone(),
-                        term.rabbitmq.clone(),
-                        term.queues.clone(),
-                        term.freed.clone(),
-                        term.subscriptions.clone(),
-                        writer.clone(),
-                        config.clone(),
-                        metrics.clone(),
-                        // Uncounted until the keeper's session copies the Backend's dead
-                        // letters: then FromDeadLetters (the keeper decides, per session).
-                        if *unseen {
-                            super::status::Unseen::Uncounted
-                        } else {
-                            super::status::Unseen::Never
-                        },
-                    );
-                    keepers.0.insert(key, tokio::spawn(r.run()));
-                    continue;
-                }
-                Some(Kind::Sqs { unseen }) => {
-                    let s = sqs::SqsKeeper::new(
-                        key.clone(),
-                        term.backends.clone(),
-                        term.queues.clone(),
-                        term.subscriptions.clone(),
-                        writer.clone(),
-                        config.clone(),
-                        metrics.clone(),
-                        *unseen,
-                    );
-                    keepers.0.insert(key, tokio::spawn(s.run()));
-                    continue;
-                }
-                None => continue,
-            };
-            let Some(client) = (term.nats)(&key.0, &key.1) else {
-                tracing::debug!(backend = %format!("{}/{}", key.0, key.1), "account: the Backend has no connection yet");
+            let Some(kind) = kinds.get(&key) else {
                 continue;
             };
-            let k = nats::NatsKeeper::new(
+            if let Some(task) = start_keeper(&term, &writer, &config, &metrics, &key, kind) {
+                keepers.0.insert(key, task);
+            }
+        }
+    }
+}
+
+/// A Backend, by namespace and name.
+type BackendKey = (String, String);
+
+/// The Backends that get a keeper now, and which keeper each gets.
+fn wanted_backends(term: &Term) -> (Vec<BackendKey>, HashMap<BackendKey, Kind>) {
+    let mut wanted = Vec::new();
+    let mut kinds = HashMap::new();
+    for b in term.backends.state() {
+        let key = (b.namespace().unwrap_or_default(), b.name_any());
+        let unseen = effective_capabilities(&b).is_none_or(|c| c.restart_can_spend_unseen_attempt);
+        let kind = if b.spec.nats.is_some() {
+            Kind::Nats { unseen }
+        } else if b.spec.rabbitmq.is_some() {
+            Kind::Rabbitmq { unseen }
+        } else if b.spec.sqs.is_some() {
+            Kind::Sqs { unseen }
+        } else {
+            continue;
+        };
+        kinds.insert(key.clone(), kind);
+        wanted.push(key);
+    }
+    (wanted, kinds)
+}
+
+/// Starts Backend `key`'s keeper of `kind` (None: a NATS Backend with no connection yet, tried
+/// again next tick).
+fn start_keeper(
+    term: &Term,
+    writer: &writer::Writer,
+    config: &Config,
+    metrics: &Metrics,
+    key: &BackendKey,
+    kind: &Kind,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let unseen = match kind {
+        Kind::Nats { unseen } => *unseen,
+        Kind::Rabbitmq { unseen } => {
+            let r = rabbitmq::RabbitKeeper::new(
                 key.clone(),
-                client,
+                term.backends.clone(),
+                term.rabbitmq.clone(),
+                term.queues.clone(),
+                term.freed.clone(),
                 term.subscriptions.clone(),
                 writer.clone(),
                 config.clone(),
                 metrics.clone(),
-                if unseen {
-                    super::status::Unseen::FromAdvisories
+                // Uncounted until the keeper's session copies the Backend's dead
+                // letters: then FromDeadLetters (the keeper decides, per session).
+                if *unseen {
+                    super::status::Unseen::Uncounted
                 } else {
                     super::status::Unseen::Never
                 },
             );
-            keepers.0.insert(key, tokio::spawn(k.run()));
+            return Some(tokio::spawn(r.run()));
         }
-    }
+        Kind::Sqs { unseen } => {
+            let s = sqs::SqsKeeper::new(
+                key.clone(),
+                term.backends.clone(),
+                term.queues.clone(),
+                term.subscriptions.clone(),
+                writer.clone(),
+                config.clone(),
+                metrics.clone(),
+                *unseen,
+            );
+            return Some(tokio::spawn(s.run()));
+        }
+    };
+    let Some(client) = (term.nats)(&key.0, &key.1) else {
+        tracing::debug!(backend = %format!("{}/{}", key.0, key.1), "account: the Backend has no connection yet");
+        return None;
+    };
+    let k = nats::NatsKeeper::new(
+        key.clone(),
+        client,
+        term.subscriptions.clone(),
+        writer.clone(),
+        config.clone(),
+        metrics.clone(),
+        if unseen {
+            super::status::Unseen::FromAdvisories
+        } else {
+            super::status::Unseen::Never
+        },
+    );
+    Some(tokio::spawn(k.run()))
 }
 
 /// Which keeper a Backend gets.

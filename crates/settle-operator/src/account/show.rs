@@ -128,30 +128,10 @@ pub fn show(
     {
         return false;
     }
-    let before = showing.loss.clone();
-    showing
-        .loss
-        .observe(round.now_ms, stats.counters.exhausted, config.loss_window);
-    let loss_changed = showing.loss != before;
-    let lost = showing.loss.lost_within(round.now_ms, config.loss_window);
+    let (loss_changed, wants) = wanted(round, key, sub, &stats, showing);
     let current = sub.status.as_ref();
     let existing = current.map(|s| s.conditions.as_slice()).unwrap_or_default();
     let shown = current.and_then(|s| s.stats.as_ref());
-
-    let mut wants = status::wants(
-        &stats,
-        lost,
-        config.loss_window,
-        round.unseen_attempts,
-        &showing.trouble,
-    )
-    .to_vec();
-    let stall = stall_condition(round, sub, &stats, shown, existing, showing);
-    round.metrics.show(&key.0, &key.1, &stats, lost > 0);
-    round
-        .metrics
-        .stalled(&key.0, &key.1, stall.status == Status::True);
-    wants.push(stall);
     let differs = shown != Some(&stats) || status::conditions_differ(existing, &wants);
     let interval = config.stats_interval;
     let urgent = differs && status::matters(shown, existing, &stats, &wants);
@@ -184,6 +164,44 @@ pub fn show(
         });
     }
     loss_changed
+}
+
+/// The conditions wanted for `sub` now (the account's three and `Stalled`), the exhausted
+/// total noted in the loss log first and the metrics set. Returns whether the loss log changed,
+/// and the conditions.
+fn wanted(
+    round: &Round<'_>,
+    key: &(String, String),
+    sub: &Subscription,
+    stats: &SubscriptionStats,
+    showing: &mut Showing,
+) -> (bool, Vec<Want>) {
+    let config = round.config;
+    let before = showing.loss.clone();
+    showing
+        .loss
+        .observe(round.now_ms, stats.counters.exhausted, config.loss_window);
+    let loss_changed = showing.loss != before;
+    let lost = showing.loss.lost_within(round.now_ms, config.loss_window);
+    let current = sub.status.as_ref();
+    let existing = current.map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let shown = current.and_then(|s| s.stats.as_ref());
+
+    let mut wants = status::wants(
+        stats,
+        lost,
+        config.loss_window,
+        round.unseen_attempts,
+        &showing.trouble,
+    )
+    .to_vec();
+    let stall = stall_condition(round, sub, stats, shown, existing, showing);
+    round.metrics.show(&key.0, &key.1, stats, lost > 0);
+    round
+        .metrics
+        .stalled(&key.0, &key.1, stall.status == Status::True);
+    wants.push(stall);
+    (loss_changed, wants)
 }
 
 /// The `Stalled` condition of `sub` now (semantics C22): its stall watch (begun on the first

@@ -8,6 +8,7 @@
 //! Pure: no I/O and no clock (times come in as arguments). It must not count (that is the
 //! ledger) nor send anything (that is the writer).
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -167,43 +168,53 @@ pub fn wants(
     unseen: Unseen,
     trouble: &Trouble,
 ) -> [Want; 3] {
-    let exhausted = stats.counters.exhausted;
     let w = window_text(window);
-    let too_many;
-    let note = match unseen {
-        Unseen::TooManyDeadLetters(depth) => {
-            too_many = format!(
-                " On this backend a crash or restart can spend a last attempt no handler saw: such \
+    let note = unseen_note(unseen);
+    [
+        exhausting(stats, lost_recently, &w, &note),
+        stranding(stats),
+        accounted(trouble, &w),
+    ]
+}
+
+/// What `Exhausting` adds about the last attempts a backend can spend unseen.
+fn unseen_note(unseen: Unseen) -> Cow<'static, str> {
+    match unseen {
+        Unseen::TooManyDeadLetters(depth) => Cow::Owned(format!(
+            " On this backend a crash or restart can spend a last attempt no handler saw: such \
                  messages are counted in the dead-letter queue, but it holds {depth} messages, more \
                  than the {} the account remembers, so they are not counted now and Exhausted may \
                  undercount by them. Empty the dead-letter queue (redrive or delete what you \
                  handled) and counting there resumes.",
-                super::ledger::REMEMBERED_EXHAUSTED
-            );
-            too_many.as_str()
-        }
-        Unseen::Never => "",
-        Unseen::FromAdvisories => {
+            super::ledger::REMEMBERED_EXHAUSTED
+        )),
+        Unseen::Never => Cow::Borrowed(""),
+        Unseen::FromAdvisories => Cow::Borrowed(
             " On this backend a restart can spend a last attempt no handler saw: such messages are \
              counted from the broker's advisories, which the operator captures from the moment it \
              manages the Backend; a message that ran out before then is not counted, so Exhausted may \
-             undercount for that time."
-        }
-        Unseen::FromDeadLetters => {
+             undercount for that time.",
+        ),
+        Unseen::FromDeadLetters => Cow::Borrowed(
             " On this backend a crash or restart can spend a last attempt no handler saw: such \
              messages are counted where the broker dead-letters them, which the operator watches \
              from the moment it manages the Subscription; a message dead-lettered before then is \
-             not counted, so Exhausted may undercount for that time."
-        }
-        Unseen::Uncounted => {
+             not counted, so Exhausted may undercount for that time.",
+        ),
+        Unseen::Uncounted => Cow::Borrowed(
             " On this backend a crash or restart can spend a last attempt no handler saw, and the \
              broker reports no such loss to the operator: Exhausted may undercount by the last \
              attempts in flight when an application instance died. On RabbitMQ, set the \
              Backend's spec.rabbitmq.deadLetterExchange: the operator then counts such losses \
-             from a copy of what the queue dead-letters."
-        }
-    };
-    let exhausting = if lost_recently > 0 {
+             from a copy of what the queue dead-letters.",
+        ),
+    }
+}
+
+/// `Exhausting`: whether messages ran out of attempts within the window (`w`).
+fn exhausting(stats: &SubscriptionStats, lost_recently: u64, w: &str, note: &str) -> Want {
+    let exhausted = stats.counters.exhausted;
+    if lost_recently > 0 {
         Want::new(
             types::EXHAUSTING,
             Status::True,
@@ -222,9 +233,13 @@ pub fn wants(
             reasons::NO_RECENT_LOSS,
             format!("no message ran out of attempts in the last {w} ({exhausted} in all).{note}"),
         )
-    };
+    }
+}
+
+/// `Stranding`: whether messages were declined with no consumer to take them back.
+fn stranding(stats: &SubscriptionStats) -> Want {
     let stranded = stats.counters.stranded;
-    let stranding = if stranded > 0 {
+    if stranded > 0 {
         Want::new(
             types::STRANDING,
             Status::True,
@@ -242,8 +257,13 @@ pub fn wants(
             reasons::NONE_STRANDED,
             "no message was stranded.",
         )
-    };
-    let accounted = if let Some(why) = &trouble.unsaved {
+    }
+}
+
+/// `Accounted`: the first trouble of the account (a save failing, the report queue missing, a
+/// source lost within the window `w`, advisories missed, dead letters missed), else kept.
+fn accounted(trouble: &Trouble, w: &str) -> Want {
+    if let Some(why) = &trouble.unsaved {
         Want::new(
             types::ACCOUNTED,
             Status::False,
@@ -268,29 +288,7 @@ pub fn wants(
             ),
         )
     } else if let Some(source) = trouble.source_lost {
-        let (what, how) = match source {
-            Source::Ledger => (
-                "the account's saved ledger (bucket settle-account) was missing or unreadable",
-                "its folded instances and the broker's tally were gone",
-            ),
-            Source::Reports => (
-                "the runtime's stats reports (bucket settle-stats) were gone",
-                "the reports left summed to less than status showed",
-            ),
-        };
-        Want::new(
-            types::ACCOUNTED,
-            Status::False,
-            reasons::SOURCE_LOST,
-            format!(
-                "{what} when the operator read it ({how}). Counting continues from what status \
-                 showed: each counter moves on with what is counted from now, none goes down, and \
-                 offered == delivered + released + lost still holds at rest. What happened while \
-                 the source was gone (between the last status write and the loss being found) may \
-                 be missing, Exhausted included. Find what removed it (a broker reset, a deleted \
-                 bucket); this condition turns True by itself {w} after the loss was found."
-            ),
-        )
+        source_lost(source, w)
     } else if trouble.missed_advisories > 0 {
         let n = trouble.missed_advisories;
         Want::new(
@@ -324,8 +322,34 @@ pub fn wants(
             reasons::KEPT,
             "every report and advisory read is counted and saved on the broker.",
         )
+    }
+}
+
+/// `Accounted` when a source of the account was lost (semantics C17), within the window `w`.
+fn source_lost(source: Source, w: &str) -> Want {
+    let (what, how) = match source {
+        Source::Ledger => (
+            "the account's saved ledger (bucket settle-account) was missing or unreadable",
+            "its folded instances and the broker's tally were gone",
+        ),
+        Source::Reports => (
+            "the runtime's stats reports (bucket settle-stats) were gone",
+            "the reports left summed to less than status showed",
+        ),
     };
-    [exhausting, stranding, accounted]
+    Want::new(
+        types::ACCOUNTED,
+        Status::False,
+        reasons::SOURCE_LOST,
+        format!(
+            "{what} when the operator read it ({how}). Counting continues from what status \
+             showed: each counter moves on with what is counted from now, none goes down, and \
+             offered == delivered + released + lost still holds at rest. What happened while \
+             the source was gone (between the last status write and the loss being found) may \
+             be missing, Exhausted included. Find what removed it (a broker reset, a deleted \
+             bucket); this condition turns True by itself {w} after the loss was found."
+        ),
+    )
 }
 
 /// What the account last wrote (or found) for one Subscription: written again only when this

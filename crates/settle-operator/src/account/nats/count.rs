@@ -2,15 +2,23 @@
 //! (judged under its own key and within the account's bounds, held back while its Subscription
 //! is not in the cache yet), a delivery advisory from the capture (a loss counted only through
 //! the consumer the controller verified, never an earlier consumer's of the same name), and
-//! the advisories the capture dropped before they were read.
+//! the advisories the capture dropped before they were read; the reports held back and the loss
+//! advisories held unverified are tried again each round (a Subscription told when advisories of
+//! its consumer were dropped unverified).
 //!
 //! It must not save or acknowledge anything (that is `settle`), nor decide counts (that is the
 //! ledger).
 
+use std::collections::HashMap;
+use std::time::Instant;
+
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 
-use super::{Book, Books, Member, Members, NatsKeeper, SubKey, broken};
+use super::{
+    Book, Books, Held, Member, Members, NatsKeeper, SubKey, UNVERIFIED_ADVISORIES, Uncounted,
+    ack_with_book, broken,
+};
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
 use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
@@ -49,51 +57,14 @@ impl NatsKeeper {
         books: &mut Books,
         entry: kv::Entry,
     ) -> Result<Option<kv::Entry>, NatsError> {
-        if entry.operation != kv::Operation::Put {
+        let Some(report) = self.read_report(&entry) else {
             return Ok(None);
-        }
-        if self.config.limits.too_large(entry.value.len()) {
-            self.metrics.reports.with_label_values(&["too_large"]).inc();
-            tracing::warn!(key = %entry.key, bytes = entry.value.len(), "a stats report larger than --max-report-bytes: dropped");
-            return Ok(None);
-        }
-        let report: StatsReport = match serde_json::from_slice(&entry.value) {
-            Ok(r) => r,
-            Err(e) => {
-                self.metrics
-                    .reports
-                    .with_label_values(&["unreadable"])
-                    .inc();
-                tracing::warn!(key = %entry.key, error = %e, "a stats report is unreadable: skipped");
-                return Ok(None);
-            }
         };
-        // A report counts only under its own key: a body naming another Subscription or
-        // instance than the key it was written to is dropped.
-        if report.key() != entry.key {
-            self.metrics.reports.with_label_values(&["misfiled"]).inc();
-            tracing::warn!(key = %entry.key, named = %report.key(), "a stats report whose body names another key than the one it was written to: dropped");
-            return Ok(None);
-        }
         let key = (report.namespace.clone(), report.subscription.clone());
         // Another Backend's Subscription, a subscription defined in code only, or one the cache
         // has not seen yet: kept to be tried again while it is in this Backend's namespace.
         let Some(member) = members.get(&key) else {
-            if report.subscription_uid.is_some()
-                && report.namespace == self.backend.0
-                && self.cached(&key.0, &key.1).is_none()
-            {
-                // Bound to an operator's consumer once, and that Subscription is gone.
-                self.metrics.reports.with_label_values(&["gone"]).inc();
-                let _ = capture::drop_report(
-                    &jetstream::new(self.client.clone()),
-                    &entry.key,
-                    entry.revision,
-                )
-                .await;
-                return Ok(None);
-            }
-            return Ok((report.namespace == self.backend.0).then_some(entry));
+            return Ok(self.not_member(&report, &key, entry).await);
         };
         // A report of the object that now holds the name, while this round's members still
         // name the one before (it was deleted and applied again meanwhile): tried again next
@@ -113,8 +84,74 @@ impl NatsKeeper {
             tracing::warn!(key = %entry.key, reason = why, "a stats report past the account's bounds (--max-instances-per-subscription, the instance name's length): dropped");
             return Ok(None);
         }
+        self.count_report(book, &report, &entry).await;
+        Ok(None)
+    }
+
+    /// A report put in the bucket, read: None when it is a deletion, too large, unreadable or
+    /// misfiled (a body naming another Subscription or instance than its key), then counted in
+    /// `settle_account_reports_total` and dropped.
+    fn read_report(&self, entry: &kv::Entry) -> Option<StatsReport> {
+        if entry.operation != kv::Operation::Put {
+            return None;
+        }
+        if self.config.limits.too_large(entry.value.len()) {
+            self.metrics.reports.with_label_values(&["too_large"]).inc();
+            tracing::warn!(key = %entry.key, bytes = entry.value.len(), "a stats report larger than --max-report-bytes: dropped");
+            return None;
+        }
+        let report: StatsReport = match serde_json::from_slice(&entry.value) {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics
+                    .reports
+                    .with_label_values(&["unreadable"])
+                    .inc();
+                tracing::warn!(key = %entry.key, error = %e, "a stats report is unreadable: skipped");
+                return None;
+            }
+        };
+        // A report counts only under its own key: a body naming another Subscription or
+        // instance than the key it was written to is dropped.
+        if report.key() != entry.key {
+            self.metrics.reports.with_label_values(&["misfiled"]).inc();
+            tracing::warn!(key = %entry.key, named = %report.key(), "a stats report whose body names another key than the one it was written to: dropped");
+            return None;
+        }
+        Some(report)
+    }
+
+    /// A report of no member of this Backend: dropped when its Subscription is gone (it was
+    /// bound to an operator's consumer once), else returned to be tried again while it is in
+    /// this Backend's namespace.
+    async fn not_member(
+        &self,
+        report: &StatsReport,
+        key: &SubKey,
+        entry: kv::Entry,
+    ) -> Option<kv::Entry> {
+        if report.subscription_uid.is_some()
+            && report.namespace == self.backend.0
+            && self.cached(&key.0, &key.1).is_none()
+        {
+            // Bound to an operator's consumer once, and that Subscription is gone.
+            self.metrics.reports.with_label_values(&["gone"]).inc();
+            let _ = capture::drop_report(
+                &jetstream::new(self.client.clone()),
+                &entry.key,
+                entry.revision,
+            )
+            .await;
+            return None;
+        }
+        (report.namespace == self.backend.0).then_some(entry)
+    }
+
+    /// Counts a report within the bounds into its book, with its outcome in
+    /// `settle_account_reports_total`; an earlier object's report is dropped from the bucket.
+    async fn count_report(&self, book: &mut Book, report: &StatsReport, entry: &kv::Entry) {
         let before = kept(&book.account);
-        let label = match book.account.report(&report) {
+        let label = match book.account.report(report) {
             Outcome::Counted => {
                 book.revisions
                     .insert(report.instance.clone(), entry.revision);
@@ -142,7 +179,127 @@ impl NatsKeeper {
             }
         };
         self.metrics.reports.with_label_values(&[label]).inc();
-        Ok(None)
+    }
+
+    /// An advisory read from the capture: advisories the capture dropped before it are
+    /// noted, then it is counted, held (its consumer not verified yet) or acknowledged loose.
+    pub(super) async fn read_advisory(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        held: &mut Held,
+        read_to: &mut u64,
+        msg: jetstream::Message,
+    ) -> Result<(), NatsError> {
+        let info = msg.info().ok();
+        if let Some(info) = &info {
+            tracing::debug!(subject = %msg.subject, capture_seq = info.stream_sequence, delivered = info.delivered, "an advisory read");
+        }
+        if let Some(info) = info
+            && info.delivered == 1
+            && info.stream_sequence > *read_to
+        {
+            let missed = info.stream_sequence.saturating_sub(*read_to + 1);
+            if missed > 0 && *read_to > 0 {
+                self.missed(books, members, ledgers, missed).await?;
+            }
+            *read_to = info.stream_sequence;
+        }
+        match self.on_advisory(ledgers, members, books, &msg).await? {
+            Applied::Book(key) => ack_with_book(books, &mut held.loose, &key, msg),
+            Applied::Unverified(event) if held.unverified.len() < UNVERIFIED_ADVISORIES => {
+                self.metrics
+                    .advisories
+                    .with_label_values(&["held_unverified"])
+                    .inc();
+                held.unverified.push((Instant::now(), msg, event));
+            }
+            Applied::Unverified(event) => {
+                self.metrics
+                    .advisories
+                    .with_label_values(&["unverified_dropped"])
+                    .inc();
+                tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, held = UNVERIFIED_ADVISORIES, "a loss advisory of a consumer whose Subscription is not verified yet, with the most held already: dropped");
+                held.uncounted.note(&event);
+                held.loose.push(msg);
+            }
+            Applied::Nothing => held.loose.push(msg),
+        }
+        Ok(())
+    }
+
+    /// The held loss advisories tried again: counted, held on within the grace, or dropped.
+    pub(super) async fn retry_unverified(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        held: &mut Held,
+    ) -> Result<(), NatsError> {
+        for (since, msg, event) in std::mem::take(&mut held.unverified) {
+            let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+            match self
+                .on_delivery(ledgers, members, books, capture_seq, event)
+                .await?
+            {
+                Applied::Book(key) => ack_with_book(books, &mut held.loose, &key, msg),
+                Applied::Unverified(event) if since.elapsed() < self.config.unverified_grace => {
+                    held.unverified.push((since, msg, event));
+                }
+                Applied::Unverified(event) => {
+                    self.metrics
+                        .advisories
+                        .with_label_values(&["unverified_dropped"])
+                        .inc();
+                    tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?self.config.unverified_grace, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
+                    held.uncounted.note(&event);
+                    held.loose.push(msg);
+                }
+                Applied::Nothing => {
+                    self.metrics
+                        .advisories
+                        .with_label_values(&["unverified_dropped"])
+                        .inc();
+                    held.loose.push(msg);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A Subscription whose status now names a consumer of dropped advisories is told.
+    pub(super) async fn tell_uncounted(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        uncounted: &mut Uncounted,
+    ) -> Result<(), NatsError> {
+        for (key, n) in uncounted.claimed(members) {
+            let Some(m) = members.get(&key) else { continue };
+            let book = self.book(ledgers, books, &key, m).await?;
+            book.showing.trouble.missed_advisories += n;
+            book.dirty = true;
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), missed = n, "loss advisories of this Subscription's consumer were dropped before its status named it: Accounted says they may be missing");
+        }
+        Ok(())
+    }
+
+    /// The early reports tried again: those whose Subscription is still not cached stay.
+    pub(super) async fn retry_early(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        early: &mut HashMap<String, kv::Entry>,
+    ) -> Result<(), NatsError> {
+        for (_, entry) in std::mem::take(early) {
+            if let Some(entry) = self.on_report(ledgers, members, books, entry).await? {
+                early.insert(entry.key.clone(), entry);
+            }
+        }
+        Ok(())
     }
 
     /// A book read anew: its ledger from the bucket, and every live report of its Subscription

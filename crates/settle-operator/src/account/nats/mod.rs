@@ -49,6 +49,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 use kube::ResourceExt;
@@ -66,7 +67,6 @@ use super::metrics::Metrics;
 use super::show::Showing;
 use super::status::LossLog;
 use super::writer::Writer;
-use count::Applied;
 use members::{Member, Members};
 use names::ledger_key;
 pub use names::{legacy_reader_name, reader_name};
@@ -118,6 +118,19 @@ impl Uncounted {
     }
 }
 
+/// Advisories a session holds outside its books.
+#[derive(Default)]
+struct Held {
+    /// Advisories that counted for no book: acknowledged at the next round.
+    loose: Vec<jetstream::Message>,
+    /// Loss advisories of a consumer a Subscription would make, read before its status named
+    /// it: tried again each round, for the configured grace.
+    unverified: Vec<(Instant, jetstream::Message, DeliveryEvent)>,
+    /// Those dropped (the hold full, or the grace over), by stream and consumer: the
+    /// Subscription whose status comes to name the consumer is told they may be missing.
+    uncounted: Uncounted,
+}
+
 /// An empty report bucket delivers no initial value at all: when none has come this long after
 /// the watch started, its replay is complete.
 const EMPTY_REPLAY: Duration = Duration::from_secs(5);
@@ -138,6 +151,16 @@ fn ack_with_book(
     match books.get_mut(key) {
         Some(book) => book.acks.push(msg),
         None => loose.push(msg),
+    }
+}
+
+/// The advisories that counted for no book, acknowledged.
+async fn ack_loose(loose: &mut Vec<jetstream::Message>) {
+    // Taken, not drained: a burst of them would keep its buffer for good.
+    for msg in std::mem::take(loose) {
+        if let Err(e) = msg.ack().await {
+            tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
+        }
     }
 }
 
@@ -281,6 +304,9 @@ impl NatsKeeper {
         }
     }
 
+    // Long on purpose: the select! loop's three arms share the session's report watch, reader position, replay state, books, members and held advisories; each self-contained step is a method.
+    /// One broker session: the capture's reader and the report watch opened, then reports,
+    /// advisories and rounds until the broker goes away; what is unsaved is declined at the end.
     async fn session(&self) -> Result<(), NatsError> {
         let js = jetstream::new(self.client.clone());
         let reports =
@@ -293,17 +319,7 @@ impl NatsKeeper {
         // Deleted once every Backend that shared the legacy name had the time to take it over.
         let mut legacy_dropped = false;
         let session_started = Instant::now();
-        let reader = capture::open(
-            &js,
-            &self.reader(),
-            self.config.capture_max_bytes,
-            self.config.replicas,
-        )
-        .await?;
-        capture::replicate(&js, self.config.replicas).await?;
-        if let Ok(mut loaded) = self.loaded.lock() {
-            loaded.clear();
-        }
+        let reader = self.open_reader(&js).await?;
         // The replay of the report bucket's history is complete when the watch says it has seen
         // the current values, or at once when the bucket is empty.
         let mut replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
@@ -319,22 +335,7 @@ impl NatsKeeper {
             .map_err(|e| broken("reading the advisory capture", e))?;
         // Where new advisories start: a first delivery past it by more than one was dropped by
         // the capture's limits before this reader got to it.
-        let mut read_to = match reader.clone().info().await {
-            Ok(info) => {
-                tracing::info!(
-                    backend = %format!("{}/{}", self.backend.0, self.backend.1),
-                    reader = %self.reader(),
-                    delivered = info.delivered.stream_sequence,
-                    acknowledged = info.ack_floor.stream_sequence,
-                    pending = info.num_pending,
-                    unacknowledged = info.num_ack_pending,
-                    leader = ?info.cluster.as_ref().and_then(|c| c.leader.as_deref()),
-                    "account keeper started"
-                );
-                info.delivered.stream_sequence
-            }
-            Err(e) => return Err(broken("reading the capture reader", e)),
-        };
+        let mut read_to = self.reader_started(&reader).await?;
         self.sweep(&ledgers).await;
 
         let mut books: Books = HashMap::new();
@@ -342,14 +343,7 @@ impl NatsKeeper {
         members.refresh(&self.subs, &self.backend);
         // Reports of Subscriptions not in the cache yet (applied and the app reported first).
         let mut early: HashMap<String, kv::Entry> = HashMap::new();
-        // Advisories that counted for no book: acknowledged at the next round.
-        let mut loose: Vec<jetstream::Message> = Vec::new();
-        // Loss advisories of a consumer a Subscription would make, read before its status named
-        // it: tried again each round, for the configured grace.
-        let mut unverified: Vec<(Instant, jetstream::Message, DeliveryEvent)> = Vec::new();
-        // Those dropped (the hold full, or the grace over), by stream and consumer: the
-        // Subscription whose status comes to name the consumer is told they may be missing.
-        let mut uncounted = Uncounted::default();
+        let mut held = Held::default();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let ended = rounds(async {
@@ -362,48 +356,14 @@ impl NatsKeeper {
                     initial_values += 1;
                     replayed |= entry.seen_current;
                     if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
-                        let held: usize = early.values().map(|e| e.value.len()).sum();
-                        if early.len() < EARLY_REPORTS
-                            && held + entry.value.len() <= self.config.limits.max_early_bytes
-                        {
-                            early.insert(entry.key.clone(), entry);
-                        } else {
-                            self.metrics.reports.with_label_values(&["early_dropped"]).inc();
-                        }
+                        self.hold_early(&mut early, entry);
                     }
                 }
                 msg = advisories.next() => {
                     let msg = msg
                         .ok_or_else(|| broken("the advisory capture", "ended"))?
                         .map_err(|e| broken("the advisory capture", e))?;
-                    let info = msg.info().ok();
-                    if let Some(info) = &info {
-                        tracing::debug!(subject = %msg.subject, capture_seq = info.stream_sequence, delivered = info.delivered, "an advisory read");
-                    }
-                    if let Some(info) = info
-                        && info.delivered == 1
-                        && info.stream_sequence > read_to
-                    {
-                        let missed = info.stream_sequence.saturating_sub(read_to + 1);
-                        if missed > 0 && read_to > 0 {
-                            self.missed(&mut books, &members, &ledgers, missed).await?;
-                        }
-                        read_to = info.stream_sequence;
-                    }
-                    match self.on_advisory(&ledgers, &members, &mut books, &msg).await? {
-                        Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
-                        Applied::Unverified(event) if unverified.len() < UNVERIFIED_ADVISORIES => {
-                            self.metrics.advisories.with_label_values(&["held_unverified"]).inc();
-                            unverified.push((Instant::now(), msg, event));
-                        }
-                        Applied::Unverified(event) => {
-                            self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
-                            tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, held = UNVERIFIED_ADVISORIES, "a loss advisory of a consumer whose Subscription is not verified yet, with the most held already: dropped");
-                            uncounted.note(&event);
-                            loose.push(msg);
-                        }
-                        Applied::Nothing => loose.push(msg),
-                    }
+                    self.read_advisory(&ledgers, &members, &mut books, &mut held, &mut read_to, msg).await?;
                 }
                 _ = tick.tick() => {
                     if !legacy_dropped && session_started.elapsed() >= LEGACY_READER_GRACE {
@@ -416,52 +376,79 @@ impl NatsKeeper {
                         replayed = true;
                     }
                     members.refresh(&self.subs, &self.backend);
-                    for (since, msg, event) in std::mem::take(&mut unverified) {
-                        let capture_seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
-                        match self.on_delivery(&ledgers, &members, &mut books, capture_seq, event).await? {
-                            Applied::Book(key) => ack_with_book(&mut books, &mut loose, &key, msg),
-                            Applied::Unverified(event) if since.elapsed() < self.config.unverified_grace => {
-                                unverified.push((since, msg, event));
-                            }
-                            Applied::Unverified(event) => {
-                                self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
-                                tracing::warn!(stream = %event.stream, consumer = %event.consumer, stream_seq = event.stream_seq, grace = ?self.config.unverified_grace, "a loss advisory whose Subscription's status named no consumer within the grace: counted for none");
-                                uncounted.note(&event);
-                                loose.push(msg);
-                            }
-                            Applied::Nothing => {
-                                self.metrics.advisories.with_label_values(&["unverified_dropped"]).inc();
-                                loose.push(msg);
-                            }
-                        }
-                    }
-                    for (key, n) in uncounted.claimed(&members) {
-                        let Some(m) = members.get(&key) else { continue };
-                        let book = self.book(&ledgers, &mut books, &key, m).await?;
-                        book.showing.trouble.missed_advisories += n;
-                        book.dirty = true;
-                        tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), missed = n, "loss advisories of this Subscription's consumer were dropped before its status named it: Accounted says they may be missing");
-                    }
-                    for (_, entry) in std::mem::take(&mut early) {
-                        if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
-                            early.insert(entry.key.clone(), entry);
-                        }
-                    }
-                    // Taken, not drained: a burst of them would keep its buffer for good.
-                    for msg in std::mem::take(&mut loose) {
-                        if let Err(e) = msg.ack().await {
-                            tracing::debug!(error = %e, "acknowledging an advisory failed: it comes again and is skipped then");
-                        }
-                    }
+                    self.retry_unverified(&ledgers, &members, &mut books, &mut held).await?;
+                    self.tell_uncounted(&ledgers, &members, &mut books, &mut held.uncounted).await?;
+                    self.retry_early(&ledgers, &members, &mut books, &mut early).await?;
+                    ack_loose(&mut held.loose).await;
                     self.settle(&js, &ledgers, &reports, &members, &mut books, replayed).await?;
                 }
             }
         }
         })
         .await;
-        // The session is over and its books with it: the advisories they counted and did not
-        // save yet are declined, so they come to the next session at once, not after the
-        // reader's ack wait (one saved after all is skipped there by its capture sequence).
+        self.decline_unsaved(books, held).await;
+        ended
+    }
+
+    /// This Backend's reader of the capture opened, the capture replicated as configured, and
+    /// the books loaded in a session before forgotten.
+    async fn open_reader(&self, js: &jetstream::Context) -> Result<PullConsumer, NatsError> {
+        let reader = capture::open(
+            js,
+            &self.reader(),
+            self.config.capture_max_bytes,
+            self.config.replicas,
+        )
+        .await?;
+        capture::replicate(js, self.config.replicas).await?;
+        if let Ok(mut loaded) = self.loaded.lock() {
+            loaded.clear();
+        }
+        Ok(reader)
+    }
+
+    /// Where the capture reader's new advisories start (what it delivered), logged once.
+    async fn reader_started(&self, reader: &PullConsumer) -> Result<u64, NatsError> {
+        match reader.clone().info().await {
+            Ok(info) => {
+                tracing::info!(
+                    backend = %format!("{}/{}", self.backend.0, self.backend.1),
+                    reader = %self.reader(),
+                    delivered = info.delivered.stream_sequence,
+                    acknowledged = info.ack_floor.stream_sequence,
+                    pending = info.num_pending,
+                    unacknowledged = info.num_ack_pending,
+                    leader = ?info.cluster.as_ref().and_then(|c| c.leader.as_deref()),
+                    "account keeper started"
+                );
+                Ok(info.delivered.stream_sequence)
+            }
+            Err(e) => Err(broken("reading the capture reader", e)),
+        }
+    }
+
+    /// A report of a Subscription not in the cache yet: held, within the bounds.
+    fn hold_early(&self, early: &mut HashMap<String, kv::Entry>, entry: kv::Entry) {
+        let held: usize = early.values().map(|e| e.value.len()).sum();
+        if early.len() < EARLY_REPORTS
+            && held + entry.value.len() <= self.config.limits.max_early_bytes
+        {
+            early.insert(entry.key.clone(), entry);
+        } else {
+            self.metrics
+                .reports
+                .with_label_values(&["early_dropped"])
+                .inc();
+        }
+    }
+
+    /// The session is over and its books with it: the advisories they counted and did not
+    /// save yet are declined, so they come to the next session at once, not after the
+    /// reader's ack wait (one saved after all is skipped there by its capture sequence).
+    async fn decline_unsaved(&self, books: Books, held: Held) {
+        let Held {
+            loose, unverified, ..
+        } = held;
         let unsaved: Vec<jetstream::Message> = books
             .into_values()
             .flat_map(|book| book.acks)
@@ -478,7 +465,6 @@ impl NatsKeeper {
         for msg in loose {
             let _ = msg.ack().await;
         }
-        ended
     }
 }
 

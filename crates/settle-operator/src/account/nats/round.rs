@@ -25,6 +25,9 @@ use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::capture;
 use settle::bus::report::{now_ms, report_key};
 
+/// A stream's gauge listing: None when it failed, Some(None) when the stream is gone.
+type Listing = Option<Option<HashMap<String, (u64, u64)>>>;
+
 impl NatsKeeper {
     /// Every tick: fold, persist, acknowledge, gauges, status.
     pub(super) async fn settle(
@@ -43,28 +46,66 @@ impl NatsKeeper {
         // Every report there was is counted now: what status shows and they do not explain was
         // lost with a source (C17).
         if replayed {
-            let now = now_ms();
-            for (key, book) in books.iter_mut() {
-                let (Some(ledger_lost), Some(m)) = (book.check, members.get(key)) else {
-                    continue;
-                };
-                book.check = None;
-                if let Some(source) = book.account.recover(ledger_lost, now, m.mode) {
-                    book.dirty = true;
-                    let offset = book.account.offset();
-                    tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), ?source, offered = offset.offered, exhausted = offset.exhausted, "a source of the account was lost: counting continues from what status showed (an offset)");
-                    self.metrics
-                        .source_lost
-                        .with_label_values(&[match source {
-                            Source::Ledger => "ledger",
-                            Source::Reports => "reports",
-                        }])
-                        .inc();
-                }
+            self.recover_lost(members, books);
+        }
+        self.drop_gone(js, ledgers, members, books).await;
+
+        let now = now_ms();
+        let dropped = self.fold_idle(books, now);
+        let lost_race = self.save_then_ack(ledgers, members, books).await;
+        // Another operator wrote a ledger since this one read it (a leader handover): this
+        // book is read again from the bucket, its unacknowledged advisories come back.
+        for key in lost_race {
+            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the ledger was written by another writer meanwhile: reading it and the Subscription's reports again");
+            books.remove(&key);
+            self.rebuild(ledgers, reports, members, books, &key).await?;
+        }
+        for (report, revision) in dropped {
+            if let Err(e) = capture::drop_report(js, &report, revision).await {
+                tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
             }
         }
-        // Deleted Subscriptions: their ledger and reports go with them. Every member has a book
-        // now, so there is one to find only when there are more books than members.
+
+        let stamp = Time(Timestamp::now());
+        let listed = self.list_due_streams(js, members, books).await;
+        self.gauges_and_show(js, members, books, &listed, now, &stamp)
+            .await;
+        Ok(())
+    }
+
+    /// Each book's first check after the replay: a source lost is counted on from what status
+    /// showed (an offset).
+    fn recover_lost(&self, members: &Members, books: &mut Books) {
+        let now = now_ms();
+        for (key, book) in books.iter_mut() {
+            let (Some(ledger_lost), Some(m)) = (book.check, members.get(key)) else {
+                continue;
+            };
+            book.check = None;
+            if let Some(source) = book.account.recover(ledger_lost, now, m.mode) {
+                book.dirty = true;
+                let offset = book.account.offset();
+                tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), ?source, offered = offset.offered, exhausted = offset.exhausted, "a source of the account was lost: counting continues from what status showed (an offset)");
+                self.metrics
+                    .source_lost
+                    .with_label_values(&[match source {
+                        Source::Ledger => "ledger",
+                        Source::Reports => "reports",
+                    }])
+                    .inc();
+            }
+        }
+    }
+
+    /// Deleted Subscriptions: their ledger and reports go with them. Every member has a book
+    /// now, so there is one to find only when there are more books than members.
+    async fn drop_gone(
+        &self,
+        js: &jetstream::Context,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+    ) {
         let gone: Vec<SubKey> = if books.len() > members.len() {
             books
                 .keys()
@@ -85,8 +126,10 @@ impl NatsKeeper {
                 tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription is gone: its account is dropped");
             }
         }
+    }
 
-        let now = now_ms();
+    /// Folds idle instances; returns the reports (key, revision) to drop once saved.
+    fn fold_idle(&self, books: &mut Books, now: u64) -> Vec<(String, u64)> {
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         let mut dropped = Vec::new();
         for (key, book) in books.iter_mut() {
@@ -97,8 +140,18 @@ impl NatsKeeper {
                 }
             }
         }
-        // Persist, then acknowledge: an advisory is never acknowledged before what it counted
-        // is saved. A save that fails holds back that book's advisories only.
+        dropped
+    }
+
+    /// Persist, then acknowledge: an advisory is never acknowledged before what it counted
+    /// is saved. A save that fails holds back that book's advisories only. Returns the books
+    /// whose save lost a race to another writer.
+    async fn save_then_ack(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+    ) -> Vec<SubKey> {
         let mut lost_race = Vec::new();
         for (key, book) in books.iter_mut() {
             if book.dirty {
@@ -138,37 +191,21 @@ impl NatsKeeper {
                 }
             }
         }
-        // Another operator wrote a ledger since this one read it (a leader handover): this
-        // book is read again from the bucket, its unacknowledged advisories come back.
-        for key in lost_race {
-            tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), "the ledger was written by another writer meanwhile: reading it and the Subscription's reports again");
-            books.remove(&key);
-            self.rebuild(ledgers, reports, members, books, &key).await?;
-        }
-        for (report, revision) in dropped {
-            if let Err(e) = capture::drop_report(js, &report, revision).await {
-                tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
-            }
-        }
+        lost_race
+    }
 
+    /// Gauges: each Subscription's once per interval. A stream with a book due is listed
+    /// whole (256 consumers a call) and every book on it takes its gauges from that listing:
+    /// asking each consumer had cost the broker a call per Subscription per interval, 1,000
+    /// calls a second at rest for 10,000 Subscriptions.
+    async fn list_due_streams<'m>(
+        &self,
+        js: &jetstream::Context,
+        members: &'m Members,
+        books: &Books,
+    ) -> HashMap<&'m str, Listing> {
         let interval = self.config.stats_interval;
-        let loss_window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
-        let stamp = Time(Timestamp::now());
-        let round = show::Round {
-            writer: &self.writer,
-            metrics: &self.metrics,
-            config: &self.config,
-            unseen_attempts: self.unseen_attempts,
-            now_ms: now,
-            stamp: &stamp,
-        };
-        // Gauges: each Subscription's once per interval. A stream with a book due is listed
-        // whole (256 consumers a call) and every book on it takes its gauges from that listing:
-        // asking each consumer had cost the broker a call per Subscription per interval, 1,000
-        // calls a second at rest for 10,000 Subscriptions.
         let due = |book: &Book| book.gauges_at.is_none_or(|t| t.elapsed() >= interval);
-        // A stream's listing: None when it failed, Some(None) when the stream is gone.
-        type Listing = Option<Option<HashMap<String, (u64, u64)>>>;
         let mut listed: HashMap<&str, Listing> = HashMap::new();
         for (key, book) in books.iter() {
             if let Some((stream, _)) = members.get(key).and_then(|m| m.consumer())
@@ -187,37 +224,37 @@ impl NatsKeeper {
                 }
             }
         }
+        listed
+    }
+
+    /// Each book takes its gauges (from its stream's listing, if listed this round) and is
+    /// shown.
+    async fn gauges_and_show(
+        &self,
+        js: &jetstream::Context,
+        members: &Members,
+        books: &mut Books,
+        listed: &HashMap<&str, Listing>,
+        now: u64,
+        stamp: &Time,
+    ) {
+        let loss_window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
+        let round = show::Round {
+            writer: &self.writer,
+            metrics: &self.metrics,
+            config: &self.config,
+            unseen_attempts: self.unseen_attempts,
+            now_ms: now,
+            stamp,
+        };
         for (key, book) in books.iter_mut() {
             let Some(m) = members.get(key) else { continue };
             match m.consumer() {
                 Some((stream, consumer)) => {
                     if let Some(listing) = listed.get(stream) {
                         book.gauges_at = Some(Instant::now());
-                        match listing {
-                            Some(Some(consumers)) if consumers.contains_key(consumer) => {
-                                book.gauges = consumers[consumer];
-                            }
-                            // The stream is gone, and its consumers with it.
-                            Some(None) => book.gauges = (0, 0),
-                            // The listing failed: the gauges shown stay, read again next interval.
-                            None => {}
-                            // Not in the listing (made or deleted meanwhile): asked on its own.
-                            Some(Some(_)) => {
-                                self.metrics.gauge_calls.with_label_values(&["info"]).inc();
-                                match admin::consumer_info(js, stream, consumer).await {
-                                    Ok(Some(info)) => {
-                                        book.gauges = (
-                                            info.num_pending,
-                                            u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX),
-                                        );
-                                    }
-                                    Ok(None) => book.gauges = (0, 0),
-                                    Err(e) => {
-                                        tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot read the consumer's gauges")
-                                    }
-                                }
-                            }
-                        }
+                        self.take_gauges(js, key, book, listing, stream, consumer)
+                            .await;
                     }
                 }
                 // Not (or no longer) its own consumer: the broker's gauges are not its.
@@ -239,6 +276,42 @@ impl NatsKeeper {
                 book.dirty = true;
             }
         }
-        Ok(())
+    }
+
+    /// A book's gauges from its stream's `listing`.
+    async fn take_gauges(
+        &self,
+        js: &jetstream::Context,
+        key: &SubKey,
+        book: &mut Book,
+        listing: &Listing,
+        stream: &str,
+        consumer: &str,
+    ) {
+        match listing {
+            Some(Some(consumers)) if consumers.contains_key(consumer) => {
+                book.gauges = consumers[consumer];
+            }
+            // The stream is gone, and its consumers with it.
+            Some(None) => book.gauges = (0, 0),
+            // The listing failed: the gauges shown stay, read again next interval.
+            None => {}
+            // Not in the listing (made or deleted meanwhile): asked on its own.
+            Some(Some(_)) => {
+                self.metrics.gauge_calls.with_label_values(&["info"]).inc();
+                match admin::consumer_info(js, stream, consumer).await {
+                    Ok(Some(info)) => {
+                        book.gauges = (
+                            info.num_pending,
+                            u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX),
+                        );
+                    }
+                    Ok(None) => book.gauges = (0, 0),
+                    Err(e) => {
+                        tracing::debug!(subscription = %format!("{}/{}", key.0, key.1), error = %e, "cannot read the consumer's gauges")
+                    }
+                }
+            }
+        }
     }
 }

@@ -22,96 +22,121 @@ impl NatsKeeper {
         key: &SubKey,
         m: &Member,
     ) -> Result<&'a mut Book, NatsError> {
-        let name = || format!("{}/{}", key.0, key.1);
         if let Some(book) = books.get(key)
             && !book.account.persisted().belongs_to(m.uid())
         {
-            tracing::info!(subscription = %name(), "the Subscription was deleted and made again: the new object's account starts at zero");
-            let old = books.remove(key);
-            for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
-                let report = report_key(&key.0, &key.1, instance);
-                let _ =
-                    capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
-                        .await;
-            }
+            self.drop_earlier(books, key).await;
         }
         if !books.contains_key(key) {
-            let sub = &m.sub;
-            let entry = ledgers
-                .entry(ledger_key(key))
-                .await
-                .map_err(|e| broken("reading a ledger", e))?;
-            let revision = entry.as_ref().map(|e| e.revision);
-            let mut ledger_lost = false;
-            let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
-                Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
-                    tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
-                    ledger_lost = true;
-                    Saved::default()
-                }),
-                None => {
-                    ledger_lost = true;
-                    Saved::default()
-                }
-            };
-            let saved = if saved.ledger.belongs_to(m.uid()) {
-                saved
-            } else {
-                tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
-                Saved::default()
-            };
-            let floor = sub
-                .status
-                .as_ref()
-                .and_then(|s| s.stats.as_ref())
-                .map(|s| s.counters)
-                .unwrap_or_default();
-            let mut loss = saved.loss;
-            loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
-            let first_load = self
-                .loaded
-                .lock()
-                .map(|mut loaded| loaded.insert(key.clone()))
-                .unwrap_or(false);
-            let mut account = Account::resume(saved.ledger, floor);
-            account.claim(m.uid().map(str::to_string));
-            books.insert(
-                key.clone(),
-                Box::new(Book {
-                    account,
-                    showing: Showing {
-                        loss,
-                        trouble: crate::account::status::Trouble {
-                            unsaved: None,
-                            missed_advisories: saved.missed_advisories,
-                            source_lost: None,
-                            dead_letters: None,
-                            queue_missing: None,
-                        },
-                        last_write: None,
-                        last_early: None,
-                        stall: None,
-                        seen: None,
-                        sent: None,
-                    },
-                    // A ledger missing or unreadable is written at once, before status shows
-                    // anything from this book: so status showing counters with no ledger there
-                    // means the ledger was lost.
-                    dirty: ledger_lost,
-                    revision,
-                    acks: Vec::new(),
-                    revisions: HashMap::new(),
-                    consumer_since: None,
-                    gauges: (0, 0),
-                    gauges_at: None,
-                    check: first_load.then_some(ledger_lost),
-                }),
-            );
+            let book = self.load(ledgers, key, m).await?;
+            books.insert(key.clone(), book);
         }
         books
             .get_mut(key)
             .map(Box::as_mut)
             .ok_or_else(|| broken("a ledger", "missing after loading"))
+    }
+
+    /// The book of an earlier object of `key`'s name (deleted and made again) is dropped, and
+    /// the reports it counted with it.
+    async fn drop_earlier(&self, books: &mut Books, key: &SubKey) {
+        tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription was deleted and made again: the new object's account starts at zero");
+        let old = books.remove(key);
+        for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
+            let report = report_key(&key.0, &key.1, instance);
+            let _ = capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
+                .await;
+        }
+    }
+
+    /// The book of `key` for the Subscription object `m` is, loaded from the ledger bucket.
+    async fn load(
+        &self,
+        ledgers: &kv::Store,
+        key: &SubKey,
+        m: &Member,
+    ) -> Result<Box<Book>, NatsError> {
+        let sub = &m.sub;
+        let (saved, revision, ledger_lost) = self.read_ledger(ledgers, key, m).await?;
+        let floor = sub
+            .status
+            .as_ref()
+            .and_then(|s| s.stats.as_ref())
+            .map(|s| s.counters)
+            .unwrap_or_default();
+        let mut loss = saved.loss;
+        loss.observe(now_ms(), floor.exhausted, self.config.loss_window);
+        let first_load = self
+            .loaded
+            .lock()
+            .map(|mut loaded| loaded.insert(key.clone()))
+            .unwrap_or(false);
+        let mut account = Account::resume(saved.ledger, floor);
+        account.claim(m.uid().map(str::to_string));
+        Ok(Box::new(Book {
+            account,
+            showing: Showing {
+                loss,
+                trouble: crate::account::status::Trouble {
+                    unsaved: None,
+                    missed_advisories: saved.missed_advisories,
+                    source_lost: None,
+                    dead_letters: None,
+                    queue_missing: None,
+                },
+                last_write: None,
+                last_early: None,
+                stall: None,
+                seen: None,
+                sent: None,
+            },
+            // A ledger missing or unreadable is written at once, before status shows
+            // anything from this book: so status showing counters with no ledger there
+            // means the ledger was lost.
+            dirty: ledger_lost,
+            revision,
+            acks: Vec::new(),
+            revisions: HashMap::new(),
+            consumer_since: None,
+            gauges: (0, 0),
+            gauges_at: None,
+            check: first_load.then_some(ledger_lost),
+        }))
+    }
+
+    /// `key`'s saved ledger in the bucket (empty when it is an earlier object's), its revision
+    /// there, and whether it was lost (missing or unreadable).
+    async fn read_ledger(
+        &self,
+        ledgers: &kv::Store,
+        key: &SubKey,
+        m: &Member,
+    ) -> Result<(Saved, Option<u64>, bool), NatsError> {
+        let name = || format!("{}/{}", key.0, key.1);
+        let entry = ledgers
+            .entry(ledger_key(key))
+            .await
+            .map_err(|e| broken("reading a ledger", e))?;
+        let revision = entry.as_ref().map(|e| e.revision);
+        let mut ledger_lost = false;
+        let saved: Saved = match entry.filter(|e| e.operation == kv::Operation::Put) {
+            Some(e) => serde_json::from_slice(&e.value).unwrap_or_else(|err| {
+                tracing::warn!(subscription = %name(), error = %err, "a persisted ledger is unreadable: starting from what status shows");
+                ledger_lost = true;
+                Saved::default()
+            }),
+            None => {
+                ledger_lost = true;
+                Saved::default()
+            }
+        };
+        let saved = if saved.ledger.belongs_to(m.uid()) {
+            saved
+        } else {
+            tracing::info!(subscription = %name(), "the saved ledger is an earlier object's of the same name (deleted while no operator ran): the new object's account starts at zero");
+            Saved::default()
+        };
+        Ok((saved, revision, ledger_lost))
     }
 }
 

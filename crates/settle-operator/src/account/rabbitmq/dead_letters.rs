@@ -160,7 +160,6 @@ impl DeadLetters {
     /// deleted), consumed, and once per `interval` checked for being full. `verified`: one of
     /// them has a verified queue, so the controller made the copy queue before it; finding it
     /// missing then means it was deleted (while no operator ran, or the cancel was missed).
-    #[allow(clippy::too_many_arguments)]
     pub async fn keep(
         &mut self,
         conn: &Connection,
@@ -171,27 +170,7 @@ impl DeadLetters {
         metrics: &Metrics,
     ) -> Result<(), super::Broken> {
         if keys.is_empty() {
-            let since = *self.idle_since.get_or_insert_with(Instant::now);
-            if since.elapsed() >= IDLE_BEFORE_DELETE && !self.idle_deleted {
-                self.idle_deleted = true;
-                self.consumer = None;
-                self.copy = None;
-                let _ = self
-                    .ch
-                    .basic_cancel(
-                        ShortString::from(self.tag().as_str()),
-                        lapin::options::BasicCancelOptions::default(),
-                    )
-                    .await;
-                match settle::backend::rabbitmq::admin::delete(conn, &self.queue).await {
-                    Ok(()) => {
-                        tracing::info!(queue = %self.queue, "the Backend has no AtLeastOnce Subscription: its dead-letter copy queue is deleted")
-                    }
-                    Err(e) => {
-                        tracing::debug!(queue = %self.queue, error = %e, "cannot delete the dead-letter copy queue")
-                    }
-                }
-            }
+            self.idle(conn).await;
             return Ok(());
         }
         self.idle_since = None;
@@ -202,34 +181,10 @@ impl DeadLetters {
         if due {
             self.checked = Some(Instant::now());
         }
-        if self.copy.is_none() || self.keys != keys || due {
-            match dead_letters::ensure_copy(
-                conn,
-                &self.namespace,
-                &self.backend,
-                &self.dlx,
-                &keys.iter().cloned().collect::<Vec<_>>(),
-                self.max_length,
-            )
-            .await
-            {
-                Ok(copy) => {
-                    // A queue deleted on the broker ends its consumer (`ended`); made again
-                    // while a consumer is still held (the cancel was missed), or missing under
-                    // a queue that was made after it: the same gap.
-                    if let Copy::Whole { made: true } | Copy::Partial { made: true, .. } = copy
-                        && (self.consumer.is_some() || verified && self.gap.is_none())
-                    {
-                        self.ended(now_ms, metrics);
-                    }
-                    self.copy = Some(copy);
-                    self.keys = keys;
-                }
-                Err(e) => {
-                    tracing::warn!(queue = %self.queue, error = %e, "cannot make or bind the dead-letter copy queue; trying again");
-                    return Ok(());
-                }
-            }
+        if (self.copy.is_none() || self.keys != keys || due)
+            && !self.make(conn, keys, verified, now_ms, metrics).await
+        {
+            return Ok(());
         }
         if self.consumer.is_none() && !matches!(self.copy, Some(Copy::None(_)) | None) {
             let c = self
@@ -244,9 +199,81 @@ impl DeadLetters {
                 .map_err(|e| broken(&format!("consuming {:?}", self.queue), e))?;
             self.consumer = Some(c);
         }
-        if self.consumer.is_some()
-            && due
-            && let Ok(Some(n)) = admin::depth(conn, &self.queue).await
+        if self.consumer.is_some() && due {
+            self.check_full(conn, now_ms, metrics).await;
+        }
+        Ok(())
+    }
+
+    /// No AtLeastOnce Subscription: after [`IDLE_BEFORE_DELETE`], the copy queue is no longer
+    /// consumed and is deleted (once).
+    async fn idle(&mut self, conn: &Connection) {
+        let since = *self.idle_since.get_or_insert_with(Instant::now);
+        if since.elapsed() >= IDLE_BEFORE_DELETE && !self.idle_deleted {
+            self.idle_deleted = true;
+            self.consumer = None;
+            self.copy = None;
+            let _ = self
+                .ch
+                .basic_cancel(
+                    ShortString::from(self.tag().as_str()),
+                    lapin::options::BasicCancelOptions::default(),
+                )
+                .await;
+            match settle::backend::rabbitmq::admin::delete(conn, &self.queue).await {
+                Ok(()) => {
+                    tracing::info!(queue = %self.queue, "the Backend has no AtLeastOnce Subscription: its dead-letter copy queue is deleted")
+                }
+                Err(e) => {
+                    tracing::debug!(queue = %self.queue, error = %e, "cannot delete the dead-letter copy queue")
+                }
+            }
+        }
+    }
+
+    /// The copy queue made and bound for `keys`. Returns false when that failed (tried again
+    /// next tick).
+    async fn make(
+        &mut self,
+        conn: &Connection,
+        keys: BTreeSet<String>,
+        verified: bool,
+        now_ms: u64,
+        metrics: &Metrics,
+    ) -> bool {
+        match dead_letters::ensure_copy(
+            conn,
+            &self.namespace,
+            &self.backend,
+            &self.dlx,
+            &keys.iter().cloned().collect::<Vec<_>>(),
+            self.max_length,
+        )
+        .await
+        {
+            Ok(copy) => {
+                // A queue deleted on the broker ends its consumer (`ended`); made again
+                // while a consumer is still held (the cancel was missed), or missing under
+                // a queue that was made after it: the same gap.
+                if let Copy::Whole { made: true } | Copy::Partial { made: true, .. } = copy
+                    && (self.consumer.is_some() || verified && self.gap.is_none())
+                {
+                    self.ended(now_ms, metrics);
+                }
+                self.copy = Some(copy);
+                self.keys = keys;
+                true
+            }
+            Err(e) => {
+                tracing::warn!(queue = %self.queue, error = %e, "cannot make or bind the dead-letter copy queue; trying again");
+                false
+            }
+        }
+    }
+
+    /// The copy queue found full: the broker drops the oldest copies (a gap).
+    async fn check_full(&mut self, conn: &Connection, now_ms: u64, metrics: &Metrics) {
+        if let Ok(Some(n)) = admin::depth(conn, &self.queue).await
             && i64::from(n) >= self.max_length
         {
             metrics
@@ -263,7 +290,6 @@ impl DeadLetters {
                 ),
             ));
         }
-        Ok(())
     }
 
     /// Why the copy may be missing dead letters now: a gap within `window` of `now_ms`, or an

@@ -275,39 +275,7 @@ impl RabbitKeeper {
         loop {
             tokio::select! {
                 Some((key, source, delivery)) = reports.next(), if !reports.is_empty() => {
-                    match delivery {
-                        Some(d) => {
-                            let d = d.map_err(|e| broken("consuming reports", e))?;
-                            if !books.contains_key(&key) {
-                                // Delivered to a consumer whose book is gone (replaced, or being
-                                // opened again): back to its queue for the next book.
-                                ch.basic_reject(d.delivery_tag, BasicRejectOptions { requeue: true })
-                                    .await
-                                    .map_err(|e| broken("putting a report back", e))?;
-                                continue;
-                            }
-                            if source == Source::Index {
-                                self.on_registration(ch, &mut reports, &mut books, &key, d).await?;
-                            } else {
-                                self.on_report(&mut books, &key, &source, d);
-                            }
-                        }
-                        None => {
-                            if let Some(book) = books.get_mut(&key) {
-                                match source {
-                                    // An instance's queue went (deleted on the broker): a live
-                                    // instance registers it again when its report comes back.
-                                    Source::Instance(q) => {
-                                        book.consuming.remove(&q);
-                                        if book.instances.remove(&q) {
-                                            book.dirty = true;
-                                        }
-                                    }
-                                    Source::Shared | Source::Index => book.ended = true,
-                                }
-                            }
-                        }
-                    }
+                    self.on_delivery(ch, &mut reports, &mut books, key, source, delivery).await?;
                 }
                 copy = next_copy(dead) => {
                     let Some(dl) = dead.as_mut() else { continue };
@@ -321,25 +289,9 @@ impl RabbitKeeper {
                     }
                 }
                 _ = tick.tick() => {
-                    if !ch.status().connected() || !saver.status().connected()
-                        || dead.as_ref().is_some_and(|d| !d.ch.status().connected())
-                    {
-                        return Err(Broken("a channel closed".into()));
-                    }
-                    if dead.as_ref().map(|d| d.dlx.clone()) != self.dead_letter_exchange() {
-                        return Err(Broken("the Backend's dead-letter exchange changed".into()));
-                    }
+                    self.check_session(ch, saver, dead)?;
                     let members = queue_keeper::members(&self.subs, &self.backend);
-                    // A Subscription deleted and applied again between two ticks: the old
-                    // object's book is saved and dropped, the new one's opened afresh.
-                    for (key, book) in books.iter_mut() {
-                        if let Some(sub) = members.get(key)
-                            && !book.account.persisted().belongs_to(sub.metadata.uid.as_deref())
-                        {
-                            book.ended = true;
-                            book.replaced = true;
-                        }
-                    }
+                    mark_replaced(&members, &mut books);
                     self.open_new(conn, ch, &members, &mut books, &mut reports).await?;
                     self.drop_gone(conn, ch, dead.as_ref().map(|d| &d.ch), &members, &mut books)
                         .await;
@@ -363,6 +315,72 @@ impl RabbitKeeper {
         }
     }
 
+    /// A report delivery (or its consumer's end): counted into its book, or put back when its
+    /// book is gone.
+    async fn on_delivery(
+        &self,
+        ch: &Channel,
+        reports: &mut Reports,
+        books: &mut HashMap<SubKey, Book>,
+        key: SubKey,
+        source: Source,
+        delivery: Option<Result<lapin::message::Delivery, lapin::Error>>,
+    ) -> Result<(), Broken> {
+        match delivery {
+            Some(d) => {
+                let d = d.map_err(|e| broken("consuming reports", e))?;
+                if !books.contains_key(&key) {
+                    // Delivered to a consumer whose book is gone (replaced, or being
+                    // opened again): back to its queue for the next book.
+                    ch.basic_reject(d.delivery_tag, BasicRejectOptions { requeue: true })
+                        .await
+                        .map_err(|e| broken("putting a report back", e))?;
+                    return Ok(());
+                }
+                if source == Source::Index {
+                    self.on_registration(ch, reports, books, &key, d).await?;
+                } else {
+                    self.on_report(books, &key, &source, d);
+                }
+            }
+            None => {
+                if let Some(book) = books.get_mut(&key) {
+                    match source {
+                        // An instance's queue went (deleted on the broker): a live
+                        // instance registers it again when its report comes back.
+                        Source::Instance(q) => {
+                            book.consuming.remove(&q);
+                            if book.instances.remove(&q) {
+                                book.dirty = true;
+                            }
+                        }
+                        Source::Shared | Source::Index => book.ended = true,
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The session breaks when a channel closed or the Backend's dead-letter exchange changed.
+    fn check_session(
+        &self,
+        ch: &Channel,
+        saver: &Channel,
+        dead: &Option<DeadLetters>,
+    ) -> Result<(), Broken> {
+        if !ch.status().connected()
+            || !saver.status().connected()
+            || dead.as_ref().is_some_and(|d| !d.ch.status().connected())
+        {
+            return Err(Broken("a channel closed".into()));
+        }
+        if dead.as_ref().map(|d| d.dlx.clone()) != self.dead_letter_exchange() {
+            return Err(Broken("the Backend's dead-letter exchange changed".into()));
+        }
+        Ok(())
+    }
+
     /// Loads the book of every new Subscription (its snapshot) and consumes its reports.
     async fn open_new(
         &self,
@@ -383,7 +401,6 @@ impl RabbitKeeper {
             if !queue_keeper::has_queue(sub) || sub.metadata.deletion_timestamp.is_some() {
                 continue;
             }
-            let reports_q = report::report_queue(&key.0, &key.1);
             let saved = match load(conn, key).await {
                 Ok(saved) => saved,
                 Err(e) => {
@@ -391,42 +408,13 @@ impl RabbitKeeper {
                     continue;
                 }
             };
-            // A snapshot of an earlier object of this name (deleted while no operator ran) is
-            // not this one's (semantics C15); the instances' report queues it lists still are
-            // (a queue belongs to an instance, whichever object it counts for).
-            let (saved, instances) = match saved {
-                Some(s) if !s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref()) => {
-                    tracing::info!(subscription = %who(key), "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
-                    (None, s.instances)
-                }
-                Some(mut s) => {
-                    let instances = std::mem::take(&mut s.instances);
-                    (Some(s), instances)
-                }
-                None => (None, BTreeSet::new()),
-            };
+            let (saved, instances) = own_snapshot(sub, key, saved);
             let counting = saved.is_some();
             let Saved {
                 ledger, mut loss, ..
             } = saved.unwrap_or_default();
             let account = queue_keeper::open(sub, ledger, &mut loss, &self.config);
-            consume(ch, reports, key, &reports_q, Source::Shared).await?;
-            consume(
-                ch,
-                reports,
-                key,
-                &report::index_queue(&key.0, &key.1),
-                Source::Index,
-            )
-            .await?;
-            let mut consuming = HashSet::new();
-            for q in &instances {
-                // A queue registered before and gone since: dropped from the list.
-                if admin::exists(conn, q).await.unwrap_or(true) {
-                    consume(ch, reports, key, q, Source::Instance(q.clone())).await?;
-                    consuming.insert(q.clone());
-                }
-            }
+            let consuming = consume_all(conn, ch, reports, key, &instances).await?;
             books.insert(
                 key.clone(),
                 Book {
@@ -450,5 +438,71 @@ impl RabbitKeeper {
             );
         }
         Ok(())
+    }
+}
+
+/// A snapshot of an earlier object of this name (deleted while no operator ran) is not this
+/// one's (semantics C15); the instances' report queues it lists still are (a queue belongs to an
+/// instance, whichever object it counts for). Returns this object's snapshot (if any) and the
+/// instances' queues.
+fn own_snapshot(
+    sub: &Subscription,
+    key: &SubKey,
+    saved: Option<Saved>,
+) -> (Option<Saved>, BTreeSet<String>) {
+    match saved {
+        Some(s) if queue_keeper::earlier_object(&s.ledger, sub, &who(key)) => (None, s.instances),
+        Some(mut s) => {
+            let instances = std::mem::take(&mut s.instances);
+            (Some(s), instances)
+        }
+        None => (None, BTreeSet::new()),
+    }
+}
+
+/// Consumes a new book's report queues: the shared one, the index, and each instance's queue
+/// still there (a queue registered before and gone since is dropped from the list). Returns the
+/// instances' queues consumed.
+async fn consume_all(
+    conn: &Connection,
+    ch: &Channel,
+    reports: &mut Reports,
+    key: &SubKey,
+    instances: &BTreeSet<String>,
+) -> Result<HashSet<String>, Broken> {
+    let reports_q = report::report_queue(&key.0, &key.1);
+    consume(ch, reports, key, &reports_q, Source::Shared).await?;
+    consume(
+        ch,
+        reports,
+        key,
+        &report::index_queue(&key.0, &key.1),
+        Source::Index,
+    )
+    .await?;
+    let mut consuming = HashSet::new();
+    for q in instances {
+        // A queue registered before and gone since: dropped from the list.
+        if admin::exists(conn, q).await.unwrap_or(true) {
+            consume(ch, reports, key, q, Source::Instance(q.clone())).await?;
+            consuming.insert(q.clone());
+        }
+    }
+    Ok(consuming)
+}
+
+/// A Subscription deleted and applied again between two ticks: the old object's book is saved
+/// and dropped, the new one's opened afresh.
+fn mark_replaced(members: &HashMap<SubKey, Arc<Subscription>>, books: &mut HashMap<SubKey, Book>) {
+    for (key, book) in books.iter_mut() {
+        if let Some(sub) = members.get(key)
+            && !book
+                .account
+                .persisted()
+                .belongs_to(sub.metadata.uid.as_deref())
+        {
+            book.ended = true;
+            book.replaced = true;
+        }
     }
 }

@@ -87,7 +87,6 @@ impl RabbitKeeper {
     }
 
     /// Once a second: fold, save, acknowledge, gauges, status.
-    #[allow(clippy::too_many_lines)]
     pub(super) async fn settle(
         &self,
         conn: &Connection,
@@ -99,6 +98,33 @@ impl RabbitKeeper {
     ) -> Result<(), Broken> {
         let now = now_ms();
         let dl = dead.map(|d| &d.ch);
+        self.fold_idle(books, now);
+        // Save, then acknowledge: a report is never acknowledged before the snapshot holding it
+        // is on the broker.
+        for (key, book) in books.iter_mut() {
+            if book.replaced {
+                put_back(ch, dl, key, book).await;
+                continue;
+            }
+            if book.dirty && !self.save_book(saver, members, key, book).await? {
+                continue;
+            }
+            ack_saved(conn, ch, dl, book).await?;
+        }
+        // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
+        // the queue declared again) at the next tick.
+        books.retain(|key, book| {
+            if book.ended {
+                tracing::warn!(subscription = %who(key), "the report queue's consumer was cancelled (the queue deleted?): opening it again");
+            }
+            !book.ended
+        });
+        self.gauges_and_show(dead, members, books, now).await;
+        Ok(())
+    }
+
+    /// Folds idle instances: their report queues are retired once the snapshot is saved.
+    fn fold_idle(&self, books: &mut HashMap<SubKey, Book>, now: u64) {
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         for (key, book) in books.iter_mut() {
             for instance in book.account.fold_idle(now, fold_after) {
@@ -110,113 +136,60 @@ impl RabbitKeeper {
                 }
             }
         }
-        // Save, then acknowledge: a report is never acknowledged before the snapshot holding it
-        // is on the broker.
-        for (key, book) in books.iter_mut() {
-            if book.replaced {
-                // Nothing unsaved is dropped: back to the queues for the new object's book,
-                // which counts its own and acknowledges the earlier object's (registrations of
-                // report queues included).
-                for tag in std::mem::take(&mut book.acks)
-                    .into_iter()
-                    .chain(std::mem::take(&mut book.foreign))
-                {
-                    let _ = ch
-                        .basic_reject(tag, BasicRejectOptions { requeue: true })
-                        .await;
-                }
-                if let Some(dl) = dl {
-                    for tag in std::mem::take(&mut book.dead_acks) {
-                        let _ = dl
-                            .basic_reject(tag, BasicRejectOptions { requeue: true })
-                            .await;
-                    }
-                }
-                for q in book.all_queues(key) {
-                    let _ = ch
-                        .basic_cancel(
-                            ShortString::from(tag_of(&q).as_str()),
-                            BasicCancelOptions::default(),
-                        )
-                        .await;
-                }
-                continue;
+    }
+
+    /// Saves the book's snapshot to its ledger queue. Returns whether it was saved (when not,
+    /// this Subscription's reports stay unacknowledged; an encoding error breaks the session).
+    async fn save_book(
+        &self,
+        saver: &Channel,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        key: &SubKey,
+        book: &mut Book,
+    ) -> Result<bool, Broken> {
+        let saved = Saved {
+            ledger: book.account.snapshot(),
+            loss: book.showing.loss.clone(),
+            instances: book.instances.clone(),
+        };
+        let body = serde_json::to_vec(&saved).map_err(|e| broken("encoding a ledger", e))?;
+        match save(saver, &report::ledger_queue(&key.0, &key.1), &body).await {
+            Ok(()) => {
+                queue_keeper::saved(
+                    &self.writer,
+                    &self.metrics,
+                    &who(key),
+                    members.get(key),
+                    &mut book.showing.trouble,
+                );
+                book.dirty = false;
+                Ok(true)
             }
-            if book.dirty {
-                let saved = Saved {
-                    ledger: book.account.snapshot(),
-                    loss: book.showing.loss.clone(),
-                    instances: book.instances.clone(),
-                };
-                let body =
-                    serde_json::to_vec(&saved).map_err(|e| broken("encoding a ledger", e))?;
-                match save(saver, &report::ledger_queue(&key.0, &key.1), &body).await {
-                    Ok(()) => {
-                        queue_keeper::saved(
-                            &self.writer,
-                            &self.metrics,
-                            &who(key),
-                            members.get(key),
-                            &mut book.showing.trouble,
-                        );
-                        book.dirty = false;
-                    }
-                    Err(e) => {
-                        // This Subscription's reports stay unacknowledged until it is saved;
-                        // every other Subscription goes on.
-                        queue_keeper::not_saved(
-                            &self.writer,
-                            &self.metrics,
-                            &who(key),
-                            members.get(key),
-                            &mut book.showing.trouble,
-                            e.to_string(),
-                            "its reports stay unacknowledged until it can",
-                        );
-                        continue;
-                    }
-                }
-            }
-            // Reports of another object, seen by the object's current book: an earlier
-            // object's, never counted.
-            for tag in std::mem::take(&mut book.acks)
-                .into_iter()
-                .chain(std::mem::take(&mut book.foreign))
-            {
-                ch.basic_ack(tag, BasicAckOptions::default())
-                    .await
-                    .map_err(|e| broken("acknowledging a report", e))?;
-            }
-            // Copies of dead letters: the saved snapshot counts them (and remembers their ids).
-            if let Some(dl) = dl {
-                for tag in std::mem::take(&mut book.dead_acks) {
-                    dl.basic_ack(tag, BasicAckOptions::default())
-                        .await
-                        .map_err(|e| broken("acknowledging a dead letter", e))?;
-                }
-            }
-            // Folded instances' queues: the saved snapshot holds their counts now.
-            for q in std::mem::take(&mut book.retired_queues) {
-                let _ = ch
-                    .basic_cancel(
-                        ShortString::from(tag_of(&q).as_str()),
-                        BasicCancelOptions::default(),
-                    )
-                    .await;
-                if let Err(e) = admin::delete(conn, &q).await {
-                    tracing::debug!(queue = %q, error = %e, "cannot delete a folded instance's report queue");
-                }
+            Err(e) => {
+                // This Subscription's reports stay unacknowledged until it is saved;
+                // every other Subscription goes on.
+                queue_keeper::not_saved(
+                    &self.writer,
+                    &self.metrics,
+                    &who(key),
+                    members.get(key),
+                    &mut book.showing.trouble,
+                    e.to_string(),
+                    "its reports stay unacknowledged until it can",
+                );
+                Ok(false)
             }
         }
-        // A consumer the broker cancelled (its queue deleted): saved above, opened again (and
-        // the queue declared again) at the next tick.
-        books.retain(|key, book| {
-            if book.ended {
-                tracing::warn!(subscription = %who(key), "the report queue's consumer was cancelled (the queue deleted?): opening it again");
-            }
-            !book.ended
-        });
+    }
 
+    /// Gauges (each queue's once per interval, spread over the interval's ticks) and status.
+    async fn gauges_and_show(
+        &self,
+        dead: Option<&DeadLetters>,
+        members: &HashMap<SubKey, Arc<Subscription>>,
+        books: &mut HashMap<SubKey, Book>,
+        now: u64,
+    ) {
         let interval = self.config.stats_interval;
         let stamp = Time(Timestamp::now());
         let round = show::Round {
@@ -260,6 +233,75 @@ impl RabbitKeeper {
                 book.dirty = true;
             }
         }
-        Ok(())
     }
+}
+
+/// A book of an earlier object (replaced): nothing unsaved is dropped, back to the queues for
+/// the new object's book, which counts its own and acknowledges the earlier object's
+/// (registrations of report queues included); its consumers stop.
+async fn put_back(ch: &Channel, dl: Option<&Channel>, key: &SubKey, book: &mut Book) {
+    for tag in std::mem::take(&mut book.acks)
+        .into_iter()
+        .chain(std::mem::take(&mut book.foreign))
+    {
+        let _ = ch
+            .basic_reject(tag, BasicRejectOptions { requeue: true })
+            .await;
+    }
+    if let Some(dl) = dl {
+        for tag in std::mem::take(&mut book.dead_acks) {
+            let _ = dl
+                .basic_reject(tag, BasicRejectOptions { requeue: true })
+                .await;
+        }
+    }
+    for q in book.all_queues(key) {
+        let _ = ch
+            .basic_cancel(
+                ShortString::from(tag_of(&q).as_str()),
+                BasicCancelOptions::default(),
+            )
+            .await;
+    }
+}
+
+/// Once the book's snapshot is saved (or nothing changed): its reports, then its copies of
+/// dead letters are acknowledged, then its folded instances' queues go.
+async fn ack_saved(
+    conn: &Connection,
+    ch: &Channel,
+    dl: Option<&Channel>,
+    book: &mut Book,
+) -> Result<(), Broken> {
+    // Reports of another object, seen by the object's current book: an earlier
+    // object's, never counted.
+    for tag in std::mem::take(&mut book.acks)
+        .into_iter()
+        .chain(std::mem::take(&mut book.foreign))
+    {
+        ch.basic_ack(tag, BasicAckOptions::default())
+            .await
+            .map_err(|e| broken("acknowledging a report", e))?;
+    }
+    // Copies of dead letters: the saved snapshot counts them (and remembers their ids).
+    if let Some(dl) = dl {
+        for tag in std::mem::take(&mut book.dead_acks) {
+            dl.basic_ack(tag, BasicAckOptions::default())
+                .await
+                .map_err(|e| broken("acknowledging a dead letter", e))?;
+        }
+    }
+    // Folded instances' queues: the saved snapshot holds their counts now.
+    for q in std::mem::take(&mut book.retired_queues) {
+        let _ = ch
+            .basic_cancel(
+                ShortString::from(tag_of(&q).as_str()),
+                BasicCancelOptions::default(),
+            )
+            .await;
+        if let Err(e) = admin::delete(conn, &q).await {
+            tracing::debug!(queue = %q, error = %e, "cannot delete a folded instance's report queue");
+        }
+    }
+    Ok(())
 }

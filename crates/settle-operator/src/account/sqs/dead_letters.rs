@@ -24,7 +24,9 @@
 use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::types::{ChangeMessageVisibilityBatchRequestEntry, MessageSystemAttributeName};
+use aws_sdk_sqs::types::{
+    ChangeMessageVisibilityBatchRequestEntry, Message, MessageSystemAttributeName,
+};
 
 use crate::account::ledger::{Account, BrokerOutcome, REMEMBERED_EXHAUSTED};
 use crate::account::metrics::Metrics;
@@ -73,26 +75,48 @@ impl DeadLetters {
         }
         self.checked = Some(Instant::now());
         let dlq = format!("{queue}{DLQ_SUFFIX}");
-        let url = match &self.url {
-            Some(u) => u.clone(),
-            None => match admin::queue_url(client, &dlq).await {
+        let Some(url) = self.url(client, &dlq).await else {
+            return 0;
+        };
+        let Some(depth) = self.due_depth(client, &url, &dlq).await else {
+            return 0;
+        };
+        let (receipts, counted, seen) =
+            look(client, &url, &dlq, queue, since_ms, account, metrics).await;
+        self.show_again(client, &url, &receipts).await;
+        self.scanned = Some(Instant::now());
+        // Complete only if every message there was seen (none hidden by someone else).
+        self.depth = (seen >= depth).then_some(depth);
+        counted
+    }
+
+    /// The dead-letter queue's URL, looked up once (None: not there, or not found now).
+    async fn url(&mut self, client: &Client, dlq: &str) -> Option<String> {
+        match &self.url {
+            Some(u) => Some(u.clone()),
+            None => match admin::queue_url(client, dlq).await {
                 Ok(Some(u)) => {
                     self.url = Some(u.clone());
-                    u
+                    Some(u)
                 }
-                _ => return 0,
+                _ => None,
             },
-        };
-        let attributes = match admin::attributes(client, &url).await {
+        }
+    }
+
+    /// The queue's depth (visible + in flight) when a scan is due: it changed since the last
+    /// one, or that was long ago, it holds something visible, and no more than can be counted.
+    async fn due_depth(&mut self, client: &Client, url: &str, dlq: &str) -> Option<u64> {
+        let attributes = match admin::attributes(client, url).await {
             Ok(Some(a)) => a,
             Ok(None) => {
                 // Deleted on the server: looked up again (the reconcile makes it again).
                 self.url = None;
-                return 0;
+                return None;
             }
             Err(e) => {
                 tracing::debug!(queue = %dlq, error = %e, "cannot read the dead-letter queue's depth");
-                return 0;
+                return None;
             }
         };
         let (visible, in_flight) = admin::gauges_of(&attributes);
@@ -102,7 +126,7 @@ impl DeadLetters {
                 tracing::warn!(queue = %dlq, depth, "the dead-letter queue holds more messages than the account remembers ids: broker-side losses are not counted until it holds fewer");
             }
             self.too_many = Some(depth);
-            return 0;
+            return None;
         }
         self.too_many = None;
         let due =
@@ -111,74 +135,9 @@ impl DeadLetters {
             if visible == 0 && in_flight == 0 {
                 self.depth = Some(0);
             }
-            return 0;
+            return None;
         }
-        let arn_end = format!(":{queue}");
-        let mut receipts = Vec::new();
-        let mut counted = 0;
-        let mut seen = 0u64;
-        // Bounded by what the queue can hold and still be counted.
-        let rounds = REMEMBERED_EXHAUSTED / 10 + 2;
-        for _ in 0..rounds {
-            let got = client
-                .receive_message()
-                .queue_url(&url)
-                .max_number_of_messages(10)
-                .visibility_timeout(i32::try_from(SCAN_HIDE.as_secs()).unwrap_or(10))
-                .wait_time_seconds(0)
-                .message_system_attribute_names(MessageSystemAttributeName::All)
-                .send()
-                .await;
-            let messages = match got {
-                Ok(out) => out.messages.unwrap_or_default(),
-                Err(e) => {
-                    tracing::debug!(queue = %dlq, error = %e, "cannot look at the dead-letter queue");
-                    break;
-                }
-            };
-            if messages.is_empty() {
-                break;
-            }
-            for m in messages {
-                seen += 1;
-                if let Some(r) = m.receipt_handle.clone() {
-                    receipts.push(r);
-                }
-                let attr = |n: MessageSystemAttributeName| {
-                    m.attributes.as_ref().and_then(|a| a.get(&n)).cloned()
-                };
-                // Moved here by the redrive of this Subscription's queue: a message sent straight
-                // to the dead-letter queue has no source, and is no loss of this Subscription.
-                let from_here = attr(MessageSystemAttributeName::DeadLetterQueueSourceArn)
-                    .is_some_and(|arn| arn.ends_with(&arn_end));
-                let sent = attr(MessageSystemAttributeName::SentTimestamp)
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .unwrap_or(u64::MAX);
-                // The object's creation time has whole seconds: a message sent within its first
-                // second counts.
-                if !from_here || sent.saturating_add(1000) < since_ms {
-                    continue;
-                }
-                let Some(id) = m.message_id.as_deref() else {
-                    continue;
-                };
-                match account.broker_dead_lettered(id) {
-                    BrokerOutcome::Counted => {
-                        counted += 1;
-                        metrics
-                            .advisories
-                            .with_label_values(&["dead_lettered"])
-                            .inc();
-                    }
-                    BrokerOutcome::Duplicate | BrokerOutcome::Replayed => {}
-                }
-            }
-        }
-        self.show_again(client, &url, &receipts).await;
-        self.scanned = Some(Instant::now());
-        // Complete only if every message there was seen (none hidden by someone else).
-        self.depth = (seen >= depth).then_some(depth);
-        counted
+        Some(depth)
     }
 
     /// Makes the scanned messages visible again at once.
@@ -206,5 +165,94 @@ impl DeadLetters {
                 tracing::debug!(error = %e, "scanned dead letters come back after the scan's hide time");
             }
         }
+    }
+}
+
+/// Receives every message of the dead-letter queue (`url`, named `dlq`) in batches, each hidden
+/// for [`SCAN_HIDE`], and counts in `account` those of `queue` sent at or after `since_ms`.
+/// Returns the receipts (to show them again), how many were newly counted and how many seen.
+async fn look(
+    client: &Client,
+    url: &str,
+    dlq: &str,
+    queue: &str,
+    since_ms: u64,
+    account: &mut Account,
+    metrics: &Metrics,
+) -> (Vec<String>, u64, u64) {
+    let arn_end = format!(":{queue}");
+    let mut receipts = Vec::new();
+    let mut counted = 0;
+    let mut seen = 0u64;
+    // Bounded by what the queue can hold and still be counted.
+    let rounds = REMEMBERED_EXHAUSTED / 10 + 2;
+    for _ in 0..rounds {
+        let got = client
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(10)
+            .visibility_timeout(i32::try_from(SCAN_HIDE.as_secs()).unwrap_or(10))
+            .wait_time_seconds(0)
+            .message_system_attribute_names(MessageSystemAttributeName::All)
+            .send()
+            .await;
+        let messages = match got {
+            Ok(out) => out.messages.unwrap_or_default(),
+            Err(e) => {
+                tracing::debug!(queue = %dlq, error = %e, "cannot look at the dead-letter queue");
+                break;
+            }
+        };
+        if messages.is_empty() {
+            break;
+        }
+        for m in messages {
+            seen += 1;
+            if let Some(r) = m.receipt_handle.clone() {
+                receipts.push(r);
+            }
+            if count_one(&m, &arn_end, since_ms, account, metrics) {
+                counted += 1;
+            }
+        }
+    }
+    (receipts, counted, seen)
+}
+
+/// Counts one dead letter when the redrive of the queue whose ARN ends in `arn_end` moved it and
+/// it was sent at or after `since_ms`. Returns whether it was newly counted.
+fn count_one(
+    m: &Message,
+    arn_end: &str,
+    since_ms: u64,
+    account: &mut Account,
+    metrics: &Metrics,
+) -> bool {
+    let attr =
+        |n: MessageSystemAttributeName| m.attributes.as_ref().and_then(|a| a.get(&n)).cloned();
+    // Moved here by the redrive of this Subscription's queue: a message sent straight
+    // to the dead-letter queue has no source, and is no loss of this Subscription.
+    let from_here = attr(MessageSystemAttributeName::DeadLetterQueueSourceArn)
+        .is_some_and(|arn| arn.ends_with(arn_end));
+    let sent = attr(MessageSystemAttributeName::SentTimestamp)
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(u64::MAX);
+    // The object's creation time has whole seconds: a message sent within its first
+    // second counts.
+    if !from_here || sent.saturating_add(1000) < since_ms {
+        return false;
+    }
+    let Some(id) = m.message_id.as_deref() else {
+        return false;
+    };
+    match account.broker_dead_lettered(id) {
+        BrokerOutcome::Counted => {
+            metrics
+                .advisories
+                .with_label_values(&["dead_lettered"])
+                .inc();
+            true
+        }
+        BrokerOutcome::Duplicate | BrokerOutcome::Replayed => false,
     }
 }

@@ -203,43 +203,12 @@ impl SqsKeeper {
                 continue;
             };
             let who = who(key);
-            let (report_q, ledger_q) = (
-                report::report_queue(&want.name),
-                report::ledger_queue(&want.name),
-            );
-            let urls = (
-                admin::queue_url(client, &report_q).await,
-                admin::queue_url(client, &ledger_q).await,
-            );
-            let (report_url, ledger_url) = match urls {
-                (Ok(Some(r)), Ok(Some(l))) => (r, l),
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::debug!(subscription = %who, error = %e, "cannot look up the account queues; trying again");
-                    continue;
-                }
-                _ => {
-                    tracing::debug!(subscription = %who, "the account queues are not made yet; waiting for the reconcile");
-                    continue;
-                }
+            let Some((report_url, ledger_url)) = account_urls(client, &who, &want.name).await
+            else {
+                continue;
             };
-            let saved = match load(client, &ledger_url).await {
-                Ok(Loaded::Saved(s)) => s,
-                Ok(Loaded::Busy) => {
-                    tracing::debug!(subscription = %who, "a snapshot is in flight in the ledger queue (an operator before this one read it): waiting until it is back");
-                    continue;
-                }
-                Err(e) => {
-                    tracing::warn!(subscription = %who, error = %e, "cannot read the saved ledger; trying again");
-                    continue;
-                }
-            };
-            // A snapshot of an earlier object of this name is not this one's (semantics C15).
-            let saved = match saved.map(|s| *s) {
-                Some(s) if !s.ledger.persisted.belongs_to(sub.metadata.uid.as_deref()) => {
-                    tracing::info!(subscription = %who, "the saved ledger is an earlier object's of the same name: the new object's account starts at zero");
-                    None
-                }
-                other => other,
+            let Some(saved) = load_own(client, &ledger_url, sub, &who).await else {
+                continue;
             };
             let counting = saved.is_some();
             let Saved {
@@ -271,4 +240,50 @@ impl SqsKeeper {
             );
         }
     }
+}
+
+/// The URLs of the account queues (reports, ledger) of Subscription queue `queue`, once the
+/// reconcile has made them (None: not yet, or not looked up; tried again next tick).
+async fn account_urls(client: &Client, who: &str, queue: &str) -> Option<(String, String)> {
+    let (report_q, ledger_q) = (report::report_queue(queue), report::ledger_queue(queue));
+    let urls = (
+        admin::queue_url(client, &report_q).await,
+        admin::queue_url(client, &ledger_q).await,
+    );
+    match urls {
+        (Ok(Some(r)), Ok(Some(l))) => Some((r, l)),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::debug!(subscription = %who, error = %e, "cannot look up the account queues; trying again");
+            None
+        }
+        _ => {
+            tracing::debug!(subscription = %who, "the account queues are not made yet; waiting for the reconcile");
+            None
+        }
+    }
+}
+
+/// The snapshot in the ledger queue, if this object's (an earlier object's of the same name is
+/// not, semantics C15); None when it cannot be read now (tried again next tick).
+async fn load_own(
+    client: &Client,
+    ledger_url: &str,
+    sub: &Subscription,
+    who: &str,
+) -> Option<Option<Saved>> {
+    let saved = match load(client, ledger_url).await {
+        Ok(Loaded::Saved(s)) => s,
+        Ok(Loaded::Busy) => {
+            tracing::debug!(subscription = %who, "a snapshot is in flight in the ledger queue (an operator before this one read it): waiting until it is back");
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!(subscription = %who, error = %e, "cannot read the saved ledger; trying again");
+            return None;
+        }
+    };
+    Some(match saved.map(|s| *s) {
+        Some(s) if queue_keeper::earlier_object(&s.ledger, sub, who) => None,
+        other => other,
+    })
 }
