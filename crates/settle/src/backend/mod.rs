@@ -143,6 +143,7 @@ impl QueueGauges {
 mod tests {
     use super::{Classify, Failure};
 
+    // Long on purpose: a table, one row per broker error variant and the class it names.
     /// What the Backends' and Subscriptions' reasons were matched on, variant by variant, before
     /// each error named its class: a credentials refusal is AuthFailed, settings that cannot be
     /// used and a broker's refusal are Refused, silence is Unreachable.

@@ -217,6 +217,7 @@ mod tests {
         }
     }
 
+    // Long on purpose: a table, one row per kind and holder, each sentence word for word.
     /// Every sentence, word for word (users and alerts read these): as status showed it before
     /// the outcomes of the three brokers were made one, with the way to adopt (`spec.adopt`)
     /// added where Settle did not make the object.

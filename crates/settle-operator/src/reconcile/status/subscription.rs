@@ -269,6 +269,7 @@ mod tests {
         }
     }
 
+    // Long on purpose: one of every outcome, a table the tests below run through whole.
     fn outcomes() -> Vec<SubOutcome> {
         vec![
             ready(consumer()),
