@@ -62,8 +62,7 @@ fn labelled(s: &Secret) -> bool {
         .is_some_and(|v| v == CREDENTIALS_LABEL_VALUE)
 }
 
-/// Reconciles one Backend: `check` it, say a plaintext connection (`plaintext`), write status
-/// (`write_status`), and requeue by its health.
+/// Reconciles one Backend.
 pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let _timer = ctx
         .metrics
@@ -76,56 +75,33 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         // The API server refuses such a spec; nothing to do until it changes.
         return Ok(Action::await_change());
     };
-    let outcome = check(&ctx, &b, &key, kind).await?;
-    let outcome = plaintext(&ctx, &b, outcome).await;
-    if !write_status(&ctx, &b, &key, kind, &outcome).await? {
-        return Ok(Action::await_change());
-    }
-    let healthy = outcome.is_ready();
-    let fkey = format!("backend/{}/{}", key.0, key.1);
-    Ok(if healthy {
-        ctx.succeeded(&fkey);
-        Action::requeue(ctx.resync)
-    } else {
-        Action::requeue(ctx.failed(&fkey, Duration::from_secs(30)))
-    })
-}
-
-/// What the Backend may name (A18–A20), from the Secrets it names read once; then, allowed,
-/// what its broker answers.
-async fn check(
-    ctx: &Ctx,
-    b: &Backend,
-    key: &Key,
-    kind: BackendKind,
-) -> Result<BackendOutcome, Error> {
-    let (s, ns) = (&b.spec, &key.0);
-    let fetched = fetch_secrets(ctx, ns, s).await?;
+    let s = &b.spec;
+    let fetched = fetch_secrets(&ctx, &ns, s).await?;
     let views = |name: &str| match fetched.get(name) {
         Some(SecretRead::Found(s)) if labelled(s) => SecretView::Labelled,
         Some(SecretRead::Found(_)) => SecretView::Unlabelled,
         Some(SecretRead::Missing) | None => SecretView::Missing,
         Some(SecretRead::Unreadable(_)) => SecretView::Unknown,
     };
-    let access = backend_access(s, ns, &views, &ctx.backend_rules);
-    if !access.allowed() {
-        return Ok(refused(ctx, b, key, &access).await);
-    }
-    Ok(match (kind, &s.nats, &s.rabbitmq, &s.sqs) {
-        (BackendKind::Nats, Some(nats), _, _) => observe(ctx, key, nats, &fetched).await?,
-        (BackendKind::Rabbitmq, _, Some(r), _) => observe_rabbitmq(ctx, key, r, &fetched).await?,
-        (BackendKind::Sqs, _, _, Some(q)) => observe_sqs(ctx, key, q, &fetched).await?,
-        _ => {
-            ctx.conns.remove(key);
-            BackendOutcome::InProcess
+    let access = backend_access(s, &ns, &views, &ctx.backend_rules);
+    let outcome = if !access.allowed() {
+        refused(&ctx, &b, &key, &access).await
+    } else {
+        match (kind, &s.nats, &s.rabbitmq, &s.sqs) {
+            (BackendKind::Nats, Some(nats), _, _) => observe(&ctx, &key, nats, &fetched).await?,
+            (BackendKind::Rabbitmq, _, Some(r), _) => {
+                observe_rabbitmq(&ctx, &key, r, &fetched).await?
+            }
+            (BackendKind::Sqs, _, _, Some(q)) => observe_sqs(&ctx, &key, q, &fetched).await?,
+            _ => {
+                ctx.conns.remove(&key);
+                BackendOutcome::InProcess
+            }
         }
-    })
-}
-
-/// A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
-async fn plaintext(ctx: &Ctx, b: &Backend, outcome: BackendOutcome) -> BackendOutcome {
-    let plaintext = settle::policy::plaintext_with_credentials(&b.spec);
-    match outcome {
+    };
+    // A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
+    let plaintext = settle::policy::plaintext_with_credentials(s);
+    let outcome = match outcome {
         BackendOutcome::Connected { version, .. } if !plaintext.is_empty() => {
             let message = format!(
                 "connected, but the credentials travel unencrypted: {}",
@@ -135,58 +111,54 @@ async fn plaintext(ctx: &Ctx, b: &Backend, outcome: BackendOutcome) -> BackendOu
                     .collect::<Vec<_>>()
                     .join("; ")
             );
-            warn_event(ctx, b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
+            warn_event(&ctx, &b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
             BackendOutcome::Plaintext { version, message }
         }
         other => other,
-    }
-}
-
-/// Writes the Backend's status when it changed; `false`: the Backend is gone.
-async fn write_status(
-    ctx: &Ctx,
-    b: &Backend,
-    key: &Key,
-    kind: BackendKind,
-    outcome: &BackendOutcome,
-) -> Result<bool, Error> {
+    };
     let now = Time(Timestamp::now());
-    let Some(patch) = backend_status(
+    if let Some(patch) = backend_status(
         b.status.as_ref(),
         b.metadata.generation,
         capabilities_of(kind),
-        outcome,
+        &outcome,
         &now,
-    ) else {
-        return Ok(true);
-    };
-    let api: Api<Backend> = Api::namespaced(ctx.client.clone(), &key.0);
-    let body = serde_json::json!({
-        "apiVersion": "messaging.settle.dev/v1alpha1",
-        "kind": "Backend",
-        "status": patch,
-    });
-    ctx.metrics.kube(BACKEND, "patch_status");
-    match api
-        .patch_status(
-            &key.1,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-    {
-        Ok(_) => {
-            ctx.metrics
-                .status_writes
-                .with_label_values(&[BACKEND])
-                .inc();
-            let c = &patch.conditions[0];
-            tracing::info!(backend = %format!("{}/{}", key.0, key.1), ready = %c.status, reason = %c.reason, message = %c.message, "Backend status");
-            Ok(true)
+    ) {
+        let api: Api<Backend> = Api::namespaced(ctx.client.clone(), &ns);
+        let body = serde_json::json!({
+            "apiVersion": "messaging.settle.dev/v1alpha1",
+            "kind": "Backend",
+            "status": patch,
+        });
+        ctx.metrics.kube(BACKEND, "patch_status");
+        match api
+            .patch_status(
+                &key.1,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+        {
+            Ok(_) => {
+                ctx.metrics
+                    .status_writes
+                    .with_label_values(&[BACKEND])
+                    .inc();
+                let c = &patch.conditions[0];
+                tracing::info!(backend = %format!("{}/{}", key.0, key.1), ready = %c.status, reason = %c.reason, message = %c.message, "Backend status");
+            }
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
+            Err(e) => return Err(e.into()),
         }
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
-        Err(e) => Err(e.into()),
     }
+    let healthy = outcome.is_ready();
+    let fkey = format!("backend/{}/{}", key.0, key.1);
+    Ok(if healthy {
+        ctx.succeeded(&fkey);
+        Action::requeue(ctx.resync)
+    } else {
+        Action::requeue(ctx.failed(&fkey, Duration::from_secs(30)))
+    })
 }
 
 /// A Backend that names what it may not (A18–A20): any connection it held is closed, nothing
@@ -334,12 +306,55 @@ async fn observe_rabbitmq(
     r: &RabbitmqBackendSpec,
     fetched: &Fetched,
 ) -> Result<BackendOutcome, Error> {
-    let spec = match rabbitmq_connect_spec(ctx, &key.0, r, fetched) {
-        Ok(spec) => spec,
-        Err(message) => {
-            ctx.conns.fail(key, message.clone());
-            return Ok(BackendOutcome::down(reasons::SECRET_MISSING, message));
-        }
+    let missing = |message: String| {
+        ctx.conns.fail(key, message.clone());
+        Ok(BackendOutcome::down(reasons::SECRET_MISSING, message))
+    };
+    let credentials = match &r.credentials_secret_ref {
+        None => None,
+        Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
+            Err(m) => return missing(m),
+            Ok(data) => match amqp::Credentials::from_secret_data(&data) {
+                Ok(c) => Some(c),
+                Err(m) => {
+                    return missing(format!(
+                        "Secret {:?} (spec.rabbitmq.credentialsSecretRef) has no usable credentials: {m}",
+                        sr.name
+                    ));
+                }
+            },
+        },
+    };
+    let ca_pem = match r.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
+        None => None,
+        Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
+            Err(m) => return missing(m),
+            Ok(data) => match data.get(amqp::CA_KEY).map(|b| String::from_utf8(b.clone())) {
+                Some(Ok(pem)) => Some(pem),
+                _ => {
+                    return missing(format!(
+                        "Secret {:?} (spec.rabbitmq.tls.caSecretRef) has no key {:?} holding a PEM certificate: add it",
+                        sr.name,
+                        amqp::CA_KEY
+                    ));
+                }
+            },
+        },
+    };
+    let spec = RabbitConnectSpec {
+        urls: r.urls.clone(),
+        vhost: r.vhost.clone(),
+        credentials,
+        ca_pem,
+        management_url: r.management_url.clone(),
+        exchanges: Exchanges {
+            exchange: r
+                .exchange
+                .clone()
+                .unwrap_or_else(|| DEFAULT_EXCHANGE.to_string()),
+            dead_letter: r.dead_letter_exchange.clone(),
+        },
+        name: ctx.conns.client_name.clone(),
     };
     let down = |reason: &'static str, message: String| Ok(BackendOutcome::down(reason, message));
     let conn = match ctx.conns.ensure_rabbitmq(key, &spec).await {
@@ -372,62 +387,6 @@ async fn observe_rabbitmq(
             detail: "AMQP and the management API answer".into(),
         },
         Err(e) => BackendOutcome::down(down_reason(e.class()), format!("AMQP answers, but: {e}")),
-    })
-}
-
-/// What to connect to RabbitMQ with: the spec, and the credentials and CA read from the named
-/// Secrets. `Err` says what is missing, for the Backend's status.
-fn rabbitmq_connect_spec(
-    ctx: &Ctx,
-    ns: &str,
-    r: &RabbitmqBackendSpec,
-    fetched: &Fetched,
-) -> Result<RabbitConnectSpec, String> {
-    let credentials = match &r.credentials_secret_ref {
-        None => None,
-        Some(sr) => {
-            let data = secret_data(fetched, ns, &sr.name)?;
-            match amqp::Credentials::from_secret_data(&data) {
-                Ok(c) => Some(c),
-                Err(m) => {
-                    return Err(format!(
-                        "Secret {:?} (spec.rabbitmq.credentialsSecretRef) has no usable credentials: {m}",
-                        sr.name
-                    ));
-                }
-            }
-        }
-    };
-    let ca_pem = match r.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
-        None => None,
-        Some(sr) => {
-            let data = secret_data(fetched, ns, &sr.name)?;
-            match data.get(amqp::CA_KEY).map(|b| String::from_utf8(b.clone())) {
-                Some(Ok(pem)) => Some(pem),
-                _ => {
-                    return Err(format!(
-                        "Secret {:?} (spec.rabbitmq.tls.caSecretRef) has no key {:?} holding a PEM certificate: add it",
-                        sr.name,
-                        amqp::CA_KEY
-                    ));
-                }
-            }
-        }
-    };
-    Ok(RabbitConnectSpec {
-        urls: r.urls.clone(),
-        vhost: r.vhost.clone(),
-        credentials,
-        ca_pem,
-        management_url: r.management_url.clone(),
-        exchanges: Exchanges {
-            exchange: r
-                .exchange
-                .clone()
-                .unwrap_or_else(|| DEFAULT_EXCHANGE.to_string()),
-            dead_letter: r.dead_letter_exchange.clone(),
-        },
-        name: ctx.conns.client_name.clone(),
     })
 }
 

@@ -44,8 +44,7 @@ use super::{Ctx, Error, FIELD_MANAGER};
 use settle::api::{Backend, DeletionPolicy, FINALIZER, Subscription};
 use settle::policy::{BackendKind, BackendView, Pause, effective_capabilities, validate};
 
-/// Reconciles one Subscription: the pipeline's steps in order (the module's header), a
-/// deleting one finished (`finish`), then requeued as its outcome says (`next`).
+/// Reconciles one Subscription.
 pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let _timer = ctx
         .metrics
@@ -58,7 +57,16 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     let fkey = format!("subscription/{ns}/{name}");
 
     if sub.metadata.deletion_timestamp.is_some() {
-        finish(&target, &api, &ctx, &fkey).await?;
+        if has_finalizer(&sub) {
+            cleanup(&target, &ctx).await?;
+            remove_finalizer(&api, &sub, &ctx).await?;
+        }
+        ctx.conns.gates.forget(
+            &(ns.clone(), sub.spec.backend_ref.name.clone()),
+            &(ns.clone(), name.clone()),
+        );
+        ctx.metrics.forget_subscription(ns, name);
+        ctx.succeeded(&fkey);
         return Ok(Action::await_change());
     }
     if !has_finalizer(&sub) {
@@ -68,7 +76,10 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     // A changed spec (another stream, perhaps) is not held back by the gate its old one waited
     // on: it asks the broker afresh (and waits again if the same limit refuses it).
     if sub.status.as_ref().and_then(|s| s.observed_generation) != sub.metadata.generation {
-        forget_gate(&target, &ctx);
+        ctx.conns.gates.forget(
+            &(ns.clone(), sub.spec.backend_ref.name.clone()),
+            &(ns.clone(), name.clone()),
+        );
     }
     let Some(outcome) = converge(&target, &ctx).await else {
         // The Backend's connection is being made; its first event reconciles this again.
@@ -80,47 +91,12 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     let polled = backend_of(&sub, &ctx)
         .and_then(|b| BackendKind::of(&b.spec))
         .is_some_and(|k| matches!(k, BackendKind::Rabbitmq | BackendKind::Sqs));
-    Ok(next(&ctx, &fkey, &outcome, target.pause, polled))
-}
-
-/// A deleting Subscription: its cleanup and the finalizer dropped (step 1), and what the
-/// operator kept of it forgotten.
-async fn finish(
-    target: &Target<'_>,
-    api: &Api<Subscription>,
-    ctx: &Ctx,
-    fkey: &str,
-) -> Result<(), Error> {
-    let sub = target.sub;
-    if has_finalizer(sub) {
-        cleanup(target, ctx).await?;
-        remove_finalizer(api, sub, ctx).await?;
-    }
-    forget_gate(target, ctx);
-    ctx.metrics
-        .forget_subscription(&target.namespace, &target.name);
-    ctx.succeeded(fkey);
-    Ok(())
-}
-
-/// The Backend's limit gate forgets this Subscription.
-fn forget_gate(target: &Target<'_>, ctx: &Ctx) {
-    let ns = &target.namespace;
-    ctx.conns.gates.forget(
-        &(ns.clone(), target.sub.spec.backend_ref.name.clone()),
-        &(ns.clone(), target.name.clone()),
-    );
-}
-
-/// When the Subscription is looked at again, by its outcome (`polled`: its kind has no broker
-/// events, so drift is polled for).
-fn next(ctx: &Ctx, fkey: &str, outcome: &SubOutcome, pause: Pause, polled: bool) -> Action {
-    match outcome {
+    Ok(match &outcome {
         o if o.is_ready() => {
-            ctx.succeeded(fkey);
+            ctx.succeeded(&fkey);
             // A pause that ends by itself is looked at again when it ends: `Paused` turns
             // False then, and the RabbitMQ marker goes.
-            let ends = until_pause_ends(pause, Timestamp::now());
+            let ends = until_pause_ends(target.pause, Timestamp::now());
             if polled {
                 Action::requeue(ends.map_or(ctx.drift, |d| d.min(ctx.drift)))
             } else {
@@ -134,13 +110,13 @@ fn next(ctx: &Ctx, fkey: &str, outcome: &SubOutcome, pause: Pause, polled: bool)
         SubOutcome::Immutable { kind, .. } | SubOutcome::Conflict { kind, .. }
             if !kind.announced() =>
         {
-            ctx.succeeded(fkey);
+            ctx.succeeded(&fkey);
             Action::requeue(ctx.drift)
         }
         // Refused for a broker's limit: the Backend's gate for that limit triggers it again
         // (a place freed, or its delay over); the resync is only the safety net.
         SubOutcome::Broker { error, .. } if error.limit().is_some() => {
-            ctx.succeeded(fkey);
+            ctx.succeeded(&fkey);
             Action::requeue(ctx.resync)
         }
         // Only a change of the spec (or of the consumer, by its advisory) can help these: never
@@ -149,11 +125,11 @@ fn next(ctx: &Ctx, fkey: &str, outcome: &SubOutcome, pause: Pause, polled: bool)
         | SubOutcome::Immutable { .. }
         | SubOutcome::Conflict { .. }
         | SubOutcome::BackendNotFound(_) => {
-            ctx.succeeded(fkey);
+            ctx.succeeded(&fkey);
             Action::await_change()
         }
-        _ => Action::requeue(ctx.failed(fkey, Duration::from_secs(60))),
-    }
+        _ => Action::requeue(ctx.failed(&fkey, Duration::from_secs(60))),
+    })
 }
 
 /// How long until `pause` ends by itself (a second past its time, so the next look finds it

@@ -58,11 +58,6 @@ pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Converged {
     changes.with(outcome)
 }
 
-/// The consumer as the spec asks, step by step: resolve the stream, make a new Subscription's
-/// consumer at once, else [`Check::find`] it, and make it again ([`Check::recreate`]), replace
-/// an earlier object's leftover ([`Check::replace_left_over`]), leave another's alone or take it
-/// over ([`Check::not_ours`], [`Check::note_adopted`]), or bring it to the spec in place
-/// ([`Check::repair`]).
 async fn converge(
     t: &Target<'_>,
     ctx: &Ctx,
@@ -70,10 +65,11 @@ async fn converge(
     changes: &mut Changes,
     live_pause: &mut Option<LivePause>,
 ) -> SubOutcome {
+    let (ns, name, known) = (&t.namespace, &t.name, t.known.clone());
     if !conn.connected() {
         return SubOutcome::Broker {
             error: NatsError::Unreachable("the connection is down; reconnecting".into()).into(),
-            consumer: t.known.clone(),
+            consumer: known,
         };
     }
     // Refused for a limit before and its gate still closed: not a single broker call.
@@ -81,11 +77,25 @@ async fn converge(
     if let Some(limit) = ctx.conns.gates.held(&backend, &who) {
         return limited(limit);
     }
-    let stream = match resolve(t, ctx, conn).await {
+    let policy = &t.policy;
+    ctx.metrics.js("stream");
+    let stream = match admin::resolve_stream(
+        &conn.js,
+        t.sub.spec.stream.as_deref(),
+        &policy.pattern,
+    )
+    .await
+    {
         Ok(s) => s,
-        Err(o) => return o,
+        Err(error) => return broker_failure(error, known),
     };
-    let c = Check::of(t, ctx, conn, &stream);
+    let uid = t.uid();
+    let want =
+        mapping::desired(ns, name, &stream, policy).for_object(uid, t.sub.spec.deletion_policy);
+    let here = ConsumerRef {
+        stream: stream.clone(),
+        name: want.name.clone(),
+    };
     // Never made for this object (no consumer in its status): most likely none is there, so it
     // is made at once. JetStream's create answers an identical config with the consumer (ours:
     // the config carries this object's marks) and refuses one that differs (10148): that one
@@ -93,140 +103,49 @@ async fn converge(
     // connection just made is read instead: a check that runs before the status saying so
     // reaches the cache (a Backend's reconnect re-checks every Subscription) made it again,
     // an extra call and a second "created" Event.
-    if t.known.is_some() {
-        conn.made_shown(&stream, &c.want.name);
+    if known.is_some() {
+        conn.made_shown(&stream, &want.name);
     }
-    if t.known.is_none()
-        && !conn.made_recently(&stream, &c.want.name)
-        && let Some(done) = c.create_new(changes, live_pause).await
-    {
-        return done;
-    }
-    let info = match c.find().await {
-        Ok(Some(info)) => info,
-        Ok(None) => return c.recreate(changes, live_pause).await,
-        Err(o) => return o,
-    };
-    *live_pause = Some(LivePause::of(&info));
-    let live = mapping::normalise(&stream, &c.want.name, &info.config);
-    if live.left_over_for_deletion(&t.owner, t.uid()) {
-        return c.replace_left_over(&live, changes, live_pause).await;
-    }
-    let adopted = c.adopted(&live);
-    if !adopted && !live.belongs_to(&t.owner, t.uid()) {
-        // Another's, or kept by an earlier object of this name (its UID differs).
-        return c.not_ours(&live, &info, changes).await;
-    }
-    if adopted {
-        c.note_adopted(&live, changes);
-    }
-    c.repair(&live, changes).await
-}
-
-/// The stream the Subscription's consumer lives on (`spec.stream`, or the one whose subjects
-/// take the pattern).
-async fn resolve(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Result<String, SubOutcome> {
-    ctx.metrics.js("stream");
-    admin::resolve_stream(&conn.js, t.sub.spec.stream.as_deref(), &t.policy.pattern)
-        .await
-        .map_err(|error| broker_failure(error, t.known.clone()))
-}
-
-/// One check of one consumer: what every step of [`converge`] reads.
-struct Check<'a, 's> {
-    t: &'a Target<'s>,
-    ctx: &'a Ctx,
-    conn: &'a NatsConn,
-    /// The consumer the mapping asks for, with this object's marks.
-    want: mapping::ConsumerConfig,
-    /// Where it is: its stream and name, as status shows it.
-    here: ConsumerRef,
-}
-
-impl<'a, 's> Check<'a, 's> {
-    fn of(t: &'a Target<'s>, ctx: &'a Ctx, conn: &'a NatsConn, stream: &str) -> Self {
-        let want = mapping::desired(&t.namespace, &t.name, stream, &t.policy)
-            .for_object(t.uid(), t.sub.spec.deletion_policy);
-        let here = ConsumerRef {
-            stream: stream.to_string(),
-            name: want.name.clone(),
-        };
-        Check {
-            t,
-            ctx,
-            conn,
-            want,
-            here,
+    if known.is_none() && !conn.made_recently(&stream, &want.name) {
+        if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
+            return limited(limit);
         }
-    }
-
-    fn failure(&self, error: NatsError) -> SubOutcome {
-        broker_failure(error, self.t.known.clone())
-    }
-
-    /// A new Subscription's consumer made at once; `None` when JetStream has one of the name
-    /// already (10148), to be read like any other.
-    async fn create_new(
-        &self,
-        changes: &mut Changes,
-        live_pause: &mut Option<LivePause>,
-    ) -> Option<SubOutcome> {
-        let (t, ctx, conn) = (self.t, self.ctx, self.conn);
-        let (want, stream) = (&self.want, &self.here.stream);
-        let (backend, who) = keys(t);
-        if let Some(limit) = ctx.conns.gates.check(&backend, stream, &who) {
-            return Some(limited(limit));
-        }
-        conn.mark_own(Own::Created, stream, &want.name);
+        conn.mark_own(Own::Created, &stream, &want.name);
         ctx.metrics.js("create");
-        match admin::create_consumer_paused(&conn.js, want, pause_api::request(t.pause)).await {
+        match admin::create_consumer_paused(&conn.js, &want, pause_api::request(t.pause)).await {
             Ok(info) => {
-                conn.note_made(stream, &want.name);
+                conn.note_made(&stream, &want.name);
                 *live_pause = Some(LivePause::of(&info));
-                ctx.conns.gates.created(&backend, stream);
+                ctx.conns.gates.created(&backend, &stream);
                 tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = ChangeKind::Created.op(), "consumer");
                 changes.push(
                     ChangeKind::Created,
                     format!("created consumer {} on stream {stream}", want.name),
                 );
-                Some(ready(self.here.clone()))
+                return ready(here);
             }
-            Err(e) if e.code() == Some(CONSUMER_EXISTS) => None,
-            Err(NatsError::Limit(limit)) => Some(refused(t, ctx, conn, limit).await),
-            Err(error) => Some(self.failure(error)),
+            Err(e) if e.code() == Some(CONSUMER_EXISTS) => {}
+            Err(NatsError::Limit(limit)) => return refused(t, ctx, conn, limit).await,
+            Err(error) => return broker_failure(error, known),
         }
     }
-
-    /// The live consumer's info (`None`: there is none).
-    async fn find(&self) -> Result<Option<async_nats::jetstream::consumer::Info>, SubOutcome> {
-        self.ctx.metrics.js("info");
-        admin::consumer_info(&self.conn.js, &self.here.stream, &self.want.name)
-            .await
-            .map_err(|error| self.failure(error))
-    }
-
-    /// Missing: made for the first time, or again after someone (or a lost stream) removed it.
-    async fn recreate(
-        &self,
-        changes: &mut Changes,
-        live_pause: &mut Option<LivePause>,
-    ) -> SubOutcome {
-        let (t, ctx, conn) = (self.t, self.ctx, self.conn);
-        let (want, stream) = (&self.want, &self.here.stream);
-        // Made again: the status names it, or this connection made it lately and the status
-        // saying so has not reached the cache yet (deleted on the broker within a moment of its
-        // making: an Event saying "created" would hide that it was lost).
-        let again = t.known.as_ref() == Some(&self.here) || conn.made_recently(stream, &want.name);
-        let (backend, who) = keys(t);
-        if let Some(limit) = ctx.conns.gates.check(&backend, stream, &who) {
+    ctx.metrics.js("info");
+    let live = match admin::consumer_info(&conn.js, &stream, &want.name).await {
+        Ok(live) => live,
+        Err(error) => return broker_failure(error, known),
+    };
+    let Some(info) = live else {
+        // Missing: made for the first time, or again after someone (or a lost stream) removed it.
+        let again = known.as_ref() == Some(&here);
+        if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
             return limited(limit);
         }
-        match create(conn, ctx, want, t.pause).await {
+        match create(conn, ctx, &want, t.pause).await {
             Ok(made) => *live_pause = Some(made),
             Err(NatsError::Limit(limit)) => return refused(t, ctx, conn, limit).await,
-            Err(error) => return self.failure(error),
+            Err(error) => return broker_failure(error, known),
         }
-        ctx.conns.gates.created(&backend, stream);
+        ctx.conns.gates.created(&backend, &stream);
         let (kind, note) = if again {
             (
                 ChangeKind::Recreated,
@@ -243,59 +162,40 @@ impl<'a, 's> Check<'a, 's> {
         };
         tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = kind.op(), "consumer");
         changes.push(kind, note);
-        ready(self.here.clone())
-    }
-
-    /// Made for an earlier object of this name, deleted while no operator ran: it asked for
-    /// its consumer to go with it. Removed, and made anew for this object.
-    async fn replace_left_over(
-        &self,
-        live: &mapping::ConsumerConfig,
-        changes: &mut Changes,
-        live_pause: &mut Option<LivePause>,
-    ) -> SubOutcome {
-        let (t, ctx, conn) = (self.t, self.ctx, self.conn);
-        let (want, stream) = (&self.want, &self.here.stream);
-        conn.mark_own(Own::Deleted, stream, &want.name);
+        return ready(here);
+    };
+    *live_pause = Some(LivePause::of(&info));
+    let live = mapping::normalise(&stream, &want.name, &info.config);
+    let owner = t.owner.as_str();
+    if live.left_over_for_deletion(owner, uid) {
+        // Made for an earlier object of this name, deleted while no operator ran: it asked for
+        // its consumer to go with it. Removed, and made anew for this object.
+        conn.mark_own(Own::Deleted, &stream, &want.name);
         ctx.metrics.js("delete");
-        if let Err(error) = admin::delete_consumer(&conn.js, stream, &want.name).await {
-            return self.failure(error);
+        if let Err(error) = admin::delete_consumer(&conn.js, &stream, &want.name).await {
+            return broker_failure(error, known);
         }
-        match create(conn, ctx, want, t.pause).await {
+        match create(conn, ctx, &want, t.pause).await {
             Ok(made) => *live_pause = Some(made),
-            Err(error) => return self.failure(error),
+            Err(error) => return broker_failure(error, known),
         }
         let note = format!(
             "consumer {} on stream {stream} was left over from an earlier Subscription of this name (uid {}), deleted while the operator was not running: deleted it, as that Subscription's deletionPolicy asked, and made it again for this one",
             want.name,
             live.owner_uid().unwrap_or("?")
         );
-        tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, "{note}");
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
         changes.push(ChangeKind::Recreated, note);
-        ready(self.here.clone())
+        return ready(here);
     }
-
-    /// Kept (Retain) by an earlier object of this name: taken over only when the adopt
-    /// annotation names that object's UID; its marks are then updated in place (metadata is
-    /// editable).
-    fn adopted(&self, live: &mapping::ConsumerConfig) -> bool {
-        let (owner, uid) = (self.t.owner.as_str(), self.t.uid());
-        live.owner() == Some(owner)
-            && live
-                .owner_uid()
-                .is_some_and(|u| Some(u) != uid && Some(u) == self.t.adopt())
-    }
-
-    /// Another's, or kept by an earlier object of this name: a conflict naming its holder, or,
-    /// for one Settle did not make, taken over as spec.adopt asks (J9).
-    async fn not_ours(
-        &self,
-        live: &mapping::ConsumerConfig,
-        info: &async_nats::jetstream::consumer::Info,
-        changes: &mut Changes,
-    ) -> SubOutcome {
-        let (t, ctx) = (self.t, self.ctx);
-        let owner = t.owner.as_str();
+    // Kept (Retain) by an earlier object of this name: taken over only when the adopt annotation
+    // names that object's UID; its marks are then updated in place (metadata is editable).
+    let adopted = live.owner() == Some(owner)
+        && live
+            .owner_uid()
+            .is_some_and(|u| Some(u) != uid && Some(u) == t.adopt());
+    if !adopted && !live.belongs_to(owner, uid) {
+        // Another's, or kept by an earlier object of this name (its UID differs).
         let by = match (live.owner(), live.owner_uid()) {
             (Some(o), Some(u)) if o == owner => Holder::Earlier {
                 owner: o.to_string(),
@@ -306,22 +206,12 @@ impl<'a, 's> Check<'a, 's> {
             (None, _) => match t.adoption(&ctx.adopt_namespaces) {
                 Adoption::Never => Holder::Unmarked,
                 Adoption::NotAllowed => {
-                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(ns.clone()))
                 }
                 Adoption::IfCompatible => {
-                    let d = mapping::diff(&self.want, live);
+                    let d = mapping::diff(&want, &live);
                     if d.immutable.is_empty() {
-                        return adopt(
-                            t,
-                            ctx,
-                            self.conn,
-                            &self.want,
-                            &d,
-                            info,
-                            self.here.clone(),
-                            changes,
-                        )
-                        .await;
+                        return adopt(t, ctx, conn, &want, &d, &info, here, changes).await;
                     }
                     Holder::Unadoptable(Unadoptable::Differs(
                         d.immutable.iter().map(ToString::to_string).collect(),
@@ -329,56 +219,47 @@ impl<'a, 's> Check<'a, 's> {
                 }
             },
         };
-        SubOutcome::Conflict {
+        return SubOutcome::Conflict {
             kind: ObjectKind::Consumer,
-            object: self.here.clone(),
+            object: here,
             owner: by,
-        }
+        };
     }
-
-    /// The takeover by the adopt annotation, said.
-    fn note_adopted(&self, live: &mapping::ConsumerConfig, changes: &mut Changes) {
-        let (want, stream) = (&self.want, &self.here.stream);
+    if adopted {
         let note = format!(
             "took over consumer {} on stream {stream}, kept by the earlier Subscription of this name with uid {}, as annotation {ADOPT_ANNOTATION} asked",
             want.name,
             live.owner_uid().unwrap_or("?")
         );
-        tracing::info!(subscription = %self.t.owner, %stream, consumer = %want.name, "{note}");
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
         changes.push(ChangeKind::Adopted, note);
     }
-
-    /// This object's consumer against the mapping: a field JetStream cannot change in place
-    /// reported, the editable ones updated in place.
-    async fn repair(&self, live: &mapping::ConsumerConfig, changes: &mut Changes) -> SubOutcome {
-        let (want, stream) = (&self.want, &self.here.stream);
-        let d = mapping::diff(want, live);
-        if !d.immutable.is_empty() {
-            return SubOutcome::Immutable {
-                kind: ObjectKind::Consumer,
-                object: self.here.clone(),
-                fields: d.immutable.iter().map(ToString::to_string).collect(),
-            };
-        }
-        if !d.editable.is_empty() {
-            let edits = d
-                .editable
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; ");
-            self.ctx.metrics.js("update");
-            if let Err(error) = admin::update_consumer(&self.conn.js, want).await {
-                return self.failure(error);
-            }
-            tracing::info!(subscription = %self.t.owner, %stream, consumer = %want.name, changes = %edits, "updated the consumer in place");
-            changes.push(
-                ChangeKind::Updated,
-                format!("updated consumer {} in place: {edits}", want.name),
-            );
-        }
-        ready(self.here.clone())
+    let d = mapping::diff(&want, &live);
+    if !d.immutable.is_empty() {
+        return SubOutcome::Immutable {
+            kind: ObjectKind::Consumer,
+            object: here,
+            fields: d.immutable.iter().map(ToString::to_string).collect(),
+        };
     }
+    if !d.editable.is_empty() {
+        let edits = d
+            .editable
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        ctx.metrics.js("update");
+        if let Err(error) = admin::update_consumer(&conn.js, &want).await {
+            return broker_failure(error, known);
+        }
+        tracing::info!(subscription = %owner, %stream, consumer = %want.name, changes = %edits, "updated the consumer in place");
+        changes.push(
+            ChangeKind::Updated,
+            format!("updated consumer {} in place: {edits}", want.name),
+        );
+    }
+    ready(here)
 }
 
 pub(super) fn broker_failure(error: NatsError, known: Option<ConsumerRef>) -> SubOutcome {

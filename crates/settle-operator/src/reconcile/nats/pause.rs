@@ -5,9 +5,8 @@ use super::*;
 use settle::backend::nats::pause;
 
 /// The consumer's pause equal to the spec's (semantics W2): read back from `CONSUMER.INFO`
-/// (`live`, when the converge step read it or made the consumer, else [`read_pause`]), and set
-/// with `CONSUMER.PAUSE` only when it differs ([`set_pause`]), so a consumer resumed (or
-/// paused) by hand is put back ([`note_pause`]).
+/// (`live`, when the converge step read it or made the consumer), and set with `CONSUMER.PAUSE`
+/// only when it differs, so a consumer resumed (or paused) by hand is put back.
 pub(super) async fn keep_paused(
     t: &Target<'_>,
     ctx: &Ctx,
@@ -18,41 +17,23 @@ pub(super) async fn keep_paused(
 ) -> Result<(), SubOutcome> {
     let live = match live {
         Some(l) => l,
-        None => read_pause(ctx, conn, object).await?,
+        None => {
+            ctx.metrics.js("info");
+            match admin::consumer_info(&conn.js, &object.stream, &object.name).await {
+                Ok(Some(info)) => LivePause::of(&info),
+                Ok(None) => {
+                    return Err(broker_failure(
+                        NatsError::Unreachable("the consumer went while it was checked".into()),
+                        Some(object.clone()),
+                    ));
+                }
+                Err(e) => return Err(broker_failure(e, Some(object.clone()))),
+            }
+        }
     };
     if live.matches(t.pause) {
         return Ok(());
     }
-    set_pause(t, ctx, conn, object).await?;
-    note_pause(t, object, &live, changes);
-    Ok(())
-}
-
-/// The consumer's pause as `CONSUMER.INFO` shows it.
-async fn read_pause(
-    ctx: &Ctx,
-    conn: &NatsConn,
-    object: &ConsumerRef,
-) -> Result<LivePause, SubOutcome> {
-    ctx.metrics.js("info");
-    match admin::consumer_info(&conn.js, &object.stream, &object.name).await {
-        Ok(Some(info)) => Ok(LivePause::of(&info)),
-        Ok(None) => Err(broker_failure(
-            NatsError::Unreachable("the consumer went while it was checked".into()),
-            Some(object.clone()),
-        )),
-        Err(e) => Err(broker_failure(e, Some(object.clone()))),
-    }
-}
-
-/// `CONSUMER.PAUSE` as the spec asks; an answer that does not match (a server before 2.11) is a
-/// broker failure.
-async fn set_pause(
-    t: &Target<'_>,
-    ctx: &Ctx,
-    conn: &NatsConn,
-    object: &ConsumerRef,
-) -> Result<(), SubOutcome> {
     ctx.metrics.js("pause");
     let now = match admin::pause_consumer(
         &conn.js,
@@ -83,11 +64,6 @@ async fn set_pause(
             Some(object.clone()),
         ));
     }
-    Ok(())
-}
-
-/// The pause set, said: resumed, or paused (and what it was before, `live`).
-fn note_pause(t: &Target<'_>, object: &ConsumerRef, live: &LivePause, changes: &mut Changes) {
     let (kind, note) = match t.pause {
         Pause::Running => (
             ChangeKind::Resumed,
@@ -113,4 +89,5 @@ fn note_pause(t: &Target<'_>, object: &ConsumerRef, live: &LivePause, changes: &
     };
     tracing::info!(subscription = %t.owner, stream = %object.stream, consumer = %object.name, op = kind.op(), "{note}");
     changes.push(kind, note);
+    Ok(())
 }

@@ -261,7 +261,7 @@ pub(super) async fn adopt(
     if let Err(o) = mark_object(t, ctx, amqp).await {
         return *o;
     }
-    let edits = match rebind(ctx, amqp, want, bind, &unbind).await {
+    let edits = match repair(ctx, amqp, want, bind, &unbind).await {
         Ok(edits) => edits,
         Err(e) => return failure(e, t.known.clone()),
     };

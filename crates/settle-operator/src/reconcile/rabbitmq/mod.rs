@@ -38,7 +38,6 @@
 
 use super::Ctx;
 use super::connections::RabbitConn;
-use super::gate::{BackendKey, Who};
 use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
 use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
 use settle::api::ConsumerRef;
@@ -78,10 +77,6 @@ pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Converged {
     changes.with(outcome)
 }
 
-/// The queue as the spec asks, step by step: [`find`] it, make it when missing
-/// ([`Check::create_missing`]), say [`Check::whose`] it is (leave another's alone, or take it
-/// over), then redeclare it over AMQP alone ([`Check::redeclare`]) or [`Check::repair`] its
-/// binding in place.
 async fn converge(
     t: &Target<'_>,
     ctx: &Ctx,
@@ -89,8 +84,20 @@ async fn converge(
     changes: &mut Changes,
 ) -> SubOutcome {
     let known = t.known.clone();
+    let uid = t.uid();
+    let policy = &t.policy;
+    let want = mapping::desired(&t.namespace, &t.name, policy, &conn.exchanges).for_object(uid);
+    let here = ConsumerRef {
+        stream: want.binding.exchange.clone(),
+        name: want.name.clone(),
+    };
+    let ready = || SubOutcome::Ready {
+        kind: ObjectKind::RabbitmqQueue,
+        object: here.clone(),
+    };
     // Refused for a limit before and its gate still closed: not a single broker call.
-    let (backend, who) = keys(t);
+    let backend = (t.namespace.clone(), t.sub.spec.backend_ref.name.clone());
+    let who = (t.namespace.clone(), t.name.clone());
     if let Some(limit) = ctx.conns.gates.held(&backend, &who) {
         return failure(BrokerError::Limit(limit), None);
     }
@@ -98,85 +105,11 @@ async fn converge(
         Ok(c) => c,
         Err(e) => return failure(BrokerError::of(e), known),
     };
-    let c = Check::of(t, ctx, conn, &amqp);
-    let found = match find(ctx, conn, &amqp, &c.want.name).await {
+    let found = match find(ctx, conn, &amqp, &want.name).await {
         Ok(f) => f,
         Err(e) => return failure(e, known),
     };
     if matches!(found, Found::Missing) {
-        return c.create_missing(changes).await;
-    }
-    if let Err(o) = c.whose(&found, changes).await {
-        return o;
-    }
-    match found {
-        Found::Shown(live) => c.repair(&live, changes).await,
-        _ => c.redeclare().await,
-    }
-}
-
-/// The Backend's gate key and this Subscription's, for the broker's limits.
-fn keys(t: &Target<'_>) -> (BackendKey, Who) {
-    let backend = (t.namespace.clone(), t.sub.spec.backend_ref.name.clone());
-    let who = (t.namespace.clone(), t.name.clone());
-    (backend, who)
-}
-
-/// One check of one queue: what every step of [`converge`] reads.
-struct Check<'a, 's> {
-    t: &'a Target<'s>,
-    ctx: &'a Ctx,
-    conn: &'a RabbitConn,
-    amqp: &'a lapin::Connection,
-    /// The queue the mapping asks for, with this object's marks.
-    want: QueueSpec,
-    /// Where it is: its exchange and name, as status shows it.
-    here: ConsumerRef,
-}
-
-impl<'a, 's> Check<'a, 's> {
-    fn of(
-        t: &'a Target<'s>,
-        ctx: &'a Ctx,
-        conn: &'a RabbitConn,
-        amqp: &'a lapin::Connection,
-    ) -> Self {
-        let want =
-            mapping::desired(&t.namespace, &t.name, &t.policy, &conn.exchanges).for_object(t.uid());
-        let here = ConsumerRef {
-            stream: want.binding.exchange.clone(),
-            name: want.name.clone(),
-        };
-        Check {
-            t,
-            ctx,
-            conn,
-            amqp,
-            want,
-            here,
-        }
-    }
-
-    fn ready(&self) -> SubOutcome {
-        SubOutcome::Ready {
-            kind: ObjectKind::RabbitmqQueue,
-            object: self.here.clone(),
-        }
-    }
-
-    fn conflict(&self, owner: Holder) -> SubOutcome {
-        SubOutcome::Conflict {
-            kind: ObjectKind::RabbitmqQueue,
-            object: self.here.clone(),
-            owner,
-        }
-    }
-
-    /// Missing: made (the dead-letter copy first under AtLeastOnce), unless a limit's gate
-    /// holds creates back; a limit's refusal closes that gate.
-    async fn create_missing(&self, changes: &mut Changes) -> SubOutcome {
-        let (t, ctx, want) = (self.t, self.ctx, &self.want);
-        let (backend, who) = keys(t);
         if let Some(limit) = ctx
             .conns
             .gates
@@ -184,14 +117,14 @@ impl<'a, 's> Check<'a, 's> {
         {
             return failure(BrokerError::Limit(limit), None);
         }
-        if t.policy.mode == Mode::AtLeastOnce {
-            copy_dead_letters(t, ctx, self.conn, self.amqp, want).await;
+        if policy.mode == Mode::AtLeastOnce {
+            copy_dead_letters(t, ctx, conn, &amqp, &want).await;
         }
-        match create(t, ctx, self.amqp, want, &self.here).await {
+        return match create(t, ctx, &amqp, &want, &here).await {
             Ok(change) => {
                 ctx.conns.gates.created(&backend, &want.binding.exchange);
                 changes.push(change.kind, change.note);
-                self.ready()
+                ready()
             }
             Err(o) => {
                 if let SubOutcome::Broker { error, .. } = &o
@@ -202,81 +135,71 @@ impl<'a, 's> Check<'a, 's> {
                 }
                 o
             }
-        }
+        };
     }
-
-    /// Whose the queue found is: another's is a conflict, one Settle did not make is taken over
-    /// only as spec.adopt asks (R13; the takeover's outcome ends the step too); this object's
-    /// gets its object mark, and one taken over by the adopt annotation its adopted mark, said.
-    async fn whose(&self, found: &Found, changes: &mut Changes) -> Result<(), SubOutcome> {
-        let (t, ctx, amqp, want) = (self.t, self.ctx, self.amqp, &self.want);
-        let shown = t.known.as_ref().is_some_and(|k| k.name == want.name);
-        let Whose {
-            claim: claimed,
-            mark,
-            taken,
-        } = claim_found(t, ctx, amqp, found, &want.name, shown).await;
-        match &claimed {
-            // Settle did not make it: taken over only as spec.adopt asks (R13).
-            Claim::NotOurs(Holder::Unmarked) => {
-                let owner = match (t.adoption(&ctx.adopt_namespaces), found) {
-                    (Adoption::IfCompatible, Found::Shown(live)) => {
-                        return Err(adopt(
-                            t,
-                            ctx,
-                            self.conn,
-                            amqp,
-                            want,
-                            live,
-                            self.here.clone(),
-                            changes,
-                        )
-                        .await);
-                    }
-                    (Adoption::NotAllowed, _) => {
-                        Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
-                    }
-                    _ => Holder::Unmarked,
-                };
-                return Err(self.conflict(owner));
-            }
-            Claim::NotOurs(holder) => return Err(self.conflict(holder.clone())),
-            Claim::Ours | Claim::Adopted(_) => {
-                if !shown
-                    && mark.as_deref() != t.uid()
-                    && let Err(o) = mark_object(t, ctx, amqp).await
-                {
-                    // Whose queue it is, written where the runtime reads it, first.
-                    return Err(*o);
+    let shown = known.as_ref().is_some_and(|k| k.name == want.name);
+    let Whose {
+        claim: claimed,
+        mark,
+        taken,
+    } = claim_found(t, ctx, &amqp, &found, &want.name, shown).await;
+    match &claimed {
+        // Settle did not make it: taken over only as spec.adopt asks (R13).
+        Claim::NotOurs(Holder::Unmarked) => {
+            let owner = match (t.adoption(&ctx.adopt_namespaces), &found) {
+                (Adoption::IfCompatible, Found::Shown(live)) => {
+                    return adopt(t, ctx, conn, &amqp, &want, live, here, changes).await;
                 }
+                (Adoption::NotAllowed, _) => {
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                }
+                _ => Holder::Unmarked,
+            };
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner,
+            };
+        }
+        Claim::NotOurs(holder) => {
+            return SubOutcome::Conflict {
+                kind: ObjectKind::RabbitmqQueue,
+                object: here,
+                owner: holder.clone(),
+            };
+        }
+        Claim::Ours | Claim::Adopted(_) => {
+            if !shown
+                && mark.as_deref() != uid
+                && let Err(o) = mark_object(t, ctx, &amqp).await
+            {
+                // Whose queue it is, written where the runtime reads it, first.
+                return *o;
             }
         }
-        if let Claim::Adopted(old) = &claimed {
-            // Taken over without arguments by the earlier object: its adopted mark names this one now.
-            if taken && let Err(o) = mark_adopted(t, ctx, amqp, &want.name).await {
-                return Err(*o);
-            }
-            let note = format!(
-                "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
-                want.name
-            );
-            tracing::info!(subscription = %t.owner, queue = %want.name, "{note}");
-            changes.push(ChangeKind::Adopted, note);
-        }
-        Ok(())
     }
-
-    /// AMQP only: redeclare (refused when a compared argument differs) and bind again
-    /// (harmless when bound).
-    async fn redeclare(&self) -> SubOutcome {
-        let (ctx, amqp, want) = (self.ctx, self.amqp, &self.want);
+    if let Claim::Adopted(old) = &claimed {
+        // Taken over without arguments by the earlier object: its adopted mark names this one now.
+        if taken && let Err(o) = mark_adopted(t, ctx, &amqp, &want.name).await {
+            return *o;
+        }
+        let note = format!(
+            "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
+            want.name
+        );
+        tracing::info!(subscription = %t.owner, queue = %want.name, "{note}");
+        changes.push(ChangeKind::Adopted, note);
+    }
+    let Found::Shown(live) = found else {
+        // AMQP only: redeclare (refused when a compared argument differs) and bind again
+        // (harmless when bound).
         ctx.metrics.js("queue.declare");
-        match admin::declare(amqp, want).await {
+        match admin::declare(&amqp, &want).await {
             Ok(()) => {}
             Err(AdminError::Differs { text, .. }) => {
                 return SubOutcome::Immutable {
                     kind: ObjectKind::RabbitmqQueue,
-                    object: self.here.clone(),
+                    object: here,
                     fields: vec![format!(
                         "one of {} ({text})",
                         want.arguments
@@ -288,43 +211,37 @@ impl<'a, 's> Check<'a, 's> {
                     )],
                 };
             }
-            Err(e) => return failure(BrokerError::of(e), self.t.known.clone()),
+            Err(e) => return failure(BrokerError::of(e), known),
         }
         ctx.metrics.js("queue.bind");
-        if let Err(e) = admin::bind(amqp, &want.name, &want.binding).await {
-            return failure(BrokerError::of(e), self.t.known.clone());
+        if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
+            return failure(BrokerError::of(e), known);
         }
-        self.ready()
-    }
-
-    /// The live queue as the management API shows it, against the mapping: an argument
-    /// RabbitMQ cannot change in place reported, the binding repaired in place.
-    async fn repair(&self, live: &mapping::LiveQueue, changes: &mut Changes) -> SubOutcome {
-        let want = &self.want;
-        match judge(want, live) {
-            Verdict::Immutable(fields) => SubOutcome::Immutable {
-                kind: ObjectKind::RabbitmqQueue,
-                object: self.here.clone(),
-                fields,
-            },
-            Verdict::Repair { bind, unbind } => {
-                let edits = match rebind(self.ctx, self.amqp, want, bind, &unbind).await {
-                    Ok(edits) => edits,
-                    Err(e) => return failure(e, self.t.known.clone()),
-                };
-                if !edits.is_empty() {
-                    let edits = edits.join("; ");
-                    tracing::info!(subscription = %self.t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
-                    changes.push(ChangeKind::Updated, format!("queue {}: {edits}", want.name));
-                }
-                self.ready()
+        return ready();
+    };
+    match judge(&want, &live) {
+        Verdict::Immutable(fields) => SubOutcome::Immutable {
+            kind: ObjectKind::RabbitmqQueue,
+            object: here,
+            fields,
+        },
+        Verdict::Repair { bind, unbind } => {
+            let edits = match repair(ctx, &amqp, &want, bind, &unbind).await {
+                Ok(edits) => edits,
+                Err(e) => return failure(e, known),
+            };
+            if !edits.is_empty() {
+                let edits = edits.join("; ");
+                tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
+                changes.push(ChangeKind::Updated, format!("queue {}: {edits}", want.name));
             }
+            ready()
         }
     }
 }
 
 /// The binding repairs [`judge`] asked for, done: what each did, as an Event says it.
-async fn rebind(
+async fn repair(
     ctx: &Ctx,
     amqp: &lapin::Connection,
     want: &QueueSpec,

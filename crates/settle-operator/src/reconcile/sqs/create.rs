@@ -12,8 +12,7 @@ pub(super) struct Found {
 
 /// A queue's URL and whether Settle made it now, or the outcome that stops the step. An
 /// `adoptable` queue (the Subscription's queue and dead-letter queue, never the account's) that
-/// Settle did not make is taken over as `spec.adopt` says (Q11, [`adopt`]); one this object
-/// takes as its own gets its UID tag ([`take`]).
+/// Settle did not make is taken over as `spec.adopt` says (Q11).
 pub(super) async fn find_or_create(
     client: &Client,
     ctx: &Ctx,
@@ -41,95 +40,68 @@ pub(super) async fn find_or_create(
         }
         Ok(Some(url)) => url,
     };
-    let (how, paused) = match judged(client, ctx, t, &url).await {
+    let (take, paused) = match judged(client, ctx, t, &url).await {
         Err(e) => return Err(failure(e, known)),
         Ok((Err(Holder::Unmarked), paused)) if adoptable => {
-            return adopt(client, ctx, t, name, url, paused, changes).await;
+            let owner = match t.adoption(&ctx.adopt_namespaces) {
+                Adoption::IfCompatible => {
+                    ctx.metrics.js("sqs.tag");
+                    if let Err(e) = admin::tag_owner(client, &url, owner, uid).await {
+                        return Err(failure(e, known));
+                    }
+                    let note = format!(
+                        "took over SQS queue {name}, which Settle did not make, as spec.adopt IfCompatible asked: the same queue, with the messages it holds"
+                    );
+                    tracing::info!(subscription = %owner, queue = %name, op = ChangeKind::Adopted.op(), "{note}");
+                    changes.push(ChangeKind::Adopted, note);
+                    return Ok(Found {
+                        url,
+                        new: false,
+                        paused,
+                    });
+                }
+                Adoption::NotAllowed => {
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                }
+                Adoption::Never => Holder::Unmarked,
+            };
+            return Err(SubOutcome::Conflict {
+                kind: ObjectKind::SqsQueue,
+                object: ConsumerRef {
+                    stream: SQS_STREAM.into(),
+                    name: name.to_string(),
+                },
+                owner,
+            });
         }
-        Ok((Err(holder), _)) => return Err(conflict(name, holder)),
-        Ok((Ok(how), paused)) => (how, paused),
+        Ok((Err(holder), _)) => {
+            return Err(SubOutcome::Conflict {
+                kind: ObjectKind::SqsQueue,
+                object: ConsumerRef {
+                    stream: SQS_STREAM.into(),
+                    name: name.to_string(),
+                },
+                owner: holder,
+            });
+        }
+        Ok((Ok(take), paused)) => (take, paused),
     };
-    take(client, ctx, t, name, &url, &how, changes).await?;
+    if let (Take::Untagged | Take::Adopted(_), Some(uid)) = (&take, uid) {
+        ctx.metrics.js("sqs.tag");
+        if let Err(e) = admin::tag_object(client, &url, uid).await {
+            return Err(failure(e, known));
+        }
+    }
+    if let Take::Adopted(old) = &take {
+        let note = format!(
+            "took over SQS queue {name} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked"
+        );
+        tracing::info!(subscription = %owner, queue = %name, "{note}");
+        changes.push(ChangeKind::Adopted, note);
+    }
     Ok(Found {
         url,
         new: false,
         paused,
     })
-}
-
-/// Queue `name` is not this object's: a conflict naming who holds it.
-fn conflict(name: &str, owner: Holder) -> SubOutcome {
-    SubOutcome::Conflict {
-        kind: ObjectKind::SqsQueue,
-        object: ConsumerRef {
-            stream: SQS_STREAM.into(),
-            name: name.to_string(),
-        },
-        owner,
-    }
-}
-
-/// A queue Settle did not make: tagged as this object's when `spec.adopt: IfCompatible` asks
-/// and the namespace may (SQS can change every attribute the mapping sets in place), else a
-/// conflict saying why not.
-async fn adopt(
-    client: &Client,
-    ctx: &Ctx,
-    t: &Target<'_>,
-    name: &str,
-    url: String,
-    paused: Option<String>,
-    changes: &mut Changes,
-) -> Result<Found, SubOutcome> {
-    let (owner, uid) = (&t.owner, t.uid());
-    let holder = match t.adoption(&ctx.adopt_namespaces) {
-        Adoption::IfCompatible => {
-            ctx.metrics.js("sqs.tag");
-            if let Err(e) = admin::tag_owner(client, &url, owner, uid).await {
-                return Err(failure(e, &t.known));
-            }
-            let note = format!(
-                "took over SQS queue {name}, which Settle did not make, as spec.adopt IfCompatible asked: the same queue, with the messages it holds"
-            );
-            tracing::info!(subscription = %owner, queue = %name, op = ChangeKind::Adopted.op(), "{note}");
-            changes.push(ChangeKind::Adopted, note);
-            return Ok(Found {
-                url,
-                new: false,
-                paused,
-            });
-        }
-        Adoption::NotAllowed => {
-            Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
-        }
-        Adoption::Never => Holder::Unmarked,
-    };
-    Err(conflict(name, holder))
-}
-
-/// This object's queue: tagged with its UID where the tag is not there yet (from before UIDs,
-/// or taken over by the adopt annotation), the takeover said.
-async fn take(
-    client: &Client,
-    ctx: &Ctx,
-    t: &Target<'_>,
-    name: &str,
-    url: &str,
-    how: &Take,
-    changes: &mut Changes,
-) -> Result<(), SubOutcome> {
-    if let (Take::Untagged | Take::Adopted(_), Some(uid)) = (how, t.uid()) {
-        ctx.metrics.js("sqs.tag");
-        if let Err(e) = admin::tag_object(client, url, uid).await {
-            return Err(failure(e, &t.known));
-        }
-    }
-    if let Take::Adopted(old) = how {
-        let note = format!(
-            "took over SQS queue {name} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked"
-        );
-        tracing::info!(subscription = %t.owner, queue = %name, "{note}");
-        changes.push(ChangeKind::Adopted, note);
-    }
-    Ok(())
 }

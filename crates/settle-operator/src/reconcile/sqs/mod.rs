@@ -66,9 +66,6 @@ pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &SqsConn) -> Converged {
     changes.with(outcome)
 }
 
-/// The queues as the spec asks, step by step: the [`dead_letter_queue`] first, then the queue
-/// found or made ([`find_or_create`]) and, when it was there, its attributes [`repair`]ed in
-/// place, then the [`account_queues`] beside it; what was made is said once ([`note_made`]).
 async fn converge(
     t: &Target<'_>,
     ctx: &Ctx,
@@ -76,6 +73,7 @@ async fn converge(
     changes: &mut Changes,
     queue_found: &mut Option<Found>,
 ) -> SubOutcome {
+    let (owner, known) = (&t.owner, &t.known);
     let client = conn.broker.client();
     let want = match mapping::desired(conn.broker.queue_prefix(), &t.policy) {
         Ok(w) => w,
@@ -85,16 +83,48 @@ async fn converge(
         stream: SQS_STREAM.into(),
         name: want.name.clone(),
     };
-    let again = t.known.as_ref() == Some(&here);
+    let again = known.as_ref() == Some(&here);
     let mut made = Vec::new();
 
     // The dead-letter queue first: the queue's redrive policy names its ARN.
     let dlq_arn = match &want.redrive {
         None => None,
-        Some(r) => match dead_letter_queue(client, ctx, t, r, &mut made, changes).await {
-            Ok(arn) => arn,
-            Err(o) => return o,
-        },
+        Some(r) => {
+            let Found { url, new, .. } = match find_or_create(
+                client,
+                ctx,
+                t,
+                &r.dead_letter_queue,
+                mapping::dead_letter_attributes(),
+                true,
+                changes,
+            )
+            .await
+            {
+                Ok(x) => x,
+                Err(o) => return o,
+            };
+            if new {
+                made.push(format!("dead-letter queue {}", r.dead_letter_queue));
+            }
+            ctx.metrics.js("sqs.attributes");
+            match admin::attributes(client, &url).await {
+                Ok(Some(a)) => a.get("QueueArn").cloned(),
+                Ok(None) => {
+                    return failure(
+                        AdminError::Unreachable {
+                            operation: "GetQueueAttributes",
+                            detail: format!(
+                                "queue {} was deleted while Settle looked at it; checking again",
+                                r.dead_letter_queue
+                            ),
+                        },
+                        known,
+                    );
+                }
+                Err(e) => return failure(e, known),
+            }
+        }
     };
     let attributes = mapping::attributes(&want, dlq_arn.as_deref());
     let found = match find_or_create(
@@ -115,146 +145,81 @@ async fn converge(
     *queue_found = Some(found);
     if new {
         made.insert(0, format!("queue {}", want.name));
-    } else if let Err(o) = repair(client, ctx, t, &want, &url, attributes, changes).await {
-        return o;
+    } else {
+        ctx.metrics.js("sqs.attributes");
+        let live = match admin::attributes(client, &url).await {
+            Ok(Some(a)) => a,
+            // Deleted meanwhile: made again on the next check.
+            Ok(None) => {
+                return failure(
+                    AdminError::Unreachable {
+                        operation: "GetQueueAttributes",
+                        detail: format!(
+                            "queue {} was deleted while Settle looked at it; checking again",
+                            want.name
+                        ),
+                    },
+                    known,
+                );
+            }
+            Err(e) => return failure(e, known),
+        };
+        let diff = mapping::diff(&want, &live);
+        if !diff.is_empty() {
+            let mut set = attributes;
+            if want.redrive.is_none() {
+                // An empty RedrivePolicy removes it.
+                set.insert(REDRIVE_POLICY.to_string(), String::new());
+            }
+            ctx.metrics.js("sqs.set_attributes");
+            if let Err(e) = admin::set_attributes(client, &url, set).await {
+                return failure(e, known);
+            }
+            let edits = diff
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ");
+            tracing::info!(subscription = %owner, queue = %want.name, changes = %edits, "updated the queue's attributes in place");
+            changes.push(
+                ChangeKind::Updated,
+                format!("updated SQS queue {} in place: {edits}", want.name),
+            );
+        }
     }
-    if let Err(o) = account_queues(client, ctx, t, &want.name, &mut made, changes).await {
-        return o;
+    // The account's queues beside it: where the runtime reports and the operator keeps its
+    // ledger (`backend::sqs::report`). Made again when deleted on the server.
+    for (account_queue, attributes) in [
+        (
+            report::report_queue(&want.name),
+            report::report_attributes(),
+        ),
+        (
+            report::ledger_queue(&want.name),
+            report::ledger_attributes(),
+        ),
+    ] {
+        match find_or_create(client, ctx, t, &account_queue, attributes, false, changes).await {
+            Ok(Found { new: true, .. }) => made.push(format!("account queue {account_queue}")),
+            Ok(Found { new: false, .. }) => {}
+            Err(o) => return o,
+        }
     }
-    note_made(t, again, made, changes);
+    if !made.is_empty() {
+        let made = made.join(" and ");
+        let (kind, note) = if again {
+            (
+                ChangeKind::Recreated,
+                format!("{made} missing from SQS (deleted there): made again"),
+            )
+        } else {
+            (ChangeKind::Created, format!("created SQS {made}"))
+        };
+        tracing::info!(subscription = %owner, %made, op = kind.op(), "SQS queue");
+        changes.push(kind, note);
+    }
     SubOutcome::Ready {
         kind: ObjectKind::SqsQueue,
         object: here,
     }
-}
-
-/// The dead-letter queue found or made (`made` says so), and its ARN for the queue's redrive
-/// policy.
-async fn dead_letter_queue(
-    client: &Client,
-    ctx: &Ctx,
-    t: &Target<'_>,
-    r: &mapping::Redrive,
-    made: &mut Vec<String>,
-    changes: &mut Changes,
-) -> Result<Option<String>, SubOutcome> {
-    let Found { url, new, .. } = find_or_create(
-        client,
-        ctx,
-        t,
-        &r.dead_letter_queue,
-        mapping::dead_letter_attributes(),
-        true,
-        changes,
-    )
-    .await?;
-    if new {
-        made.push(format!("dead-letter queue {}", r.dead_letter_queue));
-    }
-    let attributes = read_attributes(client, ctx, t, &url, &r.dead_letter_queue).await?;
-    Ok(attributes.get("QueueArn").cloned())
-}
-
-/// A queue's attributes; one deleted meanwhile is made again on the next check.
-async fn read_attributes(
-    client: &Client,
-    ctx: &Ctx,
-    t: &Target<'_>,
-    url: &str,
-    name: &str,
-) -> Result<std::collections::BTreeMap<String, String>, SubOutcome> {
-    ctx.metrics.js("sqs.attributes");
-    match admin::attributes(client, url).await {
-        Ok(Some(a)) => Ok(a),
-        // Deleted meanwhile: made again on the next check.
-        Ok(None) => Err(failure(
-            AdminError::Unreachable {
-                operation: "GetQueueAttributes",
-                detail: format!(
-                    "queue {name} was deleted while Settle looked at it; checking again"
-                ),
-            },
-            &t.known,
-        )),
-        Err(e) => Err(failure(e, &t.known)),
-    }
-}
-
-/// Attribute drift of a queue that was there, repaired in place with SetQueueAttributes.
-async fn repair(
-    client: &Client,
-    ctx: &Ctx,
-    t: &Target<'_>,
-    want: &mapping::QueueSpec,
-    url: &str,
-    attributes: std::collections::BTreeMap<String, String>,
-    changes: &mut Changes,
-) -> Result<(), SubOutcome> {
-    let live = read_attributes(client, ctx, t, url, &want.name).await?;
-    let diff = mapping::diff(want, &live);
-    if diff.is_empty() {
-        return Ok(());
-    }
-    let mut set = attributes;
-    if want.redrive.is_none() {
-        // An empty RedrivePolicy removes it.
-        set.insert(REDRIVE_POLICY.to_string(), String::new());
-    }
-    ctx.metrics.js("sqs.set_attributes");
-    if let Err(e) = admin::set_attributes(client, url, set).await {
-        return Err(failure(e, &t.known));
-    }
-    let edits = diff
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join("; ");
-    tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "updated the queue's attributes in place");
-    changes.push(
-        ChangeKind::Updated,
-        format!("updated SQS queue {} in place: {edits}", want.name),
-    );
-    Ok(())
-}
-
-/// The account's queues beside the queue: where the runtime reports and the operator keeps its
-/// ledger (`backend::sqs::report`). Made again when deleted on the server.
-async fn account_queues(
-    client: &Client,
-    ctx: &Ctx,
-    t: &Target<'_>,
-    queue: &str,
-    made: &mut Vec<String>,
-    changes: &mut Changes,
-) -> Result<(), SubOutcome> {
-    for (account_queue, attributes) in [
-        (report::report_queue(queue), report::report_attributes()),
-        (report::ledger_queue(queue), report::ledger_attributes()),
-    ] {
-        if find_or_create(client, ctx, t, &account_queue, attributes, false, changes)
-            .await?
-            .new
-        {
-            made.push(format!("account queue {account_queue}"));
-        }
-    }
-    Ok(())
-}
-
-/// What was made, said in one change: created, or made again when status showed the queue.
-fn note_made(t: &Target<'_>, again: bool, made: Vec<String>, changes: &mut Changes) {
-    if made.is_empty() {
-        return;
-    }
-    let made = made.join(" and ");
-    let (kind, note) = if again {
-        (
-            ChangeKind::Recreated,
-            format!("{made} missing from SQS (deleted there): made again"),
-        )
-    } else {
-        (ChangeKind::Created, format!("created SQS {made}"))
-    };
-    tracing::info!(subscription = %t.owner, %made, op = kind.op(), "SQS queue");
-    changes.push(kind, note);
 }
