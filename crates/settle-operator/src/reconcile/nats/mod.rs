@@ -136,7 +136,10 @@ async fn converge(
     };
     let Some(info) = live else {
         // Missing: made for the first time, or again after someone (or a lost stream) removed it.
-        let again = known.as_ref() == Some(&here);
+        // Made again: the status names it, or this connection made it lately and the status
+        // saying so has not reached the cache yet (deleted on the broker within a moment of its
+        // making: an Event saying "created" would hide that it was lost).
+        let again = known.as_ref() == Some(&here) || conn.made_recently(&stream, &want.name);
         if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
             return limited(limit);
         }
