@@ -111,10 +111,23 @@ pub fn nats_tls_files(dir: &Path, ip: &str) -> (String, Vec<String>) {
 /// else can take it before that process binds it; the environment's own servers never trust a
 /// chosen port (README, Ports), and a test that starts its own server fails loudly if it is taken.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind a free port on 127.0.0.1")
-        .port()
+    // A port is free once its listener is dropped, so two calls in a row may be handed the same
+    // one (seen: an operator's webhook and metrics ports both 38771, the second bind refused).
+    // No port is handed out twice in one process.
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("bind a free port on 127.0.0.1")
+            .port();
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if given.insert(port) {
+            return port;
+        }
+    }
 }
 
 /// One `GET path` (HTTP/1.1, `Connection: close`) on 127.0.0.1:`port`, waiting at most 5 s for
