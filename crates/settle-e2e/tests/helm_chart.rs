@@ -1458,7 +1458,7 @@ fn alerts_and_dashboard_read_only_metrics_the_operator_exports() {
     }
 }
 
-/// The KEDA recipe in docs/guide/keda.md (issue 23 item 5): the `prometheus` trigger's `query:`
+/// The KEDA recipe in docs/guide/keda.md: the `prometheus` trigger's `query:`
 /// under the marker `keda-prometheus` reads only metrics the operator exports, passes `promtool
 /// check rules`, and evaluates to the Subscription's pending + ack_pending, and no other
 /// Subscription's.

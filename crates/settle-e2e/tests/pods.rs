@@ -1,6 +1,6 @@
 //! Settle as pods on the real node (`hack/env.sh up --node`): installed with `helm install` as a
 //! user does, then operated through day two. One flow, in the order a platform team lives it,
-//! because every step stands on the install before it (issue 20, items 3 and 4):
+//! because every step stands on the install before it:
 //!
 //! 1. the images `hack/image.sh build` makes (or brings up to date: a no-op after `make image`),
 //!    imported into the node's containerd; brokers of the suite's own on the bridge address (a

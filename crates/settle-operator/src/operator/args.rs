@@ -233,7 +233,7 @@ pub struct OperatorArgs {
     /// Deadline of waiting for a turn to read a body and reading it.
     #[arg(long, env = "SETTLE_WEBHOOK_BODY_TIMEOUT", default_value = "5s", value_parser = positive_duration)]
     pub webhook_body_timeout: Duration,
-    // The metrics and probe ports (issue 18 item 6).
+    // The metrics and probe ports.
     /// Where the kubelet's /healthz and /readyz are served (HTTP), apart from the metrics port so
     /// that scrapes and idle connections there can never fail a probe.
     #[arg(long, env = "SETTLE_PROBE_ADDR", default_value = "0.0.0.0:8081")]
