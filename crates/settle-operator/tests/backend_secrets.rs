@@ -17,7 +17,6 @@
 use settle_testkit as common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,7 +35,8 @@ struct Trap {
 
 impl Trap {
     fn start() -> Trap {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind a trap");
+        // Never a port another test of this binary was handed (its webhook would call the trap).
+        let listener = common::listen();
         let port = listener.local_addr().expect("addr").port();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let record = seen.clone();

@@ -114,18 +114,26 @@ pub fn free_port() -> u16 {
     // A port is free once its listener is dropped, so two calls in a row may be handed the same
     // one (seen: an operator's webhook and metrics ports both 38771, the second bind refused).
     // No port is handed out twice in one process.
+    let listener = listen();
+    listener.local_addr().expect("a bound address").port()
+}
+
+/// A listener on 127.0.0.1 whose port this process never handed out before, neither here nor by
+/// [`free_port`]. A listener bound to port 0 can be given a port an earlier `free_port` handed out
+/// and dropped; whatever the test meant for that port (a webhook, a metrics endpoint) then reaches
+/// this listener instead (seen: a trap recording another test's connections).
+pub fn listen() -> std::net::TcpListener {
     static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
     loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("bind a free port on 127.0.0.1")
-            .port();
+        let listener =
+            std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port on 127.0.0.1");
+        let port = listener.local_addr().expect("a bound address").port();
         let mut given = GIVEN
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if given.insert(port) {
-            return port;
+            return listener;
         }
     }
 }

@@ -21,9 +21,11 @@ impl Partition {
     }
 
     pub async fn to(upstream: std::net::SocketAddr) -> Partition {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the forwarder");
+        let listener = super::listen();
+        listener
+            .set_nonblocking(true)
+            .expect("a non-blocking forwarder");
+        let listener = tokio::net::TcpListener::from_std(listener).expect("a tokio forwarder");
         let port = listener.local_addr().expect("addr").port();
         let paused = Arc::new(AtomicBool::new(false));
         let flag = paused.clone();
