@@ -194,7 +194,8 @@ pub struct Metrics {
     pub deferred: IntCounterVec,
     /// `settle_account_advisories_total{kind}`: delivery advisories read from the capture, by
     /// kind, and what was set aside: `earlier_consumer`, `held_unverified` (waiting for a
-    /// Subscription's status to name the consumer) and `unverified_dropped` (it did not in time).
+    /// Subscription's status to name the consumer), `unverified_dropped` (it did not in time, or
+    /// the hold was full) and `unverified_not_ours` (the status named another stream's consumer).
     /// `earlier_consumer` and `unverified_dropped` exist at 0 from the start.
     pub advisories: IntCounterVec,
     /// `settle_account_reports_total{outcome}`: runtime reports read, by what became of them

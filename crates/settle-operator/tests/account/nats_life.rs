@@ -432,9 +432,17 @@ async fn captured_max_deliveries(
 /// so the hold had let them go before the test opened the gate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
+    // Durable names of this run's own (the scene's `orders` too): while a status names no
+    // consumer, a loss advisory of any stream's consumer of its name (an earlier run's, left in
+    // the server's capture, or another test's `orders`) waits in the same hold.
+    let durable = |name: &str| format!("{name}{}", std::process::id());
+    let orders = NACK_SPEC.replace(
+        "durableName: orders",
+        &format!("durableName: {}", durable("orders")),
+    );
     let scene = Scene::with_flags(
         "life-unverified",
-        NACK_SPEC,
+        &orders,
         &[
             "--leader-election=false",
             "--stats-interval",
@@ -452,8 +460,9 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
         apply(
             &scene.ns,
             &format!(
-                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: {name}\n  maxDeliver: 2\n  ackWait: 1s\n",
-                stream.prefix
+                "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: {name}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: {}\n  maxDeliver: 2\n  ackWait: 1s\n",
+                stream.prefix,
+                durable(name)
             ),
         );
         streams.push(stream);
@@ -462,13 +471,19 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
     let capture = capture_read(&scene.stream.js, &scene.ns).await;
     // `late` first: `waited`'s advisories are read last, closest to its gate's opening.
     for (stream, name) in streams.iter().zip(["waited", "late"]).rev() {
-        spend_last_attempts(stream, name, 3).await;
+        spend_last_attempts(stream, &durable(name), 3).await;
     }
     // The keeper has read the six advisories: its reader got past the last of them.
     let mut last = 0;
     for (stream, name) in streams.iter().zip(["waited", "late"]) {
-        let seq =
-            captured_max_deliveries(&capture, &stream.name, name, 3, Duration::from_secs(30)).await;
+        let seq = captured_max_deliveries(
+            &capture,
+            &stream.name,
+            &durable(name),
+            3,
+            Duration::from_secs(30),
+        )
+        .await;
         last = last.max(seq);
     }
     let reader = settle_operator::account::nats::reader_name(&scene.ns, "nats");
@@ -593,9 +608,15 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hold_of_losses_read_before_the_status_is_bounded_and_what_it_drops_is_said() {
     const N: usize = 1_010;
-    let scene = Scene::new("life-hold", NACK_SPEC).await;
-    // A durable name of this run's own: the capture is the server's, and an advisory of any
-    // stream's consumer of that name (an earlier run's, left in it) would be held for it too.
+    // Durable names of this run's own, for `many` and the scene's `orders` alike: the capture is
+    // the server's, and while a Subscription's status names no consumer, a loss advisory of any
+    // stream's consumer of its name (an earlier run's, or another test's `orders`) is held for
+    // it too, in the same hold of 1,000.
+    let orders = NACK_SPEC.replace(
+        "durableName: orders",
+        &format!("durableName: orders{}", std::process::id()),
+    );
+    let scene = Scene::new("life-hold", &orders).await;
     let durable = format!("many{}", std::process::id());
     let mut gate = StatusGate::close(&scene.ns, "many").await;
     let stream = TestStream::new(&scene.nats_url, &format!("{}-many", scene.test)).await;
@@ -646,6 +667,11 @@ async fn the_hold_of_losses_read_before_the_status_is_bounded_and_what_it_drops_
     )
     .await;
     assert_eq!(metric("held_unverified"), 1_000.0, "held at most 1,000");
+    assert_eq!(
+        metric("unverified_not_ours"),
+        0.0,
+        "none held but this test's"
+    );
     assert!(
         scene.stats_of("many").await.exhausted == 0,
         "nothing counted while the status names no consumer"

@@ -256,10 +256,12 @@ impl NatsKeeper {
                     held.uncounted.note(&event);
                     held.loose.push(msg);
                 }
+                // The status now names another consumer (another stream's of this name): not
+                // this Backend's loss, so not a drop either.
                 Applied::Nothing => {
                     self.metrics
                         .advisories
-                        .with_label_values(&["unverified_dropped"])
+                        .with_label_values(&["unverified_not_ours"])
                         .inc();
                     held.loose.push(msg);
                 }
