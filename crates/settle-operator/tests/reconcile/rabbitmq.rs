@@ -1049,3 +1049,42 @@ async fn a_vhost_at_its_queue_limit_costs_the_broker_next_to_nothing_and_a_freed
     }
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// A bind whose queue was deleted after its declare is `Gone` (looked at again with the queue
+/// kept in status, so its making again is said Recreated), never a refusal; a bind to an
+/// exchange that does not exist stays a refusal (a Backend's mistake, not a race).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_to_a_deleted_queue_is_gone_and_to_a_missing_exchange_refused() {
+    use settle::backend::rabbitmq::admin::{self, AdminError};
+    use settle::backend::rabbitmq::mapping::Binding;
+    let env = common::env();
+    let conn = lapin::Connection::connect(&env.rabbitmq_url, Default::default())
+        .await
+        .expect("connect to RabbitMQ");
+    let name = format!("gone{}", std::process::id());
+    let to = |exchange: &str| Binding {
+        exchange: exchange.to_string(),
+        routing_key: "gone.#".to_string(),
+    };
+    match admin::bind(&conn, &name, &to("amq.topic")).await {
+        Err(AdminError::Gone(q)) => assert_eq!(q, name),
+        other => panic!("a bind of a missing queue: {other:?}"),
+    }
+    let ch = conn.create_channel().await.expect("a channel");
+    ch.queue_declare(
+        name.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        },
+        Default::default(),
+    )
+    .await
+    .expect("declare");
+    let missing = format!("{name}-no-such-exchange");
+    match admin::bind(&conn, &name, &to(&missing)).await {
+        Err(e @ AdminError::Refused { .. }) => assert!(e.to_string().contains(&missing), "{e}"),
+        other => panic!("a bind to a missing exchange: {other:?}"),
+    }
+    delete_queue(&name);
+}

@@ -32,12 +32,16 @@ pub enum AdminError {
     /// naming the limit ([`limit_of`]).
     #[error(transparent)]
     Limit(BrokerLimit),
+    /// The queue was deleted between two calls on it (a bind after its declare, `404 NOT_FOUND`):
+    /// what the broker holds is not known, so it is looked at again.
+    #[error("queue {0:?} was deleted on the broker while Settle worked on it; checking it again")]
+    Gone(String),
 }
 
 impl Classify for AdminError {
     fn class(&self) -> Failure {
         match self {
-            AdminError::Unreachable(_) => Failure::Unreachable,
+            AdminError::Unreachable(_) | AdminError::Gone(_) => Failure::Unreachable,
             AdminError::Differs { .. } | AdminError::Refused { .. } | AdminError::Limit(_) => {
                 Failure::Refused
             }
@@ -181,6 +185,13 @@ pub async fn bind(conn: &Connection, name: &str, b: &Binding) -> Result<(), Admi
         Ok(()) => {
             done(ch).await;
             Ok(())
+        }
+        // The queue, not the exchange, missing: RabbitMQ's 404 names which.
+        Err(e)
+            if reply_code(&e) == Some(404)
+                && e.to_string().contains(&format!("no queue '{name}'")) =>
+        {
+            Err(AdminError::Gone(name.to_string()))
         }
         Err(e) => Err(classify(
             format!(
