@@ -1387,3 +1387,109 @@ async fn reports_past_the_accounts_bounds_are_dropped_and_counted() {
     scene.assert_never_decreased();
     scene.finish().await;
 }
+
+/// A loss advisory held while a Subscription's status names no consumer, which turns out to be
+/// another stream's consumer of the same name (made by hand here, as another team's could be),
+/// is released as not this Backend's (`unverified_not_ours`): no drop is counted or alerted on,
+/// nothing is counted for the Subscription, and its `Accounted` says no gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_loss_of_another_streams_consumer_of_the_same_name_is_not_a_drop() {
+    let pid = std::process::id();
+    let orders = NACK_SPEC.replace("durableName: orders", &format!("durableName: orders{pid}"));
+    // 25 s: the steps between the advisories' reading and the gate's opening stay within it
+    // on a loaded machine.
+    let scene = Scene::with_flags(
+        "life-not-ours",
+        &orders,
+        &[
+            "--leader-election=false",
+            "--stats-interval",
+            "1s",
+            "--unverified-advisory-grace",
+            "25s",
+        ],
+    )
+    .await;
+    let durable = format!("twin{pid}");
+    let mut gate = StatusGate::close(&scene.ns, "mine").await;
+    let mine = TestStream::new(&scene.nats_url, &format!("{}-mine", scene.test)).await;
+    let theirs = TestStream::new(&scene.nats_url, &format!("{}-theirs", scene.test)).await;
+    apply(
+        &scene.ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: mine}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 2\n  ackWait: 1s\n",
+            mine.prefix
+        ),
+    );
+    // Settle made `mine`'s consumer; its status cannot say so while the gate holds.
+    pull_when_made(&mine, &durable).await;
+    theirs
+        .js
+        .get_stream(&theirs.name)
+        .await
+        .expect("their stream")
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(durable.clone()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_deliver: 2,
+            ack_wait: Duration::from_secs(1),
+            ..Default::default()
+        })
+        .await
+        .expect("their consumer of the same name");
+    spend_last_attempts(&theirs, &durable, 2).await;
+    let metric = |kind: &str| {
+        scene
+            .op
+            .metric("settle_account_advisories_total", &[("kind", kind)])
+    };
+    poll(
+        "their two losses to be held for mine",
+        Duration::from_secs(30),
+        || async {
+            match metric("held_unverified") {
+                n if n >= 2.0 => Ok(()),
+                n => Err(format!("{n} held")),
+            }
+        },
+    )
+    .await;
+    gate.open();
+    poll(
+        "their two losses released as not ours",
+        Duration::from_secs(30),
+        || async {
+            match metric("unverified_not_ours") {
+                n if n >= 2.0 => Ok(()),
+                n => Err(format!(
+                    "{n} not ours, {} dropped",
+                    metric("unverified_dropped")
+                )),
+            }
+        },
+    )
+    .await;
+    assert_eq!(metric("unverified_not_ours"), 2.0, "each once");
+    assert_eq!(metric("unverified_dropped"), 0.0, "no drop counted");
+    wait_ready(&scene.api, "mine").await;
+    let sub = scene.api.get("mine").await.expect("get mine");
+    let st = sub.status.unwrap_or_default();
+    assert_eq!(
+        st.consumer.as_ref().map(|c| c.stream.as_str()),
+        Some(mine.name.as_str()),
+        "mine's status names its own stream's consumer"
+    );
+    assert_eq!(
+        scene.stats_of("mine").await.exhausted,
+        0,
+        "none counted for mine"
+    );
+    assert!(
+        !matches!(condition(&st.conditions, "Accounted"), Some((s, r, _)) if s == "False" && r == "CaptureGap"),
+        "no gap said: {:?}",
+        st.conditions
+    );
+    mine.delete().await;
+    theirs.delete().await;
+    scene.finish().await;
+}
