@@ -99,57 +99,9 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
             }
         }
     };
-    // A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
-    let plaintext = settle::policy::plaintext_with_credentials(s);
-    let outcome = match outcome {
-        BackendOutcome::Connected { version, .. } if !plaintext.is_empty() => {
-            let message = format!(
-                "connected, but the credentials travel unencrypted: {}",
-                plaintext
-                    .iter()
-                    .map(|(field, m)| format!("{field}: {m}"))
-                    .collect::<Vec<_>>()
-                    .join("; ")
-            );
-            warn_event(&ctx, &b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
-            BackendOutcome::Plaintext { version, message }
-        }
-        other => other,
-    };
-    let now = Time(Timestamp::now());
-    if let Some(patch) = backend_status(
-        b.status.as_ref(),
-        b.metadata.generation,
-        capabilities_of(kind),
-        &outcome,
-        &now,
-    ) {
-        let api: Api<Backend> = Api::namespaced(ctx.client.clone(), &ns);
-        let body = serde_json::json!({
-            "apiVersion": "messaging.settle.dev/v1alpha1",
-            "kind": "Backend",
-            "status": patch,
-        });
-        ctx.metrics.kube(BACKEND, "patch_status");
-        match api
-            .patch_status(
-                &key.1,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await
-        {
-            Ok(_) => {
-                ctx.metrics
-                    .status_writes
-                    .with_label_values(&[BACKEND])
-                    .inc();
-                let c = &patch.conditions[0];
-                tracing::info!(backend = %format!("{}/{}", key.0, key.1), ready = %c.status, reason = %c.reason, message = %c.message, "Backend status");
-            }
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
-            Err(e) => return Err(e.into()),
-        }
+    let outcome = said_if_plaintext(&ctx, &b, outcome).await;
+    if !write_status(&ctx, &b, &key, kind, &outcome).await? {
+        return Ok(Action::await_change());
     }
     let healthy = outcome.is_ready();
     let fkey = format!("backend/{}/{}", key.0, key.1);
@@ -159,6 +111,73 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     } else {
         Action::requeue(ctx.failed(&fkey, Duration::from_secs(30)))
     })
+}
+
+/// A21: connected with credentials over plaintext: Ready, but said, and a Warning Event.
+async fn said_if_plaintext(ctx: &Ctx, b: &Backend, outcome: BackendOutcome) -> BackendOutcome {
+    let plaintext = settle::policy::plaintext_with_credentials(&b.spec);
+    match outcome {
+        BackendOutcome::Connected { version, .. } if !plaintext.is_empty() => {
+            let message = format!(
+                "connected, but the credentials travel unencrypted: {}",
+                plaintext
+                    .iter()
+                    .map(|(field, m)| format!("{field}: {m}"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+            warn_event(ctx, b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
+            BackendOutcome::Plaintext { version, message }
+        }
+        other => other,
+    }
+}
+
+/// Writes the Backend's status when `outcome` changes it; `false` when the Backend is gone.
+async fn write_status(
+    ctx: &Ctx,
+    b: &Backend,
+    key: &Key,
+    kind: BackendKind,
+    outcome: &BackendOutcome,
+) -> Result<bool, Error> {
+    let now = Time(Timestamp::now());
+    let Some(patch) = backend_status(
+        b.status.as_ref(),
+        b.metadata.generation,
+        capabilities_of(kind),
+        outcome,
+        &now,
+    ) else {
+        return Ok(true);
+    };
+    let api: Api<Backend> = Api::namespaced(ctx.client.clone(), &key.0);
+    let body = serde_json::json!({
+        "apiVersion": "messaging.settle.dev/v1alpha1",
+        "kind": "Backend",
+        "status": patch,
+    });
+    ctx.metrics.kube(BACKEND, "patch_status");
+    match api
+        .patch_status(
+            &key.1,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics
+                .status_writes
+                .with_label_values(&[BACKEND])
+                .inc();
+            let c = &patch.conditions[0];
+            tracing::info!(backend = %format!("{}/{}", key.0, key.1), ready = %c.status, reason = %c.reason, message = %c.message, "Backend status");
+            Ok(true)
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(false),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// A Backend that names what it may not (A18–A20): any connection it held is closed, nothing
@@ -298,26 +317,22 @@ fn jetstream_down(error: NatsError, version: Option<String>) -> BackendOutcome {
     }
 }
 
-/// Connects to RabbitMQ (or reuses the connection) and, when the Backend names it, asks the
-/// management API for the version.
-async fn observe_rabbitmq(
+/// What connecting to a RabbitMQ Backend takes: its credentials and CA read from the Secrets
+/// it names, or what is missing from them (the message says which Secret and field, and the fix).
+fn rabbitmq_connect_spec(
     ctx: &Ctx,
     key: &Key,
     r: &RabbitmqBackendSpec,
     fetched: &Fetched,
-) -> Result<BackendOutcome, Error> {
-    let missing = |message: String| {
-        ctx.conns.fail(key, message.clone());
-        Ok(BackendOutcome::down(reasons::SECRET_MISSING, message))
-    };
+) -> Result<RabbitConnectSpec, String> {
     let credentials = match &r.credentials_secret_ref {
         None => None,
         Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
-            Err(m) => return missing(m),
+            Err(m) => return Err(m),
             Ok(data) => match amqp::Credentials::from_secret_data(&data) {
                 Ok(c) => Some(c),
                 Err(m) => {
-                    return missing(format!(
+                    return Err(format!(
                         "Secret {:?} (spec.rabbitmq.credentialsSecretRef) has no usable credentials: {m}",
                         sr.name
                     ));
@@ -328,11 +343,11 @@ async fn observe_rabbitmq(
     let ca_pem = match r.tls.as_ref().and_then(|t| t.ca_secret_ref.as_ref()) {
         None => None,
         Some(sr) => match secret_data(fetched, &key.0, &sr.name) {
-            Err(m) => return missing(m),
+            Err(m) => return Err(m),
             Ok(data) => match data.get(amqp::CA_KEY).map(|b| String::from_utf8(b.clone())) {
                 Some(Ok(pem)) => Some(pem),
                 _ => {
-                    return missing(format!(
+                    return Err(format!(
                         "Secret {:?} (spec.rabbitmq.tls.caSecretRef) has no key {:?} holding a PEM certificate: add it",
                         sr.name,
                         amqp::CA_KEY
@@ -341,7 +356,7 @@ async fn observe_rabbitmq(
             },
         },
     };
-    let spec = RabbitConnectSpec {
+    Ok(RabbitConnectSpec {
         urls: r.urls.clone(),
         vhost: r.vhost.clone(),
         credentials,
@@ -355,6 +370,23 @@ async fn observe_rabbitmq(
             dead_letter: r.dead_letter_exchange.clone(),
         },
         name: ctx.conns.client_name.clone(),
+    })
+}
+
+/// Connects to RabbitMQ (or reuses the connection) and, when the Backend names it, asks the
+/// management API for the version.
+async fn observe_rabbitmq(
+    ctx: &Ctx,
+    key: &Key,
+    r: &RabbitmqBackendSpec,
+    fetched: &Fetched,
+) -> Result<BackendOutcome, Error> {
+    let spec = match rabbitmq_connect_spec(ctx, key, r, fetched) {
+        Ok(spec) => spec,
+        Err(message) => {
+            ctx.conns.fail(key, message.clone());
+            return Ok(BackendOutcome::down(reasons::SECRET_MISSING, message));
+        }
     };
     let down = |reason: &'static str, message: String| Ok(BackendOutcome::down(reason, message));
     let conn = match ctx.conns.ensure_rabbitmq(key, &spec).await {

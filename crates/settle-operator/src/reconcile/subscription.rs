@@ -87,16 +87,28 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     };
     write_status(&api, &sub, &outcome, target.pause, &ctx).await?;
     ctx.metrics.subscription_ready(ns, name, outcome.is_ready());
+    Ok(next_look(&sub, &ctx, &outcome, target.pause, &fkey))
+}
+
+/// When to look at a Subscription again after its step ended in `outcome` (its failures counted
+/// and backed off under `fkey`).
+fn next_look(
+    sub: &Subscription,
+    ctx: &Ctx,
+    outcome: &SubOutcome,
+    pause: Pause,
+    fkey: &str,
+) -> Action {
     // Kinds without broker events are polled for drift.
-    let polled = backend_of(&sub, &ctx)
+    let polled = backend_of(sub, ctx)
         .and_then(|b| BackendKind::of(&b.spec))
         .is_some_and(|k| matches!(k, BackendKind::Rabbitmq | BackendKind::Sqs));
-    Ok(match &outcome {
+    match outcome {
         o if o.is_ready() => {
-            ctx.succeeded(&fkey);
+            ctx.succeeded(fkey);
             // A pause that ends by itself is looked at again when it ends: `Paused` turns
             // False then, and the RabbitMQ marker goes.
-            let ends = until_pause_ends(target.pause, Timestamp::now());
+            let ends = until_pause_ends(pause, Timestamp::now());
             if polled {
                 Action::requeue(ends.map_or(ctx.drift, |d| d.min(ctx.drift)))
             } else {
@@ -110,13 +122,13 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         SubOutcome::Immutable { kind, .. } | SubOutcome::Conflict { kind, .. }
             if !kind.announced() =>
         {
-            ctx.succeeded(&fkey);
+            ctx.succeeded(fkey);
             Action::requeue(ctx.drift)
         }
         // Refused for a broker's limit: the Backend's gate for that limit triggers it again
         // (a place freed, or its delay over); the resync is only the safety net.
         SubOutcome::Broker { error, .. } if error.limit().is_some() => {
-            ctx.succeeded(&fkey);
+            ctx.succeeded(fkey);
             Action::requeue(ctx.resync)
         }
         // Only a change of the spec (or of the consumer, by its advisory) can help these: never
@@ -125,11 +137,11 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
         | SubOutcome::Immutable { .. }
         | SubOutcome::Conflict { .. }
         | SubOutcome::BackendNotFound(_) => {
-            ctx.succeeded(&fkey);
+            ctx.succeeded(fkey);
             Action::await_change()
         }
-        _ => Action::requeue(ctx.failed(&fkey, Duration::from_secs(60))),
-    })
+        _ => Action::requeue(ctx.failed(fkey, Duration::from_secs(60))),
+    }
 }
 
 /// How long until `pause` ends by itself (a second past its time, so the next look finds it

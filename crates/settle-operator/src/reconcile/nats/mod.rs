@@ -23,6 +23,7 @@ use super::connections::NatsConn;
 use super::gate::{BackendKey, Who};
 use super::status::{ADOPT_ANNOTATION, Holder, ObjectKind, SubOutcome, Unadoptable};
 use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
+use async_nats::jetstream::consumer;
 use settle::api::ConsumerRef;
 use settle::backend::Classify;
 use settle::backend::limit::{BrokerLimit, LimitScope, SetBy};
@@ -58,6 +59,19 @@ pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &NatsConn) -> Converged {
     changes.with(outcome)
 }
 
+/// What one converge works on: the Subscription, its connection, and the consumer it should
+/// have (`want`, named `here`), with the gate keys of its Backend and itself.
+struct Work<'a> {
+    t: &'a Target<'a>,
+    ctx: &'a Ctx,
+    conn: &'a NatsConn,
+    stream: String,
+    want: mapping::ConsumerConfig,
+    here: ConsumerRef,
+    backend: BackendKey,
+    who: Who,
+}
+
 async fn converge(
     t: &Target<'_>,
     ctx: &Ctx,
@@ -89,66 +103,101 @@ async fn converge(
         Ok(s) => s,
         Err(error) => return broker_failure(error, known),
     };
-    let uid = t.uid();
     let want =
-        mapping::desired(ns, name, &stream, policy).for_object(uid, t.sub.spec.deletion_policy);
+        mapping::desired(ns, name, &stream, policy).for_object(t.uid(), t.sub.spec.deletion_policy);
     let here = ConsumerRef {
         stream: stream.clone(),
         name: want.name.clone(),
     };
-    // Never made for this object (no consumer in its status): most likely none is there, so it
-    // is made at once. JetStream's create answers an identical config with the consumer (ours:
-    // the config carries this object's marks) and refuses one that differs (10148): that one
-    // is read below like any other. One call fewer per new Subscription (issue 21). One this
-    // connection just made is read instead: a check that runs before the status saying so
-    // reaches the cache (a Backend's reconnect re-checks every Subscription) made it again,
-    // an extra call and a second "created" Event.
-    if known.is_some() {
-        conn.made_shown(&stream, &want.name);
+    let w = Work {
+        t,
+        ctx,
+        conn,
+        stream,
+        want,
+        here,
+        backend,
+        who,
+    };
+    if let Some(done) = w.create_at_once(changes, live_pause).await {
+        return done;
     }
-    if known.is_none() && !conn.made_recently(&stream, &want.name) {
-        if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
-            return limited(limit);
+    ctx.metrics.js("info");
+    let live = match admin::consumer_info(&conn.js, &w.stream, &w.want.name).await {
+        Ok(live) => live,
+        Err(error) => return broker_failure(error, known),
+    };
+    let Some(info) = live else {
+        return w.make_missing(changes, live_pause).await;
+    };
+    *live_pause = Some(LivePause::of(&info));
+    w.match_live(&info, changes, live_pause).await
+}
+
+impl Work<'_> {
+    /// Never made for this object (no consumer in its status): most likely none is there, so it
+    /// is made at once. JetStream's create answers an identical config with the consumer (ours:
+    /// the config carries this object's marks) and refuses one that differs (10148): that one
+    /// is read next like any other (`None`). One call fewer per new Subscription. One this
+    /// connection just made is read instead: a check that runs before the status saying so
+    /// reaches the cache (a Backend's reconnect re-checks every Subscription) made it again,
+    /// an extra call and a second "created" Event.
+    async fn create_at_once(
+        &self,
+        changes: &mut Changes,
+        live_pause: &mut Option<LivePause>,
+    ) -> Option<SubOutcome> {
+        let (t, ctx, conn, want, stream) = (self.t, self.ctx, self.conn, &self.want, &self.stream);
+        if t.known.is_some() {
+            conn.made_shown(stream, &want.name);
+            return None;
         }
-        conn.mark_own(Own::Created, &stream, &want.name);
+        if conn.made_recently(stream, &want.name) {
+            return None;
+        }
+        if let Some(limit) = ctx.conns.gates.check(&self.backend, stream, &self.who) {
+            return Some(limited(limit));
+        }
+        conn.mark_own(Own::Created, stream, &want.name);
         ctx.metrics.js("create");
-        match admin::create_consumer_paused(&conn.js, &want, pause_api::request(t.pause)).await {
+        match admin::create_consumer_paused(&conn.js, want, pause_api::request(t.pause)).await {
             Ok(info) => {
-                conn.note_made(&stream, &want.name);
+                conn.note_made(stream, &want.name);
                 *live_pause = Some(LivePause::of(&info));
-                ctx.conns.gates.created(&backend, &stream);
+                ctx.conns.gates.created(&self.backend, stream);
                 tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = ChangeKind::Created.op(), "consumer");
                 changes.push(
                     ChangeKind::Created,
                     format!("created consumer {} on stream {stream}", want.name),
                 );
-                return ready(here);
+                Some(ready(self.here.clone()))
             }
-            Err(e) if e.code() == Some(CONSUMER_EXISTS) => {}
-            Err(NatsError::Limit(limit)) => return refused(t, ctx, conn, limit).await,
-            Err(error) => return broker_failure(error, known),
+            Err(e) if e.code() == Some(CONSUMER_EXISTS) => None,
+            Err(NatsError::Limit(limit)) => Some(refused(t, ctx, conn, limit).await),
+            Err(error) => Some(broker_failure(error, t.known.clone())),
         }
     }
-    ctx.metrics.js("info");
-    let live = match admin::consumer_info(&conn.js, &stream, &want.name).await {
-        Ok(live) => live,
-        Err(error) => return broker_failure(error, known),
-    };
-    let Some(info) = live else {
-        // Missing: made for the first time, or again after someone (or a lost stream) removed it.
-        // Made again: the status names it, or this connection made it lately and the status
-        // saying so has not reached the cache yet (deleted on the broker within a moment of its
-        // making: an Event saying "created" would hide that it was lost).
-        let again = known.as_ref() == Some(&here) || conn.made_recently(&stream, &want.name);
-        if let Some(limit) = ctx.conns.gates.check(&backend, &stream, &who) {
+
+    /// Missing: made for the first time, or again after someone (or a lost stream) removed it.
+    /// Made again: the status names it, or this connection made it lately and the status
+    /// saying so has not reached the cache yet (deleted on the broker within a moment of its
+    /// making: an Event saying "created" would hide that it was lost).
+    async fn make_missing(
+        &self,
+        changes: &mut Changes,
+        live_pause: &mut Option<LivePause>,
+    ) -> SubOutcome {
+        let (t, ctx, conn, want, stream) = (self.t, self.ctx, self.conn, &self.want, &self.stream);
+        let again = t.known.as_ref() == Some(&self.here) || conn.made_recently(stream, &want.name);
+        if let Some(limit) = ctx.conns.gates.check(&self.backend, stream, &self.who) {
             return limited(limit);
         }
-        match create(conn, ctx, &want, t.pause).await {
+        match create(conn, ctx, want, t.pause).await {
             Ok(made) => *live_pause = Some(made),
             Err(NatsError::Limit(limit)) => return refused(t, ctx, conn, limit).await,
-            Err(error) => return broker_failure(error, known),
+            Err(error) => return broker_failure(error, t.known.clone()),
         }
-        ctx.conns.gates.created(&backend, &stream);
+        ctx.conns.gates.created(&self.backend, stream);
         let (kind, note) = if again {
             (
                 ChangeKind::Recreated,
@@ -165,56 +214,99 @@ async fn converge(
         };
         tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, op = kind.op(), "consumer");
         changes.push(kind, note);
-        return ready(here);
-    };
-    *live_pause = Some(LivePause::of(&info));
-    let live = mapping::normalise(&stream, &want.name, &info.config);
-    let owner = t.owner.as_str();
-    if live.left_over_for_deletion(owner, uid) {
-        // Made for an earlier object of this name, deleted while no operator ran: it asked for
-        // its consumer to go with it. Removed, and made anew for this object.
-        conn.mark_own(Own::Deleted, &stream, &want.name);
-        ctx.metrics.js("delete");
-        if let Err(error) = admin::delete_consumer(&conn.js, &stream, &want.name).await {
-            return broker_failure(error, known);
+        ready(self.here.clone())
+    }
+
+    /// The consumer is there: made anew when an earlier object left it to be deleted, refused
+    /// when it is another's (or taken over as spec.adopt or the adopt annotation asks), else
+    /// brought to the spec in place where JetStream allows.
+    async fn match_live(
+        &self,
+        info: &consumer::Info,
+        changes: &mut Changes,
+        live_pause: &mut Option<LivePause>,
+    ) -> SubOutcome {
+        let (t, want, stream) = (self.t, &self.want, &self.stream);
+        let live = mapping::normalise(stream, &want.name, &info.config);
+        let (owner, uid) = (t.owner.as_str(), t.uid());
+        if live.left_over_for_deletion(owner, uid) {
+            return self.replace_left_over(&live, changes, live_pause).await;
         }
-        match create(conn, ctx, &want, t.pause).await {
+        // Kept (Retain) by an earlier object of this name: taken over only when the adopt
+        // annotation names that object's UID; its marks are then updated in place (metadata is
+        // editable).
+        let adopted = live.owner() == Some(owner)
+            && live
+                .owner_uid()
+                .is_some_and(|u| Some(u) != uid && Some(u) == t.adopt());
+        if !adopted && !live.belongs_to(owner, uid) {
+            return self.not_ours(&live, info, changes).await;
+        }
+        if adopted {
+            let note = format!(
+                "took over consumer {} on stream {stream}, kept by the earlier Subscription of this name with uid {}, as annotation {ADOPT_ANNOTATION} asked",
+                want.name,
+                live.owner_uid().unwrap_or("?")
+            );
+            tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
+            changes.push(ChangeKind::Adopted, note);
+        }
+        self.update_in_place(&live, changes).await
+    }
+
+    /// Made for an earlier object of this name, deleted while no operator ran: it asked for its
+    /// consumer to go with it. Removed, and made anew for this object.
+    async fn replace_left_over(
+        &self,
+        live: &mapping::ConsumerConfig,
+        changes: &mut Changes,
+        live_pause: &mut Option<LivePause>,
+    ) -> SubOutcome {
+        let (t, ctx, conn, want, stream) = (self.t, self.ctx, self.conn, &self.want, &self.stream);
+        conn.mark_own(Own::Deleted, stream, &want.name);
+        ctx.metrics.js("delete");
+        if let Err(error) = admin::delete_consumer(&conn.js, stream, &want.name).await {
+            return broker_failure(error, t.known.clone());
+        }
+        match create(conn, ctx, want, t.pause).await {
             Ok(made) => *live_pause = Some(made),
-            Err(error) => return broker_failure(error, known),
+            Err(error) => return broker_failure(error, t.known.clone()),
         }
         let note = format!(
             "consumer {} on stream {stream} was left over from an earlier Subscription of this name (uid {}), deleted while the operator was not running: deleted it, as that Subscription's deletionPolicy asked, and made it again for this one",
             want.name,
             live.owner_uid().unwrap_or("?")
         );
-        tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
+        tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, "{note}");
         changes.push(ChangeKind::Recreated, note);
-        return ready(here);
+        ready(self.here.clone())
     }
-    // Kept (Retain) by an earlier object of this name: taken over only when the adopt annotation
-    // names that object's UID; its marks are then updated in place (metadata is editable).
-    let adopted = live.owner() == Some(owner)
-        && live
-            .owner_uid()
-            .is_some_and(|u| Some(u) != uid && Some(u) == t.adopt());
-    if !adopted && !live.belongs_to(owner, uid) {
-        // Another's, or kept by an earlier object of this name (its UID differs).
+
+    /// Another's, or kept by an earlier object of this name (its UID differs): a conflict, unless
+    /// Settle did not make it and spec.adopt takes it over (J9).
+    async fn not_ours(
+        &self,
+        live: &mapping::ConsumerConfig,
+        info: &consumer::Info,
+        changes: &mut Changes,
+    ) -> SubOutcome {
+        let (t, ctx) = (self.t, self.ctx);
         let by = match (live.owner(), live.owner_uid()) {
-            (Some(o), Some(u)) if o == owner => Holder::Earlier {
+            (Some(o), Some(u)) if o == t.owner.as_str() => Holder::Earlier {
                 owner: o.to_string(),
                 uid: u.to_string(),
             },
             (Some(o), _) => Holder::Other(o.to_string()),
-            // Settle did not make it: taken over only as spec.adopt asks (J9).
             (None, _) => match t.adoption(&ctx.adopt_namespaces) {
                 Adoption::Never => Holder::Unmarked,
                 Adoption::NotAllowed => {
-                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(ns.clone()))
+                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
                 }
                 Adoption::IfCompatible => {
-                    let d = mapping::diff(&want, &live);
+                    let d = mapping::diff(&self.want, live);
                     if d.immutable.is_empty() {
-                        return adopt(t, ctx, conn, &want, &d, &info, here, changes).await;
+                        let here = self.here.clone();
+                        return adopt(t, ctx, self.conn, &self.want, &d, info, here, changes).await;
                     }
                     Holder::Unadoptable(Unadoptable::Differs(
                         d.immutable.iter().map(ToString::to_string).collect(),
@@ -222,47 +314,48 @@ async fn converge(
                 }
             },
         };
-        return SubOutcome::Conflict {
+        SubOutcome::Conflict {
             kind: ObjectKind::Consumer,
-            object: here,
+            object: self.here.clone(),
             owner: by,
-        };
-    }
-    if adopted {
-        let note = format!(
-            "took over consumer {} on stream {stream}, kept by the earlier Subscription of this name with uid {}, as annotation {ADOPT_ANNOTATION} asked",
-            want.name,
-            live.owner_uid().unwrap_or("?")
-        );
-        tracing::info!(subscription = %owner, %stream, consumer = %want.name, "{note}");
-        changes.push(ChangeKind::Adopted, note);
-    }
-    let d = mapping::diff(&want, &live);
-    if !d.immutable.is_empty() {
-        return SubOutcome::Immutable {
-            kind: ObjectKind::Consumer,
-            object: here,
-            fields: d.immutable.iter().map(ToString::to_string).collect(),
-        };
-    }
-    if !d.editable.is_empty() {
-        let edits = d
-            .editable
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; ");
-        ctx.metrics.js("update");
-        if let Err(error) = admin::update_consumer(&conn.js, &want).await {
-            return broker_failure(error, known);
         }
-        tracing::info!(subscription = %owner, %stream, consumer = %want.name, changes = %edits, "updated the consumer in place");
-        changes.push(
-            ChangeKind::Updated,
-            format!("updated consumer {} in place: {edits}", want.name),
-        );
     }
-    ready(here)
+
+    /// Ours: refused when a field JetStream cannot change differs, else the editable ones are
+    /// brought to the spec in one update.
+    async fn update_in_place(
+        &self,
+        live: &mapping::ConsumerConfig,
+        changes: &mut Changes,
+    ) -> SubOutcome {
+        let (t, ctx, conn, want, stream) = (self.t, self.ctx, self.conn, &self.want, &self.stream);
+        let d = mapping::diff(want, live);
+        if !d.immutable.is_empty() {
+            return SubOutcome::Immutable {
+                kind: ObjectKind::Consumer,
+                object: self.here.clone(),
+                fields: d.immutable.iter().map(ToString::to_string).collect(),
+            };
+        }
+        if !d.editable.is_empty() {
+            let edits = d
+                .editable
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; ");
+            ctx.metrics.js("update");
+            if let Err(error) = admin::update_consumer(&conn.js, want).await {
+                return broker_failure(error, t.known.clone());
+            }
+            tracing::info!(subscription = %t.owner, %stream, consumer = %want.name, changes = %edits, "updated the consumer in place");
+            changes.push(
+                ChangeKind::Updated,
+                format!("updated consumer {} in place: {edits}", want.name),
+            );
+        }
+        ready(self.here.clone())
+    }
 }
 
 pub(super) fn broker_failure(error: NatsError, known: Option<ConsumerRef>) -> SubOutcome {

@@ -64,7 +64,15 @@ pub(super) async fn keep_paused(
             Some(object.clone()),
         ));
     }
-    let (kind, note) = match t.pause {
+    let (kind, note) = said(t.pause, object, live.paused);
+    tracing::info!(subscription = %t.owner, stream = %object.stream, consumer = %object.name, op = kind.op(), "{note}");
+    changes.push(kind, note);
+    Ok(())
+}
+
+/// What the Event says of a pause set to `pause` on `object`, which `was_paused` before.
+fn said(pause: Pause, object: &ConsumerRef, was_paused: bool) -> (ChangeKind, String) {
+    match pause {
         Pause::Running => (
             ChangeKind::Resumed,
             format!(
@@ -79,15 +87,12 @@ pub(super) async fn keep_paused(
                 object.name,
                 object.stream,
                 p.until_text(),
-                if live.paused {
+                if was_paused {
                     "paused until another time"
                 } else {
                     "running"
                 }
             ),
         ),
-    };
-    tracing::info!(subscription = %t.owner, stream = %object.stream, consumer = %object.name, op = kind.op(), "{note}");
-    changes.push(kind, note);
-    Ok(())
+    }
 }

@@ -38,6 +38,7 @@
 
 use super::Ctx;
 use super::connections::RabbitConn;
+use super::gate::{BackendKey, Who};
 use super::status::{ADOPT_ANNOTATION, BrokerError, Holder, ObjectKind, SubOutcome, Unadoptable};
 use super::step::{Adoption, ChangeKind, Changes, Converged, Removal, Target};
 use settle::api::ConsumerRef;
@@ -77,6 +78,18 @@ pub async fn ensure(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Converged {
     changes.with(outcome)
 }
 
+/// What one converge works on: the Subscription, its connection, and the queue it should have
+/// (`want`, named `here`), with the gate keys of its Backend and itself.
+struct Work<'a> {
+    t: &'a Target<'a>,
+    ctx: &'a Ctx,
+    conn: &'a RabbitConn,
+    want: QueueSpec,
+    here: ConsumerRef,
+    backend: BackendKey,
+    who: Who,
+}
+
 async fn converge(
     t: &Target<'_>,
     ctx: &Ctx,
@@ -84,122 +97,155 @@ async fn converge(
     changes: &mut Changes,
 ) -> SubOutcome {
     let known = t.known.clone();
-    let uid = t.uid();
-    let policy = &t.policy;
-    let want = mapping::desired(&t.namespace, &t.name, policy, &conn.exchanges).for_object(uid);
+    let want =
+        mapping::desired(&t.namespace, &t.name, &t.policy, &conn.exchanges).for_object(t.uid());
     let here = ConsumerRef {
         stream: want.binding.exchange.clone(),
         name: want.name.clone(),
     };
-    let ready = || SubOutcome::Ready {
-        kind: ObjectKind::RabbitmqQueue,
-        object: here.clone(),
+    let w = Work {
+        t,
+        ctx,
+        conn,
+        want,
+        here,
+        backend: (t.namespace.clone(), t.sub.spec.backend_ref.name.clone()),
+        who: (t.namespace.clone(), t.name.clone()),
     };
     // Refused for a limit before and its gate still closed: not a single broker call.
-    let backend = (t.namespace.clone(), t.sub.spec.backend_ref.name.clone());
-    let who = (t.namespace.clone(), t.name.clone());
-    if let Some(limit) = ctx.conns.gates.held(&backend, &who) {
+    if let Some(limit) = ctx.conns.gates.held(&w.backend, &w.who) {
         return failure(BrokerError::Limit(limit), None);
     }
     let amqp = match conn.connection().await {
         Ok(c) => c,
         Err(e) => return failure(BrokerError::of(e), known),
     };
-    let found = match find(ctx, conn, &amqp, &want.name).await {
+    let found = match find(ctx, conn, &amqp, &w.want.name).await {
         Ok(f) => f,
         Err(e) => return failure(e, known),
     };
     if matches!(found, Found::Missing) {
-        if let Some(limit) = ctx
-            .conns
-            .gates
-            .check(&backend, &want.binding.exchange, &who)
-        {
+        return w.make(&amqp, changes).await;
+    }
+    if let Some(stop) = w.claim(&amqp, &found, changes).await {
+        return stop;
+    }
+    let Found::Shown(live) = found else {
+        return w.redeclare(&amqp).await;
+    };
+    w.repair_live(&amqp, &live, changes).await
+}
+
+impl Work<'_> {
+    fn ready(&self) -> SubOutcome {
+        SubOutcome::Ready {
+            kind: ObjectKind::RabbitmqQueue,
+            object: self.here.clone(),
+        }
+    }
+
+    /// Missing: made (the dead-letter copy first under AtLeastOnce), unless a limit's gate holds
+    /// creates back; a refusal for a limit closes it.
+    async fn make(&self, amqp: &lapin::Connection, changes: &mut Changes) -> SubOutcome {
+        let (t, ctx, want) = (self.t, self.ctx, &self.want);
+        let gates = &ctx.conns.gates;
+        if let Some(limit) = gates.check(&self.backend, &want.binding.exchange, &self.who) {
             return failure(BrokerError::Limit(limit), None);
         }
-        if policy.mode == Mode::AtLeastOnce {
-            copy_dead_letters(t, ctx, conn, &amqp, &want).await;
+        if t.policy.mode == Mode::AtLeastOnce {
+            copy_dead_letters(t, ctx, self.conn, amqp, want).await;
         }
-        return match create(t, ctx, &amqp, &want, &here).await {
+        match create(t, ctx, amqp, want, &self.here).await {
             Ok(change) => {
-                ctx.conns.gates.created(&backend, &want.binding.exchange);
+                gates.created(&self.backend, &want.binding.exchange);
                 changes.push(change.kind, change.note);
-                ready()
+                self.ready()
             }
             Err(o) => {
                 if let SubOutcome::Broker { error, .. } = &o
                     && let Some(limit) = error.limit()
                 {
-                    let delay = ctx.conns.gates.refused(&backend, limit.clone(), &who);
+                    let delay = gates.refused(&self.backend, limit.clone(), &self.who);
                     tracing::info!(subscription = %t.owner, limit = limit.label(), retry_in = ?delay, "the broker refused the queue for a limit: creates it holds back wait");
                 }
                 o
             }
-        };
+        }
     }
-    let shown = known.as_ref().is_some_and(|k| k.name == want.name);
-    let Whose {
-        claim: claimed,
-        mark,
-        taken,
-    } = claim_found(t, ctx, &amqp, &found, &want.name, shown).await;
-    match &claimed {
-        // Settle did not make it: taken over only as spec.adopt asks (R13).
-        Claim::NotOurs(Holder::Unmarked) => {
-            let owner = match (t.adoption(&ctx.adopt_namespaces), &found) {
-                (Adoption::IfCompatible, Found::Shown(live)) => {
-                    return adopt(t, ctx, conn, &amqp, &want, live, here, changes).await;
+
+    /// Whose the queue is: another's is a conflict (one Settle did not make taken over only as
+    /// spec.adopt asks, R13); this object's is marked where the runtime reads it, and one taken
+    /// over from an earlier object of this name said. `Some` ends the step with that outcome.
+    async fn claim(
+        &self,
+        amqp: &lapin::Connection,
+        found: &Found,
+        changes: &mut Changes,
+    ) -> Option<SubOutcome> {
+        let (t, ctx, want) = (self.t, self.ctx, &self.want);
+        let shown = t.known.as_ref().is_some_and(|k| k.name == want.name);
+        let Whose {
+            claim: claimed,
+            mark,
+            taken,
+        } = claim_found(t, ctx, amqp, found, &want.name, shown).await;
+        let conflict = |owner| SubOutcome::Conflict {
+            kind: ObjectKind::RabbitmqQueue,
+            object: self.here.clone(),
+            owner,
+        };
+        match &claimed {
+            Claim::NotOurs(Holder::Unmarked) => {
+                let owner = match (t.adoption(&ctx.adopt_namespaces), found) {
+                    (Adoption::IfCompatible, Found::Shown(live)) => {
+                        let (conn, here) = (self.conn, self.here.clone());
+                        return Some(adopt(t, ctx, conn, amqp, want, live, here, changes).await);
+                    }
+                    (Adoption::NotAllowed, _) => {
+                        Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+                    }
+                    _ => Holder::Unmarked,
+                };
+                return Some(conflict(owner));
+            }
+            Claim::NotOurs(holder) => return Some(conflict(holder.clone())),
+            Claim::Ours | Claim::Adopted(_) => {
+                if !shown
+                    && mark.as_deref() != t.uid()
+                    && let Err(o) = mark_object(t, ctx, amqp).await
+                {
+                    // Whose queue it is, written where the runtime reads it, first.
+                    return Some(*o);
                 }
-                (Adoption::NotAllowed, _) => {
-                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
-                }
-                _ => Holder::Unmarked,
-            };
-            return SubOutcome::Conflict {
-                kind: ObjectKind::RabbitmqQueue,
-                object: here,
-                owner,
-            };
-        }
-        Claim::NotOurs(holder) => {
-            return SubOutcome::Conflict {
-                kind: ObjectKind::RabbitmqQueue,
-                object: here,
-                owner: holder.clone(),
-            };
-        }
-        Claim::Ours | Claim::Adopted(_) => {
-            if !shown
-                && mark.as_deref() != uid
-                && let Err(o) = mark_object(t, ctx, &amqp).await
-            {
-                // Whose queue it is, written where the runtime reads it, first.
-                return *o;
             }
         }
-    }
-    if let Claim::Adopted(old) = &claimed {
-        // Taken over without arguments by the earlier object: its adopted mark names this one now.
-        if taken && let Err(o) = mark_adopted(t, ctx, &amqp, &want.name).await {
-            return *o;
+        if let Claim::Adopted(old) = &claimed {
+            // Taken over without arguments by the earlier object: its adopted mark names this
+            // one now.
+            if taken && let Err(o) = mark_adopted(t, ctx, amqp, &want.name).await {
+                return Some(*o);
+            }
+            let note = format!(
+                "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
+                want.name
+            );
+            tracing::info!(subscription = %t.owner, queue = %want.name, "{note}");
+            changes.push(ChangeKind::Adopted, note);
         }
-        let note = format!(
-            "took over queue {} (with what it holds), left by the earlier Subscription of this name with uid {old}, as annotation {ADOPT_ANNOTATION} asked",
-            want.name
-        );
-        tracing::info!(subscription = %t.owner, queue = %want.name, "{note}");
-        changes.push(ChangeKind::Adopted, note);
+        None
     }
-    let Found::Shown(live) = found else {
-        // AMQP only: redeclare (refused when a compared argument differs) and bind again
-        // (harmless when bound).
+
+    /// AMQP only: redeclare (refused when a compared argument differs) and bind again (harmless
+    /// when bound).
+    async fn redeclare(&self, amqp: &lapin::Connection) -> SubOutcome {
+        let (ctx, want) = (self.ctx, &self.want);
         ctx.metrics.js("queue.declare");
-        match admin::declare(&amqp, &want).await {
+        match admin::declare(amqp, want).await {
             Ok(()) => {}
             Err(AdminError::Differs { text, .. }) => {
                 return SubOutcome::Immutable {
                     kind: ObjectKind::RabbitmqQueue,
-                    object: here,
+                    object: self.here.clone(),
                     fields: vec![format!(
                         "one of {} ({text})",
                         want.arguments
@@ -211,31 +257,42 @@ async fn converge(
                     )],
                 };
             }
-            Err(e) => return failure(BrokerError::of(e), known),
+            Err(e) => return failure(BrokerError::of(e), self.t.known.clone()),
         }
         ctx.metrics.js("queue.bind");
-        if let Err(e) = admin::bind(&amqp, &want.name, &want.binding).await {
-            return failure(BrokerError::of(e), known);
+        if let Err(e) = admin::bind(amqp, &want.name, &want.binding).await {
+            return failure(BrokerError::of(e), self.t.known.clone());
         }
-        return ready();
-    };
-    match judge(&want, &live) {
-        Verdict::Immutable(fields) => SubOutcome::Immutable {
-            kind: ObjectKind::RabbitmqQueue,
-            object: here,
-            fields,
-        },
-        Verdict::Repair { bind, unbind } => {
-            let edits = match repair(ctx, &amqp, &want, bind, &unbind).await {
-                Ok(edits) => edits,
-                Err(e) => return failure(e, known),
-            };
-            if !edits.is_empty() {
-                let edits = edits.join("; ");
-                tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
-                changes.push(ChangeKind::Updated, format!("queue {}: {edits}", want.name));
+        self.ready()
+    }
+
+    /// Shown by the management API: an argument RabbitMQ cannot change is said, the binding
+    /// repaired in place.
+    async fn repair_live(
+        &self,
+        amqp: &lapin::Connection,
+        live: &mapping::LiveQueue,
+        changes: &mut Changes,
+    ) -> SubOutcome {
+        let (t, want) = (self.t, &self.want);
+        match judge(want, live) {
+            Verdict::Immutable(fields) => SubOutcome::Immutable {
+                kind: ObjectKind::RabbitmqQueue,
+                object: self.here.clone(),
+                fields,
+            },
+            Verdict::Repair { bind, unbind } => {
+                let edits = match repair(self.ctx, amqp, want, bind, &unbind).await {
+                    Ok(edits) => edits,
+                    Err(e) => return failure(e, t.known.clone()),
+                };
+                if !edits.is_empty() {
+                    let edits = edits.join("; ");
+                    tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "repaired the queue's binding in place");
+                    changes.push(ChangeKind::Updated, format!("queue {}: {edits}", want.name));
+                }
+                self.ready()
             }
-            ready()
         }
     }
 }

@@ -43,47 +43,9 @@ pub(super) async fn find_or_create(
     let (take, paused) = match judged(client, ctx, t, &url).await {
         Err(e) => return Err(failure(e, known)),
         Ok((Err(Holder::Unmarked), paused)) if adoptable => {
-            let owner = match t.adoption(&ctx.adopt_namespaces) {
-                Adoption::IfCompatible => {
-                    ctx.metrics.js("sqs.tag");
-                    if let Err(e) = admin::tag_owner(client, &url, owner, uid).await {
-                        return Err(failure(e, known));
-                    }
-                    let note = format!(
-                        "took over SQS queue {name}, which Settle did not make, as spec.adopt IfCompatible asked: the same queue, with the messages it holds"
-                    );
-                    tracing::info!(subscription = %owner, queue = %name, op = ChangeKind::Adopted.op(), "{note}");
-                    changes.push(ChangeKind::Adopted, note);
-                    return Ok(Found {
-                        url,
-                        new: false,
-                        paused,
-                    });
-                }
-                Adoption::NotAllowed => {
-                    Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
-                }
-                Adoption::Never => Holder::Unmarked,
-            };
-            return Err(SubOutcome::Conflict {
-                kind: ObjectKind::SqsQueue,
-                object: ConsumerRef {
-                    stream: SQS_STREAM.into(),
-                    name: name.to_string(),
-                },
-                owner,
-            });
+            return adopt_unmarked(client, ctx, t, name, url, paused, changes).await;
         }
-        Ok((Err(holder), _)) => {
-            return Err(SubOutcome::Conflict {
-                kind: ObjectKind::SqsQueue,
-                object: ConsumerRef {
-                    stream: SQS_STREAM.into(),
-                    name: name.to_string(),
-                },
-                owner: holder,
-            });
-        }
+        Ok((Err(holder), _)) => return Err(conflict(name, holder)),
         Ok((Ok(take), paused)) => (take, paused),
     };
     if let (Take::Untagged | Take::Adopted(_), Some(uid)) = (&take, uid) {
@@ -104,4 +66,52 @@ pub(super) async fn find_or_create(
         new: false,
         paused,
     })
+}
+
+/// A queue Settle did not make: taken over when `spec.adopt: IfCompatible` asks and the
+/// namespace may (its owner tags written, the same queue with what it holds), else a conflict.
+async fn adopt_unmarked(
+    client: &Client,
+    ctx: &Ctx,
+    t: &Target<'_>,
+    name: &str,
+    url: String,
+    paused: Option<String>,
+    changes: &mut Changes,
+) -> Result<Found, SubOutcome> {
+    let holder = match t.adoption(&ctx.adopt_namespaces) {
+        Adoption::IfCompatible => {
+            ctx.metrics.js("sqs.tag");
+            if let Err(e) = admin::tag_owner(client, &url, &t.owner, t.uid()).await {
+                return Err(failure(e, &t.known));
+            }
+            let note = format!(
+                "took over SQS queue {name}, which Settle did not make, as spec.adopt IfCompatible asked: the same queue, with the messages it holds"
+            );
+            tracing::info!(subscription = %t.owner, queue = %name, op = ChangeKind::Adopted.op(), "{note}");
+            changes.push(ChangeKind::Adopted, note);
+            return Ok(Found {
+                url,
+                new: false,
+                paused,
+            });
+        }
+        Adoption::NotAllowed => {
+            Holder::Unadoptable(Unadoptable::NamespaceNotAllowed(t.namespace.clone()))
+        }
+        Adoption::Never => Holder::Unmarked,
+    };
+    Err(conflict(name, holder))
+}
+
+/// Queue `name` is not this object's: `owner` holds it.
+fn conflict(name: &str, owner: Holder) -> SubOutcome {
+    SubOutcome::Conflict {
+        kind: ObjectKind::SqsQueue,
+        object: ConsumerRef {
+            stream: SQS_STREAM.into(),
+            name: name.to_string(),
+        },
+        owner,
+    }
 }

@@ -87,44 +87,9 @@ async fn converge(
     let mut made = Vec::new();
 
     // The dead-letter queue first: the queue's redrive policy names its ARN.
-    let dlq_arn = match &want.redrive {
-        None => None,
-        Some(r) => {
-            let Found { url, new, .. } = match find_or_create(
-                client,
-                ctx,
-                t,
-                &r.dead_letter_queue,
-                mapping::dead_letter_attributes(),
-                true,
-                changes,
-            )
-            .await
-            {
-                Ok(x) => x,
-                Err(o) => return o,
-            };
-            if new {
-                made.push(format!("dead-letter queue {}", r.dead_letter_queue));
-            }
-            ctx.metrics.js("sqs.attributes");
-            match admin::attributes(client, &url).await {
-                Ok(Some(a)) => a.get("QueueArn").cloned(),
-                Ok(None) => {
-                    return failure(
-                        AdminError::Unreachable {
-                            operation: "GetQueueAttributes",
-                            detail: format!(
-                                "queue {} was deleted while Settle looked at it; checking again",
-                                r.dead_letter_queue
-                            ),
-                        },
-                        known,
-                    );
-                }
-                Err(e) => return failure(e, known),
-            }
-        }
+    let dlq_arn = match dead_letter_arn(t, ctx, client, &want, changes, &mut made).await {
+        Ok(arn) => arn,
+        Err(o) => return o,
     };
     let attributes = mapping::attributes(&want, dlq_arn.as_deref());
     let found = match find_or_create(
@@ -145,65 +110,13 @@ async fn converge(
     *queue_found = Some(found);
     if new {
         made.insert(0, format!("queue {}", want.name));
-    } else {
-        ctx.metrics.js("sqs.attributes");
-        let live = match admin::attributes(client, &url).await {
-            Ok(Some(a)) => a,
-            // Deleted meanwhile: made again on the next check.
-            Ok(None) => {
-                return failure(
-                    AdminError::Unreachable {
-                        operation: "GetQueueAttributes",
-                        detail: format!(
-                            "queue {} was deleted while Settle looked at it; checking again",
-                            want.name
-                        ),
-                    },
-                    known,
-                );
-            }
-            Err(e) => return failure(e, known),
-        };
-        let diff = mapping::diff(&want, &live);
-        if !diff.is_empty() {
-            let mut set = attributes;
-            if want.redrive.is_none() {
-                // An empty RedrivePolicy removes it.
-                set.insert(REDRIVE_POLICY.to_string(), String::new());
-            }
-            ctx.metrics.js("sqs.set_attributes");
-            if let Err(e) = admin::set_attributes(client, &url, set).await {
-                return failure(e, known);
-            }
-            let edits = diff
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join("; ");
-            tracing::info!(subscription = %owner, queue = %want.name, changes = %edits, "updated the queue's attributes in place");
-            changes.push(
-                ChangeKind::Updated,
-                format!("updated SQS queue {} in place: {edits}", want.name),
-            );
-        }
+    } else if let Some(failed) =
+        update_in_place(t, ctx, client, &want, &url, attributes, changes).await
+    {
+        return failed;
     }
-    // The account's queues beside it: where the runtime reports and the operator keeps its
-    // ledger (`backend::sqs::report`). Made again when deleted on the server.
-    for (account_queue, attributes) in [
-        (
-            report::report_queue(&want.name),
-            report::report_attributes(),
-        ),
-        (
-            report::ledger_queue(&want.name),
-            report::ledger_attributes(),
-        ),
-    ] {
-        match find_or_create(client, ctx, t, &account_queue, attributes, false, changes).await {
-            Ok(Found { new: true, .. }) => made.push(format!("account queue {account_queue}")),
-            Ok(Found { new: false, .. }) => {}
-            Err(o) => return o,
-        }
+    if let Err(o) = account_queues(t, ctx, client, &want.name, changes, &mut made).await {
+        return o;
     }
     if !made.is_empty() {
         let made = made.join(" and ");
@@ -222,4 +135,118 @@ async fn converge(
         kind: ObjectKind::SqsQueue,
         object: here,
     }
+}
+
+/// The account's queues beside `queue`: where the runtime reports and the operator keeps its
+/// ledger (`backend::sqs::report`), found or made (said in `made`); made again when deleted on
+/// the server.
+async fn account_queues(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    client: &Client,
+    queue: &str,
+    changes: &mut Changes,
+    made: &mut Vec<String>,
+) -> Result<(), SubOutcome> {
+    for (account_queue, attributes) in [
+        (report::report_queue(queue), report::report_attributes()),
+        (report::ledger_queue(queue), report::ledger_attributes()),
+    ] {
+        match find_or_create(client, ctx, t, &account_queue, attributes, false, changes).await {
+            Ok(Found { new: true, .. }) => made.push(format!("account queue {account_queue}")),
+            Ok(Found { new: false, .. }) => {}
+            Err(o) => return Err(o),
+        }
+    }
+    Ok(())
+}
+
+/// The dead-letter queue the spec asks for, found or made (said in `made`), and its ARN for the
+/// queue's redrive policy; `None` when the spec asks for none.
+async fn dead_letter_arn(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    client: &Client,
+    want: &mapping::QueueSpec,
+    changes: &mut Changes,
+    made: &mut Vec<String>,
+) -> Result<Option<String>, SubOutcome> {
+    let Some(r) = &want.redrive else {
+        return Ok(None);
+    };
+    let dead_letters = mapping::dead_letter_attributes();
+    let Found { url, new, .. } = find_or_create(
+        client,
+        ctx,
+        t,
+        &r.dead_letter_queue,
+        dead_letters,
+        true,
+        changes,
+    )
+    .await?;
+    if new {
+        made.push(format!("dead-letter queue {}", r.dead_letter_queue));
+    }
+    ctx.metrics.js("sqs.attributes");
+    match admin::attributes(client, &url).await {
+        Ok(Some(a)) => Ok(a.get("QueueArn").cloned()),
+        Ok(None) => Err(deleted_meanwhile(&r.dead_letter_queue, &t.known)),
+        Err(e) => Err(failure(e, &t.known)),
+    }
+}
+
+/// A queue that was there is brought to the spec's attributes in one call where they differ
+/// (`attributes`: all of them, the redrive policy's ARN resolved). `Some` says why it was not.
+async fn update_in_place(
+    t: &Target<'_>,
+    ctx: &Ctx,
+    client: &Client,
+    want: &mapping::QueueSpec,
+    url: &str,
+    attributes: std::collections::BTreeMap<String, String>,
+    changes: &mut Changes,
+) -> Option<SubOutcome> {
+    ctx.metrics.js("sqs.attributes");
+    let live = match admin::attributes(client, url).await {
+        Ok(Some(a)) => a,
+        // Deleted meanwhile: made again on the next check.
+        Ok(None) => return Some(deleted_meanwhile(&want.name, &t.known)),
+        Err(e) => return Some(failure(e, &t.known)),
+    };
+    let diff = mapping::diff(want, &live);
+    if diff.is_empty() {
+        return None;
+    }
+    let mut set = attributes;
+    if want.redrive.is_none() {
+        // An empty RedrivePolicy removes it.
+        set.insert(REDRIVE_POLICY.to_string(), String::new());
+    }
+    ctx.metrics.js("sqs.set_attributes");
+    if let Err(e) = admin::set_attributes(client, url, set).await {
+        return Some(failure(e, &t.known));
+    }
+    let edits = diff
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    tracing::info!(subscription = %t.owner, queue = %want.name, changes = %edits, "updated the queue's attributes in place");
+    changes.push(
+        ChangeKind::Updated,
+        format!("updated SQS queue {} in place: {edits}", want.name),
+    );
+    None
+}
+
+/// A queue gone between finding it and reading it: checked again on the next round.
+fn deleted_meanwhile(queue: &str, known: &Option<ConsumerRef>) -> SubOutcome {
+    failure(
+        AdminError::Unreachable {
+            operation: "GetQueueAttributes",
+            detail: format!("queue {queue} was deleted while Settle looked at it; checking again"),
+        },
+        known,
+    )
 }
