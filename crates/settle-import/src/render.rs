@@ -62,7 +62,7 @@ fn backend(b: &BackendPlan) -> String {
             "# Before you apply it, make the Secret it names (Settle reads only a labelled one):\n",
         );
         for s in &b.steps {
-            text.push_str(&format!("#   {s}\n"));
+            text.push_str(&format!("#   {}\n", one_line(s)));
         }
     }
     for f in &b.findings {
@@ -130,6 +130,21 @@ fn object(api_version: &str, kind: &str, namespace: &str, name: &str, spec: Valu
     serde_yaml::to_string(&Value::Mapping(o)).unwrap_or_default()
 }
 
+/// `text` as one line: a character that ends a line for YAML or a terminal (a control character,
+/// U+2028, U+2029) escaped, so a comment line stays one comment and a printed line one line. The
+/// values in it are the tenant's.
+fn one_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() || c == '\u{2028}' || c == '\u{2029}' {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn comment(text: &str) -> String {
     wrap(text, "# ").into_iter().map(|l| l + "\n").collect()
 }
@@ -178,10 +193,10 @@ pub fn report(m: &Migration, allow_changes: bool) -> String {
             if b.refused() { "refused" } else { "written" }
         ));
         for s in &b.steps {
-            out.push_str(&format!("  first: {s}\n"));
+            out.push_str(&format!("  first: {}\n", one_line(s)));
         }
         for f in &b.findings {
-            out.push_str(&format!("  {f}\n"));
+            out.push_str(&format!("  {}\n", one_line(&f.to_string())));
         }
     }
     let (mut written, mut held, mut refused) = (0, 0, 0);
@@ -201,7 +216,7 @@ pub fn report(m: &Migration, allow_changes: bool) -> String {
             s.namespace, s.name, s.namespace, s.name, s.consumer
         ));
         for f in &s.findings {
-            out.push_str(&format!("  {f}\n"));
+            out.push_str(&format!("  {}\n", one_line(&f.to_string())));
         }
     }
     for n in &m.notes {

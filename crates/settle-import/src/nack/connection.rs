@@ -4,7 +4,9 @@
 //! NACK read credentials from files on its controller (`creds`, `nkey`, `tls.rootCas`) or from
 //! the Secrets an `Account` names; Settle reads one labelled Secret per Backend (keys `creds`,
 //! `nkey`, `ca.crt`). The Backend names that Secret, and its plan carries the commands that make
-//! it: the user runs them, as this module never reads a credential.
+//! it: the user runs them, as this module never reads a credential. Every value in a command is
+//! shell-quoted, and a credential file or Secret key that is not a plain name is refused as a
+//! finding: those strings are the tenant's, and the platform admin runs the commands.
 
 use std::collections::BTreeMap;
 
@@ -46,8 +48,108 @@ fn url(server: &str) -> String {
 
 fn label_command(namespace: &str, secret: &str) -> String {
     format!(
-        "kubectl -n {namespace} label secret {secret} {CREDENTIALS_LABEL}={CREDENTIALS_LABEL_VALUE}"
+        "kubectl -n {} label secret {} {CREDENTIALS_LABEL}={CREDENTIALS_LABEL_VALUE}",
+        sh(namespace),
+        sh(secret)
     )
+}
+
+/// `value` as one word to a POSIX shell: as it is when it holds only characters no shell reads
+/// specially, else in single quotes (a quote inside closed, escaped and reopened).
+pub fn sh(value: &str) -> String {
+    let plain = !value.is_empty()
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._/-:=@%+,".contains(c));
+    if plain {
+        value.to_string()
+    } else {
+        format!("'{}'", value.replace('\'', "'\\''"))
+    }
+}
+
+/// The longest credential path or Secret key taken.
+const MAX_NAME: usize = 1_024;
+
+/// A file path NACK's controller read (`spec.creds`, `spec.nkey`, `spec.tls.rootCas`), refused
+/// unless it is a plain path: letters, digits and `._/-:=@%+,~` (nothing a shell or YAML reads
+/// specially), not an option (`-…`), at most 1,024 characters. It goes into commands the
+/// platform admin runs.
+fn plain_path(field: &str, value: &str) -> Result<(), Finding> {
+    let plain = !value.is_empty()
+        && value.len() <= MAX_NAME
+        && !value.starts_with('-')
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._/-:=@%+,~".contains(c));
+    if plain {
+        return Ok(());
+    }
+    Err(Finding {
+        severity: Severity::Refused,
+        field: field.into(),
+        message: format!(
+            "not a plain file path ({}): it would go into the commands that make the Backend's \
+             Secret. Make the Secret by hand from the file NACK's controller read, label it \
+             {CREDENTIALS_LABEL}={CREDENTIALS_LABEL_VALUE}, and name it in \
+             spec.nats.credentialsSecretRef",
+            describe(value)
+        ),
+    })
+}
+
+/// A key of a Secret an `Account` names (`spec.creds.file`, `spec.tls.ca`), refused unless it is
+/// one Kubernetes allows (`[-._a-zA-Z0-9]+`, at most 253 characters).
+fn secret_key(field: &str, value: &str) -> Result<(), Finding> {
+    let plain = !value.is_empty()
+        && value.len() <= 253
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c));
+    if plain {
+        return Ok(());
+    }
+    Err(Finding {
+        severity: Severity::Refused,
+        field: field.into(),
+        message: format!(
+            "not a Secret key Kubernetes allows ({}; keys are [-._a-zA-Z0-9]+): name the key the \
+             Account's Secret holds",
+            describe(value)
+        ),
+    })
+}
+
+/// A refused value for a finding: its length, and its first characters with anything that is
+/// not printable escaped (a finding is printed, and written as a comment).
+fn describe(value: &str) -> String {
+    let shown: String = value
+        .chars()
+        .take(40)
+        .flat_map(char::escape_default)
+        .collect();
+    format!("{} characters, starting \"{shown}\"", value.chars().count())
+}
+
+/// Every credential file a Consumer names, and every Secret key its Account names, plain.
+fn plain_names(spec: &ConsumerSpec, account: Option<&AccountSpec>) -> Result<(), Finding> {
+    if let Some(path) = &spec.creds {
+        plain_path("spec.creds", path)?;
+    }
+    if let Some(path) = &spec.nkey {
+        plain_path("spec.nkey", path)?;
+    }
+    for (i, path) in spec.tls.iter().flat_map(|t| &t.root_cas).enumerate() {
+        plain_path(&format!("spec.tls.rootCas[{i}]"), path)?;
+    }
+    let Some(acc) = account else { return Ok(()) };
+    if let Some(file) = acc.creds.as_ref().and_then(|c| c.file.as_ref()) {
+        secret_key("Account spec.creds.file", file)?;
+    }
+    if let Some(ca) = acc.tls.as_ref().and_then(|t| t.ca.as_ref()) {
+        secret_key("Account spec.tls.ca", ca)?;
+    }
+    Ok(())
 }
 
 /// `{.data.KEY}` for kubectl's jsonpath, with the dots of a file name escaped.
@@ -71,6 +173,7 @@ impl Backends {
         {
             findings.push(client_cert_finding("spec.tls.clientCert"));
         }
+        plain_names(spec, account.and_then(|(_, acc)| acc))?;
         let key = key(spec, account, default_servers, &mut findings)?;
         let k = (namespace.to_string(), key);
         if let Some(&i) = self.by_key.get(&k) {
@@ -258,13 +361,18 @@ fn fill_account(plan: &mut BackendPlan, acc: &AccountSpec) {
     for (key, old, file) in &from {
         let local = key.replace('.', "-");
         plan.steps.push(format!(
-            "kubectl -n {namespace} get secret {old} -o jsonpath='{}' | base64 -d > {local}",
-            data_path(file)
+            "kubectl -n {} get secret {} -o jsonpath={} | base64 -d > {}",
+            sh(&namespace),
+            sh(old),
+            sh(&data_path(file)),
+            sh(&local)
         ));
-        files.push(format!("--from-file={key}={local}"));
+        files.push(sh(&format!("--from-file={key}={local}")));
     }
     plan.steps.push(format!(
-        "kubectl -n {namespace} create secret generic {secret} {}",
+        "kubectl -n {} create secret generic {} {}",
+        sh(&namespace),
+        sh(&secret),
         files.join(" ")
     ));
     plan.steps.push(label_command(&namespace, &secret));
@@ -298,21 +406,24 @@ fn from_files(
     let mut files = Vec::new();
     // NACK prefers creds to an nkey when both are set; so does this.
     if let Some(path) = creds {
-        files.push(format!("--from-file=creds={path}"));
+        files.push(sh(&format!("--from-file=creds={path}")));
     } else if let Some(path) = nkey {
-        files.push(format!("--from-file=nkey={path}"));
+        files.push(sh(&format!("--from-file=nkey={path}")));
     }
     match cas {
         [] => {}
-        [one] => files.push(format!("--from-file=ca.crt={one}")),
+        [one] => files.push(sh(&format!("--from-file=ca.crt={one}"))),
         many => {
+            let many: Vec<String> = many.iter().map(|p| sh(p)).collect();
             steps.push(format!("cat {} > ca.crt", many.join(" ")));
             files.push("--from-file=ca.crt=ca.crt".to_string());
         }
     }
     if !files.is_empty() {
         steps.push(format!(
-            "kubectl -n {namespace} create secret generic {secret} {}   # the files NACK's controller read",
+            "kubectl -n {} create secret generic {} {}   # the files NACK's controller read",
+            sh(namespace),
+            sh(&secret),
             files.join(" ")
         ));
         steps.push(label_command(namespace, &secret));

