@@ -322,6 +322,11 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The server's process id while it runs (to signal it: `-HUP` reloads its configuration).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Stops the server (SIGKILL: its store is kept).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -120,15 +120,24 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
         "account started: the books of every NATS, RabbitMQ and SQS Backend's Subscriptions"
     );
     let mut keepers = Tasks::default();
+    // The NATS connection each NATS keeper started on, by its serial number.
+    let mut sessions: HashMap<BackendKey, u64> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let (wanted, kinds) = wanted_backends(&term);
         keepers.0.retain(|key, task| {
-            let keep = wanted.contains(key) && !task.is_finished();
+            let moved = sessions.get(key).is_some_and(|&started| {
+                (term.nats)(&key.0, &key.1).map(|(_, serial)| serial) != Some(started)
+            });
+            if moved {
+                tracing::info!(backend = %format!("{}/{}", key.0, key.1), "the Backend's NATS connection was made again or closed (its credentials, servers, TLS or consent changed): the account's session ends on the old one");
+            }
+            let keep = wanted.contains(key) && !task.is_finished() && !moved;
             if !keep {
                 task.abort();
+                sessions.remove(key);
             }
             keep
         });
@@ -139,7 +148,12 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             let Some(kind) = kinds.get(&key) else {
                 continue;
             };
-            if let Some(task) = start_keeper(&term, &writer, &config, &metrics, &key, kind) {
+            if let Some((task, serial)) =
+                start_keeper(&term, &writer, &config, &metrics, &key, kind)
+            {
+                if let Some(serial) = serial {
+                    sessions.insert(key.clone(), serial);
+                }
                 keepers.0.insert(key, task);
             }
         }
@@ -171,8 +185,8 @@ fn wanted_backends(term: &Term) -> (Vec<BackendKey>, HashMap<BackendKey, Kind>) 
     (wanted, kinds)
 }
 
-/// Starts Backend `key`'s keeper of `kind` (None: a NATS Backend with no connection yet, tried
-/// again next tick).
+/// Starts Backend `key`'s keeper of `kind`, with the serial number of the NATS connection it
+/// runs on (None: a NATS Backend with no connection yet, tried again next tick).
 fn start_keeper(
     term: &Term,
     writer: &writer::Writer,
@@ -180,7 +194,7 @@ fn start_keeper(
     metrics: &Metrics,
     key: &BackendKey,
     kind: &Kind,
-) -> Option<tokio::task::JoinHandle<()>> {
+) -> Option<(tokio::task::JoinHandle<()>, Option<u64>)> {
     let unseen = match kind {
         Kind::Nats { unseen } => *unseen,
         Kind::Rabbitmq { unseen } => {
@@ -202,7 +216,7 @@ fn start_keeper(
                     super::status::Unseen::Never
                 },
             );
-            return Some(tokio::spawn(r.run()));
+            return Some((tokio::spawn(r.run()), None));
         }
         Kind::Sqs { unseen } => {
             let s = sqs::SqsKeeper::new(
@@ -215,10 +229,10 @@ fn start_keeper(
                 metrics.clone(),
                 *unseen,
             );
-            return Some(tokio::spawn(s.run()));
+            return Some((tokio::spawn(s.run()), None));
         }
     };
-    let Some(client) = (term.nats)(&key.0, &key.1) else {
+    let Some((client, serial)) = (term.nats)(&key.0, &key.1) else {
         tracing::debug!(backend = %format!("{}/{}", key.0, key.1), "account: the Backend has no connection yet");
         return None;
     };
@@ -235,7 +249,7 @@ fn start_keeper(
             super::status::Unseen::Never
         },
     );
-    Some(tokio::spawn(k.run()))
+    Some((tokio::spawn(k.run()), Some(serial)))
 }
 
 /// Which keeper a Backend gets.

@@ -61,6 +61,9 @@ pub enum Conn {
 /// A NATS client and its advisory listener.
 pub struct NatsConn {
     pub client: async_nats::Client,
+    /// This connection among all the process made (a new one, from a changed spec, has another):
+    /// the account starts its session again when a Backend's number changes.
+    pub serial: u64,
     pub js: jetstream::Context,
     /// Consumer changes the operator made itself, each waiting for the one advisory it causes.
     own: OwnMarks,
@@ -432,9 +435,11 @@ impl Connections {
             client.clone(),
             own.clone(),
         ));
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let conn = Conn::Nats(NatsConn {
             js: jetstream::new(client.clone()),
             client,
+            serial: SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             own,
             made: Mutex::default(),
             listener,

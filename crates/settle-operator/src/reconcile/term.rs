@@ -243,7 +243,7 @@ fn handles(
             let lookup = conns.clone();
             Arc::new(
                 move |ns: &str, name: &str| match up(&lookup, ns, name)?.as_ref() {
-                    connections::Conn::Nats(n) => Some(n.client.clone()),
+                    connections::Conn::Nats(n) => Some((n.client.clone(), n.serial)),
                     _ => None,
                 },
             )

@@ -9,6 +9,7 @@
 //! | [`nats_life`] | NATS JetStream | delete and apply, applications stopped and killed, operator restarts and leader changes, lost sources |
 //! | [`nats_budget`] | NATS JetStream | the cluster-wide status write budget |
 //! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
+//! | [`nats_rotate`] | NATS JetStream | a Backend's credentials rotated and its consent withdrawn: the account follows |
 //! | [`tenants`] | NATS JetStream and RabbitMQ | reports bound to their writer: no tenant forges another's account |
 //! | [`rabbitmq`] | RabbitMQ | report queues, snapshots, dead-letter copies, operator kills |
 //! | [`sqs`] | SQS (ElasticMQ) | report queues, the ledger queue, the dead-letter queue |
@@ -20,6 +21,7 @@ mod nats;
 mod nats_budget;
 mod nats_flood;
 mod nats_life;
+mod nats_rotate;
 mod rabbitmq;
 mod sqs;
 mod tenants;

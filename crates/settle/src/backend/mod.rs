@@ -70,10 +70,11 @@ pub trait Classify {
 }
 
 /// The controllers' live handle on a Backend's broker, by the Backend's namespace and name, as
-/// they hand it to the account each leadership term: a NATS connection.
+/// they hand it to the account each leadership term: a NATS connection, and its serial number
+/// (another once the controllers made a new connection: credentials, servers or TLS changed).
 #[cfg(feature = "admin")]
 pub type NatsLookup =
-    std::sync::Arc<dyn Fn(&str, &str) -> Option<async_nats::Client> + Send + Sync>;
+    std::sync::Arc<dyn Fn(&str, &str) -> Option<(async_nats::Client, u64)> + Send + Sync>;
 
 /// The same for a RabbitMQ or SQS Backend's queue gauges.
 #[cfg(feature = "admin")]
