@@ -49,7 +49,8 @@ pub mod reasons {
     /// counters shown hold, and may be counted again from the last save after a restart.
     pub const LEDGER_NOT_SAVED: &str = "LedgerNotSaved";
     /// Accounted=False: loss advisories were dropped before the operator counted them (the
-    /// capture's limits, or its hold of advisories read before the status named the consumer).
+    /// capture's limits, or its hold of advisories read before the status named the consumer),
+    /// until the loss window passes with no new gap.
     pub const CAPTURE_GAP: &str = "CaptureGap";
     /// Accounted=False: a source of the account was lost within the loss window (semantics
     /// C17); counting goes on from what status showed.
@@ -298,10 +299,12 @@ fn accounted(trouble: &Trouble, w: &str) -> Want {
             format!(
                 "{n} advisory(ies) were dropped before the operator counted them (the capture \
                  stream's age or size limit, or, read before this Subscription's status named \
-                 its consumer, the operator's hold of such advisories: at most 1,000, for 15 s): \
+                 its consumer, the operator's hold of such advisories: at most 1,000, for \
+                 --unverified-advisory-grace, 15 s by default): \
                  messages whose attempts ran out unseen by any handler may be missing from \
                  Exhausted (at most {n}). Keep the operator running, or raise the capture's \
-                 limits (--capture-max-bytes); see settle_account_advisories_total{{kind=\"unverified_dropped\"}}."
+                 limits (--capture-max-bytes); see settle_account_advisories_total{{kind=\"unverified_dropped\"}}. \
+                 This condition turns True by itself {w} after the last gap was found."
             ),
         )
     } else if let Some(why) = &trouble.dead_letters {

@@ -1493,3 +1493,99 @@ async fn a_held_loss_of_another_streams_consumer_of_the_same_name_is_not_a_drop(
     theirs.delete().await;
     scene.finish().await;
 }
+
+/// `CaptureGap` describes the present: advisories of a Subscription's consumer dropped before
+/// its status named it make `Accounted` False with their count, and once the loss window
+/// (`--loss-window`, 20 s here) has passed with no new gap it turns True again by itself,
+/// nothing counted down meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_gap_clears_once_the_loss_window_passes_without_another() {
+    const WINDOW: Duration = Duration::from_secs(20);
+    let pid = std::process::id();
+    let orders = NACK_SPEC.replace("durableName: orders", &format!("durableName: orders{pid}"));
+    let scene = Scene::with_flags(
+        "life-gap-clears",
+        &orders,
+        &[
+            "--leader-election=false",
+            "--stats-interval",
+            "1s",
+            "--unverified-advisory-grace",
+            "1s",
+            "--loss-window",
+            "20s",
+        ],
+    )
+    .await;
+    let durable = format!("gap{pid}");
+    let mut gate = StatusGate::close(&scene.ns, "gap").await;
+    let stream = TestStream::new(&scene.nats_url, &format!("{}-gap", scene.test)).await;
+    apply(
+        &scene.ns,
+        &format!(
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: gap}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 2\n  ackWait: 1s\n",
+            stream.prefix
+        ),
+    );
+    let (seen, watcher) = watch(&scene.api, "gap");
+    spend_last_attempts(&stream, &durable, 2).await;
+    poll(
+        "the two held advisories to be dropped at the end of the 1 s hold",
+        Duration::from_secs(30),
+        || async {
+            match scene.op.metric(
+                "settle_account_advisories_total",
+                &[("kind", "unverified_dropped")],
+            ) {
+                n if n >= 2.0 => Ok(()),
+                n => Err(format!("{n} dropped")),
+            }
+        },
+    )
+    .await;
+    gate.open();
+    let accounted = |want: &'static str| {
+        let api = scene.api.clone();
+        move || {
+            let api = api.clone();
+            async move {
+                let sub = api.get("gap").await.map_err(|e| e.to_string())?;
+                let st = sub.status.unwrap_or_default();
+                match condition(&st.conditions, "Accounted") {
+                    Some((_, reason, message)) if reason == want => Ok(message),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        }
+    };
+    let said = poll(
+        "gap's Accounted to say two may be missing",
+        Duration::from_secs(30),
+        accounted("CaptureGap"),
+    )
+    .await;
+    let found = std::time::Instant::now();
+    assert!(
+        said.starts_with("2 advisory(ies) were dropped") && said.contains("turns True by itself"),
+        "{said}"
+    );
+    let kept = poll(
+        "gap's Accounted to turn True once the window passed",
+        WINDOW + Duration::from_secs(30),
+        accounted("Kept"),
+    )
+    .await;
+    assert!(
+        found.elapsed() + Duration::from_secs(3) >= WINDOW,
+        "not before the window: {:?} after it was seen ({kept})",
+        found.elapsed()
+    );
+    let sub = scene.api.get("gap").await.expect("get gap");
+    let (status, ..) =
+        condition(&sub.status.unwrap_or_default().conditions, "Accounted").expect("Accounted");
+    assert_eq!(status, "True");
+    watcher.abort();
+    common::account::assert_never_decreased(&seen);
+    stream.delete().await;
+    scene.finish().await;
+}

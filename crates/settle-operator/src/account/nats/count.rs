@@ -23,6 +23,7 @@ use crate::account::ledger::{Account, BrokerOutcome, Outcome};
 use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
 use settle::backend::nats::capture;
+use settle::bus::report::now_ms;
 use settle::bus::report::{StatsReport, report_key};
 
 impl NatsKeeper {
@@ -43,6 +44,7 @@ impl NatsKeeper {
         for (key, m) in members.iter() {
             let book = self.book(ledgers, books, key, m).await?;
             book.showing.trouble.missed_advisories += missed;
+            book.missed_at_ms = now_ms();
             book.dirty = true;
         }
         Ok(())
@@ -282,6 +284,7 @@ impl NatsKeeper {
             let Some(m) = members.get(&key) else { continue };
             let book = self.book(ledgers, books, &key, m).await?;
             book.showing.trouble.missed_advisories += n;
+            book.missed_at_ms = now_ms();
             book.dirty = true;
             tracing::warn!(subscription = %format!("{}/{}", key.0, key.1), missed = n, "loss advisories of this Subscription's consumer were dropped before its status named it: Accounted says they may be missing");
         }

@@ -177,9 +177,14 @@ async fn rounds(f: impl Future<Output = Result<(), NatsError>>) -> Result<(), Na
 struct Saved {
     ledger: Persisted,
     loss: LossLog,
-    /// Advisories dropped from the capture before they were read, while this was counted.
+    /// Advisories dropped from the capture before they were read, while this was counted,
+    /// since `Accounted` last said none.
     #[serde(default)]
     missed_advisories: u64,
+    /// When the last of them was found (ms since the epoch; 0 in a ledger saved before this
+    /// was kept: the window starts when it is read).
+    #[serde(default)]
+    missed_at_ms: u64,
 }
 
 /// Every book of a session, each boxed: a map sizes its table in powers of two, so unboxed
@@ -208,6 +213,9 @@ struct Book {
     /// delivery advisory written before it is an earlier consumer's of the same name (an earlier
     /// object's, its advisories still unread when no operator ran), never this object's.
     consumer_since: Option<((String, String), i128)>,
+    /// When advisories this book may have lost were last found (ms since the epoch): `Accounted`
+    /// says `CaptureGap` until the loss window has passed since.
+    missed_at_ms: u64,
 }
 
 pub struct NatsKeeper {

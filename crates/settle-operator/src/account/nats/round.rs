@@ -260,6 +260,14 @@ impl NatsKeeper {
                 // Not (or no longer) its own consumer: the broker's gauges are not its.
                 None => book.gauges = (0, 0),
             }
+            // A gap past the loss window is past: `Accounted` describes the present (the
+            // metric keeps the total).
+            if book.showing.trouble.missed_advisories > 0
+                && now.saturating_sub(book.missed_at_ms) >= loss_window
+            {
+                book.showing.trouble.missed_advisories = 0;
+                book.dirty = true;
+            }
             book.showing.trouble.source_lost = book
                 .account
                 .persisted()

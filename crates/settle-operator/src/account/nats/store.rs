@@ -101,6 +101,10 @@ impl NatsKeeper {
             gauges: (0, 0),
             gauges_at: None,
             check: first_load.then_some(ledger_lost),
+            missed_at_ms: match saved.missed_at_ms {
+                0 if saved.missed_advisories > 0 => now_ms(),
+                at => at,
+            },
         }))
     }
 
@@ -152,6 +156,7 @@ impl NatsKeeper {
             ledger: book.account.persisted().clone(),
             loss: book.showing.loss.clone(),
             missed_advisories: book.showing.trouble.missed_advisories,
+            missed_at_ms: book.missed_at_ms,
         };
         let body = serde_json::to_vec(&saved).map_err(|e| Save::Failed(e.to_string()))?;
         let written = match book.revision {
