@@ -188,6 +188,9 @@ pub struct Metrics {
     /// `settle_account_status_backlog`: Subscriptions whose status patch waits for the budget
     /// (`--status-writes-per-second`) or for their previous write to end.
     pub backlog: IntGauge,
+    /// `settle_account_early_report_bytes`: reports held for Subscriptions not in the cache yet,
+    /// over every keeper of the process (bounded by `--max-early-report-bytes`).
+    pub early_bytes: IntGauge,
     /// `settle_account_status_writes_deferred_total{reason}`: patches that waited because the
     /// budget was spent (`budget`), and waiting patches replaced by a newer one for the same
     /// Subscription, never sent (`coalesced`: the newer carries the whole account).
@@ -251,6 +254,14 @@ impl Metrics {
                 let g = IntGauge::new(
                     "settle_account_status_backlog",
                     "Subscriptions whose status write waits (for the --status-writes-per-second budget, or for their previous write to end).",
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
+            early_bytes: {
+                let g = IntGauge::new(
+                    "settle_account_early_report_bytes",
+                    "Bytes of stats reports held for Subscriptions not in the operator's cache yet, over every Backend's keeper (at most --max-early-report-bytes; beyond, reports are dropped: settle_account_reports_total{outcome=\"early_dropped\"}).",
                 )?;
                 registry.register(Box::new(g.clone()))?;
                 g
@@ -422,6 +433,7 @@ mod tests {
             r#"settle_account_status_writes_total{result="error"} 0"#,
             r#"settle_account_status_urgent_writes_total 0"#,
             r#"settle_account_status_backlog 0"#,
+            r#"settle_account_early_report_bytes 0"#,
             r#"settle_account_status_writes_deferred_total{reason="budget"} 0"#,
             r#"settle_account_status_writes_deferred_total{reason="coalesced"} 0"#,
             r#"settle_account_reports_total{outcome="misfiled"} 0"#,

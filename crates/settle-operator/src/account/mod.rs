@@ -14,6 +14,8 @@
 //! - [`sqs`]: one loop per SQS Backend: receives each Subscription's report queue, keeps the
 //!   ledgers (a snapshot per Subscription in its ledger queue), reads the gauges;
 //!   its `dead_letters` counts what the redrive moved to the dead-letter queue.
+//! - [`early`]: reports held for Subscriptions not in the cache yet, within one budget for the
+//!   process.
 //! - [`queue_keeper`]: what the two report-queue keepers (`rabbitmq`, `sqs`) share, written once.
 //! - [`show`]: what a keeper hands the writer, and when (shared by every keeper).
 //! - [`writer`]: the one status writer (server-side apply, field manager `settle-account`),
@@ -26,6 +28,7 @@
 //! caches and connections by the operator.
 
 pub mod budget;
+pub mod early;
 pub mod ledger;
 pub mod metrics;
 pub mod nats;

@@ -47,9 +47,10 @@ pub struct Limits {
     /// A report of a new instance when a Subscription already counts this many live instances
     /// is dropped (`too_many_instances`).
     pub max_instances: usize,
-    /// Reports held back for Subscriptions not in the cache yet, in bytes at most; beyond,
-    /// they are dropped (`early_dropped`: the runtime's next report carries the same counts).
-    pub max_early_bytes: usize,
+    /// Reports held back for Subscriptions not in the cache yet, over every keeper of the
+    /// process, within `--max-early-report-bytes`; beyond, they are dropped (`early_dropped`:
+    /// the runtime's next report carries the same counts).
+    pub early: std::sync::Arc<super::early::EarlyBudget>,
     /// A report whose `sequence` is past the last one counted for its instance name by more
     /// than this is dropped (`sequence_jump`, semantics C19).
     pub max_sequence_jump: u64,

@@ -351,7 +351,7 @@ mod tests {
             limits: crate::account::Limits {
                 max_report_bytes: 4096,
                 max_instances: 16,
-                max_early_bytes: 1 << 20,
+                early: std::sync::Arc::new(crate::account::early::EarlyBudget::new(1 << 20, 10)),
                 max_sequence_jump: 1000,
                 max_clock_skew_ms: 60_000,
                 report_bucket: crate::account::BucketLimits::default(),

@@ -153,8 +153,9 @@ pub struct OperatorArgs {
         default_value_t = 1_000
     )]
     pub max_instances_per_subscription: u64,
-    /// Reports held back for Subscriptions not in the cache yet take at most this many bytes;
-    /// beyond, they are dropped (the runtime's next report carries the same counts).
+    /// Reports held back for Subscriptions not in the cache yet take at most this many bytes,
+    /// over every Backend's keeper of the process (a tenant who adds Backends does not add to
+    /// it); beyond, they are dropped (the runtime's next report carries the same counts).
     #[arg(long, env = "SETTLE_MAX_EARLY_REPORT_BYTES", default_value_t = 16 * 1024 * 1024)]
     pub max_early_report_bytes: u64,
     /// A stats report whose sequence is past the last one counted for its instance by more than

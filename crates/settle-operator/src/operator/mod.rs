@@ -329,7 +329,10 @@ fn account_config(args: &OperatorArgs) -> account::Config {
             max_report_bytes: usize::try_from(args.max_report_bytes).unwrap_or(usize::MAX),
             max_instances: usize::try_from(args.max_instances_per_subscription)
                 .unwrap_or(usize::MAX),
-            max_early_bytes: usize::try_from(args.max_early_report_bytes).unwrap_or(usize::MAX),
+            early: std::sync::Arc::new(account::early::EarlyBudget::new(
+                usize::try_from(args.max_early_report_bytes).unwrap_or(usize::MAX),
+                account::early::EARLY_REPORTS,
+            )),
             max_sequence_jump: args.max_sequence_jump,
             max_clock_skew_ms: u64::try_from(args.max_clock_skew.as_millis()).unwrap_or(u64::MAX),
             report_bucket: account::BucketLimits {

@@ -51,12 +51,18 @@ fn peak_rss(pid: u32) -> u64 {
 
 /// A report of `instance` for Subscription `orders` in `ns`, padded to about `padding` bytes.
 fn report(ns: &str, instance: &str, padding: usize) -> Vec<u8> {
+    report_of(ns, "orders", instance, padding)
+}
+
+/// A report of `instance` for Subscription `subscription` in `ns`, padded to about `padding`
+/// bytes.
+fn report_of(ns: &str, subscription: &str, instance: &str, padding: usize) -> Vec<u8> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("clock")
         .as_millis() as u64;
     serde_json::to_vec(&serde_json::json!({
-        "version": 1, "namespace": ns, "subscription": "orders",
+        "version": 1, "namespace": ns, "subscription": subscription,
         "instance": instance, "backend": "nats", "mode": "AtLeastOnce",
         "startedAtMs": 1, "reportedAtMs": now, "sequence": 1,
         "stats": {"offered": 900_000, "delivered": 900_000, "exhausted": 900_000,
@@ -297,5 +303,147 @@ async fn the_report_bucket_refuses_a_value_past_its_bound() {
         .put(key, report(&scene.ns, "big", 0).into())
         .await
         .expect("a small report is taken");
+    scene.finish().await;
+}
+
+/// Ghost reports (for Subscriptions that do not exist) held by many Backends' keepers share one
+/// budget for the process: with 16 NATS Backends in one namespace, each keeper reading the same
+/// 256 reports of about 63 KiB, what the operator holds never passes `--max-early-report-bytes`
+/// (16 MiB; it was 16 MiB a keeper, 256 MiB in all), the rest is dropped and counted, and
+/// `kubectl apply` is admitted meanwhile. Prints the operator's peak RSS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ghost_reports_read_by_many_backends_are_held_within_one_budget_for_the_process() {
+    const BACKENDS: usize = 16;
+    const GHOSTS: usize = 256;
+    const BUDGET: f64 = 16.0 * 1024.0 * 1024.0;
+    let nats = NatsServer::start(&[]);
+    let webhook_port = free_port();
+    let configuration = format!("settle-ghosts-{}", std::process::id());
+    let webhook_addr = format!("127.0.0.1:{webhook_port}");
+    let flags = [
+        "--leader-election=false",
+        "--stats-interval",
+        "1s",
+        "--webhook-addr",
+        &webhook_addr,
+        "--webhook-configuration",
+        &configuration,
+    ];
+    common::register_subscription_webhook(
+        &configuration,
+        "settle-ghosts",
+        &format!("ghosts-{}", std::process::id()),
+        webhook_port,
+    );
+    let scene = Scene::build("ghosts", NACK_SPEC, &flags, &[], Some(nats.url())).await;
+    kubectl_ok(
+        &[
+            "label",
+            "namespace",
+            &scene.ns,
+            &format!("settle-ghosts={}", scene.ns),
+        ],
+        None,
+    );
+    for i in 1..BACKENDS {
+        common::subs::apply(
+            &scene.ns,
+            &common::subs::backend_yaml(&format!("nats-{i}"), &nats.url()),
+        );
+    }
+    let backends = common::subs::backends(&scene.ns).await;
+    for i in 1..BACKENDS {
+        common::subs::wait_backend(&backends, &format!("nats-{i}"), "True", "Connected").await;
+    }
+    let early_bytes = || scene.op.metric("settle_account_early_report_bytes", &[]);
+    assert!(
+        scene.op.exports("settle_account_early_report_bytes"),
+        "the gauge is exported"
+    );
+    let reports = scene
+        .stream
+        .js
+        .get_key_value("settle-stats")
+        .await
+        .expect("the report bucket");
+    let ns = scene.ns.clone();
+    let applying = {
+        let ns = ns.clone();
+        tokio::spawn(async move {
+            let mut said = Vec::new();
+            for i in 0..10 {
+                said.push(apply_subscription(&ns, &format!("late-{i}"), "").await);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            said
+        })
+    };
+    let written = futures::stream::iter(0..GHOSTS)
+        .map(|i| {
+            let (reports, ns) = (reports.clone(), ns.clone());
+            async move {
+                let ghost = format!("ghost-{i}");
+                let key = settle::bus::report::report_key(&ns, &ghost, "pod-0");
+                reports
+                    .put(key, report_of(&ns, &ghost, "pod-0", 63 * 1024).into())
+                    .await
+                    .expect("a report under the bucket's 64 KiB");
+            }
+        })
+        .buffer_unordered(16)
+        .count()
+        .await;
+    assert_eq!(written, GHOSTS);
+    let dropped = || {
+        scene.op.metric(
+            "settle_account_reports_total",
+            &[("outcome", "early_dropped")],
+        )
+    };
+    let mut most: f64 = 0.0;
+    // Each keeper reads every ghost: what one budget cannot hold, 263 reports at most, is dropped.
+    let least_dropped = (BACKENDS * GHOSTS) as f64 - (BUDGET / (63.0 * 1024.0)).ceil();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        most = most.max(early_bytes());
+        let d = dropped();
+        if d >= least_dropped {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waited for {least_dropped} early reports dropped: {d} (holding {} bytes)",
+            early_bytes()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for _ in 0..30 {
+        most = most.max(early_bytes());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let applied = applying.await.expect("the applies ran");
+    for (i, (admitted, said)) in applied.iter().enumerate() {
+        assert!(admitted, "late-{i} was not admitted meanwhile: {said}");
+    }
+    let peak = peak_rss(scene.op.pid());
+    println!(
+        "{BACKENDS} Backends, {GHOSTS} ghost reports of 63 KiB: held at most {:.1} MiB, dropped {}, operator peak RSS {} MiB",
+        most / 1024.0 / 1024.0,
+        dropped(),
+        peak >> 20
+    );
+    assert!(most > 0.0, "the ghosts were held while the budget allowed");
+    assert!(
+        most <= BUDGET,
+        "held {most} bytes, past the process's budget of {BUDGET}"
+    );
+    assert!(
+        peak < chart_memory_limit(),
+        "peak RSS {peak} bytes past the chart's limit"
+    );
+    kubectl(
+        &["delete", "validatingwebhookconfiguration", &configuration],
+        None,
+    );
     scene.finish().await;
 }

@@ -9,7 +9,6 @@
 //! It must not save or acknowledge anything (that is `settle`), nor decide counts (that is the
 //! ledger).
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use async_nats::jetstream::{self, kv};
@@ -19,6 +18,7 @@ use super::{
     Book, Books, Held, Member, Members, NatsKeeper, SubKey, UNVERIFIED_ADVISORIES, Uncounted,
     ack_with_book, broken,
 };
+use crate::account::early::EarlyHold;
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
 use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
@@ -297,13 +297,16 @@ impl NatsKeeper {
         ledgers: &kv::Store,
         members: &Members,
         books: &mut Books,
-        early: &mut HashMap<String, kv::Entry>,
+        early: &mut EarlyHold<kv::Entry>,
     ) -> Result<(), NatsError> {
-        for (_, entry) in std::mem::take(early) {
+        for entry in early.take_all() {
             if let Some(entry) = self.on_report(ledgers, members, books, entry).await? {
-                early.insert(entry.key.clone(), entry);
+                self.hold_early(early, entry);
             }
         }
+        self.metrics
+            .early_bytes
+            .set(i64::try_from(self.config.limits.early.held_bytes()).unwrap_or(i64::MAX));
         Ok(())
     }
 

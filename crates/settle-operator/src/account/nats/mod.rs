@@ -62,6 +62,7 @@ mod names;
 mod round;
 mod store;
 use super::Config;
+use super::early::EarlyHold;
 use super::ledger::{Account, Persisted};
 use super::metrics::Metrics;
 use super::show::Showing;
@@ -79,9 +80,6 @@ use settle::bus::report::{now_ms, report_key};
 /// How often the keeper folds, persists, acknowledges and decides what to write: a change
 /// reaches status within the stats interval plus this (and the write).
 const TICK: Duration = Duration::from_millis(500);
-
-/// Reports held back for a Subscription not in the cache yet, at most.
-const EARLY_REPORTS: usize = 10_000;
 
 /// Loss advisories held (for the configured grace), at most (one is about half a KiB).
 const UNVERIFIED_ADVISORIES: usize = 1_000;
@@ -350,7 +348,7 @@ impl NatsKeeper {
         let mut members = Members::default();
         members.refresh(&self.subs, &self.backend);
         // Reports of Subscriptions not in the cache yet (applied and the app reported first).
-        let mut early: HashMap<String, kv::Entry> = HashMap::new();
+        let mut early: EarlyHold<kv::Entry> = EarlyHold::new(self.config.limits.early.clone());
         let mut held = Held::default();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -435,19 +433,18 @@ impl NatsKeeper {
         }
     }
 
-    /// A report of a Subscription not in the cache yet: held, within the bounds.
-    fn hold_early(&self, early: &mut HashMap<String, kv::Entry>, entry: kv::Entry) {
-        let held: usize = early.values().map(|e| e.value.len()).sum();
-        if early.len() < EARLY_REPORTS
-            && held + entry.value.len() <= self.config.limits.max_early_bytes
-        {
-            early.insert(entry.key.clone(), entry);
-        } else {
+    /// A report of a Subscription not in the cache yet: held, within the process's bounds.
+    fn hold_early(&self, early: &mut EarlyHold<kv::Entry>, entry: kv::Entry) {
+        let (key, bytes) = (entry.key.clone(), entry.value.len());
+        if !early.hold(key, entry, bytes) {
             self.metrics
                 .reports
                 .with_label_values(&["early_dropped"])
                 .inc();
         }
+        self.metrics
+            .early_bytes
+            .set(i64::try_from(self.config.limits.early.held_bytes()).unwrap_or(i64::MAX));
     }
 
     /// The session is over and its books with it: the advisories they counted and did not
