@@ -177,6 +177,9 @@ fn wanted(
     showing: &mut Showing,
 ) -> (bool, Vec<Want>) {
     let config = round.config;
+    showing
+        .trouble
+        .forget_dropped_before(round.now_ms, config.loss_window);
     let before = showing.loss.clone();
     showing
         .loss

@@ -61,6 +61,10 @@ pub mod reasons {
     /// Accounted=False: the queue the runtime reports to does not exist on the broker (SQS:
     /// deleted there); its reports wait in the applications until it is made again.
     pub const REPORT_QUEUE_MISSING: &str = "ReportQueueMissing";
+    /// Accounted=False: stats reports of this Subscription were dropped by the account's bounds
+    /// (too many instances, a clock ahead, a sequence jump, misfiled, too large, a writer not
+    /// listed), with the last reason and how many, until the loss window passes with no new one.
+    pub const REPORTS_DROPPED: &str = "ReportsDropped";
 }
 
 /// What keeps one Subscription's account from being whole now, for `Accounted`.
@@ -82,6 +86,42 @@ pub struct Trouble {
     /// The queue the runtime reports to does not exist on the broker (SQS: deleted there),
     /// named: its reports wait in the applications until it is made again.
     pub queue_missing: Option<String>,
+    /// Reports of this Subscription the account's bounds dropped, since `Accounted` last said
+    /// none (in memory: a report still past a bound is dropped again after a restart).
+    pub dropped_reports: Option<DroppedReports>,
+}
+
+/// Reports of one Subscription dropped by the account's bounds: how many, the last reason (a
+/// `settle_account_reports_total` outcome) and when (Unix ms).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct DroppedReports {
+    pub count: u64,
+    pub reason: &'static str,
+    pub at_ms: u64,
+}
+
+impl Trouble {
+    /// One more report dropped, for `reason`, at `now_ms`.
+    pub fn report_dropped(&mut self, reason: &'static str, now_ms: u64) {
+        let count = self.dropped_reports.as_ref().map_or(0, |d| d.count) + 1;
+        self.dropped_reports = Some(DroppedReports {
+            count,
+            reason,
+            at_ms: now_ms,
+        });
+    }
+
+    /// Drops said longer than `window` ago are past: `Accounted` no longer says them.
+    pub fn forget_dropped_before(&mut self, now_ms: u64, window: Duration) {
+        let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        if self
+            .dropped_reports
+            .as_ref()
+            .is_some_and(|d| now_ms.saturating_sub(d.at_ms) >= window)
+        {
+            self.dropped_reports = None;
+        }
+    }
 }
 
 /// Exhausted totals over time: enough to say how many ran out within the loss window, kept
@@ -318,6 +358,22 @@ fn accounted(trouble: &Trouble, w: &str) -> Want {
                  runtime's own count, and your dead-letter queue, are unaffected."
             ),
         )
+    } else if let Some(d) = &trouble.dropped_reports {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::REPORTS_DROPPED,
+            format!(
+                "{} stats report(s) of this Subscription were dropped by the account's bounds, \
+                 the last as {} ({}): what they carried is not counted. See \
+                 settle_account_reports_total{{outcome=\"{}\"}} and the operator's WARN lines. \
+                 This condition turns True by itself {w} after the last drop.",
+                d.count,
+                d.reason,
+                drop_reason_text(d.reason),
+                d.reason
+            ),
+        )
     } else {
         Want::new(
             types::ACCOUNTED,
@@ -325,6 +381,26 @@ fn accounted(trouble: &Trouble, w: &str) -> Want {
             reasons::KEPT,
             "every report and advisory read is counted and saved on the broker.",
         )
+    }
+}
+
+/// What a report dropped for `reason` means, and what fixes it.
+fn drop_reason_text(reason: &str) -> &'static str {
+    match reason {
+        "too_many_instances" => {
+            "more live instances than --max-instances-per-subscription: a crash loop, or a \
+             writer inventing instance names"
+        }
+        "from_the_future" => {
+            "an instance's clock is ahead of the operator's by more than --max-clock-skew: fix \
+             the node's clock"
+        }
+        "sequence_jump" => "a sequence past the instance's last by more than --max-sequence-jump",
+        "bad_instance" => "an instance name longer than 300 characters",
+        "too_large" => "larger than --max-report-bytes",
+        "misfiled" => "its body names another Subscription or instance than where it was written",
+        "wrong_writer" => "written by a user the Backend's reportUsers do not list",
+        _ => "past a bound of the account",
     }
 }
 

@@ -1313,6 +1313,9 @@ async fn a_lost_report_bucket_continues_from_status_and_the_running_instance_is_
     source_lost("life-lost-reports", Lost::Reports).await;
 }
 
+/// Reports past the account's bounds (too large, an instance past the cap) are dropped and
+/// counted, and a drop of a Subscription's report is said in its `Accounted` (ReportsDropped,
+/// the reason and the count) until the loss window has passed since the last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reports_past_the_accounts_bounds_are_dropped_and_counted() {
     let scene = Scene::with_flags(
@@ -1326,6 +1329,8 @@ async fn reports_past_the_accounts_bounds_are_dropped_and_counted() {
             "4096",
             "--max-instances-per-subscription",
             "2",
+            "--loss-window",
+            "20s",
         ],
     )
     .await;
@@ -1384,6 +1389,41 @@ async fn reports_past_the_accounts_bounds_are_dropped_and_counted() {
         dropped("too_many_instances") >= 1.0,
         "the third instance is counted as dropped"
     );
+    // Said on the Subscription while the drops last: the loss window (20 s) after the last.
+    let accounted = |want: &'static str| {
+        let api = scene.api.clone();
+        move || {
+            let api = api.clone();
+            async move {
+                let sub = api.get("orders").await.map_err(|e| e.to_string())?;
+                let st = sub.status.unwrap_or_default();
+                match condition(&st.conditions, "Accounted") {
+                    Some((status, reason, message)) if reason == want => Ok((status, message)),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        }
+    };
+    let (status, said) = poll(
+        "Accounted to say the instance's report was dropped",
+        Duration::from_secs(30),
+        accounted("ReportsDropped"),
+    )
+    .await;
+    assert_eq!(status, "False");
+    assert!(
+        said.starts_with("1 stats report(s)")
+            && said.contains("as too_many_instances")
+            && said.contains("--max-instances-per-subscription"),
+        "{said}"
+    );
+    let (status, _) = poll(
+        "Accounted to turn True once the window passed",
+        Duration::from_secs(60),
+        accounted("Kept"),
+    )
+    .await;
+    assert_eq!(status, "True");
     scene.assert_never_decreased();
     scene.finish().await;
 }

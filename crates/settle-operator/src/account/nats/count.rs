@@ -83,6 +83,7 @@ impl NatsKeeper {
         let book = self.book(ledgers, books, &key, member).await?;
         if let Some(why) = self.config.limits.refuse(&report, &book.account) {
             self.metrics.reports.with_label_values(&[why]).inc();
+            book.showing.trouble.report_dropped(why, now_ms());
             tracing::warn!(key = %entry.key, reason = why, "a stats report past the account's bounds (--max-instances-per-subscription, the instance name's length): dropped");
             return Ok(None);
         }

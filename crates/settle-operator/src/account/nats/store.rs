@@ -83,6 +83,7 @@ impl NatsKeeper {
                     source_lost: None,
                     dead_letters: None,
                     queue_missing: None,
+                    dropped_reports: None,
                 },
                 last_write: None,
                 last_early: None,

@@ -195,6 +195,9 @@ impl RabbitKeeper {
             // Dropped: acknowledged with the next save, never counted.
             book.acks.push(d.delivery_tag);
             queue_keeper::refused(&self.metrics, &who(key), why);
+            book.showing
+                .trouble
+                .report_dropped(why, settle::bus::report::now_ms());
             return;
         }
         let Some(report) = report else { return };

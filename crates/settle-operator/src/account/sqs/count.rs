@@ -76,6 +76,9 @@ impl SqsKeeper {
         };
         if let Some(why) = refused {
             queue_keeper::refused(&self.metrics, &who, why);
+            book.showing
+                .trouble
+                .report_dropped(why, settle::bus::report::now_ms());
             return;
         }
         let Some(report) = report else { return };

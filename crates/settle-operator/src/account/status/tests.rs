@@ -210,6 +210,7 @@ fn accounted_says_why_the_account_is_not_whole() {
         source_lost: Some(Source::Ledger),
         dead_letters: None,
         queue_missing: None,
+        dropped_reports: None,
     };
     let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
     assert_eq!(
@@ -223,6 +224,7 @@ fn accounted_says_why_the_account_is_not_whole() {
         source_lost: None,
         dead_letters: None,
         queue_missing: None,
+        dropped_reports: None,
     };
     let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);
     assert_eq!((a.status, a.reason), (Status::False, reasons::CAPTURE_GAP));
@@ -295,4 +297,29 @@ fn a_gauges_only_patch_keeps_the_counters_status_shows() {
     let p = gauges_patch(3, 1, None, &t);
     assert!(p["status"]["stats"].get("offered").is_none(), "{p}");
     assert_eq!(p["status"]["stats"]["ackPending"], 1);
+}
+
+#[test]
+fn dropped_reports_are_said_with_the_last_reason_until_the_window_passes() {
+    let mut t = Trouble::default();
+    t.report_dropped("too_many_instances", 1_000);
+    t.report_dropped("from_the_future", 2_000);
+    let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &t);
+    assert_eq!(
+        (a.status, a.reason),
+        (Status::False, reasons::REPORTS_DROPPED)
+    );
+    assert!(
+        a.message.starts_with("2 stats report(s)")
+            && a.message.contains("the last as from_the_future")
+            && a.message.contains("--max-clock-skew"),
+        "{}",
+        a.message
+    );
+    let window = u64::try_from(WINDOW.as_millis()).expect("ms");
+    t.forget_dropped_before(2_000 + window - 1, WINDOW);
+    assert!(t.dropped_reports.is_some(), "within the window");
+    t.forget_dropped_before(2_000 + window, WINDOW);
+    let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &t);
+    assert_eq!((a.status, a.reason), (Status::True, reasons::KEPT));
 }
