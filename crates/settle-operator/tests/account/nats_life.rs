@@ -855,7 +855,9 @@ async fn the_leader_stopped_mid_traffic_hands_over_without_a_step_down_or_a_doub
         &[("POD_NAME", "b")],
     );
     b.wait_ready();
-    let app = scene.app("nack");
+    // Each attempt takes 1.5 s, so five messages' three attempts last about 4.5 s: the window
+    // the leader is stopped in.
+    let app = scene.app_with("nack", &[("SETTLE_APP_HANDLE_MS", "1500")]);
     app.wait_ready().await;
     scene.publish(bodies(5)).await;
     scene
@@ -866,14 +868,32 @@ async fn the_leader_stopped_mid_traffic_hands_over_without_a_step_down_or_a_doub
     let leads = |op: &common::operator::Operator| op.metric("settle_leader", &[]) == 1.0;
     let a_leads = leads(&scene.op);
     assert!(a_leads || leads(&b), "one of them leads");
-    // Mid-traffic: five more in flight when the leader is stopped.
-    let publish = scene.publish(bodies(5));
+    // Mid-traffic: five more published, and the leader stopped once status shows them being
+    // delivered and not all run out yet.
+    scene.publish(bodies(5)).await;
+    let at_stop = poll(
+        "the five new messages in flight",
+        Duration::from_secs(30),
+        || async {
+            let s = scene.stats().await;
+            assert!(
+                s.exhausted < 10,
+                "the traffic ended before the leader was stopped: {s:?}"
+            );
+            if s.delivered > 15 {
+                Ok(s)
+            } else {
+                Err(format!("{s:?}"))
+            }
+        },
+    )
+    .await;
     if a_leads {
         scene.op.sigterm();
     } else {
         b.sigterm();
     }
-    publish.await;
+    println!("the leader stopped with status at {at_stop:?}");
     let s = scene
         .settled(
             "all ten exhausted after the handover",
