@@ -767,7 +767,7 @@ async fn losses_of_a_consumer_settle_did_not_make_are_never_a_subscriptions() {
     scene.publish(bodies(3)).await;
     let exhausted = pull_attempts(&theirs, 6, |_| true).await;
     assert_eq!(exhausted, 6, "three messages, two attempts each");
-    captured_max_deliveries(
+    let last = captured_max_deliveries(
         &capture,
         &scene.stream.name,
         "theirs",
@@ -775,8 +775,34 @@ async fn losses_of_a_consumer_settle_did_not_make_are_never_a_subscriptions() {
         Duration::from_secs(20),
     )
     .await;
-    // Time for both keepers to read them (a status write a second).
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Both keepers' readers got past the last of them (read, not merely captured); then three
+    // status intervals for anything they counted to show.
+    for backend in ["nats", "nats-again"] {
+        let reader = settle_operator::account::nats::reader_name(&scene.ns, backend);
+        poll(
+            "the keeper to read their advisories",
+            Duration::from_secs(30),
+            || async {
+                let mut c: consumer::PullConsumer = capture
+                    .get_consumer(&reader)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let at = c
+                    .info()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .delivered
+                    .stream_sequence;
+                if at >= last {
+                    Ok(())
+                } else {
+                    Err(format!("{backend}: read to {at} of {last}"))
+                }
+            },
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let squatter = scene.api.get("squatter").await.expect("get");
     let st = squatter.status.unwrap_or_default();
     let counted = st.stats.map(|s| s.counters).unwrap_or_default();
