@@ -1,7 +1,8 @@
 //! The cluster-wide status budget of the account: which waiting status patch goes out next, and
 //! when one may. A [`Queue`] holds at most one patch per Subscription (the newest: a newer one
 //! replaces the waiting one, as it carries the whole account), urgent ones (a loss, a
-//! condition flipping) before the rest, each class in the order it first waited; a [`Bucket`]
+//! condition flipping) before the rest but never more than [`URGENT_RUN`] in a row while
+//! others wait, each class in the order it first waited; a [`Bucket`]
 //! gives out `--status-writes-per-second` tokens with a small burst.
 //!
 //! Pure: no I/O, and time comes in as an argument (Tokio's `Instant`, so tests run it on the
@@ -32,12 +33,19 @@ pub enum Pushed {
     Coalesced,
 }
 
+/// Urgent patches written in a row at most while other patches wait: then one other goes, so
+/// the others get at least a quarter of the budget however many Subscriptions are urgent (200
+/// losing messages at once had stopped every other status, `/lag` with it).
+pub const URGENT_RUN: u32 = 3;
+
 /// The patches waiting to be written, at most one per key, and the keys being written now.
 pub struct Queue<K, V> {
     waiting: HashMap<K, Waiting<V>>,
     urgent: VecDeque<K>,
     normal: VecDeque<K>,
     busy: HashSet<K>,
+    /// Urgent patches popped since the last other one.
+    run: u32,
 }
 
 impl<K: Clone + Eq + Hash, V> Default for Queue<K, V> {
@@ -47,6 +55,7 @@ impl<K: Clone + Eq + Hash, V> Default for Queue<K, V> {
             urgent: VecDeque::new(),
             normal: VecDeque::new(),
             busy: HashSet::new(),
+            run: 0,
         }
     }
 }
@@ -93,15 +102,25 @@ impl<K: Clone + Eq + Hash, V> Queue<K, V> {
 
     /// The next patch to write: the first urgent one, else the first other one, whose key is
     /// not being written (one write at a time per Subscription, so an older patch is never
-    /// applied after a newer one). Its key is busy until [`Queue::done`]. Returns the key, the
-    /// patch, whether it was urgent and when its Subscription started waiting.
+    /// applied after a newer one); after [`URGENT_RUN`] urgent ones in a row, the first other
+    /// one if one waits. Its key is busy until [`Queue::done`]. Returns the key, the patch,
+    /// whether it was urgent and when its Subscription started waiting.
     pub fn pop(&mut self) -> Option<(K, V, bool, Instant)> {
-        let key = match self.first(&self.urgent) {
-            Some(i) => self.urgent.remove(i)?,
-            None => {
-                let i = self.first(&self.normal)?;
+        let (urgent, normal) = (self.first(&self.urgent), self.first(&self.normal));
+        let key = match (urgent, normal) {
+            (Some(i), None) => {
+                self.run = self.run.saturating_add(1);
+                self.urgent.remove(i)?
+            }
+            (Some(i), Some(_)) if self.run < URGENT_RUN => {
+                self.run += 1;
+                self.urgent.remove(i)?
+            }
+            (_, Some(i)) => {
+                self.run = 0;
                 self.normal.remove(i)?
             }
+            (None, None) => return None,
         };
         let w = self.waiting.remove(&key)?;
         self.busy.insert(key.clone());
@@ -409,5 +428,47 @@ mod tests {
         assert_eq!(*v, 2);
         let queued = loss_sent.expect("pushed");
         assert!(at.duration_since(queued) <= Duration::from_millis(200));
+    }
+
+    /// 200 Subscriptions losing messages all the time (each urgent again as soon as written)
+    /// and 100 others changed once: every other one is written within four turns of its place
+    /// in line, as it would be within one with nothing urgent.
+    #[tokio::test(start_paused = true)]
+    async fn urgent_patches_never_starve_the_others() {
+        let now = Instant::now();
+        let mut q: Queue<String, u32> = Queue::default();
+        for i in 0..200 {
+            q.push(format!("losing-{i}"), 0, true, now);
+        }
+        for i in 0..100 {
+            q.push(format!("other-{i:03}"), 0, false, now);
+        }
+        let mut written = Vec::new();
+        for turn in 1..=1_000u32 {
+            let (key, _, urgent, _) = q.pop().expect("something waits");
+            q.done(&key);
+            if urgent {
+                // Losing again at once: urgent again.
+                q.push(key, turn, true, now);
+            } else {
+                written.push((key, turn));
+            }
+        }
+        assert_eq!(written.len(), 100, "every other one was written");
+        let worst = written
+            .iter()
+            .enumerate()
+            .map(|(place, (_, turn))| f64::from(*turn) / (place + 1) as f64)
+            .fold(0.0, f64::max);
+        println!("worst turns per place in line while 200 are urgent: {worst}");
+        for (place, (key, turn)) in written.iter().enumerate() {
+            assert_eq!(
+                *key,
+                format!("other-{place:03}"),
+                "in the order they waited"
+            );
+            let bound = (URGENT_RUN + 1) * (u32::try_from(place).expect("small") + 1);
+            assert!(*turn <= bound, "{key} written at turn {turn}, past {bound}");
+        }
     }
 }
