@@ -224,6 +224,8 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    // Long on purpose: one constructor and registration per metric, the whole set in one place
+    // (docs/reference/metrics.md is generated from it).
     /// Registers the account's metrics in `registry`, and its per-Subscription series in
     /// `tables`.
     pub fn new(registry: &Registry, tables: &Tables) -> Result<Metrics, prometheus::Error> {
