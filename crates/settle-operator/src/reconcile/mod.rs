@@ -319,7 +319,11 @@ where
         _ => Api::all(client.clone()),
     };
     let namespaces = namespaces.to_vec();
-    watcher(api, watcher::Config::default().any_semantic())
+    // Lists are consistent (the most recent state, not whatever the API server's watch cache
+    // holds): a term starts from them, and a replica that takes over from a dead leader must not
+    // act on a state seconds old (seen: a takeover that listed Subscriptions without the status
+    // their consumers were made under, and without one applied after the leader died).
+    watcher(api, watcher::Config::default())
         .default_backoff()
         .try_filter(move |ev| {
             let keep = match ev {
