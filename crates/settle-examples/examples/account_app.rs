@@ -144,6 +144,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|_| "set SETTLE_SUBSCRIPTION_FILE to a Subscription manifest")?;
     let how = match std::env::var("SETTLE_APP_HANDLER").as_deref() {
         Ok("nack") => Behaviour::Nack(handle_ms(0)),
+        Ok("nack-slow") => Behaviour::Nack(handle_ms(6000)),
         Ok("ack-even-silent-odd") => Behaviour::AckEvenSilentOdd,
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
@@ -154,7 +155,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("nack-first") => Behaviour::NackFirst(handle_ms(0)),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack, ack-seen, nack-first or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack, ack-seen, nack-first or demo"
             )
             .into());
         }

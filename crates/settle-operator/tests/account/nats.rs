@@ -74,6 +74,14 @@ async fn an_operator_killed_halfway_loses_and_doubles_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_three_times_while_reports_arrive_loses_and_doubles_nothing() {
+    always_nack("acct-opkill-mid", Halfway::OperatorKilledWhileReporting)
+        .await
+        .finish()
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_restarted_halfway_loses_and_doubles_nothing() {
     always_nack("acct-apprestart", Halfway::AppRestarted)
         .await

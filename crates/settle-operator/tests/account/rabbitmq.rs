@@ -374,6 +374,14 @@ async fn an_operator_killed_halfway_on_rabbitmq_loses_and_doubles_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_three_times_while_reports_arrive_on_rabbitmq_loses_and_doubles_nothing()
+{
+    let mut scene = Scene::new("acctrq-opkill-mid").await;
+    always_nack_scenario(&mut scene, Halfway::OperatorKilledWhileReporting).await;
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscription_deleted_and_applied_again_on_rabbitmq_starts_at_zero_while_its_application_runs()
  {
     let scene = Scene::new("acctrq-recreate").await;

@@ -53,6 +53,14 @@ async fn always_nack_on_sqs_is_counted_exactly_and_raises_exhausting() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_killed_three_times_while_reports_arrive_on_sqs_loses_and_doubles_nothing() {
+    let mut scene = SqsScene::new("acctsqs-kill-mid", NACK, &[]).await;
+    let s = always_nack_scenario(&mut scene, Halfway::OperatorKilledWhileReporting).await;
+    println!("always-nack on SQS, operator SIGKILLed three times while reports arrive: {s:?}");
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_sigkilled_and_an_application_replaced_halfway_lose_and_double_nothing() {
     let mut scene = SqsScene::new("acctsqs-kill", NACK, &[]).await;
     let s = always_nack_scenario(&mut scene, Halfway::OperatorKilledAppReplaced).await;

@@ -29,7 +29,14 @@ pub enum Halfway {
     /// Both: the operator SIGKILLed and the application replaced, so the first instance's counts
     /// live only in what the operator saved; the second half published while it is down.
     OperatorKilledAppReplaced,
+    /// The operator SIGKILLed while the second half's reports arrive (each attempt takes 6 s),
+    /// and started again, over [`KILL_ROUNDS`] rounds 3 s apart: kills that land between a
+    /// report's reading and its saving.
+    OperatorKilledWhileReporting,
 }
+
+/// The operator kills of [`Halfway::OperatorKilledWhileReporting`].
+pub const KILL_ROUNDS: usize = 3;
 
 /// Always nack, maxDeliver 3, 10 messages in two halves, with `halfway` between them: the final
 /// account is the same whatever happened (exhausted 10, nacked 30, delivered 30, offered 30),
@@ -38,7 +45,8 @@ pub async fn always_nack_scenario<S: AccountScene>(
     scene: &mut S,
     halfway: Halfway,
 ) -> ConsumerStats {
-    let mut app = scene.app("nack");
+    let reporting = halfway == Halfway::OperatorKilledWhileReporting;
+    let mut app = scene.app(if reporting { "nack-slow" } else { "nack" });
     app.wait_ready().await;
     scene.publish(bodies(5)).await;
     wait_for(scene, "the first five messages exhausted in status", |s| {
@@ -60,10 +68,14 @@ pub async fn always_nack_scenario<S: AccountScene>(
         app.wait_ready().await;
     }
     scene.publish(bodies(5)).await;
+    let published = std::time::Instant::now();
     if down {
         // Reports and losses while the operator is down wait on the broker.
         tokio::time::sleep(Duration::from_secs(2)).await;
         scene.restart_operator();
+    }
+    if reporting {
+        kill_while_reporting(scene, published).await;
     }
     let s = wait_for(scene, "all ten messages exhausted in status", |s| {
         s.exhausted >= 10 && s.settlement.nacked >= 30 && s.delivered >= 30
@@ -85,6 +97,27 @@ pub async fn always_nack_scenario<S: AccountScene>(
     scene.assert_never_decreased();
     drop(app);
     s
+}
+
+/// [`KILL_ROUNDS`] times, 3 s apart from `published` (when the second half was published): the
+/// operator SIGKILLed and started again. Each attempt holds its message 6 s and the three
+/// attempts follow each other, so the second half's reports arrive for at least 18 s: a kill
+/// within 12 s of `published` lands while they arrive (asserted, so a slow machine fails
+/// loudly instead of killing after the work was done).
+async fn kill_while_reporting<S: AccountScene>(scene: &mut S, published: std::time::Instant) {
+    for round in 1..=KILL_ROUNDS {
+        let at = published + Duration::from_secs(3 * round as u64);
+        tokio::time::sleep_until(at.into()).await;
+        let into = published.elapsed();
+        assert!(
+            into < Duration::from_secs(12),
+            "round {round}: {into:?} after the second half was published, past the traffic's window"
+        );
+        scene.op.kill9();
+        println!("round {round}: operator SIGKILLed {into:?} into the second half");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        scene.restart_operator();
+    }
 }
 
 /// What every broker shows a user after [`always_nack_scenario`] ran with [`Halfway::Nothing`]:
