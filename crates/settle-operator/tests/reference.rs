@@ -422,6 +422,7 @@ fn metrics_from_code() -> BTreeMap<String, Metric> {
     m.show(
         "reference",
         "page",
+        Some("uid"),
         &settle::api::SubscriptionStats::default(),
         false,
     );

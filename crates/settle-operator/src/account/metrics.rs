@@ -109,6 +109,9 @@ const STALLED: (&str, &str) = (
 /// What one Subscription's series show. A part is exported once it was first set.
 #[derive(Clone, Copy, Default)]
 struct Row {
+    /// The object the row shows (a hash of its UID): another object of the name (deleted and
+    /// applied again faster than the keeper saw the deletion) starts the row anew.
+    object: Option<u64>,
     /// In [`COUNTERS`] order; each the highest shown (a counter never goes back).
     counters: Option<[u64; COUNTERS.len()]>,
     /// pending, ack_pending, exhausting.
@@ -337,12 +340,25 @@ impl Metrics {
         self
     }
 
-    /// Mirrors one Subscription's account (a counter shows the highest value it was given).
-    pub fn show(&self, namespace: &str, name: &str, stats: &SubscriptionStats, exhausting: bool) {
+    /// Mirrors one Subscription's account (a counter shows the highest value the same object
+    /// gave it; another object of the name, by `uid`, starts the row anew).
+    pub fn show(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: Option<&str>,
+        stats: &SubscriptionStats,
+        exhausting: bool,
+    ) {
         let mut rows = self.subscriptions.rows();
         let row = rows
             .entry((namespace.to_string(), name.to_string()))
             .or_default();
+        let object = uid.map(|u| settle::backend::fingerprint(&u));
+        if object.is_some() && row.object.is_some() && row.object != object {
+            *row = Row::default();
+        }
+        row.object = object.or(row.object);
         let mut counters = row.counters.unwrap_or_default();
         for ((_, _, read), shown) in COUNTERS.iter().zip(counters.iter_mut()) {
             *shown = (*shown).max(read(&stats.counters));
@@ -390,10 +406,10 @@ mod tests {
         s.counters.settlement.nacked = 30;
         s.counters.exhausted = 10;
         s.pending = 4;
-        m.show("shop", "orders", &s, true);
-        m.show("shop", "orders", &s, true);
+        m.show("shop", "orders", Some("uid-1"), &s, true);
+        m.show("shop", "orders", Some("uid-1"), &s, true);
         s.counters.exhausted = 12;
-        m.show("shop", "orders", &s, true);
+        m.show("shop", "orders", Some("uid-1"), &s, true);
         m.stalled("shop", "orders", true);
         let t = text(&r);
         for line in [
@@ -408,7 +424,7 @@ mod tests {
         }
         // A lower value (a source lost and continued) never takes a counter back.
         s.counters.exhausted = 3;
-        m.show("shop", "orders", &s, true);
+        m.show("shop", "orders", Some("uid-1"), &s, true);
         assert!(text(&r).contains(
             r#"settle_subscription_exhausted_total{namespace="shop",subscription="orders"} 12"#
         ));
@@ -445,5 +461,35 @@ mod tests {
         ] {
             assert!(t.contains(line), "missing {line} in\n{t}");
         }
+    }
+    #[test]
+    fn another_object_of_the_name_starts_its_series_anew() {
+        let r = Exposition::default();
+        let m = Metrics::new(&r.registry, &r.tables).expect("registers");
+        let mut s = SubscriptionStats::default();
+        s.counters.exhausted = 12;
+        m.show("shop", "orders", Some("uid-1"), &s, true);
+        // Deleted and applied again before the keeper saw the deletion: its own counts, from 0.
+        s.counters.exhausted = 2;
+        m.show("shop", "orders", Some("uid-2"), &s, false);
+        let t = text(&r);
+        assert!(
+            t.contains(
+                r#"settle_subscription_exhausted_total{namespace="shop",subscription="orders"} 2"#
+            ),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                r#"settle_subscription_exhausting{namespace="shop",subscription="orders"} 0"#
+            ),
+            "{t}"
+        );
+        // The same object again: never back.
+        s.counters.exhausted = 1;
+        m.show("shop", "orders", Some("uid-2"), &s, false);
+        assert!(text(&r).contains(
+            r#"settle_subscription_exhausted_total{namespace="shop",subscription="orders"} 2"#
+        ));
     }
 }

@@ -199,7 +199,9 @@ fn wanted(
     )
     .to_vec();
     let stall = stall_condition(round, sub, stats, shown, existing, showing);
-    round.metrics.show(&key.0, &key.1, stats, lost > 0);
+    round
+        .metrics
+        .show(&key.0, &key.1, sub.metadata.uid.as_deref(), stats, lost > 0);
     round
         .metrics
         .stalled(&key.0, &key.1, stall.status == Status::True);
