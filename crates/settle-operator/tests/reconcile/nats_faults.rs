@@ -427,3 +427,64 @@ async fn every_ready_subscription_is_looked_at_again_each_resync_interval_at_no_
     stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// A consumer deleted on the broker before the status naming it reached the controller (here:
+/// the API server refuses that status, a ValidatingAdmissionPolicy) is made again and said
+/// `Recreated`, not `Created`: the connection remembers what it made in the last 30 s, so a
+/// loss is never hidden behind a first making.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_deleted_before_its_status_named_it_is_said_recreated() {
+    install_crds();
+    let ns = namespace("rec-early-drift");
+    let env = common::env();
+    let stream = TestStream::new(&env.nats_url, "early-drift").await;
+    let _op = Operator::start("early-drift", &ns);
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let _gate = common::subs::StatusGate::close(&ns, "orders").await;
+    apply(
+        &ns,
+        &sub_yaml(
+            "orders",
+            &format!(
+                "  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 5\n",
+                stream.prefix
+            ),
+        ),
+    );
+    let first = poll("the consumer made", Duration::from_secs(30), || async {
+        stream
+            .consumer("orders")
+            .await
+            .map(|i| i.created)
+            .ok_or_else(|| "not yet".to_string())
+    })
+    .await;
+    let api = subs(&ns).await;
+    let status = api
+        .get("orders")
+        .await
+        .expect("get")
+        .status
+        .unwrap_or_default();
+    assert!(
+        status.consumer.is_none(),
+        "the gate keeps the consumer out of status: {status:?}"
+    );
+    admin::delete_consumer(&stream.js, &stream.name, "orders")
+        .await
+        .expect("delete on the broker");
+    poll(
+        "the consumer made again",
+        Duration::from_secs(30),
+        || async {
+            match stream.consumer("orders").await {
+                Some(i) if i.created != first => Ok(()),
+                other => Err(format!("{:?}", other.map(|i| i.created))),
+            }
+        },
+    )
+    .await;
+    let note = wait_event(&ns, "orders", "Recreated").await;
+    assert!(note.contains("missing from the broker"), "{note}");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
