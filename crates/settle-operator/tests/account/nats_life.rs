@@ -420,6 +420,34 @@ async fn captured_max_deliveries(
     .await
 }
 
+/// Waits until Backend `backend`'s capture reader in namespace `ns` was delivered past capture
+/// sequence `last`: its keeper read them (not merely the capture holding them).
+async fn read_past(capture: &jetstream::stream::Stream, ns: &str, backend: &str, last: u64) {
+    let reader = settle_operator::account::nats::reader_name(ns, backend);
+    poll(
+        "the keeper to read the advisories",
+        Duration::from_secs(30),
+        || async {
+            let mut c: consumer::PullConsumer = capture
+                .get_consumer(&reader)
+                .await
+                .map_err(|e| e.to_string())?;
+            let at = c
+                .info()
+                .await
+                .map_err(|e| e.to_string())?
+                .delivered
+                .stream_sequence;
+            if at >= last {
+                Ok(())
+            } else {
+                Err(format!("{backend}: read to {at} of {last}"))
+            }
+        },
+    )
+    .await;
+}
+
 /// A last attempt can run out within two seconds of its consumer's making, before the
 /// controller's status naming that consumer reaches the operator (it failed CI once so, under
 /// load). Here the API server refuses that status (a ValidatingAdmissionPolicy) while three
@@ -486,29 +514,7 @@ async fn losses_read_before_the_status_names_the_consumer_wait_for_it() {
         .await;
         last = last.max(seq);
     }
-    let reader = settle_operator::account::nats::reader_name(&scene.ns, "nats");
-    poll(
-        "the operator to read them",
-        Duration::from_secs(30),
-        || async {
-            let mut consumer: consumer::PullConsumer = capture
-                .get_consumer(&reader)
-                .await
-                .map_err(|e| e.to_string())?;
-            let at = consumer
-                .info()
-                .await
-                .map_err(|e| e.to_string())?
-                .delivered
-                .stream_sequence;
-            if at >= last {
-                Ok(())
-            } else {
-                Err(format!("read to {at} of {last}"))
-            }
-        },
-    )
-    .await;
+    read_past(&capture, &scene.ns, "nats", last).await;
     for name in ["waited", "late"] {
         let sub = scene.api.get(name).await.expect("get");
         let status = sub.status.unwrap_or_default();
@@ -778,29 +784,7 @@ async fn losses_of_a_consumer_settle_did_not_make_are_never_a_subscriptions() {
     // Both keepers' readers got past the last of them (read, not merely captured); then three
     // status intervals for anything they counted to show.
     for backend in ["nats", "nats-again"] {
-        let reader = settle_operator::account::nats::reader_name(&scene.ns, backend);
-        poll(
-            "the keeper to read their advisories",
-            Duration::from_secs(30),
-            || async {
-                let mut c: consumer::PullConsumer = capture
-                    .get_consumer(&reader)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let at = c
-                    .info()
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .delivered
-                    .stream_sequence;
-                if at >= last {
-                    Ok(())
-                } else {
-                    Err(format!("{backend}: read to {at} of {last}"))
-                }
-            },
-        )
-        .await;
+        read_past(&capture, &scene.ns, backend, last).await;
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let squatter = scene.api.get("squatter").await.expect("get");
