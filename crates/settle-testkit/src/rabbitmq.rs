@@ -19,8 +19,20 @@ pub fn management(method: &str, path: &str) -> (u16, String) {
     management_with(method, path, "")
 }
 
-/// [`management`] with a JSON request body.
+/// [`management`] with a JSON request body. A GET that gets no answer within 10 s is asked
+/// again, twice at most: the management API can take longer than that on a loaded machine (CI
+/// saw a queue's GET time out), and a GET changes nothing.
 pub fn management_with(method: &str, path: &str, json: &str) -> (u16, String) {
+    let tries = if method == "GET" { 3 } else { 1 };
+    for _ in 1..tries {
+        if let Ok(answer) = management_once(method, path, json) {
+            return answer;
+        }
+    }
+    management_once(method, path, json).unwrap_or_else(|e| panic!("{method} {path}: read: {e}"))
+}
+
+fn management_once(method: &str, path: &str, json: &str) -> std::io::Result<(u16, String)> {
     let base = super::env().rabbitmq_management_url;
     let addr = base.trim_start_matches("http://").trim_end_matches('/');
     let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
@@ -33,8 +45,7 @@ pub fn management_with(method: &str, path: &str, json: &str) -> (u16, String) {
     s.write_all(req.as_bytes())
         .unwrap_or_else(|e| panic!("{method} {path}: send: {e}"));
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw)
-        .unwrap_or_else(|e| panic!("{method} {path}: read: {e}"));
+    s.read_to_end(&mut raw)?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
@@ -42,7 +53,7 @@ pub fn management_with(method: &str, path: &str, json: &str) -> (u16, String) {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    (status, body.to_string())
+    Ok((status, body.to_string()))
 }
 
 /// `s` as one segment of a management API path (`%` and `/` escaped).
