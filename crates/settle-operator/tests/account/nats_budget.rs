@@ -1,4 +1,4 @@
-//! The cluster-wide status budget (issue "Scale", item 2; docs/semantics.md C21): `settle
+//! The cluster-wide status budget (docs/semantics.md C21): `settle
 //! operator` as a process on the real API server and nats-server, with
 //! `--status-writes-per-second 2` and `--stats-interval 1s`, and twelve Subscriptions whose
 //! counters move every second (their runtime's reports put into `settle-stats`, the documented

@@ -1,4 +1,4 @@
-//! A tenant floods the account (issue "Tenants", item 2): anyone who can write to the report
+//! A tenant floods the account: anyone who can write to the report
 //! bucket writes 500 reports of 1 MiB and 10,000 instance names under one Subscription. The
 //! operator must drop what is past its bounds (counted), keep the Subscription's real counters
 //! exact, stay under the chart's memory limit, and go on admitting `kubectl apply` meanwhile:

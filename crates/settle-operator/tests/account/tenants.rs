@@ -1,4 +1,4 @@
-//! Tenants cannot forge each other's account (issue 18, "reports are bound to their writer"):
+//! Tenants cannot forge each other's account (reports are bound to their writer):
 //! on a nats-server of the test's own with one user per tenant and permissions as the README's
 //! "Multi-tenant brokers" gives them, and on the shared RabbitMQ with users of the test's own,
 //! the victim's Subscription gets real deliveries, then another tenant tries every forgery it
