@@ -234,6 +234,12 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
             .arg("--tls-key-file")
             .arg(&key)
             .args(["--leader-election=false"])
+            // Its controllers watch a namespace of their own, empty: test binaries run side by
+            // side, and an operator watching every namespace would reconcile theirs too.
+            .args([
+                "--watch-namespaces",
+                &format!("operator-cli-{}-unwatched", std::process::id()),
+            ])
             // The metrics address only by its env fallback: the flag's default (0.0.0.0:8080)
             // would not answer on this port.
             .env("SETTLE_METRICS_ADDR", format!("127.0.0.1:{metrics_port}"))
@@ -295,4 +301,53 @@ fn healthz_answers_at_once_and_readyz_only_after_the_backend_cache_synced() {
     );
     drop(operator);
     let _ = std::fs::remove_file(&log_path);
+}
+
+/// Test binaries run side by side on one API server: an operator a test starts that watched
+/// every namespace would reconcile the other suites' objects (and connect to the brokers their
+/// Backends name). Every place that starts `settle operator` for a test names the namespaces its
+/// controllers watch.
+#[test]
+fn every_operator_a_test_starts_watches_only_namespaces_it_names() {
+    let root = common::root();
+    let mut files = Vec::new();
+    let mut dirs = vec![root.join("crates")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)
+            .expect("read a source folder")
+            .flatten()
+        {
+            let path = entry.path();
+            if path.is_dir() && !path.ends_with("target") {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && (path.components().any(|c| c.as_os_str() == "tests")
+                    || path.starts_with(root.join("crates/settle-testkit")))
+            {
+                files.push(path);
+            }
+        }
+    }
+    // Built here, so that this file's own text does not match.
+    let start = format!("[{:?}, {:?}", "operator", "--log-format");
+    let starters: Vec<_> = files
+        .iter()
+        .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains(&start)))
+        .collect();
+    assert!(starters.len() >= 5, "found {starters:?}");
+    // The flag within the lines that build the command (the next 25).
+    for path in starters {
+        let text = std::fs::read_to_string(path).expect("read");
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, _) in lines.iter().enumerate().filter(|(_, l)| l.contains(&start)) {
+            assert!(
+                lines[i..(i + 25).min(lines.len())]
+                    .iter()
+                    .any(|l| l.contains("\"--watch-namespaces\"")),
+                "{}:{} starts `settle operator` without --watch-namespaces",
+                path.display(),
+                i + 1
+            );
+        }
+    }
 }

@@ -94,6 +94,16 @@ impl Operator {
             ])
             .args(["--webhook-configuration", configuration])
             .args(["--webhook-ips", "127.0.0.1"])
+            // Its controllers watch its own namespace unless the test names others: test
+            // binaries run side by side, and an operator watching every namespace would
+            // reconcile (and connect to the brokers of) the other suites' objects.
+            .args(
+                if flags.iter().any(|f| f.starts_with("--watch-namespaces")) {
+                    vec![]
+                } else {
+                    vec!["--watch-namespaces", ns]
+                },
+            )
             .args(flags)
             .env("KUBECONFIG", &env.kubeconfig)
             .env("RUST_LOG", "info")
