@@ -1,16 +1,22 @@
-//! A network partition between a client and the environment's API server: a TCP forwarder that
-//! can be made to hang (it holds its connections but passes no bytes either way), a kube client
-//! and a kubeconfig file that go through it. The leader tests cut a leader off with it.
+//! A network partition between a client and a server (the environment's API server, a broker): a
+//! TCP forwarder that can be made to hang (it holds its connections but passes no bytes either
+//! way) or to close every connection a moment after it opens, and that counts the connections it
+//! accepted; for the API server, a kube client and a kubeconfig file that go through it. The
+//! leader tests cut a leader off with it; the RabbitMQ connection tests drop a broker connection
+//! again and again.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
-/// A TCP forwarder to the API server; stops forwarding when dropped.
+/// A TCP forwarder to a server; stops forwarding when dropped.
 pub struct Partition {
     pub port: u16,
     paused: Arc<AtomicBool>,
+    /// While not 0: every connection is closed this many milliseconds after it opened.
+    cut_after_ms: Arc<AtomicU64>,
+    accepted: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -28,11 +34,15 @@ impl Partition {
         let listener = tokio::net::TcpListener::from_std(listener).expect("a tokio forwarder");
         let port = listener.local_addr().expect("addr").port();
         let paused = Arc::new(AtomicBool::new(false));
-        let flag = paused.clone();
+        let cut_after_ms = Arc::new(AtomicU64::new(0));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (flag, cut, count) = (paused.clone(), cut_after_ms.clone(), accepted.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
-                let flag = flag.clone();
+                count.fetch_add(1, Ordering::SeqCst);
+                let (flag, cut) = (flag.clone(), cut.clone());
                 tokio::spawn(async move {
+                    let opened = Instant::now();
                     let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
                         return;
                     };
@@ -40,11 +50,44 @@ impl Partition {
                     let (sr, sw) = server.into_split();
                     let up = pump(cr, sw, flag.clone());
                     let down = pump(sr, cw, flag);
-                    let _ = tokio::join!(up, down);
+                    let cut_off = async {
+                        loop {
+                            let ms = cut.load(Ordering::SeqCst);
+                            if ms > 0 && opened.elapsed() >= Duration::from_millis(ms) {
+                                return;
+                            }
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    };
+                    // Returning drops both sockets: the connection closes both ways.
+                    tokio::select! {
+                        _ = async { tokio::join!(up, down) } => {}
+                        () = cut_off => {}
+                    }
                 });
             }
         });
-        Partition { port, paused, task }
+        Partition {
+            port,
+            paused,
+            cut_after_ms,
+            accepted,
+            task,
+        }
+    }
+
+    /// `Some(d)`: from now on every connection, open or new, is closed `d` after it opened;
+    /// `None`: they stay open again.
+    pub fn cut_after(&self, after: Option<Duration>) {
+        let ms = after.map_or(0, |d| {
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+        });
+        self.cut_after_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// How many connections it accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// `true`: every byte either way stops (connections stay open); `false`: they flow again.

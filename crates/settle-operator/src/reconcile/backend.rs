@@ -432,6 +432,9 @@ fn down_reason(class: Failure) -> &'static str {
 }
 
 fn amqp_message(f: &amqp::ConnectFailure) -> String {
+    if matches!(f, amqp::ConnectFailure::Unsteady { .. }) {
+        return format!("{f}: the broker's log says why it closes them");
+    }
     match f.class() {
         Failure::Unreachable => {
             format!("{f}: check spec.rabbitmq.urls and that the broker runs; Settle keeps trying")

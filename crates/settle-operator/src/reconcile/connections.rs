@@ -27,6 +27,7 @@ use tokio::task::JoinHandle;
 use super::gate::Gates;
 use super::index;
 use super::metrics::Metrics;
+use super::redial::Redial;
 use settle::api::{Backend, Subscription};
 use settle::backend::nats::advisory::{self, ChangeKind};
 use settle::backend::nats::connect::{self, ConnectFailure, ConnectSpec};
@@ -94,6 +95,8 @@ pub struct RabbitConn {
     /// Queues whose running marker (`settle.running.<queue>`, semantics W3) this connection
     /// made: each is made once per connection, not on every check.
     pub running_marked: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// When a dropped connection may be made again.
+    redial: Arc<Mutex<Redial>>,
 }
 
 impl Drop for RabbitConn {
@@ -118,13 +121,25 @@ impl RabbitConn {
         {
             return Ok(c.clone());
         }
+        let backend = format!("{}/{}", self.key.0, self.key.1);
         if let Some((_, listener)) = slot.take() {
             listener.abort();
-            tracing::info!(backend = %format!("{}/{}", self.key.0, self.key.1), "the AMQP connection dropped: connecting again");
+            lock(&self.redial).dropped(Instant::now());
+            tracing::info!(%backend, "the AMQP connection dropped: connecting again");
+        }
+        if let Some(soon) = lock(&self.redial).too_soon(Instant::now()) {
+            tracing::debug!(%backend, drops = soon.drops, retry_in = ?soon.retry_in, "the AMQP connection keeps dropping: not connecting yet");
+            return Err(amqp::ConnectFailure::Unsteady {
+                drops: soon.drops,
+                pause: soon.pause,
+                last_error: soon.last_error,
+            });
         }
         let c = Arc::new(amqp::connect(&self.spec).await?);
+        lock(&self.redial).made(Instant::now());
         let mut events = c.events_listener();
         let (conns, key, weak) = (self.conns.clone(), self.key.clone(), Arc::downgrade(&c));
+        let redial = self.redial.clone();
         let listener = tokio::spawn(async move {
             while let Some(ev) = events.next().await {
                 if let lapin::Event::Error(e) = ev {
@@ -134,6 +149,7 @@ impl RabbitConn {
                         tracing::debug!(backend = %format!("{}/{}", key.0, key.1), error = %e, "an AMQP channel closed; the connection is up");
                         continue;
                     }
+                    lock(&redial).closed_because(e.to_string());
                     tracing::warn!(backend = %format!("{}/{}", key.0, key.1), error = %e, "the AMQP connection failed: re-checking the Backend and its Subscriptions");
                     if let Some(conns) = conns.upgrade() {
                         conns.dropped(&key, "disconnect");
@@ -375,6 +391,7 @@ impl Connections {
             conns: Arc::downgrade(self),
             key: key.clone(),
             running_marked: std::sync::Mutex::default(),
+            redial: Arc::default(),
         };
         if let Err(e) = conn.connection().await {
             self.failed(key, fingerprint, e.to_string());

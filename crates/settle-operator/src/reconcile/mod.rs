@@ -26,6 +26,7 @@ pub mod index;
 pub mod metrics;
 pub mod nats;
 pub mod rabbitmq;
+pub mod redial;
 pub mod sqs;
 pub mod status;
 pub mod step;

@@ -11,6 +11,7 @@
 //! | [`nats_leader`] | NATS JetStream | two operators and their Lease: one reconciles, the other takes over |
 //! | [`nats_runtime`] | NATS JetStream | the runtime example bound to the consumer the operator made |
 //! | [`rabbitmq`] | RabbitMQ | queues, bindings, marks, adoption, the vhost's limits |
+//! | [`rabbitmq_connection`] | RabbitMQ | the AMQP connection: without the management API, closed by the broker, closed again and again |
 //! | [`sqs`] | SQS (ElasticMQ) | queues, tags, dead-letter queues, deletion |
 //!
 //! The Backend controller's faults, the Lease and the runtime example are the same code on every
@@ -23,4 +24,5 @@ mod nats_faults;
 mod nats_leader;
 mod nats_runtime;
 mod rabbitmq;
+mod rabbitmq_connection;
 mod sqs;

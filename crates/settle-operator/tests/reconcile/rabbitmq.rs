@@ -7,10 +7,8 @@
 //! same queue in place, a changed maxDeliver is reported ImmutableField with the field named; a
 //! queue of another Subscription is a conflict and left alone; deleting the Subscription deletes
 //! its queue, unless it is retained. The runtime built from the same resource consumes from the
-//! operator's queue, and again once the operator has made a deleted queue again. Without the
-//! management API, queues are still made and made again (a missing queue's refused passive
-//! declare is no dropped connection), and a connection the broker closes is made again and used.
-//! With and without it, a same-named queue Settle did not make for this object (another
+//! operator's queue, and again once the operator has made a deleted queue again. With and without
+//! the management API, a same-named queue Settle did not make for this object (another
 //! application's, or an earlier object's left by Retain) is neither bound nor deleted, unless the
 //! `settle.dev/adopt` annotation names the earlier object's UID.
 
@@ -30,7 +28,7 @@ use serde_json::Value;
 use settle::api::ConsumerRef;
 use settle::policy::{BackendKind, capabilities_of};
 
-fn delete_queue(name: &str) {
+pub(crate) fn delete_queue(name: &str) {
     let (status, body) = management("DELETE", &format!("/api/queues/%2f/{name}"));
     assert!(
         status == 204 || status == 404,
@@ -38,7 +36,11 @@ fn delete_queue(name: &str) {
     );
 }
 
-async fn wait_queue(name: &str, what: &str, f: impl Fn(&Option<Value>) -> bool) -> Option<Value> {
+pub(crate) async fn wait_queue(
+    name: &str,
+    what: &str,
+    f: impl Fn(&Option<Value>) -> bool,
+) -> Option<Value> {
     poll(what, Duration::from_secs(30), || async {
         let q = queue(name);
         if f(&q) { Ok(q) } else { Err(format!("{q:?}")) }
@@ -454,156 +456,6 @@ async fn the_runtime_consumes_from_the_operators_queue_and_again_after_it_is_mad
     bus.close().await;
     kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
     assert!(queue(&durable).is_none());
-    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
-}
-
-/// Percent-encodes a path segment (a connection's name has spaces, `:` and `>`).
-fn segment(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
-
-/// The broker's names of the AMQP connections operator `pid` holds.
-fn connections_of(pid: u32) -> Vec<String> {
-    let (status, body) = management("GET", "/api/connections");
-    assert_eq!(status, 200, "{body}");
-    let v: Value = serde_json::from_str(&body).expect("JSON");
-    v.as_array()
-        .expect("a list")
-        .iter()
-        .filter(|c| {
-            c["client_properties"]["connection_name"]
-                .as_str()
-                .is_some_and(|n| n.ends_with(&format!("-{pid}")))
-        })
-        .filter_map(|c| c["name"].as_str().map(str::to_string))
-        .collect()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn without_the_management_api_queues_are_still_made_and_a_closed_connection_is_made_again() {
-    install_crds();
-    let ns = namespace("rec-rabbit-amqp");
-    let env = common::env();
-    let op = Operator::start_with(
-        "rabbitmq-amqp",
-        &ns,
-        &["--leader-election=false", "--drift-interval", "1s"],
-    );
-    let tag = format!("am{}", std::process::id());
-    apply(
-        &ns,
-        &format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: plain}}\nspec:\n  rabbitmq:\n    urls: [\"{}\"]\n",
-            env.rabbitmq_url
-        ),
-    );
-    let b = wait_backend(&backends(&ns).await, "plain", "True", "Connected").await;
-    let st = b.status.expect("status");
-    assert_eq!(st.server_version, None, "AMQP does not show the version");
-    let (_, _, m) = condition(&st.conditions, "Ready").expect("Ready");
-    assert!(m.contains("managementUrl"), "{m}");
-
-    let durable = format!("{tag}-plain");
-    apply(
-        &ns,
-        &sub_yaml_on(
-            "plain",
-            "plain",
-            &format!(
-                "  pattern: \"{tag}.plain.>\"\n  mode: AtLeastOnce\n  durableName: {durable}\n  maxDeliver: 4\n"
-            ),
-        ),
-    );
-    let api = subs(&ns).await;
-    wait_ready(&api, "plain").await;
-    let q = queue(&durable).expect("made");
-    assert_eq!(q["arguments"]["x-delivery-limit"], 3);
-    assert_eq!(
-        bindings(&durable),
-        vec![("amq.topic".to_string(), format!("{tag}.plain.#"))]
-    );
-
-    // Deleted on the broker: made again (found missing by a passive declare, whose refusal
-    // closes its channel: that is not a dropped connection).
-    delete_queue(&durable);
-    wait_queue(&durable, "the queue to be made again", |q| q.is_some()).await;
-    wait_event(&ns, "plain", "Recreated").await;
-    let disconnects =
-        |op: &Operator| op.metric("settle_drift_triggers_total", &[("source", "disconnect")]);
-    assert_eq!(disconnects(&op), 0.0, "a closed channel is no disconnect");
-
-    // The broker closes the operator's connection: it is made again, and used.
-    let pid = op.pid();
-    let before = poll(
-        "the operator's AMQP connection",
-        Duration::from_secs(30),
-        || async {
-            let c = connections_of(pid);
-            if c.is_empty() {
-                Err("none".to_string())
-            } else {
-                Ok(c)
-            }
-        },
-    )
-    .await;
-    for name in &before {
-        let (status, body) = management("DELETE", &format!("/api/connections/{}", segment(name)));
-        assert_eq!(status, 204, "close {name}: {body}");
-    }
-    poll(
-        "the drop to be noticed",
-        Duration::from_secs(30),
-        || async {
-            let n = disconnects(&op);
-            if n >= 1.0 {
-                Ok(())
-            } else {
-                Err(format!("{n}"))
-            }
-        },
-    )
-    .await;
-    poll("a new AMQP connection", Duration::from_secs(30), || async {
-        let now = connections_of(pid);
-        if now.iter().any(|c| !before.contains(c)) {
-            Ok(())
-        } else {
-            Err(format!("{now:?}"))
-        }
-    })
-    .await;
-    delete_queue(&durable);
-    // (Kubernetes folds a repeated Event into one, so the operations are counted instead.)
-    let recreated =
-        |op: &Operator| op.metric("settle_consumer_operations_total", &[("op", "recreate")]);
-    let made_before = recreated(&op);
-    delete_queue(&durable);
-    poll(
-        "the queue made again over the new connection",
-        Duration::from_secs(30),
-        || async {
-            let n = recreated(&op);
-            if n > made_before && queue(&durable).is_some() {
-                Ok(())
-            } else {
-                Err(format!("{n} recreated"))
-            }
-        },
-    )
-    .await;
-
-    // Deletion removes the queue its status names.
-    kubectl_ok(&["delete", "subscriptions", "--all", "-n", &ns], None);
-    assert!(queue(&durable).is_none(), "deleted with its Subscription");
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
 

@@ -168,12 +168,33 @@ pub enum ConnectFailure {
     /// The URL, credentials or CA could not be used at all.
     #[error("{0}")]
     BadConfig(String),
+    /// The broker closed the last connections within seconds of their making: the next one is
+    /// made only `pause` after the last drop (the message stays the same while it waits, so a
+    /// status that shows it is not written again for every check).
+    #[error(
+        "RabbitMQ closed the last {drops} connections within seconds of their making{}; the next one is made {}s after the last drop",
+        last_word(.last_error),
+        .pause.as_secs_f64()
+    )]
+    Unsteady {
+        drops: u32,
+        pause: std::time::Duration,
+        last_error: Option<String>,
+    },
+}
+
+fn last_word(e: &Option<String>) -> String {
+    e.as_deref()
+        .map(|e| format!(" (last: {e})"))
+        .unwrap_or_default()
 }
 
 impl Classify for ConnectFailure {
     fn class(&self) -> Failure {
         match self {
-            ConnectFailure::Unreachable { .. } => Failure::Unreachable,
+            ConnectFailure::Unreachable { .. } | ConnectFailure::Unsteady { .. } => {
+                Failure::Unreachable
+            }
             ConnectFailure::AuthFailed(_) => Failure::AuthFailed,
             ConnectFailure::BadConfig(_) => Failure::Refused,
         }
