@@ -29,6 +29,9 @@
 set -euo pipefail
 shopt -s inherit_errexit   # a failing step inside $(...) stops the build too
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# Cargo picks the package by the working directory: build from the workspace root, wherever
+# this runs from (`cargo test -p settle-e2e` runs tests in crates/settle-e2e).
+cd "$ROOT"
 # shellcheck source=hack/lib.sh
 . "$ROOT/hack/lib.sh"
 
