@@ -17,7 +17,9 @@
 //!    consuming): every message acked, nothing lost, no admission refused;
 //! 6. `kubectl rollout restart` of the application under traffic: the account holds, and the
 //!    application's graceful stop ran;
-//! 7. `helm uninstall`: nothing of the release is left but the CRDs.
+//! 7. `kubectl delete namespace` of the team: every consumer of its Subscriptions is deleted, in
+//!    whatever order the namespace controller deletes its Backends and Subscriptions;
+//! 8. `helm uninstall`: nothing of the release is left but the CRDs.
 //!
 //! It prints the figures of the run (pods, failover time, prober counts, durations). Without the
 //! node it fails, saying how to start it. It leaves the node as it found it (and cleans what an
@@ -101,6 +103,7 @@ async fn settle_installs_with_helm_on_a_real_node_and_lives_through_day_two() {
     evictions_respect_the_pdb(&node, &client).await;
     upgrade_under_traffic(&node, &prober, &operator_image, &mut figures).await;
     app_rollout_restart_under_traffic(&node, &prober, &mut figures).await;
+    namespace_deletion_deletes_the_consumers(&node, &js).await;
     uninstall_leaves_only_the_crds(&node, &mut figures);
     node.remove_image(&upgrade_image(&operator_image));
     figures.suite = started.elapsed();
@@ -698,10 +701,48 @@ async fn app_rollout_restart_under_traffic(
     );
 }
 
+/// `kubectl delete namespace` of the team, its Backends and Subscriptions (all `Delete`) with it,
+/// in whatever order the real namespace controller takes: the Backends stay until their
+/// Subscriptions deleted their consumers, so no consumer is left on the broker, and no finalizer
+/// had to be taken off by hand.
+async fn namespace_deletion_deletes_the_consumers(
+    node: &Node,
+    js: &async_nats::jetstream::Context,
+) {
+    step("kubectl delete namespace: every consumer of its Subscriptions goes with it");
+    let consumers = || async {
+        let mut all = Vec::new();
+        for stream in ["ORDERS", "PROBER"] {
+            let s = js.get_stream(stream).await.expect("stream");
+            let names: Vec<String> = futures::TryStreamExt::try_collect(s.consumer_names())
+                .await
+                .expect("consumer names");
+            all.extend(names.into_iter().map(|n| format!("{stream}/{n}")));
+        }
+        all.sort();
+        all
+    };
+    let before = consumers().await;
+    assert!(
+        !before.is_empty(),
+        "the team's Subscriptions have consumers"
+    );
+    let t = Instant::now();
+    // Far shorter than the grace after which the test kit would strip finalizers by hand.
+    node.delete_namespace_unaided(TEAM, Duration::from_secs(120));
+    println!(
+        "namespace {TEAM} deleted in {:?}; consumers before: {before:?}",
+        t.elapsed()
+    );
+    assert_eq!(
+        consumers().await,
+        Vec::<String>::new(),
+        "left on the broker"
+    );
+}
+
 fn uninstall_leaves_only_the_crds(node: &Node, figures: &mut Figures) {
     step("helm uninstall: nothing of the release is left but the CRDs");
-    // The team's Subscriptions go first, while the operator is there to release their consumers.
-    node.delete_namespace(TEAM, Duration::from_secs(60));
     let t = Instant::now();
     node.helm(&[
         "uninstall",

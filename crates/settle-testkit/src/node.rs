@@ -201,6 +201,29 @@ impl Node {
 
     /// Deletes namespace `ns` and waits until it is gone. Subscriptions the operator can no longer
     /// release (it is not running) have their finalizer taken off by hand after `grace`.
+    /// Deletes namespace `ns` and waits until it is gone, within `limit`, taking nothing off by
+    /// hand: whatever holds it (a finalizer) fails the test.
+    pub fn delete_namespace_unaided(&self, ns: &str, limit: Duration) {
+        self.kubectl_ok(&["delete", "namespace", ns, "--wait=false"], None);
+        let start = Instant::now();
+        while self
+            .kubectl(&["get", "namespace", ns], None)
+            .status
+            .success()
+        {
+            assert!(
+                start.elapsed() < limit,
+                "namespace {ns} still exists {:?} after its deletion: {}",
+                start.elapsed(),
+                self.kubectl_ok(
+                    &["get", "subscriptions,backends", "-n", ns, "-o", "yaml"],
+                    None
+                )
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     pub fn delete_namespace(&self, ns: &str, grace: Duration) {
         if !self
             .kubectl(&["get", "namespace", ns], None)

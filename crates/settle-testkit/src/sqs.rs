@@ -42,11 +42,16 @@ pub async fn client() -> Client {
 /// Backend `sqs` in `ns` on the environment's ElasticMQ with queue prefix `prefix`, its
 /// credentials in Secret `aws` (made here, labelled for Backends). Does not wait for it.
 pub fn sqs_backend(ns: &str, prefix: &str) {
+    sqs_backend_named(ns, "sqs", prefix);
+}
+
+/// [`sqs_backend`], the Backend named `name`.
+pub fn sqs_backend_named(ns: &str, name: &str, prefix: &str) {
     aws_secret(ns);
     apply(
         ns,
         &format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
             super::env().sqs_endpoint
         ),
     );

@@ -194,6 +194,12 @@ pub struct OperatorArgs {
     /// (docs/semantics.md J9).
     #[arg(long, env = "SETTLE_ADOPT_NAMESPACES", value_delimiter = ',')]
     pub adopt_namespaces: Vec<String>,
+    /// A deleted Backend stays (its finalizer) while Subscriptions that name it still have
+    /// consumers or queues to delete, for at most this long (a Kubernetes duration); then it goes,
+    /// a Warning Event names the Subscriptions left, and each of those that can no longer delete
+    /// its consumer says so (settle_consumers_left_total).
+    #[arg(long, env = "SETTLE_BACKEND_DELETION_GRACE", default_value = "5m", value_parser = positive_duration)]
+    pub backend_deletion_grace: Duration,
     /// Subscriptions on brokers without change events (RabbitMQ, SQS) are re-checked this
     /// often, so a queue deleted or changed on the broker is made again (a Kubernetes duration).
     #[arg(long, env = "SETTLE_DRIFT_INTERVAL", default_value = "30s", value_parser = positive_duration)]

@@ -306,6 +306,7 @@ fn reconcile_config(args: &OperatorArgs, watch_namespaces: Vec<String>) -> recon
         watch_namespaces,
         resync: args.resync_interval,
         drift: args.drift_interval,
+        backend_deletion_grace: args.backend_deletion_grace,
         concurrency: args.concurrency,
         identity: leader::identity(),
         backend_rules: args.backend_rules(),

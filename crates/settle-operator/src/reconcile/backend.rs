@@ -9,6 +9,9 @@
 //! credentials over plaintext, A21). Every kind: NATS (JetStream must answer), RabbitMQ (AMQP, and
 //! the management API when named), SQS (ListQueues under the prefix must answer).
 //!
+//! Before any of that it puts its finalizer on ([`backend_finalizer`]: a deleted Backend keeps
+//! its connection while its Subscriptions delete their consumers, within a grace).
+//!
 //! It must not touch consumers (that is the Subscription controller) nor write the account's
 //! fields.
 
@@ -24,8 +27,9 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
 
+use super::backend_finalizer;
 use super::conditions::reasons;
-use super::connections::{Conn, Key};
+use super::connections::{Conn, Key, Lookup};
 use super::metrics::BACKEND;
 use super::status::{BackendOutcome, BrokerError, backend_status, broker_reason};
 use super::{Ctx, Error, FIELD_MANAGER};
@@ -75,6 +79,22 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         // The API server refuses such a spec; nothing to do until it changes.
         return Ok(Action::await_change());
     };
+    // Deleting: the Backend stays while its Subscriptions delete their consumers through the
+    // connection it has (its Secret may be gone already), or makes one if it has none.
+    let deleting = b.metadata.deletion_timestamp.is_some();
+    if deleting && !backend_finalizer::held(&b) {
+        return Ok(Action::await_change());
+    }
+    if deleting && matches!(ctx.conns.get_for_deletion(&key), Lookup::Up(_)) {
+        return backend_finalizer::release(&ctx, &b).await;
+    }
+    // A connection kept for deletions after its Secret went missing is not kept for ever.
+    if !deleting {
+        ctx.conns.close_retired(&key, ctx.backend_deletion_grace);
+    }
+    if !deleting && !backend_finalizer::held(&b) {
+        backend_finalizer::hold(&ctx, &b).await?;
+    }
     let s = &b.spec;
     let fetched = fetch_secrets(&ctx, &ns, s).await?;
     let views = |name: &str| match fetched.get(name) {
@@ -102,6 +122,9 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     let outcome = said_if_plaintext(&ctx, &b, outcome).await;
     if !write_status(&ctx, &b, &key, kind, &outcome).await? {
         return Ok(Action::await_change());
+    }
+    if deleting {
+        return backend_finalizer::release(&ctx, &b).await;
     }
     let healthy = outcome.is_ready();
     let fkey = format!("backend/{}/{}", key.0, key.1);

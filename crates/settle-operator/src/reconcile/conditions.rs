@@ -93,6 +93,9 @@ pub mod events {
     /// The consumer was gone from the broker (deleted there, or lost) and was made again.
     pub const RECREATED: &str = "Recreated";
     pub const RETAINED: &str = "Retained";
+    /// A Warning: the Subscription (deletionPolicy Delete) was deleted after its Backend, so its
+    /// consumer or queue stays on the broker (also counted in `settle_consumers_left_total`).
+    pub const LEFT_ON_BROKER: &str = "LeftOnBroker";
     /// A queue an earlier object of the Subscription's name left was taken over, as its
     /// `settle.dev/adopt` annotation asked.
     pub const ADOPTED: &str = "Adopted";

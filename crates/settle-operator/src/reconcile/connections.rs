@@ -245,8 +245,18 @@ pub enum Lookup {
 }
 
 enum Entry {
-    Up { conn: Arc<Conn>, fingerprint: u64 },
-    Failed { fingerprint: u64, message: String },
+    Up {
+        conn: Arc<Conn>,
+        fingerprint: u64,
+    },
+    Failed {
+        fingerprint: u64,
+        message: String,
+        /// The connection held when its Secret went missing, and since when: kept only for the
+        /// Subscriptions' deletions (a namespace deletion may take the Secret first), never for
+        /// anything else, and closed by [`Connections::close_retired`].
+        retired: Option<(Arc<Conn>, Instant)>,
+    },
 }
 
 /// Every Backend's connection, and where their events go.
@@ -296,6 +306,32 @@ impl Connections {
         }
     }
 
+    /// Backend `key`'s connection to delete consumers with: the one in use, or the one held when
+    /// its Secret went missing.
+    pub fn get_for_deletion(&self, key: &Key) -> Lookup {
+        match lock(&self.entries).get(key) {
+            Some(Entry::Failed {
+                retired: Some((conn, _)),
+                ..
+            }) => Lookup::Up(conn.clone()),
+            Some(Entry::Up { conn, .. }) => Lookup::Up(conn.clone()),
+            Some(Entry::Failed { message, .. }) => Lookup::Failed(message.clone()),
+            None => Lookup::Unknown,
+        }
+    }
+
+    /// Closes the connection kept for deletions once it has been kept `longer_than`.
+    pub fn close_retired(&self, key: &Key, longer_than: Duration) {
+        if let Some(Entry::Failed { retired, .. }) = lock(&self.entries).get_mut(key)
+            && retired
+                .as_ref()
+                .is_some_and(|(_, since)| since.elapsed() > longer_than)
+        {
+            *retired = None;
+            tracing::info!(backend = %format!("{}/{}", key.0, key.1), "closed the connection kept for deletions after its Secret went missing");
+        }
+    }
+
     /// Drops a Backend's connection (the Backend is gone).
     pub fn remove(&self, key: &Key) {
         let gone = lock(&self.entries).remove(key);
@@ -305,13 +341,21 @@ impl Connections {
     }
 
     /// Records that connecting failed without a spec to connect with (a missing Secret): the
-    /// Backend's Subscriptions say why.
+    /// Backend's Subscriptions say why. The connection it held is kept for their deletions only
+    /// ([`Connections::get_for_deletion`]); [`Connections::remove`] first drops it as well.
     pub fn fail(&self, key: &Key, message: String) {
-        lock(&self.entries).insert(
+        let mut entries = lock(&self.entries);
+        let retired = match entries.remove(key) {
+            Some(Entry::Up { conn, .. }) => Some((conn, Instant::now())),
+            Some(Entry::Failed { retired, .. }) => retired,
+            None => None,
+        };
+        entries.insert(
             key.clone(),
             Entry::Failed {
                 fingerprint: 0,
                 message,
+                retired,
             },
         );
     }
@@ -353,6 +397,7 @@ impl Connections {
             Entry::Failed {
                 fingerprint,
                 message,
+                retired: None,
             },
         );
     }

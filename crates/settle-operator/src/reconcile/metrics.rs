@@ -7,7 +7,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 use crate::exposition::{self, Kind, Table, Tables};
 
@@ -50,6 +52,9 @@ pub struct Metrics {
     pub js_calls: IntCounterVec,
     /// `settle_drift_triggers_total{source}`: reconciles asked for by advisories or reconnects.
     pub triggers: IntCounterVec,
+    /// `settle_consumers_left_total`: consumers or queues a deleted Subscription with
+    /// `deletionPolicy: Delete` left on the broker, because its Backend was gone.
+    pub consumers_left: IntCounter,
     /// `settle_subscription_ready{namespace,subscription}`: 1 while Ready=True, else 0; gone
     /// with the Subscription.
     ready: Ready,
@@ -120,6 +125,10 @@ impl Metrics {
                 ),
                 &["source"],
             )?,
+            consumers_left: IntCounter::new(
+                "settle_consumers_left_total",
+                "Consumers or queues a deleted Subscription (deletionPolicy Delete) left on the broker because its Backend was gone.",
+            )?,
             ready: Ready::default(),
             refusals_gated: IntCounterVec::new(
                 Opts::new(
@@ -146,6 +155,7 @@ impl Metrics {
         registry.register(Box::new(m.kube_requests.clone()))?;
         registry.register(Box::new(m.js_calls.clone()))?;
         registry.register(Box::new(m.triggers.clone()))?;
+        registry.register(Box::new(m.consumers_left.clone()))?;
         // Every series that counts work exists at 0 from the start, on every replica: a family
         // with no series is not exported at all, and a standby's "reconciled nothing" must read
         // as a 0 that is there, not as a metric that is missing.

@@ -19,6 +19,7 @@
 //! `operator`: the operator hands it the leader's gate as a plain channel.
 
 pub mod backend;
+pub mod backend_finalizer;
 pub mod conditions;
 pub mod connections;
 pub mod gate;
@@ -46,7 +47,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, predicates, watcher};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 
@@ -69,6 +70,8 @@ pub struct Config {
     /// Subscriptions on kinds without broker events (RabbitMQ, SQS) are re-checked this often,
     /// so a queue deleted or changed on the broker is repaired.
     pub drift: Duration,
+    /// How long a deleted Backend waits for its Subscriptions' deletions (`--backend-deletion-grace`).
+    pub backend_deletion_grace: Duration,
     /// Subscriptions reconciled at once.
     pub concurrency: u16,
     /// This replica's name (Events' reporting instance, and the NATS connection name).
@@ -111,10 +114,14 @@ pub struct Ctx {
     pub client: Client,
     pub conns: Arc<Connections>,
     pub backends: Store<Backend>,
+    /// The Subscriptions, from the controller's cache (a deleted Backend waits for those that
+    /// name it).
+    pub subs: Store<Subscription>,
     pub metrics: Metrics,
     pub recorder: Recorder,
     pub resync: Duration,
     pub drift: Duration,
+    pub backend_deletion_grace: Duration,
     /// What Backends may name; the Backend controller re-checks it before it connects.
     pub backend_rules: settle::policy::BackendRules,
     /// The dead-letter copy queue's bound (`--dead-letter-copy-max-length`).
@@ -343,6 +350,15 @@ where
 /// What makes a Subscription worth reconciling again: its spec (generation), its deletion and its
 /// adopt annotation (docs/semantics.md J8, R8, Q7). Not its status (this controller's own
 /// writes) nor its finalizers (its own too).
+/// What wakes the Backend controller: a new generation, or the start of its deletion (its own
+/// finalizer and status writes do not).
+fn backend_predicate(b: &Backend) -> Option<u64> {
+    Some(settle::backend::fingerprint(&(
+        b.metadata.generation,
+        b.metadata.deletion_timestamp.is_some(),
+    )))
+}
+
 fn subscription_predicate(s: &Subscription) -> Option<u64> {
     Some(settle::backend::fingerprint(&(
         s.metadata.generation,

@@ -376,7 +376,31 @@ async fn cleanup(t: &Target<'_>, ctx: &Ctx) -> Result<(), Error> {
         return Ok(());
     }
     let Some(backend) = backend_of(sub, ctx) else {
-        tracing::info!(subscription = %format!("{ns}/{name}"), backend = %sub.spec.backend_ref.name, "the Backend is gone: nothing to delete the consumer with");
+        // The Backend stays while its Subscriptions need it (its finalizer), up to
+        // --backend-deletion-grace: past that, or removed by hand, what is left is said.
+        let what = match &t.known {
+            Some(c) if c.stream == SQS_STREAM => format!("SQS queue {}", c.name),
+            Some(c) => format!("consumer {} on stream {}", c.name, c.stream),
+            None => {
+                tracing::info!(subscription = %format!("{ns}/{name}"), backend = %sub.spec.backend_ref.name, "the Backend is gone, and the status named no consumer: nothing to delete");
+                return Ok(());
+            }
+        };
+        let note = format!(
+            "Backend {:?} was gone before this Subscription: {what} stays on the broker; delete it there",
+            sub.spec.backend_ref.name
+        );
+        tracing::warn!(subscription = %format!("{ns}/{name}"), %note, "deleted without its Backend");
+        ctx.metrics.consumers_left.inc();
+        publish(
+            ctx,
+            sub,
+            EventType::Warning,
+            events::LEFT_ON_BROKER,
+            "Delete",
+            note,
+        )
+        .await;
         return Ok(());
     };
     if matches!(
@@ -387,7 +411,7 @@ async fn cleanup(t: &Target<'_>, ctx: &Ctx) -> Result<(), Error> {
     }
     let conn = match ctx
         .conns
-        .get(&(ns.clone(), sub.spec.backend_ref.name.clone()))
+        .get_for_deletion(&(ns.clone(), sub.spec.backend_ref.name.clone()))
     {
         Lookup::Up(c) => c,
         Lookup::Failed(why) => {

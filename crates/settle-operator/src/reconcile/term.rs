@@ -34,7 +34,13 @@ pub(super) async fn run_term(
         backend_tx.clone(),
         metrics.clone(),
     );
-    let ctx = context(&client, config, &conns, &backend_store, &metrics);
+    let ctx = context(
+        &client,
+        config,
+        &conns,
+        (&backend_store, &sub_store),
+        &metrics,
+    );
 
     // Backends: a deleted one's connection is dropped; a change of its spec or of its Ready
     // status reconciles its Subscriptions.
@@ -45,7 +51,7 @@ pub(super) async fn run_term(
             .reflect(backend_writer)
             .inspect_ok(move |ev| backend_seen(&conns, &seen, ev))
             .applied_objects()
-            .predicate_filter(predicates::generation, Default::default())
+            .predicate_filter(backend_predicate, Default::default())
     };
     let secret_task = AbortOnDrop(secret_watch(
         &client,
@@ -124,13 +130,14 @@ fn context(
     client: &Client,
     config: &Config,
     conns: &Arc<Connections>,
-    backends: &Store<Backend>,
+    (backends, subs): (&Store<Backend>, &Store<Subscription>),
     metrics: &Metrics,
 ) -> Arc<Ctx> {
     Arc::new(Ctx {
         client: client.clone(),
         conns: conns.clone(),
         backends: backends.clone(),
+        subs: subs.clone(),
         metrics: metrics.clone(),
         recorder: Recorder::new(
             client.clone(),
@@ -141,6 +148,7 @@ fn context(
         ),
         resync: config.resync,
         drift: config.drift,
+        backend_deletion_grace: config.backend_deletion_grace,
         backend_rules: config.backend_rules.clone(),
         dead_letter_copy_max_length: config.dead_letter_copy_max_length,
         adopt_namespaces: config.adopt_namespaces.clone(),

@@ -5,6 +5,7 @@
 //!
 //! | module | broker | what |
 //! |---|---|---|
+//! | [`deletion`] | every broker | the Backend's Secret, then the Backend, then its Subscriptions deleted: Delete objects go, Retain ones stay |
 //! | [`nats`] | NATS JetStream | the Subscription controller: consumers made, updated in place, refused, deleted |
 //! | [`nats_backend`] | NATS JetStream | the Backend controller: Ready, Unreachable, AuthFailed, Secrets |
 //! | [`nats_faults`] | NATS JetStream | consumers deleted or edited on the broker, a broker stopped, deletes while it is down |
@@ -18,6 +19,7 @@
 //! broker (the controller's broker step is the only broker-specific part, and `rabbitmq` and
 //! `sqs` cover theirs), so they run on NATS only.
 
+mod deletion;
 mod nats;
 mod nats_backend;
 mod nats_faults;

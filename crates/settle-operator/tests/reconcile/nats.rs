@@ -2,8 +2,8 @@
 //! operator` running as a process: a Subscription becomes exactly the mapped consumer (every
 //! field read back over the NATS API), edits apply in place to the same consumer, an
 //! unresolvable stream and a spec that slipped past admission are reported and make no consumer,
-//! and deletion removes the consumer (or keeps it, with `deletionPolicy: Retain`, or when the
-//! Backend went first) without ever blocking.
+//! and deletion removes the consumer (or keeps it, with `deletionPolicy: Retain`) without ever
+//! blocking, also when the Backend is deleted first: it stays until the consumer is deleted.
 
 use settle_testkit as common;
 
@@ -313,29 +313,40 @@ async fn deleting_a_subscription_deletes_its_consumer_unless_retained_and_never_
         "the adopted consumer goes with its new object"
     );
 
-    // The Backend deleted first: the Subscription still deletes.
+    // The Backend deleted first: it stays (its finalizer) while the Subscription still has a
+    // consumer to delete, the Subscription's deletion deletes it, then the Backend goes.
     apply(&ns, &sub_yaml("orphan", &alo("orphan", "")));
     wait_ready(&api, "orphan").await;
-    backends(&ns)
-        .await
+    let b_api = backends(&ns).await;
+    b_api
         .delete("nats", &DeleteParams::default())
         .await
         .expect("delete the Backend");
+    // Past two of its checks (every 2 s), it is still there, deleting, and so is the consumer.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let b = b_api.get("nats").await.expect("the Backend stays");
+    assert!(b.metadata.deletion_timestamp.is_some());
+    assert!(stream.consumer("orphan").await.is_some());
+    api.delete("orphan", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_gone(&api, "orphan", Duration::from_secs(30)).await;
+    assert_eq!(
+        stream.consumer("orphan").await.map(|i| i.name),
+        None,
+        "deleted through the deleting Backend's connection"
+    );
     common::operator::poll(
-        "the Backend to be gone",
+        "the Backend to be gone once no Subscription needs it",
         Duration::from_secs(30),
         || async {
-            match backends(&ns).await.get_opt("nats").await {
+            match b_api.get_opt("nats").await {
                 Ok(None) => Ok(()),
                 other => Err(format!("{other:?}")),
             }
         },
     )
     .await;
-    api.delete("orphan", &DeleteParams::default())
-        .await
-        .expect("delete");
-    wait_gone(&api, "orphan", Duration::from_secs(30)).await;
 
     stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);

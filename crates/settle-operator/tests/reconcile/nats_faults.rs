@@ -4,7 +4,8 @@
 //! Subscription deleted while the broker is down waits and then completes, an operator killed
 //! midway through 200 Subscriptions converges them all after a restart with no duplicate or orphan
 //! consumer, a steady state costs no consumer update and no status write (the controllers' nor
-//! the account's), and the resync looks at every Ready Subscription once an interval.
+//! the account's), the resync looks at every Ready Subscription once an interval, and a deleted
+//! Backend whose broker is cut off goes after its grace, saying what its Subscriptions leave.
 
 use settle_testkit as common;
 
@@ -486,5 +487,73 @@ async fn a_consumer_deleted_before_its_status_named_it_is_said_recreated() {
     .await;
     let note = wait_event(&ns, "orders", "Recreated").await;
     assert!(note.contains("missing from the broker"), "{note}");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+/// A deleted Backend whose broker stopped answering waits for its Subscriptions at most
+/// `--backend-deletion-grace`; then it goes with a Warning naming them, and each of them says
+/// what it leaves on the broker (Event `LeftOnBroker`, `settle_consumers_left_total`): no
+/// deletion blocks for good, and nothing is left unsaid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_backend_whose_broker_is_cut_off_goes_after_its_grace_saying_what_is_left() {
+    install_crds();
+    let ns = namespace("rec-grace");
+    let env = common::env();
+    let stream = TestStream::new(&env.nats_url, "grace").await;
+    let upstream = env
+        .nats_url
+        .trim_start_matches("nats://")
+        .parse()
+        .expect("host:port");
+    let cut = common::partition::Partition::to(upstream).await;
+    let op = Operator::start_with(
+        "grace",
+        &ns,
+        &["--leader-election=false", "--backend-deletion-grace=5s"],
+    );
+    apply(
+        &ns,
+        &backend_yaml("nats", &format!("nats://127.0.0.1:{}", cut.port)),
+    );
+    let api = subs(&ns).await;
+    apply(
+        &ns,
+        &sub_yaml(
+            "stuck",
+            &format!(
+                "  pattern: \"{}.stuck.>\"\n  mode: AtLeastOnce\n  durableName: stuck\n",
+                stream.prefix
+            ),
+        ),
+    );
+    wait_ready(&api, "stuck").await;
+
+    // The broker stops answering the operator; the Subscription, then its Backend, are deleted.
+    cut.pause(true);
+    api.delete("stuck", &DeleteParams::default())
+        .await
+        .expect("delete the Subscription");
+    common::subs::backends(&ns)
+        .await
+        .delete("nats", &DeleteParams::default())
+        .await
+        .expect("delete the Backend");
+    let warning = wait_event(&ns, "nats", "DeletionGraceOver").await;
+    assert!(
+        warning.contains("within --backend-deletion-grace (5s)") && warning.contains("stuck"),
+        "{warning}"
+    );
+    wait_gone(&api, "stuck", Duration::from_secs(60)).await;
+    let left = wait_event(&ns, "stuck", "LeftOnBroker").await;
+    assert!(
+        left.contains("consumer stuck on stream") && left.contains("stays on the broker"),
+        "{left}"
+    );
+    assert_eq!(op.metric("settle_consumers_left_total", &[]), 1.0);
+    assert!(
+        stream.consumer("stuck").await.is_some(),
+        "the consumer is left, as said"
+    );
+    stream.delete().await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }

@@ -30,6 +30,11 @@ pub const GROUP: &str = "messaging.settle.dev";
 /// no write for it (docs/semantics.md A14).
 pub const FINALIZER: &str = "messaging.settle.dev/consumer";
 
+/// The finalizer that keeps a Backend (and its broker connection) while Subscriptions that name
+/// it still have consumers to delete, for at most the operator's `--backend-deletion-grace`
+/// (docs/guide/reconcile.md, "Deletion").
+pub const BACKEND_FINALIZER: &str = "messaging.settle.dev/backend";
+
 /// The CustomResourceDefinitions, as `settle crds` prints them and `crds/` holds them.
 pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
     use kube::CustomResourceExt;

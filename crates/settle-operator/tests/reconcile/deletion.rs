@@ -1,0 +1,179 @@
+//! Deletion in the order a namespace deletion can take, one scene run on every broker: the
+//! Backend's Secret deleted first (where it has one), then the Backend, then its Subscriptions.
+//! The Backend stays (its finalizer) while they still have consumers to delete, keeping the
+//! connection it made before its Secret went; the `Delete` Subscription's consumer or queue is
+//! deleted, the `Retain` one's kept, and then the Backend goes.
+
+use settle_testkit as common;
+
+use std::time::Duration;
+
+use common::operator::{Operator, TestStream, poll};
+use common::subs::{apply, backend_yaml, backends, sub_yaml_on, subs, wait_gone, wait_ready};
+use common::{install_crds, kubectl_ok, namespace};
+use kube::api::DeleteParams;
+
+/// One broker of the scene: its Backend (named `b`), a Subscription spec, and a look at the
+/// broker object the operator made. (One per test: the size of a variant does not matter.)
+#[allow(clippy::large_enum_variant)]
+enum Broker {
+    Nats(TestStream),
+    Rabbitmq(String),
+    Sqs(String),
+}
+
+impl Broker {
+    async fn new(kind: &str) -> Broker {
+        let env = common::env();
+        let tag = format!("del{}", std::process::id());
+        match kind {
+            "nats" => Broker::Nats(TestStream::new(&env.nats_url, "deletion").await),
+            "rabbitmq" => Broker::Rabbitmq(tag),
+            _ => Broker::Sqs(format!("{tag}-")),
+        }
+    }
+
+    /// Applies Backend `b` in `ns` (with its Secret where the kind has one); the Secret's name.
+    fn backend(&self, ns: &str) -> Option<&'static str> {
+        let env = common::env();
+        match self {
+            Broker::Nats(_) => {
+                apply(ns, &backend_yaml("b", &env.nats_url));
+                None
+            }
+            Broker::Rabbitmq(_) => {
+                apply(ns, &common::rabbitmq::env_backend_yaml("b", ""));
+                None
+            }
+            Broker::Sqs(prefix) => {
+                common::sqs::sqs_backend_named(ns, "b", prefix);
+                Some("aws")
+            }
+        }
+    }
+
+    fn spec(&self, durable: &str, retain: bool) -> String {
+        let pattern = match self {
+            Broker::Nats(s) => format!("{}.{durable}.>", s.prefix),
+            Broker::Rabbitmq(tag) => format!("{tag}.{durable}.>"),
+            Broker::Sqs(_) => durable.to_string(),
+        };
+        let durable = match self {
+            Broker::Rabbitmq(tag) => format!("{tag}-{durable}"),
+            _ => durable.to_string(),
+        };
+        format!(
+            "  pattern: \"{pattern}\"\n  mode: AtLeastOnce\n  durableName: {durable}\n{}",
+            if retain {
+                "  deletionPolicy: Retain\n"
+            } else {
+                ""
+            }
+        )
+    }
+
+    /// Whether the broker holds the object the Subscription's status named.
+    async fn holds(&self, name: &str) -> bool {
+        match self {
+            Broker::Nats(s) => s.consumer(name).await.is_some(),
+            Broker::Rabbitmq(_) => common::rabbitmq::queue(name).is_some(),
+            Broker::Sqs(_) => common::sqs::url(&common::sqs::client().await, name)
+                .await
+                .is_some(),
+        }
+    }
+
+    /// Removes what the scene left on purpose (the retained object).
+    async fn clear(self, name: &str) {
+        match self {
+            Broker::Nats(s) => s.delete().await,
+            Broker::Rabbitmq(_) => {
+                let _ = common::rabbitmq::management("DELETE", &format!("/api/queues/%2f/{name}"));
+            }
+            Broker::Sqs(_) => {
+                let c = common::sqs::client().await;
+                if let Some(u) = common::sqs::url(&c, name).await {
+                    let _ = c.delete_queue().queue_url(u).send().await;
+                }
+            }
+        }
+    }
+}
+
+async fn secret_then_backend_then_subscriptions(kind: &str) {
+    install_crds();
+    let ns = namespace(&format!("rec-deletion-{kind}"));
+    let broker = Broker::new(kind).await;
+    let _op = Operator::start(&format!("deletion-{kind}"), &ns);
+    let secret = broker.backend(&ns);
+    let api = subs(&ns).await;
+    apply(&ns, &sub_yaml_on("b", "gone", &broker.spec("gone", false)));
+    apply(&ns, &sub_yaml_on("b", "kept", &broker.spec("kept", true)));
+    let mut made = Vec::new();
+    for name in ["gone", "kept"] {
+        let s = wait_ready(&api, name).await;
+        let c = s.status.and_then(|s| s.consumer).expect("status names it");
+        assert!(broker.holds(&c.name).await, "{kind}: {c:?} made");
+        made.push(c.name);
+    }
+
+    if let Some(secret) = secret {
+        kubectl_ok(&["delete", "secret", secret, "-n", &ns], None);
+    }
+    let b_api = backends(&ns).await;
+    b_api
+        .delete("b", &DeleteParams::default())
+        .await
+        .expect("delete the Backend");
+    // Past two of its checks (every 2 s), it is still there, deleting.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let b = b_api.get("b").await.expect("the Backend stays");
+    assert!(b.metadata.deletion_timestamp.is_some());
+
+    for name in ["gone", "kept"] {
+        api.delete(name, &DeleteParams::default())
+            .await
+            .expect("delete");
+    }
+    for name in ["gone", "kept"] {
+        wait_gone(&api, name, Duration::from_secs(60)).await;
+    }
+    assert!(
+        !broker.holds(&made[0]).await,
+        "{kind}: the Delete Subscription's {} is deleted",
+        made[0]
+    );
+    assert!(
+        broker.holds(&made[1]).await,
+        "{kind}: the Retain Subscription's {} is kept",
+        made[1]
+    );
+    poll(
+        "the Backend to be gone once no Subscription needs it",
+        Duration::from_secs(30),
+        || async {
+            match b_api.get_opt("b").await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    broker.clear(&made[1]).await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_secret_then_backend_then_subscriptions_deletes_what_delete_asks() {
+    secret_then_backend_then_subscriptions("nats").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_secret_then_backend_then_subscriptions_deletes_what_delete_asks() {
+    secret_then_backend_then_subscriptions("rabbitmq").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_secret_then_backend_then_subscriptions_deletes_what_delete_asks() {
+    secret_then_backend_then_subscriptions("sqs").await;
+}
