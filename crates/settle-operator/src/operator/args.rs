@@ -194,6 +194,11 @@ pub struct OperatorArgs {
     /// (docs/semantics.md J9).
     #[arg(long, env = "SETTLE_ADOPT_NAMESPACES", value_delimiter = ',')]
     pub adopt_namespaces: Vec<String>,
+    /// Backends the operator connects in one namespace: the oldest this many (by creation time);
+    /// a further one is Ready=False BackendLimit and makes no connection, keeper or memory, so a
+    /// tenant cannot multiply Backends into the operator's memory (settle_backends_over_limit).
+    #[arg(long, env = "SETTLE_MAX_BACKENDS_PER_NAMESPACE", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_backends_per_namespace: u16,
     /// A deleted Backend stays (its finalizer) while Subscriptions that name it still have
     /// consumers or queues to delete, for at most this long (a Kubernetes duration); then it goes,
     /// a Warning Event names the Subscriptions left, and each of those that can no longer delete

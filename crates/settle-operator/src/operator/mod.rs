@@ -307,6 +307,7 @@ fn reconcile_config(args: &OperatorArgs, watch_namespaces: Vec<String>) -> recon
         resync: args.resync_interval,
         drift: args.drift_interval,
         backend_deletion_grace: args.backend_deletion_grace,
+        max_backends_per_namespace: args.max_backends_per_namespace,
         concurrency: args.concurrency,
         identity: leader::identity(),
         backend_rules: args.backend_rules(),

@@ -10,7 +10,8 @@
 //! the management API when named), SQS (ListQueues under the prefix must answer).
 //!
 //! Before any of that it puts its finalizer on ([`backend_finalizer`]: a deleted Backend keeps
-//! its connection while its Subscriptions delete their consumers, within a grace).
+//! its connection while its Subscriptions delete their consumers, within a grace) and connects
+//! only the oldest `--max-backends-per-namespace` of a namespace ([`backend_limit`]).
 //!
 //! It must not touch consumers (that is the Subscription controller) nor write the account's
 //! fields.
@@ -27,12 +28,12 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
 
-use super::backend_finalizer;
 use super::conditions::reasons;
 use super::connections::{Conn, Key, Lookup};
 use super::metrics::BACKEND;
 use super::status::{BackendOutcome, BrokerError, backend_status, broker_reason};
 use super::{Ctx, Error, FIELD_MANAGER};
+use super::{backend_finalizer, backend_limit};
 use settle::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec};
 use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
@@ -66,6 +67,9 @@ fn labelled(s: &Secret) -> bool {
         .is_some_and(|v| v == CREDENTIALS_LABEL_VALUE)
 }
 
+/// How often a Backend beyond its namespace's bound looks again for a free place.
+const BEYOND_RECHECK: Duration = Duration::from_secs(10);
+
 /// Reconciles one Backend.
 pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let _timer = ctx
@@ -94,6 +98,14 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     }
     if !deleting && !backend_finalizer::held(&b) {
         backend_finalizer::hold(&ctx, &b).await?;
+    }
+    if !deleting && let Some(message) = backend_limit::beyond(&ctx, &b) {
+        ctx.conns.remove(&key);
+        ctx.conns.fail(&key, message.clone());
+        let outcome = BackendOutcome::down(reasons::BACKEND_LIMIT, message);
+        write_status(&ctx, &b, &key, kind, &outcome).await?;
+        // Looked at again now and then: a deleted sibling frees a place.
+        return Ok(Action::requeue(BEYOND_RECHECK));
     }
     let s = &b.spec;
     let fetched = fetch_secrets(&ctx, &ns, s).await?;

@@ -76,6 +76,9 @@ pub mod reasons {
     pub const SECRET_NOT_LABELLED: &str = "SecretNotLabelled";
     /// Ready=False: a broker host is not in `--allowed-broker-hosts` (A19); not connected.
     pub const HOST_NOT_ALLOWED: &str = "HostNotAllowed";
+    /// Ready=False: its namespace has more Backends than `--max-backends-per-namespace`, and
+    /// this one is not among the oldest that many; not connected.
+    pub const BACKEND_LIMIT: &str = "BackendLimit";
     /// Ready=False: SQS without a Secret outside `--sqs-pod-identity-namespaces` (A20).
     pub const POD_IDENTITY_NOT_ALLOWED: &str = "PodIdentityNotAllowed";
     /// Ready=True: connected, but the credentials travel unencrypted (A21); also a Warning Event.

@@ -52,6 +52,9 @@ pub struct Metrics {
     pub js_calls: IntCounterVec,
     /// `settle_drift_triggers_total{source}`: reconciles asked for by advisories or reconnects.
     pub triggers: IntCounterVec,
+    /// `settle_backends_over_limit{namespace}`: Backends of the namespace beyond
+    /// `--max-backends-per-namespace`, not connected; gone at 0.
+    pub backends_over_limit: IntGaugeVec,
     /// `settle_consumers_left_total`: consumers or queues a deleted Subscription with
     /// `deletionPolicy: Delete` left on the broker, because its Backend was gone.
     pub consumers_left: IntCounter,
@@ -125,6 +128,13 @@ impl Metrics {
                 ),
                 &["source"],
             )?,
+            backends_over_limit: IntGaugeVec::new(
+                Opts::new(
+                    "settle_backends_over_limit",
+                    "Backends of a namespace beyond --max-backends-per-namespace: Ready=False BackendLimit, not connected.",
+                ),
+                &["namespace"],
+            )?,
             consumers_left: IntCounter::new(
                 "settle_consumers_left_total",
                 "Consumers or queues a deleted Subscription (deletionPolicy Delete) left on the broker because its Backend was gone.",
@@ -156,6 +166,7 @@ impl Metrics {
         registry.register(Box::new(m.js_calls.clone()))?;
         registry.register(Box::new(m.triggers.clone()))?;
         registry.register(Box::new(m.consumers_left.clone()))?;
+        registry.register(Box::new(m.backends_over_limit.clone()))?;
         // Every series that counts work exists at 0 from the start, on every replica: a family
         // with no series is not exported at all, and a standby's "reconciled nothing" must read
         // as a 0 that is there, not as a metric that is missing.

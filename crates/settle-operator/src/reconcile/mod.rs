@@ -20,6 +20,7 @@
 
 pub mod backend;
 pub mod backend_finalizer;
+pub mod backend_limit;
 pub mod conditions;
 pub mod connections;
 pub mod gate;
@@ -72,6 +73,8 @@ pub struct Config {
     pub drift: Duration,
     /// How long a deleted Backend waits for its Subscriptions' deletions (`--backend-deletion-grace`).
     pub backend_deletion_grace: Duration,
+    /// Backends connected in one namespace at most (`--max-backends-per-namespace`).
+    pub max_backends_per_namespace: u16,
     /// Subscriptions reconciled at once.
     pub concurrency: u16,
     /// This replica's name (Events' reporting instance, and the NATS connection name).
@@ -122,6 +125,7 @@ pub struct Ctx {
     pub resync: Duration,
     pub drift: Duration,
     pub backend_deletion_grace: Duration,
+    pub max_backends_per_namespace: u16,
     /// What Backends may name; the Backend controller re-checks it before it connects.
     pub backend_rules: settle::policy::BackendRules,
     /// The dead-letter copy queue's bound (`--dead-letter-copy-max-length`).

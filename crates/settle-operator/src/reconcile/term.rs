@@ -149,6 +149,7 @@ fn context(
         resync: config.resync,
         drift: config.drift,
         backend_deletion_grace: config.backend_deletion_grace,
+        max_backends_per_namespace: config.max_backends_per_namespace,
         backend_rules: config.backend_rules.clone(),
         dead_letter_copy_max_length: config.dead_letter_copy_max_length,
         adopt_namespaces: config.adopt_namespaces.clone(),

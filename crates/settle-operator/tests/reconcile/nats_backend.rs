@@ -2,7 +2,8 @@
 //! running as a process: a reachable Backend is Ready with its version and capabilities; a closed
 //! port is Unreachable; wrong credentials are AuthFailed and a fixed Secret makes it Ready with no
 //! restart; a missing Secret says so; the memory backend is Ready in process; a CA from a Secret
-//! makes a TLS connection with no file written (TMPDIR names no directory).
+//! makes a TLS connection with no file written (TMPDIR names no directory); Backends beyond the
+//! namespace bound wait, unconnected, for a place.
 
 use settle_testkit as common;
 
@@ -10,7 +11,8 @@ use std::time::Duration;
 
 use common::operator::{NatsServer, Operator, condition, poll};
 use common::subs::{
-    backend_ready, backend_yaml, nats_backend_yaml, nats_credentials, nats_tls, wait_backend,
+    apply, backend_ready, backend_yaml, backends, nats_backend_yaml, nats_credentials, nats_tls,
+    wait_backend,
 };
 use common::{free_port, install_crds, kubectl_ok, namespace};
 use kube::Api;
@@ -325,5 +327,48 @@ async fn repeated_events_fold_into_one_series_and_a_deleted_one_is_published_aga
     assert_eq!(again.len(), 1, "{again:?}");
     assert_eq!(again[0].note.as_deref(), Some("after it expired"));
     assert!(again[0].series.is_none(), "a new Event: {again:?}");
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+/// A namespace with more Backends than `--max-backends-per-namespace`: the oldest that many
+/// connect, the others are `BackendLimit` (counted in `settle_backends_over_limit`) and make no
+/// connection; deleting one gives its place to the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backends_beyond_the_namespace_bound_are_not_connected_until_a_place_frees() {
+    install_crds();
+    let ns = namespace("rec-backend-limit");
+    let env = common::env();
+    let op = Operator::start_with(
+        "backend-limit",
+        &ns,
+        &["--leader-election=false", "--max-backends-per-namespace=2"],
+    );
+    let api: Api<Backend> = backends(&ns).await;
+    for name in ["a", "b", "c"] {
+        apply(&ns, &backend_yaml(name, &env.nats_url));
+    }
+    // Made in one second, they are ordered by name: a and b are the oldest two.
+    wait_backend(&api, "a", "True", "Connected").await;
+    wait_backend(&api, "b", "True", "Connected").await;
+    let c = wait_backend(&api, "c", "False", "BackendLimit").await;
+    let (_, _, m) = condition(&c.status.expect("status").conditions, "Ready").expect("Ready");
+    assert!(
+        m.contains(&format!("namespace {ns} has 3 Backends"))
+            && m.contains("--max-backends-per-namespace"),
+        "{m}"
+    );
+    assert_eq!(
+        op.metric("settle_backends_over_limit", &[("namespace", &ns)]),
+        1.0
+    );
+    kubectl_ok(&["delete", "backend", "a", "-n", &ns], None);
+    wait_backend(&api, "c", "True", "Connected").await;
+    poll("the gauge back at 0", Duration::from_secs(30), || async {
+        match op.metric("settle_backends_over_limit", &[("namespace", &ns)]) {
+            0.0 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
