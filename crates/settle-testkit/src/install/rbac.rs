@@ -133,8 +133,17 @@ pub fn assert_operator_rbac(
             other.into(),
             true,
         ),
+        // Likewise for a Backend's finalizer (it stays while its Subscriptions delete their
+        // consumers); never its spec.
         (
             "patch",
+            "backends.messaging.settle.dev".into(),
+            "",
+            other.into(),
+            true,
+        ),
+        (
+            "update",
             "backends.messaging.settle.dev".into(),
             "",
             other.into(),
