@@ -1,5 +1,7 @@
 //! The account's term: a keeper per NATS, RabbitMQ or SQS Backend (the whole account), started
-//! and stopped with the leadership term.
+//! and stopped with the leadership term. When a NATS Backend is deleted, its keeper's durable
+//! reader of the server's capture is deleted too, through the connection the keeper ran on (the
+//! Backend's own is closed by then): the capture is not read for a Backend that is gone.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -121,24 +123,29 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
         "account started: the books of every NATS, RabbitMQ and SQS Backend's Subscriptions"
     );
     let mut keepers = Tasks::default();
-    // The NATS connection each NATS keeper started on, by its serial number.
-    let mut sessions: HashMap<BackendKey, u64> = HashMap::new();
+    // The NATS connection each NATS keeper started on, by its serial number, and a client on it.
+    let mut sessions: HashMap<BackendKey, NatsSession> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let (wanted, kinds) = wanted_backends(&term);
         keepers.0.retain(|key, task| {
-            let moved = sessions.get(key).is_some_and(|&started| {
-                (term.nats)(&key.0, &key.1).map(|(_, serial)| serial) != Some(started)
+            let moved = sessions.get(key).is_some_and(|(started, _)| {
+                (term.nats)(&key.0, &key.1).map(|(_, serial)| serial) != Some(*started)
             });
             if moved {
                 tracing::info!(backend = %format!("{}/{}", key.0, key.1), "the Backend's NATS connection was made again or closed (its credentials, servers, TLS or consent changed): the account's session ends on the old one");
             }
-            let keep = wanted.contains(key) && !task.is_finished() && !moved;
+            let deleted = !wanted.contains(key);
+            let keep = !deleted && !task.is_finished() && !moved;
             if !keep {
                 task.abort();
-                sessions.remove(key);
+                if let Some((_, client)) = sessions.remove(key)
+                    && deleted
+                {
+                    tokio::spawn(drop_reader(key.clone(), client));
+                }
             }
             keep
         });
@@ -152,8 +159,8 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
             if let Some((task, serial)) =
                 start_keeper(&term, &writer, &config, &metrics, &key, kind)
             {
-                if let Some(serial) = serial {
-                    sessions.insert(key.clone(), serial);
+                if let Some(session) = serial {
+                    sessions.insert(key.clone(), session);
                 }
                 keepers.0.insert(key, task);
             }
@@ -163,6 +170,23 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
 
 /// A Backend, by namespace and name.
 type BackendKey = (String, String);
+
+/// The NATS connection a keeper runs on: its serial number, and a client on it.
+type NatsSession = (u64, async_nats::Client);
+
+/// Deletes deleted Backend `key`'s reader of the capture, through `client`.
+async fn drop_reader(key: BackendKey, client: async_nats::Client) {
+    let js = async_nats::jetstream::new(client);
+    let name = nats::reader_name(&key.0, &key.1);
+    match settle::backend::nats::capture::drop_reader(&js, &name).await {
+        Ok(()) => {
+            tracing::debug!(backend = %format!("{}/{}", key.0, key.1), reader = %name, "the Backend is gone: its reader of the capture is deleted")
+        }
+        Err(e) => {
+            tracing::warn!(backend = %format!("{}/{}", key.0, key.1), reader = %name, error = %e, "the Backend is gone, but its reader of the capture could not be deleted")
+        }
+    }
+}
 
 /// The Backends that get a keeper now, and which keeper each gets.
 fn wanted_backends(term: &Term) -> (Vec<BackendKey>, HashMap<BackendKey, Kind>) {
@@ -187,7 +211,8 @@ fn wanted_backends(term: &Term) -> (Vec<BackendKey>, HashMap<BackendKey, Kind>) 
 }
 
 /// Starts Backend `key`'s keeper of `kind`, with the serial number of the NATS connection it
-/// runs on (None: a NATS Backend with no connection yet, tried again next tick).
+/// runs on and a client on it (None: a NATS Backend with no connection yet, tried again next
+/// tick).
 fn start_keeper(
     term: &Term,
     writer: &writer::Writer,
@@ -195,7 +220,7 @@ fn start_keeper(
     metrics: &Metrics,
     key: &BackendKey,
     kind: &Kind,
-) -> Option<(tokio::task::JoinHandle<()>, Option<u64>)> {
+) -> Option<(tokio::task::JoinHandle<()>, Option<NatsSession>)> {
     let unseen = match kind {
         Kind::Nats { unseen } => *unseen,
         Kind::Rabbitmq { unseen } => {
@@ -239,7 +264,7 @@ fn start_keeper(
     };
     let k = nats::NatsKeeper::new(
         key.clone(),
-        client,
+        client.clone(),
         term.subscriptions.clone(),
         writer.clone(),
         config.clone(),
@@ -250,7 +275,7 @@ fn start_keeper(
             super::status::Unseen::Never
         },
     );
-    Some((tokio::spawn(k.run()), Some(serial)))
+    Some((tokio::spawn(k.run()), Some((serial, client))))
 }
 
 /// Which keeper a Backend gets.

@@ -2,7 +2,8 @@
 //! Backend's Secret deleted first (where it has one), then the Backend, then its Subscriptions.
 //! The Backend stays (its finalizer) while they still have consumers to delete, keeping the
 //! connection it made before its Secret went; the `Delete` Subscription's consumer or queue is
-//! deleted, the `Retain` one's kept, and then the Backend goes.
+//! deleted, the `Retain` one's kept, and then the Backend goes (on NATS, with the account's
+//! reader of the capture that was its).
 
 use settle_testkit as common;
 
@@ -83,6 +84,20 @@ impl Broker {
         }
     }
 
+    /// On NATS, whether the account's reader of the capture for Backend `b` of `ns` exists
+    /// (other brokers have none).
+    async fn reader(&self, ns: &str) -> Option<bool> {
+        let Broker::Nats(s) = self else {
+            return None;
+        };
+        let capture =
+            s.js.get_stream(settle::backend::nats::capture::CAPTURE_STREAM)
+                .await
+                .ok()?;
+        let name = format!("settle-account_{ns}_b");
+        Some(capture.consumer_info(&name).await.is_ok())
+    }
+
     /// Removes what the scene left on purpose (the retained object).
     async fn clear(self, name: &str) {
         match self {
@@ -115,6 +130,20 @@ async fn secret_then_backend_then_subscriptions(kind: &str) {
         let c = s.status.and_then(|s| s.consumer).expect("status names it");
         assert!(broker.holds(&c.name).await, "{kind}: {c:?} made");
         made.push(c.name);
+    }
+
+    if broker.reader(&ns).await.is_some() {
+        poll(
+            "the account's reader of the capture",
+            Duration::from_secs(30),
+            || async {
+                match broker.reader(&ns).await {
+                    Some(true) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
     }
 
     if let Some(secret) = secret {
@@ -159,6 +188,19 @@ async fn secret_then_backend_then_subscriptions(kind: &str) {
         },
     )
     .await;
+    if broker.reader(&ns).await.is_some() {
+        poll(
+            "the gone Backend's reader of the capture to be deleted",
+            Duration::from_secs(30),
+            || async {
+                match broker.reader(&ns).await {
+                    Some(false) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+    }
     broker.clear(&made[1]).await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }

@@ -202,7 +202,8 @@ pub async fn take_over_reader(
     Ok(())
 }
 
-/// Deletes the capture reader `name` if it exists (a former name, once taken over).
+/// Deletes the capture reader `name` if it exists (a former name once taken over, or a deleted
+/// Backend's).
 pub async fn drop_reader(js: &jetstream::Context, name: &str) -> Result<(), NatsError> {
     let Ok(stream) = js.get_stream(CAPTURE_STREAM).await else {
         return Ok(());
@@ -213,8 +214,8 @@ pub async fn drop_reader(js: &jetstream::Context, name: &str) -> Result<(), Nats
     stream
         .delete_consumer(name)
         .await
-        .map_err(|e| unreachable("deleting the account's former reader of the capture", e))?;
-    tracing::info!(reader = %name, "deleted the account's former reader of the capture");
+        .map_err(|e| unreachable("deleting a reader of the capture", e))?;
+    tracing::info!(reader = %name, "deleted a reader of the capture");
     Ok(())
 }
 
