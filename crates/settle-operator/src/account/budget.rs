@@ -2,8 +2,11 @@
 //! when one may. A [`Queue`] holds at most one patch per Subscription (the newest: a newer one
 //! replaces the waiting one, as it carries the whole account), urgent ones (a loss, a
 //! condition flipping) before the rest but never more than [`URGENT_RUN`] in a row while
-//! others wait, each class in the order it first waited; a [`Bucket`]
-//! gives out `--status-writes-per-second` tokens with a small burst.
+//! others wait; within each class the namespaces take turns (one patch of each namespace that
+//! has one waiting, in the order they first waited), and a namespace's patches go in the order
+//! they first waited; a [`Bucket`] gives out `--status-writes-per-second` tokens with a small
+//! burst. So however many Subscriptions one namespace makes urgent, another namespace's patch
+//! waits for at most one of each other namespace's per turn, not for all of them.
 //!
 //! Pure: no I/O, and time comes in as an argument (Tokio's `Instant`, so tests run it on the
 //! paused clock). It must not decide whether a patch is urgent (the keepers' `show` does, from
@@ -38,29 +41,151 @@ pub enum Pushed {
 /// losing messages at once had stopped every other status, `/lag` with it).
 pub const URGENT_RUN: u32 = 3;
 
+/// What a key takes turns by: a Subscription's namespace.
+pub trait Turns {
+    type Group: Clone + Eq + Hash;
+    fn group(&self) -> Self::Group;
+}
+
+impl Turns for (String, String) {
+    type Group = String;
+    fn group(&self) -> String {
+        self.0.clone()
+    }
+}
+
+/// Test keys: `"ns/name"` takes turns as `ns`; a key without `/` is in one group with the others.
+#[cfg(test)]
+impl Turns for &'static str {
+    type Group = &'static str;
+    fn group(&self) -> &'static str {
+        self.split_once('/').map_or("", |(g, _)| g)
+    }
+}
+
+/// Test keys in one group.
+#[cfg(test)]
+impl Turns for usize {
+    type Group = u8;
+    fn group(&self) -> u8 {
+        0
+    }
+}
+
+/// Test keys in one group.
+#[cfg(test)]
+impl Turns for String {
+    type Group = u8;
+    fn group(&self) -> u8 {
+        0
+    }
+}
+
+/// One class's waiting keys: the groups in turn, each group's keys in the order they came.
+struct Line<K: Turns> {
+    groups: HashMap<K::Group, VecDeque<K>>,
+    turns: VecDeque<K::Group>,
+}
+
+impl<K: Turns> Default for Line<K> {
+    fn default() -> Self {
+        Line {
+            groups: HashMap::new(),
+            turns: VecDeque::new(),
+        }
+    }
+}
+
+impl<K: Turns + Clone + Eq + Hash> Line<K> {
+    fn push_back(&mut self, key: K) {
+        let g = key.group();
+        let keys = self.groups.entry(g.clone()).or_default();
+        if keys.is_empty() {
+            self.turns.push_back(g);
+        }
+        keys.push_back(key);
+    }
+
+    fn remove(&mut self, key: &K) {
+        let g = key.group();
+        let Some(keys) = self.groups.get_mut(&g) else {
+            return;
+        };
+        if let Some(i) = keys.iter().position(|k| k == key) {
+            keys.remove(i);
+        }
+        if keys.is_empty() {
+            self.groups.remove(&g);
+            self.turns.retain(|t| *t != g);
+        }
+    }
+
+    /// Whether a key not in `busy` waits.
+    fn any(&self, busy: &HashSet<K>) -> bool {
+        // At most the writes in flight are skipped (a handful).
+        self.groups
+            .values()
+            .any(|keys| keys.iter().any(|k| !busy.contains(k)))
+    }
+
+    /// The first key not in `busy` of the first group in turn that has one; that group then goes
+    /// to the back of the turns.
+    fn pop(&mut self, busy: &HashSet<K>) -> Option<K> {
+        let (turn, i) = self.turns.iter().enumerate().find_map(|(t, g)| {
+            let keys = self.groups.get(g)?;
+            keys.iter().position(|k| !busy.contains(k)).map(|i| (t, i))
+        })?;
+        let g = self.turns.remove(turn)?;
+        let keys = self.groups.get_mut(&g)?;
+        let key = keys.remove(i)?;
+        if keys.is_empty() {
+            self.groups.remove(&g);
+        } else {
+            self.turns.push_back(g);
+        }
+        Some(key)
+    }
+
+    fn give_back(&mut self, room: usize) {
+        if self.groups.capacity() > room {
+            self.groups.shrink_to(room);
+        }
+        if self.turns.capacity() > room {
+            self.turns.shrink_to(room);
+        }
+    }
+
+    #[cfg(test)]
+    fn room(&self) -> usize {
+        self.groups.capacity()
+            + self.turns.capacity()
+            + self.groups.values().map(VecDeque::capacity).sum::<usize>()
+    }
+}
+
 /// The patches waiting to be written, at most one per key, and the keys being written now.
-pub struct Queue<K, V> {
+pub struct Queue<K: Turns, V> {
     waiting: HashMap<K, Waiting<V>>,
-    urgent: VecDeque<K>,
-    normal: VecDeque<K>,
+    urgent: Line<K>,
+    normal: Line<K>,
     busy: HashSet<K>,
     /// Urgent patches popped since the last other one.
     run: u32,
 }
 
-impl<K: Clone + Eq + Hash, V> Default for Queue<K, V> {
+impl<K: Turns + Clone + Eq + Hash, V> Default for Queue<K, V> {
     fn default() -> Self {
         Queue {
             waiting: HashMap::new(),
-            urgent: VecDeque::new(),
-            normal: VecDeque::new(),
+            urgent: Line::default(),
+            normal: Line::default(),
             busy: HashSet::new(),
             run: 0,
         }
     }
 }
 
-impl<K: Clone + Eq + Hash, V> Queue<K, V> {
+impl<K: Turns + Clone + Eq + Hash, V> Queue<K, V> {
     /// Takes the newest patch for `key`. An urgent patch, or one replacing an urgent one, is
     /// urgent (what made the older one urgent is in the newer one too: counters never go back).
     pub fn push(&mut self, key: K, body: V, urgent: bool, now: Instant) -> Pushed {
@@ -69,9 +194,7 @@ impl<K: Clone + Eq + Hash, V> Queue<K, V> {
                 w.body = body;
                 if urgent && !w.urgent {
                     w.urgent = true;
-                    if let Some(i) = self.normal.iter().position(|k| *k == key) {
-                        self.normal.remove(i);
-                    }
+                    self.normal.remove(&key);
                     self.urgent.push_back(key);
                 }
                 Pushed::Coalesced
@@ -97,30 +220,30 @@ impl<K: Clone + Eq + Hash, V> Queue<K, V> {
 
     /// Whether a patch could start now (one waits whose key is not being written).
     pub fn ready(&self) -> bool {
-        self.first(&self.urgent).is_some() || self.first(&self.normal).is_some()
+        self.urgent.any(&self.busy) || self.normal.any(&self.busy)
     }
 
-    /// The next patch to write: the first urgent one, else the first other one, whose key is
-    /// not being written (one write at a time per Subscription, so an older patch is never
-    /// applied after a newer one); after [`URGENT_RUN`] urgent ones in a row, the first other
-    /// one if one waits. Its key is busy until [`Queue::done`]. Returns the key, the patch,
-    /// whether it was urgent and when its Subscription started waiting.
+    /// The next patch to write: an urgent one, else another one, whose key is not being
+    /// written (one write at a time per Subscription, so an older patch is never applied after a
+    /// newer one), of the namespace whose turn it is in its class; after [`URGENT_RUN`] urgent
+    /// ones in a row, another one if one waits. Its key is busy until [`Queue::done`]. Returns
+    /// the key, the patch, whether it was urgent and when its Subscription started waiting.
     pub fn pop(&mut self) -> Option<(K, V, bool, Instant)> {
-        let (urgent, normal) = (self.first(&self.urgent), self.first(&self.normal));
+        let (urgent, normal) = (self.urgent.any(&self.busy), self.normal.any(&self.busy));
         let key = match (urgent, normal) {
-            (Some(i), None) => {
+            (true, false) => {
                 self.run = self.run.saturating_add(1);
-                self.urgent.remove(i)?
+                self.urgent.pop(&self.busy)?
             }
-            (Some(i), Some(_)) if self.run < URGENT_RUN => {
+            (true, true) if self.run < URGENT_RUN => {
                 self.run += 1;
-                self.urgent.remove(i)?
+                self.urgent.pop(&self.busy)?
             }
-            (_, Some(i)) => {
+            (_, true) => {
                 self.run = 0;
-                self.normal.remove(i)?
+                self.normal.pop(&self.busy)?
             }
-            (None, None) => return None,
+            (false, false) => return None,
         };
         let w = self.waiting.remove(&key)?;
         self.busy.insert(key.clone());
@@ -146,9 +269,7 @@ impl<K: Clone + Eq + Hash, V> Queue<K, V> {
             self.waiting.shrink_to(Self::ROOM_AT_REST);
         }
         for line in [&mut self.urgent, &mut self.normal] {
-            if line.capacity() > Self::ROOM_AT_REST {
-                line.shrink_to(Self::ROOM_AT_REST);
-            }
+            line.give_back(Self::ROOM_AT_REST);
         }
         if self.busy.capacity() > Self::ROOM_AT_REST {
             self.busy.shrink_to(Self::ROOM_AT_REST);
@@ -158,20 +279,12 @@ impl<K: Clone + Eq + Hash, V> Queue<K, V> {
     /// The room the queue holds now, in entries (its maps' and lines' capacities).
     #[cfg(test)]
     fn room(&self) -> usize {
-        self.waiting.capacity()
-            + self.urgent.capacity()
-            + self.normal.capacity()
-            + self.busy.capacity()
+        self.waiting.capacity() + self.urgent.room() + self.normal.room() + self.busy.capacity()
     }
 
     /// Subscriptions whose patch waits (`settle_account_status_backlog`).
     pub fn backlog(&self) -> usize {
         self.waiting.len()
-    }
-
-    fn first(&self, line: &VecDeque<K>) -> Option<usize> {
-        // At most the writes in flight are skipped (a handful).
-        line.iter().position(|k| !self.busy.contains(k))
     }
 }
 
@@ -257,6 +370,36 @@ mod tests {
             ]
         );
         assert_eq!(q.backlog(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn namespaces_take_turns_so_one_namespaces_many_urgent_patches_hold_no_other_back() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        let big: Vec<&'static str> = (0..100)
+            .map(|i| &*Box::leak(format!("big/{i}").into_boxed_str()))
+            .collect();
+        for k in &big {
+            q.push(*k, 1, true, now);
+        }
+        q.push("small/x", 1, true, now);
+        q.push("other/y", 1, true, now);
+        q.push("small/z", 1, false, now);
+        let order: Vec<&str> = drain(&mut q).into_iter().map(|(k, _)| k).collect();
+        // Urgent: big, small, other in turn (each in the order it first waited), then big's
+        // others; after three urgent ones in a row the waiting normal one goes.
+        assert_eq!(
+            &order[..5],
+            ["big/0", "small/x", "other/y", "small/z", "big/1"]
+        );
+        assert_eq!(order.len(), 103);
+        // Within a namespace, the order they first waited.
+        let bigs: Vec<&str> = order
+            .iter()
+            .copied()
+            .filter(|k| k.starts_with("big/"))
+            .collect();
+        assert_eq!(bigs, big);
     }
 
     #[tokio::test(start_paused = true)]
