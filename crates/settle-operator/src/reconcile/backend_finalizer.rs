@@ -13,10 +13,10 @@
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
 
+use super::index;
 use super::metrics::BACKEND;
 use super::{Ctx, Error};
 use crate::events::{Event, EventType};
@@ -35,6 +35,12 @@ pub async fn hold(ctx: &Ctx, b: &Backend) -> Result<(), Error> {
     let mut list = b.finalizers().to_vec();
     list.push(BACKEND_FINALIZER.to_string());
     set(ctx, b, list).await
+}
+
+/// Replaces the Backend's finalizer list ([`super::set_finalizers`]).
+async fn set(ctx: &Ctx, b: &Backend, finalizers: Vec<String>) -> Result<(), Error> {
+    let api: Api<Backend> = Api::namespaced(ctx.client.clone(), &b.namespace().unwrap_or_default());
+    super::set_finalizers(&api, b, ctx, BACKEND, finalizers).await
 }
 
 /// A deleting Backend: waits while Subscriptions need it, within the grace; then lets it go.
@@ -85,39 +91,12 @@ pub async fn release(ctx: &Ctx, b: &Backend) -> Result<Action, Error> {
 /// The Subscriptions of namespace `ns` that name Backend `name` and still hold their finalizer
 /// (their consumer may still be on the broker), by name, from the cache.
 fn users(ctx: &Ctx, ns: &str, name: &str) -> Vec<String> {
-    let mut out: Vec<String> = ctx
-        .subs
-        .state()
-        .iter()
-        .filter(|s| s.namespace().as_deref() == Some(ns) && s.spec.backend_ref.name == name)
+    let state = ctx.subs.state();
+    let mut out: Vec<String> = index::subscriptions_of(state.iter().map(AsRef::as_ref), ns, name)
+        .into_iter()
         .filter(|s| s.finalizers().iter().any(|f| f == FINALIZER))
-        .map(|s| s.name_any())
+        .map(ResourceExt::name_any)
         .collect();
     out.sort();
     out
-}
-
-/// Replaces the finalizer list, guarded by the resourceVersion it was read at (a conflict is
-/// tried again with the fresh object).
-async fn set(ctx: &Ctx, b: &Backend, finalizers: Vec<String>) -> Result<(), Error> {
-    let api: Api<Backend> = Api::namespaced(ctx.client.clone(), &b.namespace().unwrap_or_default());
-    let patch = serde_json::json!({
-        "metadata": {
-            "resourceVersion": b.resource_version(),
-            "finalizers": finalizers,
-        }
-    });
-    ctx.metrics.kube(BACKEND, "patch_finalizer");
-    match api
-        .patch(
-            &b.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(e) => Err(e.into()),
-    }
 }

@@ -354,6 +354,40 @@ where
 /// What makes a Subscription worth reconciling again: its spec (generation), its deletion and its
 /// adopt annotation (docs/semantics.md J8, R8, Q7). Not its status (this controller's own
 /// writes) nor its finalizers (its own too).
+/// Replaces an object's finalizer list, guarded by the resourceVersion it was read at, so a
+/// concurrent writer's finalizer is never lost (a conflict is retried with the fresh object); an
+/// object gone already has nothing left to guard. `controller` labels the request's count.
+pub async fn set_finalizers<K>(
+    api: &Api<K>,
+    obj: &K,
+    ctx: &Ctx,
+    controller: &str,
+    finalizers: Vec<String>,
+) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let patch = serde_json::json!({
+        "metadata": {
+            "resourceVersion": obj.resource_version(),
+            "finalizers": finalizers,
+        }
+    });
+    ctx.metrics.kube(controller, "patch_finalizer");
+    match api
+        .patch(
+            &obj.name_any(),
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// What wakes the Backend controller: a new generation, or the start of its deletion (its own
 /// finalizer and status writes do not).
 fn backend_predicate(b: &Backend) -> Option<u64> {

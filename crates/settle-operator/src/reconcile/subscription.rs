@@ -175,7 +175,7 @@ async fn add_finalizer(
 ) -> Result<(), Error> {
     let mut list = sub.finalizers().to_vec();
     list.push(FINALIZER.to_string());
-    set_finalizers(api, sub, ctx, list).await
+    super::set_finalizers(api, sub, ctx, SUBSCRIPTION, list).await
 }
 
 async fn remove_finalizer(
@@ -189,37 +189,7 @@ async fn remove_finalizer(
         .filter(|f| *f != FINALIZER)
         .cloned()
         .collect();
-    set_finalizers(api, sub, ctx, list).await
-}
-
-/// Replaces the finalizer list, guarded by the resourceVersion it was read at, so a concurrent
-/// writer's finalizer is never lost (a conflict is retried with the fresh object).
-async fn set_finalizers(
-    api: &Api<Subscription>,
-    sub: &Subscription,
-    ctx: &Ctx,
-    finalizers: Vec<String>,
-) -> Result<(), Error> {
-    let patch = serde_json::json!({
-        "metadata": {
-            "resourceVersion": sub.resource_version(),
-            "finalizers": finalizers,
-        }
-    });
-    ctx.metrics.kube(SUBSCRIPTION, "patch_finalizer");
-    match api
-        .patch(
-            &sub.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-    {
-        Ok(_) => Ok(()),
-        // Gone already: nothing left to guard.
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    super::set_finalizers(api, sub, ctx, SUBSCRIPTION, list).await
 }
 
 /// The Backend a Subscription names, from the cache.
@@ -348,19 +318,24 @@ async fn write_status(
     Ok(())
 }
 
+/// The consumer or queue `c` names, as an Event says it.
+fn broker_object(c: &settle::api::ConsumerRef) -> String {
+    if c.stream == SQS_STREAM {
+        format!("SQS queue {}", c.name)
+    } else {
+        format!("consumer {} on stream {}", c.name, c.stream)
+    }
+}
+
 /// Step 1: the consumer (or queue) goes with the Subscription, unless it is retained. Returns
 /// `Err` while the broker cannot be asked (deletion waits); a missing Backend or consumer is done.
 async fn cleanup(t: &Target<'_>, ctx: &Ctx) -> Result<(), Error> {
     let (sub, ns, name) = (t.sub, &t.namespace, &t.name);
     if sub.spec.deletion_policy == DeletionPolicy::Retain {
         let note = match &t.known {
-            Some(c) if c.stream == SQS_STREAM => format!(
-                "deletionPolicy is Retain: SQS queue {} stays on the broker",
-                c.name
-            ),
             Some(c) => format!(
-                "deletionPolicy is Retain: consumer {} on stream {} stays on the broker",
-                c.name, c.stream
+                "deletionPolicy is Retain: {} stays on the broker",
+                broker_object(c)
             ),
             None => "deletionPolicy is Retain: the consumer, if any, stays on the broker".into(),
         };
@@ -379,8 +354,7 @@ async fn cleanup(t: &Target<'_>, ctx: &Ctx) -> Result<(), Error> {
         // The Backend stays while its Subscriptions need it (its finalizer), up to
         // --backend-deletion-grace: past that, or removed by hand, what is left is said.
         let what = match &t.known {
-            Some(c) if c.stream == SQS_STREAM => format!("SQS queue {}", c.name),
-            Some(c) => format!("consumer {} on stream {}", c.name, c.stream),
+            Some(c) => broker_object(c),
             None => {
                 tracing::info!(subscription = %format!("{ns}/{name}"), backend = %sub.spec.backend_ref.name, "the Backend is gone, and the status named no consumer: nothing to delete");
                 return Ok(());
