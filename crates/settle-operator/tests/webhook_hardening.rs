@@ -9,11 +9,11 @@
 //! - past `--webhook-max-connections`, a new connection is refused at once and counted, and
 //!   once a connection closes a new one is served again.
 //!
-//! - the metrics port (issue 18 item 6): 10,000 idle TCP connections to it, with the operator
+//! - the metrics port: 10,000 idle TCP connections to it, with the operator
 //!   limited to 4,096 file descriptors, leave a review answered and the probes (on their own
 //!   port) answering, and what was refused is counted; under `--metrics-auth`, no token or an
 //!   unknown one gets 401, a ServiceAccount token without the RBAC 403, with it 200; and
-//!   `/lag/<namespace>/<subscription>` (issue 23 item 5, for KEDA) answers a Subscription's
+//!   `/lag/<namespace>/<subscription>` (for KEDA) answers a Subscription's
 //!   `pending + ackPending` from its status only to a token allowed to get that Subscription.
 //!
 //! Every wait is a poll with a deadline; the operator is killed when its handle is dropped.

@@ -15,19 +15,7 @@ use common::rabbitmq::{bindings, management, queue};
 use common::subs::{apply, backends, sub_yaml_on, subs, wait_backend, wait_event, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
 use serde_json::Value;
-
-/// Percent-encodes a path segment (a connection's name has spaces, `:` and `>`).
-fn segment(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
-}
+use settle::backend::rabbitmq::management::segment;
 
 /// The broker's names of the AMQP connections operator `pid` holds.
 fn connections_of(pid: u32) -> Vec<String> {

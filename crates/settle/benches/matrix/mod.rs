@@ -1,4 +1,4 @@
-//! The runtime against the bare client of each broker, as a matrix (issue 21, item 4): payload
+//! The runtime against the bare client of each broker, as a matrix: payload
 //! 16 B / 1 KiB / 64 KiB × maxInFlight 1 / 250 × 1 / 10 Subscriptions. Each cell: a short
 //! warm-up of both sides sizes the rounds (so each round takes at least [`MIN_ROUND`] at the
 //! faster side's rate), then [`ROUNDS`] rounds of each side, interleaved (bare, settle, settle,
