@@ -176,7 +176,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .clone()
         .ok_or("the manifest has no metadata.namespace")?;
     match std::env::var("SETTLE_NATS_URL") {
-        Ok(url) => run(NatsBroker::connect(&url).await?, ns, name, sub, how, report).await,
+        Ok(url) => {
+            let broker = NatsBroker::connect_in(&url, &ns).await?;
+            run(broker, ns, name, sub, how, report).await
+        }
         Err(_) => match std::env::var("SETTLE_RABBITMQ_URL") {
             Ok(url) => {
                 run(

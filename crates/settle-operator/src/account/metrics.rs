@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use crate::exposition::{self, Kind, Table, Tables};
 use settle::api::{ConsumerStats, SubscriptionStats};
@@ -224,6 +224,10 @@ pub struct Metrics {
     /// `settle_account_gauge_calls_total{call}`: broker calls made to read the consumers'
     /// gauges (NATS: `list`, one stream's consumers listed, 256 to a call; `info`, one consumer asked alone).
     pub gauge_calls: IntCounterVec,
+    /// `settle_account_report_store_full{backend}`: 1 while a NATS Backend's report bucket
+    /// (`settle-stats`) cannot take one more report of the largest size (the broker then
+    /// refuses new reports), else 0.
+    pub store_full: IntGaugeVec,
 }
 
 impl Metrics {
@@ -311,6 +315,17 @@ impl Metrics {
                 "Broker calls made to read the consumers' gauges (pending, ackPending), by call (NATS: list, one stream's consumers listed, 256 to a call; info, one consumer asked alone).",
                 &["call"],
             )?,
+            store_full: {
+                let g = IntGaugeVec::new(
+                    Opts::new(
+                        "settle_account_report_store_full",
+                        "1 while a NATS Backend's report bucket (settle-stats, on its server and account) cannot take one more report of the largest size, so the broker refuses new reports (its Subscriptions say Accounted=False ReportStoreFull), else 0.",
+                    ),
+                    &["backend"],
+                )?;
+                registry.register(Box::new(g.clone()))?;
+                g
+            },
         }
         .exported_at_zero())
     }

@@ -61,6 +61,9 @@ pub mod reasons {
     /// Accounted=False: the queue the runtime reports to does not exist on the broker (SQS:
     /// deleted there); its reports wait in the applications until it is made again.
     pub const REPORT_QUEUE_MISSING: &str = "ReportQueueMissing";
+    /// Accounted=False: the store the runtime reports to is full (NATS: the `settle-stats`
+    /// bucket at its size bound), so the broker refuses new reports; named with its fill.
+    pub const REPORT_STORE_FULL: &str = "ReportStoreFull";
     /// Accounted=False: stats reports of this Subscription were dropped by the account's bounds
     /// (too many instances, a clock ahead, a sequence jump, misfiled, too large, a writer not
     /// listed), with the last reason and how many, until the loss window passes with no new one.
@@ -86,6 +89,9 @@ pub struct Trouble {
     /// The queue the runtime reports to does not exist on the broker (SQS: deleted there),
     /// named: its reports wait in the applications until it is made again.
     pub queue_missing: Option<String>,
+    /// The store the runtime reports to is full (NATS: the report bucket), said with its name
+    /// and fill: new reports are refused by the broker until it has room.
+    pub store_full: Option<String>,
     /// Reports of this Subscription the account's bounds dropped, since `Accounted` last said
     /// none (in memory: a report still past a bound is dropped again after a restart).
     pub dropped_reports: Option<DroppedReports>,
@@ -326,6 +332,21 @@ fn accounted(trouble: &Trouble, w: &str) -> Want {
                  applications keep their counts and send them again every interval (reports are \
                  cumulative, so nothing is lost); the operator makes the queue again within \
                  --drift-interval. The counts shown are those received before it went."
+            ),
+        )
+    } else if let Some(store) = &trouble.store_full {
+        Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::REPORT_STORE_FULL,
+            format!(
+                "the report store is full ({store}): the broker refuses new stats reports, so \
+                 this Subscription's counters may stop moving and an instance that stops now may \
+                 lose its last report. The operator removes the reports it can never count \
+                 (unreadable, too large, misfiled, or of a Subscription gone for \
+                 --fold-after); raise --report-bucket-max-bytes (and the NATS account's \
+                 JetStream limits), or give each tenant a NATS account of its own so no other \
+                 tenant's reports take this room."
             ),
         )
     } else if let Some(source) = trouble.source_lost {

@@ -9,8 +9,10 @@
 //! | [`nats_life`] | NATS JetStream | delete and apply, applications stopped and killed, operator restarts and leader changes, lost sources |
 //! | [`nats_budget`] | NATS JetStream | the cluster-wide status write budget |
 //! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
+//! | [`nats_reader`] | NATS JetStream | the capture reader kept across operator versions (renamed, ack wait brought in place) |
 //! | [`nats_rotate`] | NATS JetStream | a Backend's credentials rotated and its consent withdrawn: the account follows |
-//! | [`tenants`] | NATS JetStream and RabbitMQ | reports bound to their writer: no tenant forges another's account |
+//! | [`tenants`] | NATS JetStream and RabbitMQ | reports bound to their writer, replies to their inbox: no tenant forges another's account or reads its deliveries |
+//! | [`nats_accounts`] | NATS JetStream | a NATS account per tenant: nothing shared, a full report bucket said |
 //! | [`rabbitmq`] | RabbitMQ | report queues, snapshots, dead-letter copies, operator kills |
 //! | [`sqs`] | SQS (ElasticMQ) | report queues, the ledger queue, the dead-letter queue |
 //!
@@ -18,9 +20,11 @@
 //! they run on NATS only; `tenants` runs where a broker lets tenants share it.
 
 mod nats;
+mod nats_accounts;
 mod nats_budget;
 mod nats_flood;
 mod nats_life;
+mod nats_reader;
 mod nats_rotate;
 mod rabbitmq;
 mod sqs;

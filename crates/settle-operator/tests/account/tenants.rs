@@ -1,4 +1,5 @@
-//! Tenants cannot forge each other's account (reports are bound to their writer):
+//! Tenants cannot forge each other's account (reports are bound to their writer) nor read
+//! each other's deliveries (replies arrive under the tenant's own inbox prefix):
 //! on a nats-server of the test's own with one user per tenant and permissions as the README's
 //! "Multi-tenant brokers" gives them, and on the shared RabbitMQ with users of the test's own,
 //! the victim's Subscription gets real deliveries, then another tenant tries every forgery it
@@ -27,7 +28,7 @@ use settle::api::{ConsumerStats, Subscription};
 const OPERATOR_PASSWORD: &str = "operator-pw";
 
 /// The account of `n` messages each declined on all of their 3 attempts.
-fn nacked(n: u64) -> impl Fn(&ConsumerStats) -> bool {
+pub(super) fn nacked(n: u64) -> impl Fn(&ConsumerStats) -> bool {
     move |s: &ConsumerStats| {
         s.offered == 3 * n
             && s.delivered == 3 * n
@@ -39,7 +40,7 @@ fn nacked(n: u64) -> impl Fn(&ConsumerStats) -> bool {
 }
 
 /// Waits until status shows `want`, then that it stays so for 3 s; returns it.
-async fn settled(
+pub(super) async fn settled(
     api: &kube::Api<Subscription>,
     what: &str,
     want: impl Fn(&ConsumerStats) -> bool,
@@ -55,14 +56,15 @@ async fn settled(
 
 /// The nats-server configuration: the operator's user, and per tenant namespace `(ns, stream)`
 /// a user that may publish its reports under its own namespace only, fetch and acknowledge on
-/// its own stream, and never publish advisories.
+/// its own stream, receive replies under its own inbox prefix only (`_INBOX.<ns>`, the
+/// runtime's), and never publish advisories.
 fn nats_config(tenants: &[(&str, &str, &str)]) -> String {
     let mut users = vec![format!(
         "    {{user: settle, password: {OPERATOR_PASSWORD}, permissions: {{publish: {{allow: [\">\"], deny: [\"$JS.EVENT.>\"]}}, subscribe: {{allow: [\">\"]}}}}}}"
     )];
     for (user, ns, stream) in tenants {
         users.push(format!(
-            "    {{user: {user}, password: {user}-pw, permissions: {{\n      publish: {{allow: [\"$JS.API.INFO\", \"$JS.API.STREAM.NAMES\", \"$JS.API.STREAM.INFO.KV_settle-stats\", \"$KV.settle-stats.{ns}.>\", \"$JS.API.STREAM.INFO.{stream}\", \"$JS.API.CONSUMER.INFO.{stream}.>\", \"$JS.API.CONSUMER.MSG.NEXT.{stream}.>\", \"$JS.ACK.{stream}.>\"], deny: [\"$JS.EVENT.>\"]}}\n      subscribe: {{allow: [\"_INBOX.>\"]}}\n    }}}}"
+            "    {{user: {user}, password: {user}-pw, permissions: {{\n      publish: {{allow: [\"$JS.API.INFO\", \"$JS.API.STREAM.NAMES\", \"$JS.API.STREAM.INFO.KV_settle-stats\", \"$KV.settle-stats.{ns}.>\", \"$JS.API.STREAM.INFO.{stream}\", \"$JS.API.CONSUMER.INFO.{stream}.>\", \"$JS.API.CONSUMER.MSG.NEXT.{stream}.>\", \"$JS.ACK.{stream}.>\"], deny: [\"$JS.EVENT.>\"]}}\n      subscribe: {{allow: [\"_INBOX.{ns}.>\"]}}\n    }}}}"
         ));
     }
     format!(
@@ -72,15 +74,26 @@ fn nats_config(tenants: &[(&str, &str, &str)]) -> String {
 }
 
 /// A NATS client as `user`, and every event (server errors included) its connection saw.
-async fn nats_as(
+pub(super) async fn nats_as(
     url: &str,
     user: &str,
     password: &str,
+) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
+    nats_in(url, user, password, "_INBOX").await
+}
+
+/// [`nats_as`] with replies under `inbox` (a tenant's user may receive under its own only).
+pub(super) async fn nats_in(
+    url: &str,
+    user: &str,
+    password: &str,
+    inbox: &str,
 ) -> (async_nats::Client, Arc<Mutex<Vec<String>>>) {
     let events: Arc<Mutex<Vec<String>>> = Arc::default();
     let sink = events.clone();
     let client = async_nats::ConnectOptions::new()
         .user_and_password(user.into(), password.into())
+        .custom_inbox_prefix(inbox)
         .request_timeout(Some(Duration::from_secs(3)))
         .event_callback(move |e| {
             sink.lock().expect("events").push(e.to_string());
@@ -92,7 +105,7 @@ async fn nats_as(
     (client, events)
 }
 
-fn credentials_secret(keys: &[(&str, &str)]) -> String {
+pub(super) fn credentials_secret(keys: &[(&str, &str)]) -> String {
     let data: Vec<String> = keys
         .iter()
         .map(|(k, v)| format!("  {k}: \"{v}\""))
@@ -230,7 +243,13 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
     );
 
     // team-b: a put to the victim's key is refused by the broker (its permissions).
-    let (team_b, events) = nats_as(&url, "team-b", "team-b-pw").await;
+    let (team_b, events) = nats_in(
+        &url,
+        "team-b",
+        "team-b-pw",
+        &settle::backend::nats::connect::inbox_prefix(&attacker),
+    )
+    .await;
     let team_b_js = async_nats::jetstream::new(team_b);
     let team_b_bucket = team_b_js
         .get_key_value("settle-stats")
@@ -267,7 +286,13 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
 
     // The victim's own credentials (a buggy or hijacked application of the same tenant): a
     // huge sequence, and a life started at the end of time, are implausible and dropped.
-    let (team_a, _) = nats_as(&url, "team-a", "team-a-pw").await;
+    let (team_a, _) = nats_in(
+        &url,
+        "team-a",
+        "team-a-pw",
+        &settle::backend::nats::connect::inbox_prefix(&victim),
+    )
+    .await;
     let team_a_bucket = async_nats::jetstream::new(team_a)
         .get_key_value("settle-stats")
         .await
@@ -309,6 +334,25 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
         before,
         "a forgery moved the victim's status"
     );
+    // team-b listens where replies go: every inbox, and the victim's. The server refuses both
+    // subscriptions, so the victim's next pulled message (and its `$JS.ACK` subject, with which
+    // team-b could settle it) reaches team-b through neither.
+    let (reader, reader_events) = nats_in(
+        &url,
+        "team-b",
+        "team-b-pw",
+        &settle::backend::nats::connect::inbox_prefix(&attacker),
+    )
+    .await;
+    let mut read = Vec::new();
+    for subject in ["_INBOX.>".to_string(), format!("_INBOX.{victim}.>")] {
+        read.push(
+            reader
+                .subscribe(subject.clone())
+                .await
+                .unwrap_or_else(|e| panic!("subscribe to {subject}: {e}")),
+        );
+    }
     // Not frozen either: one more real message counts exactly one more.
     publish_to(&stream, ["3".to_string()]).await;
     let after = settled(
@@ -319,6 +363,33 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
     .await;
     assert_eq!(after.exhausted, before.exhausted + 1, "{after:?}");
     common::account::assert_never_decreased(&seen);
+    for (subject, sub) in ["_INBOX.>".to_string(), format!("_INBOX.{victim}.>")]
+        .iter()
+        .zip(read.iter_mut())
+    {
+        let got =
+            tokio::time::timeout(Duration::from_millis(200), futures::StreamExt::next(sub)).await;
+        assert!(
+            !matches!(got, Ok(Some(_))),
+            "team-b read a reply meant for the victim on {subject}: {got:?}"
+        );
+        poll(
+            &format!("the broker's refusal of team-b's subscription to {subject}"),
+            Duration::from_secs(10),
+            || async {
+                let seen = reader_events.lock().expect("events").clone();
+                if seen.iter().any(|e| {
+                    e.contains("Permissions Violation for Subscription")
+                        && e.contains(subject.as_str())
+                }) {
+                    Ok(())
+                } else {
+                    Err(format!("{seen:?}"))
+                }
+            },
+        )
+        .await;
+    }
 
     watcher.abort();
     drop(app);
@@ -507,190 +578,4 @@ async fn on_rabbitmq_only_the_backends_report_users_count_and_the_victims_status
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
     drop(victim);
     drop(attacker);
-}
-
-/// Up to ten messages of `reader`, waiting at most 2 s for them.
-async fn fetch_ten(
-    reader: &async_nats::jetstream::consumer::PullConsumer,
-) -> async_nats::jetstream::consumer::pull::Batch {
-    reader
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .expect("fetch")
-}
-
-/// `n` max-deliveries advisories published into the capture, as the server would: their
-/// subject and capture sequences.
-async fn publish_advisories(js: &async_nats::jetstream::Context, n: u32) -> (String, Vec<u64>) {
-    let subject = settle::backend::nats::advisory::MAX_DELIVERIES.replace('>', "S.C");
-    let mut published = Vec::new();
-    for i in 1..=n {
-        let ack = js
-            .publish(subject.clone(), format!("{{\"n\":{i}}}").into())
-            .await
-            .expect("publish")
-            .await
-            .expect("captured");
-        published.push(ack.sequence);
-    }
-    (subject, published)
-}
-
-/// The upgrade to unambiguous reader names: the legacy reader is the checkpoint. The new reader
-/// delivers from just after what the legacy one acknowledged (what it had delivered without an
-/// acknowledgement comes again, as after any restart), the legacy reader is deleted (the keeper
-/// does it 10 minutes into its session), and doing it again changes nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_renamed_advisory_reader_continues_after_what_the_legacy_one_acknowledged() {
-    use async_nats::jetstream::AckKind;
-    use futures::StreamExt;
-    use settle::backend::nats::capture;
-    use settle_operator::account::nats::{legacy_reader_name, reader_name};
-
-    let server = NatsServer::start(&[]);
-    let client = async_nats::connect(server.url()).await.expect("connect");
-    let js = async_nats::jetstream::new(client);
-    let (legacy, new) = (
-        legacy_reader_name("team", "a-nats"),
-        reader_name("team", "a-nats"),
-    );
-    let reader = capture::open(&js, &legacy, 1 << 20, 1)
-        .await
-        .expect("the legacy reader");
-    // Five advisories in the capture (as the server would publish them).
-    let (subject, published) = publish_advisories(&js, 5).await;
-    // The legacy reader took four and acknowledged up to the second of ours only (and the
-    // consumer-created advisory of its own making before them).
-    let acked = published[1];
-    let mut batch = reader
-        .fetch()
-        .max_messages(4)
-        .messages()
-        .await
-        .expect("fetch");
-    for _ in 0..4 {
-        let m = batch.next().await.expect("a message").expect("delivered");
-        if m.info().expect("info").stream_sequence <= acked {
-            m.ack_with(AckKind::Ack).await.expect("ack");
-        }
-    }
-    drop(batch);
-    poll(
-        "the legacy reader's acknowledgements",
-        Duration::from_secs(10),
-        || {
-            let mut r = reader.clone();
-            async move {
-                match r.info().await.map(|i| i.ack_floor.stream_sequence) {
-                    Ok(floor) if floor == acked => Ok(()),
-                    other => Err(format!("{other:?}")),
-                }
-            }
-        },
-    )
-    .await;
-
-    capture::take_over_reader(&js, &legacy, &new)
-        .await
-        .expect("take over");
-    capture::drop_reader(&js, &legacy)
-        .await
-        .expect("drop the legacy reader");
-    let stream = js
-        .get_stream(capture::CAPTURE_STREAM)
-        .await
-        .expect("the capture");
-    assert!(
-        stream.consumer_info(&legacy).await.is_err(),
-        "the legacy reader is still there"
-    );
-    let renamed = capture::open(&js, &new, 1 << 20, 1)
-        .await
-        .expect("the new reader");
-    let mut batch = fetch_ten(&renamed).await;
-    let mut got = Vec::new();
-    while let Some(m) = batch.next().await {
-        let m = m.expect("delivered");
-        // The capture also keeps the consumer-created advisories of the readers themselves.
-        if m.subject.as_str() == subject {
-            got.push(m.info().expect("info").stream_sequence);
-        }
-        m.ack_with(AckKind::Ack).await.expect("ack");
-    }
-    assert_eq!(
-        got,
-        published[2..].to_vec(),
-        "the new reader starts after the legacy one's acknowledgements"
-    );
-    // Again (a restart after the rename): nothing is made, the new reader keeps its place.
-    capture::take_over_reader(&js, &legacy, &new)
-        .await
-        .expect("take over again");
-    capture::drop_reader(&js, &legacy)
-        .await
-        .expect("drop again");
-    assert!(stream.consumer_info(&legacy).await.is_err());
-    let info = renamed
-        .clone()
-        .info()
-        .await
-        .expect("the new reader's info")
-        .clone();
-    assert!(
-        info.ack_floor.stream_sequence >= published[4],
-        "the new reader lost its place: {info:?}"
-    );
-}
-
-/// A reader made by an earlier version (an advisory unacknowledged for 120 s before it came
-/// again) is brought to the account's ack wait in place: its position stays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_earlier_versions_reader_gets_the_short_ack_wait_and_keeps_its_place() {
-    use async_nats::jetstream::consumer;
-    use futures::StreamExt;
-    use settle::backend::nats::capture;
-
-    let server = NatsServer::start(&[]);
-    let client = async_nats::connect(server.url()).await.expect("connect");
-    let js = async_nats::jetstream::new(client);
-    let name = settle_operator::account::nats::reader_name("team", "old-nats");
-    let first = capture::open(&js, &name, 1 << 20, 1)
-        .await
-        .expect("the reader");
-    let stream = js
-        .get_stream(capture::CAPTURE_STREAM)
-        .await
-        .expect("the capture");
-    // As the earlier version made it.
-    let config = first.cached_info().config.clone();
-    stream
-        .update_consumer(consumer::Config {
-            ack_wait: Duration::from_secs(120),
-            ..config
-        })
-        .await
-        .expect("the earlier version's ack wait");
-    publish_advisories(&js, 3).await;
-    let mut batch = fetch_ten(&first).await;
-    while let Some(m) = batch.next().await {
-        m.expect("delivered").double_ack().await.expect("ack");
-    }
-    drop(batch);
-    let before = stream.consumer_info(&name).await.expect("info");
-    assert_eq!(before.config.ack_wait, Duration::from_secs(120));
-
-    let mut reader = capture::open(&js, &name, 1 << 20, 1)
-        .await
-        .expect("the reader again");
-    let after = reader.info().await.expect("info").clone();
-    assert_eq!(after.config.ack_wait, capture::READER_ACK_WAIT);
-    assert_eq!(
-        after.ack_floor.stream_sequence, before.ack_floor.stream_sequence,
-        "the reader kept its place"
-    );
-    assert!(before.ack_floor.stream_sequence >= 3, "{before:?}");
-    assert_eq!(after.config.deliver_policy, before.config.deliver_policy);
 }

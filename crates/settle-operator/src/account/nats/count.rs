@@ -59,7 +59,7 @@ impl NatsKeeper {
         books: &mut Books,
         entry: kv::Entry,
     ) -> Result<Option<kv::Entry>, NatsError> {
-        let Some(report) = self.read_report(&entry) else {
+        let Some(report) = self.read_report(&entry).await else {
             return Ok(None);
         };
         let key = (report.namespace.clone(), report.subscription.clone());
@@ -94,13 +94,14 @@ impl NatsKeeper {
     /// A report put in the bucket, read: None when it is a deletion, too large, unreadable or
     /// misfiled (a body naming another Subscription or instance than its key), then counted in
     /// `settle_account_reports_total` and dropped.
-    fn read_report(&self, entry: &kv::Entry) -> Option<StatsReport> {
+    async fn read_report(&self, entry: &kv::Entry) -> Option<StatsReport> {
         if entry.operation != kv::Operation::Put {
             return None;
         }
         if self.config.limits.too_large(entry.value.len()) {
             self.metrics.reports.with_label_values(&["too_large"]).inc();
             tracing::warn!(key = %entry.key, bytes = entry.value.len(), "a stats report larger than --max-report-bytes: dropped");
+            self.purge_junk(entry).await;
             return None;
         }
         let report: StatsReport = match serde_json::from_slice(&entry.value) {
@@ -111,6 +112,9 @@ impl NatsKeeper {
                     .with_label_values(&["unreadable"])
                     .inc();
                 tracing::warn!(key = %entry.key, error = %e, "a stats report is unreadable: skipped");
+                if !of_a_newer_runtime(&entry.value) {
+                    self.purge_junk(entry).await;
+                }
                 return None;
             }
         };
@@ -119,14 +123,47 @@ impl NatsKeeper {
         if report.key() != entry.key {
             self.metrics.reports.with_label_values(&["misfiled"]).inc();
             tracing::warn!(key = %entry.key, named = %report.key(), "a stats report whose body names another key than the one it was written to: dropped");
+            self.purge_junk(entry).await;
             return None;
         }
         Some(report)
     }
 
+    /// A value under this Backend's namespace that no operator can ever count (too large,
+    /// unreadable, misfiled) removed from the report bucket, so junk never fills it (the
+    /// keeper of the key's namespace removes it; another namespace's is left to its own).
+    async fn purge_junk(&self, entry: &kv::Entry) {
+        if entry.key.split('.').next() != Some(self.namespace_token().as_str()) {
+            return;
+        }
+        match capture::drop_report(
+            &jetstream::new(self.client.clone()),
+            &entry.key,
+            entry.revision,
+        )
+        .await
+        {
+            Ok(()) => {
+                tracing::info!(key = %entry.key, "removed a value of the report bucket that no operator can count")
+            }
+            Err(e) => {
+                tracing::debug!(key = %entry.key, error = %e, "cannot remove a value of the report bucket that no operator can count")
+            }
+        }
+    }
+
+    /// This Backend's namespace as the first part of a report key.
+    fn namespace_token(&self) -> String {
+        report_key(&self.backend.0, "_", "_")
+            .split('.')
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+
     /// A report of no member of this Backend: dropped when its Subscription is gone (it was
-    /// bound to an operator's consumer once), else returned to be tried again while it is in
-    /// this Backend's namespace.
+    /// bound to an operator's consumer once, or its instance has been silent for
+    /// `--fold-after`), else returned to be tried again while it is in this Backend's namespace.
     async fn not_member(
         &self,
         report: &StatsReport,
@@ -138,6 +175,22 @@ impl NatsKeeper {
             && self.cached(&key.0, &key.1).is_none()
         {
             // Bound to an operator's consumer once, and that Subscription is gone.
+            self.metrics.reports.with_label_values(&["gone"]).inc();
+            let _ = capture::drop_report(
+                &jetstream::new(self.client.clone()),
+                &entry.key,
+                entry.revision,
+            )
+            .await;
+            return None;
+        }
+        let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
+        if report.namespace == self.backend.0
+            && self.cached(&key.0, &key.1).is_none()
+            && now_ms().saturating_sub(report.reported_at_ms) >= fold_after
+        {
+            // Of no Subscription, and its instance silent for longer than an idle one is
+            // kept: a stopped code-defined subscription's, or junk; it would fill the bucket.
             self.metrics.reports.with_label_values(&["gone"]).inc();
             let _ = capture::drop_report(
                 &jetstream::new(self.client.clone()),
@@ -504,4 +557,13 @@ pub(super) async fn consumer_since(
     let since = info.created.unix_timestamp_nanos();
     book.consumer_since = Some(((stream_name.to_string(), consumer.to_string()), since));
     Some(since)
+}
+
+/// Whether an unreadable report says it is of a runtime newer than this operator (a JSON
+/// object whose `version` is above the one it reads): kept for an upgraded operator to count.
+fn of_a_newer_runtime(value: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(value)
+        .ok()
+        .and_then(|v| v.get("version").and_then(serde_json::Value::as_u64))
+        .is_some_and(|v| v > u64::from(settle::bus::report::REPORT_VERSION))
 }

@@ -129,6 +129,9 @@ struct Held {
     uncounted: Uncounted,
 }
 
+/// How often a keeper reads how full its report bucket is.
+const STORE_CHECK: Duration = Duration::from_secs(10);
+
 /// An empty report bucket delivers no initial value at all: when none has come this long after
 /// the watch started, its replay is complete.
 const EMPTY_REPLAY: Duration = Duration::from_secs(5);
@@ -226,6 +229,8 @@ pub struct NatsKeeper {
     unseen_attempts: super::status::Unseen,
     /// The Subscriptions whose book was loaded in this session.
     loaded: std::sync::Mutex<std::collections::HashSet<SubKey>>,
+    /// The report bucket is full, said with its fill (read every [`STORE_CHECK`]).
+    store_full: std::sync::Mutex<Option<String>>,
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
@@ -251,6 +256,58 @@ impl NatsKeeper {
             metrics,
             unseen_attempts,
             loaded: Default::default(),
+            store_full: Default::default(),
+        }
+    }
+
+    /// Whether the report bucket was full at its last check, and how.
+    fn store_full(&self) -> Option<String> {
+        self.store_full.lock().ok().and_then(|s| s.clone())
+    }
+
+    /// Reads how full the report bucket is: full when it cannot take one more report of the
+    /// largest size it allows (the broker refuses a put that does not fit: discard new).
+    /// Turning full, or room again, is logged, counted in `settle_account_report_store_full`
+    /// and, through `Accounted`, said on every Subscription of the Backend.
+    async fn check_store(&self, reports: &kv::Store) {
+        // The store's own status is what it read when opened: the stream is asked afresh.
+        let Ok(bucket) = reports.status().await.map(|s| s.bucket().to_string()) else {
+            return;
+        };
+        let js = jetstream::new(self.client.clone());
+        let info = match js.get_stream(format!("KV_{bucket}")).await {
+            Ok(stream) => stream.cached_info().clone(),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read how full the report bucket is");
+                return;
+            }
+        };
+        let (config, state) = (&info.config, &info.state);
+        let full = config.max_bytes > 0
+            && state.bytes.saturating_add(
+                u64::try_from(config.max_message_size.max(1024)).unwrap_or(u64::MAX),
+            ) > u64::try_from(config.max_bytes).unwrap_or(u64::MAX);
+        let said = full.then(|| {
+            format!(
+                "bucket {} holds {} of its {} bytes in {} report(s)",
+                bucket, state.bytes, config.max_bytes, state.messages
+            )
+        });
+        let backend = format!("{}/{}", self.backend.0, self.backend.1);
+        self.metrics
+            .store_full
+            .with_label_values(&[&backend])
+            .set(i64::from(full));
+        if let Ok(mut shown) = self.store_full.lock() {
+            if shown.is_some() != full {
+                match &said {
+                    Some(s) => {
+                        tracing::warn!(backend = %backend, fill = %s, "the report bucket is full: the broker refuses new reports")
+                    }
+                    None => tracing::info!(backend = %backend, "the report bucket has room again"),
+                }
+            }
+            *shown = said;
         }
     }
 
@@ -352,6 +409,8 @@ impl NatsKeeper {
         let mut held = Held::default();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.check_store(&reports).await;
+        let mut store_checked = Instant::now();
         let ended = rounds(async {
         loop {
             tokio::select! {
@@ -380,6 +439,10 @@ impl NatsKeeper {
                     }
                     if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
                         replayed = true;
+                    }
+                    if store_checked.elapsed() >= STORE_CHECK {
+                        self.check_store(&reports).await;
+                        store_checked = Instant::now();
                     }
                     members.refresh(&self.subs, &self.backend);
                     self.retry_unverified(&ledgers, &members, &mut books, &mut held).await?;

@@ -239,6 +239,7 @@ impl NatsKeeper {
         stamp: &Time,
     ) {
         let loss_window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
+        let store_full = self.store_full();
         let round = show::Round {
             writer: &self.writer,
             metrics: &self.metrics,
@@ -268,6 +269,19 @@ impl NatsKeeper {
                 book.showing.trouble.missed_advisories = 0;
                 book.dirty = true;
             }
+            if let Some(fill) = &store_full
+                && book.showing.trouble.store_full.is_none()
+            {
+                self.writer.event(
+                    &m.sub,
+                    true,
+                    crate::account::status::reasons::REPORT_STORE_FULL,
+                    format!(
+                        "the report store is full ({fill}): the broker refuses new stats reports"
+                    ),
+                );
+            }
+            book.showing.trouble.store_full = store_full.clone();
             book.showing.trouble.source_lost = book
                 .account
                 .persisted()

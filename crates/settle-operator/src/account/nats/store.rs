@@ -83,6 +83,7 @@ impl NatsKeeper {
                     source_lost: None,
                     dead_letters: None,
                     queue_missing: None,
+                    store_full: None,
                     dropped_reports: None,
                 },
                 last_write: None,

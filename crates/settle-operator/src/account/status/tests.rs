@@ -173,6 +173,25 @@ fn the_patch_keeps_transition_times_of_unchanged_conditions() {
 }
 
 #[test]
+fn a_full_report_store_is_said_with_its_fill_and_what_to_do() {
+    let full = Trouble {
+        store_full: Some("bucket settle-stats holds 1048000 of its 1048576 bytes".into()),
+        ..Trouble::default()
+    };
+    let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &full);
+    assert_eq!(
+        (a.status, a.reason),
+        (Status::False, reasons::REPORT_STORE_FULL)
+    );
+    assert!(
+        a.message.contains("1048000 of its 1048576")
+            && a.message.contains("--report-bucket-max-bytes"),
+        "{}",
+        a.message
+    );
+}
+
+#[test]
 fn a_missing_report_queue_and_too_many_dead_letters_are_said() {
     let missing = Trouble {
         queue_missing: Some("shop-orders-settle-stats.fifo".into()),
@@ -210,6 +229,7 @@ fn accounted_says_why_the_account_is_not_whole() {
         source_lost: Some(Source::Ledger),
         dead_letters: None,
         queue_missing: None,
+        store_full: None,
         dropped_reports: None,
     };
     let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &unsaved);
@@ -224,6 +244,7 @@ fn accounted_says_why_the_account_is_not_whole() {
         source_lost: None,
         dead_letters: None,
         queue_missing: None,
+        store_full: None,
         dropped_reports: None,
     };
     let [_, _, a] = wants(&stats(0, 0), 0, WINDOW, Unseen::Never, &gap);

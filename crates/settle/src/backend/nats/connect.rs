@@ -1,5 +1,6 @@
 //! Connecting to NATS: an application's [`NatsBroker`] from one URL (a user and password in it
-//! given to the client), and the operator's client from plain data: server URLs, the credential
+//! given to the client) with an inbox prefix of its namespace's, and the operator's client from
+//! plain data: server URLs, the credential
 //! forms a Backend documents (`creds`, `nkey`, `token`, or `user` + `password`) and an optional
 //! CA. The operator reads the Secrets and hands their bytes here; this module knows NATS, not
 //! Kubernetes.
@@ -152,6 +153,7 @@ where
     let servers_text = spec.servers.join(",");
     let mut opts = ConnectOptions::new()
         .name(&spec.name)
+        .custom_inbox_prefix(OPERATOR_INBOX_PREFIX)
         .connection_timeout(CONNECT_TIMEOUT)
         .request_timeout(Some(REQUEST_TIMEOUT))
         .max_reconnects(None)
@@ -233,14 +235,66 @@ pub fn tls_config(pem: &str) -> Result<ClientConfig, ConnectFailure> {
     )
 }
 
+/// The variable that sets an application's inbox prefix (see [`inbox_prefix`]).
+pub const INBOX_PREFIX_ENV: &str = "SETTLE_NATS_INBOX_PREFIX";
+
+/// The inbox prefix of the operator's own connections. No namespace name begins with `_`, so
+/// no tenant's prefix ([`inbox_prefix`]) covers it, and a tenant allowed only its own prefix
+/// never reads the operator's replies (ledgers, consumer infos).
+pub const OPERATOR_INBOX_PREFIX: &str = "_INBOX._settle";
+
+/// The inbox prefix of an application of `namespace`: `_INBOX.<namespace>`. Every reply the
+/// client waits for (pulled messages, with their `$JS.ACK` subjects, and API answers) arrives
+/// under it, so a shared NATS account can grant each tenant `subscribe: _INBOX.<namespace>.>`
+/// only, and no tenant reads another's deliveries (with the client's default, `_INBOX`, every
+/// tenant would need `_INBOX.>`).
+pub fn inbox_prefix(namespace: &str) -> String {
+    format!("_INBOX.{namespace}")
+}
+
+/// The inbox prefix `value` (from [`INBOX_PREFIX_ENV`]) if it is one: tokens of visible
+/// characters separated by single dots, no wildcard.
+fn checked_inbox_prefix(value: &str) -> Result<String, BusError> {
+    let ok = !value.is_empty()
+        && value.split('.').all(|t| {
+            !t.is_empty()
+                && t.chars()
+                    .all(|c| c.is_ascii_graphic() && c != '*' && c != '>')
+        });
+    if ok {
+        Ok(value.to_string())
+    } else {
+        Err(err(format!(
+            "{INBOX_PREFIX_ENV}={value:?} is not an inbox prefix: give subject tokens separated by \
+             single dots, without wildcards or spaces (for example `_INBOX.team-a`)"
+        )))
+    }
+}
+
 impl NatsBroker {
     /// Connects to a NATS server (for example `nats://127.0.0.1:4222`), or to any of a
-    /// comma-separated list of them (the servers of a cluster).
+    /// comma-separated list of them (the servers of a cluster), with the inbox prefix
+    /// [`INBOX_PREFIX_ENV`] gives, or else that of `POD_NAMESPACE` (the namespace a [`Bus`]
+    /// reports under unless told another; `default` without it). An application that runs
+    /// Subscriptions of another namespace uses [`NatsBroker::connect_in`].
+    ///
+    /// [`Bus`]: crate::bus::Bus
     pub async fn connect(url: &str) -> Result<NatsBroker, BusError> {
+        let namespace = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "default".into());
+        NatsBroker::connect_in(url, &namespace).await
+    }
+
+    /// [`NatsBroker::connect`] for an application of `namespace`: its inbox prefix is
+    /// [`INBOX_PREFIX_ENV`]'s, or else [`inbox_prefix`]`(namespace)`.
+    pub async fn connect_in(url: &str, namespace: &str) -> Result<NatsBroker, BusError> {
+        let prefix = match std::env::var(INBOX_PREFIX_ENV) {
+            Ok(value) => checked_inbox_prefix(&value)?,
+            Err(_) => inbox_prefix(namespace),
+        };
         // The client does not read a user and password from the URL: taken out and given to it,
         // so an application connects as its tenant's user (`nats://team-a:secret@host:4222`).
         let (url, user) = split_user(url);
-        let mut options = async_nats::ConnectOptions::new();
+        let mut options = async_nats::ConnectOptions::new().custom_inbox_prefix(prefix);
         if let Some((user, password)) = user {
             options = options.user_and_password(user, password);
         }
@@ -313,6 +367,19 @@ mod tests {
             )
         );
         assert_eq!(split_user("nats://h:1"), ("nats://h:1".to_string(), None));
+    }
+
+    #[test]
+    fn an_inbox_prefix_is_subject_tokens_without_wildcards() {
+        assert_eq!(inbox_prefix("team-a"), "_INBOX.team-a");
+        assert_eq!(
+            checked_inbox_prefix("_INBOX.team-a").ok(),
+            Some("_INBOX.team-a".to_string())
+        );
+        for bad in ["", "_INBOX.", ".x", "a..b", "_INBOX.>", "a.*", "a b"] {
+            let e = checked_inbox_prefix(bad).expect_err(bad).to_string();
+            assert!(e.contains(INBOX_PREFIX_ENV), "{e}");
+        }
     }
 
     #[test]
