@@ -19,7 +19,9 @@
 //!     returning (kill the process then: no handler saw that attempt end);
 //!   - `demo`: acks orders, declines a body containing `bad` (Exhausted at maxDeliver), returns
 //!     silently once on a body containing `slow`.
-//!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work.
+//!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work;
+//!     `slow-ack-long` the same, 15 s by default (handlers still running across a delete and
+//!     apply).
 //!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
 //!     Subscription stalls);
 //!   - `ack`: acks every message at once, printing `acked <body>`.
@@ -149,13 +151,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
         Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
+        Ok("slow-ack-long") => Behaviour::SlowAck(handle_ms(15_000)),
         Ok("hold") => Behaviour::Hold,
         Ok("ack") => Behaviour::Ack,
         Ok("ack-seen") => Behaviour::AckSeen,
         Ok("nack-first") => Behaviour::NackFirst(handle_ms(0)),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, hold, ack, ack-seen, nack-first or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, slow-ack-long, hold, ack, ack-seen, nack-first or demo"
             )
             .into());
         }

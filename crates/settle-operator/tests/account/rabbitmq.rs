@@ -894,3 +894,28 @@ async fn a_handler_blocked_forever_on_rabbitmq_raises_stalled_until_one_acks() {
     stalled_scenario(&scene).await;
     scene.finish().await;
 }
+
+/// A takeover under a running application (the scenario every broker runs): the new object
+/// counts the new messages without a restart, and none of the old one's history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_on_rabbitmq_under_a_running_application_counts_on_the_new_object_without_history()
+ {
+    let scene = Scene::new("acctrq-takeover").await;
+    common::account::takeover_under_a_running_app_scenario(&scene).await;
+    scene.finish().await;
+}
+
+/// Delete and apply on RabbitMQ while five slow handlers run: their completions stay the old
+/// object's, and the new one balances at rest (I1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_and_apply_on_rabbitmq_across_slow_handlers_leaves_the_new_object_balanced() {
+    let scene = Scene::build(
+        "acctrq-recreate-slow",
+        false,
+        common::account::SLOW_SPEC,
+        &OPERATOR_FLAGS,
+    )
+    .await;
+    common::account::recreate_under_slow_handlers_scenario(&scene).await;
+    scene.finish().await;
+}

@@ -358,3 +358,26 @@ async fn a_handler_blocked_forever_on_sqs_raises_stalled_until_one_acks() {
     stalled_scenario(&scene).await;
     scene.finish().await;
 }
+
+/// A takeover under a running application (the scenario every broker runs): the new object
+/// counts the new messages without a restart, and none of the old one's history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_on_sqs_under_a_running_application_counts_on_the_new_object_without_history() {
+    let scene = SqsScene::new("acctsqs-takeover", NACK, &[]).await;
+    common::account::takeover_under_a_running_app_scenario(&scene).await;
+    scene.finish().await;
+}
+
+/// Delete and apply on SQS while five slow handlers run: their completions stay the old
+/// object's, and the new one balances at rest (I1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_and_apply_on_sqs_across_slow_handlers_leaves_the_new_object_balanced() {
+    let scene = SqsScene::new(
+        "acctsqs-recreate-slow",
+        &format!("{}  ackWait: 60s\n", common::account::SLOW_SPEC),
+        &[],
+    )
+    .await;
+    common::account::recreate_under_slow_handlers_scenario(&scene).await;
+    scene.finish().await;
+}

@@ -91,6 +91,26 @@ impl App {
         .await;
     }
 
+    /// Waits until the application's own log (the runtime's, on stderr) has a line holding
+    /// `needle`; returns that line.
+    pub async fn wait_log(&self, needle: &str, limit: Duration) -> String {
+        poll(
+            &format!(
+                "the application to log {needle:?} (its log: {})",
+                self.log.display()
+            ),
+            limit,
+            || async {
+                let text = std::fs::read_to_string(&self.log).map_err(|e| e.to_string())?;
+                text.lines()
+                    .find(|l| l.contains(needle))
+                    .map(str::to_string)
+                    .ok_or_else(|| "not yet".to_string())
+            },
+        )
+        .await
+    }
+
     pub async fn wait_ready(&self) {
         // A minute: on a loaded machine a RabbitMQ application can take a while to subscribe.
         self.wait_count("ready", 1, Duration::from_secs(60)).await;

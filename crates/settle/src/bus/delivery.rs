@@ -10,7 +10,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -21,7 +21,7 @@ use crate::api::{ConsumerStats, DeliveryPolicy};
 
 use super::envelope::{self, Data, EnvelopeEvent, Foreign};
 use super::spec::ConsumerOwner;
-use super::stats::{Counters, RuntimeStats};
+use super::stats::{Counter, Counters, RuntimeStats};
 use crate::policy::ResolvedPolicy;
 
 /// One subscription as the runtime and its backend share it: name, resolved policy, where its
@@ -33,20 +33,28 @@ pub struct SubscriptionCtx {
     policy: ResolvedPolicy,
     binding: Binding,
     pub(crate) counters: Arc<Counters>,
-    /// Which Subscription object the counts go to now, and since when.
-    epoch: Mutex<Epoch>,
+    /// Which Subscription object the counts go to now, and since when. Read-locked to count
+    /// an event of a delivery of the current epoch, write-locked to begin an epoch or to count
+    /// one of an earlier epoch's deliveries, so no count falls between two epochs.
+    epoch: RwLock<Epoch>,
     /// Whether the backend stopped fetching for a pause (RabbitMQ, SQS).
     paused: tokio::sync::watch::Sender<bool>,
 }
 
 /// The stretch of a subscription's counts that belongs to one Subscription object: what the
-/// counters held when it began is left out of reports (docs/stats-report.md).
-#[derive(Clone, Debug, Default)]
+/// counters held when it began is left out of reports (docs/stats-report.md), and so is what
+/// deliveries offered before it did since (semantics C15: a delivery belongs to the epoch it
+/// was offered in).
+#[derive(Debug, Default)]
 struct Epoch {
     uid: Option<String>,
     started_at_ms: u64,
+    /// Which epoch of this subscription (each new object, one more).
+    generation: u64,
     baseline: ConsumerStats,
     runtime_baseline: RuntimeStats,
+    /// Counted since it began for deliveries of an earlier epoch: left out of its reports.
+    earlier: Counters,
 }
 
 /// A subscription's counts as reported: those of the current object only.
@@ -99,7 +107,7 @@ impl SubscriptionCtx {
             policy: ResolvedPolicy::resolve(policy),
             binding,
             counters,
-            epoch: Mutex::new(Epoch {
+            epoch: RwLock::new(Epoch {
                 started_at_ms,
                 ..Epoch::default()
             }),
@@ -127,7 +135,7 @@ impl SubscriptionCtx {
         let Some(uid) = uid else { return };
         let mut e = self
             .epoch
-            .lock()
+            .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match e.uid.as_deref() {
             Some(old) if old == uid => {}
@@ -137,26 +145,72 @@ impl SubscriptionCtx {
                 *e = Epoch {
                     uid: Some(uid.to_string()),
                     started_at_ms: super::report::now_ms().max(e.started_at_ms + 1),
+                    generation: e.generation + 1,
                     baseline: self.counters.snapshot(),
                     runtime_baseline: self.counters.runtime(),
+                    earlier: Counters::default(),
                 };
             }
         }
     }
 
+    /// The Subscription object the counts go to now, if a mark named one.
+    pub fn bound_uid(&self) -> Option<String> {
+        self.read_epoch().uid.clone()
+    }
+
     /// The counts of the current Subscription object (what reports carry).
     pub fn epoch(&self) -> EpochStats {
+        let e = self.read_epoch();
+        EpochStats {
+            uid: e.uid.clone(),
+            started_at_ms: e.started_at_ms,
+            stats: self
+                .counters
+                .snapshot()
+                .since(&e.baseline)
+                .since(&e.earlier.snapshot()),
+            runtime: self
+                .counters
+                .runtime()
+                .since(&e.runtime_baseline)
+                .since(&e.earlier.runtime()),
+        }
+    }
+
+    fn read_epoch(&self) -> std::sync::RwLockReadGuard<'_, Epoch> {
+        self.epoch
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A new delivery offered (and a foreign conflict, when its headers contradict its
+    /// envelope): counted in the current epoch, whose generation it returns.
+    fn offer(&self, foreign_conflict: bool) -> u64 {
+        let e = self.read_epoch();
+        self.counters.offered.inc();
+        if foreign_conflict {
+            self.counters.foreign_conflicts.inc();
+        }
+        e.generation
+    }
+
+    /// One event (`counter`) of a delivery offered in epoch `generation`: in this process's
+    /// counts always, and in the current epoch's only when it was offered in it.
+    pub(crate) fn count(&self, generation: u64, counter: fn(&Counters) -> &Counter) {
+        {
+            let e = self.read_epoch();
+            if e.generation == generation {
+                counter(&self.counters).inc();
+                return;
+            }
+        }
         let e = self
             .epoch
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        EpochStats {
-            uid: e.uid,
-            started_at_ms: e.started_at_ms,
-            stats: self.counters.snapshot().since(&e.baseline),
-            runtime: self.counters.runtime().since(&e.runtime_baseline),
-        }
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        counter(&self.counters).inc();
+        counter(&e.earlier).inc();
     }
     /// Where the consumer lives and who makes it.
     pub fn binding(&self) -> &Binding {
@@ -286,6 +340,8 @@ struct Inner {
     data: Data,
     settled: AtomicBool,
     fate: AtomicU8,
+    /// The epoch of its subscription it was offered in: its every count belongs there.
+    generation: u64,
     on_settle: Box<dyn OnSettle>,
 }
 
@@ -321,9 +377,8 @@ impl Delivery {
     /// transport headers contradict its envelope).
     pub fn new(ctx: &Arc<SubscriptionCtx>, opts: DeliveryOptions) -> Delivery {
         let parsed = envelope::parse(&opts.headers, &opts.payload);
-        ctx.counters.offered.inc();
+        let generation = ctx.offer(!parsed.foreign.is_empty());
         if !parsed.foreign.is_empty() {
-            ctx.counters.foreign_conflicts.inc();
             tracing::debug!(subscription = %ctx.name, subject = %opts.subject, foreign = ?parsed.foreign.headers, "transport headers contradict the envelope; keeping the envelope's values");
         }
         Delivery {
@@ -338,6 +393,7 @@ impl Delivery {
                 data: parsed.data,
                 settled: AtomicBool::new(false),
                 fate: AtomicU8::new(OPEN),
+                generation,
                 on_settle: opts.on_settle,
             }),
         }
@@ -424,7 +480,7 @@ impl Delivery {
         {
             return false;
         }
-        self.inner.ctx.counters.delivered.inc();
+        self.count(|c| &c.delivered);
         if self.is_settled() {
             return true;
         }
@@ -451,14 +507,13 @@ impl Delivery {
         {
             return;
         }
-        let c = &self.inner.ctx.counters;
         if self.inner.ctx.policy.at_least_once() {
-            c.released.inc();
+            self.count(|c| &c.released);
             if !self.is_settled() {
                 self.inner.on_settle.release().await;
             }
         } else {
-            c.lost.inc();
+            self.count(|c| &c.lost);
         }
     }
 
@@ -469,6 +524,11 @@ impl Delivery {
 
     pub(crate) fn ctx(&self) -> &Arc<SubscriptionCtx> {
         &self.inner.ctx
+    }
+
+    /// One event of this delivery, counted in the epoch it was offered in.
+    pub(crate) fn count(&self, counter: fn(&Counters) -> &Counter) {
+        self.inner.ctx.count(self.inner.generation, counter);
     }
 }
 
@@ -492,7 +552,6 @@ async fn settle_inner(
 ) -> Result<(), SettleError> {
     let inner = &d.inner;
     let policy = &inner.ctx.policy;
-    let c = &inner.ctx.counters;
     if let Some(delay) = delay {
         match policy.nack_ceiling() {
             None => return Err(SettleError::NoDelayAllowed(inner.ctx.name.clone())),
@@ -514,9 +573,9 @@ async fn settle_inner(
         return Err(SettleError::AlreadySettled);
     }
     match decision {
-        Decision::Ack => c.acked.inc(),
-        Decision::Nack => c.nacked.inc(),
-        Decision::Silent => c.silent.inc(),
+        Decision::Ack => d.count(|c| &c.acked),
+        Decision::Nack => d.count(|c| &c.nacked),
+        Decision::Silent => d.count(|c| &c.silent),
     }
     if !policy.at_least_once() {
         // AtMostOnce: recorded, never acted on.
@@ -526,7 +585,7 @@ async fn settle_inner(
         Decision::Ack => BrokerAction::Ack,
         Decision::Nack | Decision::Silent => {
             if policy.max_deliver.is_some_and(|m| inner.attempt >= m) {
-                c.exhausted.inc();
+                d.count(|c| &c.exhausted);
                 tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, attempt = inner.attempt, "declined on its last attempt: counted Exhausted (data loss)");
                 BrokerAction::Terminate
             } else {
@@ -537,13 +596,13 @@ async fn settle_inner(
     match inner.on_settle.settle(action).await {
         Ok(Performed::AsAsked) => Ok(()),
         Ok(Performed::DelayShortened) => {
-            c.delay_shortened.inc();
+            d.count(|c| &c.delay_shortened);
             Ok(())
         }
         Err(refusal) => {
-            c.refused.inc();
+            d.count(|c| &c.refused);
             if refusal.stranded && matches!(action, BrokerAction::Decline(_)) {
-                c.stranded.inc();
+                d.count(|c| &c.stranded);
             }
             tracing::warn!(subscription = %inner.ctx.name, subject = %inner.subject, ?action, reason = %refusal.reason, "the backend refused a settlement");
             Err(SettleError::Refused(refusal.reason))

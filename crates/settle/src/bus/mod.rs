@@ -342,6 +342,7 @@ impl Bus {
             let mut reporter = StatsReporter::default();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut marks_read = Instant::now();
             loop {
                 let stopping = tokio::select! {
                     _ = tick.tick() => false,
@@ -349,7 +350,12 @@ impl Bus {
                 };
                 let Some(inner) = weak.upgrade() else { return };
                 let subs: Vec<Arc<SubscriptionCtx>> = lock(&inner.ctxs).values().cloned().collect();
+                let backend = Arc::clone(&inner.backend);
                 drop(inner);
+                if !stopping && marks_read.elapsed() >= MARK_RECHECK {
+                    marks_read = Instant::now();
+                    read_marks_again(backend.as_ref(), &subs).await;
+                }
                 if stopping {
                     // The last report: tried until the broker confirms it, a few times.
                     for attempt in 1..=LAST_REPORT_TRIES {
@@ -366,6 +372,24 @@ impl Bus {
                 reporter.tick(&target, &subs, false).await;
             }
         }));
+    }
+}
+
+/// How often a running subscription bound to an operator's consumer or queue reads its
+/// object mark again: a takeover under running applications starts the new object's epoch
+/// within this (and a report interval) without a restart.
+pub const MARK_RECHECK: Duration = Duration::from_secs(5);
+
+/// Each subscription bound to a marked consumer or queue: its mark read again, and a new
+/// object's epoch begun when it names one (semantics C15).
+async fn read_marks_again(backend: &dyn Broker, subs: &[Arc<SubscriptionCtx>]) {
+    for ctx in subs {
+        if ctx.bound_uid().is_none() {
+            continue;
+        }
+        if let Some(uid) = backend.read_mark(ctx).await {
+            ctx.bound_to(Some(&uid));
+        }
     }
 }
 
@@ -547,11 +571,11 @@ async fn run_one(d: Delivery, handler: Handler, lease: Option<Lease>) {
     match outcome {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
-            ctx.counters.handler_errors.inc();
+            d.count(|c| &c.handler_errors);
             tracing::warn!(subscription = %ctx.name(), subject = %d.subject(), attempt = d.attempt(), settled = d.is_settled(), error = %e, "handler returned an error (it does not decide settlement)");
         }
         Err(panic) => {
-            ctx.counters.panics.inc();
+            d.count(|c| &c.panics);
             let what = panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
@@ -597,7 +621,7 @@ async fn keep_lease(d: &Delivery, lease: Lease) -> Never {
     }
     tokio::time::sleep_until(held_until).await;
     if !d.is_settled() {
-        d.ctx().counters.lease_expired.inc();
+        d.count(|c| &c.lease_expired);
         tracing::warn!(subscription = %d.subscription(), subject = %d.subject(), attempt = d.attempt(), "handler ran past maxProcessingTime: the message is handed on while it may still run (LeaseExpired)");
     }
     std::future::pending().await

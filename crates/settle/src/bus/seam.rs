@@ -82,6 +82,14 @@ pub trait Broker: Send + Sync + 'static {
     fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
         None
     }
+    /// The Subscription object (UID) the operator's mark names now for the consumer or queue
+    /// `ctx` is bound to, read again while it runs: a takeover (the object deleted with
+    /// `Retain`, applied again and adopting it) marks it anew under running applications.
+    /// `None`: not bound to an operator's consumer, not marked, or not readable now.
+    fn read_mark<'a>(&'a self, ctx: &'a SubscriptionCtx) -> BoxFuture<'a, Option<String>> {
+        let _ = ctx;
+        Box::pin(async { None })
+    }
 }
 
 /// One subscription's consumer: hands out deliveries, one at a time.

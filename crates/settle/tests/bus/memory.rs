@@ -1711,3 +1711,51 @@ fn report_keys_stay_in_the_kv_key_alphabet() {
     );
     assert_eq!(bus::report::report_key("a b", "x.y", ""), "a_b.x_y._");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_delivery_belongs_to_the_epoch_it_was_offered_in() {
+    // semantics C15: a Subscription object taken over mid-work (a new UID in the mark) starts
+    // at zero, and what deliveries offered before it do afterwards stays out of its counts, so
+    // offered = delivered + released + lost holds for the new object whatever ran across.
+    let mem = MemoryBroker::new();
+    let ctx = SubscriptionCtx::new("o", &alo("o.>"));
+    ctx.bound_to(Some("uid-1"));
+    let mut c = mem.open(ctx.clone()).await.unwrap();
+    for i in 0..3 {
+        mem.publish(format!("o.{i}"), vec![], "x".into())
+            .await
+            .unwrap();
+    }
+    let early: Vec<Delivery> = vec![
+        c.next().await.unwrap(),
+        c.next().await.unwrap(),
+        c.next().await.unwrap(),
+    ];
+    early[0].ack().await.unwrap();
+
+    ctx.bound_to(Some("uid-2"));
+    let fresh = ctx.epoch();
+    assert_eq!(fresh.uid.as_deref(), Some("uid-2"));
+    assert_eq!(fresh.stats, ConsumerStats::default(), "{fresh:?}");
+    // The two still in flight finish in the new epoch: left out of it.
+    early[1].ack().await.unwrap();
+    early[2].nack().await.unwrap();
+    assert_eq!(ctx.epoch().stats, ConsumerStats::default());
+    // A delivery offered now counts there.
+    mem.publish("o.3".into(), vec![], "x".into()).await.unwrap();
+    let mut now = c.next().await.unwrap();
+    while now.attempt() > 1 {
+        // The nacked one came back first: a new offer, so the new epoch's.
+        now.ack().await.unwrap();
+        now = c.next().await.unwrap();
+    }
+    now.ack().await.unwrap();
+    let after = ctx.epoch().stats;
+    assert_eq!(after.offered, after.settlement.acked, "{after:?}");
+    assert!(after.offered >= 1, "{after:?}");
+    assert_eq!(after.settlement.nacked, 0, "{after:?}");
+    // The process's own counts keep everything.
+    let all = ctx.stats();
+    assert_eq!(all.settlement.acked, 2 + after.settlement.acked, "{all:?}");
+    assert_eq!(all.settlement.nacked, 1, "{all:?}");
+}

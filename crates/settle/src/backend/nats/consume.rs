@@ -75,6 +75,19 @@ pub const PULL_BYTES_MARGIN: usize = 16 << 10;
 pub const MIN_PULL_BATCH: usize = 10;
 
 impl NatsBroker {
+    /// The UID mark of the operator's consumer subscription `name` is bound to, read now.
+    pub(super) async fn mark_of(&self, name: &str) -> Option<String> {
+        let (stream, consumer) = self.bound.lock().ok()?.get(name).cloned()?;
+        match admin::consumer_info(&self.js, &stream, &consumer).await {
+            Ok(Some(info)) => info.config.metadata.get(mapping::UID_KEY).cloned(),
+            Ok(None) => None,
+            Err(e) => {
+                tracing::debug!(subscription = %name, error = %e, "cannot read the consumer's mark again");
+                None
+            }
+        }
+    }
+
     /// A consumer pulling from the subscription's JetStream consumer (see [`NatsBroker::bind`]).
     pub(super) async fn consume(
         &self,
@@ -119,6 +132,9 @@ impl NatsBroker {
                     .get(mapping::UID_KEY)
                     .map(String::as_str),
             );
+            if let Ok(mut bound) = self.bound.lock() {
+                bound.insert(ctx.name().to_string(), (stream.clone(), name.clone()));
+            }
         }
         // The server caps deliveries at max_ack_pending anyway; small pulls stall (see
         // MIN_PULL_BATCH).

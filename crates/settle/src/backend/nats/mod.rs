@@ -51,6 +51,9 @@ pub struct NatsBroker {
     /// The bytes one pull asks for, before [`NatsBroker::pull_bytes`] raises it to what the
     /// server's largest message needs.
     pull_bytes: usize,
+    /// The operator's consumer each subscription is bound to (by subscription name): stream
+    /// and consumer, where its mark is read again.
+    bound: Arc<std::sync::Mutex<std::collections::HashMap<String, (String, String)>>>,
 }
 
 impl NatsBroker {
@@ -63,6 +66,7 @@ impl NatsBroker {
             bucket: REPORT_BUCKET.to_string(),
             kv: Arc::default(),
             pull_bytes: DEFAULT_PULL_BYTES,
+            bound: Arc::default(),
         }
     }
 
@@ -171,6 +175,10 @@ impl Broker for NatsBroker {
 
     fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
         Some(Arc::new(self.clone()))
+    }
+
+    fn read_mark<'a>(&'a self, ctx: &'a SubscriptionCtx) -> BoxFuture<'a, Option<String>> {
+        self.mark_of(ctx.name()).boxed()
     }
 }
 

@@ -225,6 +225,16 @@ impl Broker for RabbitBroker {
     fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
         Some(Arc::new(self.clone()))
     }
+
+    fn read_mark<'a>(&'a self, ctx: &'a SubscriptionCtx) -> BoxFuture<'a, Option<String>> {
+        async move {
+            if ctx.binding().owner != crate::bus::ConsumerOwner::Operator {
+                return None;
+            }
+            report::read_object(&self.conn, &ctx.binding().namespace, ctx.name()).await
+        }
+        .boxed()
+    }
 }
 
 /// Transport headers as AMQP properties: `content-type`, `correlation-id` and `message-id` as

@@ -118,6 +118,7 @@ impl SqsBroker {
         let found = self.await_operator(ctx).await?;
         // The object the operator made this queue for (its `settle-object` tag):
         // the counts from here on are its (semantics C15).
+        lock(&self.bound).insert(ctx.name().to_string(), found.0.clone());
         match admin::owner(&self.client, &found.0).await {
             Ok(tags) => ctx.bound_to(tags.object.as_deref()),
             Err(e) => {

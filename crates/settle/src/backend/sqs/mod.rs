@@ -109,6 +109,9 @@ pub struct SqsBroker {
     reports: Arc<Mutex<HashMap<String, report::ReportsTo>>>,
     /// How often a consumer of an operator-made queue reads its pause tag.
     pause_poll: Duration,
+    /// The operator-made queue each subscription is bound to (by subscription name), whose
+    /// owner tags are read again for its mark.
+    bound: Arc<Mutex<HashMap<String, String>>>,
 }
 
 impl SqsBroker {
@@ -122,6 +125,7 @@ impl SqsBroker {
             urls: Arc::default(),
             reports: Arc::default(),
             pause_poll: crate::backend::pause::poll_interval_from_env(),
+            bound: Arc::default(),
         }
     }
 
@@ -252,6 +256,20 @@ impl Broker for SqsBroker {
 
     fn stats_sink(&self) -> Option<Arc<dyn StatsSink>> {
         Some(Arc::new(self.clone()))
+    }
+
+    fn read_mark<'a>(&'a self, ctx: &'a SubscriptionCtx) -> BoxFuture<'a, Option<String>> {
+        async move {
+            let url = lock(&self.bound).get(ctx.name()).cloned()?;
+            match admin::owner(&self.client, &url).await {
+                Ok(tags) => tags.object,
+                Err(e) => {
+                    tracing::debug!(subscription = %ctx.name(), error = %e, "cannot read the queue's owner tags again");
+                    None
+                }
+            }
+        }
+        .boxed()
     }
 }
 
