@@ -146,6 +146,155 @@ impl HandMade for Jet {
     }
 }
 
+/// A consumer migrated onto Settle through a Backend of its own (a NACK consumer, namespace
+/// by namespace) brings none of its past losses: three messages ran out of attempts on it while
+/// the operator's capture recorded them (another Backend on the server), then a new Backend's
+/// Subscription takes it over. The new Backend's reader reads the capture from its start, and
+/// every loss written before the object was made counts for nobody (`earlier_consumer`):
+/// exhausted stays 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_taken_over_through_a_new_backend_counts_none_of_its_past_losses() {
+    common::install_crds();
+    let test = "adopt-js-hist";
+    let (old_ns, new_ns) = (
+        common::namespace("adopt-js-hist-old"),
+        common::namespace("adopt-js-hist-new"),
+    );
+    let hand = Jet::new(test).await;
+    let op = common::operator::Operator::start_with(
+        test,
+        &format!("{old_ns},{new_ns}"),
+        &[
+            "--leader-election=false",
+            "--stats-interval",
+            "1s",
+            "--adopt-namespaces",
+            &new_ns,
+        ],
+    );
+    // A Backend the operator keeps on this server already: its capture records the losses.
+    hand.backend(&old_ns);
+    common::subs::wait_backend(
+        &common::subs::backends(&old_ns).await,
+        "nats",
+        "True",
+        "Connected",
+    )
+    .await;
+    let stream = hand
+        .stream
+        .js
+        .get_stream(&hand.stream.name)
+        .await
+        .expect("the stream");
+    let c: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("orders".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            deliver_policy: consumer::DeliverPolicy::All,
+            ack_wait: Duration::from_secs(1),
+            max_deliver: 2,
+            filter_subject: format!("{}.>", hand.stream.prefix),
+            ..Default::default()
+        })
+        .await
+        .expect("a consumer made by hand");
+    common::account::publish_to(&hand.stream, common::account::bodies(3)).await;
+    // Each message handed out twice and never settled: it runs out of attempts, which the
+    // server says (an advisory) when a third pull would have had it.
+    for _ in 0..3 {
+        let mut batch = c
+            .fetch()
+            .max_messages(3)
+            .expires(Duration::from_secs(3))
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(m) = batch.next().await {
+            m.expect("a message");
+        }
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+    }
+    let capture = settle::backend::nats::capture::CAPTURE_STREAM;
+    let subject = format!(
+        "{}.{}.orders",
+        settle::backend::nats::advisory::MAX_DELIVERIES.trim_end_matches(".>"),
+        hand.stream.name
+    );
+    common::operator::poll(
+        "the three losses in the capture",
+        Duration::from_secs(30),
+        || async {
+            let s = hand
+                .stream
+                .js
+                .get_stream(capture)
+                .await
+                .map_err(|e| e.to_string())?;
+            let info = s
+                .info_with_subjects(subject.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            let subjects: Vec<_> = info.collect().await;
+            let subjects: Vec<(String, usize)> = subjects.into_iter().flatten().collect();
+            let n: usize = subjects.iter().map(|(_, n)| n).sum();
+            if n >= 3 {
+                Ok(())
+            } else {
+                Err(format!("{n} so far under {subject}: {subjects:?}"))
+            }
+        },
+    )
+    .await;
+    // Kubernetes times have whole seconds: the object is made two seconds after the losses.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let earlier_before = op.metric(
+        "settle_account_advisories_total",
+        &[("kind", "earlier_consumer")],
+    );
+    hand.backend(&new_ns);
+    let text = format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {new_ns}}}\nspec:\n{}  maxDeliver: 2\n  adopt: IfCompatible\n",
+        hand.spec()
+    );
+    apply(&new_ns, &text);
+    let api = common::subs::subs(&new_ns).await;
+    common::subs::wait_ready(&api, "orders").await;
+    // The new Backend's reader has read the capture's old losses, each refused.
+    common::operator::poll(
+        "the new Backend's reader to refuse the three old losses",
+        Duration::from_secs(60),
+        || async {
+            let n = op.metric(
+                "settle_account_advisories_total",
+                &[("kind", "earlier_consumer")],
+            );
+            if n >= earlier_before + 3.0 {
+                Ok(())
+            } else {
+                Err(format!("{n}"))
+            }
+        },
+    )
+    .await;
+    let shown = common::account::settled_at(
+        "the taken-over consumer's account at rest",
+        Duration::from_secs(30),
+        || common::account::stats_in(&api, "orders"),
+        |_| true,
+    )
+    .await;
+    assert_eq!(
+        shown.exhausted, 0,
+        "its past losses were counted: {shown:?}"
+    );
+    drop(op);
+    for ns in [&old_ns, &new_ns] {
+        common::kubectl_ok(&["delete", "namespace", ns, "--wait=false"], None);
+    }
+    hand.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_made_consumer_is_taken_over_with_its_position_and_nothing_delivered_twice() {
     adopted_with_its_position::<Jet>("adopt-js").await;

@@ -535,8 +535,10 @@ pub(super) fn kept(
     )
 }
 
-/// When `m`'s consumer was made, in nanoseconds (the server's clock), read once per consumer and
-/// kept in `book`; None when it cannot be read (then every advisory of the name counts, as before).
+/// Since when `m`'s consumer counts for its object, in nanoseconds: the later of when it was
+/// made (the server's clock, read once per consumer and kept in `book`) and when the object was
+/// (a consumer taken over is older than its object); None when it cannot be read (then every
+/// advisory of the name counts).
 pub(super) async fn consumer_since(
     client: &async_nats::Client,
     book: &mut Book,
@@ -554,7 +556,17 @@ pub(super) async fn consumer_since(
     // Read off the time itself: serialized alone (no human-readable serde for `time`), it is a
     // tuple, not RFC 3339 text, and read as text it gave nothing, so every advisory of the name
     // counted (the earlier object's too: account_life's recreate-while-down failed so).
-    let since = info.created.unix_timestamp_nanos();
+    // A consumer older than the object (taken over with `spec.adopt` or `settle.dev/adopt`,
+    // a NACK consumer migrated through a new Backend) lost what it lost before the object
+    // existed for its earlier owner: the object's creation bounds it too. Its whole seconds
+    // are rounded down, so a loss of the object's first second is never left out.
+    let object = m
+        .sub
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_nanosecond());
+    let since = info.created.unix_timestamp_nanos().max(object);
     book.consumer_since = Some(((stream_name.to_string(), consumer.to_string()), since));
     Some(since)
 }
