@@ -13,6 +13,8 @@ use crate::operator::poll;
 pub struct App {
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    /// The thread collecting stdout: it ends at the pipe's end, once the process has exited.
+    reader: Option<std::thread::JoinHandle<()>>,
     log: std::path::PathBuf,
 }
 
@@ -45,12 +47,17 @@ impl App {
         let lines = Arc::new(Mutex::new(Vec::<String>::new()));
         let out = child.stdout.take().expect("stdout");
         let sink = lines.clone();
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for l in BufReader::new(out).lines().map_while(Result::ok) {
                 sink.lock().expect("lines").push(l);
             }
         });
-        App { child, lines, log }
+        App {
+            child,
+            lines,
+            reader: Some(reader),
+            log,
+        }
     }
 
     /// Every line printed so far that starts with `prefix`.
@@ -132,8 +139,11 @@ impl App {
         let start = Instant::now();
         while start.elapsed() < limit {
             if let Ok(Some(_)) = self.child.try_wait() {
-                // Let the reader thread take the last lines.
-                std::thread::sleep(Duration::from_millis(100));
+                // Every line it printed is collected once its reader reaches the pipe's end (a
+                // fixed 100 ms had missed `closed` on a loaded machine).
+                if let Some(reader) = self.reader.take() {
+                    let _ = reader.join();
+                }
                 return self.count("closed") == 1;
             }
             std::thread::sleep(Duration::from_millis(50));
