@@ -212,6 +212,38 @@ pub async fn wait_backend_within(
     .await
 }
 
+/// Waits until Backend `name` shows condition `type_` with `status` and `reason`; returns its
+/// message.
+pub async fn wait_backend_condition(
+    api: &Api<Backend>,
+    name: &str,
+    type_: &str,
+    status: &str,
+    reason: &str,
+    limit: Duration,
+) -> String {
+    poll(
+        &format!("Backend {name} to show {type_}={status} ({reason})"),
+        limit,
+        || async {
+            let b = api
+                .get_opt(name)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or("no such Backend")?;
+            let st = b.status.unwrap_or_default();
+            let (s, r, m) =
+                condition(&st.conditions, type_).ok_or(format!("no {type_} condition yet"))?;
+            if s == status && r == reason {
+                Ok(m)
+            } else {
+                Err(format!("{type_}={s} {r}: {m}"))
+            }
+        },
+    )
+    .await
+}
+
 /// Subscription `name` now, and its status (empty while it has none); `Err` says why there is
 /// no such Subscription.
 pub async fn sub_status(

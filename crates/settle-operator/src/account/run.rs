@@ -1,7 +1,9 @@
 //! The account's term: a keeper per NATS, RabbitMQ or SQS Backend (the whole account), started
 //! and stopped with the leadership term. When a NATS Backend is deleted, its keeper's durable
-//! reader of the server's capture is deleted too, through the connection the keeper ran on (the
-//! Backend's own is closed by then): the capture is not read for a Backend that is gone.
+//! reader of the server's capture is deleted too, and the ledgers and reports of its namespace's
+//! Subscriptions that are gone (a namespace deleted at once takes the keeper before its round
+//! drops them), through the connection the keeper ran on (the Backend's own is closed by
+//! then): the capture is not read for a Backend that is gone.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -144,7 +146,13 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
                 if let Some((_, client)) = sessions.remove(key)
                     && deleted
                 {
-                    tokio::spawn(drop_reader(key.clone(), client));
+                    let (subs, key) = (term.subscriptions.clone(), key.clone());
+                    tokio::spawn(async move {
+                        // The Backend went once its Subscriptions had; the cache may see their
+                        // deletions a moment after its own.
+                        tokio::time::sleep(CACHE_LAG).await;
+                        nats::drop_backend(client, subs, &key.0, &key.1).await;
+                    });
                 }
             }
             keep
@@ -171,22 +179,12 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
 /// A Backend, by namespace and name.
 type BackendKey = (String, String);
 
+/// How long after a Backend's deletion what it kept is swept: the cache sees the deletions of
+/// its Subscriptions (which the Backend waited for) within this.
+const CACHE_LAG: Duration = Duration::from_secs(5);
+
 /// The NATS connection a keeper runs on: its serial number, and a client on it.
 type NatsSession = (u64, async_nats::Client);
-
-/// Deletes deleted Backend `key`'s reader of the capture, through `client`.
-async fn drop_reader(key: BackendKey, client: async_nats::Client) {
-    let js = async_nats::jetstream::new(client);
-    let name = nats::reader_name(&key.0, &key.1);
-    match settle::backend::nats::capture::drop_reader(&js, &name).await {
-        Ok(()) => {
-            tracing::debug!(backend = %format!("{}/{}", key.0, key.1), reader = %name, "the Backend is gone: its reader of the capture is deleted")
-        }
-        Err(e) => {
-            tracing::warn!(backend = %format!("{}/{}", key.0, key.1), reader = %name, error = %e, "the Backend is gone, but its reader of the capture could not be deleted")
-        }
-    }
-}
 
 /// The Backends that get a keeper now, and which keeper each gets.
 fn wanted_backends(term: &Term) -> (Vec<BackendKey>, HashMap<BackendKey, Kind>) {

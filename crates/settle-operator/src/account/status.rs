@@ -28,7 +28,9 @@ pub mod types {
     pub const EXHAUSTING: &str = "Exhausting";
     /// Stranded is above zero: declined messages the broker could not take back.
     pub const STRANDING: &str = "Stranding";
-    /// The account is kept whole (False: a save failed, or advisories were missed).
+    /// The account is kept whole (False: a save failed, advisories were missed, reports were
+    /// dropped); on a Backend, written only once False: no report naming no Subscription of it
+    /// was dropped within the loss window.
     pub const ACCOUNTED: &str = "Accounted";
 }
 
@@ -309,6 +311,36 @@ fn stranding(stats: &SubscriptionStats) -> Want {
 
 /// `Accounted`: the first trouble of the account (a save failing, the report queue missing, a
 /// source lost within the window `w`, advisories missed, dead letters missed), else kept.
+/// A Backend's `Accounted`: stats reports dropped that name no Subscription of it (junk under
+/// its namespace, reports of Subscriptions not in the cache beyond the early bound), said while
+/// the last came within the window `w`.
+pub fn backend_accounted(dropped: Option<&DroppedReports>, w: &str) -> Want {
+    match dropped {
+        Some(d) => Want::new(
+            types::ACCOUNTED,
+            Status::False,
+            reasons::REPORTS_DROPPED,
+            format!(
+                "{} stats report(s) under this Backend's namespace that name no Subscription of \
+                 it were dropped, the last as {} ({}): if an application of a Subscription wrote \
+                 them, what they carried is not counted. See \
+                 settle_account_reports_total{{outcome=\"{}\"}} and the operator's WARN lines. \
+                 This condition turns True by itself {w} after the last drop.",
+                d.count,
+                d.reason,
+                drop_reason_text(d.reason),
+                d.reason
+            ),
+        ),
+        None => Want::new(
+            types::ACCOUNTED,
+            Status::True,
+            reasons::KEPT,
+            "no stats report naming no Subscription of this Backend was dropped lately.",
+        ),
+    }
+}
+
 fn accounted(trouble: &Trouble, w: &str) -> Want {
     if let Some(why) = &trouble.unsaved {
         Want::new(
@@ -421,6 +453,10 @@ fn drop_reason_text(reason: &str) -> &'static str {
         "too_large" => "larger than --max-report-bytes",
         "misfiled" => "its body names another Subscription or instance than where it was written",
         "wrong_writer" => "written by a user the Backend's reportUsers do not list",
+        "unreadable" => "not a stats report the operator can read",
+        "early_dropped" => {
+            "of a Subscription not in the operator's cache, beyond --max-early-report-bytes"
+        }
         _ => "past a bound of the account",
     }
 }

@@ -10,7 +10,9 @@
 //! size of its text.
 //!
 //! It also records the account's Kubernetes Events (a ledger that cannot be saved, and saved
-//! again), so the account reaches the API server through this one place.
+//! again) and writes the one condition the account owns on a Backend (`Accounted`: reports
+//! dropped that name no Subscription of it), so the account reaches the API server through
+//! this one place.
 //!
 //! How often a Subscription is written, and whether its patch is urgent, is the keeper's
 //! decision (`show`: at most once per stats interval, only on change); this module must not
@@ -33,7 +35,9 @@ use tokio::time::Instant;
 use super::budget::{Bucket, Pushed, Queue};
 use super::metrics::Metrics;
 use super::status::FIELD_MANAGER;
-use settle::api::Subscription;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use settle::api::condition::{self, Want};
+use settle::api::{Backend, Subscription};
 
 /// One status patch for one Subscription.
 pub struct Write {
@@ -66,6 +70,7 @@ type Failed = Arc<Mutex<HashSet<(String, String)>>>;
 #[derive(Clone)]
 pub struct Writer {
     tx: mpsc::UnboundedSender<Write>,
+    client: Client,
     recorder: Recorder,
     failed: Failed,
     _task: Arc<AbortOnDrop>,
@@ -83,6 +88,7 @@ impl Writer {
             },
         );
         let failed = Failed::default();
+        let client_for_backends = client.clone();
         let task = tokio::spawn(serve(
             client,
             metrics.clone(),
@@ -92,6 +98,7 @@ impl Writer {
         ));
         Writer {
             tx,
+            client: client_for_backends,
             recorder,
             failed,
             _task: Arc::new(AbortOnDrop(task, metrics)),
@@ -115,6 +122,45 @@ impl Writer {
     #[cfg(test)]
     pub(crate) fn failure_noted(&self, key: &(String, String)) -> bool {
         self.failed.lock().map(|f| f.contains(key)).unwrap_or(false)
+    }
+
+    /// Writes `want` as Backend `namespace/name`'s condition (server-side apply, field manager
+    /// `settle-account`, in the background), unless the Backend shows it already; its
+    /// `lastTransitionTime` moves only when its status changes. Outside the status budget: a
+    /// keeper writes it only when what it says changed, at most once per round.
+    pub fn backend_condition(&self, namespace: &str, name: &str, want: Want) {
+        let api: Api<Backend> = Api::namespaced(self.client.clone(), namespace);
+        let name = name.to_string();
+        tokio::spawn(async move {
+            let Ok(backend) = api.get(&name).await else {
+                return;
+            };
+            let existing = backend
+                .status
+                .as_ref()
+                .map(|s| s.conditions.clone())
+                .unwrap_or_default();
+            let now = Time(k8s_openapi::jiff::Timestamp::now());
+            let ours = condition::settle(&existing, &want, backend.metadata.generation, &now);
+            if condition::conditions_current(&existing, std::slice::from_ref(&ours)) {
+                return;
+            }
+            let body = serde_json::json!({
+                "apiVersion": "messaging.settle.dev/v1alpha1",
+                "kind": "Backend",
+                "status": {"conditions": [ours]},
+            });
+            if let Err(e) = api
+                .patch_status(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+            {
+                tracing::debug!(backend = %name, error = %e, "could not write the Backend's Accounted condition");
+            }
+        });
     }
 
     /// Records an Event on `sub` (in the background: a keeper never waits for it).

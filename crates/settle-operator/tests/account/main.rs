@@ -6,6 +6,8 @@
 //! | module | broker | what |
 //! |---|---|---|
 //! | [`nats`] | NATS JetStream | every counter, conditions, `kubectl describe` |
+//! | [`nats_epochs`] | NATS JetStream | a new object under running applications: a takeover, a delete and apply across slow handlers |
+//! | [`nats_deletion`] | NATS JetStream | a namespace deleted at once leaves nothing of the account; a deleted Backend's sweep |
 //! | [`nats_life`] | NATS JetStream | delete and apply, applications stopped and killed, operator restarts and leader changes, lost sources |
 //! | [`nats_budget`] | NATS JetStream | the cluster-wide status write budget |
 //! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
@@ -22,6 +24,8 @@
 mod nats;
 mod nats_accounts;
 mod nats_budget;
+mod nats_deletion;
+mod nats_epochs;
 mod nats_flood;
 mod nats_life;
 mod nats_reader;

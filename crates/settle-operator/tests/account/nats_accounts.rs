@@ -2,7 +2,7 @@
 //! with): on a nats-server of the test's own with an account per tenant, each tenant's Backend
 //! connecting as the operator's user of that account and its application as the tenant's, the
 //! same stream name in both. team-b listens to every subject its account has, writes junk to
-//! its report bucket (removed by the operator) and fills it with reports the operator must
+//! its report bucket (removed by the operator, said on its Backend) and fills it with reports the operator must
 //! keep: team-b's Subscription says `Accounted=False ReportStoreFull` (and is whole again once
 //! team-b makes room), while team-a's counts stay exact, never step down, and its account stays
 //! whole.
@@ -144,8 +144,9 @@ async fn on_nats_tenants_with_accounts_of_their_own_share_nothing_and_a_full_rep
         .await
         .expect("team-b's own report bucket");
 
-    // Junk under its own namespace is removed from team-b's bucket by the operator.
-    let junk = settle::bus::report::report_key(&b, "orders", "junk-1");
+    // Junk under its own namespace, naming no Subscription, is removed from team-b's bucket
+    // by the operator and said on team-b's Backend.
+    let junk = settle::bus::report::report_key(&b, "nobody", "junk-1");
     b_bucket
         .put(&junk, "not a report".into())
         .await
@@ -157,6 +158,17 @@ async fn on_nats_tenants_with_accounts_of_their_own_share_nothing_and_a_full_rep
         }
     })
     .await;
+
+    let said = common::subs::wait_backend_condition(
+        &common::subs::backends(&b).await,
+        "nats",
+        "Accounted",
+        "False",
+        "ReportsDropped",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(said.contains("as unreadable"), "{said}");
 
     // Fill: team-b fills its own bucket with reports the operator must keep (fresh, of a
     // code-defined subscription) until the broker refuses one.

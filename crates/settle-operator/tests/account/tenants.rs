@@ -283,6 +283,17 @@ async fn on_nats_another_tenants_forged_reports_are_refused_or_dropped_and_the_v
         .await
         .expect("team-b may write its own keys");
     wait_dropped(&op, "misfiled", 1.0).await;
+    // Its key names no Subscription of team-b's: said on team-b's Backend.
+    let said = common::subs::wait_backend_condition(
+        &common::subs::backends(&attacker).await,
+        "nats",
+        "Accounted",
+        "False",
+        "ReportsDropped",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(said.contains("as misfiled"), "{said}");
 
     // The victim's own credentials (a buggy or hijacked application of the same tenant): a
     // huge sequence, and a life started at the end of time, are implausible and dropped.

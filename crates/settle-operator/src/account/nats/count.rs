@@ -59,8 +59,14 @@ impl NatsKeeper {
         books: &mut Books,
         entry: kv::Entry,
     ) -> Result<Option<kv::Entry>, NatsError> {
-        let Some(report) = self.read_report(&entry).await else {
-            return Ok(None);
+        let report = match self.read_report(&entry).await {
+            Ok(report) => report,
+            Err(Some(reason)) => {
+                self.said_dropped(ledgers, members, books, &entry.key, reason)
+                    .await?;
+                return Ok(None);
+            }
+            Err(None) => return Ok(None),
         };
         let key = (report.namespace.clone(), report.subscription.clone());
         // Another Backend's Subscription, a subscription defined in code only, or one the cache
@@ -94,15 +100,16 @@ impl NatsKeeper {
     /// A report put in the bucket, read: None when it is a deletion, too large, unreadable or
     /// misfiled (a body naming another Subscription or instance than its key), then counted in
     /// `settle_account_reports_total` and dropped.
-    async fn read_report(&self, entry: &kv::Entry) -> Option<StatsReport> {
+    /// The report in `entry`, or why it is dropped (`None`: not a value, a deletion).
+    async fn read_report(&self, entry: &kv::Entry) -> Result<StatsReport, Option<&'static str>> {
         if entry.operation != kv::Operation::Put {
-            return None;
+            return Err(None);
         }
         if self.config.limits.too_large(entry.value.len()) {
             self.metrics.reports.with_label_values(&["too_large"]).inc();
             tracing::warn!(key = %entry.key, bytes = entry.value.len(), "a stats report larger than --max-report-bytes: dropped");
             self.purge_junk(entry).await;
-            return None;
+            return Err(Some("too_large"));
         }
         let report: StatsReport = match serde_json::from_slice(&entry.value) {
             Ok(r) => r,
@@ -115,7 +122,7 @@ impl NatsKeeper {
                 if !of_a_newer_runtime(&entry.value) {
                     self.purge_junk(entry).await;
                 }
-                return None;
+                return Err(Some("unreadable"));
             }
         };
         // A report counts only under its own key: a body naming another Subscription or
@@ -124,9 +131,40 @@ impl NatsKeeper {
             self.metrics.reports.with_label_values(&["misfiled"]).inc();
             tracing::warn!(key = %entry.key, named = %report.key(), "a stats report whose body names another key than the one it was written to: dropped");
             self.purge_junk(entry).await;
-            return None;
+            return Err(Some("misfiled"));
         }
-        Some(report)
+        Ok(report)
+    }
+
+    /// A report dropped unread under `key`, said where it belongs: on the Subscription of this
+    /// Backend its key names (`Accounted=False ReportsDropped`), else on the Backend, when the
+    /// key is under this Backend's namespace (another namespace's keeper says its own).
+    async fn said_dropped(
+        &self,
+        ledgers: &kv::Store,
+        members: &Members,
+        books: &mut Books,
+        key: &str,
+        reason: &'static str,
+    ) -> Result<(), NatsError> {
+        if key.split('.').next() != Some(self.namespace_token().as_str()) {
+            return Ok(());
+        }
+        let prefix = key.rsplit_once('.').map_or(key, |(p, _)| p);
+        let named = members.iter().find(|(k, _)| {
+            report_key(&k.0, &k.1, "_")
+                .rsplit_once('.')
+                .is_some_and(|(p, _)| p == prefix)
+        });
+        match named {
+            Some((k, m)) => {
+                let k = k.clone();
+                let book = self.book(ledgers, books, &k, m).await?;
+                book.showing.trouble.report_dropped(reason, now_ms());
+            }
+            None => self.dropped_unnamed(reason),
+        }
+        Ok(())
     }
 
     /// A value under this Backend's namespace that no operator can ever count (too large,

@@ -41,7 +41,9 @@
 //! [`count`] counts what comes in (reports, advisories), [`round`] is the round (save, then
 //! acknowledge, gauges, status), [`store`] loads each Subscription's book from the ledger bucket
 //! and saves it there. Beside them: [`members`] holds the Backend's Subscriptions as a round
-//! sees them, [`names`] names the ledger keys and the durable reader.
+//! sees them, [`names`] names the ledger keys and the durable reader, [`backend`] says what
+//! concerns the Backend as a whole (its report bucket full, reports dropped that name no
+//! Subscription of it).
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
@@ -56,6 +58,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 use serde::{Deserialize, Serialize};
 
+mod backend;
 mod count;
 mod members;
 mod names;
@@ -231,6 +234,81 @@ pub struct NatsKeeper {
     loaded: std::sync::Mutex<std::collections::HashSet<SubKey>>,
     /// The report bucket is full, said with its fill (read every [`STORE_CHECK`]).
     store_full: std::sync::Mutex<Option<String>>,
+    /// Reports dropped that name no Subscription of this Backend, said in its `Accounted`
+    /// while the last is within the loss window; and what that condition last said.
+    unnamed: std::sync::Mutex<backend::Unnamed>,
+}
+
+/// Removes from `bucket` the keys under `namespace` that `ours` says are of a Subscription and
+/// whose Subscription no longer exists (keys are `<namespace>.<subscription>.<...>`, each part
+/// reduced to the key alphabet).
+async fn sweep_keys(
+    bucket: &kv::Store,
+    subs: &Store<Subscription>,
+    namespace: &str,
+    ours: impl Fn(&str) -> bool,
+) {
+    let Ok(keys) = bucket.keys().await else {
+        return;
+    };
+    let keys: Vec<String> = keys.filter_map(|k| async move { k.ok() }).collect().await;
+    let subscription_part = |key: &str| -> Option<String> {
+        let mut parts = key.splitn(3, '.');
+        let (ns, sub) = (parts.next()?, parts.next()?);
+        Some(format!("{ns}.{sub}"))
+    };
+    // A set: with thousands of Subscriptions, a list searched once per key was quadratic.
+    let alive: HashSet<String> = subs
+        .state()
+        .iter()
+        .filter(|s| s.namespace().as_deref() == Some(namespace))
+        .filter_map(|s| subscription_part(&report_key(namespace, &s.name_any(), "_")))
+        .collect();
+    let prefix = match report_key(namespace, "_", "_").split_once('.') {
+        Some((ns, _)) => format!("{ns}."),
+        None => return,
+    };
+    for key in keys {
+        if key.starts_with(&prefix)
+            && ours(&key)
+            && subscription_part(&key).is_some_and(|s| !alive.contains(&s))
+        {
+            match bucket.purge(&key).await {
+                Ok(()) => {
+                    tracing::info!(key = %key, "removed the account's key of a Subscription that is gone")
+                }
+                Err(e) => tracing::debug!(key = %key, error = %e, "cannot remove a leftover key"),
+            }
+        }
+    }
+}
+
+/// What the account kept on the broker for deleted Backend `namespace/backend`'s
+/// Subscriptions that are gone (a namespace deleted at once takes the keeper before its round
+/// drops them), removed through `client`: their ledgers and reports, and the Backend's reader
+/// of the capture.
+pub async fn drop_backend(
+    client: async_nats::Client,
+    subs: Store<Subscription>,
+    namespace: &str,
+    backend: &str,
+) {
+    let js = jetstream::new(client);
+    if let Ok(ledgers) = js.get_key_value(capture::ACCOUNT_BUCKET).await {
+        sweep_keys(&ledgers, &subs, namespace, |k| k.ends_with(".ledger")).await;
+    }
+    if let Ok(reports) = js.get_key_value(settle::bus::report::REPORT_BUCKET).await {
+        sweep_keys(&reports, &subs, namespace, |_| true).await;
+    }
+    let name = reader_name(namespace, backend);
+    match capture::drop_reader(&js, &name).await {
+        Ok(()) => {
+            tracing::debug!(backend = %format!("{namespace}/{backend}"), reader = %name, "the Backend is gone: its reader of the capture is deleted")
+        }
+        Err(e) => {
+            tracing::warn!(backend = %format!("{namespace}/{backend}"), reader = %name, error = %e, "the Backend is gone, but its reader of the capture could not be deleted")
+        }
+    }
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
@@ -257,57 +335,7 @@ impl NatsKeeper {
             unseen_attempts,
             loaded: Default::default(),
             store_full: Default::default(),
-        }
-    }
-
-    /// Whether the report bucket was full at its last check, and how.
-    fn store_full(&self) -> Option<String> {
-        self.store_full.lock().ok().and_then(|s| s.clone())
-    }
-
-    /// Reads how full the report bucket is: full when it cannot take one more report of the
-    /// largest size it allows (the broker refuses a put that does not fit: discard new).
-    /// Turning full, or room again, is logged, counted in `settle_account_report_store_full`
-    /// and, through `Accounted`, said on every Subscription of the Backend.
-    async fn check_store(&self, reports: &kv::Store) {
-        // The store's own status is what it read when opened: the stream is asked afresh.
-        let Ok(bucket) = reports.status().await.map(|s| s.bucket().to_string()) else {
-            return;
-        };
-        let js = jetstream::new(self.client.clone());
-        let info = match js.get_stream(format!("KV_{bucket}")).await {
-            Ok(stream) => stream.cached_info().clone(),
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot read how full the report bucket is");
-                return;
-            }
-        };
-        let (config, state) = (&info.config, &info.state);
-        let full = config.max_bytes > 0
-            && state.bytes.saturating_add(
-                u64::try_from(config.max_message_size.max(1024)).unwrap_or(u64::MAX),
-            ) > u64::try_from(config.max_bytes).unwrap_or(u64::MAX);
-        let said = full.then(|| {
-            format!(
-                "bucket {} holds {} of its {} bytes in {} report(s)",
-                bucket, state.bytes, config.max_bytes, state.messages
-            )
-        });
-        let backend = format!("{}/{}", self.backend.0, self.backend.1);
-        self.metrics
-            .store_full
-            .with_label_values(&[&backend])
-            .set(i64::from(full));
-        if let Ok(mut shown) = self.store_full.lock() {
-            if shown.is_some() != full {
-                match &said {
-                    Some(s) => {
-                        tracing::warn!(backend = %backend, fill = %s, "the report bucket is full: the broker refuses new reports")
-                    }
-                    None => tracing::info!(backend = %backend, "the report bucket has room again"),
-                }
-            }
-            *shown = said;
+            unnamed: Default::default(),
         }
     }
 
@@ -336,35 +364,10 @@ impl NatsKeeper {
     /// Removes the ledgers of this namespace's Subscriptions that no longer exist (deleted while
     /// no operator ran): the next object of the same name starts at zero.
     async fn sweep(&self, ledgers: &kv::Store) {
-        let Ok(keys) = ledgers.keys().await else {
-            return;
-        };
-        let keys: Vec<String> = keys.filter_map(|k| async move { k.ok() }).collect().await;
-        // Keys are `<namespace>.<subscription>.ledger`, each part reduced to the key alphabet.
-        let prefix = match report_key(&self.backend.0, "_", "_").split_once('.') {
-            Some((ns, _)) => format!("{ns}."),
-            None => return,
-        };
-        // A set: with thousands of Subscriptions, a list searched once per key was quadratic.
-        let alive: HashSet<String> = self
-            .subs
-            .state()
-            .iter()
-            .filter(|s| s.namespace().as_deref() == Some(self.backend.0.as_str()))
-            .map(|s| ledger_key(&(self.backend.0.clone(), s.name_any())))
-            .collect();
-        for key in keys {
-            if key.starts_with(&prefix) && key.ends_with(".ledger") && !alive.contains(&key) {
-                match ledgers.purge(&key).await {
-                    Ok(()) => {
-                        tracing::info!(key = %key, "removed the ledger of a Subscription deleted while no operator ran")
-                    }
-                    Err(e) => {
-                        tracing::debug!(key = %key, error = %e, "cannot remove a leftover ledger")
-                    }
-                }
-            }
-        }
+        sweep_keys(ledgers, &self.subs, &self.backend.0, |key| {
+            key.ends_with(".ledger")
+        })
+        .await;
     }
 
     // Long on purpose: the select! loop's three arms share the session's report watch, reader position, replay state, books, members and held advisories; each self-contained step is a method.
@@ -450,6 +453,7 @@ impl NatsKeeper {
                     self.retry_early(&ledgers, &members, &mut books, &mut early).await?;
                     ack_loose(&mut held.loose).await;
                     self.settle(&js, &ledgers, &reports, &members, &mut books, replayed).await?;
+                    self.show_backend();
                 }
             }
         }
@@ -504,6 +508,7 @@ impl NatsKeeper {
                 .reports
                 .with_label_values(&["early_dropped"])
                 .inc();
+            self.dropped_unnamed("early_dropped");
         }
         self.metrics
             .early_bytes
