@@ -273,6 +273,19 @@ fn start_keeper(
             super::status::Unseen::Never
         },
     );
+    // Readers of this namespace's Backends deleted while no operator ran go too.
+    let alive = term
+        .backends
+        .state()
+        .iter()
+        .filter(|b| b.namespace().as_deref() == Some(key.0.as_str()))
+        .map(|b| nats::reader_name(&key.0, &b.name_any()))
+        .collect();
+    tokio::spawn(nats::drop_gone_readers(
+        client.clone(),
+        key.0.clone(),
+        alive,
+    ));
     Some((tokio::spawn(k.run()), Some((serial, client))))
 }
 

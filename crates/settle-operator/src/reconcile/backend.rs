@@ -10,7 +10,8 @@
 //! the management API when named), SQS (ListQueues under the prefix must answer).
 //!
 //! Before any of that it puts its finalizer on ([`backend_finalizer`]: a deleted Backend keeps
-//! its connection while its Subscriptions delete their consumers, within a grace) and connects
+//! its connection while its Subscriptions delete their consumers, within a grace; as it goes,
+//! a RabbitMQ Backend's copy of its dead-letter exchange is deleted through it) and connects
 //! only the oldest `--max-backends-per-namespace` of a namespace ([`backend_limit`]).
 //!
 //! It must not touch consumers (that is the Subscription controller) nor write the account's
@@ -89,7 +90,16 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     if deleting && !backend_finalizer::held(&b) {
         return Ok(Action::await_change());
     }
-    if deleting && matches!(ctx.conns.get_for_deletion(&key), Lookup::Up(_)) {
+    if deleting && let Lookup::Up(conn) = ctx.conns.get_for_deletion(&key) {
+        if backend_finalizer::goes_now(&ctx, &b)
+            && let Conn::Rabbitmq(r) = conn.as_ref()
+            && b.spec
+                .rabbitmq
+                .as_ref()
+                .is_some_and(|s| s.dead_letter_exchange.is_some())
+        {
+            super::rabbitmq::remove_copy_queue(r, &ns, &b.name_any()).await;
+        }
         return backend_finalizer::release(&ctx, &b).await;
     }
     // A connection kept for deletions after its Secret went missing is not kept for ever.

@@ -43,16 +43,28 @@ async fn set(ctx: &Ctx, b: &Backend, finalizers: Vec<String>) -> Result<(), Erro
     super::set_finalizers(&api, b, ctx, BACKEND, finalizers).await
 }
 
+/// How long a deleting Backend has been deleting.
+fn deleting_for(b: &Backend) -> Duration {
+    b.metadata
+        .deletion_timestamp
+        .as_ref()
+        .map(|t| Timestamp::now().duration_since(t.0).unsigned_abs())
+        .unwrap_or_default()
+}
+
+/// Whether [`release`] lets deleting Backend `b` go now: no Subscription needs it, or its
+/// grace is over (the Backend controller deletes what the Backend itself had on the broker
+/// first).
+pub fn goes_now(ctx: &Ctx, b: &Backend) -> bool {
+    users(ctx, &b.namespace().unwrap_or_default(), &b.name_any()).is_empty()
+        || deleting_for(b) >= ctx.backend_deletion_grace
+}
+
 /// A deleting Backend: waits while Subscriptions need it, within the grace; then lets it go.
 pub async fn release(ctx: &Ctx, b: &Backend) -> Result<Action, Error> {
     let ns = b.namespace().unwrap_or_default();
     let users = users(ctx, &ns, &b.name_any());
-    let since = b
-        .metadata
-        .deletion_timestamp
-        .as_ref()
-        .map(|t| Timestamp::now().duration_since(t.0).unsigned_abs())
-        .unwrap_or_default();
+    let since = deleting_for(b);
     if !users.is_empty() && since < ctx.backend_deletion_grace {
         tracing::debug!(backend = %format!("{ns}/{}", b.name_any()), waiting_for = ?users, "the Backend is deleting: it stays while these Subscriptions delete their consumers");
         return Ok(Action::requeue(RECHECK));

@@ -175,3 +175,43 @@ async fn a_deleted_backends_account_leaves_nothing_of_its_gone_subscriptions() {
         "the Backend's reader of the capture deleted"
     );
 }
+
+/// A Backend deleted while no operator ran leaves its reader of the capture; the next keeper of
+/// its namespace deletes it (`account::nats::drop_gone_readers`, run as a keeper starts) and
+/// keeps its live Backends' readers and other namespaces'. On a nats-server of the test's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_capture_readers_of_backends_deleted_while_no_operator_ran_are_deleted() {
+    use settle::backend::nats::capture;
+    use settle_operator::account::nats::{drop_gone_readers, reader_name};
+
+    let server = common::operator::NatsServer::start(&[]);
+    let client = async_nats::connect(server.url()).await.expect("connect");
+    let js = jetstream::new(client.clone());
+    let readers = [
+        reader_name("team", "live"),
+        reader_name("team", "gone"),
+        reader_name("team", &"long".repeat(80)),
+        reader_name("team-b", "gone"),
+    ];
+    for r in &readers {
+        capture::open(&js, r, 1 << 20, 1).await.expect("a reader");
+    }
+    drop_gone_readers(
+        client,
+        "team".into(),
+        [reader_name("team", "live")].into_iter().collect(),
+    )
+    .await;
+    let mut left: Vec<String> = js
+        .get_stream(capture::CAPTURE_STREAM)
+        .await
+        .expect("the capture")
+        .consumer_names()
+        .filter_map(|n| async move { n.ok() })
+        .collect()
+        .await;
+    left.sort();
+    let mut want = vec![readers[0].clone(), readers[3].clone()];
+    want.sort();
+    assert_eq!(left, want, "only team's gone Backends' readers deleted");
+}

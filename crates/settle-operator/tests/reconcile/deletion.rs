@@ -3,7 +3,7 @@
 //! The Backend stays (its finalizer) while they still have consumers to delete, keeping the
 //! connection it made before its Secret went; the `Delete` Subscription's consumer or queue is
 //! deleted, the `Retain` one's kept, and then the Backend goes (on NATS, with the account's
-//! reader of the capture that was its).
+//! reader of the capture that was its; on RabbitMQ, with its copy of the dead-letter exchange).
 
 use settle_testkit as common;
 
@@ -42,8 +42,22 @@ impl Broker {
                 apply(ns, &backend_yaml("b", &env.nats_url));
                 None
             }
-            Broker::Rabbitmq(_) => {
-                apply(ns, &common::rabbitmq::env_backend_yaml("b", ""));
+            Broker::Rabbitmq(tag) => {
+                // With a dead-letter exchange: the operator keeps a copy queue for the Backend.
+                let dlx = format!("{tag}.dead");
+                let (status, text) = common::rabbitmq::management_with(
+                    "PUT",
+                    &format!("/api/exchanges/%2f/{dlx}"),
+                    r#"{"type":"topic","durable":true}"#,
+                );
+                assert!(matches!(status, 201 | 204), "{status} {text}");
+                apply(
+                    ns,
+                    &common::rabbitmq::env_backend_yaml(
+                        "b",
+                        &format!("    deadLetterExchange: {dlx}\n"),
+                    ),
+                );
                 None
             }
             Broker::Sqs(prefix) => {
@@ -98,12 +112,26 @@ impl Broker {
         Some(capture.consumer_info(&name).await.is_ok())
     }
 
+    /// On RabbitMQ, whether Backend `b` of `ns`'s copy of its dead-letter exchange exists (other
+    /// brokers have none).
+    fn copy_queue(&self, ns: &str) -> Option<bool> {
+        let Broker::Rabbitmq(_) = self else {
+            return None;
+        };
+        let name = settle::backend::rabbitmq::dead_letters::copy_queue(ns, "b");
+        Some(common::rabbitmq::queue(&name).is_some())
+    }
+
     /// Removes what the scene left on purpose (the retained object).
     async fn clear(self, name: &str) {
         match self {
             Broker::Nats(s) => s.delete().await,
-            Broker::Rabbitmq(_) => {
+            Broker::Rabbitmq(tag) => {
                 let _ = common::rabbitmq::management("DELETE", &format!("/api/queues/%2f/{name}"));
+                let _ = common::rabbitmq::management(
+                    "DELETE",
+                    &format!("/api/exchanges/%2f/{tag}.dead"),
+                );
             }
             Broker::Sqs(_) => {
                 let c = common::sqs::client().await;
@@ -138,6 +166,20 @@ async fn secret_then_backend_then_subscriptions(kind: &str) {
             Duration::from_secs(30),
             || async {
                 match broker.reader(&ns).await {
+                    Some(true) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            },
+        )
+        .await;
+    }
+
+    if broker.copy_queue(&ns).is_some() {
+        poll(
+            "the Backend's dead-letter copy queue",
+            Duration::from_secs(30),
+            || async {
+                match broker.copy_queue(&ns) {
                     Some(true) => Ok(()),
                     other => Err(format!("{other:?}")),
                 }
@@ -188,6 +230,11 @@ async fn secret_then_backend_then_subscriptions(kind: &str) {
         },
     )
     .await;
+    assert_eq!(
+        broker.copy_queue(&ns),
+        broker.copy_queue(&ns).map(|_| false),
+        "{kind}: the gone Backend's dead-letter copy queue is deleted"
+    );
     if broker.reader(&ns).await.is_some() {
         poll(
             "the gone Backend's reader of the capture to be deleted",

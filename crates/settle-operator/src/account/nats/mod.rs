@@ -43,23 +43,25 @@
 //! and saves it there. Beside them: [`members`] holds the Backend's Subscriptions as a round
 //! sees them, [`names`] names the ledger keys and the durable reader, [`backend`] says what
 //! concerns the Backend as a whole (its report bucket full, reports dropped that name no
-//! Subscription of it).
+//! Subscription of it), [`junk`] reads and judges each report and removes what can never count,
+//! [`leftovers`] removes what the account kept for Subscriptions and Backends that are gone.
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
-use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 use serde::{Deserialize, Serialize};
 
 mod backend;
 mod count;
+mod junk;
+mod leftovers;
 mod members;
 mod names;
 mod round;
@@ -71,6 +73,8 @@ use super::metrics::Metrics;
 use super::show::Showing;
 use super::status::LossLog;
 use super::writer::Writer;
+use leftovers::sweep_keys;
+pub use leftovers::{drop_backend, drop_gone_readers};
 use members::{Member, Members};
 use names::ledger_key;
 pub use names::{legacy_reader_name, reader_name};
@@ -237,78 +241,6 @@ pub struct NatsKeeper {
     /// Reports dropped that name no Subscription of this Backend, said in its `Accounted`
     /// while the last is within the loss window; and what that condition last said.
     unnamed: std::sync::Mutex<backend::Unnamed>,
-}
-
-/// Removes from `bucket` the keys under `namespace` that `ours` says are of a Subscription and
-/// whose Subscription no longer exists (keys are `<namespace>.<subscription>.<...>`, each part
-/// reduced to the key alphabet).
-async fn sweep_keys(
-    bucket: &kv::Store,
-    subs: &Store<Subscription>,
-    namespace: &str,
-    ours: impl Fn(&str) -> bool,
-) {
-    let Ok(keys) = bucket.keys().await else {
-        return;
-    };
-    let keys: Vec<String> = keys.filter_map(|k| async move { k.ok() }).collect().await;
-    let subscription_part = |key: &str| -> Option<String> {
-        let mut parts = key.splitn(3, '.');
-        let (ns, sub) = (parts.next()?, parts.next()?);
-        Some(format!("{ns}.{sub}"))
-    };
-    // A set: with thousands of Subscriptions, a list searched once per key was quadratic.
-    let alive: HashSet<String> = subs
-        .state()
-        .iter()
-        .filter(|s| s.namespace().as_deref() == Some(namespace))
-        .filter_map(|s| subscription_part(&report_key(namespace, &s.name_any(), "_")))
-        .collect();
-    let prefix = match report_key(namespace, "_", "_").split_once('.') {
-        Some((ns, _)) => format!("{ns}."),
-        None => return,
-    };
-    for key in keys {
-        if key.starts_with(&prefix)
-            && ours(&key)
-            && subscription_part(&key).is_some_and(|s| !alive.contains(&s))
-        {
-            match bucket.purge(&key).await {
-                Ok(()) => {
-                    tracing::info!(key = %key, "removed the account's key of a Subscription that is gone")
-                }
-                Err(e) => tracing::debug!(key = %key, error = %e, "cannot remove a leftover key"),
-            }
-        }
-    }
-}
-
-/// What the account kept on the broker for deleted Backend `namespace/backend`'s
-/// Subscriptions that are gone (a namespace deleted at once takes the keeper before its round
-/// drops them), removed through `client`: their ledgers and reports, and the Backend's reader
-/// of the capture.
-pub async fn drop_backend(
-    client: async_nats::Client,
-    subs: Store<Subscription>,
-    namespace: &str,
-    backend: &str,
-) {
-    let js = jetstream::new(client);
-    if let Ok(ledgers) = js.get_key_value(capture::ACCOUNT_BUCKET).await {
-        sweep_keys(&ledgers, &subs, namespace, |k| k.ends_with(".ledger")).await;
-    }
-    if let Ok(reports) = js.get_key_value(settle::bus::report::REPORT_BUCKET).await {
-        sweep_keys(&reports, &subs, namespace, |_| true).await;
-    }
-    let name = reader_name(namespace, backend);
-    match capture::drop_reader(&js, &name).await {
-        Ok(()) => {
-            tracing::debug!(backend = %format!("{namespace}/{backend}"), reader = %name, "the Backend is gone: its reader of the capture is deleted")
-        }
-        Err(e) => {
-            tracing::warn!(backend = %format!("{namespace}/{backend}"), reader = %name, error = %e, "the Backend is gone, but its reader of the capture could not be deleted")
-        }
-    }
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {

@@ -1,5 +1,6 @@
 //! Deleting a RabbitMQ Subscription's queue and its markers when the Subscription goes, only
-//! when this object made or took it over.
+//! when this object made or took it over; and a deleted Backend's dead-letter copy queue when
+//! it goes.
 
 use super::*;
 use settle::backend::rabbitmq::pause;
@@ -64,5 +65,27 @@ pub async fn remove(t: &Target<'_>, ctx: &Ctx, conn: &RabbitConn) -> Removal {
         }
         Err(e) if e.is_unreachable() => Removal::Wait(e.to_string()),
         Err(e) => Removal::Failed(e.to_string()),
+    }
+}
+
+/// A deleted Backend's copy of its dead-letter exchange (`settle.deadletters.<ns>.<backend>`),
+/// deleted as the Backend goes: left, it would stay bound to the exchange and copy other
+/// namespaces' dead letters up to its cap for good. Deleted when missing already too.
+pub async fn remove_copy_queue(conn: &RabbitConn, namespace: &str, backend: &str) {
+    let queue = dead_letters::copy_queue(namespace, backend);
+    let amqp = match conn.connection().await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(backend = %format!("{namespace}/{backend}"), queue = %queue, error = %e, "the Backend goes, but its dead-letter copy queue cannot be deleted: it stays on the broker");
+            return;
+        }
+    };
+    match admin::delete(&amqp, &queue).await {
+        Ok(()) => {
+            tracing::info!(backend = %format!("{namespace}/{backend}"), queue = %queue, "the Backend goes: its dead-letter copy queue is deleted")
+        }
+        Err(e) => {
+            tracing::warn!(backend = %format!("{namespace}/{backend}"), queue = %queue, error = %e, "the Backend goes, but its dead-letter copy queue cannot be deleted: it stays on the broker")
+        }
     }
 }
