@@ -167,7 +167,22 @@ impl NatsKeeper {
                 .await;
                 "other_object"
             }
-            Outcome::Stale => "stale",
+            Outcome::Stale => {
+                // A folded life's report, read again (a new session's replay): removed once the
+                // loss window since it was written has passed.
+                if book
+                    .account
+                    .persisted()
+                    .folded
+                    .contains_key(&report.instance)
+                {
+                    self.purge_folded_later(
+                        vec![(entry.key.clone(), entry.revision)],
+                        report.reported_at_ms,
+                    );
+                }
+                "stale"
+            }
             Outcome::UnknownVersion => {
                 tracing::warn!(key = %entry.key, version = report.version, "a stats report of a version this operator does not know: skipped (upgrade the operator)");
                 "unknown_version"

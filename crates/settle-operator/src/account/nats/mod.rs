@@ -241,6 +241,9 @@ pub struct NatsKeeper {
     /// Reports dropped that name no Subscription of this Backend, said in its `Accounted`
     /// while the last is within the loss window; and what that condition last said.
     unnamed: std::sync::Mutex<backend::Unnamed>,
+    /// Reports of folded instances (when folded, key, revision), removed once the loss window
+    /// has passed.
+    folded_reports: std::sync::Mutex<Vec<(u64, String, u64)>>,
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {
@@ -268,6 +271,7 @@ impl NatsKeeper {
             loaded: Default::default(),
             store_full: Default::default(),
             unnamed: Default::default(),
+            folded_reports: Default::default(),
         }
     }
 

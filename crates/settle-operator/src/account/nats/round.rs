@@ -2,8 +2,9 @@
 //! source found once the report replay is complete (semantics C17), a deleted Subscription's
 //! ledger and reports removed, idle instances folded, the ledgers that changed saved (checked
 //! against the revision read, so two operators cannot overwrite each other) and only then their
-//! advisories acknowledged, the consumers' gauges read once per stats interval, and the account
-//! shown through `show`.
+//! advisories acknowledged, a folded instance's report removed once the loss window has passed
+//! (until then it shows a lost ledger which lives it held), the consumers' gauges read once per
+//! stats interval, and the account shown through `show`.
 //!
 //! It must not count (that is `count` and the ledger) nor write status itself (that is the
 //! writer).
@@ -60,17 +61,48 @@ impl NatsKeeper {
             books.remove(&key);
             self.rebuild(ledgers, reports, members, books, &key).await?;
         }
-        for (report, revision) in dropped {
-            if let Err(e) = capture::drop_report(js, &report, revision).await {
-                tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
-            }
-        }
+        self.purge_folded_later(dropped, now);
+        self.purge_folded_due(js, now).await;
 
         let stamp = Time(Timestamp::now());
         let listed = self.list_due_streams(js, members, books).await;
         self.gauges_and_show(js, members, books, &listed, now, &stamp)
             .await;
         Ok(())
+    }
+
+    /// The reports of instances folded now (key, revision), kept in the bucket for the loss
+    /// window: a ledger lost meanwhile is found with those lives known (semantics C17), so a
+    /// folded life that comes back is not charged against the offset for what it counts after
+    /// the loss.
+    pub(super) fn purge_folded_later(&self, folded: Vec<(String, u64)>, now: u64) {
+        if folded.is_empty() {
+            return;
+        }
+        if let Ok(mut later) = self.folded_reports.lock() {
+            later.extend(folded.into_iter().map(|(k, r)| (now, k, r)));
+        }
+    }
+
+    /// Removes the folded reports whose loss window has passed (each only if not written since:
+    /// a life back after its fold keeps its report).
+    async fn purge_folded_due(&self, js: &jetstream::Context, now: u64) {
+        let window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
+        let due: Vec<(u64, String, u64)> = match self.folded_reports.lock() {
+            Ok(mut later) => {
+                let (due, keep) = std::mem::take(&mut *later)
+                    .into_iter()
+                    .partition(|(at, _, _)| now.saturating_sub(*at) >= window);
+                *later = keep;
+                due
+            }
+            Err(_) => return,
+        };
+        for (_, report, revision) in due {
+            if let Err(e) = capture::drop_report(js, &report, revision).await {
+                tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
+            }
+        }
     }
 
     /// Each book's first check after the replay: a source lost is counted on from what status
