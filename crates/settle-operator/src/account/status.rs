@@ -108,27 +108,51 @@ pub struct DroppedReports {
     pub at_ms: u64,
 }
 
-impl Trouble {
-    /// One more report dropped, for `reason`, at `now_ms`.
-    pub fn report_dropped(&mut self, reason: &'static str, now_ms: u64) {
-        let count = self.dropped_reports.as_ref().map_or(0, |d| d.count) + 1;
-        self.dropped_reports = Some(DroppedReports {
+impl DroppedReports {
+    /// One more report dropped in `slot`, for `reason`, at `now_ms`.
+    pub fn note(slot: &mut Option<DroppedReports>, reason: &'static str, now_ms: u64) {
+        let count = slot.as_ref().map_or(0, |d| d.count) + 1;
+        *slot = Some(DroppedReports {
             count,
             reason,
             at_ms: now_ms,
         });
     }
 
-    /// Drops said longer than `window` ago are past: `Accounted` no longer says them.
-    pub fn forget_dropped_before(&mut self, now_ms: u64, window: Duration) {
+    /// Drops in `slot` said longer than `window` ago are past: `Accounted` no longer says them.
+    pub fn forget_before(slot: &mut Option<DroppedReports>, now_ms: u64, window: Duration) {
         let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
-        if self
-            .dropped_reports
+        if slot
             .as_ref()
             .is_some_and(|d| now_ms.saturating_sub(d.at_ms) >= window)
         {
-            self.dropped_reports = None;
+            *slot = None;
         }
+    }
+
+    /// What `Accounted` says of them after the sentence naming whose they are: the last
+    /// reason, its metric and when the condition turns True again (`w`, the window).
+    fn said(&self, w: &str) -> String {
+        format!(
+            "the last as {} ({}): what they carried is not counted. See \
+             settle_account_reports_total{{outcome=\"{}\"}} and the operator's WARN lines. \
+             This condition turns True by itself {w} after the last drop.",
+            self.reason,
+            drop_reason_text(self.reason),
+            self.reason
+        )
+    }
+}
+
+impl Trouble {
+    /// One more report dropped, for `reason`, at `now_ms`.
+    pub fn report_dropped(&mut self, reason: &'static str, now_ms: u64) {
+        DroppedReports::note(&mut self.dropped_reports, reason, now_ms);
+    }
+
+    /// Drops said longer than `window` ago are past: `Accounted` no longer says them.
+    pub fn forget_dropped_before(&mut self, now_ms: u64, window: Duration) {
+        DroppedReports::forget_before(&mut self.dropped_reports, now_ms, window);
     }
 }
 
@@ -322,14 +346,9 @@ pub fn backend_accounted(dropped: Option<&DroppedReports>, w: &str) -> Want {
             reasons::REPORTS_DROPPED,
             format!(
                 "{} stats report(s) under this Backend's namespace that name no Subscription of \
-                 it were dropped, the last as {} ({}): if an application of a Subscription wrote \
-                 them, what they carried is not counted. See \
-                 settle_account_reports_total{{outcome=\"{}\"}} and the operator's WARN lines. \
-                 This condition turns True by itself {w} after the last drop.",
+                 it were dropped, {}",
                 d.count,
-                d.reason,
-                drop_reason_text(d.reason),
-                d.reason
+                d.said(w)
             ),
         ),
         None => Want::new(
@@ -417,14 +436,9 @@ fn accounted(trouble: &Trouble, w: &str) -> Want {
             Status::False,
             reasons::REPORTS_DROPPED,
             format!(
-                "{} stats report(s) of this Subscription were dropped by the account's bounds, \
-                 the last as {} ({}): what they carried is not counted. See \
-                 settle_account_reports_total{{outcome=\"{}\"}} and the operator's WARN lines. \
-                 This condition turns True by itself {w} after the last drop.",
+                "{} stats report(s) of this Subscription were dropped by the account's bounds, {}",
                 d.count,
-                d.reason,
-                drop_reason_text(d.reason),
-                d.reason
+                d.said(w)
             ),
         )
     } else {

@@ -12,7 +12,7 @@ use std::time::Instant;
 use async_nats::jetstream::{self, kv};
 
 use super::NatsKeeper;
-use crate::account::status::{self, DroppedReports, Trouble};
+use crate::account::status::{self, DroppedReports};
 use settle::api::condition::{Status, Want};
 use settle::bus::report::now_ms;
 
@@ -28,12 +28,7 @@ impl NatsKeeper {
     /// A report dropped for `reason` that names no Subscription of this Backend.
     pub(super) fn dropped_unnamed(&self, reason: &'static str) {
         if let Ok(mut u) = self.unnamed.lock() {
-            let mut t = Trouble {
-                dropped_reports: u.dropped.take(),
-                ..Default::default()
-            };
-            t.report_dropped(reason, now_ms());
-            u.dropped = t.dropped_reports;
+            DroppedReports::note(&mut u.dropped, reason, now_ms());
         }
     }
 
@@ -45,12 +40,7 @@ impl NatsKeeper {
         let Ok(mut u) = self.unnamed.lock() else {
             return;
         };
-        let mut t = Trouble {
-            dropped_reports: u.dropped.take(),
-            ..Default::default()
-        };
-        t.forget_dropped_before(now_ms(), self.config.loss_window);
-        u.dropped = t.dropped_reports;
+        DroppedReports::forget_before(&mut u.dropped, now_ms(), self.config.loss_window);
         let want = status::backend_accounted(
             u.dropped.as_ref(),
             &status::window_text(self.config.loss_window),

@@ -22,7 +22,6 @@ use crate::account::early::EarlyHold;
 use crate::account::ledger::{Account, BrokerOutcome, Outcome};
 use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::{self, ChangeKind, DeliveryEvent, DeliveryKind};
-use settle::backend::nats::capture;
 use settle::bus::report::now_ms;
 use settle::bus::report::{StatsReport, report_key};
 
@@ -109,37 +108,22 @@ impl NatsKeeper {
         key: &SubKey,
         entry: kv::Entry,
     ) -> Option<kv::Entry> {
-        if report.subscription_uid.is_some()
-            && report.namespace == self.backend.0
-            && self.cached(&key.0, &key.1).is_none()
-        {
-            // Bound to an operator's consumer once, and that Subscription is gone.
-            self.metrics.reports.with_label_values(&["gone"]).inc();
-            let _ = capture::drop_report(
-                &jetstream::new(self.client.clone()),
-                &entry.key,
-                entry.revision,
-            )
-            .await;
+        if report.namespace != self.backend.0 {
             return None;
         }
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
-        if report.namespace == self.backend.0
-            && self.cached(&key.0, &key.1).is_none()
-            && now_ms().saturating_sub(report.reported_at_ms) >= fold_after
-        {
-            // Of no Subscription, and its instance silent for longer than an idle one is
-            // kept: a stopped code-defined subscription's, or junk; it would fill the bucket.
+        // Bound to an operator's consumer once, and that Subscription is gone; or of no
+        // Subscription, its instance silent for longer than an idle one is kept (a stopped
+        // code-defined subscription's, or junk: it would fill the bucket).
+        let gone = self.cached(&key.0, &key.1).is_none()
+            && (report.subscription_uid.is_some()
+                || now_ms().saturating_sub(report.reported_at_ms) >= fold_after);
+        if gone {
             self.metrics.reports.with_label_values(&["gone"]).inc();
-            let _ = capture::drop_report(
-                &jetstream::new(self.client.clone()),
-                &entry.key,
-                entry.revision,
-            )
-            .await;
+            let _ = self.drop_report(&entry.key, entry.revision).await;
             return None;
         }
-        (report.namespace == self.backend.0).then_some(entry)
+        Some(entry)
     }
 
     /// Counts a report within the bounds into its book, with its outcome in
@@ -159,12 +143,7 @@ impl NatsKeeper {
             }
             Outcome::OtherObject => {
                 // An earlier object's report of the same name: never this one's.
-                let _ = capture::drop_report(
-                    &jetstream::new(self.client.clone()),
-                    &entry.key,
-                    entry.revision,
-                )
-                .await;
+                let _ = self.drop_report(&entry.key, entry.revision).await;
                 "other_object"
             }
             Outcome::Stale => {

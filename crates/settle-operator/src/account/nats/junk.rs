@@ -5,11 +5,10 @@
 //!
 //! It must not count a report (`count` does) nor write status (the writer does).
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 
 use super::{Books, Members, NatsKeeper};
 use settle::backend::nats::admin::NatsError;
-use settle::backend::nats::capture;
 use settle::bus::report::{StatsReport, now_ms, report_key};
 
 impl NatsKeeper {
@@ -92,13 +91,7 @@ impl NatsKeeper {
         if entry.key.split('.').next() != Some(self.namespace_token().as_str()) {
             return;
         }
-        match capture::drop_report(
-            &jetstream::new(self.client.clone()),
-            &entry.key,
-            entry.revision,
-        )
-        .await
-        {
+        match self.drop_report(&entry.key, entry.revision).await {
             Ok(()) => {
                 tracing::info!(key = %entry.key, "removed a value of the report bucket that no operator can count")
             }

@@ -291,6 +291,12 @@ impl NatsKeeper {
         reader_name(&self.backend.0, &self.backend.1)
     }
 
+    /// Removes report `key` from the report bucket if it still holds `revision` (a report
+    /// written since is kept).
+    async fn drop_report(&self, key: &str, revision: u64) -> Result<(), NatsError> {
+        capture::drop_report(&jetstream::new(self.client.clone()), key, revision).await
+    }
+
     /// Subscription `ns/name` in the cache now (of any Backend).
     fn cached(&self, ns: &str, name: &str) -> Option<Arc<Subscription>> {
         self.subs

@@ -44,8 +44,7 @@ impl NatsKeeper {
         let old = books.remove(key);
         for (instance, revision) in old.iter().flat_map(|b| b.revisions.iter()) {
             let report = report_key(&key.0, &key.1, instance);
-            let _ = capture::drop_report(&jetstream::new(self.client.clone()), &report, *revision)
-                .await;
+            let _ = self.drop_report(&report, *revision).await;
         }
     }
 
