@@ -173,15 +173,23 @@ pub fn queue(name: &str) -> Option<Value> {
     }
 }
 
-/// A RabbitMQ user of a test's own on the default vhost, with `configure`, `write` and `read`
+/// A RabbitMQ user of a test's own on one vhost, with `configure`, `write` and `read`
 /// permission regexes; deleted when dropped.
 pub struct User {
     pub name: String,
     pub password: String,
+    /// The vhost its permissions are on, as the management API writes it (`%2f`: the default).
+    pub vhost: String,
 }
 
 impl User {
+    /// A user of the default vhost.
     pub fn create(name: &str, configure: &str, write: &str, read: &str) -> User {
+        User::create_in("%2f", name, configure, write, read)
+    }
+
+    /// A user of `vhost` only (its name as the management API's paths take it).
+    pub fn create_in(vhost: &str, name: &str, configure: &str, write: &str, read: &str) -> User {
         let password = format!("{name}-pw");
         let (status, body) = management_with(
             "PUT",
@@ -194,7 +202,7 @@ impl User {
         );
         let (status, body) = management_with(
             "PUT",
-            &format!("/api/permissions/%2f/{name}"),
+            &format!("/api/permissions/{vhost}/{name}"),
             &serde_json::json!({"configure": configure, "write": write, "read": read}).to_string(),
         );
         assert!(
@@ -204,6 +212,7 @@ impl User {
         User {
             name: name.to_string(),
             password,
+            vhost: vhost.to_string(),
         }
     }
 
@@ -214,12 +223,24 @@ impl User {
         let host = rest.split_once('@').map_or(rest, |(_, h)| h);
         format!("{scheme}://{}:{}@{host}", self.name, self.password)
     }
+
+    /// The environment's AMQP URL, as this user, on `vhost`.
+    pub fn url_on(&self, vhost: &str) -> String {
+        vhost_url(&self.url(), vhost)
+    }
 }
 
 impl Drop for User {
     fn drop(&mut self) {
         let _ = management("DELETE", &format!("/api/users/{}", self.name));
     }
+}
+
+/// `url` with its vhost (path) replaced by `vhost`.
+pub fn vhost_url(url: &str, vhost: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("an AMQP URL");
+    let authority = rest.split_once('/').map_or(rest, |(a, _)| a);
+    format!("{scheme}://{authority}/{}", encode(vhost))
 }
 
 /// A vhost of one test's own (guest may use it), whose `max-queues` the test sets; deleted,
