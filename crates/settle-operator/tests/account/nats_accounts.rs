@@ -22,7 +22,7 @@ use super::tenants::{credentials_secret, nacked, nats_as, settled};
 /// The nats-server configuration `docs/guide/multi-tenant.md` leads with: a NATS account per
 /// tenant namespace, with JetStream limits of its own, holding the operator's user for that
 /// tenant's Backend (`settle-<n>`) and the tenant's applications' user (`team-<n>`).
-fn nats_accounts_config(tenants: &[&str]) -> String {
+pub(super) fn nats_accounts_config(tenants: &[&str]) -> String {
     let accounts: Vec<String> = tenants
         .iter()
         .map(|t| {
@@ -38,7 +38,7 @@ fn nats_accounts_config(tenants: &[&str]) -> String {
 /// A stats report of `ns`'s code-defined subscription `filler` from instance `instance`,
 /// padded to about `bytes` (a field the operator does not read): counted for no Subscription,
 /// fresh, so the operator keeps it in the bucket.
-fn filler_report(ns: &str, instance: &str, bytes: usize) -> Vec<u8> {
+pub(super) fn filler_report(ns: &str, instance: &str, bytes: usize) -> Vec<u8> {
     let now = settle::bus::report::now_ms();
     serde_json::to_vec(&json!({
         "version": settle::bus::report::REPORT_VERSION,
