@@ -2,7 +2,9 @@
 //! account -- N`) on the environment's kube-apiserver and nats-server, `settle operator` (built
 //! by `cargo bench`, so optimised) as a process with its default status budget
 //! (`--status-writes-per-second 20`, or `-- N RATE`), and every Subscription's counters rising
-//! every second for a minute, one of them losing a message each second (round robin). The
+//! every second for a minute, one of them losing a message each second (round robin), or with a
+//! third number L the first L of them each losing a message every second (an incident, or a
+//! tenant with `maxDeliver: 1` on purpose: every one of them urgent at every interval). The
 //! runtime's side is its documented wire format (docs/stats-report.md): one report per
 //! Subscription per second, put into the `settle-stats` bucket as N application instances would.
 //! Beyond 1,000 Subscriptions they are spread over streams of 1,000 (one nats-server's
@@ -14,9 +16,14 @@
 //!   max (it goes before every other write);
 //! - the lag from any other counter's change to status showing it: p50, p99, max (bounded by
 //!   the interval, 10 s, plus the keeper's 1 s tick, and, past the budget, by N / rate);
+//! - with L losing, the worst wait of the others (a change of a Subscription that loses nothing
+//!   to status showing it) beside the bound the budget states for it: `--stats-interval` + the
+//!   keeper's tick + 4 x the others waiting / rate (urgent writes go at most three in a row while
+//!   others wait, so the others keep a quarter of the budget);
 //! - the peak of `settle_account_status_backlog`, and the operator's peak RSS.
 //!
-//! Run with `make bench` (or `make env-up && cargo bench --bench account -- 1000`).
+//! Run with `make bench` (or `make env-up && cargo bench --bench account -- 1000`; 200 losing of
+//! 400: `-- 400 20 200`).
 
 use settle_testkit as common;
 
@@ -39,12 +46,14 @@ const WARMUP: Duration = Duration::from_secs(15);
 /// status.
 type Sent = Arc<Mutex<HashMap<String, Vec<(u64, Instant)>>>>;
 
-/// The positional numbers after `--`: N (500), then the budget.
-fn args() -> (usize, Option<u32>) {
+/// The positional numbers after `--`: N (500), the budget, then how many lose a message every
+/// second (none: one loss a second, round robin).
+fn args() -> (usize, Option<u32>, Option<usize>) {
     let nums = common::measure::numbers();
     let n = nums.first().map_or(500, |&n| n as usize).max(1);
     let rate = nums.get(1).and_then(|&r| u32::try_from(r).ok());
-    (n, rate)
+    let losing = nums.get(2).map(|&l| (l as usize).min(n));
+    (n, rate, losing)
 }
 
 /// Subscriptions per stream beyond which they are spread over more streams.
@@ -70,7 +79,7 @@ fn seen(sent: &Sent, lags: &Mutex<Vec<Duration>>, on: bool, name: &str, value: u
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let (n, rate) = args();
+    let (n, rate, losing) = args();
     common::install_crds();
     let env = common::env();
     let ns = common::namespace("bench-account");
@@ -188,9 +197,16 @@ async fn main() {
         if measured_from.is_some() {
             peak_backlog = peak_backlog.max(op.metric("settle_account_status_backlog", &[]));
         }
-        // One Subscription loses a message this second (round robin).
-        let loser = (seq as usize) % n;
-        exhausted[loser] += 1;
+        // The losing Subscriptions lose a message each this second, or one does (round robin).
+        let loses = |i: usize| match losing {
+            Some(l) => i < l,
+            None => i == (seq as usize) % n,
+        };
+        for (i, e) in exhausted.iter_mut().enumerate() {
+            if loses(i) {
+                *e += 1;
+            }
+        }
         let puts = (0..n).map(|i| {
             let stats = ConsumerStats {
                 offered: seq,
@@ -207,7 +223,7 @@ async fn main() {
             let (key, body) =
                 common::account::report_of(&ns, &name, &format!("d{i}"), &started, seq, stats);
             let now = Instant::now();
-            if i == loser {
+            if loses(i) {
                 losses
                     .lock()
                     .expect("losses")
@@ -250,8 +266,12 @@ async fn main() {
             .filter(|l| !l.is_empty())
             .count()
     };
+    let losers = match losing {
+        Some(l) => format!("{l} of them losing a message every second"),
+        None => "one loss a second".to_string(),
+    };
     println!(
-        "account, {n} Subscriptions, every counter rising every second, one loss a second, --stats-interval 10s, --status-writes-per-second {budget}:"
+        "account, {n} Subscriptions, every counter rising every second, {losers}, --stats-interval 10s, --status-writes-per-second {budget}:"
     );
     println!(
         "  status writes: {writes:.0} in {:.1} s = {:.1}/s (budget {budget}/s; interval bound {n} / 10 s = {:.0}/s)",
@@ -270,6 +290,16 @@ async fn main() {
     };
     line("loss (exhausted grew)", &loss_lags);
     line("other counter change", &lags);
+    if let Some(l) = losing {
+        // Every other Subscription changes every interval: at worst all of them wait at once.
+        let others = (n - l) as f64;
+        let bound = 10.0 + 1.0 + 4.0 * others / f64::from(budget);
+        println!(
+            "  worst wait of the {} that lose nothing: {:.1} s (stated bound: interval 10 s + tick 1 s + 4 x {others:.0} / {budget} = {bound:.0} s)",
+            n - l,
+            lags.last().copied().unwrap_or_default().as_secs_f64(),
+        );
+    }
     println!(
         "  peak backlog {peak_backlog:.0} Subscriptions; Subscriptions whose last change was not in status 13 s after the end: {} (losses: {})",
         unseen(&sent),
