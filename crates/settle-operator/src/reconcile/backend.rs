@@ -34,7 +34,7 @@ use super::connections::{Conn, Key, Lookup};
 use super::metrics::BACKEND;
 use super::status::{BackendOutcome, BrokerError, backend_status, broker_reason};
 use super::{Ctx, Error, FIELD_MANAGER};
-use super::{backend_finalizer, backend_limit};
+use super::{backend_finalizer, backend_limit, shared_vhost};
 use settle::api::{Backend, NatsBackendSpec, RabbitmqBackendSpec, SqsBackendSpec};
 use settle::backend::nats::admin::{self, NatsError};
 use settle::backend::nats::connect::{self, CA_KEY, ConnectFailure, ConnectSpec, Credentials};
@@ -117,6 +117,15 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         // Looked at again now and then: a deleted sibling frees a place.
         return Ok(Action::requeue(BEYOND_RECHECK));
     }
+    let sharing = shared_vhost::of(&ctx, &b);
+    if !deleting && let shared_vhost::Sharing::Refused(message) = &sharing {
+        ctx.conns.remove(&key);
+        ctx.conns.fail(&key, message.clone());
+        let outcome = BackendOutcome::down(reasons::SHARED_VHOST, message.clone());
+        write_status(&ctx, &b, &key, kind, &outcome).await?;
+        // Looked at again now and then: the older Backend may go, or consent.
+        return Ok(Action::requeue(BEYOND_RECHECK));
+    }
     let s = &b.spec;
     let fetched = fetch_secrets(&ctx, &ns, s).await?;
     let views = |name: &str| match fetched.get(name) {
@@ -142,6 +151,7 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         }
     };
     let outcome = said_if_plaintext(&ctx, &b, outcome).await;
+    let outcome = said_if_shared(outcome, &sharing);
     if !write_status(&ctx, &b, &key, kind, &outcome).await? {
         return Ok(Action::await_change());
     }
@@ -172,8 +182,51 @@ async fn said_if_plaintext(ctx: &Ctx, b: &Backend, outcome: BackendOutcome) -> B
                     .join("; ")
             );
             warn_event(ctx, b, reasons::PLAINTEXT_CREDENTIALS, &message).await;
-            BackendOutcome::Plaintext { version, message }
+            BackendOutcome::Warned {
+                reason: reasons::PLAINTEXT_CREDENTIALS,
+                version,
+                message,
+            }
         }
+        other => other,
+    }
+}
+
+/// Connected on a vhost shared with consent: Ready, and what is not protected said (after the
+/// plaintext warning, when there is one).
+fn said_if_shared(outcome: BackendOutcome, sharing: &shared_vhost::Sharing) -> BackendOutcome {
+    let shared_vhost::Sharing::Consented { vhost, others } = sharing else {
+        return outcome;
+    };
+    let note = shared_vhost::unprotected(vhost, *others);
+    match outcome {
+        BackendOutcome::Connected {
+            kind,
+            version,
+            detail,
+        } => BackendOutcome::Warned {
+            reason: reasons::SHARED_VHOST,
+            message: format!(
+                "{}; {note}",
+                BackendOutcome::Connected {
+                    kind,
+                    version: version.clone(),
+                    detail
+                }
+                .want()
+                .message
+            ),
+            version,
+        },
+        BackendOutcome::Warned {
+            reason,
+            version,
+            message,
+        } => BackendOutcome::Warned {
+            reason,
+            version,
+            message: format!("{message}; {note}"),
+        },
         other => other,
     }
 }

@@ -79,6 +79,10 @@ pub mod reasons {
     /// Ready=False: its namespace has more Backends than `--max-backends-per-namespace`, and
     /// this one is not among the oldest that many; not connected.
     pub const BACKEND_LIMIT: &str = "BackendLimit";
+    /// Ready=False: a RabbitMQ Backend on a vhost an older Backend of another namespace uses,
+    /// and not both consent (`spec.rabbitmq.sharedVhost`); not connected. Ready=True: both
+    /// consent; connected, and the message says what a shared vhost leaves unprotected.
+    pub const SHARED_VHOST: &str = "SharedVhost";
     /// Ready=False: SQS without a Secret outside `--sqs-pod-identity-namespaces` (A20).
     pub const POD_IDENTITY_NOT_ALLOWED: &str = "PodIdentityNotAllowed";
     /// Ready=True: connected, but the credentials travel unencrypted (A21); also a Warning Event.

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod nats;
 pub mod rabbitmq;
 pub mod redial;
+pub mod shared_vhost;
 pub mod sqs;
 pub mod status;
 pub mod step;

@@ -220,3 +220,81 @@ async fn a_broker_connection_cut_again_and_again_is_made_again_at_a_slowing_pace
     wait_backend(&api, "plain", "True", "Connected").await;
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
 }
+
+/// Two namespaces' Backends on one vhost: the newer is refused (`Ready=False SharedVhost`, not
+/// connected, no Subscription of it made) until both consent (`spec.rabbitmq.sharedVhost`);
+/// one side's consent is not enough. With both, each is Ready and says what a shared vhost
+/// leaves unprotected, and the newer one's Subscription gets its queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vhost_another_namespace_uses_is_refused_to_the_newer_backend_until_both_consent() {
+    install_crds();
+    let (a, b) = (
+        namespace("rec-rabbit-share-a"),
+        namespace("rec-rabbit-share-b"),
+    );
+    let vhost =
+        common::rabbitmq::LimitedVhost::create(&format!("settle-share-{}", std::process::id()));
+    let op = Operator::start_with(
+        "rec-rabbit-share",
+        &format!("{a},{b}"),
+        &["--leader-election=false"],
+    );
+    let backend = |consent: bool| {
+        common::rabbitmq::env_backend_yaml(
+            "rabbit",
+            &format!(
+                "    vhost: {}\n{}",
+                vhost.0,
+                if consent {
+                    "    sharedVhost: true\n"
+                } else {
+                    ""
+                }
+            ),
+        )
+    };
+    apply(&a, &backend(false));
+    wait_backend(&backends(&a).await, "rabbit", "True", "Connected").await;
+    apply(&b, &backend(false));
+    let b_backends = backends(&b).await;
+    let refused = wait_backend(&b_backends, "rabbit", "False", "SharedVhost").await;
+    let said = condition(&refused.status.expect("status").conditions, "Ready")
+        .map(|(_, _, m)| m)
+        .unwrap_or_default();
+    assert!(said.contains("ask that namespace to set it"), "{said}");
+    apply(
+        &b,
+        &sub_yaml_on(
+            "rabbit",
+            "orders",
+            "  pattern: shared.>\n  mode: AtLeastOnce\n  durableName: shared-orders\n  maxDeliver: 3\n",
+        ),
+    );
+    // One side's consent is not enough.
+    apply(&b, &backend(true));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_backend(&b_backends, "rabbit", "False", "SharedVhost").await;
+    assert_eq!(
+        vhost.queues(),
+        0,
+        "a refused Backend made queues on the vhost"
+    );
+    // Both: each Ready, saying what is not protected.
+    apply(&a, &backend(true));
+    for (ns, api) in [(&a, backends(&a).await), (&b, b_backends.clone())] {
+        let ok = wait_backend(&api, "rabbit", "True", "SharedVhost").await;
+        let said = condition(&ok.status.expect("status").conditions, "Ready")
+            .map(|(_, _, m)| m)
+            .unwrap_or_default();
+        assert!(
+            said.contains("connected")
+                && said.contains("ledger, object-mark and adopted-mark queues"),
+            "{ns}: {said}"
+        );
+    }
+    wait_ready(&subs(&b).await, "orders").await;
+    for ns in [&a, &b] {
+        kubectl_ok(&["delete", "namespace", ns, "--wait=false"], None);
+    }
+    drop(op);
+}

@@ -127,6 +127,14 @@ pub struct RabbitmqBackendSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64))]
     pub report_users: Vec<String>,
+    /// Consent to share this vhost with Backends of other namespaces. On one vhost anyone who
+    /// may publish through the default exchange can write the operator's ledger and mark queues
+    /// of every Subscription on it, which no permission regex can prevent; so a Backend on a
+    /// vhost that an older Backend of another namespace uses is refused (`Ready=False
+    /// SharedVhost`) unless both set this, and then says what is not protected. Give each
+    /// namespace a vhost of its own instead where tenants do not trust each other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_vhost: Option<bool>,
 }
 
 /// TLS settings for RabbitMQ.

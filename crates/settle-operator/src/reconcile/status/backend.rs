@@ -24,9 +24,11 @@ pub enum BackendOutcome {
         version: Option<String>,
         detail: String,
     },
-    /// Connected (as Connected says), but the credentials travel unencrypted (A21): Ready, with
-    /// a reason that says so.
-    Plaintext {
+    /// Connected (as Connected says), with something to say: the credentials travel
+    /// unencrypted (A21, `PlaintextCredentials`), or the vhost is shared (`SharedVhost`). Ready,
+    /// with that reason.
+    Warned {
+        reason: &'static str,
         version: Option<String>,
         message: String,
     },
@@ -82,11 +84,9 @@ impl BackendOutcome {
             BackendOutcome::Down {
                 reason, message, ..
             } => r(Status::False, reason, message.clone()),
-            BackendOutcome::Plaintext { message, .. } => r(
-                Status::True,
-                reasons::PLAINTEXT_CREDENTIALS,
-                message.clone(),
-            ),
+            BackendOutcome::Warned {
+                reason, message, ..
+            } => r(Status::True, reason, message.clone()),
             BackendOutcome::InProcess => r(
                 Status::True,
                 reasons::IN_PROCESS,
@@ -98,7 +98,7 @@ impl BackendOutcome {
     pub fn version(&self) -> Option<&String> {
         match self {
             BackendOutcome::Connected { version, .. }
-            | BackendOutcome::Plaintext { version, .. }
+            | BackendOutcome::Warned { version, .. }
             | BackendOutcome::Down { version, .. } => version.as_ref(),
             BackendOutcome::InProcess => None,
         }
