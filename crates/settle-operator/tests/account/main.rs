@@ -9,6 +9,7 @@
 //! | [`nats_epochs`] | NATS JetStream | a new object under running applications: a takeover, a delete and apply across slow handlers |
 //! | [`nats_deletion`] | NATS JetStream | a namespace deleted at once leaves nothing of the account; a deleted Backend's sweep |
 //! | [`nats_life`] | NATS JetStream | delete and apply, applications stopped and killed, operator restarts and leader changes, lost sources |
+//! | [`nats_fold`] | NATS JetStream | a folded instance's report kept until its fold is saved |
 //! | [`nats_budget`] | NATS JetStream | the cluster-wide status write budget |
 //! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
 //! | [`nats_reader`] | NATS JetStream | the capture reader kept across operator versions (renamed, ack wait brought in place) |
@@ -32,6 +33,7 @@ mod nats_budget;
 mod nats_deletion;
 mod nats_epochs;
 mod nats_flood;
+mod nats_fold;
 mod nats_life;
 mod nats_reader;
 mod nats_rotate;

@@ -155,8 +155,9 @@ impl NatsKeeper {
                     .folded
                     .contains_key(&report.instance)
                 {
+                    let book_key = (report.namespace.clone(), report.subscription.clone());
                     self.purge_folded_later(
-                        vec![(entry.key.clone(), entry.revision)],
+                        vec![(book_key, entry.key.clone(), entry.revision)],
                         report.reported_at_ms,
                     );
                 }

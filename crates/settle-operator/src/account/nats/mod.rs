@@ -241,9 +241,20 @@ pub struct NatsKeeper {
     /// Reports dropped that name no Subscription of this Backend, said in its `Accounted`
     /// while the last is within the loss window; and what that condition last said.
     unnamed: std::sync::Mutex<backend::Unnamed>,
-    /// Reports of folded instances (when folded, key, revision), removed once the loss window
-    /// has passed.
-    folded_reports: std::sync::Mutex<Vec<(u64, String, u64)>>,
+    /// Reports of folded instances, removed once the loss window has passed and their book is
+    /// saved.
+    folded_reports: std::sync::Mutex<Vec<FoldedReport>>,
+}
+
+/// A folded instance's report, waiting to be removed from the bucket.
+struct FoldedReport {
+    /// When it was folded (or, read again after a restart, written), ms.
+    at: u64,
+    /// The Subscription whose ledger holds the fold.
+    book: SubKey,
+    report: String,
+    /// The revision it was read at: removed only if not written since.
+    revision: u64,
 }
 
 fn broken(what: &str, e: impl std::fmt::Display) -> NatsError {

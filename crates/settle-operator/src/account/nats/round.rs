@@ -3,7 +3,8 @@
 //! ledger and reports removed, idle instances folded, the ledgers that changed saved (checked
 //! against the revision read, so two operators cannot overwrite each other) and only then their
 //! advisories acknowledged, a folded instance's report removed once the loss window has passed
-//! (until then it shows a lost ledger which lives it held), the consumers' gauges read once per
+//! and the ledger holding the fold is saved (until then it shows a lost ledger which lives it
+//! held), the consumers' gauges read once per
 //! stats interval, and the account shown through `show`.
 //!
 //! It must not count (that is `count` and the ledger) nor write status itself (that is the
@@ -18,7 +19,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::names::ledger_key;
 use super::store::Save;
-use super::{Book, Books, Members, NatsKeeper, SubKey};
+use super::{Book, Books, FoldedReport, Members, NatsKeeper, SubKey};
 use crate::account::ledger::Source;
 use crate::account::show;
 use settle::api::SubscriptionStats;
@@ -62,7 +63,7 @@ impl NatsKeeper {
             self.rebuild(ledgers, reports, members, books, &key).await?;
         }
         self.purge_folded_later(dropped, now);
-        self.purge_folded_due(js, now).await;
+        self.purge_folded_due(js, books, now).await;
 
         let stamp = Time(Timestamp::now());
         let listed = self.list_due_streams(js, members, books).await;
@@ -71,35 +72,45 @@ impl NatsKeeper {
         Ok(())
     }
 
-    /// The reports of instances folded now (key, revision), kept in the bucket for the loss
-    /// window: a ledger lost meanwhile is found with those lives known (semantics C17), so a
-    /// folded life that comes back is not charged against the offset for what it counts after
-    /// the loss.
-    pub(super) fn purge_folded_later(&self, folded: Vec<(String, u64)>, now: u64) {
+    /// The reports of instances folded now, kept in the bucket for the loss window: a ledger
+    /// lost meanwhile is found with those lives known (semantics C17), so a folded life that
+    /// comes back is not charged against the offset for what it counts after the loss.
+    pub(super) fn purge_folded_later(&self, folded: Vec<(SubKey, String, u64)>, now: u64) {
         if folded.is_empty() {
             return;
         }
         if let Ok(mut later) = self.folded_reports.lock() {
-            later.extend(folded.into_iter().map(|(k, r)| (now, k, r)));
+            later.extend(
+                folded
+                    .into_iter()
+                    .map(|(book, report, revision)| FoldedReport {
+                        at: now,
+                        book,
+                        report,
+                        revision,
+                    }),
+            );
         }
     }
 
     /// Removes the folded reports whose loss window has passed (each only if not written since:
-    /// a life back after its fold keeps its report).
-    async fn purge_folded_due(&self, js: &jetstream::Context, now: u64) {
+    /// a life back after its fold keeps its report), and only once their book's ledger, which
+    /// holds the fold, is saved: while its saves fail the report is the fold's only record.
+    async fn purge_folded_due(&self, js: &jetstream::Context, books: &Books, now: u64) {
         let window = u64::try_from(self.config.loss_window.as_millis()).unwrap_or(u64::MAX);
-        let due: Vec<(u64, String, u64)> = match self.folded_reports.lock() {
+        let due: Vec<FoldedReport> = match self.folded_reports.lock() {
             Ok(mut later) => {
-                let (due, keep) = std::mem::take(&mut *later)
-                    .into_iter()
-                    .partition(|(at, _, _)| now.saturating_sub(*at) >= window);
+                let (due, keep) = std::mem::take(&mut *later).into_iter().partition(|f| {
+                    now.saturating_sub(f.at) >= window
+                        && !books.get(&f.book).is_some_and(|b| b.dirty)
+                });
                 *later = keep;
                 due
             }
             Err(_) => return,
         };
-        for (_, report, revision) in due {
-            if let Err(e) = capture::drop_report(js, &report, revision).await {
+        for f in due {
+            if let Err(e) = capture::drop_report(js, &f.report, f.revision).await {
                 tracing::debug!(error = %e, "dropping a folded report failed (it is counted once all the same)");
             }
         }
@@ -161,14 +172,14 @@ impl NatsKeeper {
     }
 
     /// Folds idle instances; returns the reports (key, revision) to drop once saved.
-    fn fold_idle(&self, books: &mut Books, now: u64) -> Vec<(String, u64)> {
+    fn fold_idle(&self, books: &mut Books, now: u64) -> Vec<(SubKey, String, u64)> {
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         let mut dropped = Vec::new();
         for (key, book) in books.iter_mut() {
             for instance in book.account.fold_idle(now, fold_after) {
                 book.dirty = true;
                 if let Some(r) = book.revisions.remove(&instance) {
-                    dropped.push((report_key(&key.0, &key.1, &instance), r));
+                    dropped.push((key.clone(), report_key(&key.0, &key.1, &instance), r));
                 }
             }
         }
