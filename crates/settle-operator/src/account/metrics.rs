@@ -248,7 +248,7 @@ impl Metrics {
             subscriptions,
             writes: counter(
                 "settle_account_status_writes_total",
-                "Status writes of the account, by result (ok, error).",
+                "Status writes of the account, by result (ok; error; conflict: the object changed since the cache saw it, read again and written once more; other_object: the patch was made for an object since deleted and made again under its name, not written).",
                 &["result"],
             )?,
             urgent_writes: {

@@ -120,6 +120,7 @@ pub async fn run(term: Term, config: Config, metrics: Metrics) {
         term.client.clone(),
         metrics.clone(),
         config.status_writes_per_second,
+        term.subscriptions.clone(),
     );
     tracing::info!(
         "account started: the books of every NATS, RabbitMQ and SQS Backend's Subscriptions"

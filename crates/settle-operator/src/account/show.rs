@@ -154,6 +154,7 @@ pub fn show(
             urgent,
             namespace: key.0.clone(),
             name: key.1.clone(),
+            uid: sub.metadata.uid.clone(),
             body: status::patch(
                 &stats,
                 &wants,
@@ -333,6 +334,7 @@ pub fn show_gauges(
             urgent: false,
             namespace: key.0.clone(),
             name: key.1.clone(),
+            uid: sub.metadata.uid.clone(),
             body: status::gauges_patch(pending, ack_pending, counters, stamp),
         });
     }
@@ -376,7 +378,10 @@ mod tests {
             "http://127.0.0.1:1".parse().expect("a URL"),
         ))
         .expect("a client");
-        let writer = Writer::start(client, metrics.clone(), 20);
+        // The cache holds shop/orders, so its patches go out (and fail).
+        let (subs, mut cache) = kube::runtime::reflector::store();
+        cache.apply_watcher_event(&kube::runtime::watcher::Event::Apply(orders()));
+        let writer = Writer::start(client, metrics.clone(), 20, subs);
         (metrics, writer)
     }
 

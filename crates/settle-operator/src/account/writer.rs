@@ -27,6 +27,7 @@ use crate::events::{Event, EventType, Recorder, Reporter};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, Resource};
 use serde_json::value::RawValue;
 use tokio::sync::mpsc;
@@ -43,6 +44,9 @@ use settle::api::{Backend, Subscription};
 pub struct Write {
     pub namespace: String,
     pub name: String,
+    /// The UID of the object the patch was made for: written to that object only, never to a
+    /// newer one of the same name (a delete and apply while the patch waited).
+    pub uid: Option<String>,
     pub body: serde_json::Value,
     /// A change that matters (Exhausted or Stranded grew, a condition flipped: the keeper
     /// decides): written before every patch that is not.
@@ -66,6 +70,12 @@ const MAX_FAILED: usize = 10_000;
 
 type Failed = Arc<Mutex<HashSet<(String, String)>>>;
 
+/// A patch waiting its turn: its text, and the object it was made for.
+struct Pending {
+    body: Box<RawValue>,
+    uid: Option<String>,
+}
+
 /// The handle keepers send patches to; the task ends when the last handle is dropped.
 #[derive(Clone)]
 pub struct Writer {
@@ -77,8 +87,14 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts the writer, sending at most `per_second` status writes a second.
-    pub fn start(client: Client, metrics: Metrics, per_second: u32) -> Writer {
+    /// Starts the writer, sending at most `per_second` status writes a second; `subs` (the
+    /// controllers' cache) gives each patch the version of its object to apply to.
+    pub fn start(
+        client: Client,
+        metrics: Metrics,
+        per_second: u32,
+        subs: Store<Subscription>,
+    ) -> Writer {
         let (tx, rx) = mpsc::unbounded_channel();
         let recorder = Recorder::new(
             client.clone(),
@@ -91,6 +107,7 @@ impl Writer {
         let client_for_backends = client.clone();
         let task = tokio::spawn(serve(
             client,
+            subs,
             metrics.clone(),
             per_second,
             rx,
@@ -191,12 +208,13 @@ const CONCURRENCY: usize = 8;
 
 async fn serve(
     client: Client,
+    subs: Store<Subscription>,
     metrics: Metrics,
     per_second: u32,
     mut rx: mpsc::UnboundedReceiver<Write>,
     failed: Failed,
 ) {
-    let mut queue: Queue<(String, String), Box<RawValue>> = Queue::default();
+    let mut queue: Queue<(String, String), Pending> = Queue::default();
     let mut bucket = Bucket::new(per_second, Instant::now());
     // When the budget last had no token for the next patch: a patch that waited since before
     // then was deferred by the budget.
@@ -222,6 +240,7 @@ async fn serve(
             }
             inflight.push(write(
                 client.clone(),
+                subs.clone(),
                 metrics.clone(),
                 failed.clone(),
                 key,
@@ -250,7 +269,8 @@ async fn serve(
                             continue;
                         }
                     };
-                    if queue.push(key, body, w.urgent, Instant::now()) == Pushed::Coalesced {
+                    let pending = Pending { body, uid: w.uid };
+                    if queue.push(key, pending, w.urgent, Instant::now()) == Pushed::Coalesced {
                         metrics.deferred.with_label_values(&["coalesced"]).inc();
                     }
                 }
@@ -279,22 +299,57 @@ fn note_failed(failed: &Failed, key: (String, String)) {
     }
 }
 
+/// Writes `pending` to the object it was made for, at the version the cache holds (its
+/// `resourceVersion` a precondition, which the status subresource honours where it ignores a
+/// UID): a newer object of the same name is never written with an older one's account. The
+/// object changed since the cache saw it: read again, and written once more if it is still that
+/// object.
 async fn write(
     client: Client,
+    subs: Store<Subscription>,
     metrics: Metrics,
     failed: Failed,
     key: (String, String),
-    body: Box<RawValue>,
+    pending: Pending,
     urgent: bool,
 ) -> (String, String) {
     let api: Api<Subscription> = Api::namespaced(client, &key.0);
-    let result = api
-        .patch_status(
-            &key.1,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await;
+    let mut version = subs
+        .get(&ObjectRef::new(&key.1).within(&key.0))
+        .map(|s| (s.metadata.uid.clone(), s.metadata.resource_version.clone()));
+    let mut read_again = false;
+    let result = loop {
+        // Gone, or not yet in the cache: nothing to account for on it now.
+        let Some((uid, resource_version)) = version.take() else {
+            return key;
+        };
+        if pending.uid.is_some() && uid != pending.uid {
+            metrics.writes.with_label_values(&["other_object"]).inc();
+            return key;
+        }
+        let body = match at_version(&pending.body, resource_version.as_deref()) {
+            Ok(body) => body,
+            Err(e) => break Err(kube::Error::SerdeError(e)),
+        };
+        let result = api
+            .patch_status(
+                &key.1,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await;
+        match result {
+            Err(kube::Error::Api(s)) if s.code == 409 && !read_again => {
+                read_again = true;
+                metrics.writes.with_label_values(&["conflict"]).inc();
+                version = match api.get_opt(&key.1).await {
+                    Ok(found) => found.map(|s| (s.metadata.uid, s.metadata.resource_version)),
+                    Err(e) => break Err(e),
+                };
+            }
+            other => break other,
+        }
+    };
     match result {
         Ok(_) => {
             metrics.writes.with_label_values(&["ok"]).inc();
@@ -311,6 +366,23 @@ async fn write(
         }
     }
     key
+}
+
+/// `body` with `metadata.resourceVersion` set to `version` (none: as it is).
+fn at_version(
+    body: &RawValue,
+    version: Option<&str>,
+) -> Result<serde_json::Value, serde_json::Error> {
+    let mut body: serde_json::Value = serde_json::from_str(body.get())?;
+    if let (Some(v), Some(object)) = (version, body.as_object_mut()) {
+        let metadata = object
+            .entry("metadata")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Some(m) = metadata.as_object_mut() {
+            m.insert("resourceVersion".into(), v.into());
+        }
+    }
+    Ok(body)
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 //! | [`nats_deletion`] | NATS JetStream | a namespace deleted at once leaves nothing of the account; a deleted Backend's sweep |
 //! | [`nats_life`] | NATS JetStream | delete and apply, applications stopped and killed, operator restarts and leader changes, lost sources |
 //! | [`nats_fold`] | NATS JetStream | a folded instance's report kept until its fold is saved |
+//! | [`writer`] | (none) | the status writer writes a patch to the object it was made for only |
 //! | [`nats_budget`] | NATS JetStream | the cluster-wide status write budget |
 //! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
 //! | [`nats_reader`] | NATS JetStream | the capture reader kept across operator versions (renamed, ack wait brought in place) |
@@ -40,3 +41,4 @@ mod nats_rotate;
 mod rabbitmq;
 mod sqs;
 mod tenants;
+mod writer;
