@@ -339,8 +339,17 @@ mod rabbitmq {
             }
         }
 
+        /// On the default vhost, which the scenes' namespaces share on purpose (adoption
+        /// across namespaces of one vhost), so each Backend consents to share it.
         fn backend(&self, ns: &str) {
-            apply(ns, &env_backend_yaml("rabbit", ""));
+            apply(
+                ns,
+                &env_backend_yaml(
+                    "rabbit",
+                    "    sharedVhost: true
+",
+                ),
+            );
         }
 
         fn spec(&self) -> String {
