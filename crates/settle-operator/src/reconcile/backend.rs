@@ -151,7 +151,7 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         }
     };
     let outcome = said_if_plaintext(&ctx, &b, outcome).await;
-    let outcome = said_if_shared(outcome, &sharing);
+    let outcome = shared_vhost::said(outcome, &sharing);
     if !write_status(&ctx, &b, &key, kind, &outcome).await? {
         return Ok(Action::await_change());
     }
@@ -188,45 +188,6 @@ async fn said_if_plaintext(ctx: &Ctx, b: &Backend, outcome: BackendOutcome) -> B
                 message,
             }
         }
-        other => other,
-    }
-}
-
-/// Connected on a vhost shared with consent: Ready, and what is not protected said (after the
-/// plaintext warning, when there is one).
-fn said_if_shared(outcome: BackendOutcome, sharing: &shared_vhost::Sharing) -> BackendOutcome {
-    let shared_vhost::Sharing::Consented { vhost, others } = sharing else {
-        return outcome;
-    };
-    let note = shared_vhost::unprotected(vhost, *others);
-    match outcome {
-        BackendOutcome::Connected {
-            kind,
-            version,
-            detail,
-        } => BackendOutcome::Warned {
-            reason: reasons::SHARED_VHOST,
-            message: format!(
-                "{}; {note}",
-                BackendOutcome::Connected {
-                    kind,
-                    version: version.clone(),
-                    detail
-                }
-                .want()
-                .message
-            ),
-            version,
-        },
-        BackendOutcome::Warned {
-            reason,
-            version,
-            message,
-        } => BackendOutcome::Warned {
-            reason,
-            version,
-            message: format!("{message}; {note}"),
-        },
         other => other,
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! It must not connect, read Secrets or write status: it judges from the specs in the cache (the
 //! hosts of `spec.rabbitmq.urls` and the vhost), so it sees the Backends this operator watches,
-//! not other clusters or applications that use the vhost directly.
+//! not other clusters or applications that use the vhost directly, and says what the Backend's
+//! `Ready` then says ([`said`]).
 
 use std::collections::BTreeSet;
 
@@ -16,6 +17,8 @@ use kube::ResourceExt;
 use lapin::uri::AMQPUri;
 
 use super::Ctx;
+use super::conditions::reasons;
+use super::status::BackendOutcome;
 use settle::api::{Backend, RabbitmqBackendSpec};
 
 /// What a Backend's vhost is to it.
@@ -125,6 +128,45 @@ pub fn unprotected(vhost: &str, others: usize) -> String {
          ledger, object-mark and adopted-mark queues through the default exchange, so a restart \
          may read a forged ledger and a takeover a forged mark; a vhost per namespace protects them"
     )
+}
+
+/// Connected on a vhost shared with consent: Ready, and what is not protected said (after the
+/// plaintext warning, when there is one).
+pub fn said(outcome: BackendOutcome, sharing: &Sharing) -> BackendOutcome {
+    let Sharing::Consented { vhost, others } = sharing else {
+        return outcome;
+    };
+    let note = unprotected(vhost, *others);
+    match outcome {
+        BackendOutcome::Connected {
+            kind,
+            version,
+            detail,
+        } => BackendOutcome::Warned {
+            reason: reasons::SHARED_VHOST,
+            message: format!(
+                "{}; {note}",
+                BackendOutcome::Connected {
+                    kind,
+                    version: version.clone(),
+                    detail
+                }
+                .want()
+                .message
+            ),
+            version,
+        },
+        BackendOutcome::Warned {
+            reason,
+            version,
+            message,
+        } => BackendOutcome::Warned {
+            reason,
+            version,
+            message: format!("{message}; {note}"),
+        },
+        other => other,
+    }
 }
 
 #[cfg(test)]
