@@ -59,13 +59,16 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     if sub.metadata.deletion_timestamp.is_some() {
         if has_finalizer(&sub) {
             cleanup(&target, &ctx).await?;
-            remove_finalizer(&api, &sub, &ctx).await?;
         }
+        // Its rows go before the object does: once it is gone, /metrics no longer shows it.
         ctx.conns.gates.forget(
             &(ns.clone(), sub.spec.backend_ref.name.clone()),
             &(ns.clone(), name.clone()),
         );
         ctx.metrics.forget_subscription(ns, name);
+        if has_finalizer(&sub) {
+            remove_finalizer(&api, &sub, &ctx).await?;
+        }
         ctx.succeeded(&fkey);
         return Ok(Action::await_change());
     }
