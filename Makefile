@@ -1,5 +1,5 @@
 # Settle's two commands: `make demo` runs the main job locally, `make test` runs every test.
-.PHONY: test check demo build image crds reference tools env-up env-down env-status bench lint clean
+.PHONY: test check demo build image crds reference tools env-up env-down env-status bench chaos lint clean
 
 test:            ## build what is missing, start the real environment, run every test, stop it
 	hack/test.sh
@@ -39,6 +39,10 @@ env-status:
 bench:           ## run the benchmarks against a real environment (prints figures)
 	hack/env.sh up
 	cargo bench --workspace
+
+chaos:           ## a fault campaign on the real environment: SEED= (else drawn), FAULTS= (30), MESSAGES=
+	hack/env.sh up
+	cargo bench -p settle-operator --bench chaos -- $(if $(SEED),--seed $(SEED)) --faults $(or $(FAULTS),30) $(if $(MESSAGES),--messages $(MESSAGES))
 
 lint:            ## rustfmt, clippy, and shellcheck over the scripts (installs shellcheck with apt when missing)
 	cargo fmt --all --check

@@ -30,6 +30,11 @@
 //!   - `nack-first`: declines a message's first attempt and acks every later one, after
 //!     `SETTLE_APP_HANDLE_MS` (default 0) ms, printing `seen <body> <attempt>` as each attempt
 //!     starts (the cluster tests count attempts by it).
+//!   - `model`: the fault campaign's handler (`docs/guide/chaos.md`). A body is a message id;
+//!     the answer to each attempt is drawn from (`SETTLE_APP_MODEL_SEED`, id, attempt) by
+//!     [`model_answer`]: ack, nack or silent (returns without settling). Each answer is
+//!     appended, once given, to the file `SETTLE_APP_MODEL_LOG` as a line `<id> <attempt>
+//!     <answer>`, so the campaign's checker knows what the handlers did without asking Settle.
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
 //! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
@@ -47,6 +52,45 @@ use settle::backend::rabbitmq::RabbitBroker;
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
 use settle::bus::{Broker, Bus, Delivery, HandlerError, Subscriber, handler};
 
+/// The model handler's answer to attempt `attempt` of message `id`: about 55% ack, 25% nack,
+/// 20% silent, each attempt drawn on its own (so a message may be declined, then acked).
+pub fn model_answer(seed: u64, id: u64, attempt: u32) -> &'static str {
+    let mut x = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(attempt) << 48;
+    // splitmix64's finaliser: every input bit reaches every output bit.
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    match x % 100 {
+        0..55 => "ack",
+        55..80 => "nack",
+        _ => "silent",
+    }
+}
+
+/// Where the model handler writes what it answered.
+struct ModelLog(std::sync::Mutex<std::fs::File>);
+
+impl ModelLog {
+    fn open() -> Result<ModelLog, Box<dyn std::error::Error>> {
+        let path = std::env::var("SETTLE_APP_MODEL_LOG")
+            .map_err(|_| "the model handler needs SETTLE_APP_MODEL_LOG, a file to append to")?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| format!("{path}: {e}"))?;
+        Ok(ModelLog(std::sync::Mutex::new(file)))
+    }
+
+    /// One line, written at once (a process killed after it keeps it).
+    fn said(&self, id: u64, attempt: u32, answer: &str) {
+        use std::io::Write;
+        if let Ok(mut f) = self.0.lock() {
+            let _ = f.write_all(format!("{id} {attempt} {answer}\n").as_bytes());
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Behaviour {
     Nack(u64),
@@ -58,11 +102,30 @@ enum Behaviour {
     Ack,
     AckSeen,
     NackFirst(u64),
+    Model(u64),
 }
 
-async fn handle(d: Delivery, how: Behaviour, max_deliver: u32) -> Result<(), HandlerError> {
+async fn handle(
+    d: Delivery,
+    how: Behaviour,
+    max_deliver: u32,
+    log: Option<&ModelLog>,
+) -> Result<(), HandlerError> {
     let body = String::from_utf8_lossy(d.payload()).to_string();
     match how {
+        Behaviour::Model(seed) => {
+            let id: u64 = body.trim().parse().unwrap_or(0);
+            let answer = model_answer(seed, id, d.attempt());
+            match answer {
+                "ack" => d.ack().await?,
+                "nack" => d.nack().await?,
+                _ => {}
+            }
+            if let Some(log) = log {
+                log.said(id, d.attempt(), answer);
+            }
+            Ok(())
+        }
         Behaviour::Nack(ms) => {
             if ms > 0 {
                 tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
@@ -156,9 +219,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("ack") => Behaviour::Ack,
         Ok("ack-seen") => Behaviour::AckSeen,
         Ok("nack-first") => Behaviour::NackFirst(handle_ms(0)),
+        Ok("model") => Behaviour::Model(
+            std::env::var("SETTLE_APP_MODEL_SEED")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        ),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, slow-ack-long, hold, ack, ack-seen, nack-first or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, slow-ack-long, hold, ack, ack-seen, nack-first, model or demo"
             )
             .into());
         }
@@ -230,6 +299,10 @@ async fn run(
     let max_deliver = settle::policy::ResolvedPolicy::resolve(&sub.spec.policy)
         .max_deliver
         .unwrap_or(u32::MAX);
+    let log = match how {
+        Behaviour::Model(_) => Some(std::sync::Arc::new(ModelLog::open()?)),
+        _ => None,
+    };
     let bus = Bus::builder(broker)
         .namespace(ns)
         .report_interval(report.get())
@@ -237,7 +310,10 @@ async fn run(
     bus.subscribe(Subscriber::from_resource(
         &name,
         &sub.spec,
-        handler(move |d| handle(d, how, max_deliver)),
+        handler(move |d| {
+            let log = log.clone();
+            async move { handle(d, how, max_deliver, log.as_deref()).await }
+        }),
     ))
     .await?;
     println!("ready");

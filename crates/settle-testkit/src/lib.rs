@@ -8,6 +8,7 @@
 pub mod account;
 pub mod adopt;
 pub mod bus;
+pub mod chaos;
 pub mod controlplane;
 pub mod image;
 pub mod install;

@@ -1,0 +1,56 @@
+//! The fault campaign (docs/guide/chaos.md) on the environment's real parts: `cargo bench -p
+//! settle-operator --bench chaos -- --seed S --faults N --messages M` (`make chaos`; a seed
+//! not given is drawn from the clock and printed). Prints one line per fault, the summary and
+//! every discrepancy, and exits 1 when there is one. NATS only for now (`--broker nats`).
+
+use settle_testkit::chaos::{self, Campaign};
+use std::time::Duration;
+
+/// `--name value` from the arguments.
+fn flag(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 4)]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let broker = flag(&args, "--broker").unwrap_or_else(|| "nats".into());
+    if broker != "nats" {
+        eprintln!("--broker {broker}: the campaign runs on nats only so far");
+        std::process::exit(2);
+    }
+    let seed = flag(&args, "--seed")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    let faults = flag(&args, "--faults")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    let messages = flag(&args, "--messages")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40 * faults as u64);
+    println!("campaign on {broker}, seed {seed}, {faults} faults, {messages} messages");
+    let report = chaos::nats(&Campaign {
+        seed,
+        faults,
+        messages,
+        every: Duration::from_secs(6),
+    })
+    .await;
+    for line in &report.lines {
+        println!("{line}");
+    }
+    println!("{}", report.summary);
+    for d in &report.discrepancies {
+        println!("DISCREPANCY {d}");
+    }
+    if !report.discrepancies.is_empty() {
+        std::process::exit(1);
+    }
+}

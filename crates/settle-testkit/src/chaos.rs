@@ -1,0 +1,519 @@
+//! The fault campaign (docs/guide/chaos.md): a Subscription on the real API server and broker,
+//! the operator as two processes with leader election, applications on the `settle` runtime
+//! whose handler answers each attempt by a rule drawn from the seed (the example's `model`
+//! handler) and writes every answer to a file, a publisher that gives every message an id, and
+//! faults on a schedule drawn from the seed. At rest the checker compares status with what the
+//! handlers' files say they did: the ground truth does not come from Settle.
+//!
+//! The faults so far are the graceful and the operator's: an application stopped (SIGTERM) and
+//! replaced, scaled up, scaled down; the leading operator SIGKILLed or SIGTERMed and started
+//! again. Under them the semantics say every counter is exact, so any difference is a
+//! discrepancy. On NATS only, for now.
+//!
+//! It must not decide what Settle should count beyond what the semantics say for these faults,
+//! nor read Settle's counters to build its model.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kube::Api;
+use settle::api::{ConsumerStats, Subscription};
+use settle_operator::account::ledger::dominates;
+
+use crate::account::{App, Seen, stats_in, watch};
+use crate::operator::{Operator, TestStream};
+use crate::subs::{apply, backend_yaml, subs, wait_ready};
+
+/// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
+pub struct Draw(u64);
+
+impl Draw {
+    pub fn new(seed: u64) -> Draw {
+        Draw(seed)
+    }
+
+    pub fn number(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut x = self.0;
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    }
+
+    /// A number below `n` (0 when `n` is 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.number().checked_rem(n).unwrap_or(0)
+    }
+}
+
+/// A fault the campaign injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// One application stopped (SIGTERM: handlers in flight finish, the last report is
+    /// confirmed) and another started in its place.
+    AppReplaced,
+    /// One more application instance.
+    AppScaledUp,
+    /// One application stopped (SIGTERM), if more than one runs.
+    AppScaledDown,
+    /// The leading operator SIGKILLed, and started again (it stands by).
+    LeaderKilled,
+    /// The leading operator SIGTERMed (it hands the Lease over), and started again.
+    LeaderStopped,
+}
+
+impl Fault {
+    const ALL: [Fault; 5] = [
+        Fault::AppReplaced,
+        Fault::AppScaledUp,
+        Fault::AppScaledDown,
+        Fault::LeaderKilled,
+        Fault::LeaderStopped,
+    ];
+}
+
+/// `n` faults drawn from `draw`, one every `every` (give or take a third of it), the first
+/// after `every`.
+pub fn schedule(draw: &mut Draw, n: usize, every: Duration) -> Vec<(Duration, Fault)> {
+    let third = u64::try_from(every.as_millis() / 3).unwrap_or(1).max(1);
+    (0..n)
+        .map(|i| {
+            let jitter = Duration::from_millis(draw.below(2 * third));
+            let at = every * u32::try_from(i + 1).unwrap_or(u32::MAX) + jitter
+                - Duration::from_millis(third);
+            let fault =
+                Fault::ALL[usize::try_from(draw.below(Fault::ALL.len() as u64)).unwrap_or(0)];
+            (at, fault)
+        })
+        .collect()
+}
+
+/// What the handlers did, from their files.
+#[derive(Debug, Default)]
+pub struct Model {
+    pub attempts: u64,
+    pub acked: u64,
+    pub nacked: u64,
+    pub silent: u64,
+    /// The ids acknowledged, and those acknowledged more than once.
+    pub acked_ids: BTreeSet<u64>,
+    pub acked_again: BTreeSet<u64>,
+}
+
+impl Model {
+    /// Reads the model handler's files (`<id> <attempt> <answer>` lines).
+    pub fn read(files: &[PathBuf]) -> Model {
+        let mut m = Model::default();
+        for file in files {
+            let Ok(text) = std::fs::read_to_string(file) else {
+                continue;
+            };
+            for line in text.lines() {
+                let mut words = line.split_whitespace();
+                let (Some(id), Some(_attempt), Some(answer)) =
+                    (words.next(), words.next(), words.next())
+                else {
+                    continue;
+                };
+                let Ok(id) = id.parse::<u64>() else { continue };
+                m.attempts += 1;
+                match answer {
+                    "ack" => {
+                        m.acked += 1;
+                        if !m.acked_ids.insert(id) {
+                            m.acked_again.insert(id);
+                        }
+                    }
+                    "nack" => m.nacked += 1,
+                    _ => m.silent += 1,
+                }
+            }
+        }
+        m
+    }
+}
+
+/// Every difference between status `s` (at rest) and the model of `published` messages, each
+/// with the rule it breaks; none under the campaign's faults.
+pub fn check(model: &Model, published: u64, s: &ConsumerStats) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut exact = |what: &str, status: u64, model: u64, rule: &str| {
+        if status != model {
+            out.push(format!(
+                "{what}: status {status}, the handlers {model} ({rule})"
+            ));
+        }
+    };
+    exact(
+        "delivered",
+        s.delivered,
+        model.attempts,
+        "every attempt a handler answered is delivered",
+    );
+    exact(
+        "acked",
+        s.settlement.acked,
+        model.acked,
+        "every ack answered",
+    );
+    exact(
+        "nacked",
+        s.settlement.nacked,
+        model.nacked,
+        "every nack answered",
+    );
+    exact(
+        "silent",
+        s.settlement.silent,
+        model.silent,
+        "every attempt returned without settling",
+    );
+    exact(
+        "exhausted",
+        s.exhausted,
+        published - model.acked_ids.len() as u64,
+        "at rest every message not acknowledged ran out of attempts",
+    );
+    exact("lost", s.lost, 0, "nothing is lost under AtLeastOnce");
+    if !s.balanced() {
+        out.push(format!(
+            "I1: offered {} != delivered {} + released {} + lost {}",
+            s.offered, s.delivered, s.released, s.lost
+        ));
+    }
+    out
+}
+
+/// Every pair of statuses of one object where a counter went down.
+pub fn stepped_down(seen: &Seen) -> Vec<String> {
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    seen.windows(2)
+        .filter(|p| p[0].0 == p[1].0 && !dominates(&p[1].1, &p[0].1))
+        .map(|p| {
+            format!(
+                "a counter went down in status: {:?} then {:?}",
+                p[0].1, p[1].1
+            )
+        })
+        .collect()
+}
+
+/// A campaign: the seed, how many faults, how many messages.
+pub struct Campaign {
+    pub seed: u64,
+    pub faults: usize,
+    pub messages: u64,
+    /// How long between faults (about).
+    pub every: Duration,
+}
+
+/// What a campaign did and found.
+pub struct Report {
+    /// One line per fault, with its time.
+    pub lines: Vec<String>,
+    pub summary: String,
+    pub discrepancies: Vec<String>,
+}
+
+/// The campaign's applications, each with its answers' file.
+struct Apps {
+    running: Vec<App>,
+    files: Vec<PathBuf>,
+    env: Vec<(String, String)>,
+    manifest: PathBuf,
+}
+
+impl Apps {
+    async fn start(&mut self) {
+        let file = crate::root().join(format!(
+            "target/chaos-{}-app-{}.log",
+            std::process::id(),
+            self.files.len()
+        ));
+        let _ = std::fs::remove_file(&file);
+        let mut env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let path = file.to_string_lossy().to_string();
+        env.push(("SETTLE_APP_MODEL_LOG", &path));
+        let app = App::start(&env, &self.manifest, "model");
+        app.wait_ready().await;
+        self.files.push(file);
+        self.running.push(app);
+    }
+
+    fn stop(&mut self, i: usize) {
+        let mut app = self.running.remove(i);
+        app.sigterm();
+        assert!(
+            app.wait_exit(Duration::from_secs(60)),
+            "an application's graceful stop"
+        );
+    }
+}
+
+/// The operators: the one that leads, and the one that stands by.
+struct Operators {
+    all: Vec<Operator>,
+    flags: Vec<String>,
+    ns: String,
+    started: usize,
+}
+
+impl Operators {
+    fn spawn(&mut self) {
+        self.started += 1;
+        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        let name = format!("chaos-op-{}", self.started);
+        self.all.push(Operator::spawn_env(
+            &name,
+            &self.ns,
+            &flags,
+            &[("POD_NAME", name.as_str())],
+        ));
+    }
+
+    /// The leader's index, once one leads.
+    async fn leader(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(i) = self
+                .all
+                .iter()
+                .position(|o| o.metric("settle_leader", &[]) == 1.0)
+            {
+                return i;
+            }
+            assert!(Instant::now() < deadline, "no operator leads within 60 s");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// Runs campaign `c` on the environment's nats-server.
+pub async fn nats(c: &Campaign) -> Report {
+    crate::install_crds();
+    let env = crate::env();
+    let ns = crate::namespace("chaos");
+    let stream = TestStream::new(&env.nats_url, "chaos").await;
+    let mut ops = Operators {
+        all: Vec::new(),
+        flags: [
+            "--leader-election=true",
+            "--lease-name",
+            &format!("chaos-{}", std::process::id()),
+            "--stats-interval",
+            "1s",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect(),
+        ns: ns.clone(),
+        started: 0,
+    };
+    ops.spawn();
+    ops.spawn();
+    ops.leader().await;
+    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let manifest_text = format!(
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n  ackWait: 2s\n",
+        stream.prefix
+    );
+    apply(&ns, &manifest_text);
+    let api: Api<Subscription> = subs(&ns).await;
+    wait_ready(&api, "orders").await;
+    let manifest = crate::root().join(format!("target/chaos-{}.yaml", std::process::id()));
+    std::fs::write(&manifest, &manifest_text).expect("the manifest");
+    let mut apps = Apps {
+        running: Vec::new(),
+        files: Vec::new(),
+        env: vec![
+            ("SETTLE_NATS_URL".into(), env.nats_url.clone()),
+            ("SETTLE_APP_MODEL_SEED".into(), c.seed.to_string()),
+        ],
+        manifest: manifest.clone(),
+    };
+    apps.start().await;
+    apps.start().await;
+    let (seen, watcher) = watch(&api, "orders");
+
+    let mut draw = Draw::new(c.seed);
+    let plan = schedule(&mut draw, c.faults, c.every);
+    let span = plan.last().map_or(c.every, |(at, _)| *at) + c.every;
+    let t0 = Instant::now();
+    let publisher = {
+        let (js, prefix, n) = (stream.js.clone(), stream.prefix.clone(), c.messages);
+        let pace = span / u32::try_from(n.max(1)).unwrap_or(u32::MAX);
+        tokio::spawn(async move {
+            for id in 1..=n {
+                js.publish(format!("{prefix}.m{id}"), id.to_string().into())
+                    .await
+                    .expect("publish")
+                    .await
+                    .expect("the stream stored it");
+                tokio::time::sleep(pace).await;
+            }
+        })
+    };
+    let mut lines = Vec::new();
+    for (at, fault) in plan {
+        tokio::time::sleep_until((t0 + at).into()).await;
+        let what = match fault {
+            Fault::AppReplaced => {
+                let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
+                apps.stop(i);
+                apps.start().await;
+                format!("application {i} stopped (SIGTERM) and another started")
+            }
+            Fault::AppScaledUp if apps.running.len() < 4 => {
+                apps.start().await;
+                format!("scaled up to {}", apps.running.len())
+            }
+            Fault::AppScaledDown if apps.running.len() > 1 => {
+                let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
+                apps.stop(i);
+                format!("scaled down to {}", apps.running.len())
+            }
+            Fault::AppScaledUp | Fault::AppScaledDown => {
+                "scaling left as it is (at its bound)".into()
+            }
+            Fault::LeaderKilled | Fault::LeaderStopped => {
+                let i = ops.leader().await;
+                let mut leader = ops.all.remove(i);
+                if fault == Fault::LeaderKilled {
+                    leader.kill9();
+                } else {
+                    leader.sigterm();
+                    let deadline = Instant::now() + Duration::from_secs(30);
+                    while leader.alive() && Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+                drop(leader);
+                ops.spawn();
+                format!(
+                    "the leading operator {}, and started again",
+                    if fault == Fault::LeaderKilled {
+                        "SIGKILLed"
+                    } else {
+                        "SIGTERMed"
+                    }
+                )
+            }
+        };
+        lines.push(format!(
+            "{:>6.1} s  {fault:?}: {what}",
+            t0.elapsed().as_secs_f64()
+        ));
+    }
+    publisher.await.expect("the publisher ran");
+    // At rest: every message acknowledged or out of attempts, and status still.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut last = None;
+    loop {
+        let s = stats_in(&api, "orders").await;
+        let m = Model::read(&apps.files);
+        let resolved = m.acked_ids.len() as u64 + s.exhausted >= c.messages;
+        if resolved && last.as_ref() == Some(&s) {
+            break;
+        }
+        if Instant::now() > deadline {
+            break;
+        }
+        last = Some(s);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    // Stopped gracefully, each application's last report is in; status is read once still.
+    while !apps.running.is_empty() {
+        apps.stop(0);
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut s = stats_in(&api, "orders").await;
+    loop {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let again = stats_in(&api, "orders").await;
+        if again == s || Instant::now() > deadline {
+            s = again;
+            break;
+        }
+        s = again;
+    }
+    watcher.abort();
+    let model = Model::read(&apps.files);
+    let mut discrepancies = check(&model, c.messages, &s);
+    discrepancies.extend(stepped_down(&seen));
+    let summary = format!(
+        "seed {}: {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s",
+        c.seed,
+        lines.len(),
+        c.messages,
+        model.attempts,
+        model.acked,
+        model.nacked,
+        model.silent,
+        s.exhausted,
+        discrepancies.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    crate::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+    drop(ops);
+    let _ = std::fs::remove_file(&manifest);
+    stream.delete().await;
+    Report {
+        lines,
+        summary,
+        discrepancies,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_draws_the_same_schedule_and_another_a_different_one() {
+        let a = schedule(&mut Draw::new(7), 10, Duration::from_secs(5));
+        let b = schedule(&mut Draw::new(7), 10, Duration::from_secs(5));
+        let c = schedule(&mut Draw::new(8), 10, Duration::from_secs(5));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert!(a.windows(2).all(|w| w[0].0 < w[1].0), "in order: {a:?}");
+    }
+
+    #[test]
+    fn the_checker_names_each_difference_and_the_rule_it_breaks() {
+        let model = Model {
+            attempts: 5,
+            acked: 2,
+            nacked: 3,
+            silent: 0,
+            acked_ids: [1, 2].into(),
+            acked_again: BTreeSet::new(),
+        };
+        let mut s = ConsumerStats {
+            offered: 5,
+            delivered: 5,
+            exhausted: 1,
+            ..Default::default()
+        };
+        s.settlement.acked = 2;
+        s.settlement.nacked = 3;
+        assert!(
+            check(&model, 3, &s).is_empty(),
+            "{:?}",
+            check(&model, 3, &s)
+        );
+        s.exhausted = 0;
+        s.offered = 6;
+        let found = check(&model, 3, &s);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(
+            found[0].starts_with("exhausted: status 0, the handlers 1"),
+            "{found:?}"
+        );
+        assert!(found[1].starts_with("I1:"), "{found:?}");
+    }
+}
