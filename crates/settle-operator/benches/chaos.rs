@@ -1,5 +1,6 @@
 //! The fault campaign (docs/guide/chaos.md) on the environment's real parts: `cargo bench -p
-//! settle-operator --bench chaos -- --seed S --faults N --messages M` (`make chaos`; a seed
+//! settle-operator --bench chaos -- --seed S --faults N --messages M` after `cargo build
+//! --profile bench -p settle-examples --example account_app` (`make chaos` does both; a seed
 //! not given is drawn from the clock and printed). Prints one line per fault, the summary and
 //! every discrepancy, and exits 1 when there is one. NATS only for now (`--broker nats`).
 
