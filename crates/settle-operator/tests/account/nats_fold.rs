@@ -2,8 +2,9 @@
 //! saved: the report is then the fold's only record on the broker, and removing it once the
 //! loss window had passed would leave a restart nothing to count that instance from. On a
 //! nats-server of the test's own, the ledger bucket's stream is sealed (every save refused)
-//! before the killed application's instance is folded; past the loss window its report is
-//! still there, and the Subscription says `Accounted=False LedgerNotSaved`.
+//! before the killed application's instance is folded (`--fold-after 10s`), so the fold is the
+//! change that cannot be saved (the Subscription says `Accounted=False LedgerNotSaved`); past
+//! the loss window its report is still there.
 
 use settle_testkit as common;
 
@@ -25,7 +26,7 @@ async fn a_folded_report_stays_while_the_ledger_holding_its_fold_is_not_saved() 
             "--stats-interval",
             "1s",
             "--fold-after",
-            "3s",
+            "10s",
             "--loss-window",
             "5s",
         ],
@@ -61,8 +62,10 @@ async fn a_folded_report_stays_while_the_ledger_holding_its_fold_is_not_saved() 
     let before = keys().await;
     assert_eq!(before.len(), 1, "the application's report: {before:?}");
 
-    // Killed: no final report; its instance is folded 3 s after its last one. Every save of
-    // the ledger is refused from now on.
+    // Killed: no final report. The instance is folded 10 s after its last report (it reports
+    // only what changed, so that was when the two were exhausted, a few seconds ago), and
+    // every save of the ledger is refused from now on: the fold is the one change not saved,
+    // so `LedgerNotSaved` below says the fold came after the seal.
     app.kill9();
     let js = &scene.stream.js;
     let mut ledger = js
@@ -93,7 +96,7 @@ async fn a_folded_report_stays_while_the_ledger_holding_its_fold_is_not_saved() 
             .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Accounted"))
             .map(|c| &c.message)
     );
-    // The fold (3 s) and twice the loss window (5 s) have passed: the report is still there.
+    // More than the loss window (5 s) since the fold has passed: the report is still there.
     tokio::time::sleep(Duration::from_secs(13)).await;
     assert_eq!(
         keys().await,
