@@ -4,8 +4,8 @@
 //! against the revision read, so two operators cannot overwrite each other) and only then their
 //! advisories acknowledged, a folded instance's report removed once the loss window has passed
 //! and the ledger holding the fold is saved (until then it shows a lost ledger which lives it
-//! held), the consumers' gauges read once per
-//! stats interval, and the account shown through `show`.
+//! held), the consumers' gauges read once per stats interval, and the account shown through
+//! `show`.
 //!
 //! It must not count (that is `count` and the ledger) nor write status itself (that is the
 //! writer).
