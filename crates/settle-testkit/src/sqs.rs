@@ -75,6 +75,20 @@ fn aws_secret(ns: &str) {
     super::label_backend_secret(ns, "aws");
 }
 
+/// The tags of queue `name` (its owner marks among them); the queue must exist.
+pub async fn tags(c: &Client, name: &str) -> BTreeMap<String, String> {
+    let u = url(c, name).await.expect("the queue exists");
+    c.list_queue_tags()
+        .queue_url(u)
+        .send()
+        .await
+        .expect("tags")
+        .tags
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
 /// The URL of queue `name`, if it exists.
 pub async fn url(c: &Client, name: &str) -> Option<String> {
     c.get_queue_url()

@@ -5,9 +5,17 @@
 //! running; a cell is written only after the attack was tried and seen to fail, and the scene
 //! then checks A's counts exact, never stepped down, and still moving. The scene prints its
 //! table and checks it against `docs/guide/tenant-matrix.md`, so the page says what the suite
-//! saw. This file holds only the table; the attacks are the scenes'.
+//! saw. This file holds the table and the check every scene ends with; the attacks are the
+//! scenes'.
 
 use std::fmt::Write as _;
+use std::time::Duration;
+
+use kube::Api;
+use settle::api::{ConsumerStats, Subscription};
+use settle_testkit::subs::wait_condition;
+
+use super::tenants::{nacked, settled};
 
 /// The attacks, in the order of the page's rows.
 pub(super) const READ: &str = "read A's deliveries";
@@ -26,6 +34,22 @@ pub(super) const IMPORTER: &str = "inject through the importer";
 const ORDER: [&str; 12] = [
     READ, SETTLE, FORGE, HIDE, SQUAT, ADOPT, FILL, MEMORY, STATUS, WEBHOOK, SECRETS, IMPORTER,
 ];
+
+/// After every attack: A's third message (each declined on all 3 attempts) counts exactly one
+/// more than `before`, and A's account stays whole (`Accounted=True Kept`).
+pub(super) async fn a_counts_its_next_message(api: &Api<Subscription>, before: &ConsumerStats) {
+    let after = settled(api, "A's third message exhausted", nacked(3)).await;
+    assert_eq!(after.exhausted, before.exhausted + 1, "{after:?}");
+    wait_condition(
+        api,
+        "orders",
+        "Accounted",
+        "True",
+        "Kept",
+        Duration::from_secs(5),
+    )
+    .await;
+}
 
 /// One scene's column: what each attack it tried came to.
 pub(super) struct Column {

@@ -8,12 +8,11 @@
 
 use settle_testkit as common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::account::{App, watch};
 use common::operator::Operator;
-use common::sqs::{SQS_OPERATOR_FLAGS, client, sqs_backend, url};
+use common::sqs::{SQS_OPERATOR_FLAGS, client, sqs_backend, tags, url};
 use common::subs::{apply, backends, subs, wait_backend, wait_condition, wait_ready};
 use common::{install_crds, kubectl_ok, namespace};
 
@@ -21,20 +20,6 @@ use super::matrix::{self, Column};
 use super::tenants::{nacked, settled};
 
 const SPEC: &str = "  mode: AtLeastOnce\n  maxDeliver: 3\n  ackWait: 2s\n";
-
-/// The owner tags of queue `name`.
-async fn tags(c: &aws_sdk_sqs::Client, name: &str) -> BTreeMap<String, String> {
-    let u = url(c, name).await.expect("the queue exists");
-    c.list_queue_tags()
-        .queue_url(u)
-        .send()
-        .await
-        .expect("tags")
-        .tags
-        .unwrap_or_default()
-        .into_iter()
-        .collect()
-}
 
 /// Subscription `orders` in `ns`, with annotations `annotations` and more of its spec.
 fn orders(ns: &str, annotations: &str, more: &str) -> String {
@@ -162,17 +147,7 @@ async fn on_sqs_b_cannot_take_a_queue_under_as_prefix() {
     );
 
     send("3").await.expect("send");
-    let after = settled(&api, "A's third message exhausted", nacked(3)).await;
-    assert_eq!(after.exhausted, before.exhausted + 1, "{after:?}");
-    wait_condition(
-        &api,
-        "orders",
-        "Accounted",
-        "True",
-        "Kept",
-        Duration::from_secs(5),
-    )
-    .await;
+    matrix::a_counts_its_next_message(&api, &before).await;
     common::account::assert_never_decreased(&seen);
     column.finish();
 

@@ -13,7 +13,6 @@ use std::time::Duration;
 use common::account::{NACK_SPEC, Scene, bodies};
 use common::operator::NatsServer;
 use common::subs::wait_condition;
-use futures::StreamExt;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_folded_report_stays_while_the_ledger_holding_its_fold_is_not_saved() {
@@ -50,14 +49,9 @@ async fn a_folded_report_stays_while_the_ledger_holding_its_fold_is_not_saved() 
         .expect("the report bucket");
     let prefix = format!("{}.orders.", scene.ns);
     let keys = || async {
-        reports
-            .keys()
+        common::account::report_keys(&reports, &prefix)
             .await
             .expect("the bucket's keys")
-            .filter_map(|k| async move { k.ok() })
-            .filter(|k| futures::future::ready(k.starts_with(&prefix)))
-            .collect::<Vec<String>>()
-            .await
     };
     let before = keys().await;
     assert_eq!(before.len(), 1, "the application's report: {before:?}");

@@ -280,14 +280,7 @@ async fn an_application_killed_while_holding_attempts_balances_once_it_is_folded
         "only the replacement's report left",
         Duration::from_secs(30),
         || async {
-            let keys: Vec<String> = reports
-                .keys()
-                .await
-                .map_err(|e| e.to_string())?
-                .filter_map(|k| async move { k.ok() })
-                .filter(|k| futures::future::ready(k.starts_with(&prefix)))
-                .collect()
-                .await;
+            let keys = common::account::report_keys(&reports, &prefix).await?;
             if keys.len() <= 1 {
                 Ok(())
             } else {

@@ -12,13 +12,12 @@
 
 use settle_testkit as common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::types::QueueAttributeName;
 use common::operator::poll;
-use common::sqs::{attributes, broker, client, sqs_backend, url};
+use common::sqs::{attributes, broker, client, sqs_backend, tags, url};
 use common::subs::{
     apply, backends, sub_yaml_on, subs, wait_backend, wait_event, wait_gone, wait_ready,
 };
@@ -26,19 +25,6 @@ use common::{install_crds, kubectl_ok, namespace};
 use kube::api::DeleteParams;
 use settle::api::ConsumerRef;
 use settle::policy::{BackendKind, capabilities_of};
-
-async fn tags(c: &Client, name: &str) -> BTreeMap<String, String> {
-    let u = url(c, name).await.expect("queue exists");
-    c.list_queue_tags()
-        .queue_url(u)
-        .send()
-        .await
-        .expect("tags")
-        .tags
-        .unwrap_or_default()
-        .into_iter()
-        .collect()
-}
 
 async fn wait_exists(c: &Client, name: &str, exists: bool) {
     poll(

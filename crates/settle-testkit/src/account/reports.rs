@@ -66,3 +66,20 @@ pub fn report_of(
     let body = serde_json::to_vec(&report).expect("a report serialises");
     (report.key(), body)
 }
+
+/// The keys of the report bucket `reports` under `prefix` (`<namespace>.<subscription>.`), or
+/// why they could not be listed.
+pub async fn report_keys(
+    reports: &async_nats::jetstream::kv::Store,
+    prefix: &str,
+) -> Result<Vec<String>, String> {
+    use futures::StreamExt;
+    Ok(reports
+        .keys()
+        .await
+        .map_err(|e| e.to_string())?
+        .filter_map(|k| async move { k.ok() })
+        .filter(|k| futures::future::ready(k.starts_with(prefix)))
+        .collect()
+        .await)
+}
