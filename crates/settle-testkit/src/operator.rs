@@ -142,7 +142,11 @@ impl Operator {
         }
         cmd.args(extra)
             .env("KUBECONFIG", &e.kubeconfig)
-            .env("RUST_LOG", "info,settle=debug")
+            .env(
+                "RUST_LOG",
+                std::env::var("SETTLE_TEST_OPERATOR_LOG")
+                    .unwrap_or_else(|_| "info,settle=debug".into()),
+            )
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"));
         for (k, v) in env {

@@ -228,6 +228,9 @@ pub struct Metrics {
     /// (`settle-stats`) cannot take one more report of the largest size (the broker then
     /// refuses new reports), else 0.
     pub store_full: IntGaugeVec,
+    /// `settle_account_report_watch_stalls_total`: times a NATS keeper's report watch
+    /// delivered nothing while its bucket held a newer report, and was made again.
+    pub watch_stalls: IntCounter,
 }
 
 impl Metrics {
@@ -325,6 +328,14 @@ impl Metrics {
                 )?;
                 registry.register(Box::new(g.clone()))?;
                 g
+            },
+            watch_stalls: {
+                let c = IntCounter::new(
+                    "settle_account_report_watch_stalls_total",
+                    "Times a NATS Backend's report watch delivered nothing for 20 s while its report bucket held a newer report (a watch the broker left heartbeating but not delivering); each time the keeper's session started again with a new watch, reading the reports again (they are cumulative: nothing counts twice).",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
             },
         }
         .exported_at_zero())

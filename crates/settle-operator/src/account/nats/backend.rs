@@ -2,13 +2,15 @@
 //! (read every `STORE_CHECK`, said on every Subscription of the Backend through `Accounted`,
 //! and in `settle_account_report_store_full`), and the reports it dropped that name no
 //! Subscription of the Backend (said in the Backend's own `Accounted`, the one condition the
-//! account writes on a Backend).
+//! account writes on a Backend). The bucket's stream it reads is handed back to the session,
+//! which judges from it whether its report watch keeps up ([`super::watch`]).
 //!
 //! It must not count reports nor write a Subscription's status (`count`, `round` and the
 //! writer do).
 
 use std::time::Instant;
 
+use async_nats::jetstream::stream::Stream;
 use async_nats::jetstream::{self, kv};
 
 use super::NatsKeeper;
@@ -67,20 +69,20 @@ impl NatsKeeper {
     /// Reads how full the report bucket is: full when it cannot take one more report of the
     /// largest size it allows (the broker refuses a put that does not fit: discard new).
     /// Turning full, or room again, is logged, counted in `settle_account_report_store_full`
-    /// and, through `Accounted`, said on every Subscription of the Backend.
-    pub(super) async fn check_store(&self, reports: &kv::Store) {
+    /// and, through `Accounted`, said on every Subscription of the Backend. Returns the bucket's
+    /// stream as read (for the watch's progress), None when it could not be read.
+    pub(super) async fn check_store(&self, reports: &kv::Store) -> Option<Stream> {
         // The store's own status is what it read when opened: the stream is asked afresh.
-        let Ok(bucket) = reports.status().await.map(|s| s.bucket().to_string()) else {
-            return;
-        };
+        let bucket = reports.status().await.ok()?.bucket().to_string();
         let js = jetstream::new(self.client.clone());
-        let info = match js.get_stream(format!("KV_{bucket}")).await {
-            Ok(stream) => stream.cached_info().clone(),
+        let stream = match js.get_stream(format!("KV_{bucket}")).await {
+            Ok(stream) => stream,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot read how full the report bucket is");
-                return;
+                return None;
             }
         };
+        let info = stream.cached_info();
         let (config, state) = (&info.config, &info.state);
         let full = config.max_bytes > 0
             && state.bytes.saturating_add(
@@ -108,5 +110,6 @@ impl NatsKeeper {
             }
             *shown = said;
         }
+        Some(stream)
     }
 }

@@ -44,7 +44,9 @@
 //! sees them, [`names`] names the ledger keys and the durable reader, [`backend`] says what
 //! concerns the Backend as a whole (its report bucket full, reports dropped that name no
 //! Subscription of it), [`junk`] reads and judges each report and removes what can never count,
-//! [`leftovers`] removes what the account kept for Subscriptions and Backends that are gone.
+//! [`leftovers`] removes what the account kept for Subscriptions and Backends that are gone,
+//! [`watch`] judges whether the report watch keeps up with the bucket (a stalled one ends the
+//! session, which starts again with a new watch).
 //!
 //! It must not write status itself (that is the writer) nor decide counts (that is the ledger).
 
@@ -66,6 +68,7 @@ mod members;
 mod names;
 mod round;
 mod store;
+mod watch;
 use super::Config;
 use super::early::EarlyHold;
 use super::ledger::{Account, Persisted};
@@ -83,6 +86,7 @@ use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::DeliveryEvent;
 use settle::backend::nats::capture;
 use settle::bus::report::{now_ms, report_key};
+use watch::WatchProgress;
 
 /// How often the keeper folds, persists, acknowledges and decides what to write: a change
 /// reaches status within the stats interval plus this (and the write).
@@ -367,6 +371,8 @@ impl NatsKeeper {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.check_store(&reports).await;
         let mut store_checked = Instant::now();
+        // The newest revision the watch delivered, and whether it keeps up with the bucket.
+        let (mut watched, mut progress) = (0u64, WatchProgress::default());
         let ended = rounds(async {
         loop {
             tokio::select! {
@@ -376,6 +382,7 @@ impl NatsKeeper {
                         .map_err(|e| broken("the report watch", e))?;
                     initial_values += 1;
                     replayed |= entry.seen_current;
+                    watched = watched.max(entry.revision);
                     if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
                         self.hold_early(&mut early, entry);
                     }
@@ -397,8 +404,9 @@ impl NatsKeeper {
                         replayed = true;
                     }
                     if store_checked.elapsed() >= STORE_CHECK {
-                        self.check_store(&reports).await;
+                        let stream = self.check_store(&reports).await;
                         store_checked = Instant::now();
+                        self.watch_keeps_up(stream, watched, &mut progress).await?;
                     }
                     members.refresh(&self.subs, &self.backend);
                     self.retry_unverified(&ledgers, &members, &mut books, &mut held).await?;

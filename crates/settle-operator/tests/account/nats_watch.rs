@@ -1,0 +1,103 @@
+//! A report watch the broker keeps heartbeating but never feeds (seen on a JetStream cluster
+//! when the watch was made while a server was down or paused: status then froze for good while
+//! the applications' reports piled up in the bucket) is noticed and made again. On a
+//! nats-server of the test's own (its report bucket empty until the application reports), the
+//! operator's watch consumer is swapped, before any report, for one on the same deliver subject
+//! that heartbeats and delivers nothing: the client library sees a live consumer, so only the
+//! keeper's own check can tell. The application's counts still reach status, and the stall is
+//! counted in `settle_account_report_watch_stalls_total`.
+
+use settle_testkit as common;
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{DeliverPolicy, push};
+use common::account::{NACK_SPEC, Scene, bodies};
+use common::operator::{NatsServer, poll};
+use futures::TryStreamExt;
+use settle::bus::report::REPORT_BUCKET;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_report_watch_that_heartbeats_and_delivers_nothing_is_made_again() {
+    let nats = NatsServer::start(&[]);
+    let scene = Scene::build(
+        "watch-stall",
+        NACK_SPEC,
+        &["--leader-election=false", "--stats-interval", "1s"],
+        &[],
+        Some(nats.url()),
+    )
+    .await;
+    let js = &scene.stream.js;
+    let stream_name = format!("KV_{REPORT_BUCKET}");
+    // The keeper's watch: the report bucket's one push consumer.
+    let watch = poll(
+        "the keeper's report watch",
+        Duration::from_secs(30),
+        || async {
+            let stream = js
+                .get_stream(&stream_name)
+                .await
+                .map_err(|e| e.to_string())?;
+            let infos: Vec<_> = stream
+                .consumers()
+                .try_collect()
+                .await
+                .map_err(|e| e.to_string())?;
+            infos
+                .into_iter()
+                .find(|c| c.config.deliver_subject.is_some())
+                .ok_or_else(|| "no push consumer on the report bucket yet".to_string())
+        },
+    )
+    .await;
+    let deliver = watch.config.deliver_subject.clone().unwrap_or_default();
+    assert_eq!(
+        watch.delivered.consumer_sequence, 0,
+        "no report yet: {watch:?}"
+    );
+    let stream = js
+        .get_stream(&stream_name)
+        .await
+        .expect("the bucket's stream");
+    stream
+        .delete_consumer(&watch.name)
+        .await
+        .expect("the keeper's watch deleted");
+    stream
+        .create_consumer(push::Config {
+            deliver_subject: deliver,
+            description: Some("heartbeats only".into()),
+            filter_subject: format!("$KV.{REPORT_BUCKET}.never-written"),
+            deliver_policy: DeliverPolicy::New,
+            idle_heartbeat: Duration::from_secs(5),
+            flow_control: true,
+            memory_storage: true,
+            num_replicas: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("a consumer that heartbeats on the watch's subject");
+
+    let app = scene.app("nack");
+    app.wait_ready().await;
+    scene.publish(bodies(2)).await;
+    let s = scene
+        .settled(
+            "the reports counted through a new watch",
+            Duration::from_secs(90),
+            |s| s.exhausted == 2 && s.settlement.nacked == 6,
+        )
+        .await;
+    assert_eq!(s.delivered, 6, "{s:?}");
+    assert!(
+        scene
+            .op
+            .metric("settle_account_report_watch_stalls_total", &[])
+            >= 1.0,
+        "the stall is counted"
+    );
+    scene.assert_never_decreased();
+    drop(app);
+    scene.finish().await;
+}
