@@ -2,9 +2,10 @@
 //! settle-operator --bench chaos -- --seed S --faults N --messages M` after `cargo build
 //! --profile bench -p settle-examples --example account_app` (`make chaos` does both; a seed
 //! not given is drawn from the clock and printed). Prints one line per fault, the summary and
-//! every discrepancy, and exits 1 when there is one. NATS only for now (`--broker nats`).
+//! every discrepancy, and exits 1 when there is one. `--broker nats|rabbitmq|sqs` (nats when
+//! not given).
 
-use settle_testkit::chaos::{self, Campaign};
+use settle_testkit::chaos::{self, Broker, Campaign};
 use std::time::Duration;
 
 /// `--name value` from the arguments.
@@ -17,11 +18,11 @@ fn flag(args: &[String], name: &str) -> Option<String> {
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let broker = flag(&args, "--broker").unwrap_or_else(|| "nats".into());
-    if broker != "nats" {
-        eprintln!("--broker {broker}: the campaign runs on nats only so far");
+    let name = flag(&args, "--broker").unwrap_or_else(|| "nats".into());
+    let Some(broker) = Broker::parse(&name) else {
+        eprintln!("--broker {name}: use nats, rabbitmq or sqs");
         std::process::exit(2);
-    }
+    };
     let seed = flag(&args, "--seed")
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
@@ -36,13 +37,19 @@ async fn main() {
     let messages = flag(&args, "--messages")
         .and_then(|s| s.parse().ok())
         .unwrap_or(40 * faults as u64);
-    println!("campaign on {broker}, seed {seed}, {faults} faults, {messages} messages");
-    let report = chaos::nats(&Campaign {
-        seed,
-        faults,
-        messages,
-        every: Duration::from_secs(6),
-    })
+    println!(
+        "campaign on {}, seed {seed}, {faults} faults, {messages} messages",
+        broker.name()
+    );
+    let report = chaos::run(
+        broker,
+        &Campaign {
+            seed,
+            faults,
+            messages,
+            every: Duration::from_secs(6),
+        },
+    )
     .await;
     for line in &report.lines {
         println!("{line}");

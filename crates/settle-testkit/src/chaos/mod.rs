@@ -5,10 +5,10 @@
 //! faults on a schedule drawn from the seed. At rest the checker compares status with what the
 //! handlers' files say they did: the ground truth does not come from Settle.
 //!
-//! The faults so far are the graceful and the operator's: an application stopped (SIGTERM) and
-//! replaced, scaled up, scaled down; the leading operator SIGKILLed or SIGTERMed and started
-//! again. Under them the semantics say every counter is exact, so any difference is a
-//! discrepancy. On NATS only, for now.
+//! The faults so far are the graceful, the operator's and the spec's: an application stopped
+//! (SIGTERM) and replaced, scaled up, scaled down; the leading operator SIGKILLed or SIGTERMed
+//! and started again; the Subscription paused and resumed, its `maxInFlight` edited. Under them the semantics say every counter is exact, so any difference is a
+//! discrepancy. On NATS, RabbitMQ and SQS ([`broker`] holds what differs).
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
 //! nor read Settle's counters to build its model.
@@ -18,12 +18,18 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kube::Api;
+use kube::api::{Patch, PatchParams};
 use settle::api::{ConsumerStats, Subscription};
 use settle_operator::account::ledger::dominates;
 
 use crate::account::{App, Seen, stats_in, watch};
-use crate::operator::{Operator, TestStream};
-use crate::subs::{apply, backend_yaml, subs, wait_ready};
+use crate::operator::Operator;
+use crate::subs::{apply, subs, wait_ready};
+
+mod broker;
+mod conditions;
+pub use broker::Broker;
+use broker::Target;
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
 pub struct Draw(u64);
@@ -61,16 +67,33 @@ pub enum Fault {
     LeaderKilled,
     /// The leading operator SIGTERMed (it hands the Lease over), and started again.
     LeaderStopped,
+    /// The Subscription paused (`spec.paused`) for a few seconds, then resumed.
+    Paused,
+    /// An editable field changed: `spec.maxInFlight` set to a drawn value.
+    Edited,
 }
 
 impl Fault {
-    const ALL: [Fault; 5] = [
+    const ALL: [Fault; 7] = [
         Fault::AppReplaced,
         Fault::AppScaledUp,
         Fault::AppScaledDown,
         Fault::LeaderKilled,
         Fault::LeaderStopped,
+        Fault::Paused,
+        Fault::Edited,
     ];
+}
+
+/// A merge patch of the Subscription's spec.
+async fn patch_spec(api: &Api<Subscription>, spec: serde_json::Value) {
+    api.patch(
+        "orders",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": spec })),
+    )
+    .await
+    .expect("the Subscription patched");
 }
 
 /// `n` faults drawn from `draw`, one every `every` (give or take a third of it), the first
@@ -222,12 +245,15 @@ struct Apps {
     files: Vec<PathBuf>,
     env: Vec<(String, String)>,
     manifest: PathBuf,
+    /// The broker's name, in the answers' file names.
+    tag: &'static str,
 }
 
 impl Apps {
     async fn start(&mut self) {
         let file = crate::root().join(format!(
-            "target/chaos-{}-app-{}.log",
+            "target/chaos-{}-{}-app-{}.log",
+            self.tag,
             std::process::id(),
             self.files.len()
         ));
@@ -293,18 +319,16 @@ impl Operators {
     }
 }
 
-/// Runs campaign `c` on the environment's nats-server.
-pub async fn nats(c: &Campaign) -> Report {
+/// Runs campaign `c` on the environment's `broker`.
+pub async fn run(broker: Broker, c: &Campaign) -> Report {
     crate::install_crds();
-    let env = crate::env();
-    let ns = crate::namespace("chaos");
-    let stream = TestStream::new(&env.nats_url, "chaos").await;
+    let ns = crate::namespace(&format!("chaos-{}", broker.name()));
     let mut ops = Operators {
         all: Vec::new(),
         flags: [
             "--leader-election=true",
             "--lease-name",
-            &format!("chaos-{}", std::process::id()),
+            &format!("chaos-{}-{}", broker.name(), std::process::id()),
             "--stats-interval",
             "1s",
         ]
@@ -317,43 +341,46 @@ pub async fn nats(c: &Campaign) -> Report {
     ops.spawn();
     ops.spawn();
     ops.leader().await;
-    apply(&ns, &backend_yaml("nats", &env.nats_url));
+    let (mut target, fields, app_env) = Target::make(broker, &ns).await;
     let manifest_text = format!(
-        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  mode: AtLeastOnce\n  durableName: orders\n  maxDeliver: 3\n  ackWait: 2s\n",
-        stream.prefix
+        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n{fields}  mode: AtLeastOnce\n  maxDeliver: 3\n"
     );
     apply(&ns, &manifest_text);
     let api: Api<Subscription> = subs(&ns).await;
     wait_ready(&api, "orders").await;
-    let manifest = crate::root().join(format!("target/chaos-{}.yaml", std::process::id()));
+    target.ready().await;
+    let manifest = crate::root().join(format!(
+        "target/chaos-{}-{}.yaml",
+        broker.name(),
+        std::process::id()
+    ));
     std::fs::write(&manifest, &manifest_text).expect("the manifest");
+    let mut env = app_env;
+    env.push(("SETTLE_APP_MODEL_SEED".into(), c.seed.to_string()));
+    // A pause of a few seconds is seen on RabbitMQ and SQS too (they poll for it).
+    env.push(("SETTLE_PAUSE_POLL_INTERVAL".into(), "1s".into()));
     let mut apps = Apps {
         running: Vec::new(),
         files: Vec::new(),
-        env: vec![
-            ("SETTLE_NATS_URL".into(), env.nats_url.clone()),
-            ("SETTLE_APP_MODEL_SEED".into(), c.seed.to_string()),
-        ],
+        env,
         manifest: manifest.clone(),
+        tag: broker.name(),
     };
     apps.start().await;
     apps.start().await;
     let (seen, watcher) = watch(&api, "orders");
+    let t0 = Instant::now();
+    let (changes, condition_watcher) = conditions::watch(&api, t0);
 
     let mut draw = Draw::new(c.seed);
     let plan = schedule(&mut draw, c.faults, c.every);
     let span = plan.last().map_or(c.every, |(at, _)| *at) + c.every;
-    let t0 = Instant::now();
     let publisher = {
-        let (js, prefix, n) = (stream.js.clone(), stream.prefix.clone(), c.messages);
+        let (send, n) = (target.publisher(), c.messages);
         let pace = span / u32::try_from(n.max(1)).unwrap_or(u32::MAX);
         tokio::spawn(async move {
             for id in 1..=n {
-                js.publish(format!("{prefix}.m{id}"), id.to_string().into())
-                    .await
-                    .expect("publish")
-                    .await
-                    .expect("the stream stored it");
+                send.send(id).await;
                 tokio::time::sleep(pace).await;
             }
         })
@@ -379,6 +406,22 @@ pub async fn nats(c: &Campaign) -> Report {
             }
             Fault::AppScaledUp | Fault::AppScaledDown => {
                 "scaling left as it is (at its bound)".into()
+            }
+            Fault::Paused => {
+                let secs = 2 + draw.below(4);
+                patch_spec(&api, serde_json::json!({ "paused": true })).await;
+                tokio::time::sleep(Duration::from_secs(secs)).await;
+                patch_spec(
+                    &api,
+                    serde_json::json!({ "paused": null, "pausedUntil": null }),
+                )
+                .await;
+                format!("paused for {secs} s, then resumed")
+            }
+            Fault::Edited => {
+                let n = 2 + draw.below(63);
+                patch_spec(&api, serde_json::json!({ "maxInFlight": n })).await;
+                format!("maxInFlight set to {n}")
             }
             Fault::LeaderKilled | Fault::LeaderStopped => {
                 let i = ops.leader().await;
@@ -442,13 +485,40 @@ pub async fn nats(c: &Campaign) -> Report {
         s = again;
     }
     watcher.abort();
+    condition_watcher.abort();
+    let faults = lines.len();
+    let changes = changes.lock().map(|c| c.clone()).unwrap_or_default();
+    for c in &changes {
+        lines.push(format!(
+            "{:>6.1} s  {}={} ({})",
+            c.at.as_secs_f64(),
+            c.type_,
+            c.status,
+            c.reason
+        ));
+    }
+    lines.sort_by(|a, b| {
+        let at = |l: &str| {
+            l.split_whitespace()
+                .next()
+                .and_then(|t| t.parse::<f64>().ok())
+        };
+        at(a)
+            .partial_cmp(&at(b))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     let model = Model::read(&apps.files);
     let mut discrepancies = check(&model, c.messages, &s);
     discrepancies.extend(stepped_down(&seen));
+    discrepancies.extend(conditions::uncaused(
+        &changes,
+        c.messages - model.acked_ids.len() as u64,
+    ));
     let summary = format!(
-        "seed {}: {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s",
+        "{} seed {}: {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s",
+        broker.name(),
         c.seed,
-        lines.len(),
+        faults,
         c.messages,
         model.attempts,
         model.acked,
@@ -461,7 +531,7 @@ pub async fn nats(c: &Campaign) -> Report {
     crate::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
     drop(ops);
     let _ = std::fs::remove_file(&manifest);
-    stream.delete().await;
+    target.remove().await;
     Report {
         lines,
         summary,

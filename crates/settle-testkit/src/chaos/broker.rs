@@ -1,0 +1,169 @@
+//! Where a campaign runs: per broker, the Backend applied in the campaign's namespace, the
+//! Subscription's broker fields, the applications' environment, a publisher that sends one
+//! message per id, and what is removed afterwards. NATS: a stream of the campaign's own;
+//! RabbitMQ: a routing key of its own on `amq.topic` into the Subscription's quorum queue; SQS:
+//! a queue prefix of its own.
+//!
+//! It must not inject faults nor judge status: the campaign does.
+
+use std::sync::Arc;
+
+use crate::operator::TestStream;
+use crate::rabbitmq::{env_backend_yaml, publish_topic};
+use crate::subs::{apply, backend_yaml, backends, wait_backend};
+
+/// The brokers a campaign runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Broker {
+    Nats,
+    Rabbitmq,
+    Sqs,
+}
+
+impl Broker {
+    pub const ALL: [Broker; 3] = [Broker::Nats, Broker::Rabbitmq, Broker::Sqs];
+
+    /// `nats`, `rabbitmq` or `sqs`.
+    pub fn parse(name: &str) -> Option<Broker> {
+        Broker::ALL.into_iter().find(|b| b.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Broker::Nats => "nats",
+            Broker::Rabbitmq => "rabbitmq",
+            Broker::Sqs => "sqs",
+        }
+    }
+}
+
+/// The campaign's place on its broker.
+pub(super) enum Target {
+    Nats(Box<TestStream>),
+    Rabbitmq {
+        amqp: Arc<lapin::Connection>,
+        tag: String,
+    },
+    Sqs {
+        client: aws_sdk_sqs::Client,
+        url: String,
+    },
+}
+
+impl Target {
+    /// The Backend of `broker` applied in `ns` and Ready, and the Subscription's broker fields
+    /// (`backendRef`, `pattern`, `durableName`, and `ackWait` where the broker has one: a
+    /// silent attempt comes back after 2 s; on RabbitMQ silence declines at once, R3), with
+    /// what the applications need.
+    pub(super) async fn make(broker: Broker, ns: &str) -> (Target, String, Vec<(String, String)>) {
+        let env = crate::env();
+        let tag = format!("chaos{}", std::process::id());
+        match broker {
+            Broker::Nats => {
+                let stream = TestStream::new(&env.nats_url, "chaos").await;
+                apply(ns, &backend_yaml("nats", &env.nats_url));
+                let fields = format!(
+                    "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n",
+                    stream.prefix
+                );
+                let app_env = vec![("SETTLE_NATS_URL".into(), env.nats_url.clone())];
+                (Target::Nats(Box::new(stream)), fields, app_env)
+            }
+            Broker::Rabbitmq => {
+                apply(ns, &env_backend_yaml("rabbit", ""));
+                wait_backend(&backends(ns).await, "rabbit", "True", "Connected").await;
+                let amqp = lapin::Connection::connect(
+                    &env.rabbitmq_url,
+                    lapin::ConnectionProperties::default(),
+                )
+                .await
+                .expect("connect to RabbitMQ");
+                let fields = format!(
+                    "  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  durableName: {tag}\n"
+                );
+                let app_env = vec![("SETTLE_RABBITMQ_URL".into(), env.rabbitmq_url.clone())];
+                (
+                    Target::Rabbitmq {
+                        amqp: Arc::new(amqp),
+                        tag,
+                    },
+                    fields,
+                    app_env,
+                )
+            }
+            Broker::Sqs => {
+                let prefix = format!("{tag}-");
+                crate::sqs::sqs_backend(ns, &prefix);
+                wait_backend(&backends(ns).await, "sqs", "True", "PlaintextCredentials").await;
+                let fields =
+                    "  backendRef: {name: sqs}\n  pattern: orders\n  durableName: orders\n  ackWait: 2s\n".into();
+                let app_env = vec![
+                    ("SETTLE_SQS_ENDPOINT".into(), env.sqs_endpoint.clone()),
+                    ("SETTLE_SQS_QUEUE_PREFIX".into(), prefix.clone()),
+                ];
+                let client = crate::sqs::client().await;
+                // Filled once the Subscription made the queue ([`Target::ready`]).
+                let url = format!("{prefix}orders");
+                (Target::Sqs { client, url }, fields, app_env)
+            }
+        }
+    }
+
+    /// Called once the Subscription is Ready: what publishing needs from its broker objects.
+    pub(super) async fn ready(&mut self) {
+        if let Target::Sqs { client, url } = self {
+            *url = crate::sqs::url(client, url)
+                .await
+                .expect("the Subscription's queue exists");
+        }
+    }
+
+    /// A publisher of message `id` (its body the id), confirmed by the broker.
+    pub(super) fn publisher(&self) -> Publisher {
+        match self {
+            Target::Nats(s) => Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone()),
+            Target::Rabbitmq { amqp, tag } => Publisher::Rabbitmq(amqp.clone(), tag.clone()),
+            Target::Sqs { client, url } => Publisher::Sqs(client.clone(), url.clone()),
+        }
+    }
+
+    /// What the campaign made on the broker beside the Subscription's own objects, removed.
+    pub(super) async fn remove(self) {
+        if let Target::Nats(stream) = self {
+            stream.delete().await;
+        }
+    }
+}
+
+/// Sends one message per id.
+pub(super) enum Publisher {
+    Nats(Box<async_nats::jetstream::Context>, String),
+    Rabbitmq(Arc<lapin::Connection>, String),
+    Sqs(aws_sdk_sqs::Client, String),
+}
+
+impl Publisher {
+    pub(super) async fn send(&self, id: u64) {
+        match self {
+            Publisher::Nats(js, prefix) => {
+                js.publish(format!("{prefix}.m{id}"), id.to_string().into())
+                    .await
+                    .expect("publish")
+                    .await
+                    .expect("the stream stored it");
+            }
+            Publisher::Rabbitmq(amqp, tag) => {
+                publish_topic(amqp, [(format!("{tag}.m{id}"), id.to_string())]).await;
+            }
+            Publisher::Sqs(client, url) => {
+                client
+                    .send_message()
+                    .queue_url(url)
+                    .message_body(id.to_string())
+                    .send()
+                    .await
+                    .expect("send");
+            }
+        }
+    }
+}

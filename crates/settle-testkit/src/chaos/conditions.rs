@@ -1,0 +1,167 @@
+//! The conditions a campaign watches (`Accounted`, `Exhausting`, `Stranding`, `Stalled`,
+//! `Ready`) and the check that each one raised had a cause: every change is recorded with its
+//! time; `Exhausting=True` needs a message the handlers never acknowledged (it ran out of
+//! attempts), and none of the campaign's faults causes `Ready=False`, `Accounted=False`,
+//! `Stranding=True` or `Stalled=True` (they remove no Backend, connection or consumer, cost no
+//! source, save or report, and a pause owes nothing: semantics C22), so each seen is a
+//! discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
+//! stalled.
+//!
+//! It must not read the counters: the campaign's checker compares those.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kube::Api;
+use settle::api::Subscription;
+
+/// The condition types a campaign judges.
+const JUDGED: [&str; 5] = ["Accounted", "Exhausting", "Stranding", "Stalled", "Ready"];
+
+/// One change of a judged condition: when (since the campaign started), its type, status and
+/// reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Change {
+    pub at: Duration,
+    pub type_: String,
+    pub status: String,
+    pub reason: String,
+}
+
+/// Every change seen, in order.
+pub type Changes = Arc<Mutex<Vec<Change>>>;
+
+/// Polls Subscription `orders`'s conditions every 200 ms until aborted, recording each change
+/// of a judged one.
+pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Changes, tokio::task::JoinHandle<()>) {
+    let changes: Changes = Arc::default();
+    let (api, out) = (api.clone(), changes.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            if let Ok(s) = api.get("orders").await {
+                let conditions = s.status.map(|st| st.conditions).unwrap_or_default();
+                if let Ok(mut out) = out.lock() {
+                    for c in conditions
+                        .iter()
+                        .filter(|c| JUDGED.contains(&c.type_.as_str()))
+                    {
+                        let last = out.iter().rev().find(|x| x.type_ == c.type_);
+                        if last.is_none_or(|l| (&l.status, &l.reason) != (&c.status, &c.reason)) {
+                            out.push(Change {
+                                at: t0.elapsed(),
+                                type_: c.type_.clone(),
+                                status: c.status.clone(),
+                                reason: c.reason.clone(),
+                            });
+                        }
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    (changes, task)
+}
+
+/// Each condition seen without a cause, and each left wrong at rest; `exhausted` is how many
+/// messages the handlers never acknowledged.
+pub fn uncaused(changes: &[Change], exhausted: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    for c in changes {
+        let why = match (c.type_.as_str(), c.status.as_str()) {
+            ("Accounted", "False") => "no fault of the campaign loses a source, a save or a report",
+            ("Stranding", "True") => "nothing was declined that the broker could not take back",
+            ("Stalled", "True") => "handlers returned throughout, and a pause owes nothing (C22)",
+            ("Exhausting", "True") if exhausted == 0 => "every message was acknowledged",
+            ("Ready", "False") => {
+                "no fault of the campaign removes the Backend, its connection or the consumer"
+            }
+            _ => continue,
+        };
+        out.push(format!(
+            "{}={} ({}) at {:.1} s without a cause: {why}",
+            c.type_,
+            c.status,
+            c.reason,
+            c.at.as_secs_f64()
+        ));
+    }
+    for (type_, want) in [
+        ("Ready", "True"),
+        ("Accounted", "True"),
+        ("Stranding", "False"),
+        ("Stalled", "False"),
+    ] {
+        let last = changes.iter().rev().find(|c| c.type_ == type_);
+        match last {
+            Some(c) if c.status != want => out.push(format!(
+                "{type_}={} ({}) at rest, not {want}",
+                c.status, c.reason
+            )),
+            // Never written: Stalled and Stranding need not be (nothing owed, nothing stranded).
+            None if type_ == "Ready" || type_ == "Accounted" => {
+                out.push(format!("{type_} never written"))
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn change(at: u64, type_: &str, status: &str, reason: &str) -> Change {
+        Change {
+            at: Duration::from_secs(at),
+            type_: type_.into(),
+            status: status.into(),
+            reason: reason.into(),
+        }
+    }
+
+    #[test]
+    fn a_condition_without_a_cause_and_one_wrong_at_rest_are_named() {
+        let calm = vec![
+            change(1, "Ready", "True", "ConsumerReady"),
+            change(1, "Accounted", "True", "Whole"),
+            change(9, "Exhausting", "True", "MessagesExhausted"),
+        ];
+        assert!(uncaused(&calm, 3).is_empty(), "{:?}", uncaused(&calm, 3));
+        let found = uncaused(&calm, 0);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].starts_with("Exhausting=True"), "{found:?}");
+
+        let mut troubled = calm.clone();
+        troubled.push(change(12, "Accounted", "False", "LedgerNotSaved"));
+        let found = uncaused(&troubled, 3);
+        assert_eq!(found.len(), 2, "during, and still at rest: {found:?}");
+        assert!(found[0].contains("at 12.0 s without a cause"), "{found:?}");
+        assert!(
+            found[1].starts_with("Accounted=False (LedgerNotSaved) at rest"),
+            "{found:?}"
+        );
+
+        troubled.push(change(14, "Ready", "False", "BackendNotFound"));
+        let found = uncaused(&troubled, 3);
+        assert!(
+            found
+                .iter()
+                .any(|f| f.starts_with("Ready=False (BackendNotFound) at 14.0 s")),
+            "{found:?}"
+        );
+        troubled.pop();
+        troubled.push(change(15, "Accounted", "True", "Whole"));
+        assert_eq!(
+            uncaused(&troubled, 3).len(),
+            1,
+            "cleared at rest, still seen"
+        );
+        assert_eq!(
+            uncaused(&[], 0).len(),
+            2,
+            "Ready and Accounted never written"
+        );
+    }
+}
