@@ -33,8 +33,11 @@
 //!   - `model`: the fault campaign's handler (`docs/guide/chaos.md`). A body is a message id;
 //!     the answer to each attempt is drawn from (`SETTLE_APP_MODEL_SEED`, id, attempt) by
 //!     [`model_answer`]: ack, nack or silent (returns without settling). Each answer is
-//!     appended, once given, to the file `SETTLE_APP_MODEL_LOG` as a line `<id> <attempt>
-//!     <answer>`, so the campaign's checker knows what the handlers did without asking Settle.
+//!     appended to the file `SETTLE_APP_MODEL_LOG` as a line `<id> <attempt> <answer> <unix
+//!     ms>` just before it is sent (so a settlement the broker got is never missing from the
+//!     file, even when the process is killed right after), and a settlement that then fails
+//!     adds `<id> <attempt> failed <unix ms>`: the campaign's checker knows what the handlers
+//!     did without asking Settle.
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
 //! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
@@ -86,7 +89,10 @@ impl ModelLog {
     fn said(&self, id: u64, attempt: u32, answer: &str) {
         use std::io::Write;
         if let Ok(mut f) = self.0.lock() {
-            let _ = f.write_all(format!("{id} {attempt} {answer}\n").as_bytes());
+            let ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            let _ = f.write_all(format!("{id} {attempt} {answer} {ms}\n").as_bytes());
         }
     }
 }
@@ -116,15 +122,18 @@ async fn handle(
         Behaviour::Model(seed) => {
             let id: u64 = body.trim().parse().unwrap_or(0);
             let answer = model_answer(seed, id, d.attempt());
-            match answer {
-                "ack" => d.ack().await?,
-                "nack" => d.nack().await?,
-                _ => {}
-            }
             if let Some(log) = log {
                 log.said(id, d.attempt(), answer);
             }
-            Ok(())
+            let sent = match answer {
+                "ack" => d.ack().await,
+                "nack" => d.nack().await,
+                _ => Ok(()),
+            };
+            if let (Err(_), Some(log)) = (&sent, log) {
+                log.said(id, d.attempt(), "failed");
+            }
+            Ok(sent?)
         }
         Behaviour::Nack(ms) => {
             if ms > 0 {

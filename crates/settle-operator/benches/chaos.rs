@@ -55,6 +55,9 @@ async fn main() {
         println!("{line}");
     }
     println!("{}", report.summary);
+    for a in &report.allowed {
+        println!("allowed {a}");
+    }
     for d in &report.discrepancies {
         println!("DISCREPANCY {d}");
     }

@@ -1,0 +1,328 @@
+//! What the handlers did, read from their own files, and the checker of status against it. At
+//! rest every counter equals the model, except where an application was SIGKILLed: what it
+//! answered after its last report never reached the account, and the semantics (C16) move it
+//! into Released when the instance is folded. The applications report every 200 ms, so the
+//! checker allows, per kill, what that instance answered in the [`KILL_WINDOW`] before it, and
+//! says which rule allowed each difference it accepted.
+//!
+//! It must not read Settle's counters to build the model, nor inject faults.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use settle::api::ConsumerStats;
+use settle_operator::account::ledger::dominates;
+
+use crate::account::Seen;
+
+/// The campaign's `maxDeliver`: an answer other than ack to this attempt exhausts a message.
+pub const MAX_DELIVER: u32 = 3;
+
+/// How far before its SIGKILL an instance's answers may be missing from its reports: its
+/// report interval (200 ms) and the report's way to the broker, with room to spare.
+pub const KILL_WINDOW: Duration = Duration::from_millis(1500);
+
+/// One answer a handler gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// Which file (which application instance) said it.
+    pub file: usize,
+    pub at_ms: u64,
+    pub id: u64,
+    pub attempt: u32,
+    pub answer: String,
+}
+
+/// An application SIGKILLed: its file, and when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kill {
+    pub file: usize,
+    pub at_ms: u64,
+}
+
+/// What the handlers did, from their files.
+#[derive(Debug, Default)]
+pub struct Model {
+    pub attempts: u64,
+    pub acked: u64,
+    pub nacked: u64,
+    pub silent: u64,
+    /// Settlements the handler sent and the runtime refused (`failed` lines).
+    pub failed: u64,
+    /// The ids acknowledged, and those acknowledged more than once.
+    pub acked_ids: BTreeSet<u64>,
+    pub acked_again: BTreeSet<u64>,
+    /// Every answer, in the files' order.
+    pub answers: Vec<Answer>,
+}
+
+impl Model {
+    /// Reads the model handler's files (`<id> <attempt> <answer> <unix ms>` lines).
+    pub fn read(files: &[PathBuf]) -> Model {
+        let mut m = Model::default();
+        for (file, path) in files.iter().enumerate() {
+            let Ok(text) = std::fs::read_to_string(path) else {
+                continue;
+            };
+            for line in text.lines() {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                let (Some(id), Some(attempt), Some(answer)) = (
+                    words.first().and_then(|w| w.parse::<u64>().ok()),
+                    words.get(1).and_then(|w| w.parse::<u32>().ok()),
+                    words.get(2),
+                ) else {
+                    continue;
+                };
+                let at_ms = words.get(3).and_then(|w| w.parse().ok()).unwrap_or(0);
+                match *answer {
+                    "failed" => {
+                        m.failed += 1;
+                        continue;
+                    }
+                    "ack" => {
+                        m.acked += 1;
+                        if !m.acked_ids.insert(id) {
+                            m.acked_again.insert(id);
+                        }
+                    }
+                    "nack" => m.nacked += 1,
+                    _ => m.silent += 1,
+                }
+                m.attempts += 1;
+                m.answers.push(Answer {
+                    file,
+                    at_ms,
+                    id,
+                    attempt,
+                    answer: (*answer).to_string(),
+                });
+            }
+        }
+        m
+    }
+
+    /// The answers an instance gave within [`KILL_WINDOW`] before one of `kills`.
+    fn unreported<'a>(&'a self, kills: &'a [Kill]) -> impl Iterator<Item = &'a Answer> + 'a {
+        let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
+        self.answers.iter().filter(move |a| {
+            kills
+                .iter()
+                .any(|k| k.file == a.file && a.at_ms <= k.at_ms && a.at_ms + window >= k.at_ms)
+        })
+    }
+}
+
+/// Every difference between status `s` (at rest) and the model of `published` messages, each
+/// with the rule it breaks; with the applications `kills`, the differences C16 allows are
+/// accepted, and each is said in `allowed`.
+pub fn check(
+    model: &Model,
+    published: u64,
+    s: &ConsumerStats,
+    kills: &[Kill],
+    allowed: &mut Vec<String>,
+) -> Vec<String> {
+    let lost: Vec<&Answer> = model.unreported(kills).collect();
+    let of = |kind: &str| lost.iter().filter(|a| a.answer == kind).count() as u64;
+    let last = |ack: bool| {
+        lost.iter()
+            .filter(|a| a.attempt >= MAX_DELIVER && (a.answer == "ack") == ack)
+            .count() as u64
+    };
+    let mut out = Vec::new();
+    let mut within = |what: &str, status: u64, model: u64, below: u64, above: u64, rule: &str| {
+        if status + below < model || status > model + above {
+            out.push(format!(
+                "{what}: status {status}, the handlers {model} ({rule}; a SIGKILL allows {below} fewer, {above} more)"
+            ));
+        } else if status != model {
+            allowed.push(format!(
+                "{what}: status {status}, the handlers {model}: allowed by C16 (answered by a SIGKILLed instance after its last report)"
+            ));
+        }
+    };
+    within(
+        "delivered",
+        s.delivered,
+        model.attempts,
+        lost.len() as u64,
+        0,
+        "every attempt a handler answered is delivered",
+    );
+    within(
+        "acked",
+        s.settlement.acked,
+        model.acked,
+        of("ack"),
+        0,
+        "every ack answered",
+    );
+    within(
+        "nacked",
+        s.settlement.nacked,
+        model.nacked,
+        of("nack"),
+        0,
+        "every nack answered",
+    );
+    within(
+        "silent",
+        s.settlement.silent,
+        model.silent,
+        of("silent"),
+        0,
+        "every attempt returned without settling",
+    );
+    // A last attempt declined after the instance's last report was counted by nobody but the
+    // broker; one acked in the file may have died before its ack was sent, and run out.
+    within(
+        "exhausted",
+        s.exhausted,
+        published - model.acked_ids.len() as u64,
+        last(false),
+        last(true),
+        "at rest every message not acknowledged ran out of attempts",
+    );
+    within("lost", s.lost, 0, 0, 0, "nothing is lost under AtLeastOnce");
+    if model.failed > 0 {
+        out.push(format!(
+            "{} settlements failed in the handlers: none of the campaign's faults refuses one",
+            model.failed
+        ));
+    }
+    if !s.balanced() {
+        out.push(format!(
+            "I1: offered {} != delivered {} + released {} + lost {}",
+            s.offered, s.delivered, s.released, s.lost
+        ));
+    }
+    out
+}
+
+/// Every pair of statuses of one object where a counter went down.
+pub fn stepped_down(seen: &Seen) -> Vec<String> {
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    seen.windows(2)
+        .filter(|p| p[0].0 == p[1].0 && !dominates(&p[1].1, &p[0].1))
+        .map(|p| {
+            format!(
+                "a counter went down in status: {:?} then {:?}",
+                p[0].1, p[1].1
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(file: usize, at_ms: u64, id: u64, attempt: u32, answer: &str) -> Answer {
+        Answer {
+            file,
+            at_ms,
+            id,
+            attempt,
+            answer: answer.into(),
+        }
+    }
+
+    /// Three messages: 1 acked at its first attempt, 2 nacked twice then acked, 3 nacked to
+    /// its last attempt (exhausted).
+    fn model() -> Model {
+        let answers = vec![
+            answer(0, 1000, 1, 1, "ack"),
+            answer(0, 1100, 2, 1, "nack"),
+            answer(0, 1200, 3, 1, "nack"),
+            answer(1, 2000, 2, 2, "nack"),
+            answer(1, 2100, 3, 2, "nack"),
+            answer(1, 9000, 2, 3, "ack"),
+            answer(1, 9100, 3, 3, "nack"),
+        ];
+        Model {
+            attempts: 7,
+            acked: 2,
+            nacked: 5,
+            acked_ids: [1, 2].into(),
+            answers,
+            ..Model::default()
+        }
+    }
+
+    fn stats(delivered: u64, acked: u64, nacked: u64, exhausted: u64) -> ConsumerStats {
+        let mut s = ConsumerStats {
+            offered: delivered,
+            delivered,
+            exhausted,
+            ..Default::default()
+        };
+        s.settlement.acked = acked;
+        s.settlement.nacked = nacked;
+        s
+    }
+
+    #[test]
+    fn without_a_kill_every_counter_is_exact_and_each_difference_names_its_rule() {
+        let mut allowed = Vec::new();
+        assert!(check(&model(), 3, &stats(7, 2, 5, 1), &[], &mut allowed).is_empty());
+        let mut s = stats(7, 2, 5, 0);
+        s.offered = 8;
+        let found = check(&model(), 3, &s, &[], &mut allowed);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(
+            found[0].starts_with("exhausted: status 0, the handlers 1"),
+            "{found:?}"
+        );
+        assert!(found[1].starts_with("I1:"), "{found:?}");
+        assert!(allowed.is_empty(), "{allowed:?}");
+    }
+
+    #[test]
+    fn a_kill_allows_what_its_instance_answered_just_before_it_and_nothing_else() {
+        // Instance 1 killed at 9150 ms: its last two answers (2's ack, 3's last nack) never
+        // reached a report; the broker counted 3's exhaustion, or did not yet.
+        let kills = [Kill {
+            file: 1,
+            at_ms: 9150,
+        }];
+        let mut allowed = Vec::new();
+        let found = check(&model(), 3, &stats(5, 1, 4, 0), &kills, &mut allowed);
+        assert!(found.is_empty(), "{found:?}");
+        assert_eq!(
+            allowed.len(),
+            4,
+            "delivered, acked, nacked, exhausted: {allowed:?}"
+        );
+        assert!(allowed.iter().all(|a| a.contains("C16")), "{allowed:?}");
+        // Beyond the window: the nacks at 2000 and 2100 ms were reported long before.
+        let found = check(&model(), 3, &stats(4, 1, 3, 0), &kills, &mut Vec::new());
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].starts_with("delivered: status 4"), "{found:?}");
+        assert!(found[1].starts_with("nacked: status 3"), "{found:?}");
+        // A kill of the other instance allows nothing of this one's.
+        let other = [Kill {
+            file: 0,
+            at_ms: 9150,
+        }];
+        assert_eq!(
+            check(&model(), 3, &stats(5, 1, 4, 0), &other, &mut Vec::new()).len(),
+            4
+        );
+    }
+
+    #[test]
+    fn the_files_are_read_with_their_times_and_failed_settlements_apart() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&a, "1 1 ack 1000\n2 1 nack 1001\n2 1 failed 1002\n").expect("a");
+        std::fs::write(&b, "2 2 silent\nnot a line\n").expect("b");
+        let m = Model::read(&[a, b]);
+        assert_eq!(
+            (m.attempts, m.acked, m.nacked, m.silent, m.failed),
+            (3, 1, 1, 1, 1)
+        );
+        assert_eq!(m.answers[0], answer(0, 1000, 1, 1, "ack"));
+        assert_eq!(m.answers[2], answer(1, 0, 2, 2, "silent"));
+    }
+}
