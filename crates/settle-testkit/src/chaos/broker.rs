@@ -8,8 +8,13 @@
 
 use std::sync::Arc;
 
+use futures::StreamExt;
+use settle::backend::nats::capture::{ACCOUNT_BUCKET, CAPTURE_STREAM};
+use settle::bus::report::REPORT_BUCKET;
+
+use crate::account::report_keys;
 use crate::operator::TestStream;
-use crate::rabbitmq::{env_backend_yaml, publish_topic};
+use crate::rabbitmq::{env_backend_yaml, management, publish_topic};
 use crate::subs::{apply, backend_yaml, backends, wait_backend};
 
 /// The brokers a campaign runs on.
@@ -47,6 +52,7 @@ pub(super) enum Target {
     Sqs {
         client: aws_sdk_sqs::Client,
         url: String,
+        prefix: String,
     },
 }
 
@@ -104,14 +110,22 @@ impl Target {
                 let client = crate::sqs::client().await;
                 // Filled once the Subscription made the queue ([`Target::ready`]).
                 let url = format!("{prefix}orders");
-                (Target::Sqs { client, url }, fields, app_env)
+                (
+                    Target::Sqs {
+                        client,
+                        url,
+                        prefix,
+                    },
+                    fields,
+                    app_env,
+                )
             }
         }
     }
 
     /// Called once the Subscription is Ready: what publishing needs from its broker objects.
     pub(super) async fn ready(&mut self) {
-        if let Target::Sqs { client, url } = self {
+        if let Target::Sqs { client, url, .. } = self {
             *url = crate::sqs::url(client, url)
                 .await
                 .expect("the Subscription's queue exists");
@@ -123,8 +137,77 @@ impl Target {
         match self {
             Target::Nats(s) => Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone()),
             Target::Rabbitmq { amqp, tag } => Publisher::Rabbitmq(amqp.clone(), tag.clone()),
-            Target::Sqs { client, url } => Publisher::Sqs(client.clone(), url.clone()),
+            Target::Sqs { client, url, .. } => Publisher::Sqs(client.clone(), url.clone()),
         }
+    }
+
+    /// What is still on the broker of the campaign's Subscription and Backend (namespace `ns`)
+    /// once both are deleted: NATS, a consumer of the campaign's stream, a report or ledger key
+    /// under the namespace, the Backend's reader of the capture; RabbitMQ, a queue of the
+    /// campaign's routing key or named for the namespace; SQS, a queue under the prefix (but a
+    /// dead-letter queue holding Exhausted messages, which deletion keeps by design).
+    pub(super) async fn leftovers(&self, ns: &str) -> Vec<String> {
+        let mut left = Vec::new();
+        match self {
+            Target::Nats(s) => {
+                if let Ok(stream) = s.js.get_stream(&s.name).await {
+                    let mut names = stream.consumer_names();
+                    while let Some(Ok(name)) = names.next().await {
+                        left.push(format!("consumer {name} of stream {}", s.name));
+                    }
+                }
+                for bucket in [REPORT_BUCKET, ACCOUNT_BUCKET] {
+                    if let Ok(kv) = s.js.get_key_value(bucket).await {
+                        let keys = report_keys(&kv, &format!("{ns}."))
+                            .await
+                            .unwrap_or_default();
+                        left.extend(keys.into_iter().map(|k| format!("key {k} of {bucket}")));
+                    }
+                }
+                if let Ok(capture) = s.js.get_stream(CAPTURE_STREAM).await {
+                    let mut names = capture.consumer_names();
+                    while let Some(Ok(name)) = names.next().await {
+                        if name.contains(ns) {
+                            left.push(format!("reader {name} of {CAPTURE_STREAM}"));
+                        }
+                    }
+                }
+            }
+            Target::Rabbitmq { tag, .. } => {
+                let (status, body) = management("GET", "/api/queues/%2f?columns=name");
+                let names: Vec<serde_json::Value> = if status == 200 {
+                    serde_json::from_str(&body).unwrap_or_default()
+                } else {
+                    left.push(format!("the queue list: {status} {body}"));
+                    Vec::new()
+                };
+                left.extend(
+                    names
+                        .iter()
+                        .filter_map(|q| q["name"].as_str())
+                        .filter(|n| n.contains(ns) || n.contains(tag.as_str()))
+                        .map(|n| format!("queue {n}")),
+                );
+            }
+            Target::Sqs { client, prefix, .. } => {
+                let urls = match client.list_queues().queue_name_prefix(prefix).send().await {
+                    Ok(out) => out.queue_urls().to_vec(),
+                    Err(e) => {
+                        left.push(format!("the queue list: {e}"));
+                        Vec::new()
+                    }
+                };
+                for url in urls {
+                    // A dead-letter queue holding Exhausted messages is kept for a person to
+                    // look at (docs/guide/reconcile.md, Deletion): only an empty one is left.
+                    if url.ends_with("-dlq") && holds_messages(client, &url).await {
+                        continue;
+                    }
+                    left.push(format!("queue {url}"));
+                }
+            }
+        }
+        left
     }
 
     /// What the campaign made on the broker beside the Subscription's own objects, removed.
@@ -133,6 +216,25 @@ impl Target {
             stream.delete().await;
         }
     }
+}
+
+/// Whether SQS queue `url` holds a message (visible or not).
+async fn holds_messages(client: &aws_sdk_sqs::Client, url: &str) -> bool {
+    use aws_sdk_sqs::types::QueueAttributeName as A;
+    let Ok(out) = client
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(A::ApproximateNumberOfMessages)
+        .attribute_names(A::ApproximateNumberOfMessagesNotVisible)
+        .send()
+        .await
+    else {
+        return false;
+    };
+    out.attributes()
+        .into_iter()
+        .flatten()
+        .any(|(_, v)| v.parse::<u64>().is_ok_and(|n| n > 0))
 }
 
 /// Sends one message per id.

@@ -433,8 +433,36 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
         &changes,
         c.messages - model.acked_ids.len() as u64,
     ));
+    // The Subscription and the Backend deleted as the namespace controller would, the
+    // operators still running: nothing of theirs may stay on the broker.
+    crate::kubectl_ok(
+        &[
+            "delete",
+            "subscriptions,backends",
+            "--all",
+            "-n",
+            &ns,
+            "--wait=true",
+            "--timeout=120s",
+        ],
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let left = loop {
+        let left = target.leftovers(&ns).await;
+        if left.is_empty() || Instant::now() > deadline {
+            break left;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    if !left.is_empty() {
+        discrepancies.push(format!(
+            "left on the broker 60 s after the Subscription and its Backend were deleted: {}",
+            left.join(", ")
+        ));
+    }
     let summary = format!(
-        "{} seed {}: {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s",
+        "{} seed {}: {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s; status at rest {:?}",
         broker.name(),
         c.seed,
         faults,
@@ -445,7 +473,8 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
         model.silent,
         s.exhausted,
         discrepancies.len(),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        s
     );
     crate::kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
     drop(ops);
