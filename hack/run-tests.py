@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 # Suites known to take longest start first, so the lanes end together.
 FIRST = [
-    "reconcile", "account", "pods", "leader_election", "helm_chart", "webhook_e2e", "kustomize",
+    "reconcile", "account", "pods", "chaos", "leader_election", "helm_chart", "webhook_e2e", "kustomize",
     "bus", "webhook_hardening", "operator_cli",
 ]
 

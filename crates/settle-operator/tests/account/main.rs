@@ -18,7 +18,6 @@
 //! | [`nats_watch`] | NATS JetStream | a report watch the broker heartbeats and never feeds is made again |
 //! | [`tenants`] | NATS JetStream and RabbitMQ | reports bound to their writer, replies to their inbox: no tenant forges another's account or reads its deliveries |
 //! | [`nats_accounts`] | NATS JetStream | a NATS account per tenant: nothing shared, a full report bucket said |
-//! | [`chaos`] | each | a short fault campaign of a fixed seed, checked against the handlers' own record |
 //! | [`matrix`], [`matrix_nats`], [`matrix_rabbitmq`], [`matrix_sqs`] | each | the tenant attack matrix: every attack another tenant can try, tried, and `docs/guide/tenant-matrix.md` checked against it |
 //! | [`rabbitmq`] | RabbitMQ | report queues, snapshots, dead-letter copies, operator kills |
 //! | [`sqs`] | SQS (ElasticMQ) | report queues, the ledger queue, the dead-letter queue |
@@ -26,7 +25,6 @@
 //! The budget and the flood bounds are the account's own, the same for every broker's keeper, so
 //! they run on NATS only; `tenants` runs where a broker lets tenants share it.
 
-mod chaos;
 mod matrix;
 mod matrix_nats;
 mod matrix_rabbitmq;
