@@ -113,6 +113,21 @@ impl Error {
     }
 }
 
+/// Resolves once `store` holds its first list (or its writer is gone). kube's readiness wakes
+/// only the task that polled it last, so with several waiters (the term's readiness, every
+/// Subscription reconciled at a term's start) the others would wait for ever: each waiter
+/// polls again every 200 ms instead.
+pub(crate) async fn cache_ready<K>(store: &Store<K>)
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    while tokio::time::timeout(Duration::from_millis(200), store.wait_until_ready())
+        .await
+        .is_err()
+    {}
+}
+
 /// What every reconcile shares.
 pub struct Ctx {
     pub client: Client,

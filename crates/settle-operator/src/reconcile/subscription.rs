@@ -212,8 +212,8 @@ async fn converge(t: &Target<'_>, ctx: &Ctx) -> Option<SubOutcome> {
     // 3. The one validate, before the broker is touched. The Backend cache is read once it
     // holds the first list: a replica that just took the lead would otherwise find no Backend
     // and say BackendNotFound of one that exists (a lie that fires alerts on every handover).
-    // An error means its writer is gone (the term is ending): the cache is read as it is.
-    let _ = ctx.backends.wait_until_ready().await;
+    // A writer gone (the term is ending) ends the wait: the cache is read as it is.
+    super::cache_ready(&ctx.backends).await;
     let backend = backend_of(sub, ctx);
     let capabilities = backend.as_deref().and_then(effective_capabilities);
     let view = match (&backend, &capabilities) {

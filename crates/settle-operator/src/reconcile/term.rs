@@ -92,8 +92,8 @@ pub(super) async fn run_term(
         let (b, s) = (backend_store.clone(), sub_store.clone());
         let readiness = readiness.clone();
         async move {
-            let _ = b.wait_until_ready().await;
-            let _ = s.wait_until_ready().await;
+            super::cache_ready(&b).await;
+            super::cache_ready(&s).await;
             tracing::info!("controller caches synced");
             readiness.set(true);
             futures::future::pending::<()>().await;
