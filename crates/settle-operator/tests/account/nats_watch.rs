@@ -4,15 +4,16 @@
 //! nats-server of the test's own (its report bucket empty until the application reports), the
 //! operator's watch consumer is swapped, before any report, for one on the same deliver subject
 //! that heartbeats and delivers nothing: the client library sees a live consumer, so only the
-//! keeper's own check can tell. The application's counts still reach status, and the stall is
-//! counted in `settle_account_report_watch_stalls_total`.
+//! keeper's own check can tell. A message is published every second throughout (the
+//! application's report is replaced all along); its counts still reach status while that goes
+//! on, and the stall is counted in `settle_account_report_watch_stalls_total`.
 
 use settle_testkit as common;
 
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, push};
-use common::account::{NACK_SPEC, Scene, bodies};
+use common::account::{NACK_SPEC, Scene};
 use common::operator::{NatsServer, poll};
 use futures::TryStreamExt;
 use settle::bus::report::REPORT_BUCKET;
@@ -81,15 +82,38 @@ async fn nats_a_report_watch_that_heartbeats_and_delivers_nothing_is_made_again(
 
     let app = scene.app("nack");
     app.wait_ready().await;
-    scene.publish(bodies(2)).await;
-    let s = scene
-        .settled(
-            "the reports counted through a new watch",
-            Duration::from_secs(90),
-            |s| s.exhausted == 2 && s.settlement.nacked == 6,
+    // A message a second throughout: the application's report key is replaced all along, so
+    // the stall must be seen while reports keep coming, not only once they stop.
+    let publisher = {
+        let (js, prefix) = (js.clone(), scene.stream.prefix.clone());
+        tokio::spawn(async move {
+            for i in 0.. {
+                if let Ok(ack) = js
+                    .publish(format!("{prefix}.m{i}"), i.to_string().into())
+                    .await
+                {
+                    let _ = ack.await;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        })
+    };
+    scene
+        .wait_stats(
+            "reports counted through a new watch while they keep coming",
+            Duration::from_secs(60),
+            |s| s.exhausted >= 2,
         )
         .await;
-    assert_eq!(s.delivered, 6, "{s:?}");
+    publisher.abort();
+    let s = scene
+        .settled(
+            "every message published counted",
+            Duration::from_secs(60),
+            |s| s.exhausted * 3 == s.settlement.nacked && s.delivered == s.settlement.nacked,
+        )
+        .await;
+    assert!(s.exhausted >= 2, "{s:?}");
     assert!(
         scene
             .op

@@ -26,15 +26,26 @@ impl NatsKeeper {
         watched: u64,
         progress: &mut WatchProgress,
     ) -> Result<(), NatsError> {
-        let Some(stream) = stream else {
+        let Some(mut stream) = stream else {
             return Ok(());
         };
         let state = &stream.cached_info().state;
         let tail = (state.messages > 0).then_some(state.last_sequence);
-        let Some(missed) = progress.check(watched, tail, Instant::now()) else {
+        let Some(mut missed) = progress.check(watched, tail, Instant::now()) else {
             return Ok(());
         };
-        if stream.get_raw_message(missed).await.is_err() {
+        // Read back: a busy key's report may have been replaced since the info was read, by a
+        // newer one the watch owes as well.
+        let mut stored = stream.get_raw_message(missed).await.is_ok();
+        if !stored
+            && let Ok(info) = stream.info().await
+            && info.state.messages > 0
+            && info.state.last_sequence > watched
+        {
+            missed = info.state.last_sequence;
+            stored = stream.get_raw_message(missed).await.is_ok();
+        }
+        if !stored {
             progress.forget();
             return Ok(());
         }
@@ -68,37 +79,37 @@ pub(super) struct WatchProgress {
 struct Behind {
     since: Instant,
     watched: u64,
-    tail: u64,
 }
 
 impl WatchProgress {
     /// One check: `watched` is the newest revision the watch delivered (0: none yet), `tail`
-    /// the bucket's last sequence (None: the bucket holds nothing). Returns the revision the
-    /// watch has failed to deliver for [`WATCH_STALL`] (the session confirms it is stored),
-    /// else None.
+    /// the bucket's last sequence (None: the bucket holds nothing). When the watch delivered
+    /// nothing for [`WATCH_STALL`] while the bucket held a newer revision, returns the newest
+    /// (the session confirms it is stored), else None.
     pub(super) fn check(&mut self, watched: u64, tail: Option<u64>, now: Instant) -> Option<u64> {
         let Some(tail) = tail.filter(|&t| t > watched) else {
             self.behind = None;
             return None;
         };
         match self.behind {
+            // The newest revision now, not the one of the window's start: a busy key's report
+            // is replaced every interval, and any revision past `watched` is one it owes.
             Some(b) if b.watched == watched => {
-                (now.duration_since(b.since) >= WATCH_STALL).then_some(b.tail)
+                (now.duration_since(b.since) >= WATCH_STALL).then_some(tail)
             }
             // Behind for the first time, or it delivered since: the window starts now.
             _ => {
                 self.behind = Some(Behind {
                     since: now,
                     watched,
-                    tail,
                 });
                 None
             }
         }
     }
 
-    /// The revision named by the last [`WatchProgress::check`] is gone from the bucket (a
-    /// limit removed it): no judgement can be made from it, the window starts again.
+    /// The revision named by the last [`WatchProgress::check`] could not be read back (gone,
+    /// or the broker did not answer): no judgement is made from it, the window starts again.
     pub(super) fn forget(&mut self) {
         self.behind = None;
     }
@@ -116,8 +127,8 @@ mod tests {
         assert_eq!(p.check(10, Some(14), t0 + Duration::from_secs(10)), None);
         assert_eq!(
             p.check(10, Some(15), t0 + WATCH_STALL),
-            Some(12),
-            "nothing delivered for the whole window: the revision behind at its start"
+            Some(15),
+            "nothing delivered for the whole window: the newest revision it owes"
         );
     }
 
