@@ -2,15 +2,20 @@
 //! with leader election, applications on the `model` handler, messages with ids, six faults
 //! drawn from the seed; at rest status equals what the handlers' own files say they did, and no
 //! counter ever stepped down. `make chaos` runs long ones with any seed. A suite of its own, so
-//! it runs beside the account suite rather than after it.
+//! it runs beside the account suite rather than after it; its campaigns one at a time.
 
 use settle_testkit::chaos::{self, Broker, Campaign};
 use std::time::Duration;
+
+/// Held for a whole campaign: one at a time, so the suite adds one operator pair and its
+/// applications to the machine's load, not three.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The campaign of seed 396 on `broker` (its six faults of six kinds: the leader SIGTERMed, an
 /// application replaced, paused and resumed, an application SIGKILLed, maxInFlight edited, the
 /// leader SIGKILLed), every discrepancy a failure.
 async fn short_campaign(broker: Broker) {
+    let _one = ONE_AT_A_TIME.lock().await;
     let report = chaos::run(
         broker,
         &Campaign {

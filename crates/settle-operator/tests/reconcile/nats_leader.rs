@@ -290,7 +290,7 @@ async fn a_leader_whose_lease_is_taken_stops_reconciling_and_writing_status_unti
     // Watch until shortly before the operator could take the intruder's record back (it may do
     // so INTRUDER_HOLDS after it first read it, which was after `taken`).
     let watch_until = taken + INTRUDER_HOLDS - Duration::from_secs(2);
-    let mut samples = 0;
+    let (mut samples, first) = (0, Instant::now());
     while Instant::now() < watch_until {
         assert_eq!(
             leads(),
@@ -305,7 +305,13 @@ async fn a_leader_whose_lease_is_taken_stops_reconciling_and_writing_status_unti
         samples += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    assert!(samples >= 5, "{samples} samples");
+    // What matters is how long the operator was seen idle, not how many looks a loaded machine
+    // could take meanwhile (each one asks the API server and the metrics endpoint).
+    let watched = first.elapsed();
+    assert!(
+        samples >= 2 && watched >= Duration::from_secs(5),
+        "{samples} samples over {watched:?}: the watch must cover most of the intruder's hold"
+    );
     let api = &scene.api;
     let d = api.get("during").await.expect("get during");
     assert!(
