@@ -51,13 +51,7 @@ async fn main() {
         },
     )
     .await;
-    for line in &report.lines {
-        println!("{line}");
-    }
-    println!("{}", report.summary);
-    for a in &report.allowed {
-        println!("allowed {a}");
-    }
+    report.print();
     for d in &report.discrepancies {
         println!("DISCREPANCY {d}");
     }

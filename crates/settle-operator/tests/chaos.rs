@@ -26,13 +26,7 @@ async fn short_campaign(broker: Broker) {
         },
     )
     .await;
-    for line in &report.lines {
-        println!("{line}");
-    }
-    println!("{}", report.summary);
-    for a in &report.allowed {
-        println!("allowed {a}");
-    }
+    report.print();
     assert!(
         report.discrepancies.is_empty(),
         "the campaign on {} found discrepancies:\n{}",

@@ -7,13 +7,15 @@
 //! discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
 //! stalled.
 //!
-//! It must not read the counters: the campaign's checker compares those.
+//! It must not judge the counters: it records them for the campaign's checker.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kube::Api;
 use settle::api::Subscription;
+
+use crate::account::Seen;
 
 /// The condition types a campaign judges.
 const JUDGED: [&str; 5] = ["Accounted", "Exhausting", "Stranding", "Stalled", "Ready"];
@@ -31,15 +33,21 @@ pub struct Change {
 /// Every change seen, in order.
 pub type Changes = Arc<Mutex<Vec<Change>>>;
 
-/// Polls Subscription `orders`'s conditions every 200 ms until aborted, recording each change
-/// of a judged one.
-pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Changes, tokio::task::JoinHandle<()>) {
-    let changes: Changes = Arc::default();
-    let (api, out) = (api.clone(), changes.clone());
+/// Polls Subscription `orders` every 100 ms until aborted: one read gives both the counters
+/// (every status seen, for the check that none stepped down) and each change of a judged
+/// condition.
+pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Seen, Changes, tokio::task::JoinHandle<()>) {
+    let (seen, changes): (Seen, Changes) = (Arc::default(), Arc::default());
+    let (api, counters, out) = (api.clone(), seen.clone(), changes.clone());
     let task = tokio::spawn(async move {
         loop {
             if let Ok(s) = api.get("orders").await {
-                let conditions = s.status.map(|st| st.conditions).unwrap_or_default();
+                let uid = s.metadata.uid.unwrap_or_default();
+                let status = s.status.unwrap_or_default();
+                if let (Some(stats), Ok(mut counters)) = (status.stats, counters.lock()) {
+                    counters.push((uid, stats.counters));
+                }
+                let conditions = status.conditions;
                 if let Ok(mut out) = out.lock() {
                     for c in conditions
                         .iter()
@@ -57,10 +65,10 @@ pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Changes, tokio::task::Joi
                     }
                 }
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
-    (changes, task)
+    (seen, changes, task)
 }
 
 /// Each condition seen without a cause, and each left wrong at rest; `exhausted` is how many

@@ -22,7 +22,7 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 use settle::api::Subscription;
 
-use crate::account::{App, stats_in, watch};
+use crate::account::{App, stats_in};
 use crate::operator::Operator;
 use crate::subs::{apply, subs, wait_ready};
 
@@ -134,6 +134,19 @@ pub struct Report {
     /// Each difference from the model a rule of the semantics allowed, and which.
     pub allowed: Vec<String>,
     pub discrepancies: Vec<String>,
+}
+
+impl Report {
+    /// Prints the lines, the summary and each allowed difference.
+    pub fn print(&self) {
+        for line in &self.lines {
+            println!("{line}");
+        }
+        println!("{}", self.summary);
+        for a in &self.allowed {
+            println!("allowed {a}");
+        }
+    }
 }
 
 /// The campaign's applications, each with its answers' file.
@@ -278,9 +291,8 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     };
     apps.start().await;
     apps.start().await;
-    let (seen, watcher) = watch(&api, "orders");
     let t0 = Instant::now();
-    let (changes, condition_watcher) = conditions::watch(&api, t0);
+    let (seen, changes, watcher) = conditions::watch(&api, t0);
 
     let mut draw = Draw::new(c.seed);
     let plan = schedule(&mut draw, c.faults, c.every);
@@ -403,7 +415,6 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
         s = again;
     }
     watcher.abort();
-    condition_watcher.abort();
     let faults = lines.len();
     let changes = changes.lock().map(|c| c.clone()).unwrap_or_default();
     for c in &changes {
