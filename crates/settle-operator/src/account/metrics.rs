@@ -231,6 +231,9 @@ pub struct Metrics {
     /// `settle_account_report_watch_stalls_total`: times a NATS keeper's report watch
     /// delivered nothing while its bucket held a newer report, and was made again.
     pub watch_stalls: IntCounter,
+    /// `settle_account_instances_folded_total`: runtime instances folded after `--fold-after`
+    /// without a report, their unfinished attempts counted Released (Lost under AtMostOnce).
+    pub folds: IntCounter,
 }
 
 impl Metrics {
@@ -337,6 +340,14 @@ impl Metrics {
                 registry.register(Box::new(c.clone()))?;
                 c
             },
+            folds: {
+                let c = IntCounter::new(
+                    "settle_account_instances_folded_total",
+                    "Runtime instances folded after --fold-after without a report (dead, or idle: one that reports again is counted on from its fold), their unfinished attempts counted Released (Lost under AtMostOnce).",
+                )?;
+                registry.register(Box::new(c.clone()))?;
+                c
+            },
         }
         .exported_at_zero())
     }
@@ -405,6 +416,14 @@ impl Metrics {
             .entry((namespace.to_string(), name.to_string()))
             .or_default()
             .stalled = Some(i64::from(stalled));
+    }
+
+    /// Counts and says the instances a keeper just folded (`instance`, unfinished attempts).
+    pub fn folded(&self, who: &str, folded: &[(String, u64)]) {
+        for (instance, unfinished) in folded {
+            self.folds.inc();
+            tracing::info!(subscription = %who, %instance, unfinished, "an instance silent for --fold-after is folded: its unfinished attempts count as Released (Lost under AtMostOnce)");
+        }
     }
 
     /// Forgets a deleted Subscription.

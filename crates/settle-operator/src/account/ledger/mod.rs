@@ -22,6 +22,9 @@
 //!   (a StatefulSet pod), a new life of it (a newer `startedAtMs`); the old life keeps its last
 //!   totals in the sum. Instances silent for longer than the idle limit are folded into a
 //!   per-Subscription `retired` total, so the state stays small however often pods restart.
+//!   An instance a report came from since the last fold (even one already counted) is not
+//!   silent: its newer reports may still wait behind it (an SQS report queue is FIFO per
+//!   instance), so it is not folded on an older report's time.
 //! - **Dying is accounted.** A life that ends without a last word (SIGKILL) had attempts in
 //!   flight at its last report: offered, never delivered, released or lost. When it is folded
 //!   (or replaced by a new life), those attempts are counted given up: Released under
@@ -46,7 +49,7 @@
 //!   again, a folded instance whose fold was lost) carried counts status already showed: its
 //!   first report is charged against the offset, never counted twice.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use settle::api::{ConsumerStats, Mode};
 use settle::bus::report::{REPORT_VERSION, StatsReport};
@@ -66,6 +69,9 @@ pub struct Account {
     live: BTreeMap<String, Seen>,
     persisted: Persisted,
     floor: ConsumerStats,
+    /// Instances a report of this object came from since the last [`Account::fold_idle`]:
+    /// heard from, so not folded by it.
+    heard: BTreeSet<String>,
 }
 
 impl Account {
@@ -96,6 +102,7 @@ impl Account {
             live: snapshot.live,
             persisted: snapshot.persisted,
             floor,
+            heard: BTreeSet::new(),
         }
     }
 
@@ -121,6 +128,14 @@ impl Account {
 
     /// Counts one report of this Subscription.
     pub fn report(&mut self, r: &StatsReport) -> Outcome {
+        let outcome = self.judge(r);
+        if matches!(outcome, Outcome::Counted | Outcome::Stale) {
+            self.heard.insert(r.instance.clone());
+        }
+        outcome
+    }
+
+    fn judge(&mut self, r: &StatsReport) -> Outcome {
         let Some(loss) = &self.persisted.lost else {
             return self.count(r);
         };
@@ -288,21 +303,27 @@ impl Account {
         self.persisted.broker.recent.clear();
     }
 
-    /// Folds instances that have not reported for `idle_ms` (as of `now_ms`) into the retired
-    /// total, their unfinished attempts counted given up. Returns the instances folded (their
-    /// reports may be deleted from the bucket).
-    pub fn fold_idle(&mut self, now_ms: u64, idle_ms: u64) -> Vec<String> {
-        let idle: Vec<String> = self
+    /// Folds instances whose newest report counted is older than `idle_ms` (as of `now_ms`)
+    /// and that no report came from since the last call, into the retired total, their
+    /// unfinished attempts counted given up. Returns the instances folded (their reports may
+    /// be deleted from the bucket), each with the attempts it had unfinished.
+    pub fn fold_idle(&mut self, now_ms: u64, idle_ms: u64) -> Vec<(String, u64)> {
+        let heard = std::mem::take(&mut self.heard);
+        let names: Vec<String> = self
             .live
             .iter()
-            .filter(|(_, s)| now_ms.saturating_sub(s.reported_at_ms) > idle_ms)
+            .filter(|(k, s)| {
+                now_ms.saturating_sub(s.reported_at_ms) > idle_ms && !heard.contains(*k)
+            })
             .map(|(k, _)| k.clone())
             .collect();
-        for instance in &idle {
-            if let Some(mut seen) = self.live.remove(instance) {
+        let mut idle = Vec::with_capacity(names.len());
+        for instance in names {
+            if let Some(mut seen) = self.live.remove(&instance) {
                 self.persisted.retired = add(&self.persisted.retired, &seen.ended());
                 seen.credit = seen.in_flight();
-                self.persisted.folded.insert(instance.clone(), seen);
+                idle.push((instance.clone(), seen.credit));
+                self.persisted.folded.insert(instance, seen);
             }
         }
         // Remember only the most recent folds; the dropped ones stay in `retired`.

@@ -1,5 +1,33 @@
 //! The ledger's table and property tests: every rule of the header, case by case.
 
+/// Folds as a keeper does once a round without a report from the instances to fold: the
+/// reports before were heard in a round of their own, which folds none of their instances.
+fn fold_silent(a: &mut Account, now_ms: u64, idle_ms: u64) -> Vec<(String, u64)> {
+    let mut folded = a.fold_idle(now_ms, idle_ms);
+    folded.extend(a.fold_idle(now_ms, idle_ms));
+    folded
+}
+
+#[test]
+fn an_instance_heard_from_in_a_round_is_not_folded_in_it_even_by_a_stale_report() {
+    // A FIFO report queue gives an instance's backlog oldest first: its old report is not a
+    // reason to fold it while newer ones come.
+    let mut a = Account::default();
+    let mut one_in_flight = stats(3, 2, 0);
+    one_in_flight.offered += 1;
+    a.report(&report("pod-a", 1, 1, one_in_flight));
+    assert!(a.fold_idle(1_000_000, 60).is_empty(), "heard this round");
+    assert_eq!(
+        a.report(&report("pod-a", 1, 1, one_in_flight)),
+        Outcome::Stale
+    );
+    assert!(
+        a.fold_idle(1_000_000, 60).is_empty(),
+        "a stale report is heard too"
+    );
+    assert_eq!(a.fold_idle(1_000_000, 60), vec![("pod-a".to_string(), 1)]);
+}
+
 #[test]
 fn a_dead_lettered_message_is_counted_once_and_only_the_larger_source_shows() {
     let mut a = Account::of(Some("uid-1".into()));
@@ -157,7 +185,7 @@ fn a_sequence_past_the_bound_is_implausible_for_every_life_of_the_name() {
         None
     );
     // A folded life is held to its last sequence too.
-    a.fold_idle(10_000_000, 60);
+    fold_silent(&mut a, 10_000_000, 60);
     assert_eq!(a.last_sequence("orders-0"), Some(7));
     assert_eq!(
         a.implausible(&jumped(u64::MAX), JUMP, NOW, 0),
@@ -300,7 +328,7 @@ fn a_dead_instances_unfinished_attempts_are_released_when_it_is_folded() {
     let mut a = Account::default();
     a.report(&report("killed", 3, 100, killed(10, 4)));
     assert!(!a.counted().balanced(), "4 attempts in flight");
-    a.fold_idle(10_000, 1_000);
+    fold_silent(&mut a, 10_000, 1_000);
     let t = a.counted();
     assert_eq!((t.offered, t.delivered, t.released), (14, 10, 4));
     assert!(t.balanced(), "the identity holds at rest: {t:?}");
@@ -309,7 +337,7 @@ fn a_dead_instances_unfinished_attempts_are_released_when_it_is_folded() {
     let mut r = report("killed", 3, 100, killed(10, 4));
     r.mode = Mode::AtMostOnce;
     b.report(&r);
-    b.fold_idle(10_000, 1_000);
+    fold_silent(&mut b, 10_000, 1_000);
     let t = b.counted();
     assert_eq!((t.lost, t.released), (4, 0));
     assert!(t.balanced());
@@ -331,7 +359,7 @@ fn a_folded_instance_that_reports_again_is_never_counted_twice() {
     // the fold; when they finish they are not counted again.
     let mut a = Account::default();
     a.report(&report("slow", 3, 100, killed(10, 4)));
-    a.fold_idle(1_000_000, 60_000);
+    fold_silent(&mut a, 1_000_000, 60_000);
     // The 4 finish (acked), and 2 more arrive and finish.
     a.report(&report("slow", 4, 2_000_000, stats(16, 0, 0)));
     let t = a.counted();
@@ -354,7 +382,7 @@ fn folding_keeps_totals_and_bounds_the_state() {
         a.report(&report(&format!("pod-{i}"), 1, i, stats(1, 1, 0)));
     }
     let before = a.counted();
-    let folded = a.fold_idle(10_000, 60);
+    let folded = fold_silent(&mut a, 10_000, 60);
     assert_eq!(folded.len(), 1000);
     assert_eq!(a.instances(), 0);
     assert!(a.persisted().folded.len() <= REMEMBERED_FOLDS);
@@ -369,7 +397,7 @@ fn folding_keeps_totals_and_bounds_the_state() {
 fn a_folded_instance_that_reports_again_adds_only_its_growth() {
     let mut a = Account::default();
     a.report(&report("idle", 3, 100, stats(5, 0, 0)));
-    a.fold_idle(1_000_000, 60_000);
+    fold_silent(&mut a, 1_000_000, 60_000);
     a.report(&report("idle", 4, 2_000_000, stats(7, 0, 0)));
     assert_eq!(a.counted().settlement.acked, 7);
     // And a repeat of its old report is stale.
@@ -403,7 +431,7 @@ fn the_account_resumes_exactly_after_an_operator_restart() {
     let mut a = Account::default();
     a.report(&report("old", 2, 10, stats(4, 1, 0)));
     a.report(&report("live", 2, 10_000, stats(6, 0, 0)));
-    a.fold_idle(10_000, 1_000);
+    fold_silent(&mut a, 10_000, 1_000);
     let published = a.totals();
     // The operator restarts: it reads the persisted folds and the bucket again. With no
     // floor at all, what is persisted and the reports alone give the same account.
@@ -420,7 +448,7 @@ fn a_snapshot_restores_the_same_totals_and_later_reports_count_as_before() {
     a.report(&report("old", 2, 10, stats(4, 1, 0)));
     a.report(&report("live", 2, 10_000, stats(6, 0, 1)));
     a.report(&report("other", 5, 10_000, stats(1, 9, 3)));
-    a.fold_idle(10_000, 1_000);
+    fold_silent(&mut a, 10_000, 1_000);
     let published = a.totals();
     let text = serde_json::to_string(&a.snapshot()).expect("serialises");
     let back: Snapshot = serde_json::from_str(&text).expect("parses");
@@ -869,7 +897,7 @@ proptest! {
             seqs.push(1);
         }
         if ledger {
-            before.fold_idle(400_000, 1_000);
+            fold_silent(&mut before, 400_000, 1_000);
         }
         let floor = before.totals();
         let mut truth = floor;
@@ -960,7 +988,7 @@ proptest! {
             a.report(&report(&format!("i{inst}"), seqs[inst], clock, acc[inst]));
             a.broker_exhausted(broker);
             if fold {
-                a.fold_idle(clock, 15);
+                fold_silent(&mut a, clock, 15);
             }
             let now = a.counted();
             prop_assert!(dominates(&now, &last), "went down: {last:?} -> {now:?}");
@@ -983,7 +1011,7 @@ proptest! {
             if *amo { r.mode = Mode::AtMostOnce; }
             a.report(&r);
         }
-        a.fold_idle(1_000_000, 60);
+        fold_silent(&mut a, 1_000_000, 60);
         let t = a.counted();
         prop_assert!(t.balanced(), "{:?}", t);
     }

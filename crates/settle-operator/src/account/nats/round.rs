@@ -176,7 +176,10 @@ impl NatsKeeper {
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         let mut dropped = Vec::new();
         for (key, book) in books.iter_mut() {
-            for instance in book.account.fold_idle(now, fold_after) {
+            let folded = book.account.fold_idle(now, fold_after);
+            self.metrics
+                .folded(&format!("{}/{}", key.0, key.1), &folded);
+            for (instance, _) in folded {
                 book.dirty = true;
                 if let Some(r) = book.revisions.remove(&instance) {
                     dropped.push((key.clone(), report_key(&key.0, &key.1, &instance), r));

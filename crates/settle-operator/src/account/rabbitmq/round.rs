@@ -127,7 +127,9 @@ impl RabbitKeeper {
     fn fold_idle(&self, books: &mut HashMap<SubKey, Book>, now: u64) {
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         for (key, book) in books.iter_mut() {
-            for instance in book.account.fold_idle(now, fold_after) {
+            let folded = book.account.fold_idle(now, fold_after);
+            self.metrics.folded(&who(key), &folded);
+            for (instance, _) in folded {
                 book.dirty = true;
                 let q = report::instance_queue(&key.0, &key.1, &instance);
                 if book.instances.remove(&q) {

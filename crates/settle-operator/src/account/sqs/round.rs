@@ -39,7 +39,9 @@ impl SqsKeeper {
                     book.counting = true;
                 }
             }
-            if !book.account.fold_idle(now, fold_after).is_empty() {
+            let folded = book.account.fold_idle(now, fold_after);
+            if !folded.is_empty() {
+                self.metrics.folded(&who(key), &folded);
                 book.dirty = true;
             }
             self.save(client, key, members.get(key), book).await;
