@@ -58,8 +58,12 @@ use settle::policy::ResolvedPolicy;
 use store::{Loaded, Saved, delete_all, load, prune, secs, store};
 
 /// How long a received report stays hidden from another receive while the keeper holds it
-/// (counted, waiting for the snapshot that holds it to be saved, then deleted).
-pub const REPORT_HIDE: Duration = Duration::from_secs(30);
+/// (counted, waiting for the snapshot that holds it to be saved, then deleted: one
+/// Subscription's receive, save and delete, well under a second). A report queue is FIFO by
+/// instance, so a held report also holds back that instance's later ones: after a leader is
+/// SIGKILLed, its successor reads them once these holds run out. Kept at most the Lease's
+/// duration less one renewal, so they have run out by the time a standby can take the Lease.
+pub const REPORT_HIDE: Duration = Duration::from_secs(8);
 /// Receives of (at most 10) reports per Subscription per second, at most: 300 reports a
 /// second; more wait in the queue for the next second.
 pub const REPORT_RECEIVES_PER_TICK: usize = 30;

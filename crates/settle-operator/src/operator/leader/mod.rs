@@ -168,4 +168,11 @@ mod tests {
         // A renewal that hangs is abandoned with time left to try again before the deadline.
         assert!(RENEW_INTERVAL + REQUEST_TIMEOUT < RENEW_DEADLINE);
     }
+
+    #[test]
+    fn a_killed_leaders_held_sqs_reports_are_back_before_a_standby_can_lead() {
+        // The holder renewed at most one interval before it died; the Lease is taken at the
+        // earliest its duration after that renewal.
+        assert!(crate::account::sqs::REPORT_HIDE + RENEW_INTERVAL <= LEASE_DURATION);
+    }
 }
