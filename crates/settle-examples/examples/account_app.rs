@@ -35,9 +35,9 @@
 //!     [`model_answer`]: ack, nack or silent (returns without settling). Each answer is
 //!     appended to the file `SETTLE_APP_MODEL_LOG` as a line `<id> <attempt> <answer> <unix
 //!     ms>` just before it is sent (so a settlement the broker got is never missing from the
-//!     file, even when the process is killed right after), and a settlement that then fails
-//!     adds `<id> <attempt> failed <unix ms>`: the campaign's checker knows what the handlers
-//!     did without asking Settle.
+//!     file, even when the process is killed right after), and once it returned
+//!     `<id> <attempt> done <unix ms>` (`failed` for a settlement that returned an error): the
+//!     campaign's checker knows what the handlers did, and when, without asking Settle.
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
 //! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
@@ -130,8 +130,9 @@ async fn handle(
                 "nack" => d.nack().await,
                 _ => Ok(()),
             };
-            if let (Err(_), Some(log)) = (&sent, log) {
-                log.said(id, d.attempt(), "failed");
+            if let Some(log) = log {
+                let done = if sent.is_ok() { "done" } else { "failed" };
+                log.said(id, d.attempt(), done);
             }
             Ok(sent?)
         }

@@ -2,12 +2,12 @@
 //! rest every counter equals the model, except where an application was SIGKILLed: what it
 //! answered after its last report never reached the account, and the semantics (C16) move it
 //! into Released when the instance is folded. The applications report every 200 ms, so the
-//! checker allows, per kill, what that instance answered in the [`KILL_WINDOW`] before it, and
-//! says which rule allowed each difference it accepted.
+//! checker allows, per kill, what that instance finished settling in the [`KILL_WINDOW`] before
+//! it (or was still settling at it), and says which rule allowed each difference it accepted.
 //!
 //! It must not read Settle's counters to build the model, nor inject faults.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -19,8 +19,9 @@ use crate::account::Seen;
 /// The campaign's `maxDeliver`: an answer other than ack to this attempt exhausts a message.
 pub const MAX_DELIVER: u32 = 3;
 
-/// How far before its SIGKILL an instance's answers may be missing from its reports: its
-/// report interval (200 ms) and the report's way to the broker, with room to spare.
+/// How far before its SIGKILL an instance's settlements may be missing from its reports, from
+/// when each returned: its report interval (200 ms) and the report's way to the broker, with
+/// room to spare.
 pub const KILL_WINDOW: Duration = Duration::from_millis(1500);
 
 /// One answer a handler gave.
@@ -28,7 +29,11 @@ pub const KILL_WINDOW: Duration = Duration::from_millis(1500);
 pub struct Answer {
     /// Which file (which application instance) said it.
     pub file: usize,
+    /// When the handler decided (written before it settles, so a kill cannot hide it).
     pub at_ms: u64,
+    /// When its settlement returned (`done`, or `failed`): the runtime counts the attempt
+    /// Delivered only then. None: still settling when the instance died or the run ended.
+    pub done_ms: Option<u64>,
     pub id: u64,
     pub attempt: u32,
     pub answer: String,
@@ -58,10 +63,13 @@ pub struct Model {
 }
 
 impl Model {
-    /// Reads the model handler's files (`<id> <attempt> <answer> <unix ms>` lines).
+    /// Reads the model handler's files: `<id> <attempt> <answer> <unix ms>` lines, each
+    /// followed by `<id> <attempt> done <unix ms>` once its settlement returned (`failed`
+    /// instead when it returned an error).
     pub fn read(files: &[PathBuf]) -> Model {
         let mut m = Model::default();
         for (file, path) in files.iter().enumerate() {
+            let mut open: HashMap<(u64, u32), usize> = HashMap::new();
             let Ok(text) = std::fs::read_to_string(path) else {
                 continue;
             };
@@ -76,8 +84,13 @@ impl Model {
                 };
                 let at_ms = words.get(3).and_then(|w| w.parse().ok()).unwrap_or(0);
                 match *answer {
-                    "failed" => {
-                        m.failed += 1;
+                    "done" | "failed" => {
+                        if *answer == "failed" {
+                            m.failed += 1;
+                        }
+                        if let Some(i) = open.remove(&(id, attempt)) {
+                            m.answers[i].done_ms = Some(at_ms);
+                        }
                         continue;
                     }
                     "ack" => {
@@ -90,9 +103,11 @@ impl Model {
                     _ => m.silent += 1,
                 }
                 m.attempts += 1;
+                open.insert((id, attempt), m.answers.len());
                 m.answers.push(Answer {
                     file,
                     at_ms,
+                    done_ms: None,
                     id,
                     attempt,
                     answer: (*answer).to_string(),
@@ -102,13 +117,17 @@ impl Model {
         m
     }
 
-    /// The answers an instance gave within [`KILL_WINDOW`] before one of `kills`.
+    /// The answers of an instance, given before one of `kills`, whose settlement returned
+    /// within [`KILL_WINDOW`] before it, or had not returned.
     fn unreported<'a>(&'a self, kills: &'a [Kill]) -> impl Iterator<Item = &'a Answer> + 'a {
         let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
         self.answers.iter().filter(move |a| {
-            kills
-                .iter()
-                .any(|k| k.file == a.file && a.at_ms <= k.at_ms && a.at_ms + window >= k.at_ms)
+            kills.iter().any(|k| {
+                k.file == a.file
+                    && a.at_ms <= k.at_ms
+                    && a.done_ms
+                        .is_none_or(|d| d.saturating_add(window) >= k.at_ms)
+            })
         })
     }
 }
@@ -222,6 +241,7 @@ mod tests {
         Answer {
             file,
             at_ms,
+            done_ms: Some(at_ms + 5),
             id,
             attempt,
             answer: answer.into(),
@@ -315,7 +335,11 @@ mod tests {
     fn the_files_are_read_with_their_times_and_failed_settlements_apart() {
         let dir = tempfile::tempdir().expect("a directory");
         let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-        std::fs::write(&a, "1 1 ack 1000\n2 1 nack 1001\n2 1 failed 1002\n").expect("a");
+        std::fs::write(
+            &a,
+            "1 1 ack 1000\n2 1 nack 1001\n1 1 done 1005\n2 1 failed 1002\n",
+        )
+        .expect("a");
         std::fs::write(&b, "2 2 silent\nnot a line\n").expect("b");
         let m = Model::read(&[a, b]);
         assert_eq!(
@@ -323,6 +347,36 @@ mod tests {
             (3, 1, 1, 1, 1)
         );
         assert_eq!(m.answers[0], answer(0, 1000, 1, 1, "ack"));
-        assert_eq!(m.answers[2], answer(1, 0, 2, 2, "silent"));
+        assert_eq!(m.answers[1].done_ms, Some(1002));
+        assert_eq!(m.answers[2].done_ms, None);
+        assert_eq!((m.answers[2].at_ms, m.answers[2].id), (0, 2));
+    }
+
+    #[test]
+    fn a_kill_allows_a_settlement_by_when_it_returned_not_when_it_was_decided() {
+        // Message 1's last nack, decided at 2000 ms, long before the kill at 9150 ms: its
+        // attempt is missing from the reports only if its settlement returned inside the
+        // window, or never returned; the broker counted the message exhausted.
+        let kills = [Kill {
+            file: 1,
+            at_ms: 9150,
+        }];
+        let mut m = Model {
+            attempts: 1,
+            nacked: 1,
+            answers: vec![answer(1, 2000, 1, MAX_DELIVER, "nack")],
+            ..Model::default()
+        };
+        let mut status = stats(0, 0, 0, 1);
+        (status.offered, status.released) = (1, 1);
+        let found = check(&m, 1, &status, &kills, &mut Vec::new());
+        assert_eq!(found.len(), 2, "delivered, nacked: {found:?}");
+        for done in [Some(8000), None] {
+            m.answers[0].done_ms = done;
+            let mut allowed = Vec::new();
+            let found = check(&m, 1, &status, &kills, &mut allowed);
+            assert!(found.is_empty(), "{done:?}: {found:?}");
+            assert_eq!(allowed.len(), 2, "delivered, nacked: {allowed:?}");
+        }
     }
 }
