@@ -11,9 +11,11 @@ use std::time::Duration;
 /// applications to the machine's load, not three.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The campaign of seed 396 on `broker` (its six faults of six kinds: the leader SIGTERMed, an
-/// application replaced, paused and resumed, an application SIGKILLed, maxInFlight edited, the
-/// leader SIGKILLed), every discrepancy a failure.
+/// The campaign of seed 396 on `broker`, every discrepancy a failure. On RabbitMQ and SQS its
+/// six faults are of six kinds (the leader SIGTERMed, an application replaced, paused and
+/// resumed, an application SIGKILLed, maxInFlight edited, the leader SIGKILLed); on NATS, whose
+/// broker the campaign can kill, two applications SIGKILLed, the broker SIGKILLed for 4 s,
+/// maxInFlight edited twice, the leader SIGKILLed.
 async fn short_campaign(broker: Broker) {
     let _one = ONE_AT_A_TIME.lock().await;
     let report = chaos::run(

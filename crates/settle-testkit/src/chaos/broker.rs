@@ -1,19 +1,22 @@
 //! Where a campaign runs: per broker, the Backend applied in the campaign's namespace, the
 //! Subscription's broker fields, the applications' environment, a publisher that sends one
-//! message per id, and what is removed afterwards. NATS: a stream of the campaign's own;
-//! RabbitMQ: a routing key of its own on `amq.topic` into the Subscription's quorum queue; SQS:
-//! a queue prefix of its own.
+//! message per id, and what is removed afterwards. NATS: a nats-server of the campaign's own
+//! (so it can be SIGKILLed) and a stream on it; RabbitMQ: a routing key of its own on
+//! `amq.topic` into the Subscription's quorum queue; SQS: a queue prefix of its own.
 //!
-//! It must not inject faults nor judge status: the campaign does.
+//! It must not decide when a fault happens nor judge status: the campaign does.
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::message::PublishMessage;
 
 use futures::StreamExt;
 use settle::backend::nats::capture::{ACCOUNT_BUCKET, CAPTURE_STREAM};
 use settle::bus::report::REPORT_BUCKET;
 
 use crate::account::report_keys;
-use crate::operator::TestStream;
+use crate::operator::{NatsServer, TestStream};
 use crate::rabbitmq::{env_backend_yaml, management, publish_topic};
 use crate::subs::{apply, backend_yaml, backends, wait_backend};
 
@@ -44,7 +47,7 @@ impl Broker {
 
 /// The campaign's place on its broker.
 pub(super) enum Target {
-    Nats(Box<TestStream>),
+    Nats(Box<TestStream>, NatsServer),
     Rabbitmq {
         amqp: Arc<lapin::Connection>,
         tag: String,
@@ -66,14 +69,16 @@ impl Target {
         let tag = format!("chaos{}", std::process::id());
         match broker {
             Broker::Nats => {
-                let stream = TestStream::new(&env.nats_url, "chaos").await;
-                apply(ns, &backend_yaml("nats", &env.nats_url));
+                let server = NatsServer::start(&[]);
+                let url = server.url();
+                let stream = TestStream::new(&url, "chaos").await;
+                apply(ns, &backend_yaml("nats", &url));
                 let fields = format!(
                     "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n",
                     stream.prefix
                 );
-                let app_env = vec![("SETTLE_NATS_URL".into(), env.nats_url.clone())];
-                (Target::Nats(Box::new(stream)), fields, app_env)
+                let app_env = vec![("SETTLE_NATS_URL".into(), url)];
+                (Target::Nats(Box::new(stream), server), fields, app_env)
             }
             Broker::Rabbitmq => {
                 apply(ns, &env_backend_yaml("rabbit", ""));
@@ -135,7 +140,7 @@ impl Target {
     /// A publisher of message `id` (its body the id), confirmed by the broker.
     pub(super) fn publisher(&self) -> Publisher {
         match self {
-            Target::Nats(s) => Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone()),
+            Target::Nats(s, _) => Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone()),
             Target::Rabbitmq { amqp, tag } => Publisher::Rabbitmq(amqp.clone(), tag.clone()),
             Target::Sqs { client, url, .. } => Publisher::Sqs(client.clone(), url.clone()),
         }
@@ -149,7 +154,7 @@ impl Target {
     pub(super) async fn leftovers(&self, ns: &str) -> Vec<String> {
         let mut left = Vec::new();
         match self {
-            Target::Nats(s) => {
+            Target::Nats(s, _) => {
                 if let Ok(stream) = s.js.get_stream(&s.name).await {
                     let mut names = stream.consumer_names();
                     while let Some(Ok(name)) = names.next().await {
@@ -210,9 +215,41 @@ impl Target {
         left
     }
 
+    /// Whether reports wait on the broker for the account to count them. On SQS the keeper
+    /// deletes a report once the snapshot holding it is saved: a report queue holding one
+    /// (visible, or held by a keeper, a dead leader's included) is not counted in status yet.
+    /// NATS keeps every report in its bucket and RabbitMQ each instance's newest in its queue:
+    /// there only a status that stays the same says the account is at rest.
+    pub(super) async fn reports_waiting(&self) -> bool {
+        match self {
+            Target::Sqs { client, prefix, .. } => {
+                let name = settle::backend::sqs::report::report_queue(&format!("{prefix}orders"));
+                match crate::sqs::url(client, &name).await {
+                    Some(url) => holds_messages(client, &url).await,
+                    None => false,
+                }
+            }
+            Target::Nats(..) | Target::Rabbitmq { .. } => false,
+        }
+    }
+
+    /// The broker SIGKILLed, and started again on its store after `down`.
+    pub(super) async fn kill_broker(&mut self, down: Duration) {
+        match self {
+            Target::Nats(_, server) => {
+                server.stop();
+                tokio::time::sleep(down).await;
+                server.resume();
+            }
+            Target::Rabbitmq { .. } | Target::Sqs { .. } => {
+                panic!("the campaign runs no broker of its own here to kill")
+            }
+        }
+    }
+
     /// What the campaign made on the broker beside the Subscription's own objects, removed.
     pub(super) async fn remove(self) {
-        if let Target::Nats(stream) = self {
+        if let Target::Nats(stream, _server) = self {
             stream.delete().await;
         }
     }
@@ -248,11 +285,25 @@ impl Publisher {
     pub(super) async fn send(&self, id: u64) {
         match self {
             Publisher::Nats(js, prefix) => {
-                js.publish(format!("{prefix}.m{id}"), id.to_string().into())
-                    .await
-                    .expect("publish")
-                    .await
-                    .expect("the stream stored it");
+                // Until the stream stores it, through a broker restart; the id as the message
+                // id, so one stored whose acknowledgement was lost is not stored twice.
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    let message = PublishMessage::build()
+                        .message_id(id.to_string())
+                        .payload(id.to_string().into());
+                    let stored = match js.send_publish(format!("{prefix}.m{id}"), message).await {
+                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match stored {
+                        Ok(()) => break,
+                        Err(e) if std::time::Instant::now() > deadline => {
+                            panic!("message {id} not stored within 60 s: {e}")
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                    }
+                }
             }
             Publisher::Rabbitmq(amqp, tag) => {
                 publish_topic(amqp, [(format!("{tag}.m{id}"), id.to_string())]).await;

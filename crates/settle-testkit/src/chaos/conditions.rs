@@ -1,8 +1,10 @@
 //! The conditions a campaign watches (`Accounted`, `Exhausting`, `Stranding`, `Stalled`,
 //! `Ready`) and the check that each one raised had a cause: every change is recorded with its
 //! time; `Exhausting=True` needs a message the handlers never acknowledged (it ran out of
-//! attempts), and none of the campaign's faults causes `Ready=False`, `Accounted=False`,
-//! `Stranding=True` or `Stalled=True` (they remove no Backend, connection or consumer, cost no
+//! attempts); `Ready=False` and `Accounted=False` need the broker down (from its kill until
+//! [`OUTAGE_GRACE`] after it is back: the operator finds the consumer unreachable, a source
+//! unreadable); none of the campaign's faults causes `Stranding=True` or `Stalled=True`, nor
+//! the others outside an outage (they remove no Backend, connection or consumer, cost no
 //! source, save or report, and a pause owes nothing: semantics C22), so each seen is a
 //! discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
 //! stalled.
@@ -71,12 +73,25 @@ pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Seen, Changes, tokio::tas
     (seen, changes, task)
 }
 
+/// How long after the broker is back a condition it caused may still be raised: the
+/// operator's next look at the consumer and the sources (its stats interval is 1 s, a client
+/// reconnects within a few).
+pub const OUTAGE_GRACE: Duration = Duration::from_secs(15);
+
 /// Each condition seen without a cause, and each left wrong at rest; `exhausted` is how many
-/// messages the handlers never acknowledged.
-pub fn uncaused(changes: &[Change], exhausted: u64) -> Vec<String> {
+/// messages the handlers never acknowledged, `outages` when the broker was down.
+pub fn uncaused(
+    changes: &[Change],
+    exhausted: u64,
+    outages: &[(Duration, Duration)],
+) -> Vec<String> {
     let mut out = Vec::new();
     for c in changes {
+        let down = outages
+            .iter()
+            .any(|(from, to)| *from <= c.at && c.at <= *to + OUTAGE_GRACE);
         let why = match (c.type_.as_str(), c.status.as_str()) {
+            ("Accounted" | "Ready", "False") if down => continue,
             ("Accounted", "False") => "no fault of the campaign loses a source, a save or a report",
             ("Stranding", "True") => "nothing was declined that the broker could not take back",
             ("Stalled", "True") => "handlers returned throughout, and a pause owes nothing (C22)",
@@ -136,14 +151,18 @@ mod tests {
             change(1, "Accounted", "True", "Whole"),
             change(9, "Exhausting", "True", "MessagesExhausted"),
         ];
-        assert!(uncaused(&calm, 3).is_empty(), "{:?}", uncaused(&calm, 3));
-        let found = uncaused(&calm, 0);
+        assert!(
+            uncaused(&calm, 3, &[]).is_empty(),
+            "{:?}",
+            uncaused(&calm, 3, &[])
+        );
+        let found = uncaused(&calm, 0, &[]);
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].starts_with("Exhausting=True"), "{found:?}");
 
         let mut troubled = calm.clone();
         troubled.push(change(12, "Accounted", "False", "LedgerNotSaved"));
-        let found = uncaused(&troubled, 3);
+        let found = uncaused(&troubled, 3, &[]);
         assert_eq!(found.len(), 2, "during, and still at rest: {found:?}");
         assert!(found[0].contains("at 12.0 s without a cause"), "{found:?}");
         assert!(
@@ -152,7 +171,7 @@ mod tests {
         );
 
         troubled.push(change(14, "Ready", "False", "BackendNotFound"));
-        let found = uncaused(&troubled, 3);
+        let found = uncaused(&troubled, 3, &[]);
         assert!(
             found
                 .iter()
@@ -162,14 +181,33 @@ mod tests {
         troubled.pop();
         troubled.push(change(15, "Accounted", "True", "Whole"));
         assert_eq!(
-            uncaused(&troubled, 3).len(),
+            uncaused(&troubled, 3, &[]).len(),
             1,
             "cleared at rest, still seen"
         );
         assert_eq!(
-            uncaused(&[], 0).len(),
+            uncaused(&[], 0, &[]).len(),
             2,
             "Ready and Accounted never written"
         );
+    }
+
+    #[test]
+    fn the_broker_down_causes_not_ready_and_not_accounted_until_a_while_after_it_is_back() {
+        let outage = [(Duration::from_secs(10), Duration::from_secs(14))];
+        let changes = vec![
+            change(1, "Ready", "True", "ConsumerReady"),
+            change(1, "Accounted", "True", "Kept"),
+            change(11, "Ready", "False", "Unreachable"),
+            change(20, "Accounted", "False", "SourceUnreadable"),
+            change(22, "Ready", "True", "ConsumerReady"),
+            change(25, "Accounted", "True", "Kept"),
+            change(40, "Ready", "False", "Unreachable"),
+            change(41, "Ready", "True", "ConsumerReady"),
+        ];
+        let found = uncaused(&changes, 0, &outage);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].contains("at 40.0 s without a cause"), "{found:?}");
+        assert_eq!(uncaused(&changes, 0, &[]).len(), 3);
     }
 }

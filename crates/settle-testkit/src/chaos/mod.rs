@@ -5,32 +5,32 @@
 //! faults on a schedule drawn from the seed. At rest the checker compares status with what the
 //! handlers' files say they did: the ground truth does not come from Settle.
 //!
-//! The faults so far: an application stopped (SIGTERM) and replaced, SIGKILLed and replaced,
-//! scaled up, scaled down; the leading operator SIGKILLed or SIGTERMed and started again; the
-//! Subscription paused and resumed, its `maxInFlight` edited. [`model`] holds what the
-//! handlers did and the checker (every counter exact but what a SIGKILL allows, C16),
-//! [`conditions`] the conditions and their causes, [`broker`] what differs between NATS,
-//! RabbitMQ and SQS; this file draws the schedule and runs it.
+//! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
+//! operator SIGKILLed or SIGTERMed; the Subscription paused, edited; the broker SIGKILLed), the
+//! schedule and how each is done; [`model`] what the handlers did and the checker (every
+//! counter exact but what a SIGKILL allows, C16); [`conditions`] the conditions and their
+//! causes; [`broker`] what differs between NATS, RabbitMQ and SQS. This file runs a campaign:
+//! sets it up, runs the schedule, waits for rest, judges, and cleans up.
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
 //! nor read Settle's counters to build its model.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kube::Api;
-use kube::api::{Patch, PatchParams};
 use settle::api::Subscription;
 
-use crate::account::{App, stats_in};
-use crate::operator::Operator;
+use crate::account::stats_in;
 use crate::subs::{apply, subs, wait_ready};
 
 mod broker;
 mod conditions;
+mod faults;
 mod model;
 pub use broker::Broker;
 use broker::Target;
+use faults::{Apps, Done, Operators};
+pub use faults::{Fault, schedule};
 pub use model::{Answer, KILL_WINDOW, Kill, MAX_DELIVER, Model, check, stepped_down};
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
@@ -53,68 +53,6 @@ impl Draw {
     pub fn below(&mut self, n: u64) -> u64 {
         self.number().checked_rem(n).unwrap_or(0)
     }
-}
-
-/// A fault the campaign injects.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fault {
-    /// One application stopped (SIGTERM: handlers in flight finish, the last report is
-    /// confirmed) and another started in its place.
-    AppReplaced,
-    /// One more application instance.
-    AppScaledUp,
-    /// One application stopped (SIGTERM), if more than one runs.
-    AppScaledDown,
-    /// The leading operator SIGKILLed, and started again (it stands by).
-    LeaderKilled,
-    /// The leading operator SIGTERMed (it hands the Lease over), and started again.
-    LeaderStopped,
-    /// The Subscription paused (`spec.paused`) for a few seconds, then resumed.
-    Paused,
-    /// An editable field changed: `spec.maxInFlight` set to a drawn value.
-    Edited,
-    /// One application SIGKILLed mid-work (no last report) and another started in its place.
-    AppKilled,
-}
-
-impl Fault {
-    const ALL: [Fault; 8] = [
-        Fault::AppReplaced,
-        Fault::AppScaledUp,
-        Fault::AppScaledDown,
-        Fault::LeaderKilled,
-        Fault::LeaderStopped,
-        Fault::Paused,
-        Fault::Edited,
-        Fault::AppKilled,
-    ];
-}
-
-/// A merge patch of the Subscription's spec.
-async fn patch_spec(api: &Api<Subscription>, spec: serde_json::Value) {
-    api.patch(
-        "orders",
-        &PatchParams::default(),
-        &Patch::Merge(serde_json::json!({ "spec": spec })),
-    )
-    .await
-    .expect("the Subscription patched");
-}
-
-/// `n` faults drawn from `draw`, one every `every` (give or take a third of it), the first
-/// after `every`.
-pub fn schedule(draw: &mut Draw, n: usize, every: Duration) -> Vec<(Duration, Fault)> {
-    let third = u64::try_from(every.as_millis() / 3).unwrap_or(1).max(1);
-    (0..n)
-        .map(|i| {
-            let jitter = Duration::from_millis(draw.below(2 * third));
-            let at = every * u32::try_from(i + 1).unwrap_or(u32::MAX) + jitter
-                - Duration::from_millis(third);
-            let fault =
-                Fault::ALL[usize::try_from(draw.below(Fault::ALL.len() as u64)).unwrap_or(0)];
-            (at, fault)
-        })
-        .collect()
 }
 
 /// A campaign: the seed, how many faults, how many messages.
@@ -145,95 +83,6 @@ impl Report {
         println!("{}", self.summary);
         for a in &self.allowed {
             println!("allowed {a}");
-        }
-    }
-}
-
-/// The campaign's applications, each with its answers' file.
-struct Apps {
-    /// Each running instance, with the index of its answers' file.
-    running: Vec<(App, usize)>,
-    files: Vec<PathBuf>,
-    env: Vec<(String, String)>,
-    manifest: PathBuf,
-    /// The broker's name, in the answers' file names.
-    tag: &'static str,
-}
-
-impl Apps {
-    async fn start(&mut self) {
-        let file = crate::root().join(format!(
-            "target/chaos-{}-{}-app-{}.log",
-            self.tag,
-            std::process::id(),
-            self.files.len()
-        ));
-        let _ = std::fs::remove_file(&file);
-        let mut env: Vec<(&str, &str)> = self
-            .env
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        let path = file.to_string_lossy().to_string();
-        env.push(("SETTLE_APP_MODEL_LOG", &path));
-        let app = App::start(&env, &self.manifest, "model");
-        app.wait_ready().await;
-        self.files.push(file);
-        self.running.push((app, self.files.len() - 1));
-    }
-
-    /// Instance `i` SIGKILLed: what it answered after its last report is never reported.
-    fn kill(&mut self, i: usize) -> Kill {
-        let (mut app, file) = self.running.remove(i);
-        let at_ms = settle::bus::report::now_ms();
-        app.kill9();
-        Kill { file, at_ms }
-    }
-
-    fn stop(&mut self, i: usize) {
-        let (mut app, _) = self.running.remove(i);
-        app.sigterm();
-        assert!(
-            app.wait_exit(Duration::from_secs(60)),
-            "an application's graceful stop"
-        );
-    }
-}
-
-/// The operators: the one that leads, and the one that stands by.
-struct Operators {
-    all: Vec<Operator>,
-    flags: Vec<String>,
-    ns: String,
-    started: usize,
-}
-
-impl Operators {
-    fn spawn(&mut self) {
-        self.started += 1;
-        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
-        let name = format!("chaos-op-{}", self.started);
-        self.all.push(Operator::spawn_env(
-            &name,
-            &self.ns,
-            &flags,
-            &[("POD_NAME", name.as_str())],
-        ));
-    }
-
-    /// The leader's index, once one leads.
-    async fn leader(&self) -> usize {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(i) = self
-                .all
-                .iter()
-                .position(|o| o.metric("settle_leader", &[]) == 1.0)
-            {
-                return i;
-            }
-            assert!(Instant::now() < deadline, "no operator leads within 60 s");
-            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
 }
@@ -295,7 +144,7 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     let (seen, changes, watcher) = conditions::watch(&api, t0);
 
     let mut draw = Draw::new(c.seed);
-    let plan = schedule(&mut draw, c.faults, c.every);
+    let plan = schedule(&mut draw, c.faults, c.every, broker);
     let span = plan.last().map_or(c.every, |(at, _)| *at) + c.every;
     let publisher = {
         let (send, n) = (target.publisher(), c.messages);
@@ -307,74 +156,24 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
             }
         })
     };
-    let (mut lines, mut kills) = (Vec::new(), Vec::new());
+    let mut lines = Vec::new();
+    let mut done = Done {
+        t0,
+        kills: Vec::new(),
+        outages: Vec::new(),
+    };
     for (at, fault) in plan {
         tokio::time::sleep_until((t0 + at).into()).await;
-        let what = match fault {
-            Fault::AppReplaced => {
-                let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
-                apps.stop(i);
-                apps.start().await;
-                format!("application {i} stopped (SIGTERM) and another started")
-            }
-            Fault::AppScaledUp if apps.running.len() < 4 => {
-                apps.start().await;
-                format!("scaled up to {}", apps.running.len())
-            }
-            Fault::AppScaledDown if apps.running.len() > 1 => {
-                let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
-                apps.stop(i);
-                format!("scaled down to {}", apps.running.len())
-            }
-            Fault::AppScaledUp | Fault::AppScaledDown => {
-                "scaling left as it is (at its bound)".into()
-            }
-            Fault::AppKilled => {
-                let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
-                kills.push(apps.kill(i));
-                apps.start().await;
-                format!("application {i} SIGKILLed and another started")
-            }
-            Fault::Paused => {
-                let secs = 2 + draw.below(4);
-                patch_spec(&api, serde_json::json!({ "paused": true })).await;
-                tokio::time::sleep(Duration::from_secs(secs)).await;
-                patch_spec(
-                    &api,
-                    serde_json::json!({ "paused": null, "pausedUntil": null }),
-                )
-                .await;
-                format!("paused for {secs} s, then resumed")
-            }
-            Fault::Edited => {
-                let n = 2 + draw.below(63);
-                patch_spec(&api, serde_json::json!({ "maxInFlight": n })).await;
-                format!("maxInFlight set to {n}")
-            }
-            Fault::LeaderKilled | Fault::LeaderStopped => {
-                let i = ops.leader().await;
-                let mut leader = ops.all.remove(i);
-                if fault == Fault::LeaderKilled {
-                    leader.kill9();
-                } else {
-                    leader.sigterm();
-                    let deadline = Instant::now() + Duration::from_secs(30);
-                    while leader.alive() && Instant::now() < deadline {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-                drop(leader);
-                ops.spawn();
-                format!(
-                    "the leading operator {}, and started again",
-                    if fault == Fault::LeaderKilled {
-                        "SIGKILLed"
-                    } else {
-                        "SIGTERMed"
-                    }
-                )
-            }
-        };
+        let what = faults::inject(
+            fault,
+            &mut draw,
+            &mut apps,
+            &mut ops,
+            &api,
+            &mut target,
+            &mut done,
+        )
+        .await;
         lines.push(format!(
             "{:>6.1} s  {fault:?}: {what}",
             t0.elapsed().as_secs_f64()
@@ -390,7 +189,8 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
         let resolved = m.acked_ids.len() as u64 + s.exhausted >= c.messages;
         // Balanced too: a SIGKILLed instance's unfinished attempts are Released once it is
         // folded (`--fold-after 5s`).
-        if resolved && s.balanced() && last.as_ref() == Some(&s) {
+        if resolved && s.balanced() && last.as_ref() == Some(&s) && !target.reports_waiting().await
+        {
             break;
         }
         if Instant::now() > deadline {
@@ -399,7 +199,8 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
         last = Some(s);
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
-    // Stopped gracefully, each application's last report is in; status is read once still.
+    // Stopped gracefully, each application's last report is in; status is read once still,
+    // with no report waiting to be counted.
     while !apps.running.is_empty() {
         apps.stop(0);
     }
@@ -408,7 +209,7 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     loop {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let again = stats_in(&api, "orders").await;
-        if again == s || Instant::now() > deadline {
+        if (again == s && !target.reports_waiting().await) || Instant::now() > deadline {
             s = again;
             break;
         }
@@ -438,11 +239,12 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     });
     let model = Model::read(&apps.files);
     let mut allowed = Vec::new();
-    let mut discrepancies = check(&model, c.messages, &s, &kills, &mut allowed);
+    let mut discrepancies = check(&model, c.messages, &s, &done.kills, &mut allowed);
     discrepancies.extend(stepped_down(&seen));
     discrepancies.extend(conditions::uncaused(
         &changes,
         c.messages - model.acked_ids.len() as u64,
+        &done.outages,
     ));
     // The Subscription and the Backend deleted as the namespace controller would, the
     // operators still running: nothing of theirs may stay on the broker.
@@ -505,9 +307,10 @@ mod tests {
 
     #[test]
     fn a_seed_draws_the_same_schedule_and_another_a_different_one() {
-        let a = schedule(&mut Draw::new(7), 10, Duration::from_secs(5));
-        let b = schedule(&mut Draw::new(7), 10, Duration::from_secs(5));
-        let c = schedule(&mut Draw::new(8), 10, Duration::from_secs(5));
+        let every = Duration::from_secs(5);
+        let a = schedule(&mut Draw::new(7), 10, every, Broker::Nats);
+        let b = schedule(&mut Draw::new(7), 10, every, Broker::Nats);
+        let c = schedule(&mut Draw::new(8), 10, every, Broker::Nats);
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert!(a.windows(2).all(|w| w[0].0 < w[1].0), "in order: {a:?}");

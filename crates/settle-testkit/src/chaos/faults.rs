@@ -1,0 +1,272 @@
+//! The faults a campaign injects: what each is, the schedule drawn from the seed, and how each
+//! is done to the applications, the operators, the Subscription or the broker.
+//!
+//! It must not judge what happened (that is [`super::model`] and [`super::conditions`]).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use settle::api::Subscription;
+
+use super::broker::{Broker, Target};
+use super::{Draw, Kill};
+use crate::account::App;
+use crate::operator::Operator;
+
+/// A fault the campaign injects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// One application stopped (SIGTERM: handlers in flight finish, the last report is
+    /// confirmed) and another started in its place.
+    AppReplaced,
+    /// One more application instance.
+    AppScaledUp,
+    /// One application stopped (SIGTERM), if more than one runs.
+    AppScaledDown,
+    /// The leading operator SIGKILLed, and started again (it stands by).
+    LeaderKilled,
+    /// The leading operator SIGTERMed (it hands the Lease over), and started again.
+    LeaderStopped,
+    /// The Subscription paused (`spec.paused`) for a few seconds, then resumed.
+    Paused,
+    /// An editable field changed: `spec.maxInFlight` set to a drawn value.
+    Edited,
+    /// One application SIGKILLed mid-work (no last report) and another started in its place.
+    AppKilled,
+    /// The broker SIGKILLed under load and started again on its store a few seconds later
+    /// (NATS: the campaign's own nats-server).
+    BrokerKilled,
+}
+
+impl Fault {
+    const ALL: [Fault; 9] = [
+        Fault::AppReplaced,
+        Fault::AppScaledUp,
+        Fault::AppScaledDown,
+        Fault::LeaderKilled,
+        Fault::LeaderStopped,
+        Fault::Paused,
+        Fault::Edited,
+        Fault::AppKilled,
+        Fault::BrokerKilled,
+    ];
+
+    /// Whether the campaign can inject it on `broker` (the broker runs as a process of the
+    /// campaign's own only on NATS so far).
+    fn on(self, broker: Broker) -> bool {
+        self != Fault::BrokerKilled || broker == Broker::Nats
+    }
+}
+
+/// A merge patch of the Subscription's spec.
+async fn patch_spec(api: &Api<Subscription>, spec: serde_json::Value) {
+    api.patch(
+        "orders",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": spec })),
+    )
+    .await
+    .expect("the Subscription patched");
+}
+
+/// `n` faults drawn from `draw` among those `broker` takes, one every `every` (give or take a
+/// third of it), the first after `every`.
+pub fn schedule(
+    draw: &mut Draw,
+    n: usize,
+    every: Duration,
+    broker: Broker,
+) -> Vec<(Duration, Fault)> {
+    let kinds: Vec<Fault> = Fault::ALL.into_iter().filter(|f| f.on(broker)).collect();
+    let third = u64::try_from(every.as_millis() / 3).unwrap_or(1).max(1);
+    (0..n)
+        .map(|i| {
+            let jitter = Duration::from_millis(draw.below(2 * third));
+            let at = every * u32::try_from(i + 1).unwrap_or(u32::MAX) + jitter
+                - Duration::from_millis(third);
+            let fault = kinds[usize::try_from(draw.below(kinds.len() as u64)).unwrap_or(0)];
+            (at, fault)
+        })
+        .collect()
+}
+
+/// The campaign's applications, each with its answers' file.
+pub(super) struct Apps {
+    /// Each running instance, with the index of its answers' file.
+    pub(super) running: Vec<(App, usize)>,
+    pub(super) files: Vec<PathBuf>,
+    pub(super) env: Vec<(String, String)>,
+    pub(super) manifest: PathBuf,
+    /// The broker's name, in the answers' file names.
+    pub(super) tag: &'static str,
+}
+
+impl Apps {
+    pub(super) async fn start(&mut self) {
+        let file = crate::root().join(format!(
+            "target/chaos-{}-{}-app-{}.log",
+            self.tag,
+            std::process::id(),
+            self.files.len()
+        ));
+        let _ = std::fs::remove_file(&file);
+        let mut env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let path = file.to_string_lossy().to_string();
+        env.push(("SETTLE_APP_MODEL_LOG", &path));
+        let app = App::start(&env, &self.manifest, "model");
+        app.wait_ready().await;
+        self.files.push(file);
+        self.running.push((app, self.files.len() - 1));
+    }
+
+    /// Instance `i` SIGKILLed: what it answered after its last report is never reported.
+    pub(super) fn kill(&mut self, i: usize) -> Kill {
+        let (mut app, file) = self.running.remove(i);
+        let at_ms = settle::bus::report::now_ms();
+        app.kill9();
+        Kill { file, at_ms }
+    }
+
+    pub(super) fn stop(&mut self, i: usize) {
+        let (mut app, _) = self.running.remove(i);
+        app.sigterm();
+        assert!(
+            app.wait_exit(Duration::from_secs(60)),
+            "an application's graceful stop"
+        );
+    }
+}
+
+/// The operators: the one that leads, and the one that stands by.
+pub(super) struct Operators {
+    pub(super) all: Vec<Operator>,
+    pub(super) flags: Vec<String>,
+    pub(super) ns: String,
+    pub(super) started: usize,
+}
+
+impl Operators {
+    pub(super) fn spawn(&mut self) {
+        self.started += 1;
+        let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+        let name = format!("chaos-op-{}", self.started);
+        self.all.push(Operator::spawn_env(
+            &name,
+            &self.ns,
+            &flags,
+            &[("POD_NAME", name.as_str())],
+        ));
+    }
+
+    /// The leader's index, once one leads.
+    pub(super) async fn leader(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(i) = self
+                .all
+                .iter()
+                .position(|o| o.metric("settle_leader", &[]) == 1.0)
+            {
+                return i;
+            }
+            assert!(Instant::now() < deadline, "no operator leads within 60 s");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// What the faults did that the checker needs: the applications SIGKILLed, and when the
+/// broker was down (since the campaign's start).
+pub(super) struct Done {
+    pub(super) t0: Instant,
+    pub(super) kills: Vec<Kill>,
+    pub(super) outages: Vec<(Duration, Duration)>,
+}
+
+/// Injects `fault`; says what was done.
+pub(super) async fn inject(
+    fault: Fault,
+    draw: &mut Draw,
+    apps: &mut Apps,
+    ops: &mut Operators,
+    api: &Api<Subscription>,
+    target: &mut Target,
+    done: &mut Done,
+) -> String {
+    match fault {
+        Fault::AppReplaced => {
+            let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
+            apps.stop(i);
+            apps.start().await;
+            format!("application {i} stopped (SIGTERM) and another started")
+        }
+        Fault::AppScaledUp if apps.running.len() < 4 => {
+            apps.start().await;
+            format!("scaled up to {}", apps.running.len())
+        }
+        Fault::AppScaledDown if apps.running.len() > 1 => {
+            let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
+            apps.stop(i);
+            format!("scaled down to {}", apps.running.len())
+        }
+        Fault::AppScaledUp | Fault::AppScaledDown => "scaling left as it is (at its bound)".into(),
+        Fault::BrokerKilled => {
+            let secs = 1 + draw.below(4);
+            let down = done.t0.elapsed();
+            target.kill_broker(Duration::from_secs(secs)).await;
+            done.outages.push((down, done.t0.elapsed()));
+            format!("the broker SIGKILLed, and started again {secs} s later")
+        }
+        Fault::AppKilled => {
+            let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
+            done.kills.push(apps.kill(i));
+            apps.start().await;
+            format!("application {i} SIGKILLed and another started")
+        }
+        Fault::Paused => {
+            let secs = 2 + draw.below(4);
+            patch_spec(api, serde_json::json!({ "paused": true })).await;
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            patch_spec(
+                api,
+                serde_json::json!({ "paused": null, "pausedUntil": null }),
+            )
+            .await;
+            format!("paused for {secs} s, then resumed")
+        }
+        Fault::Edited => {
+            let n = 2 + draw.below(63);
+            patch_spec(api, serde_json::json!({ "maxInFlight": n })).await;
+            format!("maxInFlight set to {n}")
+        }
+        Fault::LeaderKilled | Fault::LeaderStopped => {
+            let i = ops.leader().await;
+            let mut leader = ops.all.remove(i);
+            if fault == Fault::LeaderKilled {
+                leader.kill9();
+            } else {
+                leader.sigterm();
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while leader.alive() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            drop(leader);
+            ops.spawn();
+            format!(
+                "the leading operator {}, and started again",
+                if fault == Fault::LeaderKilled {
+                    "SIGKILLed"
+                } else {
+                    "SIGTERMed"
+                }
+            )
+        }
+    }
+}
