@@ -25,22 +25,27 @@ pub(super) async fn find_or_create(
     let (owner, known) = (&t.owner, &t.known);
     let uid = t.uid();
     ctx.metrics.js("sqs.url");
+    let create = || async {
+        ctx.metrics.js("sqs.create");
+        match admin::create(client, name, attributes, owner, uid).await {
+            Ok(url) => Ok(Found {
+                url,
+                new: true,
+                paused: None,
+            }),
+            Err(e) => Err(failure(e, known)),
+        }
+    };
     let url = match admin::queue_url(client, name).await {
         Err(e) => return Err(failure(e, known)),
-        Ok(None) => {
-            ctx.metrics.js("sqs.create");
-            return match admin::create(client, name, attributes, owner, uid).await {
-                Ok(url) => Ok(Found {
-                    url,
-                    new: true,
-                    paused: None,
-                }),
-                Err(e) => Err(failure(e, known)),
-            };
-        }
+        Ok(None) => return create().await,
         Ok(Some(url)) => url,
     };
     let (take, paused) = match judged(client, ctx, t, &url).await {
+        // Deleted on the server between the lookup and the tags: missing, so made again.
+        Err(_) if matches!(admin::queue_url(client, name).await, Ok(None)) => {
+            return create().await;
+        }
         Err(e) => return Err(failure(e, known)),
         Ok((Err(Holder::Unmarked), paused)) if adoptable => {
             return adopt_unmarked(client, ctx, t, name, url, paused, changes).await;
