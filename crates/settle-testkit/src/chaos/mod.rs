@@ -239,7 +239,11 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     });
     let model = Model::read(&apps.files);
     let mut allowed = Vec::new();
-    let mut discrepancies = check(&model, c.messages, &s, &done.kills, &mut allowed);
+    let t0_ms = settle::bus::report::now_ms()
+        .saturating_sub(u64::try_from(t0.elapsed().as_millis()).unwrap_or(0));
+    let ms = |d: Duration| t0_ms + u64::try_from(d.as_millis()).unwrap_or(0);
+    let outages: Vec<(u64, u64)> = done.outages.iter().map(|(a, b)| (ms(*a), ms(*b))).collect();
+    let mut discrepancies = check(&model, c.messages, &s, &done.kills, &outages, &mut allowed);
     discrepancies.extend(stepped_down(&seen));
     discrepancies.extend(conditions::uncaused(
         &changes,

@@ -14,6 +14,7 @@ use std::time::Duration;
 use settle::api::ConsumerStats;
 use settle_operator::account::ledger::dominates;
 
+use super::conditions::OUTAGE_GRACE;
 use crate::account::Seen;
 
 /// The campaign's `maxDeliver`: an answer other than ack to this attempt exhausts a message.
@@ -53,8 +54,11 @@ pub struct Model {
     pub acked: u64,
     pub nacked: u64,
     pub silent: u64,
-    /// Settlements the handler sent and the runtime refused (`failed` lines).
+    /// Settlements the handler sent and the runtime refused (`failed` lines), and when.
     pub failed: u64,
+    pub failed_at: Vec<u64>,
+    /// Ids whose every ack failed: the broker may or may not have taken one.
+    pub unsure_acks: BTreeSet<u64>,
     /// The ids acknowledged, and those acknowledged more than once.
     pub acked_ids: BTreeSet<u64>,
     pub acked_again: BTreeSet<u64>,
@@ -68,6 +72,7 @@ impl Model {
     /// instead when it returned an error).
     pub fn read(files: &[PathBuf]) -> Model {
         let mut m = Model::default();
+        let (mut failed_acks, mut failed_acks_at) = (Vec::new(), BTreeSet::new());
         for (file, path) in files.iter().enumerate() {
             let mut open: HashMap<(u64, u32), usize> = HashMap::new();
             let Ok(text) = std::fs::read_to_string(path) else {
@@ -85,11 +90,17 @@ impl Model {
                 let at_ms = words.get(3).and_then(|w| w.parse().ok()).unwrap_or(0);
                 match *answer {
                     "done" | "failed" => {
+                        let i = open.remove(&(id, attempt));
+                        if let Some(i) = i {
+                            m.answers[i].done_ms = Some(at_ms);
+                        }
                         if *answer == "failed" {
                             m.failed += 1;
-                        }
-                        if let Some(i) = open.remove(&(id, attempt)) {
-                            m.answers[i].done_ms = Some(at_ms);
+                            m.failed_at.push(at_ms);
+                            if let Some(i) = i.filter(|i| m.answers[*i].answer == "ack") {
+                                failed_acks.push(id);
+                                failed_acks_at.insert(i);
+                            }
                         }
                         continue;
                     }
@@ -112,6 +123,17 @@ impl Model {
                     attempt,
                     answer: (*answer).to_string(),
                 });
+            }
+        }
+        // An id is unsure when every ack it was answered failed.
+        for id in &failed_acks {
+            let sure = m
+                .answers
+                .iter()
+                .enumerate()
+                .any(|(i, a)| a.id == *id && a.answer == "ack" && !failed_acks_at.contains(&i));
+            if !sure {
+                m.unsure_acks.insert(*id);
             }
         }
         m
@@ -140,9 +162,16 @@ pub fn check(
     published: u64,
     s: &ConsumerStats,
     kills: &[Kill],
+    outages: &[(u64, u64)],
     allowed: &mut Vec<String>,
 ) -> Vec<String> {
     let lost: Vec<&Answer> = model.unreported(kills).collect();
+    let grace = u64::try_from(OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
+    let down = |at: u64| {
+        outages
+            .iter()
+            .any(|(from, to)| *from <= at && at <= to.saturating_add(grace))
+    };
     let of = |kind: &str| lost.iter().filter(|a| a.answer == kind).count() as u64;
     let last = |ack: bool| {
         lost.iter()
@@ -157,7 +186,7 @@ pub fn check(
             ));
         } else if status != model {
             allowed.push(format!(
-                "{what}: status {status}, the handlers {model}: allowed by C16 (answered by a SIGKILLed instance after its last report)"
+                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or an ack that failed while the broker was down)"
             ));
         }
     };
@@ -198,15 +227,35 @@ pub fn check(
     within(
         "exhausted",
         s.exhausted,
-        published - model.acked_ids.len() as u64,
-        last(false),
+        published - (model.acked_ids.len() - model.unsure_acks.len()) as u64,
+        last(false) + model.unsure_acks.len() as u64,
         last(true),
         "at rest every message not acknowledged ran out of attempts",
     );
     within("lost", s.lost, 0, 0, 0, "nothing is lost under AtLeastOnce");
-    if model.failed > 0 {
+    // A settlement the broker could not take fails in the handler and is refused (C6); only
+    // a broker outage causes one here. Beyond the handlers' own, a silent attempt's decline,
+    // which the runtime sends after the handler returned, may be refused while it is down.
+    let outside = model.failed_at.iter().filter(|at| !down(**at)).count();
+    if outside > 0 {
         out.push(format!(
-            "{} settlements failed in the handlers: none of the campaign's faults refuses one",
+            "{outside} settlements failed in the handlers outside a broker outage: no other fault of the campaign refuses one"
+        ));
+    }
+    let silent_down = model
+        .answers
+        .iter()
+        .filter(|a| a.answer == "silent" && down(a.at_ms))
+        .count() as u64;
+    let refused = s.settlement.refused;
+    if refused < model.failed || refused > model.failed + silent_down {
+        out.push(format!(
+            "refused: status {refused}, the handlers' failed settlements {} (C6: every settlement the broker did not take is refused; beyond the handlers' own only a silent attempt's decline while the broker was down, {silent_down} here)",
+            model.failed
+        ));
+    } else if refused != model.failed {
+        allowed.push(format!(
+            "refused: status {refused}, the handlers' failed settlements {}: allowed (C6: silent attempts declined while the broker was down)",
             model.failed
         ));
     }
@@ -285,10 +334,10 @@ mod tests {
     #[test]
     fn without_a_kill_every_counter_is_exact_and_each_difference_names_its_rule() {
         let mut allowed = Vec::new();
-        assert!(check(&model(), 3, &stats(7, 2, 5, 1), &[], &mut allowed).is_empty());
+        assert!(check(&model(), 3, &stats(7, 2, 5, 1), &[], &[], &mut allowed).is_empty());
         let mut s = stats(7, 2, 5, 0);
         s.offered = 8;
-        let found = check(&model(), 3, &s, &[], &mut allowed);
+        let found = check(&model(), 3, &s, &[], &[], &mut allowed);
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(
             found[0].starts_with("exhausted: status 0, the handlers 1"),
@@ -307,7 +356,7 @@ mod tests {
             at_ms: 9150,
         }];
         let mut allowed = Vec::new();
-        let found = check(&model(), 3, &stats(5, 1, 4, 0), &kills, &mut allowed);
+        let found = check(&model(), 3, &stats(5, 1, 4, 0), &kills, &[], &mut allowed);
         assert!(found.is_empty(), "{found:?}");
         assert_eq!(
             allowed.len(),
@@ -316,7 +365,14 @@ mod tests {
         );
         assert!(allowed.iter().all(|a| a.contains("C16")), "{allowed:?}");
         // Beyond the window: the nacks at 2000 and 2100 ms were reported long before.
-        let found = check(&model(), 3, &stats(4, 1, 3, 0), &kills, &mut Vec::new());
+        let found = check(
+            &model(),
+            3,
+            &stats(4, 1, 3, 0),
+            &kills,
+            &[],
+            &mut Vec::new(),
+        );
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(found[0].starts_with("delivered: status 4"), "{found:?}");
         assert!(found[1].starts_with("nacked: status 3"), "{found:?}");
@@ -326,7 +382,15 @@ mod tests {
             at_ms: 9150,
         }];
         assert_eq!(
-            check(&model(), 3, &stats(5, 1, 4, 0), &other, &mut Vec::new()).len(),
+            check(
+                &model(),
+                3,
+                &stats(5, 1, 4, 0),
+                &other,
+                &[],
+                &mut Vec::new()
+            )
+            .len(),
             4
         );
     }
@@ -350,6 +414,16 @@ mod tests {
         assert_eq!(m.answers[1].done_ms, Some(1002));
         assert_eq!(m.answers[2].done_ms, None);
         assert_eq!((m.answers[2].at_ms, m.answers[2].id), (0, 2));
+        // An id is unsure only while every ack of it failed.
+        let c = dir.path().join("c");
+        std::fs::write(
+            &c,
+            "3 1 ack 10\n3 1 failed 11\n4 1 ack 12\n4 1 failed 13\n4 2 ack 14\n4 2 done 15\n",
+        )
+        .expect("c");
+        let m = Model::read(&[c]);
+        assert_eq!(m.unsure_acks, [3].into());
+        assert_eq!((m.failed, m.failed_at.clone()), (2, vec![11, 13]));
     }
 
     #[test]
@@ -369,14 +443,63 @@ mod tests {
         };
         let mut status = stats(0, 0, 0, 1);
         (status.offered, status.released) = (1, 1);
-        let found = check(&m, 1, &status, &kills, &mut Vec::new());
+        let found = check(&m, 1, &status, &kills, &[], &mut Vec::new());
         assert_eq!(found.len(), 2, "delivered, nacked: {found:?}");
         for done in [Some(8000), None] {
             m.answers[0].done_ms = done;
             let mut allowed = Vec::new();
-            let found = check(&m, 1, &status, &kills, &mut allowed);
+            let found = check(&m, 1, &status, &kills, &[], &mut allowed);
             assert!(found.is_empty(), "{done:?}: {found:?}");
             assert_eq!(allowed.len(), 2, "delivered, nacked: {allowed:?}");
+        }
+    }
+
+    #[test]
+    fn a_settlement_fails_only_while_the_broker_is_down_and_each_is_refused() {
+        // Message 1 acked at 2000 ms, the ack failing at 2010 ms (the broker may or may not
+        // have taken it); message 2 silent at 2100 ms, its decline perhaps refused too.
+        let m = Model {
+            attempts: 2,
+            acked: 1,
+            silent: 1,
+            failed: 1,
+            failed_at: vec![2010],
+            acked_ids: [1].into(),
+            unsure_acks: [1].into(),
+            answers: vec![
+                answer(0, 2000, 1, 1, "ack"),
+                answer(0, 2100, 2, 1, "silent"),
+            ],
+            ..Model::default()
+        };
+        let mut s = stats(2, 1, 0, 1);
+        s.settlement.silent = 1;
+        s.settlement.refused = 1;
+        let outage = [(1500, 2500)];
+        let found = check(&m, 2, &s, &[], &[], &mut Vec::new());
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].contains("outside a broker outage"), "{found:?}");
+        assert!(check(&m, 2, &s, &[], &outage, &mut Vec::new()).is_empty());
+        // The broker took the failed ack after all (one exhausted, message 2) or did not (two).
+        s.exhausted = 2;
+        let mut allowed = Vec::new();
+        assert!(check(&m, 2, &s, &[], &outage, &mut allowed).is_empty());
+        assert_eq!(allowed.len(), 0, "{allowed:?}");
+        s.exhausted = 1;
+        // The silent attempt's decline refused as well: allowed, said.
+        s.settlement.refused = 2;
+        let mut allowed = Vec::new();
+        assert!(check(&m, 2, &s, &[], &outage, &mut allowed).is_empty());
+        assert!(
+            allowed.iter().any(|a| a.starts_with("refused")),
+            "{allowed:?}"
+        );
+        // A failed settlement not counted refused, or one refused too many.
+        for refused in [0, 3] {
+            s.settlement.refused = refused;
+            let found = check(&m, 2, &s, &[], &outage, &mut Vec::new());
+            assert_eq!(found.len(), 1, "{refused}: {found:?}");
+            assert!(found[0].starts_with("refused: status"), "{found:?}");
         }
     }
 }
