@@ -20,7 +20,7 @@
 //!   - `demo`: acks orders, declines a body containing `bad` (Exhausted at maxDeliver), returns
 //!     silently once on a body containing `slow`.
 //!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work;
-//!     `slow-ack-long` the same, 15 s by default (handlers still running across a delete and
+//!     `slow-ack-long` the same, 25 s by default (handlers still running across a delete and
 //!     apply).
 //!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
 //!     Subscription stalls);
@@ -224,7 +224,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
         Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
-        Ok("slow-ack-long") => Behaviour::SlowAck(handle_ms(15_000)),
+        Ok("slow-ack-long") => Behaviour::SlowAck(handle_ms(25_000)),
         Ok("hold") => Behaviour::Hold,
         Ok("ack") => Behaviour::Ack,
         Ok("ack-seen") => Behaviour::AckSeen,
