@@ -97,13 +97,36 @@ async fn under_the_budget_a_loss_goes_first_writes_stay_within_it_and_status_end
     }
 
     // s0 loses a message; the others move once more. s0's loss reaches status while their
-    // writes still wait.
+    // writes still wait: judged by the order the API server gives the namespace's status
+    // writes in one watch (the order they were made), not by reading twelve objects after.
+    let order: std::sync::Arc<std::sync::Mutex<Vec<(String, u64, u64)>>> = Default::default();
+    let recorder = {
+        use futures::StreamExt;
+        use kube::runtime::watcher::{self, Event};
+        let (api, order) = (api.clone(), order.clone());
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(watcher::watcher(api, watcher::Config::default()));
+            while let Some(event) = events.next().await {
+                if let Ok(Event::Apply(sub)) = event {
+                    let c = sub.status.and_then(|s| s.stats).map(|s| s.counters);
+                    let (acked, exhausted) =
+                        c.map_or((0, 0), |c| (c.settlement.acked, c.exhausted));
+                    let name = sub.metadata.name.unwrap_or_default();
+                    if let Ok(mut order) = order.lock() {
+                        order.push((name, acked, exhausted));
+                    }
+                }
+            }
+        })
+    };
+    // The watch has listed before anything moves again.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     seq += 1;
     for name in &names[1..] {
         put(name, seq, 0).await;
     }
     put(&names[0], seq, 1).await;
-    let (waiting, behind) = poll(
+    let waiting = poll(
         "s0's loss to reach status",
         Duration::from_secs(60),
         || async {
@@ -116,23 +139,42 @@ async fn under_the_budget_a_loss_goes_first_writes_stay_within_it_and_status_end
                 return Err("exhausted 0".to_string());
             }
             // Read at the moment status shows the loss: what still waits.
-            let waiting = backlog();
-            let mut behind = 0;
-            for name in &names[1..] {
-                let acked = api
-                    .get(name)
-                    .await
-                    .ok()
-                    .and_then(|s| s.status?.stats)
-                    .map_or(0, |s| s.counters.settlement.acked);
-                if acked < seq {
-                    behind += 1;
-                }
-            }
-            Ok((waiting, behind))
+            Ok(backlog())
         },
     )
     .await;
+    // Every other Subscription's last counts written, then: which came after s0's loss.
+    poll(
+        "every Subscription's last counts in the watch",
+        Duration::from_secs(60),
+        || async {
+            let order = order.lock().map(|o| o.clone()).unwrap_or_default();
+            let done = names[1..]
+                .iter()
+                .all(|n| order.iter().any(|(m, acked, _)| m == n && *acked >= seq));
+            if done {
+                Ok(())
+            } else {
+                Err(format!("not yet: {} events", order.len()))
+            }
+        },
+    )
+    .await;
+    recorder.abort();
+    let order = order.lock().map(|o| o.clone()).unwrap_or_default();
+    let loss = order
+        .iter()
+        .position(|(n, _, exhausted)| n == "s0" && *exhausted > 0)
+        .expect("s0's loss in the watch");
+    let behind = names[1..]
+        .iter()
+        .filter(|n| {
+            order
+                .iter()
+                .position(|(m, acked, _)| m == *n && *acked >= seq)
+                .is_some_and(|at| at > loss)
+        })
+        .count();
     assert!(
         waiting > 0.0,
         "the backlog was empty when the loss reached status"
