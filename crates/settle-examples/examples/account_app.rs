@@ -20,8 +20,11 @@
 //!   - `demo`: acks orders, declines a body containing `bad` (Exhausted at maxDeliver), returns
 //!     silently once on a body containing `slow`.
 //!   - `slow-ack`: acks every message after `SETTLE_APP_HANDLE_MS` (default 1000) ms of work;
-//!     `slow-ack-long` the same, 25 s by default (handlers still running across a delete and
-//!     apply).
+//!   - `ack-when-released`: works on every message until the file `SETTLE_APP_RELEASE_FILE`
+//!     exists, then prints `released <body>` and acks it (handlers held across a delete and
+//!     apply for as long as the test needs, not for a time it has to guess); after
+//!     `SETTLE_APP_HANDLE_MS` (default 300000) ms without it, it prints `unreleased <body>` and
+//!     acks anyway, so a test that never releases fails saying so.
 //!   - `hold`: holds every attempt without ever returning (a handler blocked forever: the
 //!     Subscription stalls);
 //!   - `ack`: acks every message at once, printing `acked <body>`.
@@ -45,7 +48,7 @@
 //! handlers in flight finish, the last report is confirmed, then it prints `closed` and exits.
 //! It prints `ready` once subscribed, `held <body>` when it starts holding an attempt (a last
 //! one under `nack-then-hold`, every one under `hold`),
-//! `working <body>` when a `slow-ack` handler starts, and `paused` / `resumed` when the runtime
+//! `working <body>` when a `slow-ack` or `ack-when-released` handler starts, and `paused` / `resumed` when the runtime
 //! stops and starts fetching for the operator's pause (RabbitMQ, SQS; `SETTLE_PAUSE_POLL_INTERVAL`
 //! sets how often it looks).
 
@@ -104,6 +107,7 @@ enum Behaviour {
     NackThenHold,
     Demo,
     SlowAck(u64),
+    AckWhenReleased(u64),
     Hold,
     Ack,
     AckSeen,
@@ -187,6 +191,15 @@ async fn handle(
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             Ok(d.ack().await?)
         }
+        Behaviour::AckWhenReleased(ms) => {
+            println!("working {body}");
+            let released = released(std::time::Duration::from_millis(ms)).await;
+            println!(
+                "{} {body}",
+                if released { "released" } else { "unreleased" }
+            );
+            Ok(d.ack().await?)
+        }
         Behaviour::Demo => {
             if body.contains("bad") {
                 Ok(d.nack().await?)
@@ -197,6 +210,23 @@ async fn handle(
             }
         }
     }
+}
+
+/// Whether the file `SETTLE_APP_RELEASE_FILE` came to exist within `limit` (looked for every
+/// 100 ms).
+async fn released(limit: std::time::Duration) -> bool {
+    let Some(file) = std::env::var_os("SETTLE_APP_RELEASE_FILE") else {
+        tokio::time::sleep(limit).await;
+        return false;
+    };
+    let until = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < until {
+        if std::path::Path::new(&file).exists() {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
 }
 
 /// `SETTLE_APP_HANDLE_MS`, else `default`.
@@ -224,7 +254,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok("nack-then-hold") => Behaviour::NackThenHold,
         Ok("demo") => Behaviour::Demo,
         Ok("slow-ack") => Behaviour::SlowAck(handle_ms(1000)),
-        Ok("slow-ack-long") => Behaviour::SlowAck(handle_ms(25_000)),
+        Ok("ack-when-released") => Behaviour::AckWhenReleased(handle_ms(300_000)),
         Ok("hold") => Behaviour::Hold,
         Ok("ack") => Behaviour::Ack,
         Ok("ack-seen") => Behaviour::AckSeen,
@@ -237,7 +267,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ),
         other => {
             return Err(format!(
-                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, slow-ack-long, hold, ack, ack-seen, nack-first, model or demo"
+                "SETTLE_APP_HANDLER={other:?}: use nack, nack-slow, ack-even-silent-odd, nack-then-hold, slow-ack, ack-when-released, hold, ack, ack-seen, nack-first, model or demo"
             )
             .into());
         }

@@ -16,6 +16,8 @@ pub struct App {
     /// The thread collecting stdout: it ends at the pipe's end, once the process has exited.
     reader: Option<std::thread::JoinHandle<()>>,
     log: std::path::PathBuf,
+    /// The file whose making lets `ack-when-released` handlers finish ([`App::release`]).
+    release: std::path::PathBuf,
 }
 
 static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -31,6 +33,8 @@ impl App {
             std::process::id(),
             APPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
+        let release = log.with_extension("release");
+        let _ = std::fs::remove_file(&release);
         let mut child = Command::new(&bin)
             .env_remove("SETTLE_NATS_URL")
             .env_remove("SETTLE_RABBITMQ_URL")
@@ -38,6 +42,7 @@ impl App {
             .envs(env.iter().copied())
             .env("SETTLE_SUBSCRIPTION_FILE", manifest)
             .env("SETTLE_APP_HANDLER", handler)
+            .env("SETTLE_APP_RELEASE_FILE", &release)
             .env("SETTLE_REPORT_INTERVAL", "100ms")
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
@@ -57,6 +62,7 @@ impl App {
             lines,
             reader: Some(reader),
             log,
+            release,
         }
     }
 
@@ -123,6 +129,11 @@ impl App {
         self.wait_count("ready", 1, Duration::from_secs(60)).await;
     }
 
+    /// Lets its `ack-when-released` handlers finish: each prints `released <body>` and acks.
+    pub fn release(&self) {
+        std::fs::write(&self.release, b"").expect("the release file");
+    }
+
     /// SIGKILL: nothing is flushed, nothing is closed.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
@@ -155,5 +166,6 @@ impl App {
 impl Drop for App {
     fn drop(&mut self) {
         self.kill9();
+        let _ = std::fs::remove_file(&self.release);
     }
 }
