@@ -45,11 +45,17 @@ impl Drop for Killed {
 
 /// Sends `child` SIGTERM (`kill -TERM`), as Kubernetes stops a pod; it must be delivered.
 pub fn sigterm(child: &Child) {
+    signal(child, "TERM");
+}
+
+/// Sends `child` the signal `name` (`kill -<name>`: `TERM`, `STOP`, `CONT`); it must be
+/// delivered.
+pub fn signal(child: &Child, name: &str) {
     let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+        .args([&format!("-{name}"), &child.id().to_string()])
         .status()
         .expect("run kill");
-    assert!(status.success(), "kill -TERM {}", child.id());
+    assert!(status.success(), "kill -{name} {}", child.id());
 }
 
 /// Polls `ok` every 100 ms until it holds; panics with `what` after `limit`.

@@ -145,6 +145,17 @@ impl App {
         crate::process::sigterm(&self.child);
     }
 
+    /// SIGSTOP: the process does nothing, its connections stay open and silent, until
+    /// [`App::resume`].
+    pub fn pause(&self) {
+        crate::process::signal(&self.child, "STOP");
+    }
+
+    /// SIGCONT after [`App::pause`].
+    pub fn resume(&self) {
+        crate::process::signal(&self.child, "CONT");
+    }
+
     /// Waits for the process to exit by itself; true when it said `closed` (a graceful stop).
     pub fn wait_exit(&mut self, limit: Duration) -> bool {
         let start = Instant::now();
