@@ -40,8 +40,8 @@ bench:           ## run the benchmarks against a real environment (prints figure
 	hack/env.sh up
 	cargo bench --workspace
 
-chaos:           ## a fault campaign on the real environment: BROKER= (nats, rabbitmq, sqs), SEED= (else drawn), FAULTS= (30), MESSAGES=
-	hack/env.sh up
+chaos:           ## a fault campaign on the real environment: BROKER= (nats, nats-cluster, rabbitmq, sqs), SEED= (else drawn), FAULTS= (30), MESSAGES=
+	hack/env.sh up $(if $(filter nats-cluster,$(BROKER)),--nats-cluster)
 	cargo build --profile bench -p settle-examples --example account_app
 	cargo bench -p settle-operator --bench chaos -- $(if $(BROKER),--broker $(BROKER)) $(if $(SEED),--seed $(SEED)) --faults $(or $(FAULTS),30) $(if $(MESSAGES),--messages $(MESSAGES))
 

@@ -11,6 +11,10 @@
 //! server counted (a message's delivery count rose) that no handler saw, printed as
 //! `unseen attempts: N over K leader kills`. `SETTLE_CLUSTER_KILLS` sets K (default 2).
 //!
+//! A short fault campaign (docs/guide/chaos.md) runs here too, on the cluster, with a fixed
+//! seed: a server SIGKILLed and one paused among the faults, status at rest equal to what the
+//! handlers' own files say they did.
+//!
 //! The scenarios share the cluster's servers, so they run one at a time; every server a test
 //! stops is started again by its guard, also when it fails.
 
@@ -384,4 +388,29 @@ async fn a_node_paused_for_thirty_seconds_converges_with_exact_counts() {
     eprintln!("unseen attempts: {unseen} over a 30 s pause of the consumer's leader");
     drop(app);
     scene.finish().await;
+}
+
+/// The campaign of seed 176 on the cluster: an application replaced, a server SIGKILLed, an
+/// application SIGKILLed, a server paused, one more application, the leading operator
+/// SIGKILLed; every discrepancy a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_short_campaign_of_a_fixed_seed_on_the_cluster_finds_no_discrepancy() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let report = common::chaos::run(
+        common::chaos::Broker::NatsCluster,
+        &common::chaos::Campaign {
+            seed: 176,
+            faults: 6,
+            messages: 150,
+            every: Duration::from_secs(5),
+        },
+        None,
+    )
+    .await;
+    report.print();
+    assert!(
+        report.discrepancies.is_empty(),
+        "the campaign on the cluster found discrepancies:\n{}",
+        report.discrepancies.join("\n")
+    );
 }

@@ -2,10 +2,14 @@
 //! settle-operator --bench chaos -- --seed S --faults N --messages M` after `cargo build
 //! --profile bench -p settle-examples --example account_app` (`make chaos` does both; a seed
 //! not given is drawn from the clock and printed). Prints one line per fault, the summary and
-//! every discrepancy, and exits 1 when there is one. `--broker nats|rabbitmq|sqs` (nats when
-//! not given).
+//! every discrepancy, and exits 1 when there is one. `--broker nats|nats-cluster|rabbitmq|sqs`
+//! (nats when not given; nats-cluster is the environment's JetStream cluster, `hack/env.sh up
+//! --nats-cluster`). The campaign runs on a control plane of its own, which it may restart
+//! (`ApiServerRestarted`); `--shared-api-server` runs it on the environment's instead, without
+//! that fault.
 
 use settle_testkit::chaos::{self, Broker, Campaign};
+use settle_testkit::controlplane::ControlPlane;
 use std::time::Duration;
 
 /// `--name value` from the arguments.
@@ -20,7 +24,7 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let name = flag(&args, "--broker").unwrap_or_else(|| "nats".into());
     let Some(broker) = Broker::parse(&name) else {
-        eprintln!("--broker {name}: use nats, rabbitmq or sqs");
+        eprintln!("--broker {name}: use nats, nats-cluster, rabbitmq or sqs");
         std::process::exit(2);
     };
     let seed = flag(&args, "--seed")
@@ -37,10 +41,13 @@ async fn main() {
     let messages = flag(&args, "--messages")
         .and_then(|s| s.parse().ok())
         .unwrap_or(40 * faults as u64);
+    let own = !args.iter().any(|a| a == "--shared-api-server");
     println!(
-        "campaign on {}, seed {seed}, {faults} faults, {messages} messages",
-        broker.name()
+        "campaign on {}, seed {seed}, {faults} faults, {messages} messages, {} API server",
+        broker.name(),
+        if own { "its own" } else { "the environment's" }
     );
+    let control_plane = own.then(|| tokio::task::block_in_place(|| ControlPlane::start("chaos")));
     let report = chaos::run(
         broker,
         &Campaign {
@@ -49,6 +56,7 @@ async fn main() {
             messages,
             every: Duration::from_secs(6),
         },
+        control_plane,
     )
     .await;
     report.print();

@@ -26,6 +26,7 @@ async fn short_campaign(broker: Broker) {
             messages: 150,
             every: Duration::from_secs(4),
         },
+        None,
     )
     .await;
     report.print();

@@ -82,56 +82,91 @@ pub fn kubectl_at(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Outp
 pub struct ControlPlane {
     child: Child,
     dir: PathBuf,
+    /// The API server's, etcd's client and etcd's peer port.
+    ports: [u16; 3],
     pub kubeconfig: PathBuf,
+}
+
+/// `settle-controlplane` on `dir` and `ports`, its output appended to `dir/controlplane.log`.
+fn spawn(dir: &Path, ports: [u16; 3]) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("controlplane.log"))
+        .expect("log file");
+    Command::new(tool("controlplane"))
+        .arg("-dir")
+        .arg(dir)
+        .args(["-apiserver-port", &ports[0].to_string()])
+        .args(["-etcd-port", &ports[1].to_string()])
+        .args(["-etcd-peer-port", &ports[2].to_string()])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log)
+        .spawn()
+        .expect("start settle-controlplane")
 }
 
 impl ControlPlane {
     /// Starts an empty control plane and waits (up to 3 minutes on a loaded machine) until it
     /// serves the `default` namespace. `name` labels its state directory under target/.
     pub fn start(name: &str) -> ControlPlane {
-        let binary = tool("controlplane");
         // A port picked here may be taken by someone else before the server binds it: try again
         // with new ports when that is why it exited.
         for attempt in 1..=3 {
             let dir = root().join(format!("target/{name}-cp-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir).expect("create the control plane's directory");
-            let log = std::fs::File::create(dir.join("controlplane.log")).expect("log file");
-            let child = Command::new(&binary)
-                .arg("-dir")
-                .arg(&dir)
-                .args(["-apiserver-port", &free_port().to_string()])
-                .args(["-etcd-port", &free_port().to_string()])
-                .args(["-etcd-peer-port", &free_port().to_string()])
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().expect("log file"))
-                .stderr(log)
-                .spawn()
-                .expect("start settle-controlplane");
+            let ports = [free_port(), free_port(), free_port()];
             let mut cp = ControlPlane {
-                child,
+                child: spawn(&dir, ports),
                 kubeconfig: dir.join("kubeconfig"),
                 dir,
+                ports,
             };
             match cp.wait_ready(Duration::from_secs(180)) {
                 Ok(()) => return cp,
                 Err(why) => {
-                    let log = std::fs::read_to_string(cp.dir.join("controlplane.log"))
-                        .unwrap_or_default();
+                    let log = cp.log_text();
                     if attempt < 3 && log.contains("address already in use") {
                         continue; // dropped: killed and removed
                     }
-                    let tail: Vec<&str> = log.lines().rev().take(30).collect();
-                    let tail: Vec<&str> = tail.into_iter().rev().collect();
-                    panic!(
-                        "control plane in {} {why}; last lines of its log:\n{}",
-                        cp.dir.display(),
-                        tail.join("\n")
-                    );
+                    cp.fail(&why);
                 }
             }
         }
         unreachable!("the loop returns or panics")
+    }
+
+    /// SIGKILL: the API server and etcd stop at once, as a control plane node that crashed. Its
+    /// state stays on disk for [`ControlPlane::start_again`].
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Started again on its state and ports (the same certificates, the same objects), once
+    /// it serves again.
+    pub fn start_again(&mut self) {
+        self.child = spawn(&self.dir, self.ports);
+        if let Err(why) = self.wait_ready(Duration::from_secs(180)) {
+            self.fail(&why);
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(self.dir.join("controlplane.log")).unwrap_or_default()
+    }
+
+    fn fail(&self, why: &str) -> ! {
+        let log = self.log_text();
+        let tail: Vec<&str> = log.lines().rev().take(30).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        panic!(
+            "control plane in {} {why}; last lines of its log:\n{}",
+            self.dir.display(),
+            tail.join("\n")
+        );
     }
 
     fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {

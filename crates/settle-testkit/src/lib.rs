@@ -177,6 +177,23 @@ pub fn setting(key: &str) -> (Option<String>, PathBuf) {
     (found, file)
 }
 
+/// The API server this process's tests and campaigns use instead of the environment's, once
+/// [`use_kubeconfig`] named one.
+static KUBECONFIG_OVERRIDE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// From now on every API server this process reaches ([`env`]'s `kubeconfig`: kubectl, kube
+/// clients, operators started) is the one `kubeconfig` names: a fault campaign on a control
+/// plane of its own, which it may restart. Once per process; panics if another was named.
+pub fn use_kubeconfig(kubeconfig: PathBuf) {
+    let set = KUBECONFIG_OVERRIDE.get_or_init(|| kubeconfig.clone());
+    assert_eq!(
+        set,
+        &kubeconfig,
+        "this process already uses the API server of {}",
+        set.display()
+    );
+}
+
 /// The environment (see [`setting`]).
 pub fn env() -> Env {
     let get = |key: &str| -> String {
@@ -189,7 +206,10 @@ pub fn env() -> Env {
         }
     };
     Env {
-        kubeconfig: PathBuf::from(get("KUBECONFIG")),
+        kubeconfig: KUBECONFIG_OVERRIDE
+            .get()
+            .cloned()
+            .unwrap_or_else(|| PathBuf::from(get("KUBECONFIG"))),
         nats_url: get("SETTLE_NATS_URL"),
         nats_server: PathBuf::from(get("SETTLE_NATS_SERVER")),
         helm: PathBuf::from(get("SETTLE_HELM")),

@@ -1,8 +1,10 @@
 //! Where a campaign runs: per broker, the Backend applied in the campaign's namespace, the
 //! Subscription's broker fields, the applications' environment, a publisher that sends one
 //! message per id, and what is removed afterwards. NATS: a nats-server of the campaign's own
-//! (so it can be SIGKILLed) and a stream on it; RabbitMQ: a routing key of its own on
-//! `amq.topic` into the Subscription's quorum queue; SQS: a queue prefix of its own.
+//! (so it can be SIGKILLed) and a stream on it; the NATS cluster: the environment's three
+//! servers and a stream of three replicas (a server SIGKILLed or paused, then back); RabbitMQ:
+//! a routing key of its own on `amq.topic` into the Subscription's quorum queue; SQS: a queue
+//! prefix of its own.
 //!
 //! It must not decide when a fault happens nor judge status: the campaign does.
 
@@ -16,6 +18,7 @@ use settle::backend::nats::capture::{ACCOUNT_BUCKET, CAPTURE_STREAM};
 use settle::bus::report::REPORT_BUCKET;
 
 use crate::account::report_keys;
+use crate::nats_cluster::{Cluster, SERVERS, cluster};
 use crate::operator::{NatsServer, TestStream};
 use crate::rabbitmq::{env_backend_yaml, management, publish_topic};
 use crate::subs::{apply, backend_yaml, backends, wait_backend};
@@ -24,14 +27,21 @@ use crate::subs::{apply, backend_yaml, backends, wait_backend};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Broker {
     Nats,
+    /// The environment's JetStream cluster (`hack/env.sh up --nats-cluster`).
+    NatsCluster,
     Rabbitmq,
     Sqs,
 }
 
 impl Broker {
-    pub const ALL: [Broker; 3] = [Broker::Nats, Broker::Rabbitmq, Broker::Sqs];
+    pub const ALL: [Broker; 4] = [
+        Broker::Nats,
+        Broker::NatsCluster,
+        Broker::Rabbitmq,
+        Broker::Sqs,
+    ];
 
-    /// `nats`, `rabbitmq` or `sqs`.
+    /// `nats`, `nats-cluster`, `rabbitmq` or `sqs`.
     pub fn parse(name: &str) -> Option<Broker> {
         Broker::ALL.into_iter().find(|b| b.name() == name)
     }
@@ -39,8 +49,18 @@ impl Broker {
     pub fn name(self) -> &'static str {
         match self {
             Broker::Nats => "nats",
+            Broker::NatsCluster => "nats-cluster",
             Broker::Rabbitmq => "rabbitmq",
             Broker::Sqs => "sqs",
+        }
+    }
+
+    /// The operators' flags this broker needs beyond the campaign's: on the cluster the
+    /// account's capture and buckets at three replicas, so a server lost loses none of them.
+    pub(super) fn operator_flags(self) -> &'static [&'static str] {
+        match self {
+            Broker::NatsCluster => &["--account-replicas", "3"],
+            Broker::Nats | Broker::Rabbitmq | Broker::Sqs => &[],
         }
     }
 }
@@ -48,6 +68,7 @@ impl Broker {
 /// The campaign's place on its broker.
 pub(super) enum Target {
     Nats(Box<TestStream>, NatsServer),
+    NatsCluster(Box<TestStream>, Cluster),
     Rabbitmq {
         amqp: Arc<lapin::Connection>,
         tag: String,
@@ -79,6 +100,23 @@ impl Target {
                 );
                 let app_env = vec![("SETTLE_NATS_URL".into(), url)];
                 (Target::Nats(Box::new(stream), server), fields, app_env)
+            }
+            Broker::NatsCluster => {
+                let cluster = cluster();
+                cluster.wait_healthy().await;
+                let urls = cluster.url_list();
+                let stream = TestStream::replicated(&urls, "chaos", 3).await;
+                apply(ns, &backend_yaml("nats", &urls));
+                let fields = format!(
+                    "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n",
+                    stream.prefix
+                );
+                let app_env = vec![("SETTLE_NATS_URL".into(), urls)];
+                (
+                    Target::NatsCluster(Box::new(stream), cluster),
+                    fields,
+                    app_env,
+                )
             }
             Broker::Rabbitmq => {
                 apply(ns, &env_backend_yaml("rabbit", ""));
@@ -140,7 +178,9 @@ impl Target {
     /// A publisher of message `id` (its body the id), confirmed by the broker.
     pub(super) fn publisher(&self) -> Publisher {
         match self {
-            Target::Nats(s, _) => Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone()),
+            Target::Nats(s, _) | Target::NatsCluster(s, _) => {
+                Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone())
+            }
             Target::Rabbitmq { amqp, tag } => Publisher::Rabbitmq(amqp.clone(), tag.clone()),
             Target::Sqs { client, url, .. } => Publisher::Sqs(client.clone(), url.clone()),
         }
@@ -154,7 +194,7 @@ impl Target {
     pub(super) async fn leftovers(&self, ns: &str) -> Vec<String> {
         let mut left = Vec::new();
         match self {
-            Target::Nats(s, _) => {
+            Target::Nats(s, _) | Target::NatsCluster(s, _) => {
                 if let Ok(stream) = s.js.get_stream(&s.name).await {
                     let mut names = stream.consumer_names();
                     while let Some(Ok(name)) = names.next().await {
@@ -229,17 +269,39 @@ impl Target {
                     None => false,
                 }
             }
-            Target::Nats(..) | Target::Rabbitmq { .. } => false,
+            Target::Nats(..) | Target::NatsCluster(..) | Target::Rabbitmq { .. } => false,
         }
     }
 
-    /// The broker SIGKILLed, and started again on its store after `down`.
-    pub(super) async fn kill_broker(&mut self, down: Duration) {
+    /// The broker SIGKILLed, and started again on its store after `down`; on the cluster one
+    /// of its servers, drawn (only there: the other brokers' campaigns draw as before).
+    pub(super) async fn kill_broker(&mut self, down: Duration, draw: &mut super::Draw) -> Hit {
+        let secs = down.as_secs();
         match self {
             Target::Nats(_, server) => {
                 server.stop();
                 tokio::time::sleep(down).await;
                 server.resume();
+                Hit {
+                    what: format!("the broker SIGKILLed, and started again {secs} s later"),
+                    consumer_led: true,
+                }
+            }
+            Target::NatsCluster(stream, cluster) => {
+                let i = usize::try_from(draw.below(3)).unwrap_or(0);
+                let led = leads(stream).await;
+                let killed = cluster.kill(i);
+                tokio::time::sleep(down).await;
+                killed.restart();
+                let back = healthy_again(cluster).await;
+                Hit {
+                    what: format!(
+                        "{} ({}) SIGKILLed, started again {secs} s later, every server healthy {back}",
+                        SERVERS[i],
+                        led.describe(SERVERS[i])
+                    ),
+                    consumer_led: led.consumer_led_by(SERVERS[i]),
+                }
             }
             Target::Rabbitmq { .. } | Target::Sqs { .. } => {
                 panic!("the campaign runs no broker of its own here to kill")
@@ -247,11 +309,92 @@ impl Target {
         }
     }
 
-    /// What the campaign made on the broker beside the Subscription's own objects, removed.
-    pub(super) async fn remove(self) {
-        if let Target::Nats(stream, _server) = self {
-            stream.delete().await;
+    /// A cluster server paused (SIGSTOP: its connections open and silent, as a node cut off)
+    /// for `down`, then resumed: `which` (modulo two) of the two the campaign's publisher is
+    /// not connected to (its client would wait out its pings, a minute or more, while the
+    /// operators and applications take the fault).
+    pub(super) async fn pause_node(&mut self, down: Duration, which: u64) -> Hit {
+        let Target::NatsCluster(stream, cluster) = self else {
+            panic!("only the cluster has a node to pause")
+        };
+        let publishing = stream.js.client().server_info().server_name;
+        let others: Vec<usize> = (0..3).filter(|&j| SERVERS[j] != publishing).collect();
+        let i = others[usize::try_from(which).unwrap_or(0) % others.len()];
+        let led = leads(stream).await;
+        let paused = cluster.pause(i);
+        tokio::time::sleep(down).await;
+        paused.resume();
+        let back = healthy_again(cluster).await;
+        Hit {
+            what: format!(
+                "{} ({}) paused (SIGSTOP) for {} s, then resumed, every server healthy {back}",
+                SERVERS[i],
+                led.describe(SERVERS[i]),
+                down.as_secs()
+            ),
+            consumer_led: led.consumer_led_by(SERVERS[i]),
         }
+    }
+
+    /// What the campaign made on the broker beside the Subscription's own objects, removed
+    /// (on the cluster, once every server is back and healthy).
+    pub(super) async fn remove(self) {
+        match self {
+            Target::Nats(stream, _server) => stream.delete().await,
+            Target::NatsCluster(stream, cluster) => {
+                cluster.wait_healthy().await;
+                stream.delete().await;
+            }
+            Target::Rabbitmq { .. } | Target::Sqs { .. } => {}
+        }
+    }
+}
+
+/// Waits until every server of the cluster is healthy again, which ends the outage (a server
+/// back catches up its streams first, and the next one lost meanwhile would cost the quorum);
+/// says how long after it was back (`N s later`).
+async fn healthy_again(cluster: &Cluster) -> String {
+    let back = std::time::Instant::now();
+    cluster.wait_healthy().await;
+    format!("{:.1} s later", back.elapsed().as_secs_f64())
+}
+
+/// What a fault on the broker did: said in a line, and whether the server it hit led the
+/// consumer (the only server when there is one; on the cluster, or not known then): until
+/// another leads it, an ack sent is lost (semantics J3).
+pub(super) struct Hit {
+    pub(super) what: String,
+    pub(super) consumer_led: bool,
+}
+
+/// Which servers led the campaign's stream and its consumer when a fault hit one.
+struct Leaders {
+    stream: Option<String>,
+    consumer: Option<String>,
+}
+
+impl Leaders {
+    /// What `server` led: `leading the stream and the consumer`, …, or `a follower`.
+    fn describe(&self, server: &str) -> String {
+        let of = |l: &Option<String>| l.as_deref() == Some(server);
+        match (of(&self.stream), of(&self.consumer)) {
+            (true, true) => "leading the stream and the consumer".into(),
+            (true, false) => "leading the stream".into(),
+            (false, true) => "leading the consumer".into(),
+            (false, false) => "a follower".into(),
+        }
+    }
+
+    /// Whether `server` led the consumer, or nobody knew who did.
+    fn consumer_led_by(&self, server: &str) -> bool {
+        self.consumer.as_deref().is_none_or(|l| l == server)
+    }
+}
+
+async fn leads(stream: &TestStream) -> Leaders {
+    Leaders {
+        stream: Cluster::stream_leader(&stream.js, &stream.name).await,
+        consumer: Cluster::consumer_leader(&stream.js, &stream.name, "orders").await,
     }
 }
 

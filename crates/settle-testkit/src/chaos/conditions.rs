@@ -1,9 +1,9 @@
 //! The conditions a campaign watches (`Accounted`, `Exhausting`, `Stranding`, `Stalled`,
 //! `Ready`) and the check that each one raised had a cause: every change is recorded with its
 //! time; `Exhausting=True` needs a message the handlers never acknowledged (it ran out of
-//! attempts); `Ready=False` and `Accounted=False` need the broker down (from its kill until
-//! [`OUTAGE_GRACE`] after it is back: the operator finds the consumer unreachable, a source
-//! unreadable); none of the campaign's faults causes `Stranding=True` or `Stalled=True`, nor
+//! attempts); `Ready=False` and `Accounted=False` need the broker or the API server down (from
+//! its kill until [`OUTAGE_GRACE`] after it is back: the operator finds the consumer
+//! unreachable, a source unreadable, or catches up); none of the campaign's faults causes `Stranding=True` or `Stalled=True`, nor
 //! the others outside an outage (they remove no Backend, connection or consumer, cost no
 //! source, save or report, and a pause owes nothing: semantics C22), so each seen is a
 //! discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor

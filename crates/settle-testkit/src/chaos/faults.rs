@@ -1,5 +1,5 @@
 //! The faults a campaign injects: what each is, the schedule drawn from the seed, and how each
-//! is done to the applications, the operators, the Subscription or the broker.
+//! is done to the applications, the operators, the Subscription, the broker or the API server.
 //!
 //! It must not judge what happened (that is [`super::model`] and [`super::conditions`]).
 
@@ -10,9 +10,10 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 use settle::api::Subscription;
 
-use super::broker::{Broker, Target};
+use super::broker::{Broker, Hit, Target};
 use super::{Draw, Kill};
 use crate::account::App;
+use crate::controlplane::ControlPlane;
 use crate::operator::Operator;
 
 /// A fault the campaign injects.
@@ -36,12 +37,18 @@ pub enum Fault {
     /// One application SIGKILLed mid-work (no last report) and another started in its place.
     AppKilled,
     /// The broker SIGKILLed under load and started again on its store a few seconds later
-    /// (NATS: the campaign's own nats-server).
+    /// (NATS: the campaign's own nats-server; the cluster: one of its servers).
     BrokerKilled,
+    /// A server of the cluster paused (SIGSTOP) for a few seconds, as a node cut off by a
+    /// partition, then resumed.
+    NodePaused,
+    /// The API server and its etcd SIGKILLed, and started again on their state a few seconds
+    /// later (only on a control plane of the campaign's own).
+    ApiServerRestarted,
 }
 
 impl Fault {
-    const ALL: [Fault; 9] = [
+    const ALL: [Fault; 11] = [
         Fault::AppReplaced,
         Fault::AppScaledUp,
         Fault::AppScaledDown,
@@ -51,12 +58,22 @@ impl Fault {
         Fault::Edited,
         Fault::AppKilled,
         Fault::BrokerKilled,
+        Fault::NodePaused,
+        Fault::ApiServerRestarted,
     ];
 
-    /// Whether the campaign can inject it on `broker` (the broker runs as a process of the
-    /// campaign's own only on NATS so far).
-    fn on(self, broker: Broker) -> bool {
-        self != Fault::BrokerKilled || broker == Broker::Nats
+    /// Whether the campaign can inject it on `broker`, with a control plane of its own or
+    /// not: the broker is a process the campaign may kill only on NATS (its own server, or the
+    /// environment's cluster, whose every server a guard starts again); a node to pause only
+    /// the cluster has; the API server it restarts only when it is the campaign's own (the
+    /// environment's serves every other test).
+    fn on(self, broker: Broker, own_api_server: bool) -> bool {
+        match self {
+            Fault::BrokerKilled => matches!(broker, Broker::Nats | Broker::NatsCluster),
+            Fault::NodePaused => broker == Broker::NatsCluster,
+            Fault::ApiServerRestarted => own_api_server,
+            _ => true,
+        }
     }
 }
 
@@ -71,15 +88,20 @@ async fn patch_spec(api: &Api<Subscription>, spec: serde_json::Value) {
     .expect("the Subscription patched");
 }
 
-/// `n` faults drawn from `draw` among those `broker` takes, one every `every` (give or take a
-/// third of it), the first after `every`.
+/// `n` faults drawn from `draw` among those `broker` takes (the API server restarted among
+/// them with `own_api_server`), one every `every` (give or take a third of it), the first after
+/// `every`.
 pub fn schedule(
     draw: &mut Draw,
     n: usize,
     every: Duration,
     broker: Broker,
+    own_api_server: bool,
 ) -> Vec<(Duration, Fault)> {
-    let kinds: Vec<Fault> = Fault::ALL.into_iter().filter(|f| f.on(broker)).collect();
+    let kinds: Vec<Fault> = Fault::ALL
+        .into_iter()
+        .filter(|f| f.on(broker, own_api_server))
+        .collect();
     let third = u64::try_from(every.as_millis() / 3).unwrap_or(1).max(1);
     (0..n)
         .map(|i| {
@@ -181,24 +203,52 @@ impl Operators {
     }
 }
 
-/// What the faults did that the checker needs: the applications SIGKILLed, and when the
-/// broker was down (since the campaign's start).
+/// What the faults did that the checker needs: the applications SIGKILLed, when the broker
+/// was down, when an ack may have been lost, and when the API server was down (since the
+/// campaign's start).
 pub(super) struct Done {
     pub(super) t0: Instant,
     pub(super) kills: Vec<Kill>,
     pub(super) outages: Vec<(Duration, Duration)>,
+    /// From a second before a fault hit the server leading the consumer (an ack it had not
+    /// made durable yet) until the broker was whole again: an ack sent then may be lost (J3).
+    pub(super) ack_outages: Vec<(Duration, Duration)>,
+    pub(super) api_outages: Vec<(Duration, Duration)>,
 }
 
-/// Injects `fault`; says what was done.
-pub(super) async fn inject(
-    fault: Fault,
-    draw: &mut Draw,
-    apps: &mut Apps,
-    ops: &mut Operators,
-    api: &Api<Subscription>,
-    target: &mut Target,
-    done: &mut Done,
-) -> String {
+impl Done {
+    /// The broker hit at `down` (since the start) and whole again now.
+    fn broker_down(&mut self, down: Duration, hit: &Hit) {
+        let back = self.t0.elapsed();
+        self.outages.push((down, back));
+        if hit.consumer_led {
+            self.ack_outages
+                .push((down.saturating_sub(Duration::from_secs(1)), back));
+        }
+    }
+}
+
+/// What the faults act on.
+pub(super) struct World {
+    pub(super) apps: Apps,
+    pub(super) ops: Operators,
+    pub(super) api: Api<Subscription>,
+    pub(super) target: Target,
+    pub(super) done: Done,
+    /// The campaign's own control plane, when it runs on one.
+    pub(super) control_plane: Option<ControlPlane>,
+}
+
+/// Injects `fault` into `w`; says what was done.
+pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> String {
+    let World {
+        apps,
+        ops,
+        api,
+        target,
+        done,
+        control_plane,
+    } = w;
     match fault {
         Fault::AppReplaced => {
             let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
@@ -219,9 +269,34 @@ pub(super) async fn inject(
         Fault::BrokerKilled => {
             let secs = 1 + draw.below(4);
             let down = done.t0.elapsed();
-            target.kill_broker(Duration::from_secs(secs)).await;
-            done.outages.push((down, done.t0.elapsed()));
-            format!("the broker SIGKILLed, and started again {secs} s later")
+            let hit = target.kill_broker(Duration::from_secs(secs), draw).await;
+            done.broker_down(down, &hit);
+            hit.what
+        }
+        Fault::ApiServerRestarted => {
+            let Some(cp) = control_plane.as_mut() else {
+                return "the API server left running (it is the environment's)".into();
+            };
+            let secs = 1 + draw.below(4);
+            let down = done.t0.elapsed();
+            cp.kill();
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            tokio::task::block_in_place(|| cp.start_again());
+            let back = done.t0.elapsed();
+            done.api_outages.push((down, back));
+            format!(
+                "the API server and etcd SIGKILLed, started again {secs} s later, serving {:.1} s after the kill",
+                (back - down).as_secs_f64()
+            )
+        }
+        Fault::NodePaused => {
+            let secs = 3 + draw.below(8);
+            let down = done.t0.elapsed();
+            let hit = target
+                .pause_node(Duration::from_secs(secs), draw.below(2))
+                .await;
+            done.broker_down(down, &hit);
+            hit.what
         }
         Fault::AppKilled => {
             let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);

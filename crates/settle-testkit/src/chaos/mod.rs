@@ -6,10 +6,11 @@
 //! handlers' files say they did: the ground truth does not come from Settle.
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
-//! operator SIGKILLed or SIGTERMed; the Subscription paused, edited; the broker SIGKILLed), the
-//! schedule and how each is done; [`model`] what the handlers did and the checker (every
-//! counter exact but what a SIGKILL allows, C16); [`conditions`] the conditions and their
-//! causes; [`broker`] what differs between NATS, RabbitMQ and SQS. This file runs a campaign:
+//! operator SIGKILLed or SIGTERMed; the Subscription paused, edited; the broker SIGKILLed, a
+//! cluster's server paused), the schedule and how each is done; [`model`] what the handlers did
+//! and the checker (every counter exact but what a SIGKILL allows, C16, and an ack sent in an
+//! outage, J3); [`conditions`] the conditions and their causes; [`broker`] what differs between
+//! NATS (one server or the cluster), RabbitMQ and SQS. This file runs a campaign:
 //! sets it up, runs the schedule, waits for rest, judges, and cleans up.
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
@@ -27,11 +28,12 @@ mod broker;
 mod conditions;
 mod faults;
 mod model;
+use crate::controlplane::ControlPlane;
 pub use broker::Broker;
 use broker::Target;
-use faults::{Apps, Done, Operators};
+use faults::{Apps, Done, Operators, World};
 pub use faults::{Fault, schedule};
-pub use model::{Answer, KILL_WINDOW, Kill, MAX_DELIVER, Model, check, stepped_down};
+pub use model::{Answer, KILL_WINDOW, Kill, MAX_DELIVER, Model, Outages, check, stepped_down};
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
 pub struct Draw(u64);
@@ -87,8 +89,13 @@ impl Report {
     }
 }
 
-/// Runs campaign `c` on the environment's `broker`.
-pub async fn run(broker: Broker, c: &Campaign) -> Report {
+/// Runs campaign `c` on the environment's `broker`, and on `control_plane` when given (the
+/// campaign's own, which it may then restart: every API server this process reaches is that
+/// one from now on) rather than the environment's API server.
+pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlane>) -> Report {
+    if let Some(cp) = &control_plane {
+        crate::use_kubeconfig(cp.kubeconfig.clone());
+    }
     crate::install_crds();
     let ns = crate::namespace(&format!("chaos-{}", broker.name()));
     let mut ops = Operators {
@@ -105,6 +112,7 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
             "5s",
         ]
         .iter()
+        .chain(broker.operator_flags())
         .map(ToString::to_string)
         .collect(),
         ns: ns.clone(),
@@ -144,7 +152,13 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     let (seen, changes, watcher) = conditions::watch(&api, t0);
 
     let mut draw = Draw::new(c.seed);
-    let plan = schedule(&mut draw, c.faults, c.every, broker);
+    let plan = schedule(
+        &mut draw,
+        c.faults,
+        c.every,
+        broker,
+        control_plane.is_some(),
+    );
     let span = plan.last().map_or(c.every, |(at, _)| *at) + c.every;
     let publisher = {
         let (send, n) = (target.publisher(), c.messages);
@@ -157,28 +171,36 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
         })
     };
     let mut lines = Vec::new();
-    let mut done = Done {
-        t0,
-        kills: Vec::new(),
-        outages: Vec::new(),
+    let mut w = World {
+        apps,
+        ops,
+        api: api.clone(),
+        target,
+        done: Done {
+            t0,
+            kills: Vec::new(),
+            outages: Vec::new(),
+            ack_outages: Vec::new(),
+            api_outages: Vec::new(),
+        },
+        control_plane,
     };
     for (at, fault) in plan {
         tokio::time::sleep_until((t0 + at).into()).await;
-        let what = faults::inject(
-            fault,
-            &mut draw,
-            &mut apps,
-            &mut ops,
-            &api,
-            &mut target,
-            &mut done,
-        )
-        .await;
+        let what = faults::inject(fault, &mut draw, &mut w).await;
         lines.push(format!(
             "{:>6.1} s  {fault:?}: {what}",
             t0.elapsed().as_secs_f64()
         ));
     }
+    let World {
+        mut apps,
+        ops,
+        target,
+        done,
+        control_plane,
+        ..
+    } = w;
     publisher.await.expect("the publisher ran");
     // At rest: every message acknowledged or out of attempts, and status still.
     let deadline = Instant::now() + Duration::from_secs(180);
@@ -242,13 +264,28 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     let t0_ms = settle::bus::report::now_ms()
         .saturating_sub(u64::try_from(t0.elapsed().as_millis()).unwrap_or(0));
     let ms = |d: Duration| t0_ms + u64::try_from(d.as_millis()).unwrap_or(0);
-    let outages: Vec<(u64, u64)> = done.outages.iter().map(|(a, b)| (ms(*a), ms(*b))).collect();
+    let ms_of = |o: &[(Duration, Duration)]| -> Vec<(u64, u64)> {
+        o.iter().map(|(a, b)| (ms(*a), ms(*b))).collect()
+    };
+    let outages = Outages {
+        broker: ms_of(&done.outages),
+        acks: ms_of(&done.ack_outages),
+    };
     let mut discrepancies = check(&model, c.messages, &s, &done.kills, &outages, &mut allowed);
     discrepancies.extend(stepped_down(&seen));
+    // A condition may change while the broker or the API server is down (the operator finds
+    // the consumer unreachable; it writes nothing, then catches up); a settlement fails only
+    // while the broker is.
+    let any_outage: Vec<(Duration, Duration)> = done
+        .outages
+        .iter()
+        .chain(&done.api_outages)
+        .copied()
+        .collect();
     discrepancies.extend(conditions::uncaused(
         &changes,
         c.messages - model.acked_ids.len() as u64,
-        &done.outages,
+        &any_outage,
     ));
     // The Subscription and the Backend deleted as the namespace controller would, the
     // operators still running: nothing of theirs may stay on the broker.
@@ -297,6 +334,7 @@ pub async fn run(broker: Broker, c: &Campaign) -> Report {
     drop(ops);
     let _ = std::fs::remove_file(&manifest);
     target.remove().await;
+    drop(control_plane);
     Report {
         lines,
         summary,
@@ -312,9 +350,9 @@ mod tests {
     #[test]
     fn a_seed_draws_the_same_schedule_and_another_a_different_one() {
         let every = Duration::from_secs(5);
-        let a = schedule(&mut Draw::new(7), 10, every, Broker::Nats);
-        let b = schedule(&mut Draw::new(7), 10, every, Broker::Nats);
-        let c = schedule(&mut Draw::new(8), 10, every, Broker::Nats);
+        let a = schedule(&mut Draw::new(7), 10, every, Broker::Nats, false);
+        let b = schedule(&mut Draw::new(7), 10, every, Broker::Nats, false);
+        let c = schedule(&mut Draw::new(8), 10, every, Broker::Nats, false);
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert!(a.windows(2).all(|w| w[0].0 < w[1].0), "in order: {a:?}");
