@@ -7,7 +7,7 @@
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
 //! operator SIGKILLed or SIGTERMed; the Subscription paused, edited; the broker SIGKILLed, a
-//! cluster's server paused), the schedule and how each is done; [`model`] what the handlers did
+//! cluster's server paused; the campaign's own API server restarted), the schedule and how each is done; [`model`] what the handlers did
 //! and the checker (every counter exact but what a SIGKILL allows, C16, and an ack sent in an
 //! outage, J3); [`conditions`] the conditions and their causes; [`broker`] what differs between
 //! NATS (one server or the cluster), RabbitMQ and SQS. This file runs a campaign:
