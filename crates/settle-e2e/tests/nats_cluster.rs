@@ -396,8 +396,9 @@ async fn a_node_paused_for_thirty_seconds_converges_with_exact_counts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_short_campaign_of_a_fixed_seed_on_the_cluster_finds_no_discrepancy() {
     let _one = ONE_AT_A_TIME.lock().await;
+    let broker = common::chaos::Broker::NatsCluster;
     let report = common::chaos::run(
-        common::chaos::Broker::NatsCluster,
+        broker,
         &common::chaos::Campaign {
             seed: 176,
             faults: 6,
@@ -407,10 +408,5 @@ async fn a_short_campaign_of_a_fixed_seed_on_the_cluster_finds_no_discrepancy() 
         None,
     )
     .await;
-    report.print();
-    assert!(
-        report.discrepancies.is_empty(),
-        "the campaign on the cluster found discrepancies:\n{}",
-        report.discrepancies.join("\n")
-    );
+    report.assert_none_found(broker);
 }

@@ -29,13 +29,7 @@ async fn short_campaign(broker: Broker) {
         None,
     )
     .await;
-    report.print();
-    assert!(
-        report.discrepancies.is_empty(),
-        "the campaign on {} found discrepancies:\n{}",
-        broker.name(),
-        report.discrepancies.join("\n")
-    );
+    report.assert_none_found(broker);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -294,14 +294,12 @@ impl Target {
                 tokio::time::sleep(down).await;
                 killed.restart();
                 let back = healthy_again(cluster).await;
-                Hit {
-                    what: format!(
-                        "{} ({}) SIGKILLed, started again {secs} s later, every server healthy {back}",
-                        SERVERS[i],
-                        led.describe(SERVERS[i])
+                led.hit(
+                    i,
+                    &format!(
+                        "SIGKILLed, started again {secs} s later, every server healthy {back}"
                     ),
-                    consumer_led: led.consumer_led_by(SERVERS[i]),
-                }
+                )
             }
             Target::Rabbitmq { .. } | Target::Sqs { .. } => {
                 panic!("the campaign runs no broker of its own here to kill")
@@ -325,15 +323,13 @@ impl Target {
         tokio::time::sleep(down).await;
         paused.resume();
         let back = healthy_again(cluster).await;
-        Hit {
-            what: format!(
-                "{} ({}) paused (SIGSTOP) for {} s, then resumed, every server healthy {back}",
-                SERVERS[i],
-                led.describe(SERVERS[i]),
+        led.hit(
+            i,
+            &format!(
+                "paused (SIGSTOP) for {} s, then resumed, every server healthy {back}",
                 down.as_secs()
             ),
-            consumer_led: led.consumer_led_by(SERVERS[i]),
-        }
+        )
     }
 
     /// What the campaign made on the broker beside the Subscription's own objects, removed
@@ -374,20 +370,21 @@ struct Leaders {
 }
 
 impl Leaders {
-    /// What `server` led: `leading the stream and the consumer`, …, or `a follower`.
-    fn describe(&self, server: &str) -> String {
+    /// Server `i` hit, as `done` says: `settle-cN (what it led) <done>`, and whether it led
+    /// the consumer (or nobody knew who did).
+    fn hit(&self, i: usize, done: &str) -> Hit {
+        let server = SERVERS[i];
         let of = |l: &Option<String>| l.as_deref() == Some(server);
-        match (of(&self.stream), of(&self.consumer)) {
-            (true, true) => "leading the stream and the consumer".into(),
-            (true, false) => "leading the stream".into(),
-            (false, true) => "leading the consumer".into(),
-            (false, false) => "a follower".into(),
+        let led = match (of(&self.stream), of(&self.consumer)) {
+            (true, true) => "leading the stream and the consumer",
+            (true, false) => "leading the stream",
+            (false, true) => "leading the consumer",
+            (false, false) => "a follower",
+        };
+        Hit {
+            what: format!("{server} ({led}) {done}"),
+            consumer_led: self.consumer.as_deref().is_none_or(|l| l == server),
         }
-    }
-
-    /// Whether `server` led the consumer, or nobody knew who did.
-    fn consumer_led_by(&self, server: &str) -> bool {
-        self.consumer.as_deref().is_none_or(|l| l == server)
     }
 }
 

@@ -3,10 +3,10 @@
 //! time; `Exhausting=True` needs a message the handlers never acknowledged (it ran out of
 //! attempts); `Ready=False` and `Accounted=False` need the broker or the API server down (from
 //! its kill until [`OUTAGE_GRACE`] after it is back: the operator finds the consumer
-//! unreachable, a source unreadable, or catches up); none of the campaign's faults causes `Stranding=True` or `Stalled=True`, nor
-//! the others outside an outage (they remove no Backend, connection or consumer, cost no
-//! source, save or report, and a pause owes nothing: semantics C22), so each seen is a
-//! discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
+//! unreachable, a source unreadable, or catches up); none of the campaign's faults causes
+//! `Stranding=True` or `Stalled=True`, nor the others outside an outage (they remove no
+//! Backend, connection or consumer, cost no source, save or report, and a pause owes nothing:
+//! semantics C22), so each seen is a discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
 //! stalled.
 //!
 //! It must not judge the counters: it records them for the campaign's checker.

@@ -87,6 +87,18 @@ impl Report {
             println!("allowed {a}");
         }
     }
+
+    /// Prints it, and fails naming every discrepancy of the campaign on `broker` (a test's
+    /// verdict).
+    pub fn assert_none_found(&self, broker: Broker) {
+        self.print();
+        assert!(
+            self.discrepancies.is_empty(),
+            "the campaign on {} found discrepancies:\n{}",
+            broker.name(),
+            self.discrepancies.join("\n")
+        );
+    }
 }
 
 /// Runs campaign `c` on the environment's `broker`, and on `control_plane` when given (the

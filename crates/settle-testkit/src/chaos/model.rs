@@ -162,6 +162,13 @@ pub struct Outages {
     pub acks: Vec<(u64, u64)>,
 }
 
+/// Whether `at` falls in one of `windows` (unix ms, each end `grace` later).
+fn in_any(windows: &[(u64, u64)], at: u64, grace: u64) -> bool {
+    windows
+        .iter()
+        .any(|(from, to)| *from <= at && at <= to.saturating_add(grace))
+}
+
 /// Every difference between status `s` (at rest) and the model of `published` messages, each
 /// with the rule it breaks; with the applications `kills` and the broker's `outages`, the
 /// differences C16 and J3 allow are accepted, and each is said in `allowed`.
@@ -175,18 +182,8 @@ pub fn check(
 ) -> Vec<String> {
     let lost: Vec<&Answer> = model.unreported(kills).collect();
     let grace = u64::try_from(OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
-    let down = |at: u64| {
-        outages
-            .broker
-            .iter()
-            .any(|(from, to)| *from <= at && at <= to.saturating_add(grace))
-    };
-    let ack_lost = |at: u64| {
-        outages
-            .acks
-            .iter()
-            .any(|(from, to)| *from <= at && at <= *to)
-    };
+    let down = |at: u64| in_any(&outages.broker, at, grace);
+    let ack_lost = |at: u64| in_any(&outages.acks, at, 0);
     // Ids whose every ack may not have reached the broker: it failed, or was sent while the
     // broker was down or the consumer had no leader (J3: such an ack is lost, and the message
     // offered again, so it may run out).
