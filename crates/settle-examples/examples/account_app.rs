@@ -35,12 +35,16 @@
 //!     starts (the cluster tests count attempts by it).
 //!   - `model`: the fault campaign's handler (`docs/guide/chaos.md`). A body is a message id;
 //!     the answer to each attempt is drawn from (`SETTLE_APP_MODEL_SEED`, id, attempt) by
-//!     [`model_answer`]: ack, nack or silent (returns without settling). Each answer is
-//!     appended to the file `SETTLE_APP_MODEL_LOG` as a line `<id> <attempt> <answer> <unix
-//!     ms>` just before it is sent (so a settlement the broker got is never missing from the
-//!     file, even when the process is killed right after), and once it returned
-//!     `<id> <attempt> done <unix ms>` (`failed` for a settlement that returned an error): the
-//!     campaign's checker knows what the handlers did, and when, without asking Settle.
+//!     [`model_answer`]: an ack (at once, beside a returned error, followed by a second
+//!     settlement, or after working past ackWait), a nack (at once or with a delay) or silence
+//!     (with or without a returned error). Each answer is appended to the file
+//!     `SETTLE_APP_MODEL_LOG` as a line `<id> <attempt> <answer> <unix ms>` just before it is
+//!     sent (so a settlement the broker got is never missing from the file, even when the
+//!     process is killed right after), and once it returned `<id> <attempt> done <unix ms>`
+//!     (`failed` for a settlement that returned an error); `no-delay` when `nack_after` was
+//!     refused for want of a ceiling (then it nacks), `settled-twice` when a second settlement
+//!     was not refused: the campaign's checker knows what the handlers did, and when, without
+//!     asking Settle.
 //! - `SETTLE_REPORT_INTERVAL` (default `200ms`): how often counters are reported.
 //! - `SETTLE_RUN_FOR` (default: until stopped): how long to consume before closing.
 //!
@@ -56,21 +60,38 @@ use settle::api;
 use settle::backend::nats::NatsBroker;
 use settle::backend::rabbitmq::RabbitBroker;
 use settle::backend::sqs::{SqsBroker, SqsCredentials, SqsSettings};
-use settle::bus::{Broker, Bus, Delivery, HandlerError, Subscriber, handler};
+use settle::bus::{Broker, Bus, Delivery, HandlerError, SettleError, Subscriber, handler};
 
-/// The model handler's answer to attempt `attempt` of message `id`: about 55% ack, 25% nack,
-/// 20% silent, each attempt drawn on its own (so a message may be declined, then acked).
+/// The model handler's answer to attempt `attempt` of message `id`, each attempt drawn on its
+/// own (so a message may be declined, then acked): about 40% `ack`, 5% `ack-error` (acks, then
+/// returns an error: still acked, S3), 5% `ack-twice` (acks, then nacks: the nack is refused,
+/// S2), 5% `slow-ack` (works 3 s, past a 2 s ackWait, then acks: the lease is extended, H1),
+/// 15% `nack`, 10% `nack-after` (declines with a delay of 200 to 1,500 ms, B3), 15% `silent`
+/// and 5% `silent-error` (returns an error without settling: silent, S3).
 pub fn model_answer(seed: u64, id: u64, attempt: u32) -> &'static str {
+    match model_draw(seed, id, attempt) % 100 {
+        0..40 => "ack",
+        40..45 => "ack-error",
+        45..50 => "ack-twice",
+        50..55 => "slow-ack",
+        55..70 => "nack",
+        70..80 => "nack-after",
+        80..95 => "silent",
+        _ => "silent-error",
+    }
+}
+
+/// The delay a `nack-after` answer asks for: 200 to 1,500 ms, drawn like the answer.
+pub fn model_delay(seed: u64, id: u64, attempt: u32) -> std::time::Duration {
+    std::time::Duration::from_millis(200 + (model_draw(seed, id, attempt) >> 8) % 1301)
+}
+
+fn model_draw(seed: u64, id: u64, attempt: u32) -> u64 {
     let mut x = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ u64::from(attempt) << 48;
     // splitmix64's finaliser: every input bit reaches every output bit.
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^= x >> 31;
-    match x % 100 {
-        0..55 => "ack",
-        55..80 => "nack",
-        _ => "silent",
-    }
+    x ^ (x >> 31)
 }
 
 /// Where the model handler writes what it answered.
@@ -125,18 +146,44 @@ async fn handle(
     match how {
         Behaviour::Model(seed) => {
             let id: u64 = body.trim().parse().unwrap_or(0);
-            let answer = model_answer(seed, id, d.attempt());
-            if let Some(log) = log {
-                log.said(id, d.attempt(), answer);
-            }
+            let attempt = d.attempt();
+            let answer = model_answer(seed, id, attempt);
+            let said = |what: &str| {
+                if let Some(log) = log {
+                    log.said(id, attempt, what);
+                }
+            };
+            let delay = model_delay(seed, id, attempt);
+            said(&if answer == "nack-after" {
+                format!("nack-after-{}ms", delay.as_millis())
+            } else {
+                answer.to_string()
+            });
             let sent = match answer {
-                "ack" => d.ack().await,
+                "ack" | "ack-error" | "ack-twice" => d.ack().await,
+                "slow-ack" => {
+                    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+                    d.ack().await
+                }
                 "nack" => d.nack().await,
+                "nack-after" => match d.nack_after(delay).await {
+                    // No ceiling (a backend that cannot hold a message back): nothing was
+                    // recorded, so the handler can still decline (B3).
+                    Err(SettleError::NoDelayAllowed(_)) => {
+                        said("no-delay");
+                        d.nack().await
+                    }
+                    other => other,
+                },
                 _ => Ok(()),
             };
-            if let Some(log) = log {
-                let done = if sent.is_ok() { "done" } else { "failed" };
-                log.said(id, d.attempt(), done);
+            said(if sent.is_ok() { "done" } else { "failed" });
+            if answer == "ack-twice" && !matches!(d.nack().await, Err(SettleError::AlreadySettled))
+            {
+                said("settled-twice");
+            }
+            if answer.ends_with("-error") {
+                return Err(format!("the model handler's {answer} for message {id}").into());
             }
             Ok(sent?)
         }

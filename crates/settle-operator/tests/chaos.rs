@@ -12,17 +12,17 @@ use std::time::Duration;
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The campaign of seed 396 on `broker`, every discrepancy a failure. On RabbitMQ and SQS its
-/// six faults are of six kinds (the leader SIGTERMed, an application replaced, paused and
-/// resumed, an application SIGKILLed, maxInFlight edited, the leader SIGKILLed); on NATS, whose
-/// broker the campaign can kill, two applications SIGKILLed, the broker SIGKILLed for 4 s,
-/// maxInFlight edited twice, the leader SIGKILLed.
+/// eight faults are two applications SIGKILLed, the leader cut off from the API server,
+/// maxInFlight edited, the leader SIGKILLed, maxInFlight edited again, scaled down and up; on
+/// NATS, whose broker the campaign can kill, an application replaced, scaled down, the leader
+/// cut off, SIGKILLed, then SIGTERMed, scaled up, and the broker killed twice.
 async fn short_campaign(broker: Broker) {
     let _one = ONE_AT_A_TIME.lock().await;
     let report = chaos::run(
         broker,
         &Campaign {
             seed: 396,
-            faults: 6,
+            faults: 8,
             messages: 150,
             every: Duration::from_secs(4),
         },

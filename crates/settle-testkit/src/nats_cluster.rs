@@ -116,18 +116,24 @@ impl Cluster {
     /// SIGKILL server `i`; it is started again (same config, same store) when the guard is
     /// restarted or dropped.
     pub fn kill(&self, i: usize) -> Killed {
+        self.kill_with(i, "KILL")
+    }
+
+    /// Signal `sig` (`KILL`, or `TERM`: it shuts down on its own) to server `i`, waiting up
+    /// to 30 s for it to exit; started again as [`Cluster::kill`]'s.
+    pub fn kill_with(&self, i: usize, sig: &str) -> Killed {
         let pid = self.pid(i);
-        signal("-KILL", pid);
-        let deadline = Instant::now() + Duration::from_secs(10);
+        signal(&format!("-{sig}"), pid);
+        let deadline = Instant::now() + Duration::from_secs(30);
         while running(pid) {
             assert!(
                 Instant::now() < deadline,
-                "{} still runs after SIGKILL",
+                "{} still runs 30 s after SIG{sig}",
                 SERVERS[i]
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        eprintln!("{} SIGKILLed (pid {pid})", SERVERS[i]);
+        eprintln!("{} SIG{sig}ed (pid {pid})", SERVERS[i]);
         Killed {
             cluster: self.clone(),
             i,

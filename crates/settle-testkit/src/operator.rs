@@ -339,6 +339,20 @@ impl NatsServer {
         }
     }
 
+    /// Stops the server with SIGTERM (it shuts down on its own: JetStream's store is flushed,
+    /// clients are disconnected), waiting up to 30 s for it to exit, then SIGKILL.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            crate::process::signal(&c, "TERM");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Starts it again: same port, same store.
     pub fn resume(&mut self) {
         let bin = super::env().nats_server;

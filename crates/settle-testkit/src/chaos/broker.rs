@@ -55,6 +55,12 @@ impl Broker {
         }
     }
 
+    /// Whether it can hold a declined message back (K1): the Subscription then has a
+    /// `maxNackDelay` and the handlers' `nack_after` is taken; elsewhere it is refused (B3).
+    pub fn delays(self) -> bool {
+        self != Broker::Rabbitmq
+    }
+
     /// The operators' flags this broker needs beyond the campaign's: on the cluster the
     /// account's capture and buckets at three replicas, so a server lost loses none of them.
     pub(super) fn operator_flags(self) -> &'static [&'static str] {
@@ -82,9 +88,10 @@ pub(super) enum Target {
 
 impl Target {
     /// The Backend of `broker` applied in `ns` and Ready, and the Subscription's broker fields
-    /// (`backendRef`, `pattern`, `durableName`, and `ackWait` where the broker has one: a
-    /// silent attempt comes back after 2 s; on RabbitMQ silence declines at once, R3), with
-    /// what the applications need.
+    /// (`backendRef`, `pattern`, `durableName`, and `ackWait` and `maxNackDelay` where the
+    /// broker has them: a silent attempt comes back after 2 s, a handler working 3 s has its
+    /// lease extended, and `nack_after` takes up to 2 s; on RabbitMQ silence declines at once,
+    /// R3), with what the applications need.
     pub(super) async fn make(broker: Broker, ns: &str) -> (Target, String, Vec<(String, String)>) {
         let env = crate::env();
         let tag = format!("chaos{}", std::process::id());
@@ -95,7 +102,7 @@ impl Target {
                 let stream = TestStream::new(&url, "chaos").await;
                 apply(ns, &backend_yaml("nats", &url));
                 let fields = format!(
-                    "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n",
+                    "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n",
                     stream.prefix
                 );
                 let app_env = vec![("SETTLE_NATS_URL".into(), url)];
@@ -108,7 +115,7 @@ impl Target {
                 let stream = TestStream::replicated(&urls, "chaos", 3).await;
                 apply(ns, &backend_yaml("nats", &urls));
                 let fields = format!(
-                    "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n",
+                    "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n",
                     stream.prefix
                 );
                 let app_env = vec![("SETTLE_NATS_URL".into(), urls)];
@@ -145,7 +152,7 @@ impl Target {
                 crate::sqs::sqs_backend(ns, &prefix);
                 wait_backend(&backends(ns).await, "sqs", "True", "PlaintextCredentials").await;
                 let fields =
-                    "  backendRef: {name: sqs}\n  pattern: orders\n  durableName: orders\n  ackWait: 2s\n".into();
+                    "  backendRef: {name: sqs}\n  pattern: orders\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n".into();
                 let app_env = vec![
                     ("SETTLE_SQS_ENDPOINT".into(), env.sqs_endpoint.clone()),
                     ("SETTLE_SQS_QUEUE_PREFIX".into(), prefix.clone()),
@@ -273,32 +280,45 @@ impl Target {
         }
     }
 
-    /// The broker SIGKILLed, and started again on its store after `down`; on the cluster one
-    /// of its servers, drawn (only there: the other brokers' campaigns draw as before).
-    pub(super) async fn kill_broker(&mut self, down: Duration, draw: &mut super::Draw) -> Hit {
+    /// The broker SIGKILLed, or SIGTERMed (`graceful`: it shuts down on its own), and
+    /// started again on its store after `down`; on the cluster one of its servers, drawn (only
+    /// there: the other brokers' campaigns draw as before).
+    pub(super) async fn kill_broker(
+        &mut self,
+        down: Duration,
+        graceful: bool,
+        draw: &mut super::Draw,
+    ) -> Hit {
         let secs = down.as_secs();
+        let sig = if graceful { "SIGTERMed" } else { "SIGKILLed" };
         match self {
             Target::Nats(_, server) => {
-                server.stop();
+                tokio::task::block_in_place(|| {
+                    if graceful {
+                        server.terminate();
+                    } else {
+                        server.stop();
+                    }
+                });
                 tokio::time::sleep(down).await;
                 server.resume();
                 Hit {
-                    what: format!("the broker SIGKILLed, and started again {secs} s later"),
+                    what: format!("the broker {sig}, and started again {secs} s later"),
                     consumer_led: true,
                 }
             }
             Target::NatsCluster(stream, cluster) => {
                 let i = usize::try_from(draw.below(3)).unwrap_or(0);
                 let led = leads(stream).await;
-                let killed = cluster.kill(i);
+                let killed = tokio::task::block_in_place(|| {
+                    cluster.kill_with(i, if graceful { "TERM" } else { "KILL" })
+                });
                 tokio::time::sleep(down).await;
                 killed.restart();
                 let back = healthy_again(cluster).await;
                 led.hit(
                     i,
-                    &format!(
-                        "SIGKILLed, started again {secs} s later, every server healthy {back}"
-                    ),
+                    &format!("{sig}, started again {secs} s later, every server healthy {back}"),
                 )
             }
             Target::Rabbitmq { .. } | Target::Sqs { .. } => {

@@ -1,5 +1,6 @@
 //! The faults a campaign injects: what each is, the schedule drawn from the seed, and how each
-//! is done to the applications, the operators, the Subscription, the broker or the API server.
+//! is done to the applications, the operators (killed, stopped, cut off from the API server),
+//! the Subscription, the broker or the API server.
 //!
 //! It must not judge what happened (that is [`super::model`] and [`super::conditions`]).
 
@@ -15,6 +16,7 @@ use super::{Draw, Kill};
 use crate::account::App;
 use crate::controlplane::ControlPlane;
 use crate::operator::Operator;
+use crate::partition::Partition;
 
 /// A fault the campaign injects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,8 +38,9 @@ pub enum Fault {
     Edited,
     /// One application SIGKILLed mid-work (no last report) and another started in its place.
     AppKilled,
-    /// The broker SIGKILLed under load and started again on its store a few seconds later
-    /// (NATS: the campaign's own nats-server; the cluster: one of its servers).
+    /// The broker SIGKILLed or SIGTERMed (drawn) under load and started again on its store a
+    /// few seconds later (NATS: the campaign's own nats-server; the cluster: one of its
+    /// servers).
     BrokerKilled,
     /// A server of the cluster paused (SIGSTOP) for a few seconds, as a node cut off by a
     /// partition, then resumed.
@@ -45,10 +48,14 @@ pub enum Fault {
     /// The API server and its etcd SIGKILLed, and started again on their state a few seconds
     /// later (only on a control plane of the campaign's own).
     ApiServerRestarted,
+    /// The leading operator cut off from the API server (its connections held open, no byte
+    /// passing either way) for a few to 25 seconds, then joined again: past its renew deadline
+    /// it stops leading and the other takes over, and what it had sent waits in the partition.
+    LeaderPartitioned,
 }
 
 impl Fault {
-    const ALL: [Fault; 11] = [
+    const ALL: [Fault; 12] = [
         Fault::AppReplaced,
         Fault::AppScaledUp,
         Fault::AppScaledDown,
@@ -60,6 +67,7 @@ impl Fault {
         Fault::BrokerKilled,
         Fault::NodePaused,
         Fault::ApiServerRestarted,
+        Fault::LeaderPartitioned,
     ];
 
     /// Whether the campaign can inject it on `broker`, with a control plane of its own or
@@ -165,25 +173,30 @@ impl Apps {
     }
 }
 
-/// The operators: the one that leads, and the one that stands by.
+/// The operators: the one that leads, and the one that stands by; each reaches the API server
+/// through a partition of its own, so one can be cut off alone.
 pub(super) struct Operators {
-    pub(super) all: Vec<Operator>,
+    pub(super) all: Vec<(Operator, Partition)>,
     pub(super) flags: Vec<String>,
     pub(super) ns: String,
     pub(super) started: usize,
 }
 
 impl Operators {
-    pub(super) fn spawn(&mut self) {
+    pub(super) async fn spawn(&mut self) {
         self.started += 1;
         let flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
         let name = format!("chaos-op-{}", self.started);
-        self.all.push(Operator::spawn_env(
+        let link = Partition::to_api_server().await;
+        let kubeconfig = link.kubeconfig(&name);
+        let kubeconfig = kubeconfig.to_string_lossy();
+        let op = Operator::spawn_env(
             &name,
             &self.ns,
             &flags,
-            &[("POD_NAME", name.as_str())],
-        ));
+            &[("POD_NAME", name.as_str()), ("KUBECONFIG", &kubeconfig)],
+        );
+        self.all.push((op, link));
     }
 
     /// The leader's index, once one leads.
@@ -193,7 +206,7 @@ impl Operators {
             if let Some(i) = self
                 .all
                 .iter()
-                .position(|o| o.metric("settle_leader", &[]) == 1.0)
+                .position(|(o, _)| o.metric("settle_leader", &[]) == 1.0)
             {
                 return i;
             }
@@ -268,8 +281,11 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
         Fault::AppScaledUp | Fault::AppScaledDown => "scaling left as it is (at its bound)".into(),
         Fault::BrokerKilled => {
             let secs = 1 + draw.below(4);
+            let graceful = draw.below(2) == 1;
             let down = done.t0.elapsed();
-            let hit = target.kill_broker(Duration::from_secs(secs), draw).await;
+            let hit = target
+                .kill_broker(Duration::from_secs(secs), graceful, draw)
+                .await;
             done.broker_down(down, &hit);
             hit.what
         }
@@ -320,9 +336,26 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             patch_spec(api, serde_json::json!({ "maxInFlight": n })).await;
             format!("maxInFlight set to {n}")
         }
+        Fault::LeaderPartitioned => {
+            let secs = 3 + draw.below(23);
+            let i = ops.leader().await;
+            let (leader, link) = &ops.all[i];
+            link.pause(true);
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            let leads = leader.metric("settle_leader", &[]) == 1.0;
+            link.pause(false);
+            format!(
+                "the leading operator cut off from the API server for {secs} s, then joined again ({})",
+                if leads {
+                    "it still led at the end"
+                } else {
+                    "it had stopped leading"
+                }
+            )
+        }
         Fault::LeaderKilled | Fault::LeaderStopped => {
             let i = ops.leader().await;
-            let mut leader = ops.all.remove(i);
+            let (mut leader, _link) = ops.all.remove(i);
             if fault == Fault::LeaderKilled {
                 leader.kill9();
             } else {
@@ -333,7 +366,7 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
                 }
             }
             drop(leader);
-            ops.spawn();
+            ops.spawn().await;
             format!(
                 "the leading operator {}, and started again",
                 if fault == Fault::LeaderKilled {

@@ -6,11 +6,13 @@
 //! handlers' files say they did: the ground truth does not come from Settle.
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
-//! operator SIGKILLed or SIGTERMed; the Subscription paused, edited; the broker SIGKILLed, a
-//! cluster's server paused; the campaign's own API server restarted), the schedule and how each is done; [`model`] what the handlers did
-//! and the checker (every counter exact but what a SIGKILL allows, C16, and an ack sent in an
-//! outage, J3); [`conditions`] the conditions and their causes; [`broker`] what differs between
-//! NATS (one server or the cluster), RabbitMQ and SQS. This file runs a campaign:
+//! operator SIGKILLed, SIGTERMed or cut off from the API server; the Subscription paused,
+//! edited; the broker SIGKILLed or SIGTERMed, a cluster's server paused; the campaign's own API
+//! server restarted), the schedule and how each is done; [`answers`] what the handlers did and
+//! the rules each answer keeps (S2, B3, B5); [`model`] the checker of status against it (every
+//! counter exact but what a SIGKILL allows, C16, and an ack sent in an outage, J3);
+//! [`conditions`] the conditions and their causes; [`broker`] what differs between NATS (one
+//! server or the cluster), RabbitMQ and SQS. This file runs a campaign:
 //! sets it up, runs the schedule, waits for rest, judges, and cleans up.
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
@@ -24,16 +26,18 @@ use settle::api::Subscription;
 use crate::account::stats_in;
 use crate::subs::{apply, subs, wait_ready};
 
+mod answers;
 mod broker;
 mod conditions;
 mod faults;
 mod model;
 use crate::controlplane::ControlPlane;
+pub use answers::{Answer, Model, kept};
 pub use broker::Broker;
 use broker::Target;
 use faults::{Apps, Done, Operators, World};
 pub use faults::{Fault, schedule};
-pub use model::{Answer, KILL_WINDOW, Kill, MAX_DELIVER, Model, Outages, check, stepped_down};
+pub use model::{KILL_WINDOW, Kill, MAX_DELIVER, Outages, check, stepped_down};
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
 pub struct Draw(u64);
@@ -130,8 +134,8 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         ns: ns.clone(),
         started: 0,
     };
-    ops.spawn();
-    ops.spawn();
+    ops.spawn().await;
+    ops.spawn().await;
     ops.leader().await;
     let (mut target, fields, app_env) = Target::make(broker, &ns).await;
     let manifest_text = format!(
@@ -284,6 +288,8 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         acks: ms_of(&done.ack_outages),
     };
     let mut discrepancies = check(&model, c.messages, &s, &done.kills, &outages, &mut allowed);
+    let grace = u64::try_from(conditions::OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
+    discrepancies.extend(kept(&model, broker.delays(), &outages, grace));
     discrepancies.extend(stepped_down(&seen));
     // A condition may change while the broker or the API server is down (the operator finds
     // the consumer unreachable; it writes nothing, then catches up); a settlement fails only

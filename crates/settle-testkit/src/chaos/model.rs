@@ -1,19 +1,19 @@
-//! What the handlers did, read from their own files, and the checker of status against it. At
-//! rest every counter equals the model, except where an application was SIGKILLed: what it
+//! The checker of status against what the handlers did ([`super::answers`]). At rest every
+//! counter equals the model, except where an application was SIGKILLed: what it
 //! answered after its last report never reached the account, and the semantics (C16) move it
 //! into Released when the instance is folded. The applications report every 200 ms, so the
 //! checker allows, per kill, what that instance finished settling in the [`KILL_WINDOW`] before
 //! it (or was still settling at it), and says which rule allowed each difference it accepted.
 //!
-//! It must not read Settle's counters to build the model, nor inject faults.
+//! It must not build the model from Settle's counters, nor inject faults.
 
-use std::collections::{BTreeSet, HashMap};
-use std::path::PathBuf;
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use settle::api::ConsumerStats;
 use settle_operator::account::ledger::dominates;
 
+use super::answers::{Answer, Model};
 use super::conditions::OUTAGE_GRACE;
 use crate::account::Seen;
 
@@ -25,21 +25,6 @@ pub const MAX_DELIVER: u32 = 3;
 /// room to spare.
 pub const KILL_WINDOW: Duration = Duration::from_millis(1500);
 
-/// One answer a handler gave.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Answer {
-    /// Which file (which application instance) said it.
-    pub file: usize,
-    /// When the handler decided (written before it settles, so a kill cannot hide it).
-    pub at_ms: u64,
-    /// When its settlement returned (`done`, or `failed`): the runtime counts the attempt
-    /// Delivered only then. None: still settling when the instance died or the run ended.
-    pub done_ms: Option<u64>,
-    pub id: u64,
-    pub attempt: u32,
-    pub answer: String,
-}
-
 /// An application SIGKILLed: its file, and when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Kill {
@@ -47,109 +32,18 @@ pub struct Kill {
     pub at_ms: u64,
 }
 
-/// What the handlers did, from their files.
-#[derive(Debug, Default)]
-pub struct Model {
-    pub attempts: u64,
-    pub acked: u64,
-    pub nacked: u64,
-    pub silent: u64,
-    /// When each settlement the handler sent was refused by the runtime (`failed` lines).
-    pub failed_at: Vec<u64>,
-    /// Ids whose every ack failed: the broker may or may not have taken one.
-    pub unsure_acks: BTreeSet<u64>,
-    /// The ids acknowledged, and those acknowledged more than once.
-    pub acked_ids: BTreeSet<u64>,
-    pub acked_again: BTreeSet<u64>,
-    /// Every answer, in the files' order.
-    pub answers: Vec<Answer>,
-}
-
-impl Model {
-    /// Reads the model handler's files: `<id> <attempt> <answer> <unix ms>` lines, each
-    /// followed by `<id> <attempt> done <unix ms>` once its settlement returned (`failed`
-    /// instead when it returned an error).
-    pub fn read(files: &[PathBuf]) -> Model {
-        let mut m = Model::default();
-        let (mut failed_acks, mut failed_acks_at) = (Vec::new(), BTreeSet::new());
-        for (file, path) in files.iter().enumerate() {
-            let mut open: HashMap<(u64, u32), usize> = HashMap::new();
-            let Ok(text) = std::fs::read_to_string(path) else {
-                continue;
-            };
-            for line in text.lines() {
-                let words: Vec<&str> = line.split_whitespace().collect();
-                let (Some(id), Some(attempt), Some(answer)) = (
-                    words.first().and_then(|w| w.parse::<u64>().ok()),
-                    words.get(1).and_then(|w| w.parse::<u32>().ok()),
-                    words.get(2),
-                ) else {
-                    continue;
-                };
-                let at_ms = words.get(3).and_then(|w| w.parse().ok()).unwrap_or(0);
-                match *answer {
-                    "done" | "failed" => {
-                        let i = open.remove(&(id, attempt));
-                        if let Some(i) = i {
-                            m.answers[i].done_ms = Some(at_ms);
-                        }
-                        if *answer == "failed" {
-                            m.failed_at.push(at_ms);
-                            if let Some(i) = i.filter(|i| m.answers[*i].answer == "ack") {
-                                failed_acks.push(id);
-                                failed_acks_at.insert(i);
-                            }
-                        }
-                        continue;
-                    }
-                    "ack" => {
-                        m.acked += 1;
-                        if !m.acked_ids.insert(id) {
-                            m.acked_again.insert(id);
-                        }
-                    }
-                    "nack" => m.nacked += 1,
-                    _ => m.silent += 1,
-                }
-                m.attempts += 1;
-                open.insert((id, attempt), m.answers.len());
-                m.answers.push(Answer {
-                    file,
-                    at_ms,
-                    done_ms: None,
-                    id,
-                    attempt,
-                    answer: (*answer).to_string(),
-                });
-            }
-        }
-        // An id is unsure when every ack it was answered failed.
-        for id in &failed_acks {
-            let sure = m
-                .answers
-                .iter()
-                .enumerate()
-                .any(|(i, a)| a.id == *id && a.answer == "ack" && !failed_acks_at.contains(&i));
-            if !sure {
-                m.unsure_acks.insert(*id);
-            }
-        }
-        m
-    }
-
-    /// The answers of an instance, given before one of `kills`, whose settlement returned
-    /// within [`KILL_WINDOW`] before it, or had not returned.
-    fn unreported<'a>(&'a self, kills: &'a [Kill]) -> impl Iterator<Item = &'a Answer> + 'a {
-        let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
-        self.answers.iter().filter(move |a| {
-            kills.iter().any(|k| {
-                k.file == a.file
-                    && a.at_ms <= k.at_ms
-                    && a.done_ms
-                        .is_none_or(|d| d.saturating_add(window) >= k.at_ms)
-            })
+/// The answers of an instance, given before one of `kills`, whose settlement returned within
+/// [`KILL_WINDOW`] before it, or had not returned.
+fn unreported<'a>(model: &'a Model, kills: &'a [Kill]) -> impl Iterator<Item = &'a Answer> + 'a {
+    let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
+    model.answers.iter().filter(move |a| {
+        kills.iter().any(|k| {
+            k.file == a.file
+                && a.at_ms <= k.at_ms
+                && a.done_ms
+                    .is_none_or(|d| d.saturating_add(window) >= k.at_ms)
         })
-    }
+    })
 }
 
 /// When the broker was down, in unix ms: from each fault until it was whole again (a
@@ -163,7 +57,7 @@ pub struct Outages {
 }
 
 /// Whether `at` falls in one of `windows` (unix ms, each end `grace` later).
-fn in_any(windows: &[(u64, u64)], at: u64, grace: u64) -> bool {
+pub(super) fn in_any(windows: &[(u64, u64)], at: u64, grace: u64) -> bool {
     windows
         .iter()
         .any(|(from, to)| *from <= at && at <= to.saturating_add(grace))
@@ -180,7 +74,7 @@ pub fn check(
     outages: &Outages,
     allowed: &mut Vec<String>,
 ) -> Vec<String> {
-    let lost: Vec<&Answer> = model.unreported(kills).collect();
+    let lost: Vec<&Answer> = unreported(model, kills).collect();
     let grace = u64::try_from(OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
     let down = |at: u64| in_any(&outages.broker, at, grace);
     let ack_lost = |at: u64| in_any(&outages.acks, at, 0);
@@ -321,6 +215,9 @@ mod tests {
             id,
             attempt,
             answer: answer.into(),
+            how: answer.into(),
+            failed: false,
+            no_delay: false,
         }
     }
 
@@ -437,37 +334,6 @@ mod tests {
             .len(),
             4
         );
-    }
-
-    #[test]
-    fn the_files_are_read_with_their_times_and_failed_settlements_apart() {
-        let dir = tempfile::tempdir().expect("a directory");
-        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-        std::fs::write(
-            &a,
-            "1 1 ack 1000\n2 1 nack 1001\n1 1 done 1005\n2 1 failed 1002\n",
-        )
-        .expect("a");
-        std::fs::write(&b, "2 2 silent\nnot a line\n").expect("b");
-        let m = Model::read(&[a, b]);
-        assert_eq!(
-            (m.attempts, m.acked, m.nacked, m.silent, m.failed_at.len()),
-            (3, 1, 1, 1, 1)
-        );
-        assert_eq!(m.answers[0], answer(0, 1000, 1, 1, "ack"));
-        assert_eq!(m.answers[1].done_ms, Some(1002));
-        assert_eq!(m.answers[2].done_ms, None);
-        assert_eq!((m.answers[2].at_ms, m.answers[2].id), (0, 2));
-        // An id is unsure only while every ack of it failed.
-        let c = dir.path().join("c");
-        std::fs::write(
-            &c,
-            "3 1 ack 10\n3 1 failed 11\n4 1 ack 12\n4 1 failed 13\n4 2 ack 14\n4 2 done 15\n",
-        )
-        .expect("c");
-        let m = Model::read(&[c]);
-        assert_eq!(m.unsure_acks, [3].into());
-        assert_eq!(m.failed_at, vec![11, 13]);
     }
 
     #[test]
