@@ -16,7 +16,11 @@ use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
 use super::mapping::Exchanges;
-use super::{RabbitBroker, RabbitError, amqp, broker_err};
+use std::sync::Arc;
+
+use futures::FutureExt;
+
+use super::{Dial, RabbitBroker, RabbitError, broker_err};
 use crate::backend::{Classify, Failure};
 use crate::bus::BusError;
 
@@ -251,34 +255,54 @@ impl RabbitBroker {
     /// Connects to a broker (for example `amqp://guest:guest@127.0.0.1:5672/%2f`; the path is
     /// the vhost), publishing to and binding on `amq.topic`.
     pub async fn connect(url: &str) -> Result<RabbitBroker, BusError> {
-        let conn = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .map_err(|source| {
-                broker_err(RabbitError::Connect {
-                    url: hide_password(url),
-                    source,
-                })
-            })?;
-        Ok(RabbitBroker::from_connection(conn).with_user(url_user(url)))
+        let to = url.to_string();
+        RabbitBroker::dialled(
+            url,
+            Arc::new(move || {
+                let url = to.clone();
+                async move { Connection::connect(&url, ConnectionProperties::default()).await }
+                    .boxed()
+            }),
+        )
+        .await
     }
 
     /// Connects over TLS (`amqps://`), trusting the CA certificate(s) in `ca_pem`.
     pub async fn connect_with_ca(url: &str, ca_pem: &str) -> Result<RabbitBroker, BusError> {
-        let runtime = lapin::runtime::default_runtime().map_err(amqp("no async runtime"))?;
-        let tls = lapin::tcp::OwnedTLSConfig {
-            identity: None,
-            cert_chain: Some(ca_pem.to_string()),
-        };
-        let conn =
-            Connection::connect_with_config(url, ConnectionProperties::default(), tls, runtime)
-                .await
-                .map_err(|source| {
-                    broker_err(RabbitError::Connect {
-                        url: hide_password(url),
-                        source,
-                    })
-                })?;
-        Ok(RabbitBroker::from_connection(conn).with_user(url_user(url)))
+        let (to, ca) = (url.to_string(), ca_pem.to_string());
+        RabbitBroker::dialled(
+            url,
+            Arc::new(move || {
+                let (url, ca) = (to.clone(), ca.clone());
+                async move {
+                    let runtime = lapin::runtime::default_runtime()?;
+                    let tls = lapin::tcp::OwnedTLSConfig {
+                        identity: None,
+                        cert_chain: Some(ca),
+                    };
+                    Connection::connect_with_config(
+                        &url,
+                        ConnectionProperties::default(),
+                        tls,
+                        runtime,
+                    )
+                    .await
+                }
+                .boxed()
+            }),
+        )
+        .await
+    }
+
+    /// A broker on the connection `dial` makes, made again by it whenever it is lost.
+    async fn dialled(url: &str, dial: Dial) -> Result<RabbitBroker, BusError> {
+        let conn = dial().await.map_err(|source| {
+            broker_err(RabbitError::Connect {
+                url: hide_password(url),
+                source,
+            })
+        })?;
+        Ok(RabbitBroker::with_link(conn, Some(dial)).with_user(url_user(url)))
     }
 }
 

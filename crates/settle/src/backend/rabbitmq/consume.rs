@@ -58,7 +58,7 @@ impl RabbitBroker {
         // Only the operator pauses a Subscription: an operator-made queue's marker is checked.
         let pause = match ctx.binding().owner {
             ConsumerOwner::Operator => {
-                let conn = Arc::clone(&self.conn);
+                let broker = self.clone();
                 let queue = consumer_queue.clone();
                 let seen = Arc::new(AtomicBool::new(false));
                 PauseWatch::start(
@@ -66,10 +66,11 @@ impl RabbitBroker {
                     ctx.name(),
                     self.pause_poll,
                     move || {
-                        let (conn, queue, seen) =
-                            (Arc::clone(&conn), queue.clone(), Arc::clone(&seen));
+                        let (broker, queue, seen) =
+                            (broker.clone(), queue.clone(), Arc::clone(&seen));
                         async move {
                             let was = seen.load(Ordering::Relaxed);
+                            let conn = broker.conn().await.map_err(|e| e.to_string())?;
                             let now = pause::is_paused(&conn, &queue, was)
                                 .await
                                 .map_err(|e| e.to_string())?;
@@ -110,7 +111,7 @@ impl RabbitBroker {
                 let want = self.await_operator(ctx).await;
                 // The object the operator made this queue for: the counts from here on are its.
                 ctx.bound_to(
-                    report::read_object(&self.conn, &b.namespace, ctx.name())
+                    report::read_object(&*self.conn().await?, &b.namespace, ctx.name())
                         .await
                         .as_deref(),
                 );
@@ -118,7 +119,8 @@ impl RabbitBroker {
             }
         };
         let ch = self
-            .conn
+            .conn()
+            .await?
             .create_channel()
             .await
             .map_err(amqp("cannot open a channel"))?;
@@ -169,7 +171,8 @@ impl RabbitBroker {
     async fn declare(&self, want: &QueueSpec) -> Result<(), BusError> {
         // A failed declare closes its channel: use one of its own.
         let ch = self
-            .conn
+            .conn()
+            .await?
             .create_channel()
             .await
             .map_err(amqp("cannot open a channel"))?;
@@ -214,9 +217,10 @@ impl RabbitBroker {
     async fn await_operator(&self, ctx: &SubscriptionCtx) -> QueueSpec {
         let b = ctx.binding();
         let want = mapping::desired(&b.namespace, ctx.name(), ctx.policy(), &self.exchanges);
-        let (conn, name) = (&self.conn, want.name.as_str());
+        let name = want.name.as_str();
         bus::await_operator(ctx.name(), "queue", move || async move {
-            match admin::exists(conn, name).await {
+            let conn = self.conn().await.map_err(|e| e.to_string())?;
+            match admin::exists(&conn, name).await {
                 Ok(true) => Ok(()),
                 Ok(false) => Err(format!(
                     "queue {name} does not exist yet: the operator creates it from Subscription {}/{} (kubectl describe subscription {} -n {})",
@@ -390,28 +394,40 @@ impl RabbitConsumer {
         tracing::info!(subscription = %self.ctx.name(), "paused: fetching stopped until the Subscription is resumed (deliveries already taken finish)");
     }
 
-    /// The stream ended otherwise (consumer cancelled, channel closed). An operator-made queue
-    /// of a consumer not retired is waited for and consumed again: `true`. Otherwise `false`:
-    /// the consumer is done.
+    /// The stream ended otherwise (consumer cancelled, channel or connection closed). An
+    /// operator-made queue of a consumer not retired is waited for and consumed again, and any
+    /// queue once the lost connection is dialled again (tried every second while the broker is
+    /// unreachable): `true`. Otherwise `false`: the consumer is done.
     async fn consume_again_after_end(&mut self) -> bool {
         self.consumer = None;
-        if self.ctx.binding().owner == ConsumerOwner::Operator
+        let lost = !self.broker.connected();
+        if (self.ctx.binding().owner == ConsumerOwner::Operator || lost)
             && !self.retired.load(Ordering::Acquire)
         {
-            // The operator repairs a deleted queue while its Subscription
-            // exists: consume again when it is back.
-            tracing::warn!(subscription = %self.ctx.name(), "the operator's queue is gone or the channel closed; waiting for it to come back");
-            match self.broker.bind(&self.ctx).await {
-                Ok((ch, c)) => {
-                    self.channel = ch;
-                    self.consumer = Some(c);
-                    return true;
-                }
-                Err(e) => {
-                    tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot consume again")
+            // The operator repairs a deleted queue while its Subscription exists, and a
+            // broker restart keeps every durable queue: consume again when it is back.
+            tracing::warn!(subscription = %self.ctx.name(), connection_lost = lost, "the queue is gone or the channel closed; waiting for it to come back");
+            let mut tries = 0u32;
+            loop {
+                match self.broker.bind(&self.ctx).await {
+                    Ok((ch, c)) => {
+                        self.channel = ch;
+                        self.consumer = Some(c);
+                        return true;
+                    }
+                    Err(e) if !self.broker.connected() => {
+                        if tries.is_multiple_of(30) {
+                            tracing::warn!(subscription = %self.ctx.name(), error = %e, "RabbitMQ unreachable; trying again every second");
+                        }
+                        tries = tries.saturating_add(1);
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                    Err(e) => {
+                        tracing::error!(subscription = %self.ctx.name(), error = %e, "cannot consume again");
+                        return false;
+                    }
                 }
             }
-            return false;
         }
         tracing::error!(subscription = %self.ctx.name(), "the RabbitMQ consumer was cancelled or its channel closed");
         false

@@ -85,10 +85,32 @@ fn amqp(what: impl Into<String>) -> impl FnOnce(lapin::Error) -> BusError {
     move |source| broker_err(RabbitError::Amqp { what, source })
 }
 
+/// How a broker made from a URL dials its connection again.
+type Dial = Arc<dyn Fn() -> BoxFuture<'static, Result<Connection, lapin::Error>> + Send + Sync>;
+
+/// The broker's connection, dialled again when it was lost (the broker restarted, the network
+/// failed) by a broker made from a URL: lapin does not reconnect, and a runtime that kept a dead
+/// connection would stop consuming and reporting for good. One made from a connection keeps it.
+struct Link {
+    current: std::sync::Mutex<Arc<Connection>>,
+    dial: Option<Dial>,
+    /// Held while dialling, so the tasks that find the connection lost dial it once.
+    dialling: Mutex<()>,
+}
+
+impl Link {
+    fn current(&self) -> Arc<Connection> {
+        match self.current.lock() {
+            Ok(c) => Arc::clone(&c),
+            Err(poisoned) => Arc::clone(&poisoned.into_inner()),
+        }
+    }
+}
+
 /// RabbitMQ as a backend. Clones share one connection.
 #[derive(Clone)]
 pub struct RabbitBroker {
-    conn: Arc<Connection>,
+    conn: Arc<Link>,
     exchanges: Exchanges,
     publisher: Arc<Mutex<Option<Channel>>>,
     tags: Arc<AtomicU64>,
@@ -102,10 +124,18 @@ pub struct RabbitBroker {
 }
 
 impl RabbitBroker {
-    /// Uses an existing connection.
+    /// Uses an existing connection (never dialled again: [`RabbitBroker::connect`] does).
     pub fn from_connection(conn: Connection) -> RabbitBroker {
+        RabbitBroker::with_link(conn, None)
+    }
+
+    fn with_link(conn: Connection, dial: Option<Dial>) -> RabbitBroker {
         RabbitBroker {
-            conn: Arc::new(conn),
+            conn: Arc::new(Link {
+                current: std::sync::Mutex::new(Arc::new(conn)),
+                dial,
+                dialling: Mutex::new(()),
+            }),
             exchanges: Exchanges::default(),
             publisher: Arc::default(),
             tags: Arc::default(),
@@ -147,8 +177,51 @@ impl RabbitBroker {
         &self.exchanges
     }
 
-    pub fn connection(&self) -> &Connection {
-        &self.conn
+    /// The connection as it is now (perhaps lost: [`RabbitBroker::conn`] dials it again).
+    pub fn connection(&self) -> Arc<Connection> {
+        self.conn.current()
+    }
+
+    /// Whether the connection is up.
+    fn connected(&self) -> bool {
+        self.conn.current().status().connected()
+    }
+
+    /// The connection, dialled again first if it was lost and this broker was made from a
+    /// URL; the error says the broker is still unreachable.
+    pub(crate) async fn conn(&self) -> Result<Arc<Connection>, BusError> {
+        let now = self.conn.current();
+        let Some(dial) = self
+            .conn
+            .dial
+            .as_ref()
+            .filter(|_| !now.status().connected())
+        else {
+            return Ok(now);
+        };
+        let _one = self.conn.dialling.lock().await;
+        let now = self.conn.current();
+        if now.status().connected() {
+            return Ok(now);
+        }
+        let dialled = tokio::time::timeout(connect::CONNECT_TIMEOUT, dial())
+            .await
+            .map_err(|_| {
+                BusError::backend(
+                    BackendKind::Rabbitmq,
+                    format!(
+                        "the connection was lost and dialling again got no answer within {:?}",
+                        connect::CONNECT_TIMEOUT
+                    ),
+                )
+            })?
+            .map_err(amqp("the connection was lost and dialling again failed"))?;
+        let dialled = Arc::new(dialled);
+        if let Ok(mut c) = self.conn.current.lock() {
+            *c = Arc::clone(&dialled);
+        }
+        tracing::info!("connected to RabbitMQ again after the connection was lost");
+        Ok(dialled)
     }
 
     /// The publishing channel (publisher confirms on), opened again if it was closed.
@@ -160,7 +233,8 @@ impl RabbitBroker {
             return Ok(ch.clone());
         }
         let ch = self
-            .conn
+            .conn()
+            .await?
             .create_channel()
             .await
             .map_err(amqp("cannot open a publishing channel"))?;
@@ -231,7 +305,8 @@ impl Broker for RabbitBroker {
             if ctx.binding().owner != crate::bus::ConsumerOwner::Operator {
                 return None;
             }
-            report::read_object(&self.conn, &ctx.binding().namespace, ctx.name()).await
+            let conn = self.conn().await.ok()?;
+            report::read_object(&conn, &ctx.binding().namespace, ctx.name()).await
         }
         .boxed()
     }

@@ -416,7 +416,8 @@ impl RabbitBroker {
         }
         // A refused declare closes its channel: one of its own.
         let ch = self
-            .conn
+            .conn()
+            .await?
             .create_channel()
             .await
             .map_err(amqp("cannot open a channel"))?;
