@@ -53,7 +53,7 @@ pub fn members(subs: &Store<Subscription>, backend: &SubKey) -> HashMap<SubKey, 
 
 /// The account of `sub` restored from its snapshot (`ledger`, empty when none was saved): never
 /// below what status shows (the floor, whose exhausted total `loss` notes now), claimed for this
-/// object.
+/// object, hearing from now on.
 pub fn open(sub: &Subscription, ledger: Snapshot, loss: &mut LossLog, config: &Config) -> Account {
     let floor = sub
         .status
@@ -64,6 +64,9 @@ pub fn open(sub: &Subscription, ledger: Snapshot, loss: &mut LossLog, config: &C
     loss.observe(now_ms(), floor.exhausted, config.loss_window);
     let mut account = Account::restore(ledger, floor);
     account.claim(sub.metadata.uid.clone());
+    // Nothing was heard before now: an instance of the snapshot is silent from now on (its
+    // reports waited while no keeper read them, C16).
+    account.deaf_until(now_ms());
     account
 }
 

@@ -72,6 +72,9 @@ pub struct Account {
     /// Instances a report of this object came from since the last [`Account::fold_idle`]:
     /// heard from, so not folded by it.
     heard: BTreeSet<String>,
+    /// Until when (unix ms) the keeper could not hear reports: before the account was opened,
+    /// or while the broker was unreachable. Silence then is no sign of death.
+    deaf_until_ms: u64,
 }
 
 impl Account {
@@ -103,7 +106,14 @@ impl Account {
             persisted: snapshot.persisted,
             floor,
             heard: BTreeSet::new(),
+            deaf_until_ms: 0,
         }
+    }
+
+    /// The keeper could not hear reports until `ms` (it opened this account then, or the
+    /// broker was unreachable): an instance is silent only for the time after it.
+    pub fn deaf_until(&mut self, ms: u64) {
+        self.deaf_until_ms = self.deaf_until_ms.max(ms);
     }
 
     /// The whole account (persisted part and live instances), for [`Account::restore`].
@@ -303,8 +313,9 @@ impl Account {
         self.persisted.broker.recent.clear();
     }
 
-    /// Folds instances whose newest report counted is older than `idle_ms` (as of `now_ms`)
-    /// and that no report came from since the last call, into the retired total, their
+    /// Folds instances whose newest report counted is older than `idle_ms` (as of `now_ms`),
+    /// that the keeper could hear all that time ([`Account::deaf_until`]) and that no report
+    /// came from since the last call, into the retired total, their
     /// unfinished attempts counted given up. Returns the instances folded (their reports may
     /// be deleted from the bucket), each with the attempts it had unfinished.
     pub fn fold_idle(&mut self, now_ms: u64, idle_ms: u64) -> Vec<(String, u64)> {
@@ -313,7 +324,8 @@ impl Account {
             .live
             .iter()
             .filter(|(k, s)| {
-                now_ms.saturating_sub(s.reported_at_ms) > idle_ms && !heard.contains(*k)
+                now_ms.saturating_sub(s.reported_at_ms.max(self.deaf_until_ms)) > idle_ms
+                    && !heard.contains(*k)
             })
             .map(|(k, _)| k.clone())
             .collect();

@@ -29,6 +29,27 @@ fn an_instance_heard_from_in_a_round_is_not_folded_in_it_even_by_a_stale_report(
 }
 
 #[test]
+fn an_instance_is_silent_only_for_the_time_the_keeper_could_hear_it() {
+    // pod-a's last report at 1,000 ms; the broker unreachable, or the account only opened,
+    // until 50,000 ms: at 50,040 ms it has been silent 40 ms that counted, not 49 s.
+    let mut a = Account::default();
+    let mut one_in_flight = stats(3, 2, 0);
+    one_in_flight.offered += 1;
+    a.report(&report("pod-a", 1, 1_000, one_in_flight));
+    a.deaf_until(50_000);
+    a.deaf_until(20_000);
+    assert!(
+        fold_silent(&mut a, 50_040, 60).is_empty(),
+        "deaf until 50 s"
+    );
+    assert_eq!(
+        fold_silent(&mut a, 50_061, 60),
+        vec![("pod-a".to_string(), 1)],
+        "silent 61 ms since the keeper could hear"
+    );
+}
+
+#[test]
 fn a_dead_lettered_message_is_counted_once_and_only_the_larger_source_shows() {
     let mut a = Account::of(Some("uid-1".into()));
     assert_eq!(a.broker_dead_lettered("m-1"), BrokerOutcome::Counted);

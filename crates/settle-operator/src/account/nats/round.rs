@@ -41,6 +41,14 @@ impl NatsKeeper {
         books: &mut Books,
         replayed: bool,
     ) -> Result<(), NatsError> {
+        // While the broker is unreachable no report can come in: silence then is no sign that
+        // an instance died (C16).
+        if js.client().connection_state() != async_nats::connection::State::Connected {
+            let now = now_ms();
+            for book in books.values_mut() {
+                book.account.deaf_until(now);
+            }
+        }
         // Every Subscription of this Backend has a book, so each shows its counters.
         for (key, m) in members.iter() {
             self.book(ledgers, books, key, m).await?;

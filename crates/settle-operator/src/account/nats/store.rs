@@ -72,6 +72,8 @@ impl NatsKeeper {
             .unwrap_or(false);
         let mut account = Account::resume(saved.ledger, floor);
         account.claim(m.uid().map(str::to_string));
+        // Nothing was heard before now: silence counts from here (C16).
+        account.deaf_until(now_ms());
         Ok(Box::new(Book {
             account,
             showing: Showing {
