@@ -22,6 +22,7 @@ pub mod pause;
 pub mod process;
 pub mod rabbit_scene;
 pub mod rabbitmq;
+pub mod rabbitmq_server;
 pub mod sqs;
 pub mod subs;
 

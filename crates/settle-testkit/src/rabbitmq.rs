@@ -23,19 +23,30 @@ pub fn management(method: &str, path: &str) -> (u16, String) {
 /// again, twice at most: the management API can take longer than that on a loaded machine (CI
 /// saw a queue's GET time out), and a GET changes nothing.
 pub fn management_with(method: &str, path: &str, json: &str) -> (u16, String) {
+    management_at(&super::env().rabbitmq_management_url, method, path, json)
+}
+
+/// [`management_with`] on the management API at `base` (`http://127.0.0.1:<port>`; user
+/// guest).
+pub fn management_at(base: &str, method: &str, path: &str, json: &str) -> (u16, String) {
     let tries = if method == "GET" { 3 } else { 1 };
     for _ in 1..tries {
-        if let Ok(answer) = management_once(method, path, json) {
+        if let Ok(answer) = management_once(base, method, path, json) {
             return answer;
         }
     }
-    management_once(method, path, json).unwrap_or_else(|e| panic!("{method} {path}: read: {e}"))
+    management_once(base, method, path, json)
+        .unwrap_or_else(|e| panic!("{method} {path}: read: {e}"))
 }
 
-fn management_once(method: &str, path: &str, json: &str) -> std::io::Result<(u16, String)> {
-    let base = super::env().rabbitmq_management_url;
+pub(crate) fn management_once(
+    base: &str,
+    method: &str,
+    path: &str,
+    json: &str,
+) -> std::io::Result<(u16, String)> {
     let addr = base.trim_start_matches("http://").trim_end_matches('/');
-    let mut s = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("set a read timeout");
     let req = format!(

@@ -3,8 +3,9 @@
 //! message per id, and what is removed afterwards. NATS: a nats-server of the campaign's own
 //! (so it can be SIGKILLed) and a stream on it; the NATS cluster: the environment's three
 //! servers and a stream of three replicas (a server SIGKILLed or paused, then back); RabbitMQ:
-//! a routing key of its own on `amq.topic` into the Subscription's quorum queue; SQS: a queue
-//! prefix of its own.
+//! a node of the campaign's own (so it can be SIGKILLed), with a dead-letter exchange, and a
+//! routing key on `amq.topic` into the Subscription's quorum queue; SQS: a queue prefix of its
+//! own.
 //!
 //! It must not decide when a fault happens nor judge status: the campaign does.
 
@@ -20,7 +21,8 @@ use settle::bus::report::REPORT_BUCKET;
 use crate::account::report_keys;
 use crate::nats_cluster::{Cluster, SERVERS, cluster};
 use crate::operator::{NatsServer, TestStream};
-use crate::rabbitmq::{env_backend_yaml, management, publish_topic};
+use crate::rabbitmq::{management_at, publish_topic, rabbitmq_backend_yaml};
+use crate::rabbitmq_server::RabbitServer;
 use crate::subs::{apply, backend_yaml, backends, wait_backend};
 
 /// The brokers a campaign runs on.
@@ -76,8 +78,12 @@ pub(super) enum Target {
     Nats(Box<TestStream>, NatsServer),
     NatsCluster(Box<TestStream>, Cluster),
     Rabbitmq {
-        amqp: Arc<lapin::Connection>,
+        /// The publisher's connection, held by a broker fault from before the kill until it
+        /// is made again, so no message is in flight when the broker dies (one whose confirm
+        /// was lost would be sent twice).
+        amqp: Arc<tokio::sync::Mutex<lapin::Connection>>,
         tag: String,
+        server: Box<RabbitServer>,
     },
     Sqs {
         client: aws_sdk_sqs::Client,
@@ -126,22 +132,39 @@ impl Target {
                 )
             }
             Broker::Rabbitmq => {
-                apply(ns, &env_backend_yaml("rabbit", ""));
+                let server = tokio::task::block_in_place(RabbitServer::start);
+                // A dead-letter exchange, so the broker's own losses (a last attempt a crash
+                // spent, R6) are counted too and Exhausted is exact (R9, I4).
+                let (status, body) = management_at(
+                    &server.management_url(),
+                    "PUT",
+                    "/api/exchanges/%2f/chaos.dlx",
+                    r#"{"type":"fanout","durable":true}"#,
+                );
+                assert!(
+                    matches!(status, 201 | 204),
+                    "the dead-letter exchange: {status} {body}"
+                );
+                apply(
+                    ns,
+                    &rabbitmq_backend_yaml(
+                        "rabbit",
+                        &server.url(),
+                        &server.management_url(),
+                        "    deadLetterExchange: chaos.dlx\n",
+                    ),
+                );
                 wait_backend(&backends(ns).await, "rabbit", "True", "Connected").await;
-                let amqp = lapin::Connection::connect(
-                    &env.rabbitmq_url,
-                    lapin::ConnectionProperties::default(),
-                )
-                .await
-                .expect("connect to RabbitMQ");
+                let amqp = amqp_connect(&server.url()).await;
                 let fields = format!(
                     "  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  durableName: {tag}\n"
                 );
-                let app_env = vec![("SETTLE_RABBITMQ_URL".into(), env.rabbitmq_url.clone())];
+                let app_env = vec![("SETTLE_RABBITMQ_URL".into(), server.url())];
                 (
                     Target::Rabbitmq {
-                        amqp: Arc::new(amqp),
+                        amqp: Arc::new(tokio::sync::Mutex::new(amqp)),
                         tag,
+                        server: Box::new(server),
                     },
                     fields,
                     app_env,
@@ -188,7 +211,7 @@ impl Target {
             Target::Nats(s, _) | Target::NatsCluster(s, _) => {
                 Publisher::Nats(Box::new(s.js.clone()), s.prefix.clone())
             }
-            Target::Rabbitmq { amqp, tag } => Publisher::Rabbitmq(amqp.clone(), tag.clone()),
+            Target::Rabbitmq { amqp, tag, .. } => Publisher::Rabbitmq(amqp.clone(), tag.clone()),
             Target::Sqs { client, url, .. } => Publisher::Sqs(client.clone(), url.clone()),
         }
     }
@@ -225,8 +248,13 @@ impl Target {
                     }
                 }
             }
-            Target::Rabbitmq { tag, .. } => {
-                let (status, body) = management("GET", "/api/queues/%2f?columns=name");
+            Target::Rabbitmq { tag, server, .. } => {
+                let (status, body) = management_at(
+                    &server.management_url(),
+                    "GET",
+                    "/api/queues/%2f?columns=name",
+                    "",
+                );
                 let names: Vec<serde_json::Value> = if status == 200 {
                     serde_json::from_str(&body).unwrap_or_default()
                 } else {
@@ -321,7 +349,22 @@ impl Target {
                     &format!("{sig}, started again {secs} s later, every server healthy {back}"),
                 )
             }
-            Target::Rabbitmq { .. } | Target::Sqs { .. } => {
+            Target::Rabbitmq { amqp, server, .. } => {
+                let mut publishing = amqp.lock().await;
+                tokio::task::block_in_place(|| server.stop(if graceful { "TERM" } else { "KILL" }));
+                tokio::time::sleep(down).await;
+                let started = std::time::Instant::now();
+                tokio::task::block_in_place(|| server.resume());
+                *publishing = amqp_connect(&server.url()).await;
+                Hit {
+                    what: format!(
+                        "the broker {sig}, and started again {secs} s later, serving {:.1} s after that",
+                        started.elapsed().as_secs_f64()
+                    ),
+                    consumer_led: true,
+                }
+            }
+            Target::Sqs { .. } => {
                 panic!("the campaign runs no broker of its own here to kill")
             }
         }
@@ -415,6 +458,13 @@ async fn leads(stream: &TestStream) -> Leaders {
     }
 }
 
+/// A connection to RabbitMQ at `url`.
+async fn amqp_connect(url: &str) -> lapin::Connection {
+    lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("connect to RabbitMQ at {url}: {e}"))
+}
+
 /// Whether SQS queue `url` holds a message (visible or not).
 async fn holds_messages(client: &aws_sdk_sqs::Client, url: &str) -> bool {
     use aws_sdk_sqs::types::QueueAttributeName as A;
@@ -437,7 +487,7 @@ async fn holds_messages(client: &aws_sdk_sqs::Client, url: &str) -> bool {
 /// Sends one message per id.
 pub(super) enum Publisher {
     Nats(Box<async_nats::jetstream::Context>, String),
-    Rabbitmq(Arc<lapin::Connection>, String),
+    Rabbitmq(Arc<tokio::sync::Mutex<lapin::Connection>>, String),
     Sqs(aws_sdk_sqs::Client, String),
 }
 
@@ -466,7 +516,8 @@ impl Publisher {
                 }
             }
             Publisher::Rabbitmq(amqp, tag) => {
-                publish_topic(amqp, [(format!("{tag}.m{id}"), id.to_string())]).await;
+                let amqp = amqp.lock().await;
+                publish_topic(&amqp, [(format!("{tag}.m{id}"), id.to_string())]).await;
             }
             Publisher::Sqs(client, url) => {
                 client

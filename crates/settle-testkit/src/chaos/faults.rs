@@ -40,7 +40,7 @@ pub enum Fault {
     AppKilled,
     /// The broker SIGKILLed or SIGTERMed (drawn) under load and started again on its store a
     /// few seconds later (NATS: the campaign's own nats-server; the cluster: one of its
-    /// servers).
+    /// servers; RabbitMQ: the campaign's own node).
     BrokerKilled,
     /// A server of the cluster paused (SIGSTOP) for a few seconds, as a node cut off by a
     /// partition, then resumed.
@@ -71,13 +71,14 @@ impl Fault {
     ];
 
     /// Whether the campaign can inject it on `broker`, with a control plane of its own or
-    /// not: the broker is a process the campaign may kill only on NATS (its own server, or the
-    /// environment's cluster, whose every server a guard starts again); a node to pause only
+    /// not: the broker is a process the campaign may kill on NATS and RabbitMQ (its own server
+    /// or node, or the environment's cluster, whose every server a guard starts again; SQS is
+    /// a service that does not crash); a node to pause only
     /// the cluster has; the API server it restarts only when it is the campaign's own (the
     /// environment's serves every other test).
     fn on(self, broker: Broker, own_api_server: bool) -> bool {
         match self {
-            Fault::BrokerKilled => matches!(broker, Broker::Nats | Broker::NatsCluster),
+            Fault::BrokerKilled => broker != Broker::Sqs,
             Fault::NodePaused => broker == Broker::NatsCluster,
             Fault::ApiServerRestarted => own_api_server,
             _ => true,
