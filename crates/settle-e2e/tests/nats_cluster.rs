@@ -12,7 +12,7 @@
 //! `unseen attempts: N over K leader kills`. `SETTLE_CLUSTER_KILLS` sets K (default 2).
 //!
 //! A short fault campaign (docs/guide/chaos.md) runs here too, on the cluster, with a fixed
-//! seed: a server SIGKILLed and one paused among the faults, status at rest equal to what the
+//! seed: a server SIGKILLed, one paused and the leading operator cut off among the faults, status at rest equal to what the
 //! handlers' own files say they did.
 //!
 //! The scenarios share the cluster's servers, so they run one at a time; every server a test

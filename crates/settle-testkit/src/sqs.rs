@@ -47,12 +47,16 @@ pub fn sqs_backend(ns: &str, prefix: &str) {
 
 /// [`sqs_backend`], the Backend named `name`.
 pub fn sqs_backend_named(ns: &str, name: &str, prefix: &str) {
+    sqs_backend_at(ns, name, prefix, &super::env().sqs_endpoint);
+}
+
+/// [`sqs_backend_named`] on the SQS endpoint `endpoint` (a forwarder to ElasticMQ, say).
+pub fn sqs_backend_at(ns: &str, name: &str, prefix: &str, endpoint: &str) {
     aws_secret(ns);
     apply(
         ns,
         &format!(
-            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n",
-            super::env().sqs_endpoint
+            "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: {name}}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{endpoint}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: aws}}\n"
         ),
     );
 }

@@ -5,7 +5,8 @@
 //! servers and a stream of three replicas (a server SIGKILLed or paused, then back); RabbitMQ:
 //! a node of the campaign's own (so it can be SIGKILLed), with a dead-letter exchange, and a
 //! routing key on `amq.topic` into the Subscription's quorum queue; SQS: a queue prefix of its
-//! own.
+//! own, reached through a forwarder that a broker fault holds (a service does not crash; it
+//! becomes unreachable).
 //!
 //! It must not decide when a fault happens nor judge status: the campaign does.
 
@@ -21,6 +22,7 @@ use settle::bus::report::REPORT_BUCKET;
 use crate::account::report_keys;
 use crate::nats_cluster::{Cluster, SERVERS, cluster};
 use crate::operator::{NatsServer, TestStream};
+use crate::partition::Partition;
 use crate::rabbitmq::{management_at, publish_topic, rabbitmq_backend_yaml};
 use crate::rabbitmq_server::RabbitServer;
 use crate::subs::{apply, backend_yaml, backends, wait_backend};
@@ -89,6 +91,9 @@ pub(super) enum Target {
         client: aws_sdk_sqs::Client,
         url: String,
         prefix: String,
+        /// Between ElasticMQ and everyone but the publisher: the operators and applications
+        /// reach SQS through it, and a broker fault holds it.
+        link: Box<Partition>,
     },
 }
 
@@ -172,12 +177,20 @@ impl Target {
             }
             Broker::Sqs => {
                 let prefix = format!("{tag}-");
-                crate::sqs::sqs_backend(ns, &prefix);
+                let elasticmq: std::net::SocketAddr = env
+                    .sqs_endpoint
+                    .trim_start_matches("http://")
+                    .trim_end_matches('/')
+                    .parse()
+                    .expect("the SQS endpoint is an IP:port");
+                let link = Partition::to(elasticmq).await;
+                let endpoint = format!("http://127.0.0.1:{}", link.port);
+                crate::sqs::sqs_backend_at(ns, "sqs", &prefix, &endpoint);
                 wait_backend(&backends(ns).await, "sqs", "True", "PlaintextCredentials").await;
                 let fields =
                     "  backendRef: {name: sqs}\n  pattern: orders\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n".into();
                 let app_env = vec![
-                    ("SETTLE_SQS_ENDPOINT".into(), env.sqs_endpoint.clone()),
+                    ("SETTLE_SQS_ENDPOINT".into(), endpoint),
                     ("SETTLE_SQS_QUEUE_PREFIX".into(), prefix.clone()),
                 ];
                 let client = crate::sqs::client().await;
@@ -188,6 +201,7 @@ impl Target {
                         client,
                         url,
                         prefix,
+                        link: Box::new(link),
                     },
                     fields,
                     app_env,
@@ -364,8 +378,16 @@ impl Target {
                     consumer_led: true,
                 }
             }
-            Target::Sqs { .. } => {
-                panic!("the campaign runs no broker of its own here to kill")
+            Target::Sqs { link, .. } => {
+                link.pause(true);
+                tokio::time::sleep(down).await;
+                link.pause(false);
+                Hit {
+                    what: format!("SQS unreachable for {secs} s (every connection held)"),
+                    // An SQS delete answers: an ack that returned was taken, one that did
+                    // not failed (and is unsure on its own).
+                    consumer_led: false,
+                }
             }
         }
     }

@@ -38,10 +38,11 @@ pub enum Fault {
     Edited,
     /// One application SIGKILLed mid-work (no last report) and another started in its place.
     AppKilled,
-    /// The broker SIGKILLed or SIGTERMed (drawn) under load and started again on its store a
-    /// few seconds later (NATS: the campaign's own nats-server; the cluster: one of its
-    /// servers; RabbitMQ: the campaign's own node).
-    BrokerKilled,
+    /// The broker down under load for a few seconds: SIGKILLed or SIGTERMed (drawn) and
+    /// started again on its store (NATS: the campaign's own nats-server; the cluster: one of
+    /// its servers; RabbitMQ: the campaign's own node); SQS, a service rather than a process,
+    /// unreachable (every connection to it held, no byte passing).
+    BrokerDown,
     /// A server of the cluster paused (SIGSTOP) for a few seconds, as a node cut off by a
     /// partition, then resumed.
     NodePaused,
@@ -64,21 +65,17 @@ impl Fault {
         Fault::Paused,
         Fault::Edited,
         Fault::AppKilled,
-        Fault::BrokerKilled,
+        Fault::BrokerDown,
         Fault::NodePaused,
         Fault::ApiServerRestarted,
         Fault::LeaderPartitioned,
     ];
 
     /// Whether the campaign can inject it on `broker`, with a control plane of its own or
-    /// not: the broker is a process the campaign may kill on NATS and RabbitMQ (its own server
-    /// or node, or the environment's cluster, whose every server a guard starts again; SQS is
-    /// a service that does not crash); a node to pause only
-    /// the cluster has; the API server it restarts only when it is the campaign's own (the
-    /// environment's serves every other test).
+    /// not: a node to pause only the cluster has; the API server it restarts only when it is
+    /// the campaign's own (the environment's serves every other test).
     fn on(self, broker: Broker, own_api_server: bool) -> bool {
         match self {
-            Fault::BrokerKilled => broker != Broker::Sqs,
             Fault::NodePaused => broker == Broker::NatsCluster,
             Fault::ApiServerRestarted => own_api_server,
             _ => true,
@@ -280,7 +277,7 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             format!("scaled down to {}", apps.running.len())
         }
         Fault::AppScaledUp | Fault::AppScaledDown => "scaling left as it is (at its bound)".into(),
-        Fault::BrokerKilled => {
+        Fault::BrokerDown => {
             let secs = 1 + draw.below(4);
             let graceful = draw.below(2) == 1;
             let down = done.t0.elapsed();

@@ -7,8 +7,8 @@
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
 //! operator SIGKILLed, SIGTERMed or cut off from the API server; the Subscription paused,
-//! edited; the broker SIGKILLed or SIGTERMed, a cluster's server paused; the campaign's own API
-//! server restarted), the schedule and how each is done; [`answers`] what the handlers did and
+//! edited; the broker SIGKILLed or SIGTERMed, or SQS unreachable, a cluster's server paused;
+//! the campaign's own API server restarted), the schedule and how each is done; [`answers`] what the handlers did and
 //! the rules each answer keeps (S2, B3, B5); [`model`] the checker of status against it (every
 //! counter exact but what a SIGKILL allows, C16, and an ack sent in an outage, J3);
 //! [`conditions`] the conditions and their causes; [`broker`] what differs between NATS (one
