@@ -400,7 +400,7 @@ impl RabbitConsumer {
     /// unreachable): `true`. Otherwise `false`: the consumer is done.
     async fn consume_again_after_end(&mut self) -> bool {
         self.consumer = None;
-        let lost = !self.broker.connected();
+        let lost = self.broker.redialling();
         if (self.ctx.binding().owner == ConsumerOwner::Operator || lost)
             && !self.retired.load(Ordering::Acquire)
         {
@@ -415,7 +415,7 @@ impl RabbitConsumer {
                         self.consumer = Some(c);
                         return true;
                     }
-                    Err(e) if !self.broker.connected() => {
+                    Err(e) if self.broker.redialling() => {
                         if tries.is_multiple_of(30) {
                             tracing::warn!(subscription = %self.ctx.name(), error = %e, "RabbitMQ unreachable; trying again every second");
                         }

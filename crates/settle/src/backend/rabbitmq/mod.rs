@@ -182,9 +182,10 @@ impl RabbitBroker {
         self.conn.current()
     }
 
-    /// Whether the connection is up.
-    fn connected(&self) -> bool {
-        self.conn.current().status().connected()
+    /// Whether the connection is down and will be dialled again (a broker made from a URL):
+    /// what a consumer waits out.
+    fn redialling(&self) -> bool {
+        self.conn.dial.is_some() && !self.conn.current().status().connected()
     }
 
     /// The connection, dialled again first if it was lost and this broker was made from a
