@@ -96,6 +96,7 @@ impl RabbitServer {
         let group = format!("-{}", child.id());
         let _ = Command::new("kill")
             .args([&format!("-{sig}"), "--", &group])
+            .stderr(Stdio::null())
             .status();
         // The script is reaped first: a zombie still counts in its group.
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -104,7 +105,10 @@ impl RabbitServer {
         {
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &group])
+            .stderr(Stdio::null())
+            .status();
         let _ = child.wait();
     }
 
