@@ -1,8 +1,8 @@
 //! Connecting to RabbitMQ: an application's [`RabbitBroker`] from one AMQP URL (over TLS with a
-//! CA), and the operator's connection from a Backend's settings: the AMQP URLs (tried in order),
-//! the vhost, the credentials and CA read from its Secrets, and a failure told apart as
-//! unreachable, refused credentials or unusable settings (its [`Failure`] class), so the
-//! Backend's `Ready` says which.
+//! CA), kept with how to dial it again when the connection is lost, and the operator's
+//! connection from a Backend's settings: the AMQP URLs (tried in order), the vhost, the
+//! credentials and CA read from its Secrets, and a failure told apart as unreachable, refused
+//! credentials or unusable settings (its [`Failure`] class), so the Backend's `Ready` says which.
 //!
 //! It must not read Kubernetes objects (the caller passes the Secrets' data) nor declare queues.
 
