@@ -322,9 +322,9 @@ impl Target {
         }
     }
 
-    /// The broker SIGKILLed, or SIGTERMed (`graceful`: it shuts down on its own), and
-    /// started again on its store after `down`; on the cluster one of its servers, drawn (only
-    /// there: the other brokers' campaigns draw as before).
+    /// The broker down for `down`: SIGKILLed, or SIGTERMed (`graceful`: it shuts down on its
+    /// own), and started again on its store (on the cluster one of its servers, drawn: only
+    /// there is a server drawn); SQS, a service, unreachable instead.
     pub(super) async fn kill_broker(
         &mut self,
         down: Duration,
@@ -332,7 +332,8 @@ impl Target {
         draw: &mut super::Draw,
     ) -> Hit {
         let secs = down.as_secs();
-        let sig = if graceful { "SIGTERMed" } else { "SIGKILLed" };
+        let signal = if graceful { "TERM" } else { "KILL" };
+        let sig = format!("SIG{signal}ed");
         match self {
             Target::Nats(_, server) => {
                 tokio::task::block_in_place(|| {
@@ -352,9 +353,7 @@ impl Target {
             Target::NatsCluster(stream, cluster) => {
                 let i = usize::try_from(draw.below(3)).unwrap_or(0);
                 let led = leads(stream).await;
-                let killed = tokio::task::block_in_place(|| {
-                    cluster.kill_with(i, if graceful { "TERM" } else { "KILL" })
-                });
+                let killed = tokio::task::block_in_place(|| cluster.kill_with(i, signal));
                 tokio::time::sleep(down).await;
                 killed.restart();
                 let back = healthy_again(cluster).await;
@@ -365,7 +364,7 @@ impl Target {
             }
             Target::Rabbitmq { amqp, server, .. } => {
                 let mut publishing = amqp.lock().await;
-                tokio::task::block_in_place(|| server.stop(if graceful { "TERM" } else { "KILL" }));
+                tokio::task::block_in_place(|| server.stop(signal));
                 tokio::time::sleep(down).await;
                 let started = std::time::Instant::now();
                 tokio::task::block_in_place(|| server.resume());
