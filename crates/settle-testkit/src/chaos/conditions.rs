@@ -78,6 +78,28 @@ pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Seen, Changes, tokio::tas
 /// reconnects within a few).
 pub const OUTAGE_GRACE: Duration = Duration::from_secs(15);
 
+/// What each condition says at rest.
+const AT_REST: [(&str, &str); 4] = [
+    ("Ready", "True"),
+    ("Accounted", "True"),
+    ("Stranding", "False"),
+    ("Stalled", "False"),
+];
+
+/// Whether the last change seen of each condition is what it says at rest (one never
+/// written counts as settled: [`uncaused`] judges it). After an outage the operator looks at
+/// a Backend again within its retry delay (up to 30 s, then its Subscriptions at once), so a
+/// campaign waits for this, not only for still counters, before it judges.
+pub fn settled(changes: &[Change]) -> bool {
+    AT_REST.iter().all(|(type_, want)| {
+        changes
+            .iter()
+            .rev()
+            .find(|c| c.type_ == *type_)
+            .is_none_or(|c| c.status == *want)
+    })
+}
+
 /// Each condition seen without a cause, and each left wrong at rest; `exhausted` is how many
 /// messages the handlers never acknowledged, `outages` when the broker was down.
 pub fn uncaused(
@@ -109,12 +131,7 @@ pub fn uncaused(
             c.at.as_secs_f64()
         ));
     }
-    for (type_, want) in [
-        ("Ready", "True"),
-        ("Accounted", "True"),
-        ("Stranding", "False"),
-        ("Stalled", "False"),
-    ] {
+    for (type_, want) in AT_REST {
         let last = changes.iter().rev().find(|c| c.type_ == type_);
         match last {
             Some(c) if c.status != want => out.push(format!(
@@ -209,5 +226,24 @@ mod tests {
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].contains("at 40.0 s without a cause"), "{found:?}");
         assert_eq!(uncaused(&changes, 0, &[]).len(), 3);
+    }
+
+    #[test]
+    fn at_rest_waits_for_ready_again_after_an_outage() {
+        let mut changes = vec![
+            change(1, "Ready", "True", "ConsumerReady"),
+            change(1, "Accounted", "True", "Kept"),
+        ];
+        assert!(settled(&changes));
+        changes.push(change(31, "Ready", "False", "Unreachable"));
+        assert!(!settled(&changes), "not Ready since the outage");
+        changes.push(change(62, "Ready", "True", "ConsumerReady"));
+        assert!(settled(&changes));
+        changes.push(change(70, "Stalled", "True", "NoProgress"));
+        assert!(!settled(&changes));
+        assert!(
+            settled(&[]),
+            "never written is judged by uncaused, not waited for"
+        );
     }
 }

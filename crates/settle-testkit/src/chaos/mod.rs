@@ -226,8 +226,13 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         let m = Model::read(&apps.files);
         let resolved = m.acked_ids.len() as u64 + s.exhausted >= c.messages;
         // Balanced too: a SIGKILLed instance's unfinished attempts are Released once it is
-        // folded (`--fold-after 5s`).
-        if resolved && s.balanced() && last.as_ref() == Some(&s) && !target.reports_waiting().await
+        // folded (`--fold-after 5s`); and the conditions back from the last outage.
+        let settled = changes.lock().is_ok_and(|c| conditions::settled(&c));
+        if resolved
+            && settled
+            && s.balanced()
+            && last.as_ref() == Some(&s)
+            && !target.reports_waiting().await
         {
             break;
         }
