@@ -810,14 +810,14 @@ async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchan
     let ns = format!("dlxkinds{}", std::process::id());
     let keys = ["orders.created".to_string(), "orders.#".to_string()];
     assert_eq!(
-        exchange_kind(&amqp, &format!("{ns}.missing"))
+        exchange_kind(&amqp, &format!("{ns}.missing"), None)
             .await
             .expect("ask"),
         None
     );
     assert!(matches!(
-        ensure_copy(&amqp, &ns, "missing", &format!("{ns}.missing"), &keys, 10).await,
-        Ok(Copy::None(why)) if why.contains("does not exist")
+        ensure_copy(&amqp, &ns, "missing", &format!("{ns}.missing"), &keys, 10, None).await,
+        Ok((Copy::None(why), None)) if why.contains("does not exist")
     ));
     for (kind, want) in [
         ("fanout", Kind::Fanout),
@@ -833,10 +833,14 @@ async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchan
         );
         assert!(matches!(status, 201 | 204), "{status} {body}");
         // Learned with AMQP alone, and the exchange is left as it was.
-        assert_eq!(exchange_kind(&amqp, &dlx).await.expect("ask"), Some(want));
-        let copy = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10)
+        assert_eq!(
+            exchange_kind(&amqp, &dlx, None).await.expect("ask"),
+            Some(want.clone())
+        );
+        let (copy, learned) = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10, None)
             .await
             .expect("copy");
+        assert_eq!(learned.as_ref(), Some(&want));
         match kind {
             // A direct exchange: the literal key is copied, the wildcard one cannot be.
             "direct" => assert!(
@@ -866,10 +870,18 @@ async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchan
         );
         let got: Vec<Value> = serde_json::from_str(&body).unwrap_or_default();
         assert_eq!((status, got.len()), (200, 1), "{kind}: {body}");
-        // Made once: the next look finds it and binds again, harmlessly.
-        let again = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10)
+        // A type known from an earlier look is not learned again (no declare refused to learn
+        // it): what the caller kept comes back while the exchange is there.
+        let kept = Kind::Other("kept".into());
+        assert_eq!(
+            exchange_kind(&amqp, &dlx, Some(&kept)).await.expect("ask"),
+            Some(kept)
+        );
+        // Made once: the next look, with the type known, finds it and binds again, harmlessly.
+        let (again, kept) = ensure_copy(&amqp, &ns, kind, &dlx, &keys, 10, Some(&want))
             .await
             .expect("copy");
+        assert_eq!(kept, Some(want.clone()));
         assert!(
             matches!(
                 again,
@@ -879,6 +891,11 @@ async fn the_copy_queue_is_bound_to_receive_what_each_type_of_dead_letter_exchan
         );
         management("DELETE", &format!("/api/queues/%2f/{q}"));
         management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
+        // A known type does not outlive its exchange.
+        assert_eq!(
+            exchange_kind(&amqp, &dlx, Some(&want)).await.expect("ask"),
+            None
+        );
     }
 }
 

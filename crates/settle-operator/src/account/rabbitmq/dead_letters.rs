@@ -19,7 +19,7 @@ use lapin::{Channel, Connection};
 
 use crate::account::metrics::Metrics;
 use settle::backend::rabbitmq::admin;
-use settle::backend::rabbitmq::dead_letters::{self, Copy};
+use settle::backend::rabbitmq::dead_letters::{self, Copy, Kind};
 
 /// How long a Backend has no AtLeastOnce Subscription before its copy queue is deleted (a
 /// Subscription being made meanwhile is in the cache by then).
@@ -88,7 +88,15 @@ pub struct DeadLetters {
     /// Deleted for want of Subscriptions (once, until one comes).
     idle_deleted: bool,
     checked: Option<Instant>,
+    /// The exchange's type and when it was learned: kept, so each check only asks whether the
+    /// exchange is there (learning a type costs a refused declare, logged by the AMQP client
+    /// as an error), and learned again after [`KIND_KEPT`].
+    kind: Option<(Kind, Instant)>,
 }
+
+/// How long a learned dead-letter exchange type is trusted: one deleted and declared again
+/// with another type is bound for its new type within this.
+const KIND_KEPT: Duration = Duration::from_secs(600);
 
 fn broken(what: &str, e: impl std::fmt::Display) -> super::Broken {
     super::Broken(format!("{what}: {e}"))
@@ -124,6 +132,7 @@ impl DeadLetters {
             idle_since: None,
             idle_deleted: false,
             checked: None,
+            kind: None,
         })
     }
 
@@ -241,6 +250,11 @@ impl DeadLetters {
         now_ms: u64,
         metrics: &Metrics,
     ) -> bool {
+        let known = self
+            .kind
+            .as_ref()
+            .filter(|(_, at)| at.elapsed() < KIND_KEPT)
+            .map(|(k, _)| k);
         match dead_letters::ensure_copy(
             conn,
             &self.namespace,
@@ -248,10 +262,17 @@ impl DeadLetters {
             &self.dlx,
             &keys.iter().cloned().collect::<Vec<_>>(),
             self.max_length,
+            known,
         )
         .await
         {
-            Ok(copy) => {
+            Ok((copy, kind)) => {
+                let learned = known.is_none();
+                self.kind = match kind {
+                    Some(k) if learned => Some((k, Instant::now())),
+                    Some(_) => self.kind.take(),
+                    None => None,
+                };
                 // A queue deleted on the broker ends its consumer (`ended`); made again
                 // while a consumer is still held (the cancel was missed), or missing under
                 // a queue that was made after it: the same gap.

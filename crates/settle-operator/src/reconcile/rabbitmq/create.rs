@@ -28,8 +28,10 @@ pub(super) async fn copy_dead_letters(
         dlx,
         std::slice::from_ref(&want.binding.routing_key),
         ctx.dead_letter_copy_max_length,
+        None,
     )
-    .await;
+    .await
+    .map(|(copy, _)| copy);
     let who = &t.owner;
     match copy {
         Ok(

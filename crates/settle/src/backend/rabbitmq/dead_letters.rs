@@ -138,7 +138,14 @@ fn kind_of(name: &str) -> Kind {
 /// The type of exchange `name` (`None`: it does not exist), with AMQP alone: a passive declare,
 /// then a declare as a durable topic exchange, which RabbitMQ compares type first (an equal one
 /// changes nothing; another type is refused naming the current one). Each on its own channel.
-pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>, AdminError> {
+/// With the type `known` from an earlier look, only the passive declare: the refusal that
+/// learns a type closes its channel, which the AMQP client logs as an error, so a caller that
+/// looks again and again keeps the type and learns it again only now and then.
+pub async fn exchange_kind(
+    conn: &Connection,
+    name: &str,
+    known: Option<&Kind>,
+) -> Result<Option<Kind>, AdminError> {
     let what = || format!("looking up exchange {name:?}");
     let ch = channel(conn).await?;
     let passive = ch
@@ -155,6 +162,9 @@ pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>
     match passive {
         Ok(()) => {
             done(ch).await;
+            if let Some(k) = known {
+                return Ok(Some(k.clone()));
+            }
         }
         Err(e) if reply_code(&e) == Some(404) => return Ok(None),
         Err(e) => return Err(classify(what(), &e)),
@@ -193,7 +203,9 @@ pub async fn exchange_kind(conn: &Connection, name: &str) -> Result<Option<Kind>
 /// Makes Backend `namespace/backend`'s copy queue when it is missing (an existing one is kept
 /// as it is: a changed bound applies to a queue made anew) and binds it to dead-letter exchange
 /// `dlx` so it receives a copy of every dead letter; `keys` are the routing keys of the
-/// Backend's Subscriptions (a direct exchange is bound once per literal one).
+/// Backend's Subscriptions (a direct exchange is bound once per literal one). `known`: the
+/// exchange's type from an earlier look ([`exchange_kind`]). Returns what it could do and the
+/// type it bound for (`None`: the exchange does not exist).
 pub async fn ensure_copy(
     conn: &Connection,
     namespace: &str,
@@ -201,16 +213,20 @@ pub async fn ensure_copy(
     dlx: &str,
     keys: &[String],
     max_length: i64,
-) -> Result<Copy, AdminError> {
-    let Some(kind) = exchange_kind(conn, dlx).await? else {
-        return Ok(Copy::None(format!(
-            "the dead-letter exchange {dlx:?} does not exist, so RabbitMQ drops what the queues \
-             dead-letter: declare it (and bind your dead-letter queue to it)"
-        )));
+    known: Option<&Kind>,
+) -> Result<(Copy, Option<Kind>), AdminError> {
+    let Some(kind) = exchange_kind(conn, dlx, known).await? else {
+        return Ok((
+            Copy::None(format!(
+                "the dead-letter exchange {dlx:?} does not exist, so RabbitMQ drops what the \
+                 queues dead-letter: declare it (and bind your dead-letter queue to it)"
+            )),
+            None,
+        ));
     };
     let binding = copy_binding(&kind);
     if let CopyBinding::Impossible(why) = binding {
-        return Ok(Copy::None(why));
+        return Ok((Copy::None(why), Some(kind)));
     }
     let name = copy_queue(namespace, backend);
     let made = !super::admin::exists(conn, &name).await?;
@@ -221,10 +237,11 @@ pub async fn ensure_copy(
     let (binds, partial) = copy_binds(binding, dlx, keys);
     bind_copy(&ch, &name, dlx, binds).await?;
     done(ch).await;
-    Ok(match partial {
+    let copy = match partial {
         Some(why) => Copy::Partial { made, why },
         None => Copy::Whole { made },
-    })
+    };
+    Ok((copy, Some(kind)))
 }
 
 /// Declares the copy queue `name` on `ch`.
