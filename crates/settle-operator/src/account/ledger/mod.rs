@@ -319,16 +319,8 @@ impl Account {
     /// unfinished attempts counted given up. Returns the instances folded (their reports may
     /// be deleted from the bucket), each with the attempts it had unfinished.
     pub fn fold_idle(&mut self, now_ms: u64, idle_ms: u64) -> Vec<(String, u64)> {
-        let heard = std::mem::take(&mut self.heard);
-        let names: Vec<String> = self
-            .live
-            .iter()
-            .filter(|(k, s)| {
-                now_ms.saturating_sub(s.reported_at_ms.max(self.deaf_until_ms)) > idle_ms
-                    && !heard.contains(*k)
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
+        let names: Vec<String> = self.idle(now_ms, idle_ms).cloned().collect();
+        self.heard.clear();
         let mut idle = Vec::with_capacity(names.len());
         for instance in names {
             if let Some(mut seen) = self.live.remove(&instance) {
@@ -352,6 +344,24 @@ impl Account {
             };
         }
         idle
+    }
+
+    /// Whether [`Account::fold_idle`] would fold an instance now: a keeper that must first make
+    /// sure it could hear asks this before it looks.
+    pub fn due_to_fold(&self, now_ms: u64, idle_ms: u64) -> bool {
+        self.idle(now_ms, idle_ms).next().is_some()
+    }
+
+    /// The live instances silent for longer than `idle_ms` as of `now_ms`, on the time the
+    /// keeper could hear, and not heard from since the last fold.
+    fn idle(&self, now_ms: u64, idle_ms: u64) -> impl Iterator<Item = &String> {
+        self.live
+            .iter()
+            .filter(move |(k, s)| {
+                now_ms.saturating_sub(s.reported_at_ms.max(self.deaf_until_ms)) > idle_ms
+                    && !self.heard.contains(*k)
+            })
+            .map(|(k, _)| k)
     }
 
     /// What to persist so a restarted operator resumes exactly.

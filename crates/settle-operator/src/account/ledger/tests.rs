@@ -16,6 +16,7 @@ fn an_instance_heard_from_in_a_round_is_not_folded_in_it_even_by_a_stale_report(
     let mut one_in_flight = stats(3, 2, 0);
     one_in_flight.offered += 1;
     a.report(&report("pod-a", 1, 1, one_in_flight));
+    assert!(!a.due_to_fold(1_000_000, 60), "heard since the last fold");
     assert!(a.fold_idle(1_000_000, 60).is_empty(), "heard this round");
     assert_eq!(
         a.report(&report("pod-a", 1, 1, one_in_flight)),
@@ -25,7 +26,10 @@ fn an_instance_heard_from_in_a_round_is_not_folded_in_it_even_by_a_stale_report(
         a.fold_idle(1_000_000, 60).is_empty(),
         "a stale report is heard too"
     );
+    assert!(a.due_to_fold(1_000_000, 60), "asking does not fold");
+    assert!(a.due_to_fold(1_000_000, 60));
     assert_eq!(a.fold_idle(1_000_000, 60), vec![("pod-a".to_string(), 1)]);
+    assert!(!a.due_to_fold(1_000_000, 60));
 }
 
 #[test]

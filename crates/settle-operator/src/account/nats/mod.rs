@@ -86,7 +86,7 @@ use settle::backend::nats::admin::NatsError;
 use settle::backend::nats::advisory::DeliveryEvent;
 use settle::backend::nats::capture;
 use settle::bus::report::{now_ms, report_key};
-use watch::WatchProgress;
+use watch::{Hearing, WatchProgress};
 
 /// How often the keeper folds, persists, acknowledges and decides what to write: a change
 /// reaches status within the stats interval plus this (and the write).
@@ -345,7 +345,8 @@ impl NatsKeeper {
         let reader = self.open_reader(&js).await?;
         // The replay of the report bucket's history is complete when the watch says it has seen
         // the current values, or at once when the bucket is empty.
-        let mut replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
+        let mut hearing = Hearing::default();
+        hearing.replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
         let mut initial_values = 0u64;
         let watch_started = Instant::now();
         let mut watch = reports
@@ -372,7 +373,7 @@ impl NatsKeeper {
         self.check_store(&reports).await;
         let mut store_checked = Instant::now();
         // The newest revision the watch delivered, and whether it keeps up with the bucket.
-        let (mut watched, mut progress) = (0u64, WatchProgress::default());
+        let mut progress = WatchProgress::default();
         let ended = rounds(async {
         loop {
             tokio::select! {
@@ -381,8 +382,8 @@ impl NatsKeeper {
                         .ok_or_else(|| broken("the report watch", "ended"))?
                         .map_err(|e| broken("the report watch", e))?;
                     initial_values += 1;
-                    replayed |= entry.seen_current;
-                    watched = watched.max(entry.revision);
+                    hearing.replayed |= entry.seen_current;
+                    hearing.watched = hearing.watched.max(entry.revision);
                     if let Some(entry) = self.on_report(&ledgers, &members, &mut books, entry).await? {
                         self.hold_early(&mut early, entry);
                     }
@@ -400,20 +401,20 @@ impl NatsKeeper {
                             Err(e) => tracing::debug!(reader = %legacy, error = %e, "cannot delete the account's former reader yet"),
                         }
                     }
-                    if !replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
-                        replayed = true;
+                    if !hearing.replayed && initial_values == 0 && watch_started.elapsed() >= EMPTY_REPLAY {
+                        hearing.replayed = true;
                     }
                     if store_checked.elapsed() >= STORE_CHECK {
                         let stream = self.check_store(&reports).await;
                         store_checked = Instant::now();
-                        self.watch_keeps_up(stream, watched, &mut progress).await?;
+                        self.watch_keeps_up(stream, hearing.watched, &mut progress).await?;
                     }
                     members.refresh(&self.subs, &self.backend);
                     self.retry_unverified(&ledgers, &members, &mut books, &mut held).await?;
                     self.tell_uncounted(&ledgers, &members, &mut books, &mut held.uncounted).await?;
                     self.retry_early(&ledgers, &members, &mut books, &mut early).await?;
                     ack_loose(&mut held.loose).await;
-                    self.settle(&js, &ledgers, &reports, &members, &mut books, replayed).await?;
+                    self.settle(&js, &ledgers, &reports, &members, &mut books, &mut hearing).await?;
                     self.show_backend();
                 }
             }

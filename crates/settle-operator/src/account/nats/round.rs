@@ -1,6 +1,7 @@
 //! A NATS keeper's round, every tick: a book for every Subscription of the Backend, a lost
 //! source found once the report replay is complete (semantics C17), a deleted Subscription's
-//! ledger and reports removed, idle instances folded, the ledgers that changed saved (checked
+//! ledger and reports removed, idle instances folded (only when the keeper could hear them:
+//! `watch`), the ledgers that changed saved (checked
 //! against the revision read, so two operators cannot overwrite each other) and only then their
 //! advisories acknowledged, a folded instance's report removed once the loss window has passed
 //! and the ledger holding the fold is saved (until then it shows a lost ledger which lives it
@@ -19,6 +20,7 @@ use k8s_openapi::jiff::Timestamp;
 
 use super::names::ledger_key;
 use super::store::Save;
+use super::watch::{Heard, Hearing};
 use super::{Book, Books, FoldedReport, Members, NatsKeeper, SubKey};
 use crate::account::ledger::Source;
 use crate::account::show;
@@ -39,29 +41,24 @@ impl NatsKeeper {
         reports: &kv::Store,
         members: &Members,
         books: &mut Books,
-        replayed: bool,
+        hearing: &mut Hearing,
     ) -> Result<(), NatsError> {
-        // While the broker is unreachable no report can come in: silence then is no sign that
-        // an instance died (C16).
-        if js.client().connection_state() != async_nats::connection::State::Connected {
-            let now = now_ms();
-            for book in books.values_mut() {
-                book.account.deaf_until(now);
-            }
-        }
         // Every Subscription of this Backend has a book, so each shows its counters.
         for (key, m) in members.iter() {
             self.book(ledgers, books, key, m).await?;
         }
         // Every report there was is counted now: what status shows and they do not explain was
         // lost with a source (C17).
-        if replayed {
+        if hearing.replayed {
             self.recover_lost(members, books);
         }
         self.drop_gone(js, ledgers, members, books).await;
 
+        let dropped = match self.listen(js, reports, books, hearing).await {
+            Heard::All => self.fold_idle(books, now_ms()),
+            Heard::NotYet | Heard::Deaf => Vec::new(),
+        };
         let now = now_ms();
-        let dropped = self.fold_idle(books, now);
         let lost_race = self.save_then_ack(ledgers, members, books).await;
         // Another operator wrote a ledger since this one read it (a leader handover): this
         // book is read again from the bucket, its unacknowledged advisories come back.
@@ -177,6 +174,34 @@ impl NatsKeeper {
                 tracing::info!(subscription = %format!("{}/{}", key.0, key.1), "the Subscription is gone: its account is dropped");
             }
         }
+    }
+
+    /// Whether instances may be folded this round: the keeper looks whether it could hear
+    /// every quarter of `--fold-after` ([`Hearing`]), and at once when its client is not
+    /// connected. While the last look says it could not, every book's silence starts again
+    /// each round (silence the keeper could not hear is no sign that an instance died, C16),
+    /// and nothing is folded.
+    async fn listen(
+        &self,
+        js: &jetstream::Context,
+        reports: &kv::Store,
+        books: &mut Books,
+        hearing: &mut Hearing,
+    ) -> Heard {
+        let now = Instant::now();
+        if js.client().connection_state() != async_nats::connection::State::Connected {
+            hearing.disconnected(now);
+        } else if hearing.due(now, Hearing::every(self.config.fold_after)) {
+            self.look(reports, hearing).await;
+        }
+        let heard = hearing.verdict();
+        if heard == Heard::Deaf {
+            let now = now_ms();
+            for book in books.values_mut() {
+                book.account.deaf_until(now);
+            }
+        }
+        heard
     }
 
     /// Folds idle instances; returns the reports (key, revision) to drop once saved.

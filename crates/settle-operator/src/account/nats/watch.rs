@@ -7,16 +7,38 @@
 //! report (read back to be sure it is there) is stalled, and the session starts again with a
 //! new watch (reports are cumulative: reading them again counts nothing twice).
 //!
-//! It must not count reports nor read the bucket beyond the one revision it confirms.
+//! [`Hearing`] looks, every quarter of `--fold-after`, whether the keeper could hear: its client
+//! connected, the bucket answering (on a cluster its stream can be without a leader while the
+//! keeper's own client stays connected, and no report can be written then), and the watch
+//! having delivered every report the bucket held at the look before. While the last look says
+//! it could not, the keeper is deaf (silence then is no sign that an instance died, semantics
+//! C16) and folds nothing.
+//!
+//! It must not count reports nor read the bucket beyond its tail and the one revision it
+//! confirms.
 
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::kv;
 use async_nats::jetstream::stream::Stream;
 
 use super::{NatsKeeper, broken};
 use settle::backend::nats::admin::NatsError;
 
 impl NatsKeeper {
+    /// One look at the bucket's tail, for `hearing` (see [`Hearing`]).
+    pub(super) async fn look(&self, reports: &kv::Store, hearing: &mut Hearing) {
+        let tail = match tokio::time::timeout(LOOK_TIMEOUT, reports.stream.get_info()).await {
+            Ok(Ok(info)) => Some(info.state.last_sequence),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "cannot read the report bucket's tail: deaf until it answers");
+                None
+            }
+            Err(_) => None,
+        };
+        hearing.look(tail, Instant::now());
+    }
+
     /// One check of the watch against the bucket's `stream` as just read: an error (the
     /// session starts again) when the watch delivered nothing past `watched` for
     /// [`WATCH_STALL`] while a newer report is stored.
@@ -61,6 +83,79 @@ impl NatsKeeper {
             "the report watch",
             format!("stalled at revision {watched} while the bucket holds {missed}"),
         ))
+    }
+}
+
+/// How long a look at the bucket's tail may take: one without an answer by then is deafness.
+const LOOK_TIMEOUT: Duration = Duration::from_secs(1);
+/// The longest time between two looks, whatever `--fold-after` is.
+const LOOK_AT_MOST_EVERY: Duration = Duration::from_secs(30);
+
+/// What the last look found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Heard {
+    /// The watch had delivered everything the bucket held at the look before: folds may go on.
+    All,
+    /// No look before to compare with (the first, or the first after the bucket answered
+    /// again): no fold until the next.
+    NotYet,
+    /// The bucket did not answer, the watch had not delivered what it held at the look before,
+    /// or the client was not connected: the keeper was deaf.
+    Deaf,
+}
+
+/// What a session's report watch has delivered, and the looks at the bucket's tail. A look is
+/// taken every quarter of `--fold-after` (at most every 30 s): a deafness long enough to make
+/// a live instance look silent for `--fold-after` lasts longer than that (the instance reported
+/// within its interval before it), so a look lands in it, and the instance's silence is
+/// counted from that look on.
+#[derive(Debug, Default)]
+pub(super) struct Hearing {
+    /// The newest revision the watch delivered (0: none yet).
+    pub(super) watched: u64,
+    /// The bucket's history is replayed: the watch said it has seen the current values, or
+    /// the bucket was empty.
+    pub(super) replayed: bool,
+    /// The bucket's last sequence (0: empty) at the last look that had an answer.
+    tail: Option<u64>,
+    /// What the last look found, and when.
+    last: Option<(Heard, Instant)>,
+}
+
+impl Hearing {
+    /// How long between looks, for `fold_after`.
+    pub(super) fn every(fold_after: Duration) -> Duration {
+        (fold_after / 4).min(LOOK_AT_MOST_EVERY)
+    }
+
+    /// Whether a look is due at `now`.
+    pub(super) fn due(&self, now: Instant, every: Duration) -> bool {
+        self.last
+            .is_none_or(|(_, at)| now.saturating_duration_since(at) >= every)
+    }
+
+    /// What the last look found (`NotYet` before the first).
+    pub(super) fn verdict(&self) -> Heard {
+        self.last.map_or(Heard::NotYet, |(h, _)| h)
+    }
+
+    /// The client was found not connected at `now`: deaf, and the next look starts afresh.
+    pub(super) fn disconnected(&mut self, now: Instant) {
+        self.tail = None;
+        self.last = Some((Heard::Deaf, now));
+    }
+
+    /// One look: the bucket's tail read at `now` (`None`: it did not answer).
+    pub(super) fn look(&mut self, tail: Option<u64>, now: Instant) -> Heard {
+        let heard = match (tail, self.tail) {
+            (None, _) => Heard::Deaf,
+            (Some(_), None) => Heard::NotYet,
+            (Some(_), Some(held)) if self.watched >= held => Heard::All,
+            (Some(_), Some(_)) => Heard::Deaf,
+        };
+        self.tail = tail;
+        self.last = Some((heard, now));
+        heard
     }
 }
 
@@ -149,6 +244,48 @@ mod tests {
             Some(41),
             "behind a whole window since it was last caught up"
         );
+    }
+
+    #[test]
+    fn a_fold_waits_until_the_watch_delivered_what_the_bucket_held_at_the_look_before() {
+        let t0 = Instant::now();
+        let every = Hearing::every(Duration::from_secs(5));
+        assert_eq!(every, Duration::from_millis(1250));
+        assert_eq!(
+            Hearing::every(Duration::from_secs(3600)),
+            LOOK_AT_MOST_EVERY
+        );
+        let mut h = Hearing::default();
+        assert!(h.due(t0, every));
+        assert_eq!(h.verdict(), Heard::NotYet);
+        assert_eq!(
+            h.look(Some(10), t0),
+            Heard::NotYet,
+            "nothing to compare with"
+        );
+        assert!(!h.due(t0 + every / 2, every));
+        assert!(h.due(t0 + every, every));
+        h.watched = 10;
+        // Reports keep coming (the tail moves on): what was held at the look before counts.
+        assert_eq!(h.look(Some(12), t0 + every), Heard::All);
+        assert_eq!(
+            h.look(Some(15), t0 + every * 2),
+            Heard::Deaf,
+            "12 was stored a look ago and not delivered"
+        );
+        assert_eq!(h.verdict(), Heard::Deaf);
+        h.watched = 15;
+        assert_eq!(h.look(Some(15), t0 + every * 3), Heard::All);
+        assert_eq!(h.look(None, t0 + every * 4), Heard::Deaf, "no answer");
+        assert_eq!(
+            h.look(Some(15), t0 + every * 5),
+            Heard::NotYet,
+            "answering again: compared from this look on"
+        );
+        assert_eq!(h.look(Some(15), t0 + every * 6), Heard::All);
+        h.disconnected(t0 + every * 7);
+        assert_eq!(h.verdict(), Heard::Deaf);
+        assert_eq!(h.look(Some(15), t0 + every * 8), Heard::NotYet);
     }
 
     #[test]
