@@ -67,10 +67,18 @@ impl Broker {
 
     /// The operators' flags this broker needs beyond the campaign's: on the cluster the
     /// account's capture and buckets at three replicas, so a server lost loses none of them.
+    ///
+    /// And `--fold-after`: a SIGKILLed instance is folded soon, so its unfinished attempts
+    /// count as Released and I1 holds at rest (C16); but not sooner than a fault can cut a live
+    /// instance off while the keeper hears the bucket, for one silent that long is, by C16,
+    /// counted dead, and its attempts Released though its handlers finish them. On one server
+    /// (and on SQS behind the held forwarder) a fault cuts the keeper off with the instances,
+    /// so it is deaf meanwhile and 5 s will do; on the cluster a paused server (up to 10 s,
+    /// the cluster healthy a few seconds later) cuts off only its own clients: 20 s.
     pub(super) fn operator_flags(self) -> &'static [&'static str] {
         match self {
-            Broker::NatsCluster => &["--account-replicas", "3"],
-            Broker::Nats | Broker::Rabbitmq | Broker::Sqs => &[],
+            Broker::NatsCluster => &["--account-replicas", "3", "--fold-after", "20s"],
+            Broker::Nats | Broker::Rabbitmq | Broker::Sqs => &["--fold-after", "5s"],
         }
     }
 }

@@ -122,13 +122,6 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             &format!("chaos-{}-{}", broker.name(), std::process::id()),
             "--stats-interval",
             "1s",
-            // A SIGKILLed instance is folded soon: its unfinished attempts then count as
-            // Released, so I1 holds at rest (C16). Not sooner than any fault can cut a live
-            // instance off (a server paused up to 10 s, or killed up to 4 s, and the cluster
-            // healthy a few seconds later): one silent that long is, by C16, counted dead,
-            // and its attempts Released though its handlers finish them.
-            "--fold-after",
-            "20s",
         ]
         .iter()
         .chain(broker.operator_flags())
@@ -229,7 +222,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         let m = Model::read(&apps.files);
         let resolved = m.acked_ids.len() as u64 + s.exhausted >= c.messages;
         // Balanced too: a SIGKILLed instance's unfinished attempts are Released once it is
-        // folded (`--fold-after 20s`); and the conditions back from the last outage.
+        // folded (`--fold-after`, `Broker::operator_flags`); and the conditions back from the last outage.
         let settled = changes.lock().is_ok_and(|c| conditions::settled(&c));
         if resolved
             && settled
