@@ -91,6 +91,12 @@ async fn of_two_operators_exactly_one_reconciles_and_the_other_takes_over_when_i
     let (mut leader, standby) = if a_leads { (a, b) } else { (b, a) };
     assert_eq!(gauge(&leader), 1.0, "one of them leads");
     assert_eq!(gauge(&standby), 0.0);
+    // A reconcile is counted when the controller hands its result on, which is after the
+    // status it wrote (the `Ready` waited for above) is visible: waited for, not read once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reconciles(&leader) < 1.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     assert!(reconciles(&leader) >= 1.0, "the leader reconciled");
     assert_eq!(reconciles(&standby), 0.0, "the standby reconciled nothing");
     assert_eq!(
