@@ -1492,3 +1492,80 @@ fn verdict_matches_validate() {
         assert!(n >= 25, "at least 25 of the compared cases {what}: {c:?}");
     }
 }
+
+/// A TLS connection to `addr` without ALPN: HTTP/1.1, as the API server calls webhooks.
+async fn http1_over_tls(
+    addr: SocketAddr,
+    ca_pem: &str,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use rustls::pki_types::pem::PemObject;
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA")).expect("root");
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+        .with_safe_default_protocol_versions()
+        .expect("protocols")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
+    tokio_rustls::TlsConnector::from(Arc::new(tls))
+        .connect(name, tcp)
+        .await
+        .expect("TLS")
+}
+
+#[tokio::test]
+async fn while_draining_each_http1_answer_closes_its_connection_so_none_is_reused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let bundle: CertBundle =
+        certs::issue_for(&local_sans(), Duration::from_secs(3600)).expect("issue");
+    let resolver = Arc::new(
+        CertResolver::from_pem(bundle.cert_pem.as_bytes(), bundle.key_pem.as_bytes())
+            .expect("resolver"),
+    );
+    let registry = prometheus::Registry::new();
+    let config = WebhookConfig::new(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)));
+    let (drain, draining) = tokio::sync::watch::channel(false);
+    let server = Server::bind(config, Arc::new(lookup()), resolver, &registry)
+        .await
+        .expect("bind")
+        .draining_from(draining);
+    let addr = server.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    const ASK: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut conn = http1_over_tls(addr, &bundle.ca_pem).await;
+
+    // Before: kept alive, so the same connection answers a second time.
+    for _ in 0..2 {
+        conn.write_all(ASK).await.expect("ask");
+        let mut buf = vec![0u8; 1024];
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        let answer = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+        assert!(answer.starts_with("http/1.1 200"), "{answer}");
+        assert!(!answer.contains("connection: close"), "{answer}");
+    }
+
+    // Draining: the answer says so, and the server closes the connection after it.
+    drain.send(true).expect("draining");
+    conn.write_all(ASK).await.expect("ask");
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut all))
+        .await
+        .expect("the server closes the connection after its answer")
+        .ok();
+    let answer = String::from_utf8_lossy(&all).to_lowercase();
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    assert!(answer.contains("connection: close"), "{answer}");
+    assert!(answer.ends_with("ok\n"), "{answer}");
+
+    let _ = stop.send(());
+    running.await.expect("joined").expect("ran");
+}

@@ -98,7 +98,9 @@ pub struct OperatorArgs {
     /// and its controllers stop at once, and the probe port's `/readyz` answers 503, so the
     /// endpoints controller and kube-proxy stop routing reviews to it meanwhile: a review sent
     /// to a closed port fails, and with `failurePolicy: Fail` so does the `kubectl apply`
-    /// behind it. A second signal closes at once. Keep the pod's
+    /// behind it. Meanwhile each HTTP/1.1 answer closes its connection (`Connection: close`),
+    /// so the API server, which keeps webhook connections alive, does not pick one at the
+    /// moment the port closes. A second signal closes at once. Keep the pod's
     /// terminationGracePeriodSeconds above it (the chart does).
     #[arg(long, env = "SETTLE_SHUTDOWN_DELAY", default_value = "5s")]
     pub shutdown_delay: settle::api::Duration,

@@ -100,7 +100,9 @@ pub async fn run(args: OperatorArgs) -> Result<(), OperatorError> {
     let source = cert_source(&client, &args, &owner);
     let serving = certs::start(source).await?;
 
-    let webhook = bind_webhook(&args, &client, &store, &serving.resolver, registry).await?;
+    let webhook = bind_webhook(&args, &client, &store, &serving.resolver, registry)
+        .await?
+        .draining_from(shutdown.stop.clone());
     // The controllers run while this replica leads; /readyz waits for their caches too.
     let readiness = reconcile::Readiness::default();
     let metrics_auth = metrics_auth(&client, &args, registry, &serving.resolver)?;

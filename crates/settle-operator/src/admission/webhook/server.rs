@@ -1,6 +1,6 @@
 //! The HTTPS server: [`Server`] binds, terminates TLS with a certificate from `admission::certs`,
 //! serves `POST /validate`, `POST /mutate` and `GET /healthz` over HTTP/1.1 and HTTP/2, and stops
-//! gracefully.
+//! gracefully (while draining, each HTTP/1.1 answer closes its connection: [`Server::draining_from`]).
 //!
 //! What a client can hold, and for how long, is bounded: at most `max_connections` connections
 //! are open (a connection beyond is closed as soon as it is accepted, and counted), each phase of
@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use prometheus::Registry;
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, SemaphorePermit};
+use tokio::sync::{Semaphore, SemaphorePermit, watch};
 use tokio_rustls::TlsAcceptor;
 
 use super::LOOKUP_TIMEOUT;
@@ -142,6 +142,7 @@ pub struct Server {
     listener: TcpListener,
     acceptor: TlsAcceptor,
     reviewer: Arc<Reviewer>,
+    draining: Option<watch::Receiver<bool>>,
 }
 
 impl Server {
@@ -177,7 +178,20 @@ impl Server {
                 reading: Semaphore::new(config.max_concurrent_reviews),
                 config,
             }),
+            draining: None,
         })
+    }
+
+    /// From when `draining` turns true (the operator's SIGTERM, the start of its shutdown
+    /// delay) until the server stops, every HTTP/1.1 answer says `Connection: close` and its
+    /// connection is closed after it. The API server calls webhooks over HTTP/1.1 and keeps
+    /// connections alive; one the server closes idle at its stop can be picked for a review at
+    /// that moment, which then fails (`write: broken pipe`) and, the call being a POST, is not
+    /// retried: the apply is refused. Closed after an answer, a connection is never reused, so
+    /// by the stop few idle ones are left to race.
+    pub fn draining_from(mut self, draining: watch::Receiver<bool>) -> Self {
+        self.draining = Some(draining);
+        self
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, WebhookError> {
@@ -191,6 +205,7 @@ impl Server {
             listener,
             acceptor,
             reviewer,
+            draining,
         } = self;
         let config = reviewer.config.clone();
         tracing::info!(
@@ -211,7 +226,18 @@ impl Server {
         server
             .run(shutdown, move |req| {
                 let reviewer = reviewer.clone();
-                async move { handle(&reviewer, req).await }
+                let close = req.version() == http::Version::HTTP_11
+                    && draining.as_ref().is_some_and(|d| *d.borrow());
+                async move {
+                    let mut response = handle(&reviewer, req).await;
+                    if close {
+                        response.headers_mut().insert(
+                            header::CONNECTION,
+                            header::HeaderValue::from_static("close"),
+                        );
+                    }
+                    response
+                }
             })
             .await;
         tracing::info!("admission webhook stopped");
