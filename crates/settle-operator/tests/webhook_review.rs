@@ -765,18 +765,23 @@ type HttpsClient = Client<
     Full<Bytes>,
 >;
 
-fn client_trusting(ca_pem: &str) -> HttpsClient {
+/// A TLS client configuration that trusts only `ca_pem`.
+fn tls_trusting(ca_pem: &str) -> rustls::ClientConfig {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots.add(cert.expect("CA PEM")).expect("CA added");
     }
-    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
+    rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
         .with_safe_default_protocol_versions()
         .expect("protocols")
         .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_no_client_auth()
+}
+
+fn client_trusting(ca_pem: &str) -> HttpsClient {
+    let tls = tls_trusting(ca_pem);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_only()
@@ -788,17 +793,7 @@ fn client_trusting(ca_pem: &str) -> HttpsClient {
 
 /// A client that sends every request over one HTTP/2 connection, as the API server does.
 fn h2_client_trusting(ca_pem: &str) -> HttpsClient {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert.expect("CA PEM")).expect("CA added");
-    }
-    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
-        .with_safe_default_protocol_versions()
-        .expect("protocols")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let tls = tls_trusting(ca_pem);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_only()
@@ -979,23 +974,8 @@ fn metrics_text(registry: &prometheus::Registry) -> String {
 
 /// POSTs `review` over HTTP/1.1 but sends only half of its body; returns the raw answer.
 async fn half_a_body(addr: SocketAddr, ca_pem: String, review: Vec<u8>) -> String {
-    use rustls::pki_types::pem::PemObject;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert.expect("CA")).expect("root");
-    }
-    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
-        .with_safe_default_protocol_versions()
-        .expect("protocols")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
-    let mut tls = tokio_rustls::TlsConnector::from(Arc::new(tls))
-        .connect(name, tcp)
-        .await
-        .expect("TLS");
+    let mut tls = http1_over_tls(addr, &ca_pem).await;
     let head = format!(
         "POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
         review.len()
@@ -1498,17 +1478,8 @@ async fn http1_over_tls(
     addr: SocketAddr,
     ca_pem: &str,
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
-    use rustls::pki_types::pem::PemObject;
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(cert.expect("CA")).expect("root");
-    }
-    let tls = rustls::ClientConfig::builder_with_provider(certs::crypto_provider())
-        .with_safe_default_protocol_versions()
-        .expect("protocols")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let tls = tls_trusting(ca_pem);
     let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("name");
     tokio_rustls::TlsConnector::from(Arc::new(tls))
         .connect(name, tcp)
