@@ -54,11 +54,11 @@ impl NatsKeeper {
         }
         self.drop_gone(js, ledgers, members, books).await;
 
+        let now = now_ms();
         let dropped = match self.listen(js, reports, books, hearing).await {
-            Heard::All => self.fold_idle(books, now_ms()),
+            Heard::All => self.fold_idle(books, now),
             Heard::NotYet | Heard::Deaf => Vec::new(),
         };
-        let now = now_ms();
         let lost_race = self.save_then_ack(ledgers, members, books).await;
         // Another operator wrote a ledger since this one read it (a leader handover): this
         // book is read again from the bucket, its unacknowledged advisories come back.

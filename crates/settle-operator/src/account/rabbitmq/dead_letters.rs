@@ -267,12 +267,12 @@ impl DeadLetters {
         .await
         {
             Ok((copy, kind)) => {
-                let learned = known.is_none();
-                self.kind = match kind {
-                    Some(k) if learned => Some((k, Instant::now())),
-                    Some(_) => self.kind.take(),
-                    None => None,
-                };
+                // A type learned now is kept from now; one that was known stays as it was.
+                match kind {
+                    None => self.kind = None,
+                    Some(k) if known.is_none() => self.kind = Some((k, Instant::now())),
+                    Some(_) => {}
+                }
                 // A queue deleted on the broker ends its consumer (`ended`); made again
                 // while a consumer is still held (the cancel was missed), or missing under
                 // a queue that was made after it: the same gap.
