@@ -788,3 +788,43 @@ async fn an_exhausted_message_goes_to_the_dead_letter_exchange_when_one_is_set()
         .await;
     scope.cleanup().await;
 }
+
+/// A Subscription's applications read its object mark at once when the broker comes back, and
+/// a read takes the one message and puts it back: each of sixteen readers at once, on two
+/// connections, still finds the mark (one that found the queue empty would go on counting for
+/// the object it was bound to before, semantics C15).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readers_at_once_each_find_the_object_mark() {
+    use settle::backend::rabbitmq::report::{mark_object, object_queue, read_object};
+    let scope = Scope::new("marks").await;
+    let (ns, name) = (scope.tag.clone(), "orders");
+    mark_object(&scope.conn, &ns, name, "uid-1")
+        .await
+        .expect("the mark");
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        conns.push(std::sync::Arc::new(
+            Connection::connect(&common::env().rabbitmq_url, ConnectionProperties::default())
+                .await
+                .expect("a connection"),
+        ));
+    }
+    let reads = (0..16).map(|i| {
+        let (conn, ns) = (conns[i % 2].clone(), ns.clone());
+        tokio::spawn(async move { read_object(&conn, &ns, name).await })
+    });
+    let found: Vec<Option<String>> = futures::future::join_all(reads)
+        .await
+        .into_iter()
+        .map(|r| r.expect("a read"))
+        .collect();
+    mgmt_status(
+        "DELETE",
+        &format!("/api/queues/%2f/{}", encode(&object_queue(&ns, name))),
+    );
+    scope.cleanup().await;
+    assert!(
+        found.iter().all(|f| f.as_deref() == Some("uid-1")),
+        "every reader finds the mark: {found:?}"
+    );
+}

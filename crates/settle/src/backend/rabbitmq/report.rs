@@ -318,19 +318,33 @@ where
     result
 }
 
+/// How long a read of a mark waits for it while another reader holds it.
+const MARK_HELD_FOR_AT_MOST: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The one message of the one-message queue `queue`, read and put back (None: no queue, no
-/// message, or not a `T`).
+/// message, or not a `T`). A read takes the message and puts it back, so for that moment the
+/// queue looks empty to another reader (the applications of a Subscription read its mark at
+/// once when a broker comes back, and the operator replaces it): an empty queue is read again
+/// every 50 ms for up to [`MARK_HELD_FOR_AT_MOST`] before it counts as unmarked, or the
+/// reader would count for the object it was bound to before.
 async fn get_mark<T: serde::de::DeserializeOwned>(
     conn: &lapin::Connection,
     queue: &str,
 ) -> Option<T> {
     // A missing queue closes the channel (404): one of its own.
     let ch = conn.create_channel().await.ok()?;
-    let held = ch
-        .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: false })
-        .await
-        .ok()
-        .flatten();
+    let deadline = tokio::time::Instant::now() + MARK_HELD_FOR_AT_MOST;
+    let held = loop {
+        match ch
+            .basic_get(ShortString::from(queue), BasicGetOptions { no_ack: false })
+            .await
+        {
+            Ok(None) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            other => break other.ok().flatten(),
+        }
+    };
     let mark = match held {
         Some(msg) => {
             let mark = serde_json::from_slice::<T>(&msg.delivery.data).ok();
