@@ -390,9 +390,9 @@ async fn a_node_paused_for_thirty_seconds_converges_with_exact_counts() {
     scene.finish().await;
 }
 
-/// The campaign of seed 209 on the cluster: an application SIGKILLed, a server SIGKILLed,
-/// the leading operator cut off from the API server, maxInFlight edited twice, a
-/// server paused, the leading operator SIGTERMed; every discrepancy a failure.
+/// The campaign of seed 209 on the cluster: a server SIGKILLed or SIGTERMed, the leading
+/// operator cut off from the API server, a server paused, an application replaced, a server
+/// down again, the leading operator SIGTERMed twice; every discrepancy a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_short_campaign_of_a_fixed_seed_on_the_cluster_finds_no_discrepancy() {
     let _one = ONE_AT_A_TIME.lock().await;

@@ -1,5 +1,5 @@
 //! A short fault campaign (docs/guide/chaos.md) per broker with a fixed seed: two operators
-//! with leader election, applications on the `model` handler, messages with ids, six faults
+//! with leader election, applications on the `model` handler, messages with ids, eight faults
 //! drawn from the seed; at rest status equals what the handlers' own files say they did, and no
 //! counter ever stepped down. `make chaos` runs long ones with any seed. A suite of its own, so
 //! it runs beside the account suite rather than after it; its campaigns one at a time.
@@ -11,10 +11,11 @@ use std::time::Duration;
 /// applications to the machine's load, not three.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The campaign of seed 396 on `broker`, every discrepancy a failure: on every broker an
-/// application replaced, scaled down, the leader cut off from the API server, SIGKILLed, then
-/// SIGTERMed, scaled up, and the broker down twice (NATS and RabbitMQ: a node of the campaign's
-/// own killed and started again; SQS: unreachable).
+/// The campaign of seed 396 on `broker`, every discrepancy a failure: on every broker scaled
+/// up twice, the Subscription deleted and applied again three times (maxInFlight edited between),
+/// the broker down right after the last (NATS and RabbitMQ: a node of the campaign's own
+/// stopped and started again; SQS: unreachable), scaled down. On RabbitMQ it found an
+/// application counting a new object's deliveries for the deleted one (docs/guide/chaos.md).
 async fn short_campaign(broker: Broker) {
     let _one = ONE_AT_A_TIME.lock().await;
     let report = chaos::run(

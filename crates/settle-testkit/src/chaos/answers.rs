@@ -58,8 +58,8 @@ pub struct Model {
     /// The ids acknowledged, and those acknowledged more than once.
     pub acked_ids: BTreeSet<u64>,
     pub acked_again: BTreeSet<u64>,
-    /// Attempts `(id, attempt)` whose second settlement was not refused (S2).
-    pub settled_twice: Vec<(u64, u32)>,
+    /// Attempts `(id, attempt, when)` whose second settlement was not refused (S2).
+    pub settled_twice: Vec<(u64, u32, u64)>,
     /// Every answer, in the files' order.
     pub answers: Vec<Answer>,
 }
@@ -81,7 +81,8 @@ impl Model {
     /// instead when it returned an error), and by `no-delay` or `settled-twice` where the
     /// handler saw one.
     pub fn read(files: &[PathBuf]) -> Model {
-        let mut m = Model::default();
+        let mut answers: Vec<Answer> = Vec::new();
+        let mut twice = Vec::new();
         for (file, path) in files.iter().enumerate() {
             let mut open: HashMap<(u64, u32), usize> = HashMap::new();
             let Ok(text) = std::fs::read_to_string(path) else {
@@ -97,26 +98,22 @@ impl Model {
                     continue;
                 };
                 let at_ms = words.get(3).and_then(|w| w.parse().ok()).unwrap_or(0);
-                let this = open.get(&(id, attempt)).copied();
                 match *word {
                     "done" | "failed" => {
                         if let Some(i) = open.remove(&(id, attempt)) {
-                            m.answers[i].done_ms = Some(at_ms);
-                            m.answers[i].failed = *word == "failed";
-                        }
-                        if *word == "failed" {
-                            m.failed_at.push(at_ms);
+                            answers[i].done_ms = Some(at_ms);
+                            answers[i].failed = *word == "failed";
                         }
                         continue;
                     }
                     "no-delay" => {
-                        if let Some(i) = this {
-                            m.answers[i].no_delay = true;
+                        if let Some(i) = open.get(&(id, attempt)) {
+                            answers[*i].no_delay = true;
                         }
                         continue;
                     }
                     "settled-twice" => {
-                        m.settled_twice.push((id, attempt));
+                        twice.push((id, attempt, at_ms));
                         continue;
                     }
                     _ => {}
@@ -124,19 +121,8 @@ impl Model {
                 let Some(kind) = settlement(word) else {
                     continue;
                 };
-                match kind {
-                    "ack" => {
-                        m.acked += 1;
-                        if !m.acked_ids.insert(id) {
-                            m.acked_again.insert(id);
-                        }
-                    }
-                    "nack" => m.nacked += 1,
-                    _ => m.silent += 1,
-                }
-                m.attempts += 1;
-                open.insert((id, attempt), m.answers.len());
-                m.answers.push(Answer {
+                open.insert((id, attempt), answers.len());
+                answers.push(Answer {
                     file,
                     at_ms,
                     done_ms: None,
@@ -149,22 +135,66 @@ impl Model {
                 });
             }
         }
+        Model::of(answers, twice)
+    }
+
+    /// What the answers given from `from_ms` until before `to_ms` (unix ms) come to: one
+    /// object's, when the Subscription was deleted and applied again (C15: a delivery belongs
+    /// to the count it was offered in, and a handler answers as it is offered).
+    pub fn between(&self, from_ms: u64, to_ms: u64) -> Model {
+        let within = |at: u64| from_ms <= at && at < to_ms;
+        Model::of(
+            self.answers
+                .iter()
+                .filter(|a| within(a.at_ms))
+                .cloned()
+                .collect(),
+            self.settled_twice
+                .iter()
+                .filter(|(_, _, at)| within(*at))
+                .copied()
+                .collect(),
+        )
+    }
+
+    /// The tallies of `answers`; `twice`, the attempts settled a second time unrefused.
+    fn of(answers: Vec<Answer>, twice: Vec<(u64, u32, u64)>) -> Model {
+        let mut m = Model {
+            settled_twice: twice,
+            ..Model::default()
+        };
+        for a in &answers {
+            match a.answer.as_str() {
+                "ack" => {
+                    m.acked += 1;
+                    if !m.acked_ids.insert(a.id) {
+                        m.acked_again.insert(a.id);
+                    }
+                }
+                "nack" => m.nacked += 1,
+                _ => m.silent += 1,
+            }
+            m.attempts += 1;
+            if a.failed {
+                m.failed_at.extend(a.done_ms);
+            }
+        }
+        m.failed_at.sort_unstable();
         // An id is unsure when every ack it was answered failed.
-        for id in m
-            .answers
+        for id in answers
             .iter()
             .filter(|a| a.answer == "ack" && a.failed)
             .map(|a| a.id)
             .collect::<BTreeSet<_>>()
         {
-            if !m
-                .answers
+            if !answers
                 .iter()
                 .any(|a| a.id == id && a.answer == "ack" && !a.failed)
             {
                 m.unsure_acks.insert(id);
             }
         }
+        m.answers = answers;
         m
     }
 }
@@ -176,7 +206,7 @@ impl Model {
 /// J3, within `outages`, `grace` ms after each).
 pub fn kept(model: &Model, delays: bool, outages: &Outages, grace: u64) -> Vec<String> {
     let mut out = Vec::new();
-    for (id, attempt) in &model.settled_twice {
+    for (id, attempt, _) in &model.settled_twice {
         out.push(format!(
             "S2: message {id}'s attempt {attempt} was settled a second time and it was not refused"
         ));
@@ -261,6 +291,25 @@ mod tests {
         let m = Model::read(&[c]);
         assert_eq!(m.unsure_acks, [3].into());
         assert_eq!(m.failed_at, vec![11, 13]);
+    }
+
+    #[test]
+    fn the_answers_of_one_object_are_tallied_apart() {
+        let m = read(
+            "1 1 ack 10\n1 1 done 11\n2 1 ack-twice 12\n2 1 failed 13\n2 1 settled-twice 14\n1 1 nack 30\n1 1 done 31\n1 2 ack 32\n",
+        );
+        let (before, after) = (m.between(0, 20), m.between(20, u64::MAX));
+        assert_eq!((before.attempts, before.acked, after.attempts), (2, 2, 2));
+        assert_eq!(before.unsure_acks, [2].into());
+        assert_eq!(before.failed_at, vec![13]);
+        assert_eq!(before.settled_twice, vec![(2, 1, 14)]);
+        assert!(after.settled_twice.is_empty() && after.failed_at.is_empty());
+        assert_eq!((after.nacked, after.acked_ids.len()), (1, 1));
+        assert!(
+            after.acked_again.is_empty(),
+            "acked again only across objects"
+        );
+        assert_eq!(m.acked_again, [1].into());
     }
 
     fn read(text: &str) -> Model {

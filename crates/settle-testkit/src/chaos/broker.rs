@@ -65,6 +65,13 @@ impl Broker {
         self != Broker::Rabbitmq
     }
 
+    /// Whether a consumer made again is offered every message the broker still holds (NATS:
+    /// the stream keeps them, and a consumer delivers from the first stored, J1), rather than
+    /// only those published after it (a queue deleted takes its messages with it).
+    pub fn offers_stored(self) -> bool {
+        matches!(self, Broker::Nats | Broker::NatsCluster)
+    }
+
     /// The operators' flags this broker needs beyond the campaign's: on the cluster the
     /// account's capture and buckets at three replicas, so a server lost loses none of them.
     ///
@@ -220,7 +227,9 @@ impl Target {
 
     /// Called once the Subscription is Ready: what publishing needs from its broker objects.
     pub(super) async fn ready(&mut self) {
-        if let Target::Sqs { client, url, .. } = self {
+        if let Target::Sqs { client, url, .. } = self
+            && !url.starts_with("http")
+        {
             *url = crate::sqs::url(client, url)
                 .await
                 .expect("the Subscription's queue exists");

@@ -3,7 +3,8 @@
 //! time; `Exhausting=True` needs a message the handlers never acknowledged (it ran out of
 //! attempts); `Ready=False` and `Accounted=False` need the broker or the API server down (from
 //! its kill until [`OUTAGE_GRACE`] after it is back: the operator finds the consumer
-//! unreachable, a source unreadable, or catches up); none of the campaign's faults causes
+//! unreachable, a source unreadable, or catches up), and `Ready=False` also the Subscription
+//! deleted until the new object's consumer is made; none of the campaign's faults causes
 //! `Stranding=True` or `Stalled=True`, nor the others outside an outage (they remove no
 //! Backend, connection or consumer, cost no source, save or report, and a pause owes nothing:
 //! semantics C22), so each seen is a discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
@@ -101,25 +102,32 @@ pub fn settled(changes: &[Change]) -> bool {
 }
 
 /// Each condition seen without a cause, and each left wrong at rest; `exhausted` is how many
-/// messages the handlers never acknowledged, `outages` when the broker was down.
+/// messages the handlers never acknowledged, `outages` when the broker was down, `made` when
+/// the Subscription was deleted and made again (until the new object was Ready: a new object
+/// is not Ready until its consumer is made).
 pub fn uncaused(
     changes: &[Change],
     exhausted: u64,
     outages: &[(Duration, Duration)],
+    made: &[(Duration, Duration)],
 ) -> Vec<String> {
     let mut out = Vec::new();
-    for c in changes {
-        let down = outages
+    let within = |windows: &[(Duration, Duration)], at: Duration, grace: Duration| {
+        windows
             .iter()
-            .any(|(from, to)| *from <= c.at && c.at <= *to + OUTAGE_GRACE);
+            .any(|(from, to)| *from <= at && at <= *to + grace)
+    };
+    for c in changes {
+        let down = within(outages, c.at, OUTAGE_GRACE);
         let why = match (c.type_.as_str(), c.status.as_str()) {
             ("Accounted" | "Ready", "False") if down => continue,
+            ("Ready", "False") if within(made, c.at, Duration::ZERO) => continue,
             ("Accounted", "False") => "no fault of the campaign loses a source, a save or a report",
             ("Stranding", "True") => "nothing was declined that the broker could not take back",
             ("Stalled", "True") => "handlers returned throughout, and a pause owes nothing (C22)",
             ("Exhausting", "True") if exhausted == 0 => "every message was acknowledged",
             ("Ready", "False") => {
-                "no fault of the campaign removes the Backend, its connection or the consumer"
+                "no fault of the campaign removes the Backend or its connection, nor the consumer but with its Subscription"
             }
             _ => continue,
         };
@@ -169,17 +177,17 @@ mod tests {
             change(9, "Exhausting", "True", "MessagesExhausted"),
         ];
         assert!(
-            uncaused(&calm, 3, &[]).is_empty(),
+            uncaused(&calm, 3, &[], &[]).is_empty(),
             "{:?}",
-            uncaused(&calm, 3, &[])
+            uncaused(&calm, 3, &[], &[])
         );
-        let found = uncaused(&calm, 0, &[]);
+        let found = uncaused(&calm, 0, &[], &[]);
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].starts_with("Exhausting=True"), "{found:?}");
 
         let mut troubled = calm.clone();
         troubled.push(change(12, "Accounted", "False", "LedgerNotSaved"));
-        let found = uncaused(&troubled, 3, &[]);
+        let found = uncaused(&troubled, 3, &[], &[]);
         assert_eq!(found.len(), 2, "during, and still at rest: {found:?}");
         assert!(found[0].contains("at 12.0 s without a cause"), "{found:?}");
         assert!(
@@ -188,7 +196,7 @@ mod tests {
         );
 
         troubled.push(change(14, "Ready", "False", "BackendNotFound"));
-        let found = uncaused(&troubled, 3, &[]);
+        let found = uncaused(&troubled, 3, &[], &[]);
         assert!(
             found
                 .iter()
@@ -198,12 +206,12 @@ mod tests {
         troubled.pop();
         troubled.push(change(15, "Accounted", "True", "Whole"));
         assert_eq!(
-            uncaused(&troubled, 3, &[]).len(),
+            uncaused(&troubled, 3, &[], &[]).len(),
             1,
             "cleared at rest, still seen"
         );
         assert_eq!(
-            uncaused(&[], 0, &[]).len(),
+            uncaused(&[], 0, &[], &[]).len(),
             2,
             "Ready and Accounted never written"
         );
@@ -222,10 +230,29 @@ mod tests {
             change(40, "Ready", "False", "Unreachable"),
             change(41, "Ready", "True", "ConsumerReady"),
         ];
-        let found = uncaused(&changes, 0, &outage);
+        let found = uncaused(&changes, 0, &outage, &[]);
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].contains("at 40.0 s without a cause"), "{found:?}");
-        assert_eq!(uncaused(&changes, 0, &[]).len(), 3);
+        assert_eq!(uncaused(&changes, 0, &[], &[]).len(), 3);
+    }
+
+    #[test]
+    fn a_subscription_made_again_is_not_ready_until_its_consumer_is_made() {
+        let changes = vec![
+            change(1, "Ready", "True", "ConsumerReady"),
+            change(1, "Accounted", "True", "Kept"),
+            change(10, "Ready", "False", "Pending"),
+            change(13, "Ready", "True", "ConsumerReady"),
+        ];
+        let made = [(Duration::from_secs(9), Duration::from_secs(13))];
+        assert!(uncaused(&changes, 0, &[], &made).is_empty());
+        let found = uncaused(&changes, 0, &[], &[]);
+        assert!(
+            found[0].starts_with("Ready=False (Pending) at 10.0 s"),
+            "{found:?}"
+        );
+        let late = [(Duration::from_secs(2), Duration::from_secs(5))];
+        assert_eq!(uncaused(&changes, 0, &[], &late).len(), 1, "no grace after");
     }
 
     #[test]

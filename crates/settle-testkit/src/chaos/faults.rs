@@ -1,10 +1,11 @@
 //! The faults a campaign injects: what each is, the schedule drawn from the seed, and how each
 //! is done to the applications, the operators (killed, stopped, cut off from the API server),
-//! the Subscription, the broker or the API server.
+//! the Subscription (paused, edited, deleted and applied again), the broker or the API server.
 //!
 //! It must not judge what happened (that is [`super::model`] and [`super::conditions`]).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kube::Api;
@@ -17,6 +18,7 @@ use crate::account::App;
 use crate::controlplane::ControlPlane;
 use crate::operator::Operator;
 use crate::partition::Partition;
+use crate::subs::{apply, wait_ready};
 
 /// A fault the campaign injects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,10 +55,15 @@ pub enum Fault {
     /// passing either way) for a few to 25 seconds, then joined again: past its renew deadline
     /// it stops leading and the other takes over, and what it had sent waits in the partition.
     LeaderPartitioned,
+    /// The Subscription deleted (its consumer or queue with it) while its applications run,
+    /// and applied again a few seconds later as a new object, which takes over what the old
+    /// one kept (`settle.dev/adopt`: an SQS dead-letter queue holding Exhausted messages). No
+    /// message is published meanwhile, so none is sent to a queue that is not there.
+    Recreated,
 }
 
 impl Fault {
-    const ALL: [Fault; 12] = [
+    const ALL: [Fault; 13] = [
         Fault::AppReplaced,
         Fault::AppScaledUp,
         Fault::AppScaledDown,
@@ -69,6 +76,7 @@ impl Fault {
         Fault::NodePaused,
         Fault::ApiServerRestarted,
         Fault::LeaderPartitioned,
+        Fault::Recreated,
     ];
 
     /// Whether the campaign can inject it on `broker`, with a control plane of its own or
@@ -80,6 +88,57 @@ impl Fault {
             Fault::ApiServerRestarted => own_api_server,
             _ => true,
         }
+    }
+}
+
+/// Subscription `orders` deleted (waiting for its finalizer: its consumer or queue gone),
+/// `manifest` applied again `gap` s later with `settle.dev/adopt` naming the old object, and
+/// Ready; the publisher held throughout (`published`).
+async fn recreate(
+    api: &Api<Subscription>,
+    manifest: &str,
+    published: &tokio::sync::Mutex<u64>,
+    target: &mut Target,
+    t0: Instant,
+    gap: u64,
+) -> Recreation {
+    let held = published.lock().await;
+    let first_id = *held + 1;
+    let old = api.get("orders").await.expect("the Subscription");
+    let (ns, uid) = (
+        old.metadata.namespace.unwrap_or_default(),
+        old.metadata.uid.unwrap_or_default(),
+    );
+    let deleted = t0.elapsed();
+    crate::kubectl_ok(
+        &[
+            "delete",
+            "subscription",
+            "orders",
+            "-n",
+            &ns,
+            "--wait=true",
+            "--timeout=120s",
+        ],
+        None,
+    );
+    tokio::time::sleep(Duration::from_secs(gap)).await;
+    let applied = t0.elapsed();
+    let adopting = manifest.replacen(
+        "metadata: {name: orders,",
+        &format!("metadata: {{annotations: {{settle.dev/adopt: \"{uid}\"}}, name: orders,"),
+        1,
+    );
+    apply(&ns, &adopting);
+    wait_ready(api, "orders").await;
+    target.ready().await;
+    let ready = t0.elapsed();
+    drop(held);
+    Recreation {
+        deleted,
+        applied,
+        ready,
+        first_id,
     }
 }
 
@@ -225,6 +284,19 @@ pub(super) struct Done {
     /// made durable yet) until the broker was whole again: an ack sent then may be lost (J3).
     pub(super) ack_outages: Vec<(Duration, Duration)>,
     pub(super) api_outages: Vec<(Duration, Duration)>,
+    /// Each time the Subscription was deleted and applied again.
+    pub(super) recreated: Vec<Recreation>,
+}
+
+/// The Subscription deleted and applied again: from its deletion until the new object was
+/// Ready (since the campaign's start), and the first message published after (the one the
+/// publisher sent next).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Recreation {
+    pub(super) deleted: Duration,
+    pub(super) applied: Duration,
+    pub(super) ready: Duration,
+    pub(super) first_id: u64,
 }
 
 impl Done {
@@ -248,6 +320,11 @@ pub(super) struct World {
     pub(super) done: Done,
     /// The campaign's own control plane, when it runs on one.
     pub(super) control_plane: Option<ControlPlane>,
+    /// Held by the publisher while it sends a message, and then the last id it sent; a fault
+    /// holds it to stop publishing.
+    pub(super) published: Arc<tokio::sync::Mutex<u64>>,
+    /// The Subscription's manifest, as applied at the start.
+    pub(super) manifest: String,
 }
 
 /// Injects `fault` into `w`; says what was done.
@@ -259,6 +336,8 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
         target,
         done,
         control_plane,
+        published,
+        manifest,
     } = w;
     match fault {
         Fault::AppReplaced => {
@@ -350,6 +429,18 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
                     "it had stopped leading"
                 }
             )
+        }
+        Fault::Recreated => {
+            let gap = 1 + draw.below(4);
+            let r = recreate(api, manifest, published, target, done.t0, gap).await;
+            let line = format!(
+                "the Subscription deleted ({:.1} s), applied again {gap} s later as a new object, Ready {:.1} s after that; publishing from message {}",
+                (r.applied - r.deleted).as_secs_f64() - gap as f64,
+                (r.ready - r.applied).as_secs_f64(),
+                r.first_id
+            );
+            done.recreated.push(r);
+            line
         }
         Fault::LeaderKilled | Fault::LeaderStopped => {
             let i = ops.leader().await;

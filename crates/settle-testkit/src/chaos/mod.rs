@@ -7,17 +7,19 @@
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
 //! operator SIGKILLed, SIGTERMed or cut off from the API server; the Subscription paused,
-//! edited; the broker SIGKILLed or SIGTERMed, or SQS unreachable, a cluster's server paused;
-//! the campaign's own API server restarted), the schedule and how each is done; [`answers`] what the handlers did and
-//! the rules each answer keeps (S2, B3, B5); [`model`] the checker of status against it (every
-//! counter exact but what a SIGKILL allows, C16, and an ack sent in an outage, J3);
-//! [`conditions`] the conditions and their causes; [`broker`] what differs between NATS (one
-//! server or the cluster), RabbitMQ and SQS. This file runs a campaign:
+//! edited, deleted and applied again; the broker SIGKILLed or SIGTERMed, or SQS unreachable, a
+//! cluster's server paused; the campaign's own API server restarted), the schedule and how
+//! each is done; [`answers`] what the handlers did and the rules each answer keeps (S2, B3,
+//! B5); [`model`] the checker of status against it (every counter exact but what a SIGKILL
+//! allows, C16, and an ack sent in an outage, J3; of the object at rest, whose account starts
+//! when it was applied, C15); [`conditions`] the conditions and their causes; [`broker`] what
+//! differs between NATS (one server or the cluster), RabbitMQ and SQS. This file runs a campaign:
 //! sets it up, runs the schedule, waits for rest, judges, and cleans up.
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
 //! nor read Settle's counters to build its model.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kube::Api;
@@ -37,7 +39,9 @@ pub use broker::Broker;
 use broker::Target;
 use faults::{Apps, Done, Operators, World};
 pub use faults::{Fault, schedule};
-pub use model::{KILL_WINDOW, Kill, MAX_DELIVER, Outages, check, stepped_down};
+pub use model::{
+    KILL_WINDOW, Kill, MAX_DELIVER, Outages, above, check, last_of_each, stepped_down,
+};
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
 pub struct Draw(u64);
@@ -172,12 +176,16 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         control_plane.is_some(),
     );
     let span = plan.last().map_or(c.every, |(at, _)| *at) + c.every;
+    let published = Arc::new(tokio::sync::Mutex::new(0));
     let publisher = {
-        let (send, n) = (target.publisher(), c.messages);
+        let (send, n, published) = (target.publisher(), c.messages, published.clone());
         let pace = span / u32::try_from(n.max(1)).unwrap_or(u32::MAX);
         tokio::spawn(async move {
             for id in 1..=n {
+                let mut last = published.lock().await;
                 send.send(id).await;
+                *last = id;
+                drop(last);
                 tokio::time::sleep(pace).await;
             }
         })
@@ -194,8 +202,11 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             outages: Vec::new(),
             ack_outages: Vec::new(),
             api_outages: Vec::new(),
+            recreated: Vec::new(),
         },
         control_plane,
+        published,
+        manifest: manifest_text,
     };
     for (at, fault) in plan {
         tokio::time::sleep_until((t0 + at).into()).await;
@@ -214,13 +225,27 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         ..
     } = w;
     publisher.await.expect("the publisher ran");
+    let t0_ms = settle::bus::report::now_ms()
+        .saturating_sub(u64::try_from(t0.elapsed().as_millis()).unwrap_or(0));
+    let ms = |d: Duration| t0_ms + u64::try_from(d.as_millis()).unwrap_or(0);
+    // The object at rest is the last one made: its account starts when it was applied, and it
+    // owes every message its broker still held, or those published after it (C15).
+    let (from_ms, first_id) = done
+        .recreated
+        .last()
+        .map_or((0, 1), |r| (ms(r.applied), r.first_id));
+    let owed = if broker.offers_stored() {
+        c.messages
+    } else {
+        c.messages + 1 - first_id
+    };
     // At rest: every message acknowledged or out of attempts, and status still.
     let deadline = Instant::now() + Duration::from_secs(180);
     let mut last = None;
     loop {
         let s = stats_in(&api, "orders").await;
-        let m = Model::read(&apps.files);
-        let resolved = m.acked_ids.len() as u64 + s.exhausted >= c.messages;
+        let m = Model::read(&apps.files).between(from_ms, u64::MAX);
+        let resolved = m.acked_ids.len() as u64 + s.exhausted >= owed;
         // Balanced too: a SIGKILLed instance's unfinished attempts are Released once it is
         // folded (`--fold-after`, `Broker::operator_flags`); and the conditions back from the last outage.
         let settled = changes.lock().is_ok_and(|c| conditions::settled(&c));
@@ -276,11 +301,9 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             .partial_cmp(&at(b))
             .unwrap_or(std::cmp::Ordering::Equal)
     });
-    let model = Model::read(&apps.files);
+    let all = Model::read(&apps.files);
+    let model = all.between(from_ms, u64::MAX);
     let mut allowed = Vec::new();
-    let t0_ms = settle::bus::report::now_ms()
-        .saturating_sub(u64::try_from(t0.elapsed().as_millis()).unwrap_or(0));
-    let ms = |d: Duration| t0_ms + u64::try_from(d.as_millis()).unwrap_or(0);
     let ms_of = |o: &[(Duration, Duration)]| -> Vec<(u64, u64)> {
         o.iter().map(|(a, b)| (ms(*a), ms(*b))).collect()
     };
@@ -288,10 +311,47 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         broker: ms_of(&done.outages),
         acks: ms_of(&done.ack_outages),
     };
-    let mut discrepancies = check(&model, c.messages, &s, &done.kills, &outages, &mut allowed);
+    let mut discrepancies = check(&model, owed, &s, &done.kills, &outages, &mut allowed);
+    if !broker.offers_stored() {
+        discrepancies.extend(
+            model
+                .answers
+                .iter()
+                .filter(|a| a.id < first_id)
+                .map(|a| format!("C15: message {} of a deleted object's queue was offered to the new object (attempt {})", a.id, a.attempt)),
+        );
+    }
+    // Each object's answers keep their rules, and each earlier object's last status counts no
+    // more than its handlers answered.
+    let bounds: Vec<u64> = std::iter::once(0)
+        .chain(done.recreated.iter().map(|r| ms(r.applied)))
+        .chain(std::iter::once(u64::MAX))
+        .collect();
     let grace = u64::try_from(conditions::OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
-    discrepancies.extend(kept(&model, broker.delays(), &outages, grace));
+    for b in bounds.windows(2) {
+        discrepancies.extend(kept(
+            &all.between(b[0], b[1]),
+            broker.delays(),
+            &outages,
+            grace,
+        ));
+    }
     discrepancies.extend(stepped_down(&seen));
+    let objects = last_of_each(&seen);
+    if objects.len() + 1 != bounds.len() {
+        discrepancies.push(format!(
+            "{} objects had a status, {} were made",
+            objects.len(),
+            bounds.len() - 1
+        ));
+    }
+    for ((uid, last), b) in objects.iter().zip(bounds.windows(2)).rev().skip(1) {
+        discrepancies.extend(
+            above(last, &all.between(b[0], b[1]))
+                .into_iter()
+                .map(|d| format!("the earlier object {uid}: {d}")),
+        );
+    }
     // A condition may change while the broker or the API server is down (the operator finds
     // the consumer unreachable; it writes nothing, then catches up); a settlement fails only
     // while the broker is.
@@ -301,10 +361,24 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         .chain(&done.api_outages)
         .copied()
         .collect();
+    // Exhausting needs a message one of the objects let run out.
+    let ran_out = owed.saturating_sub(model.acked_ids.len() as u64)
+        + all
+            .between(0, from_ms)
+            .answers
+            .iter()
+            .filter(|a| a.attempt >= MAX_DELIVER && a.answer != "ack")
+            .count() as u64;
+    let made_again: Vec<(Duration, Duration)> = done
+        .recreated
+        .iter()
+        .map(|r| (r.deleted, r.ready))
+        .collect();
     discrepancies.extend(conditions::uncaused(
         &changes,
-        c.messages - model.acked_ids.len() as u64,
+        ran_out,
         &any_outage,
+        &made_again,
     ));
     // The Subscription and the Backend deleted as the namespace controller would, the
     // operators still running: nothing of theirs may stay on the broker.
@@ -340,10 +414,10 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         c.seed,
         faults,
         c.messages,
-        model.attempts,
-        model.acked,
-        model.nacked,
-        model.silent,
+        all.attempts,
+        all.acked,
+        all.nacked,
+        all.silent,
         s.exhausted,
         discrepancies.len(),
         t0.elapsed().as_secs_f64(),

@@ -189,6 +189,38 @@ pub fn check(
     out
 }
 
+/// Each object's last status seen, in the order the objects were made (a Subscription deleted
+/// and applied again is a new object, with a new UID).
+pub fn last_of_each(seen: &Seen) -> Vec<(String, ConsumerStats)> {
+    let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    let mut objects: Vec<(String, ConsumerStats)> = Vec::new();
+    for (uid, stats) in seen {
+        match objects.last_mut() {
+            Some((last, s)) if *last == uid => *s = stats,
+            _ => objects.push((uid, stats)),
+        }
+    }
+    objects
+}
+
+/// Each counter of `s`, an earlier object's last status, above what its handlers answered
+/// while it was the Subscription (`model`): a status is a floor of what happened (C14), and
+/// an object counts nothing offered by another's consumer (C15).
+pub fn above(s: &ConsumerStats, model: &Model) -> Vec<String> {
+    [
+        ("delivered", s.delivered, model.attempts),
+        ("acked", s.settlement.acked, model.acked),
+        ("nacked", s.settlement.nacked, model.nacked),
+        ("silent", s.settlement.silent, model.silent),
+    ]
+    .into_iter()
+    .filter(|(_, status, handlers)| status > handlers)
+    .map(|(what, status, handlers)| {
+        format!("{what}: status {status}, above the {handlers} its handlers answered (C14, C15)")
+    })
+    .collect()
+}
+
 /// Every pair of statuses of one object where a counter went down.
 pub fn stepped_down(seen: &Seen) -> Vec<String> {
     let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
@@ -459,5 +491,30 @@ mod tests {
             allowed.iter().any(|a| a.starts_with("exhausted")),
             "{allowed:?}"
         );
+    }
+
+    #[test]
+    fn an_earlier_object_counts_no_more_than_its_handlers_answered() {
+        let seen: Seen = Seen::default();
+        if let Ok(mut s) = seen.lock() {
+            s.extend([
+                ("a".to_string(), stats(1, 1, 0, 0)),
+                ("a".to_string(), stats(3, 2, 1, 0)),
+                ("b".to_string(), stats(1, 0, 1, 0)),
+            ]);
+        }
+        let objects = last_of_each(&seen);
+        assert_eq!(objects.len(), 2);
+        assert_eq!((objects[0].0.as_str(), objects[0].1.delivered), ("a", 3));
+        let m = Model {
+            attempts: 3,
+            acked: 2,
+            nacked: 1,
+            ..Model::default()
+        };
+        assert!(above(&objects[0].1, &m).is_empty());
+        let found = above(&stats(4, 2, 2, 0), &m);
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].starts_with("delivered: status 4"), "{found:?}");
     }
 }
