@@ -341,7 +341,26 @@ async fn poll(
 ) {
     let name = ctx.name().to_string();
     let mut backoff = Duration::from_millis(200);
+    // The queue was found missing: it may come back made for a new object (the Subscription
+    // deleted and applied again: same name, same URL), so its mark is read again before
+    // anything more is received, or what this instance handles would count for the old one
+    // (semantics C15).
+    let mut missing = false;
     loop {
+        if missing && ctx.binding().owner == ConsumerOwner::Operator {
+            match admin::owner(&bound.client, &bound.url).await {
+                Ok(tags) => {
+                    ctx.bound_to(tags.object.as_deref());
+                    missing = false;
+                }
+                Err(e) => {
+                    tracing::debug!(subscription = %name, error = %e, "the queue is still missing; its mark is read again in {backoff:?}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            }
+        }
         if *paused.borrow_and_update() {
             ctx.set_paused(true);
             crate::backend::pause::shown(BackendKind::Sqs, &name, true);
@@ -395,6 +414,7 @@ async fn poll(
                 }
             }
             Err(e) => {
+                missing |= super::queue_missing(&e);
                 let e = api("ReceiveMessage", e);
                 tracing::warn!(subscription = %name, error = %e, "receiving from SQS; trying again in {backoff:?}");
                 drop(slots);
