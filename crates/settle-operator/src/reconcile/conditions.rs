@@ -42,6 +42,10 @@ pub mod reasons {
     pub const CONSUMER_CONFLICT: &str = "ConsumerConflict";
     /// The broker refused a call for a reason not listed here (the message carries its words).
     pub const BROKER_REFUSED: &str = "BrokerRefused";
+    /// RabbitMQ lists the queue but runs nothing for it (no state in its management API past
+    /// its statistics interval, or down or crashed): it refuses what is published to it and
+    /// never answers a consumer.
+    pub const QUEUE_UNAVAILABLE: &str = "QueueUnavailable";
     /// The broker refused to make the consumer (or queue) for one of its limits (a stream's
     /// `max_consumers`, the account's resources, a vhost's `max-queues`): the message names it
     /// and what to change. Settle asks again after a growing delay, once per Backend and limit.

@@ -95,6 +95,11 @@ pub struct RabbitConn {
     /// Queues whose running marker (`settle.running.<queue>`, semantics W3) this connection
     /// made: each is made once per connection, not on every check.
     pub running_marked: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Queues the management API showed without a state: since when, and when last (each is
+    /// removed once shown with one, or not shown for 10 minutes).
+    pub stateless: std::sync::Mutex<
+        std::collections::HashMap<String, (std::time::Instant, std::time::Instant)>,
+    >,
     /// When a dropped connection may be made again.
     redial: Arc<Mutex<Redial>>,
 }
@@ -436,6 +441,7 @@ impl Connections {
             conns: Arc::downgrade(self),
             key: key.clone(),
             running_marked: std::sync::Mutex::default(),
+            stateless: std::sync::Mutex::default(),
             redial: Arc::default(),
         };
         if let Err(e) = conn.connection().await {

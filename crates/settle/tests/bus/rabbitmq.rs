@@ -244,6 +244,7 @@ async fn a_code_defined_subscription_declares_exactly_the_mapped_quorum_queue_an
     let live = LiveQueue {
         arguments: mapping::normalise(arguments),
         bindings,
+        state: q["state"].as_str().map(str::to_string),
     };
     let d = mapping::diff(&want, &live);
     assert!(d.is_empty(), "{d:?}");

@@ -305,6 +305,7 @@ mod tests {
         LiveQueue {
             arguments: q.arguments.clone(),
             bindings: vec![q.binding.clone()],
+            state: Some("running".into()),
         }
     }
 

@@ -125,6 +125,12 @@ async fn converge(
         Err(e) => return failure(e, known),
     };
     if matches!(found, Found::Missing) {
+        // A queue made again is judged afresh, not by the one of its name that ran nothing.
+        w.conn
+            .stateless
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&w.want.name);
         return w.make(&amqp, changes).await;
     }
     if let Some(stop) = w.claim(&amqp, &found, changes).await {
@@ -133,8 +139,16 @@ async fn converge(
     let Found::Shown(live) = found else {
         return w.redeclare(&amqp).await;
     };
+    if let Some(down) = w.unavailable(&live) {
+        return down;
+    }
     w.repair_live(&amqp, &live, changes).await
 }
+
+/// How long a queue may show no state in the management API before it counts as run by
+/// nothing: three of RabbitMQ's statistics intervals (5 s unless configured), within which a
+/// queue just made shows its first.
+pub const STATELESS_FOR: std::time::Duration = std::time::Duration::from_secs(15);
 
 impl Work<'_> {
     fn ready(&self) -> SubOutcome {
@@ -264,6 +278,49 @@ impl Work<'_> {
             return failure(BrokerError::of(e), self.t.known.clone());
         }
         self.ready()
+    }
+
+    /// Whether RabbitMQ runs nothing for the queue it lists: shown `down`, `crashed` or
+    /// `stopped`, or without any state for [`STATELESS_FOR`] (a quorum queue made just before
+    /// its node crashed can stay so after the node is back: it refuses every publish and
+    /// never answers a consumer). Said, not repaired: deleting it would lose what it holds
+    /// (semantics R14).
+    fn unavailable(&self, live: &mapping::LiveQueue) -> Option<SubOutcome> {
+        let name = &self.want.name;
+        let why = {
+            let mut stateless = self
+                .conn
+                .stateless
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match live.state.as_deref() {
+                Some(s @ ("down" | "crashed" | "stopped")) => {
+                    stateless.remove(name);
+                    format!("RabbitMQ shows queue {name} {s}")
+                }
+                Some(_) => {
+                    stateless.remove(name);
+                    return None;
+                }
+                None => {
+                    let now = std::time::Instant::now();
+                    // A queue deleted while it had no state yet is not looked at again.
+                    stateless.retain(|_, (_, last)| now.duration_since(*last).as_secs() < 600);
+                    let (since, last) = stateless.entry(name.clone()).or_insert((now, now));
+                    *last = now;
+                    let since = *since;
+                    if since.elapsed() < STATELESS_FOR {
+                        return None;
+                    }
+                    format!(
+                        "RabbitMQ lists queue {name} but runs nothing for it (no state in its management API for {} s)",
+                        since.elapsed().as_secs()
+                    )
+                }
+            }
+        };
+        tracing::warn!(subscription = %self.t.owner, queue = %name, "{why}");
+        Some(failure(BrokerError::Unavailable(why), self.t.known.clone()))
     }
 
     /// Shown by the management API: an argument RabbitMQ cannot change is said, the binding

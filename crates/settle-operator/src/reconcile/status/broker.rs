@@ -21,6 +21,8 @@ pub enum BrokerError {
     Refused(String),
     /// RabbitMQ refused a create for one of its limits.
     Limit(BrokerLimit),
+    /// RabbitMQ lists the queue but runs nothing for it.
+    Unavailable(String),
 }
 
 impl From<NatsError> for BrokerError {
@@ -34,9 +36,10 @@ impl std::fmt::Display for BrokerError {
         match self {
             BrokerError::Nats(e) => e.fmt(f),
             BrokerError::Limit(l) => l.fmt(f),
-            BrokerError::Unreachable(m) | BrokerError::AuthFailed(m) | BrokerError::Refused(m) => {
-                f.write_str(m)
-            }
+            BrokerError::Unreachable(m)
+            | BrokerError::AuthFailed(m)
+            | BrokerError::Refused(m)
+            | BrokerError::Unavailable(m) => f.write_str(m),
         }
     }
 }
@@ -94,6 +97,14 @@ pub fn broker_reason(e: &BrokerError) -> (&'static str, String) {
             );
         }
         BrokerError::Limit(l) => return (reasons::BROKER_LIMIT, limit_message(l)),
+        BrokerError::Unavailable(m) => {
+            return (
+                reasons::QUEUE_UNAVAILABLE,
+                format!(
+                    "{m}: publishes to it are refused and its consumers wait. A quorum queue made just before its node crashed can stay so: restart the node, or delete the queue on the broker (what it holds is lost) and Settle makes it again"
+                ),
+            );
+        }
         BrokerError::Refused(m) => {
             return (
                 reasons::BROKER_REFUSED,

@@ -47,6 +47,9 @@ use crate::bus::{
 };
 use crate::policy::{BackendKind, RABBITMQ_MAX_PREFETCH};
 
+/// How long a consume waits for RabbitMQ's answer before the bind is tried again.
+const CONSUME_ANSWER: std::time::Duration = std::time::Duration::from_secs(15);
+
 impl RabbitBroker {
     /// A consumer on the subscription's queue (see [`RabbitBroker::bind`]).
     pub(super) async fn consume(
@@ -153,7 +156,7 @@ impl RabbitBroker {
             std::process::id(),
             self.tags.fetch_add(1, Ordering::Relaxed)
         );
-        ch.basic_consume(
+        let consume = ch.basic_consume(
             ShortString::from(queue),
             ShortString::from(tag.as_str()),
             BasicConsumeOptions {
@@ -161,9 +164,19 @@ impl RabbitBroker {
                 ..BasicConsumeOptions::default()
             },
             FieldTable::default(),
-        )
-        .await
-        .map_err(amqp(format!("cannot consume from queue {queue:?}")))
+        );
+        // RabbitMQ never answers a consume on a queue it lists but runs nothing for (a quorum
+        // queue made just before its node crashed): the bind is tried again instead (R14).
+        match tokio::time::timeout(CONSUME_ANSWER, consume).await {
+            Ok(r) => r.map_err(amqp(format!("cannot consume from queue {queue:?}"))),
+            Err(_) => Err(BusError::backend(
+                BackendKind::Rabbitmq,
+                format!(
+                    "RabbitMQ did not answer a consume from queue {queue:?} within {} s: it lists the queue but may run nothing for it",
+                    CONSUME_ANSWER.as_secs()
+                ),
+            )),
+        }
     }
 
     /// A code-defined subscription's queue: declared from the mapping (RabbitMQ refuses, with
@@ -409,15 +422,23 @@ impl RabbitConsumer {
             tracing::warn!(subscription = %self.ctx.name(), connection_lost = lost, "the queue is gone or the channel closed; waiting for it to come back");
             let mut tries = 0u32;
             loop {
+                if self.retired.load(Ordering::Acquire) {
+                    return false;
+                }
                 match self.broker.bind(&self.ctx).await {
                     Ok((ch, c)) => {
                         self.channel = ch;
                         self.consumer = Some(c);
                         return true;
                     }
-                    Err(e) if self.broker.redialling() => {
+                    // An operator-made queue deleted between the look and the consume, or one
+                    // RabbitMQ does not answer for: the operator makes or says it; wait.
+                    Err(e)
+                        if self.broker.redialling()
+                            || self.ctx.binding().owner == ConsumerOwner::Operator =>
+                    {
                         if tries.is_multiple_of(30) {
-                            tracing::warn!(subscription = %self.ctx.name(), error = %e, "RabbitMQ unreachable; trying again every second");
+                            tracing::warn!(subscription = %self.ctx.name(), error = %e, "cannot consume yet; trying again every second");
                         }
                         tries = tries.saturating_add(1);
                         tokio::time::sleep(std::time::Duration::from_secs(1)).await;

@@ -272,7 +272,7 @@ impl Management {
     }
 
     /// Queue `name` in `vhost` as [`super::mapping::diff`] compares it: its arguments and its
-    /// bindings; `None` when it does not exist.
+    /// bindings, and its state; `None` when it does not exist.
     pub async fn queue(
         &self,
         vhost: &str,
@@ -292,9 +292,11 @@ impl Management {
             .await?
             .map(|b| bindings_of(&b))
             .unwrap_or_default();
+        let state = q.get("state").and_then(|s| s.as_str()).map(str::to_string);
         Ok(Some(LiveQueue {
             arguments,
             bindings,
+            state,
         }))
     }
 

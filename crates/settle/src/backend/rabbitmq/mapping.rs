@@ -198,6 +198,9 @@ impl QueueSpec {
 pub struct LiveQueue {
     pub arguments: BTreeMap<String, Arg>,
     pub bindings: Vec<Binding>,
+    /// Its `state` in the management API (`running`, `down`, …); none where no process has
+    /// reported statistics for it yet, or none runs it.
+    pub state: Option<String>,
 }
 
 /// A live queue's `arguments` object in the shape of [`QueueSpec::arguments`]: whole numbers as
@@ -481,6 +484,7 @@ mod tests {
         LiveQueue {
             arguments: normalise(json.as_object().unwrap()),
             bindings: vec![q.binding.clone()],
+            state: Some("running".into()),
         }
     }
 
