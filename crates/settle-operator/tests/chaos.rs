@@ -11,17 +11,19 @@ use std::time::Duration;
 /// applications to the machine's load, not three.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The campaign of seed 396 on `broker`, every discrepancy a failure: on every broker scaled
-/// up twice, the Subscription deleted and applied again three times (maxInFlight edited between),
-/// the broker down right after the last (NATS and RabbitMQ: a node of the campaign's own
-/// stopped and started again; SQS: unreachable), scaled down. On RabbitMQ it found an
-/// application counting a new object's deliveries for the deleted one (docs/guide/chaos.md).
+/// The campaign of seed 377 on `broker`, every discrepancy a failure: on every broker scaled
+/// down, the consumer or queue deleted on the broker, paused, the leading operator SIGKILLed,
+/// then SIGTERMed, the Subscription deleted and applied again, the broker down (NATS and
+/// RabbitMQ: a node of the campaign's own SIGKILLed and started again; SQS: unreachable), the
+/// Subscription deleted and applied again. On RabbitMQ the node comes back running nothing for
+/// the queue made just before the kill, which the operator must say (semantics R14); on SQS it
+/// found an instance counting a new object's deliveries for the deleted one (docs/guide/chaos.md).
 async fn short_campaign(broker: Broker) {
     let _one = ONE_AT_A_TIME.lock().await;
     let report = chaos::run(
         broker,
         &Campaign {
-            seed: 396,
+            seed: 377,
             faults: 8,
             messages: 150,
             every: Duration::from_secs(4),

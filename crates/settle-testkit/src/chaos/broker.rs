@@ -1,6 +1,6 @@
 //! Where a campaign runs: per broker, the Backend applied in the campaign's namespace, the
-//! Subscription's broker fields, the applications' environment, a publisher that sends one
-//! message per id, and what is removed afterwards. NATS: a nats-server of the campaign's own
+//! Subscription's broker fields, the applications' environment, its publisher
+//! ([`super::publisher`]), and what is removed afterwards. NATS: a nats-server of the campaign's own
 //! (so it can be SIGKILLed) and a stream on it; the NATS cluster: the environment's three
 //! servers and a stream of three replicas (a server SIGKILLed or paused, then back); RabbitMQ:
 //! a node of the campaign's own (so it can be SIGKILLed), with a dead-letter exchange, and a
@@ -13,17 +13,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::message::PublishMessage;
-
 use futures::StreamExt;
 use settle::backend::nats::capture::{ACCOUNT_BUCKET, CAPTURE_STREAM};
 use settle::bus::report::REPORT_BUCKET;
 
+use super::publisher::Publisher;
 use crate::account::report_keys;
 use crate::nats_cluster::{Cluster, SERVERS, cluster};
 use crate::operator::{NatsServer, TestStream};
 use crate::partition::Partition;
-use crate::rabbitmq::{management_at, publish_topic, rabbitmq_backend_yaml};
+use crate::rabbitmq::{management_at, rabbitmq_backend_yaml};
 use crate::rabbitmq_server::RabbitServer;
 use crate::subs::{apply, backend_yaml, backends, wait_backend};
 
@@ -72,6 +71,18 @@ impl Broker {
         matches!(self, Broker::Nats | Broker::NatsCluster)
     }
 
+    /// The least time between a Subscription's deletion and its applying again. SQS refuses
+    /// to make a queue of a deleted one's name for 60 s, so every running instance finds the
+    /// queue gone (a receive waits at most 20 s) and reads its mark again before it receives
+    /// from the new object's queue (semantics Q7); ElasticMQ makes it at once, so the campaign
+    /// waits longer than a receive instead. Elsewhere a second.
+    pub fn recreate_after(self) -> Duration {
+        match self {
+            Broker::Sqs => Duration::from_secs(21),
+            Broker::Nats | Broker::NatsCluster | Broker::Rabbitmq => Duration::from_secs(1),
+        }
+    }
+
     /// The operators' flags this broker needs beyond the campaign's: on the cluster the
     /// account's capture and buckets at three replicas, so a server lost loses none of them.
     ///
@@ -82,10 +93,14 @@ impl Broker {
     /// (and on SQS behind the held forwarder) a fault cuts the keeper off with the instances,
     /// so it is deaf meanwhile and 5 s will do; on the cluster a paused server (up to 10 s,
     /// the cluster healthy a few seconds later) cuts off only its own clients: 20 s.
+    ///
+    /// And on RabbitMQ and SQS, which announce no deleted queue, `--drift-interval 2s`: a queue
+    /// deleted on the broker is made again within it, rather than within the default 30 s.
     pub(super) fn operator_flags(self) -> &'static [&'static str] {
         match self {
             Broker::NatsCluster => &["--account-replicas", "3", "--fold-after", "20s"],
-            Broker::Nats | Broker::Rabbitmq | Broker::Sqs => &["--fold-after", "5s"],
+            Broker::Nats => &["--fold-after", "5s"],
+            Broker::Rabbitmq | Broker::Sqs => &["--fold-after", "5s", "--drift-interval", "2s"],
         }
     }
 }
@@ -222,6 +237,16 @@ impl Target {
                     app_env,
                 )
             }
+        }
+    }
+
+    /// The broker it is on.
+    pub(super) fn broker(&self) -> Broker {
+        match self {
+            Target::Nats(..) => Broker::Nats,
+            Target::NatsCluster(..) => Broker::NatsCluster,
+            Target::Rabbitmq { .. } => Broker::Rabbitmq,
+            Target::Sqs { .. } => Broker::Sqs,
         }
     }
 
@@ -365,6 +390,7 @@ impl Target {
                 Hit {
                     what: format!("the broker {sig}, and started again {secs} s later"),
                     consumer_led: true,
+                    dead_queue: false,
                 }
             }
             Target::NatsCluster(stream, cluster) => {
@@ -379,19 +405,28 @@ impl Target {
                     &format!("{sig}, started again {secs} s later, every server healthy {back}"),
                 )
             }
-            Target::Rabbitmq { amqp, server, .. } => {
+            Target::Rabbitmq {
+                amqp, server, tag, ..
+            } => {
                 let mut publishing = amqp.lock().await;
                 tokio::task::block_in_place(|| server.stop(signal));
                 tokio::time::sleep(down).await;
                 let started = std::time::Instant::now();
                 tokio::task::block_in_place(|| server.resume());
                 *publishing = amqp_connect(&server.url()).await;
+                let serving = started.elapsed().as_secs_f64();
+                let dead_queue = !queue_runs(server, tag).await;
                 Hit {
                     what: format!(
-                        "the broker {sig}, and started again {secs} s later, serving {:.1} s after that",
-                        started.elapsed().as_secs_f64()
+                        "the broker {sig}, and started again {secs} s later, serving {serving:.1} s after that{}",
+                        if dead_queue {
+                            ", but running nothing for the Subscription's queue"
+                        } else {
+                            ""
+                        }
                     ),
                     consumer_led: true,
+                    dead_queue,
                 }
             }
             Target::Sqs { link, .. } => {
@@ -403,7 +438,68 @@ impl Target {
                     // An SQS delete answers: an ack that returned was taken, one that did
                     // not failed (and is unsure on its own).
                     consumer_led: false,
+                    dead_queue: false,
                 }
+            }
+        }
+    }
+
+    /// The Subscription's consumer (NATS) or queue (RabbitMQ, SQS: with the messages it
+    /// holds) deleted on the broker, behind the operator's back; says what was deleted.
+    pub(super) async fn delete_consumer(&self) -> String {
+        match self {
+            Target::Nats(s, _) | Target::NatsCluster(s, _) => {
+                let stream = s.js.get_stream(&s.name).await.expect("the stream");
+                stream
+                    .delete_consumer("orders")
+                    .await
+                    .expect("the consumer deleted");
+                format!("consumer orders of stream {}", s.name)
+            }
+            Target::Rabbitmq { tag, server, .. } => {
+                let (status, body) = management_at(
+                    &server.management_url(),
+                    "DELETE",
+                    &format!("/api/queues/%2f/{tag}"),
+                    "",
+                );
+                assert!(
+                    matches!(status, 200 | 204),
+                    "the queue deleted: {status} {body}"
+                );
+                format!("queue {tag}")
+            }
+            Target::Sqs { client, url, .. } => {
+                client
+                    .delete_queue()
+                    .queue_url(url)
+                    .send()
+                    .await
+                    .expect("the queue deleted");
+                format!("queue {url}")
+            }
+        }
+    }
+
+    /// Whether the Subscription's consumer or queue is there (made again by the operator
+    /// after [`Target::delete_consumer`]).
+    pub(super) async fn consumer_there(&self) -> bool {
+        match self {
+            Target::Nats(s, _) | Target::NatsCluster(s, _) => s.consumer("orders").await.is_some(),
+            Target::Rabbitmq { tag, server, .. } => {
+                // Bound too: a message published before the binding is made is dropped.
+                let (status, body) = management_at(
+                    &server.management_url(),
+                    "GET",
+                    &format!("/api/queues/%2f/{tag}/bindings"),
+                    "",
+                );
+                status == 200 && body.contains("amq.topic")
+            }
+            Target::Sqs { client, prefix, .. } => {
+                crate::sqs::url(client, &format!("{prefix}orders"))
+                    .await
+                    .is_some()
             }
         }
     }
@@ -462,6 +558,9 @@ async fn healthy_again(cluster: &Cluster) -> String {
 pub(super) struct Hit {
     pub(super) what: String,
     pub(super) consumer_led: bool,
+    /// RabbitMQ came back listing the Subscription's queue but running nothing for it (a
+    /// quorum queue made just before the node was SIGKILLed can stay so).
+    pub(super) dead_queue: bool,
 }
 
 /// Which servers led the campaign's stream and its consumer when a fault hit one.
@@ -485,6 +584,7 @@ impl Leaders {
         Hit {
             what: format!("{server} ({led}) {done}"),
             consumer_led: self.consumer.as_deref().is_none_or(|l| l == server),
+            dead_queue: false,
         }
     }
 }
@@ -493,6 +593,27 @@ async fn leads(stream: &TestStream) -> Leaders {
     Leaders {
         stream: Cluster::stream_leader(&stream.js, &stream.name).await,
         consumer: Cluster::consumer_leader(&stream.js, &stream.name, "orders").await,
+    }
+}
+
+/// Whether RabbitMQ runs queue `queue` once it is back: its management API shows it with a
+/// state within 25 s (RabbitMQ's statistics come every 5 s; a queue nothing runs shows none).
+async fn queue_runs(server: &RabbitServer, queue: &str) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(25);
+    loop {
+        let (status, body) = management_at(
+            &server.management_url(),
+            "GET",
+            &format!("/api/queues/%2f/{queue}"),
+            "",
+        );
+        let state = serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|q| q.get("state").cloned());
+        if status != 200 || state.is_some() || std::time::Instant::now() > deadline {
+            return status != 200 || state.is_some_and(|s| s == "running");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
@@ -520,52 +641,4 @@ async fn holds_messages(client: &aws_sdk_sqs::Client, url: &str) -> bool {
         .into_iter()
         .flatten()
         .any(|(_, v)| v.parse::<u64>().is_ok_and(|n| n > 0))
-}
-
-/// Sends one message per id.
-pub(super) enum Publisher {
-    Nats(Box<async_nats::jetstream::Context>, String),
-    Rabbitmq(Arc<tokio::sync::Mutex<lapin::Connection>>, String),
-    Sqs(aws_sdk_sqs::Client, String),
-}
-
-impl Publisher {
-    pub(super) async fn send(&self, id: u64) {
-        match self {
-            Publisher::Nats(js, prefix) => {
-                // Until the stream stores it, through a broker restart; the id as the message
-                // id, so one stored whose acknowledgement was lost is not stored twice.
-                let deadline = std::time::Instant::now() + Duration::from_secs(60);
-                loop {
-                    let message = PublishMessage::build()
-                        .message_id(id.to_string())
-                        .payload(id.to_string().into());
-                    let stored = match js.send_publish(format!("{prefix}.m{id}"), message).await {
-                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
-                    };
-                    match stored {
-                        Ok(()) => break,
-                        Err(e) if std::time::Instant::now() > deadline => {
-                            panic!("message {id} not stored within 60 s: {e}")
-                        }
-                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                    }
-                }
-            }
-            Publisher::Rabbitmq(amqp, tag) => {
-                let amqp = amqp.lock().await;
-                publish_topic(&amqp, [(format!("{tag}.m{id}"), id.to_string())]).await;
-            }
-            Publisher::Sqs(client, url) => {
-                client
-                    .send_message()
-                    .queue_url(url)
-                    .message_body(id.to_string())
-                    .send()
-                    .await
-                    .expect("send");
-            }
-        }
-    }
 }

@@ -88,28 +88,42 @@ const AT_REST: [(&str, &str); 4] = [
 ];
 
 /// Whether the last change seen of each condition is what it says at rest (one never
-/// written counts as settled: [`uncaused`] judges it). After an outage the operator looks at
-/// a Backend again within its retry delay (up to 30 s, then its Subscriptions at once), so a
-/// campaign waits for this, not only for still counters, before it judges.
-pub fn settled(changes: &[Change]) -> bool {
+/// written counts as settled: [`uncaused`] judges it), `Stranding` True where status counts
+/// a message `stranded`. After an outage the operator looks at a Backend again within its
+/// retry delay (up to 30 s, then its Subscriptions at once), so a campaign waits for this, not
+/// only for still counters, before it judges.
+pub fn settled(changes: &[Change], stranded: bool) -> bool {
     AT_REST.iter().all(|(type_, want)| {
         changes
             .iter()
             .rev()
             .find(|c| c.type_ == *type_)
-            .is_none_or(|c| c.status == *want)
+            .is_none_or(|c| c.status == at_rest(type_, want, stranded))
     })
+}
+
+/// What condition `type_` says at rest: `want`, but `Stranding` says True for as long as
+/// status counts a message `stranded` (it is cumulative).
+fn at_rest(type_: &str, want: &'static str, stranded: bool) -> &'static str {
+    if type_ == "Stranding" && stranded {
+        "True"
+    } else {
+        want
+    }
 }
 
 /// Each condition seen without a cause, and each left wrong at rest; `exhausted` is how many
 /// messages the handlers never acknowledged, `outages` when the broker was down, `made` when
-/// the Subscription was deleted and made again (until the new object was Ready: a new object
-/// is not Ready until its consumer is made).
+/// the consumer was gone and made again (the Subscription deleted until the new object was
+/// Ready, or the consumer deleted on the broker: not Ready until it is made), `stranding` when
+/// a decline could be stranded (its consumer deleted on the broker, C8) and how many status
+/// counts.
 pub fn uncaused(
     changes: &[Change],
     exhausted: u64,
     outages: &[(Duration, Duration)],
     made: &[(Duration, Duration)],
+    stranding: (&[(Duration, Duration)], u64),
 ) -> Vec<String> {
     let mut out = Vec::new();
     let within = |windows: &[(Duration, Duration)], at: Duration, grace: Duration| {
@@ -122,6 +136,7 @@ pub fn uncaused(
         let why = match (c.type_.as_str(), c.status.as_str()) {
             ("Accounted" | "Ready", "False") if down => continue,
             ("Ready", "False") if within(made, c.at, Duration::ZERO) => continue,
+            ("Stranding", "True") if within(stranding.0, c.at, Duration::ZERO) => continue,
             ("Accounted", "False") => "no fault of the campaign loses a source, a save or a report",
             ("Stranding", "True") => "nothing was declined that the broker could not take back",
             ("Stalled", "True") => "handlers returned throughout, and a pause owes nothing (C22)",
@@ -140,6 +155,7 @@ pub fn uncaused(
         ));
     }
     for (type_, want) in AT_REST {
+        let want = at_rest(type_, want, stranding.1 > 0);
         let last = changes.iter().rev().find(|c| c.type_ == type_);
         match last {
             Some(c) if c.status != want => out.push(format!(
@@ -177,17 +193,17 @@ mod tests {
             change(9, "Exhausting", "True", "MessagesExhausted"),
         ];
         assert!(
-            uncaused(&calm, 3, &[], &[]).is_empty(),
+            uncaused(&calm, 3, &[], &[], (&[], 0)).is_empty(),
             "{:?}",
-            uncaused(&calm, 3, &[], &[])
+            uncaused(&calm, 3, &[], &[], (&[], 0))
         );
-        let found = uncaused(&calm, 0, &[], &[]);
+        let found = uncaused(&calm, 0, &[], &[], (&[], 0));
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].starts_with("Exhausting=True"), "{found:?}");
 
         let mut troubled = calm.clone();
         troubled.push(change(12, "Accounted", "False", "LedgerNotSaved"));
-        let found = uncaused(&troubled, 3, &[], &[]);
+        let found = uncaused(&troubled, 3, &[], &[], (&[], 0));
         assert_eq!(found.len(), 2, "during, and still at rest: {found:?}");
         assert!(found[0].contains("at 12.0 s without a cause"), "{found:?}");
         assert!(
@@ -196,7 +212,7 @@ mod tests {
         );
 
         troubled.push(change(14, "Ready", "False", "BackendNotFound"));
-        let found = uncaused(&troubled, 3, &[], &[]);
+        let found = uncaused(&troubled, 3, &[], &[], (&[], 0));
         assert!(
             found
                 .iter()
@@ -206,12 +222,12 @@ mod tests {
         troubled.pop();
         troubled.push(change(15, "Accounted", "True", "Whole"));
         assert_eq!(
-            uncaused(&troubled, 3, &[], &[]).len(),
+            uncaused(&troubled, 3, &[], &[], (&[], 0)).len(),
             1,
             "cleared at rest, still seen"
         );
         assert_eq!(
-            uncaused(&[], 0, &[], &[]).len(),
+            uncaused(&[], 0, &[], &[], (&[], 0)).len(),
             2,
             "Ready and Accounted never written"
         );
@@ -230,10 +246,10 @@ mod tests {
             change(40, "Ready", "False", "Unreachable"),
             change(41, "Ready", "True", "ConsumerReady"),
         ];
-        let found = uncaused(&changes, 0, &outage, &[]);
+        let found = uncaused(&changes, 0, &outage, &[], (&[], 0));
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].contains("at 40.0 s without a cause"), "{found:?}");
-        assert_eq!(uncaused(&changes, 0, &[], &[]).len(), 3);
+        assert_eq!(uncaused(&changes, 0, &[], &[], (&[], 0)).len(), 3);
     }
 
     #[test]
@@ -245,14 +261,18 @@ mod tests {
             change(13, "Ready", "True", "ConsumerReady"),
         ];
         let made = [(Duration::from_secs(9), Duration::from_secs(13))];
-        assert!(uncaused(&changes, 0, &[], &made).is_empty());
-        let found = uncaused(&changes, 0, &[], &[]);
+        assert!(uncaused(&changes, 0, &[], &made, (&[], 0)).is_empty());
+        let found = uncaused(&changes, 0, &[], &[], (&[], 0));
         assert!(
             found[0].starts_with("Ready=False (Pending) at 10.0 s"),
             "{found:?}"
         );
         let late = [(Duration::from_secs(2), Duration::from_secs(5))];
-        assert_eq!(uncaused(&changes, 0, &[], &late).len(), 1, "no grace after");
+        assert_eq!(
+            uncaused(&changes, 0, &[], &late, (&[], 0)).len(),
+            1,
+            "no grace after"
+        );
     }
 
     #[test]
@@ -261,15 +281,15 @@ mod tests {
             change(1, "Ready", "True", "ConsumerReady"),
             change(1, "Accounted", "True", "Kept"),
         ];
-        assert!(settled(&changes));
+        assert!(settled(&changes, false));
         changes.push(change(31, "Ready", "False", "Unreachable"));
-        assert!(!settled(&changes), "not Ready since the outage");
+        assert!(!settled(&changes, false), "not Ready since the outage");
         changes.push(change(62, "Ready", "True", "ConsumerReady"));
-        assert!(settled(&changes));
+        assert!(settled(&changes, false));
         changes.push(change(70, "Stalled", "True", "NoProgress"));
-        assert!(!settled(&changes));
+        assert!(!settled(&changes, false));
         assert!(
-            settled(&[]),
+            settled(&[], false),
             "never written is judged by uncaused, not waited for"
         );
     }

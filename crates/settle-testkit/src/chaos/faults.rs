@@ -60,10 +60,15 @@ pub enum Fault {
     /// one kept (`settle.dev/adopt`: an SQS dead-letter queue holding Exhausted messages). No
     /// message is published meanwhile, so none is sent to a queue that is not there.
     Recreated,
+    /// The Subscription's consumer (NATS) or queue (RabbitMQ, SQS: with the messages it holds)
+    /// deleted on the broker behind the operator's back, under load; the operator makes it
+    /// again (NATS: from the advisory, within about a second; RabbitMQ and SQS: at its next
+    /// drift check). No message is published until it is back.
+    ConsumerDeleted,
 }
 
 impl Fault {
-    const ALL: [Fault; 13] = [
+    const ALL: [Fault; 14] = [
         Fault::AppReplaced,
         Fault::AppScaledUp,
         Fault::AppScaledDown,
@@ -77,6 +82,7 @@ impl Fault {
         Fault::ApiServerRestarted,
         Fault::LeaderPartitioned,
         Fault::Recreated,
+        Fault::ConsumerDeleted,
     ];
 
     /// Whether the campaign can inject it on `broker`, with a control plane of its own or
@@ -130,7 +136,7 @@ async fn recreate(
         1,
     );
     apply(&ns, &adopting);
-    wait_ready(api, "orders").await;
+    let made = wait_ready(api, "orders").await;
     target.ready().await;
     let ready = t0.elapsed();
     drop(held);
@@ -139,7 +145,59 @@ async fn recreate(
         applied,
         ready,
         first_id,
+        uid: made.metadata.uid.unwrap_or_default(),
     }
+}
+
+/// RabbitMQ back from a kill (at `down`) running nothing for the Subscription's queue: the
+/// product must say so (`Ready=False QueueUnavailable`, within 60 s), and the campaign then
+/// does what the condition tells a person: deletes the queue on the broker (what it held is
+/// lost; counted as a deletion from the kill), and waits for the operator to make it again.
+async fn replace_dead_queue(
+    api: &Api<Subscription>,
+    target: &Target,
+    done: &mut Done,
+    down: Duration,
+    first_id: u64,
+) -> String {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let said = loop {
+        let unavailable = api.get("orders").await.ok().is_some_and(|s| {
+            s.status.unwrap_or_default().conditions.iter().any(|c| {
+                c.type_ == "Ready" && c.status == "False" && c.reason == "QueueUnavailable"
+            })
+        });
+        if unavailable || Instant::now() > deadline {
+            break unavailable;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    if !said {
+        done.found.push(format!(
+            "the queue ran nothing after the broker was back at {:.1} s, and Ready never said QueueUnavailable within 60 s",
+            down.as_secs_f64()
+        ));
+    }
+    let what = target.delete_consumer().await;
+    let gone = Instant::now();
+    let deadline = gone + Duration::from_secs(60);
+    while !target.consumer_there().await {
+        assert!(
+            Instant::now() < deadline,
+            "{what} not made again within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    done.consumer_deleted.push(Deletion {
+        deleted: down,
+        back: done.t0.elapsed(),
+        first_id,
+    });
+    format!(
+        "Ready=False QueueUnavailable {}; {what} deleted on the broker as it says, made again {:.1} s later",
+        if said { "said" } else { "NOT said" },
+        gone.elapsed().as_secs_f64()
+    )
 }
 
 /// A merge patch of the Subscription's spec.
@@ -286,17 +344,32 @@ pub(super) struct Done {
     pub(super) api_outages: Vec<(Duration, Duration)>,
     /// Each time the Subscription was deleted and applied again.
     pub(super) recreated: Vec<Recreation>,
+    /// Each time its consumer or queue was deleted on the broker.
+    pub(super) consumer_deleted: Vec<Deletion>,
+    /// What a fault found the product not doing (each a discrepancy).
+    pub(super) found: Vec<String>,
+}
+
+/// The consumer or queue deleted on the broker: from then until the operator had made it
+/// again (since the campaign's start), and the first message published after.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Deletion {
+    pub(super) deleted: Duration,
+    pub(super) back: Duration,
+    pub(super) first_id: u64,
 }
 
 /// The Subscription deleted and applied again: from its deletion until the new object was
 /// Ready (since the campaign's start), and the first message published after (the one the
 /// publisher sent next).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct Recreation {
     pub(super) deleted: Duration,
     pub(super) applied: Duration,
     pub(super) ready: Duration,
     pub(super) first_id: u64,
+    /// The new object's UID.
+    pub(super) uid: String,
 }
 
 impl Done {
@@ -359,12 +432,24 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
         Fault::BrokerDown => {
             let secs = 1 + draw.below(4);
             let graceful = draw.below(2) == 1;
+            // RabbitMQ may come back with the queue dead: nothing is published until it is
+            // known to run, or has been made again.
+            let held = if target.broker() == Broker::Rabbitmq {
+                Some(published.lock().await)
+            } else {
+                None
+            };
             let down = done.t0.elapsed();
             let hit = target
                 .kill_broker(Duration::from_secs(secs), graceful, draw)
                 .await;
             done.broker_down(down, &hit);
-            hit.what
+            if !hit.dead_queue {
+                return hit.what;
+            }
+            let first_id = held.as_deref().map_or(1, |last| last + 1);
+            let said = replace_dead_queue(api, target, done, down, first_id).await;
+            format!("{}; {said}", hit.what)
         }
         Fault::ApiServerRestarted => {
             let Some(cp) = control_plane.as_mut() else {
@@ -431,7 +516,7 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             )
         }
         Fault::Recreated => {
-            let gap = 1 + draw.below(4);
+            let gap = target.broker().recreate_after().as_secs() + draw.below(4);
             let r = recreate(api, manifest, published, target, done.t0, gap).await;
             let line = format!(
                 "the Subscription deleted ({:.1} s), applied again {gap} s later as a new object, Ready {:.1} s after that; publishing from message {}",
@@ -441,6 +526,31 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             );
             done.recreated.push(r);
             line
+        }
+        Fault::ConsumerDeleted => {
+            let held = published.lock().await;
+            let first_id = *held + 1;
+            let deleted = done.t0.elapsed();
+            let what = target.delete_consumer().await;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !target.consumer_there().await {
+                assert!(
+                    Instant::now() < deadline,
+                    "{what} not made again within 60 s"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let back = done.t0.elapsed();
+            drop(held);
+            done.consumer_deleted.push(Deletion {
+                deleted,
+                back,
+                first_id,
+            });
+            format!(
+                "{what} deleted on the broker, made again {:.1} s later; publishing from message {first_id}",
+                (back - deleted).as_secs_f64()
+            )
         }
         Fault::LeaderKilled | Fault::LeaderStopped => {
             let i = ops.leader().await;

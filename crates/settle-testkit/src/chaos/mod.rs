@@ -7,8 +7,8 @@
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
 //! operator SIGKILLed, SIGTERMed or cut off from the API server; the Subscription paused,
-//! edited, deleted and applied again; the broker SIGKILLed or SIGTERMed, or SQS unreachable, a
-//! cluster's server paused; the campaign's own API server restarted), the schedule and how
+//! edited, deleted and applied again; its consumer or queue deleted on the broker; the broker
+//! SIGKILLed or SIGTERMed, or SQS unreachable, a cluster's server paused; the campaign's own API server restarted), the schedule and how
 //! each is done; [`answers`] what the handlers did and the rules each answer keeps (S2, B3,
 //! B5); [`model`] the checker of status against it (every counter exact but what a SIGKILL
 //! allows, C16, and an ack sent in an outage, J3; of the object at rest, whose account starts
@@ -33,6 +33,7 @@ mod broker;
 mod conditions;
 mod faults;
 mod model;
+mod publisher;
 use crate::controlplane::ControlPlane;
 pub use answers::{Answer, Model, kept};
 pub use broker::Broker;
@@ -40,7 +41,7 @@ use broker::Target;
 use faults::{Apps, Done, Operators, World};
 pub use faults::{Fault, schedule};
 pub use model::{
-    KILL_WINDOW, Kill, MAX_DELIVER, Outages, above, check, last_of_each, stepped_down,
+    Earlier, KILL_WINDOW, Kill, MAX_DELIVER, Outages, above, check, last_of_each, stepped_down,
 };
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
@@ -143,7 +144,11 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     );
     apply(&ns, &manifest_text);
     let api: Api<Subscription> = subs(&ns).await;
-    wait_ready(&api, "orders").await;
+    let first_uid = wait_ready(&api, "orders")
+        .await
+        .metadata
+        .uid
+        .unwrap_or_default();
     target.ready().await;
     let manifest = crate::root().join(format!(
         "target/chaos-{}-{}.yaml",
@@ -203,6 +208,8 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             ack_outages: Vec::new(),
             api_outages: Vec::new(),
             recreated: Vec::new(),
+            consumer_deleted: Vec::new(),
+            found: Vec::new(),
         },
         control_plane,
         published,
@@ -228,12 +235,23 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     let t0_ms = settle::bus::report::now_ms()
         .saturating_sub(u64::try_from(t0.elapsed().as_millis()).unwrap_or(0));
     let ms = |d: Duration| t0_ms + u64::try_from(d.as_millis()).unwrap_or(0);
-    // The object at rest is the last one made: its account starts when it was applied, and it
-    // owes every message its broker still held, or those published after it (C15).
-    let (from_ms, first_id) = done
+    // The object at rest is the last one made: its account starts when it was applied (C15).
+    // Its last consumer (made again after a deletion on the broker, or with the object) owes
+    // every message its broker still held, or those published after it.
+    let from_ms = done.recreated.last().map_or(0, |r| ms(r.applied));
+    let gone: Vec<(u64, u64)> = done
+        .consumer_deleted
+        .iter()
+        .filter(|d| ms(d.deleted) >= from_ms)
+        .map(|d| (ms(d.deleted), ms(d.back)))
+        .collect();
+    let first_id = done
         .recreated
-        .last()
-        .map_or((0, 1), |r| (ms(r.applied), r.first_id));
+        .iter()
+        .map(|r| (r.applied, r.first_id))
+        .chain(done.consumer_deleted.iter().map(|d| (d.back, d.first_id)))
+        .max()
+        .map_or(1, |(_, id)| id);
     let owed = if broker.offers_stored() {
         c.messages
     } else {
@@ -245,10 +263,13 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     loop {
         let s = stats_in(&api, "orders").await;
         let m = Model::read(&apps.files).between(from_ms, u64::MAX);
+        let m = Earlier::of(&m, &gone).last.unwrap_or(m);
         let resolved = m.acked_ids.len() as u64 + s.exhausted >= owed;
         // Balanced too: a SIGKILLed instance's unfinished attempts are Released once it is
         // folded (`--fold-after`, `Broker::operator_flags`); and the conditions back from the last outage.
-        let settled = changes.lock().is_ok_and(|c| conditions::settled(&c));
+        let settled = changes
+            .lock()
+            .is_ok_and(|c| conditions::settled(&c, s.stranded > 0));
         if resolved
             && settled
             && s.balanced()
@@ -311,14 +332,24 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         broker: ms_of(&done.outages),
         acks: ms_of(&done.ack_outages),
     };
-    let mut discrepancies = check(&model, owed, &s, &done.kills, &outages, &mut allowed);
+    let earlier = Earlier::of(&model, &gone);
+    let mut discrepancies = check(
+        &model,
+        owed,
+        &s,
+        &done.kills,
+        &outages,
+        &earlier,
+        &mut allowed,
+    );
     if !broker.offers_stored() {
+        let last_made = earlier.last.as_ref().unwrap_or(&model);
         discrepancies.extend(
-            model
+            last_made
                 .answers
                 .iter()
                 .filter(|a| a.id < first_id)
-                .map(|a| format!("C15: message {} of a deleted object's queue was offered to the new object (attempt {})", a.id, a.attempt)),
+                .map(|a| format!("message {} of a deleted queue was offered again from the queue made after it (attempt {})", a.id, a.attempt)),
         );
     }
     // Each object's answers keep their rules, and each earlier object's last status counts no
@@ -337,20 +368,20 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         ));
     }
     discrepancies.extend(stepped_down(&seen));
+    discrepancies.extend(done.found.iter().cloned());
+    // (An object deleted before its status was ever written has nothing to judge.)
     let objects = last_of_each(&seen);
-    if objects.len() + 1 != bounds.len() {
-        discrepancies.push(format!(
-            "{} objects had a status, {} were made",
-            objects.len(),
-            bounds.len() - 1
-        ));
-    }
-    for ((uid, last), b) in objects.iter().zip(bounds.windows(2)).rev().skip(1) {
-        discrepancies.extend(
-            above(last, &all.between(b[0], b[1]))
-                .into_iter()
-                .map(|d| format!("the earlier object {uid}: {d}")),
-        );
+    let uids: Vec<&String> = std::iter::once(&first_uid)
+        .chain(done.recreated.iter().map(|r| &r.uid))
+        .collect();
+    for (uid, b) in uids.iter().zip(bounds.windows(2)).rev().skip(1) {
+        if let Some((_, last)) = objects.iter().find(|(u, _)| u == *uid) {
+            discrepancies.extend(
+                above(last, &all.between(b[0], b[1]))
+                    .into_iter()
+                    .map(|d| format!("the earlier object {uid}: {d}")),
+            );
+        }
     }
     // A condition may change while the broker or the API server is down (the operator finds
     // the consumer unreachable; it writes nothing, then catches up); a settlement fails only
@@ -363,22 +394,36 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         .collect();
     // Exhausting needs a message one of the objects let run out.
     let ran_out = owed.saturating_sub(model.acked_ids.len() as u64)
+        + earlier.exhausted.1
         + all
             .between(0, from_ms)
             .answers
             .iter()
             .filter(|a| a.attempt >= MAX_DELIVER && a.answer != "ack")
             .count() as u64;
+    // A consumer gone (with its Subscription, or deleted on the broker) is not Ready until it
+    // is made again; one deleted on the broker strands the declines sent to it (C8).
     let made_again: Vec<(Duration, Duration)> = done
         .recreated
         .iter()
         .map(|r| (r.deleted, r.ready))
+        .chain(
+            done.consumer_deleted
+                .iter()
+                .map(|d| (d.deleted, d.back + conditions::OUTAGE_GRACE)),
+        )
+        .collect();
+    let stranded: Vec<(Duration, Duration)> = done
+        .consumer_deleted
+        .iter()
+        .map(|d| (d.deleted, d.back + conditions::OUTAGE_GRACE))
         .collect();
     discrepancies.extend(conditions::uncaused(
         &changes,
         ran_out,
         &any_outage,
         &made_again,
+        (&stranded, s.stranded),
     ));
     // The Subscription and the Backend deleted as the namespace controller would, the
     // operators still running: nothing of theirs may stay on the broker.

@@ -4,6 +4,9 @@
 //! into Released when the instance is folded. The applications report every 200 ms, so the
 //! checker allows, per kill, what that instance finished settling in the [`KILL_WINDOW`] before
 //! it (or was still settling at it), and says which rule allowed each difference it accepted.
+//! A consumer deleted on the broker and made again ([`Earlier`]) owes its messages afresh: the
+//! messages that ran out under each earlier one count too, and a settlement around the
+//! deletion may fail (C6) or a decline be Stranded (C8).
 //!
 //! It must not build the model from Settle's counters, nor inject faults.
 
@@ -63,31 +66,80 @@ pub(super) fn in_any(windows: &[(u64, u64)], at: u64, grace: u64) -> bool {
         .any(|(from, to)| *from <= at && at <= to.saturating_add(grace))
 }
 
-/// Every difference between status `s` (at rest) and the model of `published` messages, each
-/// with the rule it breaks; with the applications `kills` and the broker's `outages`, the
-/// differences C16 and J3 allow are accepted, and each is said in `allowed`.
+/// What the object's earlier consumers left, when its consumer or queue was deleted on the
+/// broker and made again (same object, so every settlement counter goes on; but the consumer
+/// made again owes its messages afresh, and a settlement to the one deleted fails).
+#[derive(Debug, Default)]
+pub struct Earlier {
+    /// The answers since the consumer was last made (None: it never was deleted).
+    pub last: Option<Model>,
+    /// Messages that ran out under an earlier consumer: at least, and at most (those declined
+    /// on their last attempt around its deletion may have been refused instead).
+    pub exhausted: (u64, u64),
+    /// When a consumer was gone (unix ms, from a second before its deletion until it was made
+    /// again): a settlement may fail then (C6), and a decline be Stranded (C8).
+    pub gone: Vec<(u64, u64)>,
+}
+
+impl Earlier {
+    /// What `object`'s answers left under the consumers `gone` (unix ms: deleted, made again)
+    /// before the last one.
+    pub fn of(object: &Model, gone: &[(u64, u64)]) -> Earlier {
+        let Some(&(_, from)) = gone.last() else {
+            return Earlier::default();
+        };
+        let windows: Vec<(u64, u64)> = gone
+            .iter()
+            .map(|(d, b)| (d.saturating_sub(1000), *b))
+            .collect();
+        let ran_out: Vec<&Answer> = object
+            .answers
+            .iter()
+            .filter(|a| a.at_ms < from && a.attempt >= MAX_DELIVER && a.answer != "ack")
+            .collect();
+        let sure = ran_out
+            .iter()
+            .filter(|a| {
+                !in_any(&windows, a.at_ms, 0) && a.done_ms.is_some_and(|d| !in_any(&windows, d, 0))
+            })
+            .count() as u64;
+        Earlier {
+            last: Some(object.between(from, u64::MAX)),
+            exhausted: (sure, ran_out.len() as u64),
+            gone: windows,
+        }
+    }
+}
+
+/// Every difference between status `s` (at rest) and the model of `published` messages (those
+/// the last consumer owes), each with the rule it breaks; with the applications `kills`, the
+/// broker's `outages` and what `earlier` consumers left, the differences C16, J3 and C6/C8
+/// allow are accepted, and each is said in `allowed`.
 pub fn check(
     model: &Model,
     published: u64,
     s: &ConsumerStats,
     kills: &[Kill],
     outages: &Outages,
+    earlier: &Earlier,
     allowed: &mut Vec<String>,
 ) -> Vec<String> {
     let lost: Vec<&Answer> = unreported(model, kills).collect();
     let grace = u64::try_from(OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
-    let down = |at: u64| in_any(&outages.broker, at, grace);
+    let down = |at: u64| in_any(&outages.broker, at, grace) || in_any(&earlier.gone, at, grace);
     let ack_lost = |at: u64| in_any(&outages.acks, at, 0);
+    // The messages the last consumer owes are judged by its answers.
+    let last_made = earlier.last.as_ref().unwrap_or(model);
     // Ids whose every ack may not have reached the broker: it failed, or was sent while the
     // broker was down or the consumer had no leader (J3: such an ack is lost, and the message
     // offered again, so it may run out).
-    let unsure: BTreeSet<u64> = model
+    let unsure: BTreeSet<u64> = last_made
         .acked_ids
         .iter()
         .copied()
         .filter(|id| {
-            model.unsure_acks.contains(id)
-                || model
+            last_made.unsure_acks.contains(id)
+                || last_made
                     .answers
                     .iter()
                     .filter(|a| a.id == *id && a.answer == "ack")
@@ -108,7 +160,7 @@ pub fn check(
             ));
         } else if status != model {
             allowed.push(format!(
-                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or J3: an ack that failed, or was sent while the broker was down or the consumer had no leader)"
+                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or J3: an ack that failed, or was sent while the broker was down or the consumer had no leader; or C6, C8: settled around a deletion of the consumer on the broker)"
             ));
         }
     };
@@ -145,16 +197,35 @@ pub fn check(
         "every attempt returned without settling",
     );
     // A last attempt declined after the instance's last report was counted by nobody but the
-    // broker; one acked in the file may have died before its ack was sent, and run out.
+    // broker; one acked in the file may have died before its ack was sent, and run out. An
+    // earlier consumer's messages that ran out count too (the consumer made again offers its
+    // messages afresh, and they may run out again).
+    let (ran_out, around) = (
+        earlier.exhausted.0,
+        earlier.exhausted.1 - earlier.exhausted.0,
+    );
     within(
         "exhausted",
         s.exhausted,
-        published - (model.acked_ids.len() - unsure.len()) as u64,
+        published.saturating_sub((last_made.acked_ids.len() - unsure.len()) as u64) + ran_out,
         last(false) + unsure.len() as u64,
-        last(true),
-        "at rest every message not acknowledged ran out of attempts",
+        last(true) + around,
+        "at rest every message not acknowledged ran out of attempts, and so did those that ran out under an earlier consumer",
     );
     within("lost", s.lost, 0, 0, 0, "nothing is lost under AtLeastOnce");
+    let strandable = model
+        .answers
+        .iter()
+        .filter(|a| a.answer != "ack" && in_any(&earlier.gone, a.at_ms, grace))
+        .count() as u64;
+    within(
+        "stranded",
+        s.stranded,
+        0,
+        0,
+        strandable,
+        "a decline is Stranded only when its consumer was deleted on the broker (C8)",
+    );
     // A settlement the broker could not take fails in the handler and is refused (C6); only
     // a broker outage causes one here. Beyond the handlers' own, a silent attempt's decline,
     // which the runtime sends after the handler returned, may be refused while it is down.
@@ -297,13 +368,22 @@ mod tests {
                 &stats(7, 2, 5, 1),
                 &[],
                 &Outages::default(),
+                &Earlier::default(),
                 &mut allowed
             )
             .is_empty()
         );
         let mut s = stats(7, 2, 5, 0);
         s.offered = 8;
-        let found = check(&model(), 3, &s, &[], &Outages::default(), &mut allowed);
+        let found = check(
+            &model(),
+            3,
+            &s,
+            &[],
+            &Outages::default(),
+            &Earlier::default(),
+            &mut allowed,
+        );
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(
             found[0].starts_with("exhausted: status 0, the handlers 1"),
@@ -328,6 +408,7 @@ mod tests {
             &stats(5, 1, 4, 0),
             &kills,
             &Outages::default(),
+            &Earlier::default(),
             &mut allowed,
         );
         assert!(found.is_empty(), "{found:?}");
@@ -344,6 +425,7 @@ mod tests {
             &stats(4, 1, 3, 0),
             &kills,
             &Outages::default(),
+            &Earlier::default(),
             &mut Vec::new(),
         );
         assert_eq!(found.len(), 2, "{found:?}");
@@ -361,6 +443,7 @@ mod tests {
                 &stats(5, 1, 4, 0),
                 &other,
                 &Outages::default(),
+                &Earlier::default(),
                 &mut Vec::new()
             )
             .len(),
@@ -385,12 +468,28 @@ mod tests {
         };
         let mut status = stats(0, 0, 0, 1);
         (status.offered, status.released) = (1, 1);
-        let found = check(&m, 1, &status, &kills, &Outages::default(), &mut Vec::new());
+        let found = check(
+            &m,
+            1,
+            &status,
+            &kills,
+            &Outages::default(),
+            &Earlier::default(),
+            &mut Vec::new(),
+        );
         assert_eq!(found.len(), 2, "delivered, nacked: {found:?}");
         for done in [Some(8000), None] {
             m.answers[0].done_ms = done;
             let mut allowed = Vec::new();
-            let found = check(&m, 1, &status, &kills, &Outages::default(), &mut allowed);
+            let found = check(
+                &m,
+                1,
+                &status,
+                &kills,
+                &Outages::default(),
+                &Earlier::default(),
+                &mut allowed,
+            );
             assert!(found.is_empty(), "{done:?}: {found:?}");
             assert_eq!(allowed.len(), 2, "delivered, nacked: {allowed:?}");
         }
@@ -420,20 +519,39 @@ mod tests {
             broker: vec![(1500, 2500)],
             acks: Vec::new(),
         };
-        let found = check(&m, 2, &s, &[], &Outages::default(), &mut Vec::new());
+        let found = check(
+            &m,
+            2,
+            &s,
+            &[],
+            &Outages::default(),
+            &Earlier::default(),
+            &mut Vec::new(),
+        );
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].contains("outside a broker outage"), "{found:?}");
-        assert!(check(&m, 2, &s, &[], &outage, &mut Vec::new()).is_empty());
+        assert!(
+            check(
+                &m,
+                2,
+                &s,
+                &[],
+                &outage,
+                &Earlier::default(),
+                &mut Vec::new()
+            )
+            .is_empty()
+        );
         // The broker took the failed ack after all (one exhausted, message 2) or did not (two).
         s.exhausted = 2;
         let mut allowed = Vec::new();
-        assert!(check(&m, 2, &s, &[], &outage, &mut allowed).is_empty());
+        assert!(check(&m, 2, &s, &[], &outage, &Earlier::default(), &mut allowed).is_empty());
         assert_eq!(allowed.len(), 0, "{allowed:?}");
         s.exhausted = 1;
         // The silent attempt's decline refused as well: allowed, said.
         s.settlement.refused = 2;
         let mut allowed = Vec::new();
-        assert!(check(&m, 2, &s, &[], &outage, &mut allowed).is_empty());
+        assert!(check(&m, 2, &s, &[], &outage, &Earlier::default(), &mut allowed).is_empty());
         assert!(
             allowed.iter().any(|a| a.starts_with("refused")),
             "{allowed:?}"
@@ -441,7 +559,15 @@ mod tests {
         // A failed settlement not counted refused, or one refused too many.
         for refused in [0, 3] {
             s.settlement.refused = refused;
-            let found = check(&m, 2, &s, &[], &outage, &mut Vec::new());
+            let found = check(
+                &m,
+                2,
+                &s,
+                &[],
+                &outage,
+                &Earlier::default(),
+                &mut Vec::new(),
+            );
             assert_eq!(found.len(), 1, "{refused}: {found:?}");
             assert!(found[0].starts_with("refused: status"), "{found:?}");
         }
@@ -465,28 +591,56 @@ mod tests {
             broker: vec![(1500, 2500)],
             acks: vec![(500, 2500)],
         };
-        let found = check(&m, 1, &s, &[], &Outages::default(), &mut Vec::new());
+        let found = check(
+            &m,
+            1,
+            &s,
+            &[],
+            &Outages::default(),
+            &Earlier::default(),
+            &mut Vec::new(),
+        );
         assert_eq!(
             found.len(),
             1,
             "outside an outage the ack was taken: {found:?}"
         );
         assert!(found[0].starts_with("exhausted"), "{found:?}");
-        assert!(check(&m, 1, &s, &[], &outage, &mut Vec::new()).is_empty());
+        assert!(
+            check(
+                &m,
+                1,
+                &s,
+                &[],
+                &outage,
+                &Earlier::default(),
+                &mut Vec::new()
+            )
+            .is_empty()
+        );
         // A follower hit instead: the consumer kept its leader, the ack was taken.
         let follower = Outages {
             broker: vec![(1500, 2500)],
             acks: Vec::new(),
         };
         assert_eq!(
-            check(&m, 1, &s, &[], &follower, &mut Vec::new()).len(),
+            check(
+                &m,
+                1,
+                &s,
+                &[],
+                &follower,
+                &Earlier::default(),
+                &mut Vec::new()
+            )
+            .len(),
             1,
             "a follower's outage loses no ack"
         );
         // Taken after all: nothing ran out, as the handlers say; allowed, and said.
         s.exhausted = 0;
         let mut allowed = Vec::new();
-        assert!(check(&m, 1, &s, &[], &outage, &mut allowed).is_empty());
+        assert!(check(&m, 1, &s, &[], &outage, &Earlier::default(), &mut allowed).is_empty());
         assert!(
             allowed.iter().any(|a| a.starts_with("exhausted")),
             "{allowed:?}"
@@ -516,5 +670,26 @@ mod tests {
         let found = above(&stats(4, 2, 2, 0), &m);
         assert_eq!(found.len(), 2, "{found:?}");
         assert!(found[0].starts_with("delivered: status 4"), "{found:?}");
+    }
+
+    #[test]
+    fn what_ran_out_under_an_earlier_consumer_counts_and_a_decline_around_its_deletion_may_not() {
+        // The consumer deleted at 5000 ms and made again at 5500 ms: message 1 ran out long
+        // before, message 2's last decline was answered just before the deletion.
+        let mut a = answer(0, 1000, 1, MAX_DELIVER, "nack");
+        a.done_ms = Some(1001);
+        let mut b = answer(0, 4500, 2, MAX_DELIVER, "silent");
+        b.done_ms = Some(4501);
+        let c = answer(0, 6000, 1, 1, "ack");
+        let m = Model {
+            attempts: 3,
+            answers: vec![a, b, c],
+            ..Model::default()
+        };
+        let e = Earlier::of(&m, &[(5000, 5500)]);
+        assert_eq!(e.exhausted, (1, 2));
+        assert_eq!(e.gone, vec![(4000, 5500)]);
+        assert_eq!(e.last.map(|l| l.attempts), Some(1));
+        assert_eq!(Earlier::of(&m, &[]).exhausted, (0, 0));
     }
 }
