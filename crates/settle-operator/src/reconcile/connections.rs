@@ -100,6 +100,9 @@ pub struct RabbitConn {
     pub stateless: std::sync::Mutex<
         std::collections::HashMap<String, (std::time::Instant, std::time::Instant)>,
     >,
+    /// Whether the broker keeps no statistics (read once): then no queue shows a state, and
+    /// none is judged by its lack of one.
+    pub stats_disabled: std::sync::Mutex<Option<bool>>,
     /// When a dropped connection may be made again.
     redial: Arc<Mutex<Redial>>,
 }
@@ -442,6 +445,7 @@ impl Connections {
             key: key.clone(),
             running_marked: std::sync::Mutex::default(),
             stateless: std::sync::Mutex::default(),
+            stats_disabled: std::sync::Mutex::default(),
             redial: Arc::default(),
         };
         if let Err(e) = conn.connection().await {

@@ -139,7 +139,7 @@ async fn converge(
     let Found::Shown(live) = found else {
         return w.redeclare(&amqp).await;
     };
-    if let Some(down) = w.unavailable(&live) {
+    if let Some(down) = w.unavailable(&live).await {
         return down;
     }
     w.repair_live(&amqp, &live, changes).await
@@ -284,9 +284,13 @@ impl Work<'_> {
     /// `stopped`, or without any state for [`STATELESS_FOR`] (a quorum queue made just before
     /// its node crashed can stay so after the node is back: it refuses every publish and
     /// never answers a consumer). Said, not repaired: deleting it would lose what it holds
-    /// (semantics R14).
-    fn unavailable(&self, live: &mapping::LiveQueue) -> Option<SubOutcome> {
+    /// (semantics R14). A broker that keeps no statistics shows no queue's state: nothing is
+    /// judged by its lack there.
+    async fn unavailable(&self, live: &mapping::LiveQueue) -> Option<SubOutcome> {
         let name = &self.want.name;
+        if live.state.is_none() && self.stats_disabled().await {
+            return None;
+        }
         let why = {
             let mut stateless = self
                 .conn
@@ -321,6 +325,34 @@ impl Work<'_> {
         };
         tracing::warn!(subscription = %self.t.owner, queue = %name, "{why}");
         Some(failure(BrokerError::Unavailable(why), self.t.known.clone()))
+    }
+
+    /// Whether the Backend's broker keeps no statistics, read once per connection (unknown:
+    /// as if it kept them, so a queue without a state is judged as usual).
+    async fn stats_disabled(&self) -> bool {
+        let known = *self
+            .conn
+            .stats_disabled
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(disabled) = known {
+            return disabled;
+        }
+        let Some(m) = &self.conn.management else {
+            return false;
+        };
+        self.ctx.metrics.js("overview");
+        match m.stats_disabled().await {
+            Ok(disabled) => {
+                *self
+                    .conn
+                    .stats_disabled
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(disabled);
+                disabled
+            }
+            Err(_) => false,
+        }
     }
 
     /// Shown by the management API: an argument RabbitMQ cannot change is said, the binding

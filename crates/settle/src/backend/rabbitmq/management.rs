@@ -271,6 +271,16 @@ impl Management {
             .and_then(|v| v.get("rabbitmq_version")?.as_str().map(str::to_string)))
     }
 
+    /// Whether the broker keeps no statistics (`GET /api/overview`, `disable_stats`): then no
+    /// queue shows a state.
+    pub async fn stats_disabled(&self) -> Result<bool, ManagementError> {
+        Ok(self
+            .get("/api/overview")
+            .await?
+            .and_then(|v| v.get("disable_stats")?.as_bool())
+            .unwrap_or(false))
+    }
+
     /// Queue `name` in `vhost` as [`super::mapping::diff`] compares it: its arguments and its
     /// bindings, and its state; `None` when it does not exist.
     pub async fn queue(
