@@ -30,7 +30,7 @@
 //! change a consumer the operator owns.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull};
@@ -93,7 +93,7 @@ impl NatsBroker {
         &self,
         ctx: Arc<SubscriptionCtx>,
     ) -> Result<Box<dyn Consumer>, BusError> {
-        let messages = self.bind(&ctx).await?;
+        let (messages, made) = self.bind(&ctx).await?;
         Ok(Box::new(NatsConsumer {
             broker: self.clone(),
             client: Arc::new(self.client.clone()),
@@ -102,14 +102,17 @@ impl NatsBroker {
             ctx,
             messages: Some(messages),
             retired: Arc::default(),
+            bound: Arc::default(),
+            made,
         }))
     }
 
     /// Finds or makes the subscription's consumer (through the one mapping in `consumer`) and
     /// starts pulling from it. A code-defined subscription creates its consumer, or brings an
     /// existing one in line (refusing when only a new consumer could); one the operator owns is
-    /// only bound to, waiting while it does not exist.
-    async fn bind(&self, ctx: &SubscriptionCtx) -> Result<pull::Stream, BusError> {
+    /// only bound to, waiting while it does not exist. Also says when the consumer was made
+    /// (by the server's clock), which tells one made again from the same one bound again.
+    async fn bind(&self, ctx: &SubscriptionCtx) -> Result<(pull::Stream, i128), BusError> {
         let (stream, name) = match ctx.binding().owner {
             ConsumerOwner::Runtime => self.converge_own(ctx).await?,
             ConsumerOwner::Operator => self.await_operator(ctx).await,
@@ -120,12 +123,14 @@ impl NatsBroker {
             .get_consumer_from_stream(&name, &stream)
             .await
             .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+        let mut made = consumer.cached_info().created.unix_timestamp_nanos();
         if ctx.binding().owner == ConsumerOwner::Operator {
             // The object the operator made this consumer for: the counts from here on are its.
             let info = consumer
                 .info()
                 .await
                 .map_err(|e| err(format!("consumer {name} on stream {stream}: {e}")))?;
+            made = info.created.unix_timestamp_nanos();
             ctx.bound_to(
                 info.config
                     .metadata
@@ -154,7 +159,7 @@ impl NatsBroker {
             .await
             .map_err(|e| err(format!("cannot pull from stream {stream}: {e}")))?;
         tracing::info!(subscription = %ctx.name(), %stream, consumer = %name, owner = ?ctx.binding().owner, "bound to a JetStream pull consumer");
-        Ok(messages)
+        Ok((messages, made))
     }
 
     /// A code-defined subscription's consumer: created from the mapping, or updated to it.
@@ -242,6 +247,11 @@ struct NatsConsumer {
     messages: Option<pull::Stream>,
     retired: Arc<AtomicBool>,
     acks: bool,
+    /// How many times it bound again to a consumer made again (deleted on the broker, or with
+    /// its Subscription): a delivery remembers the binding it came from.
+    bound: Arc<AtomicU64>,
+    /// When the consumer it is bound to was made (unix ns, by the server's clock).
+    made: i128,
 }
 
 impl NatsConsumer {
@@ -269,6 +279,8 @@ impl NatsConsumer {
             reply: msg.reply,
             retired: Arc::clone(&self.retired),
             acks: self.acks,
+            offered_in: self.bound.load(Ordering::Acquire),
+            bound: Arc::clone(&self.bound),
         };
         Delivery::new(
             &self.ctx,
@@ -300,7 +312,11 @@ impl Consumer for NatsConsumer {
                                     // bind again when it is back (or wait until the bus closes).
                                     tracing::warn!(subscription = %self.ctx.name(), error = %e, "the operator's consumer is gone; waiting for it to come back");
                                     match self.broker.bind(&self.ctx).await {
-                                        Ok(m) => {
+                                        Ok((m, made)) => {
+                                            if made != self.made {
+                                                self.made = made;
+                                                self.bound.fetch_add(1, Ordering::AcqRel);
+                                            }
                                             self.messages = Some(m);
                                             continue;
                                         }
@@ -342,6 +358,9 @@ struct NatsSettler {
     reply: Option<Subject>,
     retired: Arc<AtomicBool>,
     acks: bool,
+    /// The binding the delivery came from, and the consumer's current one.
+    offered_in: u64,
+    bound: Arc<AtomicU64>,
 }
 
 impl NatsSettler {
@@ -349,6 +368,15 @@ impl NatsSettler {
         if self.retired.load(Ordering::Acquire) {
             return Err(Refusal {
                 reason: "the consumer that offered this delivery was retired by this process; the server offers the message again after ackWait".into(),
+                stranded: false,
+            });
+        }
+        if self.bound.load(Ordering::Acquire) != self.offered_in {
+            // An ack subject names the consumer only by stream and name: sent now, it would
+            // reach the consumer made again under that name and settle the message it has
+            // offered afresh (semantics J3).
+            return Err(Refusal {
+                reason: "the consumer that offered this delivery was deleted and made again; the new one offers the message afresh".into(),
                 stranded: false,
             });
         }
