@@ -7,7 +7,7 @@
 //! It must not read Settle's counters (that is [`super::model`]'s check against status), nor
 //! inject faults.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 
 use super::model::{Outages, in_any};
@@ -84,7 +84,10 @@ impl Model {
         let mut answers: Vec<Answer> = Vec::new();
         let mut twice = Vec::new();
         for (file, path) in files.iter().enumerate() {
-            let mut open: HashMap<(u64, u32), usize> = HashMap::new();
+            // An (id, attempt) may be open twice: a consumer made again numbers its attempts
+            // afresh while the earlier one's settlement is still under way. Each settlement
+            // that returns is the oldest open one's (a slow ack's, 3 s after its answer).
+            let mut open: HashMap<(u64, u32), VecDeque<usize>> = HashMap::new();
             let Ok(text) = std::fs::read_to_string(path) else {
                 continue;
             };
@@ -100,14 +103,15 @@ impl Model {
                 let at_ms = words.get(3).and_then(|w| w.parse().ok()).unwrap_or(0);
                 match *word {
                     "done" | "failed" => {
-                        if let Some(i) = open.remove(&(id, attempt)) {
+                        if let Some(i) = open.get_mut(&(id, attempt)).and_then(VecDeque::pop_front)
+                        {
                             answers[i].done_ms = Some(at_ms);
                             answers[i].failed = *word == "failed";
                         }
                         continue;
                     }
                     "no-delay" => {
-                        if let Some(i) = open.get(&(id, attempt)) {
+                        if let Some(i) = open.get(&(id, attempt)).and_then(|o| o.back()) {
                             answers[*i].no_delay = true;
                         }
                         continue;
@@ -121,7 +125,9 @@ impl Model {
                 let Some(kind) = settlement(word) else {
                     continue;
                 };
-                open.insert((id, attempt), answers.len());
+                open.entry((id, attempt))
+                    .or_default()
+                    .push_back(answers.len());
                 answers.push(Answer {
                     file,
                     at_ms,
@@ -291,6 +297,17 @@ mod tests {
         let m = Model::read(&[c]);
         assert_eq!(m.unsure_acks, [3].into());
         assert_eq!(m.failed_at, vec![11, 13]);
+    }
+
+    #[test]
+    fn a_settlement_that_returns_is_the_oldest_open_answers_of_its_attempt() {
+        // A slow ack of an earlier consumer's delivery, refused after the consumer made again
+        // offered the message afresh at the same attempt, whose own slow ack then returns.
+        let m = read("17 1 slow-ack 100\n17 1 slow-ack 3000\n17 1 failed 3100\n17 1 done 6000\n");
+        assert_eq!(m.answers[0].done_ms, Some(3100));
+        assert!(m.answers[0].failed);
+        assert_eq!(m.answers[1].done_ms, Some(6000));
+        assert!(!m.answers[1].failed);
     }
 
     #[test]

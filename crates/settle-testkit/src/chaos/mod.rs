@@ -257,13 +257,20 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     } else {
         c.messages + 1 - first_id
     };
-    // At rest: every message acknowledged or out of attempts, and status still.
-    let deadline = Instant::now() + Duration::from_secs(180);
+    // At rest: every message acknowledged or out of attempts, and status still. A NATS
+    // consumer made again late offers every message afresh, which takes longer.
+    let made_again = !done.recreated.is_empty() || !done.consumer_deleted.is_empty();
+    let wait = if made_again && broker.offers_stored() {
+        600
+    } else {
+        180
+    };
+    let deadline = Instant::now() + Duration::from_secs(wait);
     let mut last = None;
     loop {
         let s = stats_in(&api, "orders").await;
         let m = Model::read(&apps.files).between(from_ms, u64::MAX);
-        let m = Earlier::of(&m, &gone).last.unwrap_or(m);
+        let m = Earlier::of(&m, &gone, &[]).last.unwrap_or(m);
         let resolved = m.acked_ids.len() as u64 + s.exhausted >= owed;
         // Balanced too: a SIGKILLed instance's unfinished attempts are Released once it is
         // folded (`--fold-after`, `Broker::operator_flags`); and the conditions back from the last outage.
@@ -332,7 +339,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         broker: ms_of(&done.outages),
         acks: ms_of(&done.ack_outages),
     };
-    let earlier = Earlier::of(&model, &gone);
+    let earlier = Earlier::of(&model, &gone, &outages.acks);
     let mut discrepancies = check(
         &model,
         owed,
@@ -359,7 +366,15 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         .chain(std::iter::once(u64::MAX))
         .collect();
     let grace = u64::try_from(conditions::OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
-    for b in bounds.windows(2) {
+    // Each consumer's: one made again numbers its attempts afresh (B5 compares an attempt with
+    // the next of the same consumer).
+    let mut consumers: Vec<u64> = bounds
+        .iter()
+        .copied()
+        .chain(done.consumer_deleted.iter().map(|d| ms(d.back)))
+        .collect();
+    consumers.sort_unstable();
+    for b in consumers.windows(2) {
         discrepancies.extend(kept(
             &all.between(b[0], b[1]),
             broker.delays(),

@@ -83,8 +83,8 @@ pub struct Earlier {
 
 impl Earlier {
     /// What `object`'s answers left under the consumers `gone` (unix ms: deleted, made again)
-    /// before the last one.
-    pub fn of(object: &Model, gone: &[(u64, u64)]) -> Earlier {
+    /// before the last one; `acks_lost`, when an ack sent may have been lost (J3).
+    pub fn of(object: &Model, gone: &[(u64, u64)], acks_lost: &[(u64, u64)]) -> Earlier {
         let Some(&(_, from)) = gone.last() else {
             return Earlier::default();
         };
@@ -103,9 +103,21 @@ impl Earlier {
                 !in_any(&windows, a.at_ms, 0) && a.done_ms.is_some_and(|d| !in_any(&windows, d, 0))
             })
             .count() as u64;
+        // An ack of a last attempt that failed, or may have been lost, leaves the message to
+        // run out on the broker (its dead-letter count, C7) with no decline answered.
+        let unsure = object
+            .answers
+            .iter()
+            .filter(|a| {
+                a.at_ms < from
+                    && a.attempt >= MAX_DELIVER
+                    && a.answer == "ack"
+                    && (a.failed || in_any(acks_lost, a.at_ms, 0))
+            })
+            .count() as u64;
         Earlier {
             last: Some(object.between(from, u64::MAX)),
-            exhausted: (sure, ran_out.len() as u64),
+            exhausted: (sure, ran_out.len() as u64 + unsure),
             gone: windows,
         }
     }
@@ -686,10 +698,16 @@ mod tests {
             answers: vec![a, b, c],
             ..Model::default()
         };
-        let e = Earlier::of(&m, &[(5000, 5500)]);
+        let e = Earlier::of(&m, &[(5000, 5500)], &[]);
         assert_eq!(e.exhausted, (1, 2));
         assert_eq!(e.gone, vec![(4000, 5500)]);
         assert_eq!(e.last.map(|l| l.attempts), Some(1));
-        assert_eq!(Earlier::of(&m, &[]).exhausted, (0, 0));
+        assert_eq!(Earlier::of(&m, &[], &[]).exhausted, (0, 0));
+        // A last attempt's ack that failed may have left its message to run out.
+        let mut m = m;
+        m.answers[2].attempt = MAX_DELIVER;
+        m.answers[2].at_ms = 3000;
+        m.answers[2].failed = true;
+        assert_eq!(Earlier::of(&m, &[(5000, 5500)], &[]).exhausted, (1, 3));
     }
 }
