@@ -74,11 +74,12 @@ impl Broker {
     /// The least time between a Subscription's deletion and its applying again. SQS refuses
     /// to make a queue of a deleted one's name for 60 s, so every running instance finds the
     /// queue gone (a receive waits at most 20 s) and reads its mark again before it receives
-    /// from the new object's queue (semantics Q7); ElasticMQ makes it at once, so the campaign
-    /// waits longer than a receive instead. Elsewhere a second.
+    /// from the new object's queue (semantics Q7); ElasticMQ makes it at once, and holds a
+    /// receive waiting on a deleted queue until its wait ends (the client then tries it again),
+    /// so the campaign waits well past a receive's 20 s instead. Elsewhere a second.
     pub fn recreate_after(self) -> Duration {
         match self {
-            Broker::Sqs => Duration::from_secs(21),
+            Broker::Sqs => Duration::from_secs(30),
             Broker::Nats | Broker::NatsCluster | Broker::Rabbitmq => Duration::from_secs(1),
         }
     }
