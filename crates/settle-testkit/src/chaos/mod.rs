@@ -259,8 +259,8 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     };
     // At rest: every message acknowledged or out of attempts, and status still. A NATS
     // consumer made again late offers every message afresh, which takes longer.
-    let made_again = !done.recreated.is_empty() || !done.consumer_deleted.is_empty();
-    let wait = if made_again && broker.offers_stored() {
+    let consumer_made_again = !done.recreated.is_empty() || !done.consumer_deleted.is_empty();
+    let wait = if consumer_made_again && broker.offers_stored() {
         600
     } else {
         180
@@ -418,20 +418,16 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             .count() as u64;
     // A consumer gone (with its Subscription, or deleted on the broker) is not Ready until it
     // is made again; one deleted on the broker strands the declines sent to it (C8).
-    let made_again: Vec<(Duration, Duration)> = done
-        .recreated
-        .iter()
-        .map(|r| (r.deleted, r.ready))
-        .chain(
-            done.consumer_deleted
-                .iter()
-                .map(|d| (d.deleted, d.back + conditions::OUTAGE_GRACE)),
-        )
-        .collect();
     let stranded: Vec<(Duration, Duration)> = done
         .consumer_deleted
         .iter()
         .map(|d| (d.deleted, d.back + conditions::OUTAGE_GRACE))
+        .collect();
+    let made_again: Vec<(Duration, Duration)> = done
+        .recreated
+        .iter()
+        .map(|r| (r.deleted, r.ready))
+        .chain(stranded.iter().copied())
         .collect();
     discrepancies.extend(conditions::uncaused(
         &changes,
