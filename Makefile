@@ -40,10 +40,10 @@ bench:           ## run the benchmarks against a real environment (prints figure
 	hack/env.sh up
 	cargo bench --workspace
 
-chaos:           ## a fault campaign on the real environment: BROKER= (nats, nats-cluster, rabbitmq, sqs), SEED= (else drawn), FAULTS= (30), MESSAGES=
+chaos:           ## a fault campaign on the real environment: BROKER= (nats, nats-cluster, rabbitmq, sqs), SEED= (else drawn), FAULTS= (30), MESSAGES=, KINDS= (the first kinds of fault only)
 	hack/env.sh up $(if $(filter nats-cluster,$(BROKER)),--nats-cluster)
 	cargo build --profile bench -p settle-examples --example account_app
-	cargo bench -p settle-operator --bench chaos -- $(if $(BROKER),--broker $(BROKER)) $(if $(SEED),--seed $(SEED)) --faults $(or $(FAULTS),30) $(if $(MESSAGES),--messages $(MESSAGES))
+	cargo bench -p settle-operator --bench chaos -- $(if $(BROKER),--broker $(BROKER)) $(if $(SEED),--seed $(SEED)) --faults $(or $(FAULTS),30) $(if $(MESSAGES),--messages $(MESSAGES)) $(if $(KINDS),--kinds $(KINDS))
 
 lint:            ## rustfmt, clippy, and shellcheck over the scripts (installs shellcheck with apt when missing)
 	cargo fmt --all --check

@@ -1,14 +1,15 @@
 //! The fault campaign (docs/guide/chaos.md) on the environment's real parts: `cargo bench -p
-//! settle-operator --bench chaos -- --seed S --faults N --messages M` after `cargo build
+//! settle-operator --bench chaos -- --seed S --faults N --messages M [--kinds K]` after `cargo build
 //! --profile bench -p settle-examples --example account_app` (`make chaos` does both; a seed
 //! not given is drawn from the clock and printed). Prints one line per fault, the summary and
 //! every discrepancy, and exits 1 when there is one. `--broker nats|nats-cluster|rabbitmq|sqs`
 //! (nats when not given; nats-cluster is the environment's JetStream cluster, `hack/env.sh up
 //! --nats-cluster`). The campaign runs on a control plane of its own, which it may restart
 //! (`ApiServerRestarted`); `--shared-api-server` runs it on the environment's instead, without
-//! that fault.
+//! that fault. `--kinds K` draws from the first K kinds of fault only (each new kind is added
+//! last), so a seed printed before a kind was added draws the same schedule again.
 
-use settle_testkit::chaos::{self, Broker, Campaign};
+use settle_testkit::chaos::{self, Broker, Campaign, Fault};
 use settle_testkit::controlplane::ControlPlane;
 use std::time::Duration;
 
@@ -41,9 +42,19 @@ async fn main() {
     let messages = flag(&args, "--messages")
         .and_then(|s| s.parse().ok())
         .unwrap_or(40 * faults as u64);
+    let kinds = flag(&args, "--kinds")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(Fault::KINDS);
+    if !(1..=Fault::KINDS).contains(&kinds) {
+        eprintln!(
+            "--kinds {kinds}: between 1 and {} (the first kinds of fault, in the order they were added)",
+            Fault::KINDS
+        );
+        std::process::exit(2);
+    }
     let own = !args.iter().any(|a| a == "--shared-api-server");
     println!(
-        "campaign on {}, seed {seed}, {faults} faults, {messages} messages, {} API server",
+        "campaign on {}, seed {seed} over {kinds} kinds of fault, {faults} faults, {messages} messages, {} API server",
         broker.name(),
         if own { "its own" } else { "the environment's" }
     );
@@ -53,6 +64,7 @@ async fn main() {
         &Campaign {
             seed,
             faults,
+            kinds,
             messages,
             every: Duration::from_secs(6),
         },

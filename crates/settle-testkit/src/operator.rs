@@ -386,6 +386,37 @@ impl Drop for NatsServer {
 
 static STREAMS: AtomicUsize = AtomicUsize::new(0);
 
+/// A client of `url` (one URL or a comma-separated list), as the user a `nats://user:password@`
+/// URL names (the client reads none from the URL itself).
+pub async fn nats_client(url: &str) -> async_nats::Client {
+    let mut user = None;
+    let servers: Vec<String> = url
+        .split(',')
+        .map(|server| match server.split_once("://") {
+            Some((scheme, rest)) => match rest.split_once('@') {
+                Some((info, host)) => {
+                    if user.is_none() {
+                        user = info
+                            .split_once(':')
+                            .map(|(u, p)| (u.to_string(), p.to_string()));
+                    }
+                    format!("{scheme}://{host}")
+                }
+                None => server.to_string(),
+            },
+            None => server.to_string(),
+        })
+        .collect();
+    let mut options = async_nats::ConnectOptions::new();
+    if let Some((u, p)) = user {
+        options = options.user_and_password(u, p);
+    }
+    options
+        .connect(servers)
+        .await
+        .unwrap_or_else(|e| panic!("connect to {url}: {e}"))
+}
+
 /// A stream of a test's own (memory storage) on a server, for subjects `<prefix>.>`.
 pub struct TestStream {
     pub js: async_nats::jetstream::Context,
@@ -410,10 +441,7 @@ impl TestStream {
     }
 
     async fn make(url: &str, test: &str, replicas: usize, max_consumers: i32) -> TestStream {
-        let client = async_nats::connect(url.split(',').collect::<Vec<_>>())
-            .await
-            .unwrap_or_else(|e| panic!("connect to {url}: {e}"));
-        let js = async_nats::jetstream::new(client);
+        let js = async_nats::jetstream::new(nats_client(url).await);
         let tag = format!(
             "{}_{}_{}",
             test.replace('-', "_"),

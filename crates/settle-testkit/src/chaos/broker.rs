@@ -1,12 +1,14 @@
-//! Where a campaign runs: per broker, the Backend applied in the campaign's namespace, the
-//! Subscription's broker fields, the applications' environment, its publisher
-//! ([`super::publisher`]), and what is removed afterwards. NATS: a nats-server of the campaign's own
-//! (so it can be SIGKILLed) and a stream on it; the NATS cluster: the environment's three
-//! servers and a stream of three replicas (a server SIGKILLed or paused, then back); RabbitMQ:
+//! Where a campaign runs: per broker, the Backend applied in the campaign's namespace (its
+//! credentials in a Secret, [`super::credentials`]), the Subscription's broker fields, the
+//! applications' environment, its publisher ([`super::publisher`]), the consumer or queue
+//! deleted on the broker, what is left on it, and what is removed afterwards. NATS: a
+//! nats-server of the campaign's own (so it can be SIGKILLed), with users, and a stream on it;
+//! the NATS cluster: the environment's three servers and a stream of three replicas; RabbitMQ:
 //! a node of the campaign's own (so it can be SIGKILLed), with a dead-letter exchange, and a
 //! routing key on `amq.topic` into the Subscription's quorum queue; SQS: a queue prefix of its
 //! own, reached through a forwarder that a broker fault holds (a service does not crash; it
-//! becomes unreachable).
+//! becomes unreachable). The broker taken down is [`super::outages`]; its report source
+//! deleted, [`super::reports`].
 //!
 //! It must not decide when a fault happens nor judge status: the campaign does.
 
@@ -17,14 +19,15 @@ use futures::StreamExt;
 use settle::backend::nats::capture::{ACCOUNT_BUCKET, CAPTURE_STREAM};
 use settle::bus::report::REPORT_BUCKET;
 
+use super::credentials::{Access, Kind, SECRET, USERS, nats_config, rabbitmq_user, secret};
 use super::publisher::Publisher;
 use crate::account::report_keys;
-use crate::nats_cluster::{Cluster, SERVERS, cluster};
+use crate::nats_cluster::{Cluster, cluster};
 use crate::operator::{NatsServer, TestStream};
 use crate::partition::Partition;
 use crate::rabbitmq::{management_at, rabbitmq_backend_yaml};
 use crate::rabbitmq_server::RabbitServer;
-use crate::subs::{apply, backend_yaml, backends, wait_backend};
+use crate::subs::{apply, backends, nats_backend_yaml, nats_credentials, wait_backend};
 
 /// The brokers a campaign runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,28 +137,61 @@ impl Target {
     /// broker has them: a silent attempt comes back after 2 s, a handler working 3 s has its
     /// lease extended, and `nack_after` takes up to 2 s; on RabbitMQ silence declines at once,
     /// R3), with what the applications need.
-    pub(super) async fn make(broker: Broker, ns: &str) -> (Target, String, Vec<(String, String)>) {
+    pub(super) async fn make(
+        broker: Broker,
+        ns: &str,
+    ) -> (Target, String, Vec<(String, String)>, Access) {
         let env = crate::env();
         let tag = format!("chaos{}", std::process::id());
         match broker {
             Broker::Nats => {
-                let server = NatsServer::start(&[]);
-                let url = server.url();
-                let stream = TestStream::new(&url, "chaos").await;
-                apply(ns, &backend_yaml("nats", &url));
+                // Users: the campaign's clients, the applications, and the operators' (the
+                // Backend's Secret), which a fault rotates.
+                let config =
+                    crate::root().join(format!("target/chaos-nats-{}.conf", std::process::id()));
+                std::fs::write(&config, nats_config(&[USERS[0]]))
+                    .expect("the server's configuration");
+                let monitor = crate::free_port();
+                let server = NatsServer::start(&[
+                    "-c",
+                    &config.to_string_lossy(),
+                    "-m",
+                    &monitor.to_string(),
+                ]);
+                let (url, port) = (server.url(), server.port);
+                let stream =
+                    TestStream::new(&format!("nats://admin:admin-pw@127.0.0.1:{port}"), "chaos")
+                        .await;
+                let access = Access {
+                    kind: Kind::Nats { config, monitor },
+                    user: 0,
+                };
+                secret(ns, &access.kind, USERS[0]);
+                apply(
+                    ns,
+                    &nats_backend_yaml("nats", &url, &nats_credentials(SECRET)),
+                );
                 let fields = format!(
                     "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n",
                     stream.prefix
                 );
-                let app_env = vec![("SETTLE_NATS_URL".into(), url)];
-                (Target::Nats(Box::new(stream), server), fields, app_env)
+                let app_env = vec![(
+                    "SETTLE_NATS_URL".into(),
+                    format!("nats://app:app-pw@127.0.0.1:{port}"),
+                )];
+                (
+                    Target::Nats(Box::new(stream), server),
+                    fields,
+                    app_env,
+                    access,
+                )
             }
             Broker::NatsCluster => {
                 let cluster = cluster();
                 cluster.wait_healthy().await;
                 let urls = cluster.url_list();
                 let stream = TestStream::replicated(&urls, "chaos", 3).await;
-                apply(ns, &backend_yaml("nats", &urls));
+                apply(ns, &nats_backend_yaml("nats", &urls, ""));
                 let fields = format!(
                     "  backendRef: {{name: nats}}\n  pattern: \"{}.>\"\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n",
                     stream.prefix
@@ -165,6 +201,10 @@ impl Target {
                     Target::NatsCluster(Box::new(stream), cluster),
                     fields,
                     app_env,
+                    Access {
+                        kind: Kind::None,
+                        user: 0,
+                    },
                 )
             }
             Broker::Rabbitmq => {
@@ -181,16 +221,34 @@ impl Target {
                     matches!(status, 201 | 204),
                     "the dead-letter exchange: {status} {body}"
                 );
+                // The operators connect as a user of their own (the applications and the
+                // campaign as guest), which a fault rotates.
+                let access = Access {
+                    kind: Kind::Rabbitmq {
+                        management: server.management_url(),
+                    },
+                    user: 0,
+                };
+                rabbitmq_user(&server.management_url(), USERS[0]);
+                secret(ns, &access.kind, USERS[0]);
                 apply(
                     ns,
                     &rabbitmq_backend_yaml(
                         "rabbit",
                         &server.url(),
                         &server.management_url(),
-                        "    deadLetterExchange: chaos.dlx\n",
+                        &format!(
+                            "    deadLetterExchange: chaos.dlx\n    credentialsSecretRef: {{name: {SECRET}}}\n"
+                        ),
                     ),
                 );
-                wait_backend(&backends(ns).await, "rabbit", "True", "Connected").await;
+                wait_backend(
+                    &backends(ns).await,
+                    "rabbit",
+                    "True",
+                    "PlaintextCredentials",
+                )
+                .await;
                 let amqp = amqp_connect(&server.url()).await;
                 let fields = format!(
                     "  backendRef: {{name: rabbit}}\n  pattern: \"{tag}.>\"\n  durableName: {tag}\n"
@@ -204,6 +262,7 @@ impl Target {
                     },
                     fields,
                     app_env,
+                    access,
                 )
             }
             Broker::Sqs => {
@@ -216,7 +275,17 @@ impl Target {
                     .expect("the SQS endpoint is an IP:port");
                 let link = Partition::to(elasticmq).await;
                 let endpoint = format!("http://127.0.0.1:{}", link.port);
-                crate::sqs::sqs_backend_at(ns, "sqs", &prefix, &endpoint);
+                let access = Access {
+                    kind: Kind::Sqs,
+                    user: 0,
+                };
+                secret(ns, &access.kind, USERS[0]);
+                apply(
+                    ns,
+                    &format!(
+                        "apiVersion: messaging.settle.dev/v1alpha1\nkind: Backend\nmetadata: {{name: sqs}}\nspec:\n  sqs:\n    region: elasticmq\n    endpoint: \"{endpoint}\"\n    queuePrefix: \"{prefix}\"\n    credentialsSecretRef: {{name: {SECRET}}}\n"
+                    ),
+                );
                 wait_backend(&backends(ns).await, "sqs", "True", "PlaintextCredentials").await;
                 let fields =
                     "  backendRef: {name: sqs}\n  pattern: orders\n  durableName: orders\n  ackWait: 2s\n  maxNackDelay: 2s\n".into();
@@ -236,6 +305,7 @@ impl Target {
                     },
                     fields,
                     app_env,
+                    access,
                 )
             }
         }
@@ -365,86 +435,6 @@ impl Target {
         }
     }
 
-    /// The broker down for `down`: SIGKILLed, or SIGTERMed (`graceful`: it shuts down on its
-    /// own), and started again on its store (on the cluster one of its servers, drawn: only
-    /// there is a server drawn); SQS, a service, unreachable instead.
-    pub(super) async fn kill_broker(
-        &mut self,
-        down: Duration,
-        graceful: bool,
-        draw: &mut super::Draw,
-    ) -> Hit {
-        let secs = down.as_secs();
-        let signal = if graceful { "TERM" } else { "KILL" };
-        let sig = format!("SIG{signal}ed");
-        match self {
-            Target::Nats(_, server) => {
-                tokio::task::block_in_place(|| {
-                    if graceful {
-                        server.terminate();
-                    } else {
-                        server.stop();
-                    }
-                });
-                tokio::time::sleep(down).await;
-                server.resume();
-                Hit {
-                    what: format!("the broker {sig}, and started again {secs} s later"),
-                    consumer_led: true,
-                    dead_queue: false,
-                }
-            }
-            Target::NatsCluster(stream, cluster) => {
-                let i = usize::try_from(draw.below(3)).unwrap_or(0);
-                let led = leads(stream).await;
-                let killed = tokio::task::block_in_place(|| cluster.kill_with(i, signal));
-                tokio::time::sleep(down).await;
-                killed.restart();
-                let back = healthy_again(cluster).await;
-                led.hit(
-                    i,
-                    &format!("{sig}, started again {secs} s later, every server healthy {back}"),
-                )
-            }
-            Target::Rabbitmq {
-                amqp, server, tag, ..
-            } => {
-                let mut publishing = amqp.lock().await;
-                tokio::task::block_in_place(|| server.stop(signal));
-                tokio::time::sleep(down).await;
-                let started = std::time::Instant::now();
-                tokio::task::block_in_place(|| server.resume());
-                *publishing = amqp_connect(&server.url()).await;
-                let serving = started.elapsed().as_secs_f64();
-                let dead_queue = !queue_runs(server, tag).await;
-                Hit {
-                    what: format!(
-                        "the broker {sig}, and started again {secs} s later, serving {serving:.1} s after that{}",
-                        if dead_queue {
-                            ", but running nothing for the Subscription's queue"
-                        } else {
-                            ""
-                        }
-                    ),
-                    consumer_led: true,
-                    dead_queue,
-                }
-            }
-            Target::Sqs { link, .. } => {
-                link.pause(true);
-                tokio::time::sleep(down).await;
-                link.pause(false);
-                Hit {
-                    what: format!("SQS unreachable for {secs} s (every connection held)"),
-                    // An SQS delete answers: an ack that returned was taken, one that did
-                    // not failed (and is unsure on its own).
-                    consumer_led: false,
-                    dead_queue: false,
-                }
-            }
-        }
-    }
-
     /// The Subscription's consumer (NATS) or queue (RabbitMQ, SQS: with the messages it
     /// holds) deleted on the broker, behind the operator's back, and waited for until the
     /// operator has made it again (at most 60 s); says what was deleted.
@@ -519,31 +509,6 @@ impl Target {
         }
     }
 
-    /// A cluster server paused (SIGSTOP: its connections open and silent, as a node cut off)
-    /// for `down`, then resumed: `which` (modulo two) of the two the campaign's publisher is
-    /// not connected to (its client would wait out its pings, a minute or more, while the
-    /// operators and applications take the fault).
-    pub(super) async fn pause_node(&mut self, down: Duration, which: u64) -> Hit {
-        let Target::NatsCluster(stream, cluster) = self else {
-            panic!("only the cluster has a node to pause")
-        };
-        let publishing = stream.js.client().server_info().server_name;
-        let others: Vec<usize> = (0..3).filter(|&j| SERVERS[j] != publishing).collect();
-        let i = others[usize::try_from(which).unwrap_or(0) % others.len()];
-        let led = leads(stream).await;
-        let paused = cluster.pause(i);
-        tokio::time::sleep(down).await;
-        paused.resume();
-        let back = healthy_again(cluster).await;
-        led.hit(
-            i,
-            &format!(
-                "paused (SIGSTOP) for {} s, then resumed, every server healthy {back}",
-                down.as_secs()
-            ),
-        )
-    }
-
     /// What the campaign made on the broker beside the Subscription's own objects, removed
     /// (on the cluster, once every server is back and healthy).
     pub(super) async fn remove(self) {
@@ -558,82 +523,8 @@ impl Target {
     }
 }
 
-/// Waits until every server of the cluster is healthy again, which ends the outage (a server
-/// back catches up its streams first, and the next one lost meanwhile would cost the quorum);
-/// says how long after it was back (`N s later`).
-async fn healthy_again(cluster: &Cluster) -> String {
-    let back = std::time::Instant::now();
-    cluster.wait_healthy().await;
-    format!("{:.1} s later", back.elapsed().as_secs_f64())
-}
-
-/// What a fault on the broker did: said in a line, and whether the server it hit led the
-/// consumer (the only server when there is one; on the cluster, or not known then): until
-/// another leads it, an ack sent is lost (semantics J3).
-pub(super) struct Hit {
-    pub(super) what: String,
-    pub(super) consumer_led: bool,
-    /// RabbitMQ came back listing the Subscription's queue but running nothing for it (a
-    /// quorum queue made just before the node was SIGKILLed can stay so).
-    pub(super) dead_queue: bool,
-}
-
-/// Which servers led the campaign's stream and its consumer when a fault hit one.
-struct Leaders {
-    stream: Option<String>,
-    consumer: Option<String>,
-}
-
-impl Leaders {
-    /// Server `i` hit, as `done` says: `settle-cN (what it led) <done>`, and whether it led
-    /// the consumer (or nobody knew who did).
-    fn hit(&self, i: usize, done: &str) -> Hit {
-        let server = SERVERS[i];
-        let of = |l: &Option<String>| l.as_deref() == Some(server);
-        let led = match (of(&self.stream), of(&self.consumer)) {
-            (true, true) => "leading the stream and the consumer",
-            (true, false) => "leading the stream",
-            (false, true) => "leading the consumer",
-            (false, false) => "a follower",
-        };
-        Hit {
-            what: format!("{server} ({led}) {done}"),
-            consumer_led: self.consumer.as_deref().is_none_or(|l| l == server),
-            dead_queue: false,
-        }
-    }
-}
-
-async fn leads(stream: &TestStream) -> Leaders {
-    Leaders {
-        stream: Cluster::stream_leader(&stream.js, &stream.name).await,
-        consumer: Cluster::consumer_leader(&stream.js, &stream.name, "orders").await,
-    }
-}
-
-/// Whether RabbitMQ runs queue `queue` once it is back: its management API shows it with a
-/// state within 25 s (RabbitMQ's statistics come every 5 s; a queue nothing runs shows none).
-async fn queue_runs(server: &RabbitServer, queue: &str) -> bool {
-    let deadline = std::time::Instant::now() + Duration::from_secs(25);
-    loop {
-        let (status, body) = management_at(
-            &server.management_url(),
-            "GET",
-            &format!("/api/queues/%2f/{queue}"),
-            "",
-        );
-        let state = serde_json::from_str::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|q| q.get("state").cloned());
-        if status != 200 || state.is_some() || std::time::Instant::now() > deadline {
-            return status != 200 || state.is_some_and(|s| s == "running");
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-}
-
 /// A connection to RabbitMQ at `url`.
-async fn amqp_connect(url: &str) -> lapin::Connection {
+pub(super) async fn amqp_connect(url: &str) -> lapin::Connection {
     lapin::Connection::connect(url, lapin::ConnectionProperties::default())
         .await
         .unwrap_or_else(|e| panic!("connect to RabbitMQ at {url}: {e}"))

@@ -3,12 +3,13 @@
 //! time; `Exhausting=True` needs a message the handlers never acknowledged (it ran out of
 //! attempts); `Ready=False` and `Accounted=False` need the broker or the API server down (from
 //! its kill until [`OUTAGE_GRACE`] after it is back: the operator finds the consumer
-//! unreachable, a source unreadable, or catches up), and `Ready=False` also the Subscription
-//! deleted until the new object's consumer is made; none of the campaign's faults causes
-//! `Stranding=True` or `Stalled=True`, nor the others outside an outage (they remove no
-//! Backend, connection or consumer, cost no source, save or report, and a pause owes nothing:
-//! semantics C22), so each seen is a discrepancy; at rest the Subscription is `Ready`, `Accounted`, and neither stranding nor
-//! stalled.
+//! unreachable, a source unreadable, or catches up); `Ready=False` also a consumer gone (the
+//! Subscription deleted until the new object's is made, or deleted on the broker until it is
+//! made again), `Stranding=True` a consumer deleted on the broker (a decline sent to it, C8),
+//! and `Accounted=False` a report source deleted on the broker, until the loss window after
+//! it is back (C17, Q8). Nothing else of the campaign causes them, nor `Stalled=True` (handlers
+//! return throughout, and a pause owes nothing: semantics C22), so each other one seen is a
+//! discrepancy; at rest the Subscription is `Ready`, `Accounted`, and not stalled.
 //!
 //! It must not judge the counters: it records them for the campaign's checker.
 
@@ -36,19 +37,45 @@ pub struct Change {
 /// Every change seen, in order.
 pub type Changes = Arc<Mutex<Vec<Change>>>;
 
+/// What the watcher saw: every status's counters (for the check that none stepped down), each
+/// change of a judged condition, and when the counters changed (since the campaign started).
+pub struct Watched {
+    pub seen: Seen,
+    pub changes: Changes,
+    pub written: Arc<Mutex<Vec<Duration>>>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl Watched {
+    /// When the counters last changed before `at` (the campaign's start if never).
+    pub fn written_before(&self, at: Duration) -> Duration {
+        self.written
+            .lock()
+            .ok()
+            .and_then(|w| w.iter().rev().find(|t| **t < at).copied())
+            .unwrap_or_default()
+    }
+}
+
 /// Polls Subscription `orders` every 100 ms until aborted: one read gives both the counters
-/// (every status seen, for the check that none stepped down) and each change of a judged
-/// condition.
-pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Seen, Changes, tokio::task::JoinHandle<()>) {
-    let (seen, changes): (Seen, Changes) = (Arc::default(), Arc::default());
-    let (api, counters, out) = (api.clone(), seen.clone(), changes.clone());
+/// and each change of a judged condition.
+pub fn watch(api: &Api<Subscription>, t0: Instant) -> Watched {
+    let (seen, changes, written): (Seen, Changes, Arc<Mutex<Vec<Duration>>>) =
+        (Arc::default(), Arc::default(), Arc::default());
+    let (api, counters, out, times) = (api.clone(), seen.clone(), changes.clone(), written.clone());
     let task = tokio::spawn(async move {
         loop {
             if let Ok(s) = api.get("orders").await {
                 let uid = s.metadata.uid.unwrap_or_default();
                 let status = s.status.unwrap_or_default();
                 if let (Some(stats), Ok(mut counters)) = (status.stats, counters.lock()) {
-                    counters.push((uid, stats.counters));
+                    let now = (uid, stats.counters);
+                    if counters.last() != Some(&now)
+                        && let Ok(mut times) = times.lock()
+                    {
+                        times.push(t0.elapsed());
+                    }
+                    counters.push(now);
                 }
                 let conditions = status.conditions;
                 if let Ok(mut out) = out.lock() {
@@ -71,7 +98,12 @@ pub fn watch(api: &Api<Subscription>, t0: Instant) -> (Seen, Changes, tokio::tas
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
-    (seen, changes, task)
+    Watched {
+        seen,
+        changes,
+        written,
+        task,
+    }
 }
 
 /// How long after the broker is back a condition it caused may still be raised: the
@@ -117,13 +149,15 @@ fn at_rest(type_: &str, want: &'static str, stranded: bool) -> &'static str {
 /// the consumer was gone and made again (the Subscription deleted until the new object was
 /// Ready, or the consumer deleted on the broker: not Ready until it is made), `stranding` when
 /// a decline could be stranded (its consumer deleted on the broker, C8) and how many status
-/// counts.
+/// counts, and `sources_lost` when the account may say a report source was lost or is missing
+/// (C17, Q8: from its deletion on the broker until the loss window after it was back).
 pub fn uncaused(
     changes: &[Change],
     exhausted: u64,
     outages: &[(Duration, Duration)],
     made: &[(Duration, Duration)],
     stranding: (&[(Duration, Duration)], u64),
+    sources_lost: &[(Duration, Duration)],
 ) -> Vec<String> {
     let mut out = Vec::new();
     let within = |windows: &[(Duration, Duration)], at: Duration, grace: Duration| {
@@ -136,8 +170,11 @@ pub fn uncaused(
         let why = match (c.type_.as_str(), c.status.as_str()) {
             ("Accounted" | "Ready", "False") if down => continue,
             ("Ready", "False") if within(made, c.at, Duration::ZERO) => continue,
+            ("Accounted", "False") if within(sources_lost, c.at, Duration::ZERO) => continue,
             ("Stranding", "True") if within(stranding.0, c.at, Duration::ZERO) => continue,
-            ("Accounted", "False") => "no fault of the campaign loses a source, a save or a report",
+            ("Accounted", "False") => {
+                "no fault of the campaign but a report source deleted loses a source, a save or a report"
+            }
             ("Stranding", "True") => "nothing was declined that the broker could not take back",
             ("Stalled", "True") => "handlers returned throughout, and a pause owes nothing (C22)",
             ("Exhausting", "True") if exhausted == 0 => "every message was acknowledged",
@@ -193,17 +230,17 @@ mod tests {
             change(9, "Exhausting", "True", "MessagesExhausted"),
         ];
         assert!(
-            uncaused(&calm, 3, &[], &[], (&[], 0)).is_empty(),
+            uncaused(&calm, 3, &[], &[], (&[], 0), &[]).is_empty(),
             "{:?}",
-            uncaused(&calm, 3, &[], &[], (&[], 0))
+            uncaused(&calm, 3, &[], &[], (&[], 0), &[])
         );
-        let found = uncaused(&calm, 0, &[], &[], (&[], 0));
+        let found = uncaused(&calm, 0, &[], &[], (&[], 0), &[]);
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].starts_with("Exhausting=True"), "{found:?}");
 
         let mut troubled = calm.clone();
         troubled.push(change(12, "Accounted", "False", "LedgerNotSaved"));
-        let found = uncaused(&troubled, 3, &[], &[], (&[], 0));
+        let found = uncaused(&troubled, 3, &[], &[], (&[], 0), &[]);
         assert_eq!(found.len(), 2, "during, and still at rest: {found:?}");
         assert!(found[0].contains("at 12.0 s without a cause"), "{found:?}");
         assert!(
@@ -212,7 +249,7 @@ mod tests {
         );
 
         troubled.push(change(14, "Ready", "False", "BackendNotFound"));
-        let found = uncaused(&troubled, 3, &[], &[], (&[], 0));
+        let found = uncaused(&troubled, 3, &[], &[], (&[], 0), &[]);
         assert!(
             found
                 .iter()
@@ -222,12 +259,12 @@ mod tests {
         troubled.pop();
         troubled.push(change(15, "Accounted", "True", "Whole"));
         assert_eq!(
-            uncaused(&troubled, 3, &[], &[], (&[], 0)).len(),
+            uncaused(&troubled, 3, &[], &[], (&[], 0), &[]).len(),
             1,
             "cleared at rest, still seen"
         );
         assert_eq!(
-            uncaused(&[], 0, &[], &[], (&[], 0)).len(),
+            uncaused(&[], 0, &[], &[], (&[], 0), &[]).len(),
             2,
             "Ready and Accounted never written"
         );
@@ -246,10 +283,10 @@ mod tests {
             change(40, "Ready", "False", "Unreachable"),
             change(41, "Ready", "True", "ConsumerReady"),
         ];
-        let found = uncaused(&changes, 0, &outage, &[], (&[], 0));
+        let found = uncaused(&changes, 0, &outage, &[], (&[], 0), &[]);
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].contains("at 40.0 s without a cause"), "{found:?}");
-        assert_eq!(uncaused(&changes, 0, &[], &[], (&[], 0)).len(), 3);
+        assert_eq!(uncaused(&changes, 0, &[], &[], (&[], 0), &[]).len(), 3);
     }
 
     #[test]
@@ -261,18 +298,37 @@ mod tests {
             change(13, "Ready", "True", "ConsumerReady"),
         ];
         let made = [(Duration::from_secs(9), Duration::from_secs(13))];
-        assert!(uncaused(&changes, 0, &[], &made, (&[], 0)).is_empty());
-        let found = uncaused(&changes, 0, &[], &[], (&[], 0));
+        assert!(uncaused(&changes, 0, &[], &made, (&[], 0), &[]).is_empty());
+        let found = uncaused(&changes, 0, &[], &[], (&[], 0), &[]);
         assert!(
             found[0].starts_with("Ready=False (Pending) at 10.0 s"),
             "{found:?}"
         );
         let late = [(Duration::from_secs(2), Duration::from_secs(5))];
         assert_eq!(
-            uncaused(&changes, 0, &[], &late, (&[], 0)).len(),
+            uncaused(&changes, 0, &[], &late, (&[], 0), &[]).len(),
             1,
             "no grace after"
         );
+    }
+
+    #[test]
+    fn a_report_source_deleted_causes_not_accounted_until_a_while_after_it_is_back() {
+        let changes = vec![
+            change(1, "Ready", "True", "ConsumerReady"),
+            change(1, "Accounted", "True", "Kept"),
+            change(12, "Accounted", "False", "SourceLost"),
+            change(42, "Accounted", "True", "Kept"),
+            change(50, "Accounted", "False", "ReportQueueMissing"),
+            change(51, "Accounted", "True", "Kept"),
+        ];
+        let lost = [(Duration::from_secs(10), Duration::from_secs(20))];
+        let found = uncaused(&changes, 0, &[], &[], (&[], 0), &lost);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].contains("at 50.0 s without a cause"), "{found:?}");
+        let found = uncaused(&changes, 0, &lost, &[], (&[], 0), &[]);
+        assert_eq!(found.len(), 1, "an outage causes it too: {found:?}");
+        assert_eq!(uncaused(&changes, 0, &[], &[], (&[], 0), &[]).len(), 2);
     }
 
     #[test]

@@ -12,7 +12,9 @@ use kube::Api;
 use kube::api::{Patch, PatchParams};
 use settle::api::Subscription;
 
-use super::broker::{Broker, Hit, Target};
+use super::broker::{Broker, Target};
+use super::credentials::Access;
+use super::outages::Hit;
 use super::{Draw, Kill};
 use crate::account::App;
 use crate::controlplane::ControlPlane;
@@ -65,10 +67,22 @@ pub enum Fault {
     /// again (NATS: from the advisory, within about a second; RabbitMQ and SQS: at its next
     /// drift check). No message is published until it is back.
     ConsumerDeleted,
+    /// The account's report source deleted on the broker under load ([`super::reports`]):
+    /// NATS, the report bucket; RabbitMQ, the instances' report queues; SQS, the report queue.
+    /// Running instances report again (reports are cumulative); what a SIGKILLed one reported
+    /// and the account had not read is gone.
+    ReportsDeleted,
+    /// The Backend's credentials rotated under load ([`super::credentials`]): its Secret moved
+    /// to another user, and the old user revoked on the broker once no connection uses it
+    /// (SQS: the Secret's keys changed, nothing to revoke; not on the cluster, which has no
+    /// users).
+    CredentialsRotated,
 }
 
 impl Fault {
-    const ALL: [Fault; 14] = [
+    /// Every kind, each new one added last (a campaign of the first `kinds` draws what it
+    /// drew before the later ones came: [`super::Campaign::kinds`]).
+    pub const ALL: [Fault; 16] = [
         Fault::AppReplaced,
         Fault::AppScaledUp,
         Fault::AppScaledDown,
@@ -83,7 +97,11 @@ impl Fault {
         Fault::LeaderPartitioned,
         Fault::Recreated,
         Fault::ConsumerDeleted,
+        Fault::ReportsDeleted,
+        Fault::CredentialsRotated,
     ];
+    /// How many kinds there are.
+    pub const KINDS: usize = Fault::ALL.len();
 
     /// Whether the campaign can inject it on `broker`, with a control plane of its own or
     /// not: a node to pause only the cluster has; the API server it restarts only when it is
@@ -91,6 +109,7 @@ impl Fault {
     fn on(self, broker: Broker, own_api_server: bool) -> bool {
         match self {
             Fault::NodePaused => broker == Broker::NatsCluster,
+            Fault::CredentialsRotated => broker != Broker::NatsCluster,
             Fault::ApiServerRestarted => own_api_server,
             _ => true,
         }
@@ -203,18 +222,19 @@ async fn patch_spec(api: &Api<Subscription>, spec: serde_json::Value) {
     .expect("the Subscription patched");
 }
 
-/// `n` faults drawn from `draw` among those `broker` takes (the API server restarted among
-/// them with `own_api_server`), one every `every` (give or take a third of it), the first after
-/// `every`.
+/// `n` faults drawn from `draw` among the first `kinds` of [`Fault::ALL`] that `broker` takes
+/// (the API server restarted among them with `own_api_server`), one every `every` (give or
+/// take a third of it), the first after `every`.
 pub fn schedule(
     draw: &mut Draw,
-    n: usize,
+    (n, kinds): (usize, usize),
     every: Duration,
     broker: Broker,
     own_api_server: bool,
 ) -> Vec<(Duration, Fault)> {
     let kinds: Vec<Fault> = Fault::ALL
         .into_iter()
+        .take(kinds)
         .filter(|f| f.on(broker, own_api_server))
         .collect();
     let third = u64::try_from(every.as_millis() / 3).unwrap_or(1).max(1);
@@ -338,6 +358,9 @@ pub(super) struct Done {
     pub(super) recreated: Vec<Recreation>,
     /// Each time its consumer or queue was deleted on the broker.
     pub(super) consumer_deleted: Vec<Deletion>,
+    /// Each time its report source was deleted on the broker: from then until a report was
+    /// there again.
+    pub(super) reports_deleted: Vec<(Duration, Duration)>,
     /// What a fault found the product not doing (each a discrepancy).
     pub(super) found: Vec<String>,
 }
@@ -390,6 +413,8 @@ pub(super) struct World {
     pub(super) published: Arc<tokio::sync::Mutex<u64>>,
     /// The Subscription's manifest, as applied at the start.
     pub(super) manifest: String,
+    /// The broker's users, for a rotation of the Backend's credentials.
+    pub(super) access: Access,
 }
 
 /// Injects `fault` into `w`; says what was done.
@@ -403,6 +428,7 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
         control_plane,
         published,
         manifest,
+        access,
     } = w;
     match fault {
         Fault::AppReplaced => {
@@ -533,6 +559,17 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             });
             format!(
                 "{what} deleted on the broker, made again {:.1} s later; publishing from message {first_id}",
+                (back - deleted).as_secs_f64()
+            )
+        }
+        Fault::CredentialsRotated => access.rotate(target, &ops.ns).await,
+        Fault::ReportsDeleted => {
+            let deleted = done.t0.elapsed();
+            let what = target.delete_reports(&ops.ns).await;
+            let back = done.t0.elapsed();
+            done.reports_deleted.push((deleted, back));
+            format!(
+                "{what} deleted on the broker, reports there again {:.1} s later",
                 (back - deleted).as_secs_f64()
             )
         }

@@ -7,13 +7,16 @@
 //!
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
 //! operator SIGKILLed, SIGTERMed or cut off from the API server; the Subscription paused,
-//! edited, deleted and applied again; its consumer or queue deleted on the broker; the broker
-//! SIGKILLed or SIGTERMed, or SQS unreachable, a cluster's server paused; the campaign's own API server restarted), the schedule and how
-//! each is done; [`answers`] what the handlers did and the rules each answer keeps (S2, B3,
-//! B5); [`model`] the checker of status against it (every counter exact but what a SIGKILL
-//! allows, C16, and an ack sent in an outage, J3; of the object at rest, whose account starts
-//! when it was applied, C15); [`conditions`] the conditions and their causes; [`broker`] what
-//! differs between NATS (one server or the cluster), RabbitMQ and SQS. This file runs a campaign:
+//! edited, deleted and applied again; its consumer or queue, or its report source, deleted on
+//! the broker; the Backend's credentials rotated; the broker SIGKILLed or SIGTERMed, or SQS unreachable, a cluster's server
+//! paused; the campaign's own API server restarted), the schedule and how each is done;
+//! [`answers`] what the handlers did and the rules each answer keeps (S2, B3, B5); [`model`]
+//! the checker of status against it (every counter exact but what a SIGKILL allows, C16, a
+//! lost report source, C17, and an ack sent in an outage, J3; of the object at rest, whose
+//! account starts when it was applied, C15); [`conditions`] the conditions and their causes;
+//! [`broker`] what differs between NATS (one server or the cluster), RabbitMQ and SQS,
+//! [`reports`] how each loses its report source and [`credentials`] how the Backend's
+//! credentials are rotated on each. This file runs a campaign:
 //! sets it up, runs the schedule, waits for rest, judges, and cleans up.
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
@@ -31,9 +34,12 @@ use crate::subs::{apply, subs, wait_ready};
 mod answers;
 mod broker;
 mod conditions;
+mod credentials;
 mod faults;
 mod model;
+mod outages;
 mod publisher;
+mod reports;
 use crate::controlplane::ControlPlane;
 pub use answers::{Answer, Model, kept};
 pub use broker::Broker;
@@ -41,8 +47,14 @@ use broker::Target;
 use faults::{Apps, Done, Operators, World};
 pub use faults::{Fault, schedule};
 pub use model::{
-    Earlier, KILL_WINDOW, Kill, MAX_DELIVER, Outages, above, check, last_of_each, stepped_down,
+    Earlier, KILL_WINDOW, Kill, MAX_DELIVER, Outages, Unreported, above, check, last_of_each,
+    stepped_down,
 };
+
+/// The operators' `--loss-window`: a report source lost is said (`Accounted=False
+/// SourceLost`) for this long after the loss was found (C17), and the campaign waits for
+/// `Accounted=True` again before it judges, so it is short.
+const LOSS_WINDOW: &str = "30s";
 
 /// A stream of numbers from a seed (splitmix64): the same seed draws the same campaign.
 pub struct Draw(u64);
@@ -70,6 +82,10 @@ impl Draw {
 pub struct Campaign {
     pub seed: u64,
     pub faults: usize,
+    /// How many kinds of fault the schedule draws from: the first of [`Fault::ALL`], where
+    /// each new kind is added last, so a seed draws the schedule it drew when there were this
+    /// many (a seed kept as a regression case keeps its meaning); [`Fault::KINDS`] for all.
+    pub kinds: usize,
     pub messages: u64,
     /// How long between faults (about).
     pub every: Duration,
@@ -127,6 +143,8 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             &format!("chaos-{}-{}", broker.name(), std::process::id()),
             "--stats-interval",
             "1s",
+            "--loss-window",
+            LOSS_WINDOW,
         ]
         .iter()
         .chain(broker.operator_flags())
@@ -138,7 +156,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     ops.spawn().await;
     ops.spawn().await;
     ops.leader().await;
-    let (mut target, fields, app_env) = Target::make(broker, &ns).await;
+    let (mut target, fields, app_env, access) = Target::make(broker, &ns).await;
     let manifest_text = format!(
         "apiVersion: messaging.settle.dev/v1alpha1\nkind: Subscription\nmetadata: {{name: orders, namespace: {ns}}}\nspec:\n{fields}  mode: AtLeastOnce\n  maxDeliver: {MAX_DELIVER}\n"
     );
@@ -170,12 +188,13 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     apps.start().await;
     apps.start().await;
     let t0 = Instant::now();
-    let (seen, changes, watcher) = conditions::watch(&api, t0);
+    let watched = conditions::watch(&api, t0);
+    let changes = watched.changes.clone();
 
     let mut draw = Draw::new(c.seed);
     let plan = schedule(
         &mut draw,
-        c.faults,
+        (c.faults, c.kinds),
         c.every,
         broker,
         control_plane.is_some(),
@@ -209,11 +228,13 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             api_outages: Vec::new(),
             recreated: Vec::new(),
             consumer_deleted: Vec::new(),
+            reports_deleted: Vec::new(),
             found: Vec::new(),
         },
         control_plane,
         published,
         manifest: manifest_text,
+        access,
     };
     for (at, fault) in plan {
         tokio::time::sleep_until((t0 + at).into()).await;
@@ -229,6 +250,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         target,
         done,
         control_plane,
+        access,
         ..
     } = w;
     publisher.await.expect("the publisher ran");
@@ -307,7 +329,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         }
         s = again;
     }
-    watcher.abort();
+    watched.task.abort();
     let faults = lines.len();
     let changes = changes.lock().map(|c| c.clone()).unwrap_or_default();
     for c in &changes {
@@ -340,15 +362,8 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         acks: ms_of(&done.ack_outages),
     };
     let earlier = Earlier::of(&model, &gone, &outages.acks);
-    let mut discrepancies = check(
-        &model,
-        owed,
-        &s,
-        &done.kills,
-        &outages,
-        &earlier,
-        &mut allowed,
-    );
+    let missing = unreported(&done, &watched, &changes, broker, ms);
+    let mut discrepancies = check(&model, owed, &s, &missing, &outages, &earlier, &mut allowed);
     if !broker.offers_stored() {
         let last_made = earlier.last.as_ref().unwrap_or(&model);
         discrepancies.extend(
@@ -382,10 +397,10 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
             grace,
         ));
     }
-    discrepancies.extend(stepped_down(&seen));
+    discrepancies.extend(stepped_down(&watched.seen));
     discrepancies.extend(done.found.iter().cloned());
     // (An object deleted before its status was ever written has nothing to judge.)
-    let objects = last_of_each(&seen);
+    let objects = last_of_each(&watched.seen);
     let uids: Vec<&String> = std::iter::once(&first_uid)
         .chain(done.recreated.iter().map(|r| &r.uid))
         .collect();
@@ -429,12 +444,19 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         .map(|r| (r.deleted, r.ready))
         .chain(stranded.iter().copied())
         .collect();
+    // A report source deleted may be said missing or lost until a while after it is back.
+    let sources_lost: Vec<(Duration, Duration)> = done
+        .reports_deleted
+        .iter()
+        .map(|(deleted, back)| (*deleted, *back + conditions::OUTAGE_GRACE))
+        .collect();
     discrepancies.extend(conditions::uncaused(
         &changes,
         ran_out,
         &any_outage,
         &made_again,
         (&stranded, s.stranded),
+        &sources_lost,
     ));
     // The Subscription and the Backend deleted as the namespace controller would, the
     // operators still running: nothing of theirs may stay on the broker.
@@ -465,9 +487,10 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         ));
     }
     let summary = format!(
-        "{} seed {}: {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s; status at rest {:?}",
+        "{} seed {} ({} kinds): {} faults, {} messages, {} attempts ({} acked, {} nacked, {} silent), {} exhausted, {} discrepancies, {:.0} s; status at rest {:?}",
         broker.name(),
         c.seed,
+        c.kinds,
         faults,
         c.messages,
         all.attempts,
@@ -483,6 +506,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     drop(ops);
     let _ = std::fs::remove_file(&manifest);
     target.remove().await;
+    access.remove();
     drop(control_plane);
     Report {
         lines,
@@ -492,6 +516,50 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
     }
 }
 
+/// What the account may not have counted, by the semantics: each SIGKILLed instance's last
+/// answers (C16); and for each report source deleted on the broker, what an instance SIGKILLed
+/// before it answered since the status last written before the deletion (its last reports may
+/// not have been read), and on NATS, where the loss is found and counting goes on from status,
+/// what any instance answered from then until the loss was found (C17), when it was. `ms`
+/// turns a time since the start into unix ms.
+fn unreported(
+    done: &Done,
+    watched: &conditions::Watched,
+    changes: &[conditions::Change],
+    broker: Broker,
+    ms: impl Fn(Duration) -> u64,
+) -> Vec<Unreported> {
+    let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
+    let mut missing: Vec<Unreported> = done.kills.iter().map(Kill::unreported).collect();
+    for (deleted, _) in &done.reports_deleted {
+        let (at, written) = (
+            ms(*deleted),
+            ms(watched.written_before(*deleted)).saturating_sub(window),
+        );
+        missing.extend(
+            done.kills
+                .iter()
+                .filter(|k| k.at_ms <= at)
+                .map(|k| Unreported {
+                    file: Some(k.file),
+                    from_ms: written.min(k.at_ms.saturating_sub(window)),
+                    to_ms: k.at_ms,
+                }),
+        );
+        let found = changes
+            .iter()
+            .find(|c| c.at >= *deleted && c.type_ == "Accounted" && c.reason == "SourceLost");
+        if let (true, Some(found)) = (broker.offers_stored(), found) {
+            missing.push(Unreported {
+                file: None,
+                from_ms: written,
+                to_ms: ms(found.at),
+            });
+        }
+    }
+    missing
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -499,9 +567,27 @@ mod tests {
     #[test]
     fn a_seed_draws_the_same_schedule_and_another_a_different_one() {
         let every = Duration::from_secs(5);
-        let a = schedule(&mut Draw::new(7), 10, every, Broker::Nats, false);
-        let b = schedule(&mut Draw::new(7), 10, every, Broker::Nats, false);
-        let c = schedule(&mut Draw::new(8), 10, every, Broker::Nats, false);
+        let a = schedule(
+            &mut Draw::new(7),
+            (10, Fault::KINDS),
+            every,
+            Broker::Nats,
+            false,
+        );
+        let b = schedule(
+            &mut Draw::new(7),
+            (10, Fault::KINDS),
+            every,
+            Broker::Nats,
+            false,
+        );
+        let c = schedule(
+            &mut Draw::new(8),
+            (10, Fault::KINDS),
+            every,
+            Broker::Nats,
+            false,
+        );
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert!(a.windows(2).all(|w| w[0].0 < w[1].0), "in order: {a:?}");

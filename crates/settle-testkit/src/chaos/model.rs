@@ -6,7 +6,11 @@
 //! it (or was still settling at it), and says which rule allowed each difference it accepted.
 //! A consumer deleted on the broker and made again ([`Earlier`]) owes its messages afresh: the
 //! messages that ran out under each earlier one count too, and a settlement around the
-//! deletion may fail (C6) or a decline be Stranded (C8).
+//! deletion may fail (C6) or a decline be Stranded (C8). A report source deleted on the broker
+//! ([`Unreported`]) may take what the account had not counted yet: what a SIGKILLed instance
+//! reported and the account had not read, and on NATS, where the loss is found and counting
+//! goes on from status, what any instance did between the last status written and the loss
+//! being found (C17).
 //!
 //! It must not build the model from Settle's counters, nor inject faults.
 
@@ -35,16 +39,40 @@ pub struct Kill {
     pub at_ms: u64,
 }
 
-/// The answers of an instance, given before one of `kills`, whose settlement returned within
-/// [`KILL_WINDOW`] before it, or had not returned.
-fn unreported<'a>(model: &'a Model, kills: &'a [Kill]) -> impl Iterator<Item = &'a Answer> + 'a {
-    let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
+impl Kill {
+    /// What its instance answered and never reported: settled within [`KILL_WINDOW`] before
+    /// the kill, or never.
+    pub fn unreported(&self) -> Unreported {
+        let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
+        Unreported {
+            file: Some(self.file),
+            from_ms: self.at_ms.saturating_sub(window),
+            to_ms: self.at_ms,
+        }
+    }
+}
+
+/// Answers that may be missing from status: those of instance `file` (of every instance:
+/// None) given by `to_ms` whose settlement returned from `from_ms` on, or never. A SIGKILL
+/// leaves them ([`Kill::unreported`], C16), and a report source lost with reports the account
+/// had not counted yet (C17).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unreported {
+    pub file: Option<usize>,
+    pub from_ms: u64,
+    pub to_ms: u64,
+}
+
+/// The answers one of `windows` allows to be missing.
+fn unreported<'a>(
+    model: &'a Model,
+    windows: &'a [Unreported],
+) -> impl Iterator<Item = &'a Answer> + 'a {
     model.answers.iter().filter(move |a| {
-        kills.iter().any(|k| {
-            k.file == a.file
-                && a.at_ms <= k.at_ms
-                && a.done_ms
-                    .is_none_or(|d| d.saturating_add(window) >= k.at_ms)
+        windows.iter().any(|w| {
+            w.file.is_none_or(|f| f == a.file)
+                && a.at_ms <= w.to_ms
+                && a.done_ms.is_none_or(|d| d >= w.from_ms)
         })
     })
 }
@@ -124,19 +152,20 @@ impl Earlier {
 }
 
 /// Every difference between status `s` (at rest) and the model of `published` messages (those
-/// the last consumer owes), each with the rule it breaks; with the applications `kills`, the
-/// broker's `outages` and what `earlier` consumers left, the differences C16, J3 and C6/C8
-/// allow are accepted, and each is said in `allowed`.
+/// the last consumer owes), each with the rule it breaks; with the answers that may be
+/// `unreported` (the applications SIGKILLed, a report source lost), the broker's `outages` and
+/// what `earlier` consumers left, the differences C16, C17, J3 and C6/C8 allow are accepted,
+/// and each is said in `allowed`.
 pub fn check(
     model: &Model,
     published: u64,
     s: &ConsumerStats,
-    kills: &[Kill],
+    missing: &[Unreported],
     outages: &Outages,
     earlier: &Earlier,
     allowed: &mut Vec<String>,
 ) -> Vec<String> {
-    let lost: Vec<&Answer> = unreported(model, kills).collect();
+    let lost: Vec<&Answer> = unreported(model, missing).collect();
     let grace = u64::try_from(OUTAGE_GRACE.as_millis()).unwrap_or(u64::MAX);
     let down = |at: u64| in_any(&outages.broker, at, grace) || in_any(&earlier.gone, at, grace);
     let ack_lost = |at: u64| in_any(&outages.acks, at, 0);
@@ -168,11 +197,11 @@ pub fn check(
     let mut within = |what: &str, status: u64, model: u64, below: u64, above: u64, rule: &str| {
         if status + below < model || status > model + above {
             out.push(format!(
-                "{what}: status {status}, the handlers {model} ({rule}; a SIGKILL allows {below} fewer, {above} more)"
+                "{what}: status {status}, the handlers {model} ({rule}; a SIGKILL or a lost report source allows {below} fewer, {above} more)"
             ));
         } else if status != model {
             allowed.push(format!(
-                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or J3: an ack that failed, or was sent while the broker was down or the consumer had no leader; or C6, C8: settled around a deletion of the consumer on the broker)"
+                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or C17: answered before a report source was lost and not counted yet; or J3: an ack that failed, or was sent while the broker was down or the consumer had no leader; or C6, C8: settled around a deletion of the consumer on the broker)"
             ));
         }
     };
@@ -418,7 +447,7 @@ mod tests {
             &model(),
             3,
             &stats(5, 1, 4, 0),
-            &kills,
+            &kills.map(|k| k.unreported()),
             &Outages::default(),
             &Earlier::default(),
             &mut allowed,
@@ -435,7 +464,7 @@ mod tests {
             &model(),
             3,
             &stats(4, 1, 3, 0),
-            &kills,
+            &kills.map(|k| k.unreported()),
             &Outages::default(),
             &Earlier::default(),
             &mut Vec::new(),
@@ -453,7 +482,7 @@ mod tests {
                 &model(),
                 3,
                 &stats(5, 1, 4, 0),
-                &other,
+                &other.map(|k| k.unreported()),
                 &Outages::default(),
                 &Earlier::default(),
                 &mut Vec::new()
@@ -461,6 +490,42 @@ mod tests {
             .len(),
             4
         );
+    }
+
+    #[test]
+    fn a_lost_report_source_allows_what_any_instance_settled_until_the_loss_was_found() {
+        // Status last written at 1050 ms, the loss found at 2050: message 2's first nack (1100,
+        // instance 0) and its second (2000, instance 1) may be missing, nothing later.
+        let lost = [Unreported {
+            file: None,
+            from_ms: 1050,
+            to_ms: 2050,
+        }];
+        let mut allowed = Vec::new();
+        let found = check(
+            &model(),
+            3,
+            &stats(4, 2, 2, 1),
+            &lost,
+            &Outages::default(),
+            &Earlier::default(),
+            &mut allowed,
+        );
+        assert!(found.is_empty(), "{found:?}");
+        assert!(allowed.iter().all(|a| a.contains("C17")), "{allowed:?}");
+        // The answers after the loss was found are counted again: none may be missing.
+        let found = check(
+            &model(),
+            3,
+            &stats(3, 1, 2, 1),
+            &lost,
+            &Outages::default(),
+            &Earlier::default(),
+            &mut Vec::new(),
+        );
+        assert_eq!(found.len(), 2, "{found:?}");
+        assert!(found[0].starts_with("delivered: status 3"), "{found:?}");
+        assert!(found[1].starts_with("acked: status 1"), "{found:?}");
     }
 
     #[test]
@@ -484,7 +549,7 @@ mod tests {
             &m,
             1,
             &status,
-            &kills,
+            &kills.map(|k| k.unreported()),
             &Outages::default(),
             &Earlier::default(),
             &mut Vec::new(),
@@ -497,7 +562,7 @@ mod tests {
                 &m,
                 1,
                 &status,
-                &kills,
+                &kills.map(|k| k.unreported()),
                 &Outages::default(),
                 &Earlier::default(),
                 &mut allowed,
