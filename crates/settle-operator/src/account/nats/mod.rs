@@ -349,6 +349,8 @@ impl NatsKeeper {
         hearing.replayed = reports.status().await.is_ok_and(|s| s.values() == 0);
         let mut initial_values = 0u64;
         let watch_started = Instant::now();
+        // The bucket the watch reads: one made again later starts its revisions over.
+        let bucket_made = reports.stream.cached_info().created;
         let mut watch = reports
             .watch_with_history(">")
             .await
@@ -407,7 +409,7 @@ impl NatsKeeper {
                     if store_checked.elapsed() >= STORE_CHECK {
                         let stream = self.check_store(&reports).await;
                         store_checked = Instant::now();
-                        self.watch_keeps_up(stream, hearing.watched, &mut progress).await?;
+                        self.watch_keeps_up(stream, (hearing.watched, bucket_made), &mut progress).await?;
                     }
                     members.refresh(&self.subs, &self.backend);
                     self.retry_unverified(&ledgers, &members, &mut books, &mut held).await?;

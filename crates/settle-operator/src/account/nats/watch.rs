@@ -5,7 +5,11 @@
 //! store check compares the newest revision the watch delivered with the bucket's last
 //! sequence; a watch that delivered nothing for [`WATCH_STALL`] while the bucket held a newer
 //! report (read back to be sure it is there) is stalled, and the session starts again with a
-//! new watch (reports are cumulative: reading them again counts nothing twice).
+//! new watch (reports are cumulative: reading them again counts nothing twice). So does a
+//! bucket that is not the one the watch was opened on (deleted on the broker and made again,
+//! by the runtime or another keeper): its revisions start over below what the watch delivered,
+//! so the watch would wait for revisions the new bucket may not reach for a long time, and
+//! the new session finds what the deletion lost (semantics C17).
 //!
 //! [`Hearing`] looks, every quarter of `--fold-after`, whether the keeper could hear: its client
 //! connected, the bucket answering (on a cluster its stream can be without a leader while the
@@ -21,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv;
 use async_nats::jetstream::stream::Stream;
+use time::OffsetDateTime;
 
 use super::{NatsKeeper, broken};
 use settle::backend::nats::admin::NatsError;
@@ -40,17 +45,31 @@ impl NatsKeeper {
     }
 
     /// One check of the watch against the bucket's `stream` as just read: an error (the
-    /// session starts again) when the watch delivered nothing past `watched` for
+    /// session starts again) when the bucket is not the one the watch was opened on (`made`
+    /// then: deleted on the broker and made again, its revisions starting over below what the
+    /// watch delivered), or when the watch delivered nothing past `watched` for
     /// [`WATCH_STALL`] while a newer report is stored.
     pub(super) async fn watch_keeps_up(
         &self,
         stream: Option<Stream>,
-        watched: u64,
+        (watched, made): (u64, OffsetDateTime),
         progress: &mut WatchProgress,
     ) -> Result<(), NatsError> {
         let Some(mut stream) = stream else {
             return Ok(());
         };
+        if stream.cached_info().created != made {
+            self.metrics.watch_stalls.inc();
+            tracing::warn!(
+                backend = %format!("{}/{}", self.backend.0, self.backend.1),
+                watched,
+                "the report bucket was made again since the watch was opened (deleted on the broker?): watching it afresh"
+            );
+            return Err(broken(
+                "the report watch",
+                "the report bucket was made again since it was opened",
+            ));
+        }
         let state = &stream.cached_info().state;
         let tail = (state.messages > 0).then_some(state.last_sequence);
         let Some(mut missed) = progress.check(watched, tail, Instant::now()) else {
