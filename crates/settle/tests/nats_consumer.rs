@@ -427,3 +427,103 @@ async fn a_streams_consumers_are_listed_with_their_gauges_across_pages() {
     drop(held);
     s.drop_it().await;
 }
+
+/// Semantics J3: an ack subject names a consumer only by stream and name, so a settlement of a
+/// delivery from a consumer that was deleted and made again under that name would settle the
+/// message the new one offers afresh. The runtime refuses it instead: the delivery held while
+/// the consumer is made again is refused when its handler acks, and the new consumer offers
+/// the message again from attempt 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_of_a_consumer_made_again_is_refused_and_the_message_offered_afresh() {
+    let s = Stream::new("again").await;
+    let resource = SubscriptionSpec {
+        backend_ref: BackendRef {
+            name: "nats".into(),
+        },
+        stream: Some(s.name.clone()),
+        deletion_policy: Default::default(),
+        adopt: Default::default(),
+        paused: false,
+        paused_until: None,
+        // Room for the new consumer's delivery while the old one is held.
+        policy: s.policy(|p| p.max_in_flight = Some(4)),
+    };
+    admin::create_consumer(&s.js, &s.desired(&resource.policy))
+        .await
+        .unwrap();
+    let bus = Bus::builder(NatsBroker::connect(&common::env().nats_url).await.unwrap())
+        .namespace("shop")
+        .without_reports()
+        .build();
+    // The first delivery is held until the consumer was made again, then acked; every later
+    // one is acked at once. Each records its attempt and what its ack returned.
+    let release = Arc::new(tokio::sync::Notify::new());
+    let seen: Arc<std::sync::Mutex<Vec<(u32, String)>>> = Arc::default();
+    let (hold, record) = (Arc::clone(&release), Arc::clone(&seen));
+    let first = Arc::new(AtomicUsize::new(0));
+    let calls = Arc::clone(&first);
+    let sub = Subscriber::from_resource(
+        "orders",
+        &resource,
+        handler(move |d| {
+            let (hold, record, first) =
+                (Arc::clone(&hold), Arc::clone(&record), Arc::clone(&calls));
+            async move {
+                if first.fetch_add(1, Ordering::SeqCst) == 0 {
+                    hold.notified().await;
+                }
+                let attempt = d.attempt();
+                let r = d.ack().await;
+                record
+                    .lock()
+                    .expect("the record")
+                    .push((attempt, format!("{r:?}")));
+                r
+            }
+        }),
+    );
+    bus.subscribe(sub).await.expect("bound");
+    s.js.publish(format!("{}.a", s.prefix), "x".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while first.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the first delivery never came");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The consumer deleted and made again (as the operator does), the first still held.
+    assert!(
+        admin::delete_consumer(&s.js, &s.name, "orders")
+            .await
+            .unwrap()
+    );
+    admin::create_consumer(&s.js, &s.desired(&resource.policy))
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.lock().expect("the record").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the consumer made again never offered the message afresh"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    release.notify_one();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen.lock().expect("the record").len() < 2 {
+        assert!(Instant::now() < deadline, "the held ack never returned");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seen = seen.lock().expect("the record").clone();
+    assert_eq!(seen[0].0, 1, "offered afresh, from attempt 1: {seen:?}");
+    assert!(seen[0].1.starts_with("Ok"), "{seen:?}");
+    assert!(
+        seen[1].1.contains("deleted and made again"),
+        "the held delivery's ack is refused, not sent to the new consumer: {seen:?}"
+    );
+    bus.close().await;
+    s.drop_it().await;
+}
