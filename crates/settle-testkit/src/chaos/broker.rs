@@ -438,7 +438,14 @@ impl Target {
     /// The Subscription's consumer (NATS) or queue (RabbitMQ, SQS: with the messages it
     /// holds) deleted on the broker, behind the operator's back, and waited for until the
     /// operator has made it again (at most 60 s); says what was deleted.
-    pub(super) async fn delete_consumer(&self) -> String {
+    ///
+    /// Also how long before it returns the consumer was made again: on NATS, by the server's
+    /// clock, for the one made again offers the same messages afresh, and an answer to it
+    /// given before the campaign saw it must not be taken for the deleted one's (the campaign
+    /// polls every 100 ms, and saw one 0.6 s after the operator had made it, its attempts
+    /// already answered); elsewhere no time (a queue made again holds none of the deleted
+    /// one's messages).
+    pub(super) async fn delete_consumer(&self) -> (String, Duration) {
         let what = self.delete_consumer_once().await;
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while !self.consumer_there().await {
@@ -448,7 +455,17 @@ impl Target {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        what
+        let ago = match self {
+            Target::Nats(s, _) | Target::NatsCluster(s, _) => {
+                s.consumer("orders").await.and_then(|info| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::SystemTime::from(info.created))
+                        .ok()
+                })
+            }
+            Target::Rabbitmq { .. } | Target::Sqs { .. } => None,
+        };
+        (what, ago.unwrap_or_default())
     }
 
     async fn delete_consumer_once(&self) -> String {

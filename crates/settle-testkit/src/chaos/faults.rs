@@ -198,7 +198,7 @@ async fn replace_dead_queue(
         ));
     }
     let gone = Instant::now();
-    let what = target.delete_consumer().await;
+    let (what, _) = target.delete_consumer().await;
     done.consumer_deleted.push(Deletion {
         deleted: down,
         back: done.t0.elapsed(),
@@ -549,8 +549,8 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
             let held = published.lock().await;
             let first_id = *held + 1;
             let deleted = done.t0.elapsed();
-            let what = target.delete_consumer().await;
-            let back = done.t0.elapsed();
+            let (what, ago) = target.delete_consumer().await;
+            let back = done.t0.elapsed().saturating_sub(ago).max(deleted);
             drop(held);
             done.consumer_deleted.push(Deletion {
                 deleted,

@@ -8,16 +8,17 @@
 //! [`faults`] holds the faults (an application stopped, SIGKILLed, scaled; the leading
 //! operator SIGKILLed, SIGTERMed or cut off from the API server; the Subscription paused,
 //! edited, deleted and applied again; its consumer or queue, or its report source, deleted on
-//! the broker; the Backend's credentials rotated; the broker SIGKILLed or SIGTERMed, or SQS unreachable, a cluster's server
-//! paused; the campaign's own API server restarted), the schedule and how each is done;
-//! [`answers`] what the handlers did and the rules each answer keeps (S2, B3, B5); [`model`]
-//! the checker of status against it (every counter exact but what a SIGKILL allows, C16, a
-//! lost report source, C17, and an ack sent in an outage, J3; of the object at rest, whose
-//! account starts when it was applied, C15); [`conditions`] the conditions and their causes;
-//! [`broker`] what differs between NATS (one server or the cluster), RabbitMQ and SQS,
-//! [`reports`] how each loses its report source and [`credentials`] how the Backend's
-//! credentials are rotated on each. This file runs a campaign:
-//! sets it up, runs the schedule, waits for rest, judges, and cleans up.
+//! the broker; the Backend's credentials rotated; the broker SIGKILLed or SIGTERMed, or SQS
+//! unreachable, a cluster's server paused; the campaign's own API server restarted), the
+//! schedule and how each is done; [`answers`] what the handlers did and the rules each answer
+//! keeps (S2, B3, B5); [`model`] the checker of status against it (every counter exact but
+//! what a SIGKILL allows, C16, a lost report source, C17, and an ack sent in an outage, J3; of
+//! the object at rest, whose account starts when it was applied, C15); [`conditions`] the
+//! conditions and their causes; [`broker`] what differs between NATS (one server or the
+//! cluster), RabbitMQ and SQS, [`outages`] how each is taken down, [`reports`] how each loses
+//! its report source and [`credentials`] how the Backend's credentials are rotated on each.
+//! This file runs a campaign: sets it up, runs the schedule, waits for rest, judges, and
+//! cleans up.
 //!
 //! It must not decide what Settle should count beyond what the semantics say for these faults,
 //! nor read Settle's counters to build its model.
@@ -520,8 +521,9 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
 /// answers (C16); and for each report source deleted on the broker, what an instance SIGKILLed
 /// before it answered since the status last written before the deletion (its last reports may
 /// not have been read), and on NATS, where the loss is found and counting goes on from status,
-/// what any instance answered from then until the loss was found (C17), when it was. `ms`
-/// turns a time since the start into unix ms.
+/// what any instance answered from then until the loss was found (C17), when it was (when it
+/// was found while `Accounted` still said an earlier loss, by 15 s after reports were back).
+/// `ms` turns a time since the start into unix ms.
 fn unreported(
     done: &Done,
     watched: &conditions::Watched,
@@ -531,7 +533,7 @@ fn unreported(
 ) -> Vec<Unreported> {
     let window = u64::try_from(KILL_WINDOW.as_millis()).unwrap_or(u64::MAX);
     let mut missing: Vec<Unreported> = done.kills.iter().map(Kill::unreported).collect();
-    for (deleted, _) in &done.reports_deleted {
+    for (deleted, back) in &done.reports_deleted {
         let (at, written) = (
             ms(*deleted),
             ms(watched.written_before(*deleted)).saturating_sub(window),
@@ -546,14 +548,28 @@ fn unreported(
                     to_ms: k.at_ms,
                 }),
         );
+        // When the loss was found: `Accounted` turned SourceLost after the deletion, by the
+        // time the keeper had read the bucket made again; or, already SourceLost for an
+        // earlier loss (said for the loss window after the last), at most by then.
+        let until = *back + conditions::OUTAGE_GRACE;
+        let accounted = |c: &&conditions::Change| c.type_ == "Accounted";
+        let already = changes
+            .iter()
+            .filter(accounted)
+            .take_while(|c| c.at <= *deleted)
+            .last()
+            .is_some_and(|c| c.reason == "SourceLost");
         let found = changes
             .iter()
-            .find(|c| c.at >= *deleted && c.type_ == "Accounted" && c.reason == "SourceLost");
+            .filter(accounted)
+            .find(|c| c.at >= *deleted && c.at <= until && c.reason == "SourceLost")
+            .map(|c| c.at)
+            .or(already.then_some(until));
         if let (true, Some(found)) = (broker.offers_stored(), found) {
             missing.push(Unreported {
                 file: None,
                 from_ms: written,
-                to_ms: ms(found.at),
+                to_ms: ms(found),
             });
         }
     }
