@@ -1,6 +1,8 @@
 //! The faults a campaign injects: what each is, the schedule drawn from the seed, and how each
 //! is done to the applications, the operators (killed, stopped, cut off from the API server),
-//! the Subscription (paused, edited, deleted and applied again), the broker or the API server.
+//! the Subscription (paused, edited, deleted and applied again), its consumer or queue and its
+//! report source (deleted on the broker), the Backend's credentials (rotated), the broker or
+//! the API server.
 //!
 //! It must not judge what happened (that is [`super::model`] and [`super::conditions`]).
 

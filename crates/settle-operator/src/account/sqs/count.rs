@@ -6,7 +6,14 @@ use super::*;
 
 impl SqsKeeper {
     /// Receives what is waiting in one Subscription's report queue (bounded) and counts it.
-    pub(super) async fn receive(&self, client: &Client, key: &SubKey, book: &mut Book) {
+    /// One `deleting` (its finalizer deletes the report queue) is never said to miss it.
+    pub(super) async fn receive(
+        &self,
+        client: &Client,
+        key: &SubKey,
+        book: &mut Book,
+        deleting: bool,
+    ) {
         let who = who(key);
         for _ in 0..REPORT_RECEIVES_PER_TICK {
             let got = client
@@ -30,7 +37,9 @@ impl SqsKeeper {
                             c.contains("QueueDoesNotExist") || c.contains("NonExistentQueue")
                         })
                     });
-                    if missing {
+                    if missing && deleting {
+                        tracing::debug!(subscription = %who, "the report queue went with the Subscription being deleted");
+                    } else if missing {
                         if book.showing.trouble.queue_missing.is_none() {
                             tracing::warn!(subscription = %who, queue = %report::report_queue(&book.queue), "the report queue does not exist on the server (deleted there?): the reconcile makes it again");
                         }

@@ -15,7 +15,12 @@ impl SqsKeeper {
         let now = now_ms();
         let fold_after = u64::try_from(self.config.fold_after.as_millis()).unwrap_or(u64::MAX);
         for (key, book) in books.iter_mut() {
-            self.receive(client, key, book).await;
+            // Being deleted, its finalizer takes the report queue with the Subscription's
+            // queue: that is no report queue missing.
+            let deleting = members
+                .get(key)
+                .is_some_and(|s| s.metadata.deletion_timestamp.is_some());
+            self.receive(client, key, book, deleting).await;
             if book.redrives
                 && let Some(sub) = members.get(key)
             {
