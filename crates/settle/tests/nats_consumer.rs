@@ -64,6 +64,21 @@ impl Stream {
         p
     }
 
+    /// A Subscription on this stream with `policy`, whose consumer the operator owns.
+    fn resource(&self, policy: DeliveryPolicy) -> SubscriptionSpec {
+        SubscriptionSpec {
+            backend_ref: BackendRef {
+                name: "nats".into(),
+            },
+            stream: Some(self.name.clone()),
+            deletion_policy: Default::default(),
+            adopt: Default::default(),
+            paused: false,
+            paused_until: None,
+            policy,
+        }
+    }
+
     fn desired(&self, p: &DeliveryPolicy) -> ConsumerConfig {
         mapping::desired("shop", "orders", &self.name, &ResolvedPolicy::resolve(p))
     }
@@ -292,17 +307,7 @@ async fn a_code_defined_subscription_updates_its_consumer_and_refuses_an_incompa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runtime_built_from_a_resource_waits_for_the_operators_consumer_and_never_creates_one() {
     let s = Stream::new("bind").await;
-    let resource = SubscriptionSpec {
-        backend_ref: BackendRef {
-            name: "nats".into(),
-        },
-        stream: Some(s.name.clone()),
-        deletion_policy: Default::default(),
-        adopt: Default::default(),
-        paused: false,
-        paused_until: None,
-        policy: s.policy(|_| {}),
-    };
+    let resource = s.resource(s.policy(|_| {}));
     let seen = Arc::new(AtomicUsize::new(0));
     let bus = Bus::builder(NatsBroker::connect(&common::env().nats_url).await.unwrap())
         .namespace("shop")
@@ -436,18 +441,8 @@ async fn a_streams_consumers_are_listed_with_their_gauges_across_pages() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_of_a_consumer_made_again_is_refused_and_the_message_offered_afresh() {
     let s = Stream::new("again").await;
-    let resource = SubscriptionSpec {
-        backend_ref: BackendRef {
-            name: "nats".into(),
-        },
-        stream: Some(s.name.clone()),
-        deletion_policy: Default::default(),
-        adopt: Default::default(),
-        paused: false,
-        paused_until: None,
-        // Room for the new consumer's delivery while the old one is held.
-        policy: s.policy(|p| p.max_in_flight = Some(4)),
-    };
+    // Room for the new consumer's delivery while the old one is held.
+    let resource = s.resource(s.policy(|p| p.max_in_flight = Some(4)));
     admin::create_consumer(&s.js, &s.desired(&resource.policy))
         .await
         .unwrap();

@@ -376,22 +376,13 @@ impl Target {
                 }
             }
             Target::Rabbitmq { tag, server, .. } => {
-                let (status, body) = management_at(
-                    &server.management_url(),
-                    "GET",
-                    "/api/queues/%2f?columns=name",
-                    "",
-                );
-                let names: Vec<serde_json::Value> = if status == 200 {
-                    serde_json::from_str(&body).unwrap_or_default()
-                } else {
-                    left.push(format!("the queue list: {status} {body}"));
+                let names = queue_names(&server.management_url()).unwrap_or_else(|e| {
+                    left.push(format!("the queue list: {e}"));
                     Vec::new()
-                };
+                });
                 left.extend(
                     names
                         .iter()
-                        .filter_map(|q| q["name"].as_str())
                         .filter(|n| n.contains(ns) || n.contains(tag.as_str()))
                         .map(|n| format!("queue {n}")),
                 );
@@ -538,6 +529,20 @@ impl Target {
             Target::Rabbitmq { .. } | Target::Sqs { .. } => {}
         }
     }
+}
+
+/// The name of every queue of vhost `/` on the node whose management API is `management`, or
+/// what it answered instead.
+pub(super) fn queue_names(management: &str) -> Result<Vec<String>, String> {
+    let (status, body) = management_at(management, "GET", "/api/queues/%2f?columns=name", "");
+    if status != 200 {
+        return Err(format!("{status} {body}"));
+    }
+    Ok(serde_json::from_str::<Vec<serde_json::Value>>(&body)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|q| q["name"].as_str().map(str::to_string))
+        .collect())
 }
 
 /// A connection to RabbitMQ at `url`.

@@ -583,26 +583,19 @@ mod tests {
     #[test]
     fn a_seed_draws_the_same_schedule_and_another_a_different_one() {
         let every = Duration::from_secs(5);
-        let a = schedule(
-            &mut Draw::new(7),
-            (10, Fault::KINDS),
-            every,
-            Broker::Nats,
-            false,
-        );
-        let b = schedule(
-            &mut Draw::new(7),
-            (10, Fault::KINDS),
-            every,
-            Broker::Nats,
-            false,
-        );
-        let c = schedule(
-            &mut Draw::new(8),
-            (10, Fault::KINDS),
-            every,
-            Broker::Nats,
-            false,
+        let draw = |seed, kinds| {
+            schedule(
+                &mut Draw::new(seed),
+                (10, kinds),
+                every,
+                Broker::Nats,
+                false,
+            )
+        };
+        let (a, b, c) = (
+            draw(7, Fault::KINDS),
+            draw(7, Fault::KINDS),
+            draw(8, Fault::KINDS),
         );
         assert_eq!(a, b);
         assert_ne!(a, c);

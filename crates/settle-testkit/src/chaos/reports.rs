@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use settle::bus::report::REPORT_BUCKET;
 
-use super::broker::Target;
+use super::broker::{Target, queue_names};
 use crate::account::report_keys;
 use crate::rabbitmq::management_at;
 
@@ -104,16 +104,10 @@ impl Target {
 /// The report queues of Subscription `orders`' instances in `ns` on the node at `management`.
 fn rabbitmq_report_queues(management: &str, ns: &str) -> Vec<String> {
     let prefix = settle::backend::rabbitmq::report::instance_queue(ns, "orders", "");
-    let (status, body) = management_at(management, "GET", "/api/queues/%2f?columns=name", "");
-    if status != 200 {
-        return Vec::new();
-    }
-    serde_json::from_str::<Vec<serde_json::Value>>(&body)
+    queue_names(management)
         .unwrap_or_default()
-        .iter()
-        .filter_map(|q| q["name"].as_str())
+        .into_iter()
         .filter(|n| n.starts_with(&prefix))
-        .map(str::to_string)
         .collect()
 }
 
