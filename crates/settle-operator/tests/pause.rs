@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use common::account::Scene;
 use common::operator::poll;
-use common::pause::{PAUSE_SPEC, POLL, flags, patch_spec, pause_scenario, wait_shown};
+use common::pause::{
+    PAUSE_SPEC, POLL, flags, patch_spec, pause_scenario, recreate_while_paused_scenario, wait_shown,
+};
 use common::rabbit_scene::RabbitScene;
 use common::sqs::SqsScene;
 
@@ -65,6 +67,38 @@ async fn paused_on_sqs_nothing_is_delivered_until_resumed_then_all_once() {
     let scene = SqsScene::with_flags("pause-sqs", PAUSE_SPEC, &[POLL_ENV], &flags()).await;
     let app = scene.app("ack");
     pause_scenario(&scene, &app).await;
+    drop(app);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_while_paused_on_nats_and_applied_again_the_new_object_counts_every_delivery() {
+    let scene = Scene::with_flags(
+        "pause-recreate-nats",
+        &format!("  durableName: orders\n{PAUSE_SPEC}"),
+        &flags(),
+    )
+    .await;
+    let app = scene.app_with("ack", &[POLL_ENV]);
+    recreate_while_paused_scenario(&scene, &app).await;
+    drop(app);
+    scene.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_while_paused_on_rabbitmq_and_applied_again_the_new_object_counts_every_delivery() {
+    let scene = RabbitScene::new("pause-recreate-rabbit", PAUSE_SPEC, &flags(), &[POLL_ENV]).await;
+    let app = scene.app("ack");
+    recreate_while_paused_scenario(&scene, &app).await;
+    drop(app);
+    scene.finish();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_while_paused_on_sqs_and_applied_again_the_new_object_counts_every_delivery() {
+    let scene = SqsScene::with_flags("pause-recreate-sqs", PAUSE_SPEC, &[POLL_ENV], &flags()).await;
+    let app = scene.app("ack");
+    recreate_while_paused_scenario(&scene, &app).await;
     drop(app);
     scene.finish().await;
 }

@@ -360,6 +360,24 @@ impl RabbitConsumer {
             return false;
         }
         let queue = self.queue.clone();
+        if self.ctx.binding().owner == ConsumerOwner::Operator {
+            // The queue may have been deleted and made again for a new object while nothing
+            // consumed it (the Subscription deleted and applied again during the pause): its
+            // mark is read before anything more is taken, or what this instance handles next
+            // would count for the old object until the next read (semantics C15).
+            match self.broker.conn().await {
+                Ok(conn) => {
+                    let b = self.ctx.binding();
+                    let mark = report::read_object(&conn, &b.namespace, self.ctx.name()).await;
+                    self.ctx.bound_to(mark.as_deref());
+                }
+                Err(e) => {
+                    tracing::warn!(subscription = %self.ctx.name(), error = %e, "cannot read the queue's mark after the pause; trying again in 1s");
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    return true;
+                }
+            }
+        }
         let again = match self.broker.start(&self.channel, &self.ctx, &queue).await {
             Ok(c) => Ok(c),
             // The channel closed meanwhile: a new one (what it held was requeued).

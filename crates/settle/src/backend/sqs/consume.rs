@@ -371,6 +371,11 @@ async fn poll(
             ctx.set_paused(false);
             crate::backend::pause::shown(BackendKind::Sqs, &name, false);
             tracing::info!(subscription = %name, "resumed: receiving again");
+            // The queue may have been deleted and made again for a new object while nothing
+            // received from it (the Subscription deleted and applied again during the pause):
+            // its mark is read before anything more is received (semantics C15).
+            missing = ctx.binding().owner == ConsumerOwner::Operator;
+            continue;
         }
         let Ok(first) = Arc::clone(&permits).acquire_owned().await else {
             return;
