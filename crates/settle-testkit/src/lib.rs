@@ -23,6 +23,7 @@ pub mod process;
 pub mod rabbit_scene;
 pub mod rabbitmq;
 pub mod rabbitmq_server;
+pub mod scenes;
 pub mod sqs;
 pub mod subs;
 

@@ -74,6 +74,19 @@ impl BusScene for Memory {
     }
 }
 
+// ---------------------------------------------------------------- the shared scenes
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_shared_scenes_hold_in_memory() {
+    // conformance/scenes.json, the scenes the Go runtime runs too: each on a broker of its own,
+    // on the real clock (the scenes time their handlers).
+    let scopes: Vec<Memory> = (0..common::scenes::count())
+        .map(|_| Memory(MemoryBroker::new()))
+        .collect();
+    let ran = common::scenes::run_all("memory", true, &scopes).await;
+    assert_eq!(ran, common::scenes::count());
+}
+
 // ---------------------------------------------------------------- spec and defaults
 
 #[test]

@@ -188,6 +188,18 @@ async fn the_conformance_suite_passes_on_real_jetstream() {
     scope.drop_stream().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_shared_scenes_hold_on_real_jetstream() {
+    // conformance/scenes.json, the scenes the Go runtime runs too: each in a stream of its own.
+    let scopes =
+        futures::future::join_all((0..common::scenes::count()).map(|_| Scope::new("scenes"))).await;
+    let ran = common::scenes::run_all("nats", true, &scopes).await;
+    assert_eq!(ran, common::scenes::count());
+    for s in scopes {
+        s.drop_stream().await;
+    }
+}
+
 // ---------------------------------------------------------------- the consumer Settle makes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

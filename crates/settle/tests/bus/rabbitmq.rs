@@ -187,6 +187,19 @@ async fn the_conformance_suite_passes_on_real_rabbitmq() {
     scope.cleanup().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_shared_scenes_hold_on_real_rabbitmq() {
+    // conformance/scenes.json, the scenes the Go runtime runs too: each on an exchange of its
+    // own. The delay scene needs delaysRedelivery, which RabbitMQ does not declare.
+    let scopes =
+        futures::future::join_all((0..common::scenes::count()).map(|_| Scope::new("scenes"))).await;
+    let ran = common::scenes::run_all("rabbitmq", false, &scopes).await;
+    assert_eq!(ran, common::scenes::count() - 1);
+    for s in scopes {
+        s.cleanup().await;
+    }
+}
+
 // ---------------------------------------------------------------- the queue Settle declares
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -118,6 +118,20 @@ async fn the_conformance_suite_passes_on_elasticmq() {
     scope.cleanup().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_shared_scenes_hold_on_elasticmq() {
+    // conformance/scenes.json, the scenes the Go runtime runs too: each under a queue prefix
+    // of its own.
+    let scopes: Vec<Scope> = (0..common::scenes::count())
+        .map(|_| Scope::new("scenes"))
+        .collect();
+    let ran = common::scenes::run_all("sqs", true, &scopes).await;
+    assert_eq!(ran, common::scenes::count());
+    for s in scopes {
+        s.cleanup().await;
+    }
+}
+
 // ---------------------------------------------------------------- the queue Settle makes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
