@@ -21,8 +21,9 @@ crds:            ## regenerate crds/ and its copies (chart, kustomize) from the 
 	cp crds/settle.yaml charts/settle/crds/settle.yaml
 	cp crds/settle.yaml config/crd/settle.yaml
 
-reference:       ## regenerate docs/reference/{flags,metrics,conditions,values}.md from the code (tests/reference.rs writes them)
+reference:       ## regenerate docs/reference/{flags,metrics,conditions,values}.md and conformance/admission.json from the code
 	SETTLE_WRITE_REFERENCE=1 cargo test --locked --quiet -p settle-operator --test reference
+	SETTLE_WRITE_REFERENCE=1 cargo test --locked --quiet -p settle --test admission_rules
 
 tools:           ## install the pinned kube-apiserver+etcd, nats-server, helm, kube-score, promtool, ElasticMQ (target/tools) and RabbitMQ (apt)
 	hack/tools.sh build
@@ -45,9 +46,11 @@ chaos:           ## a fault campaign on the real environment: BROKER= (nats, nat
 	cargo build --profile bench -p settle-examples --example account_app
 	cargo bench -p settle-operator --bench chaos -- $(if $(BROKER),--broker $(BROKER)) $(if $(SEED),--seed $(SEED)) --faults $(or $(FAULTS),30) $(if $(MESSAGES),--messages $(MESSAGES)) $(if $(KINDS),--kinds $(KINDS))
 
-lint:            ## rustfmt, clippy, and shellcheck over the scripts (installs shellcheck with apt when missing)
+lint:            ## rustfmt, clippy, gofmt and go vet (clients/go), and shellcheck over the scripts (installs shellcheck with apt when missing)
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
+	cd clients/go && test -z "$$(gofmt -l .)" || { gofmt -l .; echo 'gofmt: run gofmt -w clients/go'; exit 1; }
+	cd clients/go && go vet ./...
 	hack/tools.sh build shellcheck
 	shellcheck -x hack/*.sh .ci/run
 

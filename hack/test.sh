@@ -9,6 +9,7 @@ cd "$ROOT"
 # shellcheck source=hack/lib.sh
 . "$ROOT/hack/lib.sh"
 need cargo "install Rust 1.89+ (rustup.rs)"
+need go "install Go 1.26+ (go.dev/dl)"
 start=$SECONDS
 
 # Each phase's wall time, printed at the end (a cold run's figures in the README come from here).
@@ -41,6 +42,9 @@ log="$ROOT/target/test-output.log"
   cargo test --workspace --locked --no-run --lib --bins --tests --examples --message-format=json-render-diagnostics \
     | python3 hack/run-tests.py "${SETTLE_TEST_JOBS:-3}"
   cargo test --workspace --locked --doc
+  # The Go runtime (clients/go): its unit tests, the admission vectors, and the shared scenes
+  # on memory and the environment's nats-server.
+  (cd clients/go && go test -count=1 -v ./... | grep -v '^=== ')
 } 2>&1 | tee "$log"
 phase tests
 # The node changed the host (a bridge, iptables chains, sysctls): its `down` must undo all of it.
@@ -48,7 +52,9 @@ trap - EXIT
 hack/env.sh down >/dev/null
 hack/node.sh check
 counts="$(awk '/^test result:/ {p += $4; f += $6} END {printf "%d passed, %d failed", p, f}' "$log")"
+go_counts="$(awk '/^ *--- PASS/ {p++} /^ *--- FAIL/ {f++} END {printf "%d passed, %d failed", p, f}' "$log")"
 phase down
 phases="${phases%,}"
 echo "make test: every suite green in $((SECONDS - start))s (${phases# })"
 echo "settle: $counts"
+echo "settle.dev/messaging (Go): $go_counts"

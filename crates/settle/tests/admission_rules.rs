@@ -741,3 +741,55 @@ fn capabilities_from_status_override_the_kind() {
         "2m0s is longer than this backend can hold a message back (1m0s): set it to 1m0s or less"
     );
 }
+
+/// The vectors another runtime checks its own rules against (`conformance/admission.json`,
+/// read by the Go runtime's `TestTheAdmissionVectorsGiveTheSameFindings`): every create row of
+/// the table a runtime judges (a known backend, no pause), with the policy as the resource
+/// spells it and the findings `validate_runtime` gives, word for word. The file is checked
+/// against the rules here; `SETTLE_WRITE_REFERENCE=1` writes it afresh after a rule changed.
+#[test]
+fn the_rows_are_the_vectors_every_runtime_checks_its_words_against() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../conformance/admission.json");
+    let issues = |v: &[settle::policy::FieldIssue]| -> Vec<serde_json::Value> {
+        v.iter()
+            .map(|i| serde_json::json!({"field": i.field, "message": i.message}))
+            .collect()
+    };
+    let cases: Vec<serde_json::Value> = rows()
+        .into_iter()
+        .filter(|r| r.old.is_none() && !r.spec.contains("paused"))
+        .filter_map(|row| {
+            let B::Kind(kind) = row.backend else {
+                return None;
+            };
+            let s = spec(row.spec);
+            let v = validate_runtime(&s.policy, s.stream.as_deref(), &capabilities_of(kind));
+            let mut policy = serde_json::to_value(&s.policy).expect("a policy serializes");
+            if let Some(stream) = &s.stream {
+                policy["stream"] = serde_json::json!(stream);
+            }
+            Some(serde_json::json!({
+                "name": row.name,
+                "backend": kind.to_string(),
+                "spec": policy,
+                "errors": issues(&v.errors),
+                "warnings": issues(&v.warnings),
+            }))
+        })
+        .collect();
+    let doc = serde_json::json!({
+        "about": "Admission findings, word for word, for every runtime to check its own rules against: written from the Rust rules by crates/settle/tests/admission_rules.rs (SETTLE_WRITE_REFERENCE=1 writes it afresh). See conformance/README.md.",
+        "cases": cases,
+    });
+    let text = serde_json::to_string_pretty(&doc).expect("json") + "\n";
+    if std::env::var_os("SETTLE_WRITE_REFERENCE").is_some_and(|v| v == "1") {
+        std::fs::write(&path, &text).expect("write the vectors");
+    }
+    let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        on_disk == text,
+        "{} is not what the rules give: run `SETTLE_WRITE_REFERENCE=1 cargo test -p settle --test admission_rules` (or `make reference`) and commit it",
+        path.display()
+    );
+}
