@@ -19,6 +19,8 @@ mark=$SECONDS
 
 hack/tools.sh build; phase tools
 cargo build --workspace --all-targets --locked --quiet   # compile before the environment starts (no idle servers)
+# The Go runtime's modules and its test application (the account suite runs it beside the Rust one).
+(cd clients/go && go mod download && go build -o ../../target/go/account-app ./cmd/account-app && go test -count=1 -run XXX ./... >/dev/null)
 phase build
 hack/image.sh build                          # the images crates/settle-e2e/tests/image.rs and the pod suite read
 phase images

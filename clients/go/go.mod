@@ -2,7 +2,10 @@ module settle.dev/messaging
 
 go 1.26.0
 
-require github.com/nats-io/nats.go v1.56.0
+require (
+	github.com/nats-io/nats.go v1.56.0
+	go.yaml.in/yaml/v3 v3.0.6
+)
 
 require (
 	github.com/klauspost/compress v1.20.0 // indirect

@@ -431,3 +431,18 @@ async fn run(
     println!("closed");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    /// The Go app (clients/go/cmd/account-app, `TestTheDrawIsTheRustAppsDraw`) holds these
+    /// same values, so Go and Rust instances answer alike in one campaign.
+    #[test]
+    fn the_draw_is_the_one_the_go_app_holds() {
+        assert_eq!(super::model_draw(0, 0, 0), 0);
+        assert_eq!(super::model_draw(377, 1, 1), 5_850_652_464_473_074_940);
+        assert_eq!(
+            super::model_draw(1_796_666_591_402_080_080, 1199, 4),
+            6_708_470_482_063_311_030
+        );
+    }
+}

@@ -15,6 +15,7 @@
 //! | [`nats_flood`] | NATS JetStream | a tenant flooding the report bucket |
 //! | [`nats_reader`] | NATS JetStream | the capture reader kept across operator versions (renamed, ack wait brought in place) |
 //! | [`nats_rotate`] | NATS JetStream | a Backend's credentials rotated and its consent withdrawn: the account follows |
+//! | [`nats_runtimes`] | NATS JetStream | one Subscription served by the Rust and the Go runtime at once: one exact account |
 //! | [`nats_watch`] | NATS JetStream | a report watch the broker heartbeats and never feeds is made again |
 //! | [`tenants`] | NATS JetStream and RabbitMQ | reports bound to their writer, replies to their inbox: no tenant forges another's account or reads its deliveries |
 //! | [`nats_accounts`] | NATS JetStream | a NATS account per tenant: nothing shared, a full report bucket said |
@@ -39,6 +40,7 @@ mod nats_fold;
 mod nats_life;
 mod nats_reader;
 mod nats_rotate;
+mod nats_runtimes;
 mod nats_watch;
 mod rabbitmq;
 mod sqs;

@@ -22,12 +22,49 @@ pub struct App {
 
 static APPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// `clients/go/cmd/account-app`, built once per test process into `target/go/account-app`
+/// (`go build` is incremental: a second build of an unchanged tree takes a moment).
+pub fn go_account_app() -> std::path::PathBuf {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let out = crate::root().join("target/go/account-app");
+            let status = Command::new("go")
+                .args(["build", "-o"])
+                .arg(&out)
+                .arg("./cmd/account-app")
+                .current_dir(crate::root().join("clients/go"))
+                .status()
+                .unwrap_or_else(|e| panic!("run go build (is Go installed?): {e}"));
+            assert!(
+                status.success(),
+                "go build ./cmd/account-app in clients/go failed"
+            );
+            out
+        })
+        .clone()
+}
+
 impl App {
     /// `account_app` with `handler`, reporting every 100 ms, and the variables `env`, which pick
     /// the broker (`SETTLE_NATS_URL`, `SETTLE_RABBITMQ_URL` or `SETTLE_SQS_ENDPOINT`: none is
     /// inherited).
     pub fn start(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
-        let bin = crate::example("account_app");
+        App::start_bin(&crate::example("account_app"), env, manifest, handler)
+    }
+
+    /// The Go runtime's twin of `account_app` (`clients/go/cmd/account-app`: the same
+    /// environment and lines; NATS only), built on first use.
+    pub fn start_go(env: &[(&str, &str)], manifest: &std::path::Path, handler: &str) -> App {
+        App::start_bin(&go_account_app(), env, manifest, handler)
+    }
+
+    fn start_bin(
+        bin: &std::path::Path,
+        env: &[(&str, &str)],
+        manifest: &std::path::Path,
+        handler: &str,
+    ) -> App {
         let log = crate::root().join(format!(
             "target/account-app-{}-{}.log",
             std::process::id(),
@@ -35,7 +72,7 @@ impl App {
         ));
         let release = log.with_extension("release");
         let _ = std::fs::remove_file(&release);
-        let mut child = Command::new(&bin)
+        let mut child = Command::new(bin)
             .env_remove("SETTLE_NATS_URL")
             .env_remove("SETTLE_RABBITMQ_URL")
             .env_remove("SETTLE_SQS_ENDPOINT")

@@ -118,6 +118,15 @@ impl Scene {
         App::start(&all, &self.manifest, handler)
     }
 
+    /// The Go runtime's application (`clients/go/cmd/account-app`) with `handler`.
+    pub fn app_go(&self, handler: &str) -> App {
+        App::start_go(
+            &[("SETTLE_NATS_URL", self.nats_url.as_str())],
+            &self.manifest,
+            handler,
+        )
+    }
+
     pub async fn publish(&self, bodies: impl IntoIterator<Item = String>) {
         publish_to(&self.stream, bodies).await;
     }

@@ -1,0 +1,146 @@
+// Command account-app is an application on the Go runtime whose handler behaves as told, for
+// the account's tests: the Go twin of the Rust runtime's examples/account_app.rs, with the same
+// environment and the same lines, so a test runs either (or both at once) the same way. It
+// binds to the consumer the operator made for a Subscription and reports its counters.
+//
+//   - SETTLE_NATS_URL: the NATS server (the Go runtime's brokers: NATS JetStream so far).
+//   - SETTLE_SUBSCRIPTION_FILE: the Subscription manifest (with its namespace).
+//   - SETTLE_APP_HANDLER: ack (prints `acked <body>`), nack, ack-even-silent-odd, nack-first
+//     (declines a message's first attempt, acks the others, printing `seen <body> <attempt>`),
+//     model (the fault campaign's handler, docs/guide/chaos.md: the same draw as the Rust
+//     app's, appending `<id> <attempt> <answer> <unix ms>` to SETTLE_APP_MODEL_LOG).
+//   - SETTLE_APP_HANDLE_MS: how long nack and nack-first work before they answer (default 0).
+//   - SETTLE_REPORT_INTERVAL (default 200ms): how often counters are reported.
+//
+// It prints `ready` once subscribed; SIGTERM is the graceful stop (handlers finish, the last
+// report is confirmed), then it prints `closed`.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	messaging "settle.dev/messaging"
+	"settle.dev/messaging/nats"
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "account-app:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, nil)))
+	path := os.Getenv("SETTLE_SUBSCRIPTION_FILE")
+	if path == "" {
+		return errors.New("set SETTLE_SUBSCRIPTION_FILE to a Subscription manifest")
+	}
+	text, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	ns, spec, err := messaging.SpecFromManifest(text)
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	url := os.Getenv("SETTLE_NATS_URL")
+	if url == "" {
+		return errors.New("set SETTLE_NATS_URL: the Go runtime's broker is NATS JetStream")
+	}
+	report := 200 * time.Millisecond
+	if v := os.Getenv("SETTLE_REPORT_INTERVAL"); v != "" {
+		if report, err = time.ParseDuration(v); err != nil {
+			return fmt.Errorf("SETTLE_REPORT_INTERVAL=%q: %w", v, err)
+		}
+	}
+	h, err := handler(os.Getenv("SETTLE_APP_HANDLER"))
+	if err != nil {
+		return err
+	}
+	spec.Handler = h
+	b, err := nats.Connect(url, ns)
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+	bus := messaging.New(b, messaging.Options{Namespace: ns, ReportInterval: report})
+	stop, cancel := messaging.StopSignal()
+	defer cancel()
+	if err := bus.Subscribe(stop, spec); err != nil {
+		return err
+	}
+	say("ready")
+	<-stop.Done()
+	bus.Close()
+	say("closed")
+	return nil
+}
+
+var out sync.Mutex
+
+func say(format string, args ...any) {
+	out.Lock()
+	defer out.Unlock()
+	fmt.Printf(format+"\n", args...)
+}
+
+func handleMs() time.Duration {
+	ms, _ := strconv.Atoi(os.Getenv("SETTLE_APP_HANDLE_MS"))
+	return time.Duration(ms) * time.Millisecond
+}
+
+func work(ctx context.Context, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}
+
+func handler(name string) (messaging.Handler, error) {
+	wait := handleMs()
+	switch name {
+	case "ack":
+		return func(_ context.Context, d messaging.Delivery) error {
+			err := d.Ack()
+			say("acked %s", d.Payload())
+			return err
+		}, nil
+	case "nack":
+		return func(ctx context.Context, d messaging.Delivery) error {
+			work(ctx, wait)
+			return d.Nack()
+		}, nil
+	case "ack-even-silent-odd":
+		return func(_ context.Context, d messaging.Delivery) error {
+			n, _ := strconv.Atoi(strings.TrimSpace(string(d.Payload())))
+			if n%2 == 0 {
+				return d.Ack()
+			}
+			return nil
+		}, nil
+	case "nack-first":
+		return func(ctx context.Context, d messaging.Delivery) error {
+			say("seen %s %d", d.Payload(), d.Attempt())
+			work(ctx, wait)
+			if d.Attempt() == 1 {
+				return d.Nack()
+			}
+			return d.Ack()
+		}, nil
+	case "model":
+		return model()
+	}
+	return nil, fmt.Errorf("SETTLE_APP_HANDLER=%q: use ack, nack, ack-even-silent-odd, nack-first or model", name)
+}
