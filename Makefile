@@ -40,6 +40,7 @@ env-status:
 bench:           ## run the benchmarks against a real environment (prints figures)
 	hack/env.sh up
 	cargo bench --workspace
+	. target/env/settle.env && cd clients/go && go run ./cmd/bench
 
 chaos:           ## a fault campaign on the real environment: BROKER= (nats, nats-cluster, rabbitmq, sqs), SEED= (else drawn), FAULTS= (30), MESSAGES=, KINDS= (the first kinds of fault only)
 	hack/env.sh up $(if $(filter nats-cluster,$(BROKER)),--nats-cluster)

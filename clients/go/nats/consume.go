@@ -180,9 +180,10 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 }
 
 func (c *consumer) delivery(m jetstream.Msg) messaging.Delivery {
+	// Only the delivery count is read from the ack subject (not the whole metadata).
 	attempt := 1
-	if md, err := m.Metadata(); err == nil && md.NumDelivered > 0 {
-		attempt = int(md.NumDelivered)
+	if _, _, delivered, ok := ackSubject(m.Reply()); ok && delivered > 0 {
+		attempt = delivered
 	}
 	var headers []messaging.Header
 	for k, vs := range m.Headers() {
@@ -276,7 +277,7 @@ func (s *settler) confirmed(ctx context.Context, body string) *messaging.Refusal
 }
 
 func (s *settler) consumerMayExist(ctx context.Context) bool {
-	stream, consumer, ok := ackSubject(s.reply)
+	stream, consumer, _, ok := ackSubject(s.reply)
 	if !ok {
 		return false
 	}
@@ -284,11 +285,13 @@ func (s *settler) consumerMayExist(ctx context.Context) bool {
 	return !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound)
 }
 
-// ackSubject is the stream and consumer of a $JS.ACK reply subject, in either of its forms.
-func ackSubject(reply string) (stream, consumer string, ok bool) {
+// ackSubject is the stream, consumer and delivery count of a $JS.ACK reply subject, in either
+// of its forms ($JS.ACK.<stream>.<consumer>.<delivered>.… or, with a domain and account hash,
+// $JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.…).
+func ackSubject(reply string) (stream, consumer string, delivered int, ok bool) {
 	rest, found := strings.CutPrefix(reply, "$JS.ACK.")
 	if !found {
-		return "", "", false
+		return "", "", 0, false
 	}
 	t := strings.Split(rest, ".")
 	skip := 0
@@ -297,9 +300,10 @@ func ackSubject(reply string) (stream, consumer string, ok bool) {
 	case n >= 9:
 		skip = 2
 	default:
-		return "", "", false
+		return "", "", 0, false
 	}
-	return t[skip], t[skip+1], true
+	delivered, _ = strconv.Atoi(t[skip+2])
+	return t[skip], t[skip+1], delivered, true
 }
 
 func nakBody(delay time.Duration) string {

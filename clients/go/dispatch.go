@@ -1,0 +1,295 @@
+package messaging
+
+// One subscription's loop: a delivery is taken only with one of MaxInFlight slots free, so no
+// more than MaxInFlight attempts are held (P1); its handler runs on the goroutine that took it,
+// which hands taking on to another when the handler is slow. The lease kept for slow handlers
+// (H1, H2) is a timer, not a goroutine. The close: running handlers get the grace, then their
+// attempts are released.
+// It must not talk to a broker except through the Consumer and the delivery's OnSettle.
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+type leaseTimes struct{ ackWait, maxProcessing time.Duration }
+
+// handOff is how long a handler runs inline, on the goroutine that took its delivery, before
+// another goroutine takes over taking deliveries: a handler that answers at once costs no
+// goroutine switch (the Rust runtime polls a handler once inline for the same reason), and a
+// slow one holds up the next delivery by about this much at most.
+const handOff = 500 * time.Microsecond
+
+// pump is one subscription's loop: one goroutine at a time takes deliveries and runs each
+// handler itself; a watcher hands taking on to a new goroutine when a handler runs past
+// handOff. The watcher looks every handOff while a handler runs inline, and sleeps otherwise,
+// so a delivery costs two atomic stores, not a timer.
+type pump struct {
+	sub     *Sub
+	h       Handler
+	c       Consumer
+	lease   *leaseTimes
+	ctx     context.Context // the subscription's: ends at close
+	hctx    context.Context // the handlers': ends when their attempts are given up
+	free    chan int        // free slots (MaxInFlight of them): a delivery holds one
+	current []atomic.Pointer[state]
+	busy    sync.WaitGroup // deliveries taken and not finished
+	takers  sync.WaitGroup // goroutines taking deliveries (one, but for a moment at a handoff)
+	// inline is the run (a number) whose handler runs inline now, 0 when none; since is when
+	// it began (Unix ns). Whoever swaps it to 0 first decides: the taker goes on, or the
+	// watcher hands taking on.
+	inline atomic.Uint64
+	since  atomic.Int64
+	runs   uint64
+	asleep atomic.Bool
+	wake   chan struct{}
+}
+
+// dispatch is one subscription's loop, until ctx ends or the consumer does; then the close:
+// the consumer stops fetching, running handlers get the grace, what is left is released.
+func dispatch(ctx context.Context, sub *Sub, h Handler, c Consumer, grace time.Duration, lease *leaseTimes) {
+	limit := max(sub.Policy.MaxInFlight, 1)
+	hctx, cancelHandlers := context.WithCancel(context.Background())
+	defer cancelHandlers()
+	p := &pump{sub: sub, h: h, c: c, lease: lease, ctx: ctx, hctx: hctx,
+		free: make(chan int, limit), current: make([]atomic.Pointer[state], limit), wake: make(chan struct{}, 1)}
+	for i := range limit {
+		p.free <- i
+	}
+	watching := make(chan struct{})
+	go func() { defer close(watching); p.watch() }()
+	p.takers.Add(1)
+	go p.take()
+	// The loop ends when the subscription's context does, or the consumer ends.
+	p.takers.Wait()
+	// Closing: the consumer stops fetching (nothing more is taken, and what the broker would
+	// still send for a pull is not left to pile up unread); running handlers get the grace;
+	// what is left is given up (released), so it is offered again elsewhere; then it retires.
+	bg := context.Background()
+	c.Stop(bg)
+	done := make(chan struct{})
+	go func() { p.busy.Wait(); close(done) }()
+	timer := time.NewTimer(grace)
+	select {
+	case <-done:
+	case <-timer.C:
+	}
+	timer.Stop()
+	for i := range p.current {
+		if s := p.current[i].Load(); s != nil {
+			d := Delivery{s}
+			slog.Warn("handler still running at close: attempt given up", "subscription", sub.Name(), "subject", d.Subject())
+			d.release(bg)
+		}
+	}
+	cancelHandlers()
+	<-watching
+	c.Retire(bg)
+}
+
+// take takes deliveries and runs their handlers, until the subscription ends or the watcher
+// handed taking on (its handler ran past handOff). A goroutine counts in takers while it
+// takes: one handed off is only running a handler (in busy), so the close does not wait for it
+// before the grace.
+func (p *pump) take() {
+	for {
+		var slot int
+		select {
+		case slot = <-p.free:
+		case <-p.ctx.Done():
+			p.takers.Done()
+			return
+		}
+		d, ok := p.c.Next(p.ctx)
+		if !ok {
+			p.free <- slot
+			if p.ctx.Err() == nil {
+				slog.Warn("consumer ended", "subscription", p.sub.Name())
+			}
+			p.takers.Done()
+			return
+		}
+		p.current[slot].Store(d.s)
+		p.busy.Add(1)
+		p.runs++
+		run := p.runs
+		p.since.Store(time.Now().UnixNano())
+		p.inline.Store(run)
+		if p.ctx.Err() != nil && p.inline.CompareAndSwap(run, 0) {
+			// Taken as the subscription ended (the watcher may be gone): run it on its own
+			// goroutine, so the close's grace covers it.
+			p.takers.Done()
+			go func() {
+				runOne(p.hctx, d, p.h, p.lease)
+				p.current[slot].Store(nil)
+				p.busy.Done()
+			}()
+			return
+		}
+		if p.asleep.Load() {
+			select {
+			case p.wake <- struct{}{}:
+			default:
+			}
+		}
+		runOne(p.hctx, d, p.h, p.lease)
+		p.current[slot].Store(nil)
+		p.busy.Done()
+		p.free <- slot
+		if !p.inline.CompareAndSwap(run, 0) {
+			return // handed off: another goroutine takes deliveries now
+		}
+	}
+}
+
+// watch hands taking on to a new goroutine when the inline handler runs past handOff, until
+// the subscription ends. It sleeps while no handler runs inline.
+func (p *pump) watch() {
+	tick := time.NewTicker(handOff)
+	defer tick.Stop()
+	for {
+		run := p.inline.Load()
+		if run == 0 {
+			p.asleep.Store(true)
+			if p.inline.Load() == 0 {
+				select {
+				case <-p.wake:
+				case <-p.ctx.Done():
+					p.asleep.Store(false)
+					if run := p.inline.Load(); run != 0 && p.inline.CompareAndSwap(run, 0) {
+						p.takers.Done()
+					}
+					return
+				}
+			}
+			p.asleep.Store(false)
+			continue
+		}
+		select {
+		case <-tick.C:
+		case <-p.ctx.Done():
+			// No more handoffs: a taker running a handler inline stops being one now, so the
+			// close's grace starts without waiting for that handler.
+			if run := p.inline.Load(); run != 0 && p.inline.CompareAndSwap(run, 0) {
+				p.takers.Done()
+			}
+			return
+		}
+		if time.Now().UnixNano()-p.since.Load() >= int64(handOff) && p.inline.CompareAndSwap(run, 0) {
+			p.takers.Add(1) // the new taker, before the old one leaves
+			go p.take()
+			p.takers.Done()
+		}
+	}
+}
+
+// runOne runs one handler on one delivery: contains a panic, counts a returned error, keeps
+// the lease, and settles silence.
+func runOne(ctx context.Context, d Delivery, h Handler, lease *leaseTimes) {
+	var kept *leaseKeeper
+	if lease != nil {
+		kept = keepLease(d, *lease)
+	}
+	err, panicked := call(ctx, d, h)
+	if kept != nil {
+		kept.stop()
+	}
+	if d.s.fate.Load() == fateReleased {
+		return // given up at close: what it did after is not counted (the Rust runtime aborts it)
+	}
+	switch {
+	case panicked != nil:
+		d.count(cPanics)
+		slog.Error("handler panicked: contained, treated as silence", "subscription", d.Subscription(), "subject", d.Subject(), "attempt", d.Attempt(), "panic", fmt.Sprint(panicked))
+	case err != nil:
+		d.count(cHandlerErrors)
+		slog.Warn("handler returned an error (it does not decide settlement)", "subscription", d.Subscription(), "subject", d.Subject(), "attempt", d.Attempt(), "settled", d.Settled(), "error", err)
+	}
+	d.complete(context.Background())
+}
+
+func call(ctx context.Context, d Delivery, h Handler) (err error, panicked any) {
+	defer func() {
+		if p := recover(); p != nil {
+			panicked = p
+		}
+	}()
+	return h(ctx, d), nil
+}
+
+// leaseKeeper extends a delivery's lease half an AckWait before each lease runs out, up to
+// MaxProcessingTime, then counts LeaseExpired when the last lease runs out with the handler
+// still running (H1, H2). One timer at a time; nothing runs between them.
+type leaseKeeper struct {
+	d         Delivery
+	l         leaseTimes
+	bound     time.Time
+	heldUntil time.Time
+	mu        sync.Mutex
+	timer     *time.Timer
+	stopped   bool
+}
+
+func keepLease(d Delivery, l leaseTimes) *leaseKeeper {
+	now := time.Now()
+	k := &leaseKeeper{d: d, l: l, bound: now.Add(l.maxProcessing), heldUntil: now.Add(l.ackWait)}
+	k.mu.Lock()
+	k.next()
+	k.mu.Unlock()
+	return k
+}
+
+// next schedules the next extension, or the expiry check when none is left (k.mu held).
+func (k *leaseKeeper) next() {
+	regular := k.heldUntil.Add(-k.l.ackWait / 2)
+	var at time.Time
+	switch {
+	case !regular.Add(k.l.ackWait).After(k.bound):
+		at = regular
+	case k.heldUntil.Before(k.bound):
+		// The last extension, timed so that the lease ends at MaxProcessingTime.
+		at = k.bound.Add(-k.l.ackWait)
+	default:
+		k.timer = time.AfterFunc(time.Until(k.heldUntil), k.expire)
+		return
+	}
+	k.timer = time.AfterFunc(time.Until(at), k.extend)
+}
+
+func (k *leaseKeeper) extend() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.stopped || k.d.Settled() {
+		return
+	}
+	if r := k.d.s.onSettle.Progress(context.Background()); r != nil {
+		slog.Warn("could not extend the lease", "subscription", k.d.Subscription(), "reason", r.Reason)
+		k.timer = time.AfterFunc(time.Until(k.heldUntil), k.expire)
+		return
+	}
+	k.heldUntil = time.Now().Add(k.l.ackWait)
+	k.next()
+}
+
+func (k *leaseKeeper) expire() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.stopped || k.d.Settled() {
+		return
+	}
+	k.d.count(cLeaseExpired)
+	slog.Warn("handler ran past maxProcessingTime: the message is handed on while it may still run (LeaseExpired)", "subscription", k.d.Subscription(), "subject", k.d.Subject(), "attempt", k.d.Attempt())
+}
+
+func (k *leaseKeeper) stop() {
+	k.mu.Lock()
+	k.stopped = true
+	if k.timer != nil {
+		k.timer.Stop()
+	}
+	k.mu.Unlock()
+}
