@@ -522,10 +522,12 @@ impl Consumer for RabbitConsumer {
             if let Some(c) = self.consumer.take() {
                 // Settlements still work on the channel; what was sent but not taken stays
                 // unsettled until retire closes the channel, which requeues it.
-                let _ = self
+                let cancel = self
                     .channel
-                    .basic_cancel(c.tag(), BasicCancelOptions::default())
-                    .await;
+                    .basic_cancel(c.tag(), BasicCancelOptions::default());
+                if tokio::time::timeout(CLOSE_STEP, cancel).await.is_err() {
+                    tracing::warn!(subscription = %self.ctx.name(), "basic.cancel unanswered after {CLOSE_STEP:?}: going on with the close");
+                }
             }
         }
         .boxed()
@@ -536,14 +538,28 @@ impl Consumer for RabbitConsumer {
             self.retired.store(true, Ordering::Release);
             self.flow = Flow::Stopped;
             self.consumer = None;
-            // Closing the channel requeues every unsettled delivery on it (semantics R5).
-            if let Err(e) = self.channel.close(200, ShortString::from("retired")).await {
-                tracing::debug!(subscription = %self.ctx.name(), error = %e, "closing the consumer's channel");
+            // Closing the channel requeues every unsettled delivery on it (semantics R5); so
+            // does the connection's end, should the broker not answer the close.
+            let close = self.channel.close(200, ShortString::from("retired"));
+            match tokio::time::timeout(CLOSE_STEP, close).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(subscription = %self.ctx.name(), error = %e, "closing the consumer's channel");
+                }
+                Err(_) => {
+                    tracing::warn!(subscription = %self.ctx.name(), "channel.close unanswered after {CLOSE_STEP:?}: going on with the close");
+                }
             }
         }
         .boxed()
     }
 }
+
+/// The longest one broker call of the close (`basic.cancel`, a release's `basic.nack`,
+/// `channel.close`) is waited for: the graceful stop must end within a pod's grace period
+/// whatever the broker does, and what is left unsettled is requeued when the channel or its
+/// connection ends anyway.
+pub const CLOSE_STEP: std::time::Duration = std::time::Duration::from_secs(5);
 
 struct RabbitSettler {
     acker: lapin::Acker,
@@ -642,7 +658,14 @@ impl OnSettle for RabbitSettler {
     fn release(&self) -> BoxFuture<'_, ()> {
         async move {
             if self.check().is_ok()
-                && let Err(r) = self.requeue().await
+                && let Err(r) = tokio::time::timeout(CLOSE_STEP, self.requeue())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Refusal {
+                            reason: format!("basic.nack not sent within {CLOSE_STEP:?}"),
+                            stranded: false,
+                        })
+                    })
             {
                 tracing::debug!(reason = %r.reason, "release not sent; the broker requeues the message when the channel closes");
             }
