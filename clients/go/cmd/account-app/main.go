@@ -3,7 +3,9 @@
 // environment and the same lines, so a test runs either (or both at once) the same way. It
 // binds to the consumer the operator made for a Subscription and reports its counters.
 //
-//   - SETTLE_NATS_URL: the NATS server (the Go runtime's brokers: NATS JetStream so far).
+//   - SETTLE_NATS_URL: the broker is NATS; without it, SETTLE_RABBITMQ_URL: RabbitMQ (binding on
+//     and publishing to amq.topic); without either, SETTLE_SQS_ENDPOINT: SQS at that endpoint
+//     (ElasticMQ; any region and keys), with the queue prefix SETTLE_SQS_QUEUE_PREFIX.
 //   - SETTLE_SUBSCRIPTION_FILE: the Subscription manifest (with its namespace).
 //   - SETTLE_APP_HANDLER: ack (prints `acked <body>`), nack, ack-even-silent-odd, nack-first
 //     (declines a message's first attempt, acks the others, printing `seen <body> <attempt>`),
@@ -29,6 +31,8 @@ import (
 
 	messaging "settle.dev/messaging"
 	"settle.dev/messaging/nats"
+	"settle.dev/messaging/rabbitmq"
+	"settle.dev/messaging/sqs"
 )
 
 func main() {
@@ -52,10 +56,6 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", path, err)
 	}
-	url := os.Getenv("SETTLE_NATS_URL")
-	if url == "" {
-		return errors.New("set SETTLE_NATS_URL: the Go runtime's broker is NATS JetStream")
-	}
 	report := 200 * time.Millisecond
 	if v := os.Getenv("SETTLE_REPORT_INTERVAL"); v != "" {
 		if report, err = time.ParseDuration(v); err != nil {
@@ -67,11 +67,11 @@ func run() error {
 		return err
 	}
 	spec.Handler = h
-	b, err := nats.Connect(url, ns)
+	b, closeBackend, err := backend(ns)
 	if err != nil {
 		return err
 	}
-	defer b.Close()
+	defer closeBackend()
 	bus := messaging.New(b, messaging.Options{Namespace: ns, ReportInterval: report})
 	stop, cancel := messaging.StopSignal()
 	defer cancel()
@@ -83,6 +83,33 @@ func run() error {
 	bus.Close()
 	say("closed")
 	return nil
+}
+
+// backend is the broker the environment names: NATS first, then RabbitMQ, then SQS.
+func backend(ns string) (messaging.Backend, func(), error) {
+	if url := os.Getenv("SETTLE_NATS_URL"); url != "" {
+		b, err := nats.Connect(url, ns)
+		if err != nil {
+			return nil, nil, err
+		}
+		return b, b.Close, nil
+	}
+	if url := os.Getenv("SETTLE_RABBITMQ_URL"); url != "" {
+		b, err := rabbitmq.Connect(url)
+		if err != nil {
+			return nil, nil, err
+		}
+		return b, b.Close, nil
+	}
+	if endpoint := os.Getenv("SETTLE_SQS_ENDPOINT"); endpoint != "" {
+		b, err := sqs.Connect(sqs.Settings{Region: "elasticmq", Endpoint: endpoint, AccessKeyID: "test", SecretAccessKey: "test",
+			QueuePrefix: os.Getenv("SETTLE_SQS_QUEUE_PREFIX")})
+		if err != nil {
+			return nil, nil, err
+		}
+		return b.WithLongPoll(1), func() {}, nil
+	}
+	return nil, nil, errors.New("set SETTLE_NATS_URL, SETTLE_RABBITMQ_URL or SETTLE_SQS_ENDPOINT")
 }
 
 var out sync.Mutex

@@ -209,6 +209,11 @@ mod tests {
             }
         }
         assert_ne!(report_queue(&long), report_queue(&other));
+        // The Go runtime (clients/go/sqs, TestTheReportQueueIsTheOperators) holds this value.
+        assert_eq!(
+            report_queue(&long),
+            "qqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqqq-04945995-settle-stats.fifo"
+        );
         assert!(!is_account_queue("orders-dlq"));
     }
 
