@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Builds Settle's images as OCI image archives, without a container engine: the operator image
 # the Helm chart runs (ghcr.io/settle-dev/settle:<chart appVersion>) and the example application
-# image (ghcr.io/settle-dev/settle-example:<version>, examples/account_app.rs). Each is one layer
-# holding what gcr.io/distroless/cc-debian12:nonroot holds for a Rust binary: the binary, the
-# glibc runtime libraries `ldd` says it links and the loader, Debian's CA bundle, /etc/passwd and
-# /etc/group with root and nonroot (65532), /tmp and /home/nonroot. The Dockerfile describes the
+# image (ghcr.io/settle-dev/settle-example:<version>, examples/account_app.rs), and the Go
+# runtime's example application (ghcr.io/settle-dev/settle-example-go:<version>,
+# clients/go/cmd/account-app, built static). Each is one layer holding what
+# gcr.io/distroless/cc-debian12:nonroot holds for a Rust binary: the binary, the glibc runtime
+# libraries `ldd` says it links and the loader (none for the static Go binary), Debian's CA
+# bundle, /etc/passwd and /etc/group with root and nonroot (65532), /tmp and /home/nonroot. The Dockerfile describes the
 # same operator image for those who build with Docker (crates/settle-e2e/tests/image.rs compares them).
 #
 # Pinned inputs: the files come from this machine's Debian packages, and the image says which:
-# a label per package with its version (dev.settle.image.debian.<package>), the rustc version,
+# a label per package with its version (dev.settle.image.debian.<package>), the rustc version
+# (the Go version for the Go application),
 # and the commit (org.opencontainers.image.revision). Reproducible: the same commit, built in
 # the same place with the same toolchain and packages, gives the same digest (every mtime is
 # SOURCE_DATE_EPOCH, default the commit's time; see hack/oci-image.py for the rest).
 #
-#   hack/image.sh build [settle|example|all] [--tag T] [--label K=V]... [--out DIR]
+#   hack/image.sh build [settle|example|example-go|all] [--tag T] [--label K=V]... [--out DIR]
 #                          cargo build (--release for the operator), then write the archive(s);
 #                          prints size and digest
 #   hack/image.sh path settle|example [--tag T] [--out DIR]    the archive's path
@@ -45,15 +48,15 @@ PORTS="8443/tcp 8080/tcp 8081/tcp"
 NONROOT="65532"
 
 usage() {
-  echo "usage: hack/image.sh build [settle|example|all] [--tag T] [--label K=V]... [--out DIR]" >&2
-  echo "       hack/image.sh path|digest|ref settle|example [--tag T] [--out DIR]" >&2
+  echo "usage: hack/image.sh build [settle|example|example-go|all] [--tag T] [--label K=V]... [--out DIR]" >&2
+  echo "       hack/image.sh path|digest|ref settle|example|example-go [--tag T] [--out DIR]" >&2
   exit 2
 }
 
 # --- the arguments ------------------------------------------------------------------------------
 cmd="${1:-}"; [ -n "$cmd" ] || usage; shift
 which="all"
-case "${1:-}" in settle|example|all) which="$1"; shift ;; esac
+case "${1:-}" in settle|example|example-go|all) which="$1"; shift ;; esac
 TAG="${SETTLE_IMAGE_TAG:-}"
 OUT="${SETTLE_IMAGE_DIR:-$TARGET/image}"
 LABELS=()
@@ -75,7 +78,12 @@ done
 
 # repo_of NAME, tag_of NAME: the image reference of settle (the chart's appVersion: what
 # `helm install` with default values runs) or example (the crate's version).
-repo_of() { case "$1" in settle) echo "$REGISTRY/settle" ;; example) echo "$REGISTRY/settle-example" ;; *) usage ;; esac; }
+repo_of() {
+  case "$1" in
+    settle) echo "$REGISTRY/settle" ;; example) echo "$REGISTRY/settle-example" ;;
+    example-go) echo "$REGISTRY/settle-example-go" ;; *) usage ;;
+  esac
+}
 tag_of() {
   if [ -n "$TAG" ]; then echo "$TAG"; elif [ "$1" = settle ]; then echo "$APP_VERSION"; else echo "$VERSION"; fi
 }
@@ -85,6 +93,8 @@ archive_of() { echo "$OUT/$(basename "$(repo_of "$1")")-$(tag_of "$1").oci.tar";
 # The libraries the dynamic loader maps for BIN, loader included, as absolute paths.
 linked_libraries() {
   local out
+  # A static binary (the Go application's) maps nothing.
+  if file_is_static "$1"; then return 0; fi
   out="$(ldd "$1")" || { echo "error: ldd $1 failed: is it a dynamically linked binary?" >&2; return 1; }
   if grep -q "not found" <<<"$out"; then
     echo "error: $1 links libraries this machine does not have:" >&2
@@ -93,6 +103,9 @@ linked_libraries() {
   fi
   awk '$2 == "=>" && $3 ~ /^\// {print $3; next} $1 ~ /^\// {print $1}' <<<"$out"
 }
+
+# Whether BIN is statically linked (no program interpreter).
+file_is_static() { ! readelf -l "$1" 2>/dev/null | grep -q 'Requesting program interpreter'; }
 
 # The Debian package that installed PATH ("libc6:amd64"), its name without the architecture.
 package_of() {
@@ -150,6 +163,9 @@ build_image() {
     example)
       exe=account_app; bin="$TARGET/debug/examples/account_app"; title="settle-example"
       description="An application on Settle's handler runtime (examples/account_app.rs)" ;;
+    example-go)
+      exe=account-app; bin="$TARGET/go/account-app-static"; title="settle-example-go"
+      description="An application on Settle's Go runtime (clients/go/cmd/account-app)" ;;
   esac
   archive="$(archive_of "$name")"
   rootfs="$OUT/rootfs-$title"
@@ -178,7 +194,7 @@ build_image() {
     --label "org.opencontainers.image.created=$(date -u -d "@$epoch" +%Y-%m-%dT%H:%M:%SZ)"
     --label "org.opencontainers.image.licenses=Apache-2.0"
     --label "dev.settle.image.tree=$tree"
-    --label "dev.settle.image.rustc=$(rustc -V)"
+    --label "$(if [ "$name" = example-go ]; then echo "dev.settle.image.go=$(go version)"; else echo "dev.settle.image.rustc=$(rustc -V)"; fi)"
     --label "dev.settle.image.debian=$(sed -n 's/^PRETTY_NAME="\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' /etc/os-release)"
   )
   if [ "$name" = settle ]; then
@@ -226,7 +242,7 @@ case "$cmd" in
     # One build at a time per output directory (a test suite and `make image` may meet there).
     exec 9>"$OUT/.lock"
     flock 9
-    case "$which" in all) names="settle example" ;; *) names="$which" ;; esac
+    case "$which" in all) names="settle example example-go" ;; *) names="$which" ;; esac
     # One cargo build per binary: built together, the operator would link a library compiled
     # with the dev-dependencies' features (an example pulls them in), not the Dockerfile's
     # `--bin settle` alone; apart, each library variant is cached under its own hash.
@@ -236,6 +252,11 @@ case "$cmd" in
         # The example is a test application: its dev build (the one `cargo build --all-targets`
         # makes anyway) spares a cold CI run a second release build of the whole tree.
         example) cargo build --locked --example account_app ;;
+        # Static, reproducible: no cgo, no paths or build id of this machine in the binary.
+        example-go)
+          need go "install Go 1.26+ (go.dev/dl)"
+          (cd "$ROOT/clients/go" && CGO_ENABLED=0 go build -trimpath -buildvcs=false -ldflags=-buildid= \
+            -o "$TARGET/go/account-app-static" ./cmd/account-app) ;;
       esac
     done
     for n in $names; do build_image "$n"; done ;;

@@ -691,6 +691,63 @@ fn the_example_image_runs_account_app_as_nonroot() {
     }
 }
 
+/// The Go runtime's example application: static, so the image holds no loader or library,
+/// and it runs as nonroot like the Rust one.
+#[test]
+fn the_go_example_image_runs_account_app_static_as_nonroot() {
+    let image = ImageArchive::open(&image_archive("example-go"));
+    assert_eq!(
+        image.reference(),
+        format!("ghcr.io/settle-dev/settle-example-go:{}", cargo_version())
+    );
+    let config = &image.config["config"];
+    assert_eq!(config["User"], "65532:65532");
+    assert_eq!(
+        config["Entrypoint"],
+        serde_json::json!(["/usr/local/bin/account-app"])
+    );
+    assert!(
+        config["Labels"]["dev.settle.image.go"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("go version go1.")),
+        "{:?}",
+        config["Labels"]
+    );
+    let entries = entries_by_path(&image);
+    for path in [
+        "/usr/local/bin/account-app",
+        "/etc/ssl/certs/ca-certificates.crt",
+        "/etc/passwd",
+    ] {
+        assert!(
+            entries.contains_key(path),
+            "the Go example image has {path}"
+        );
+    }
+    assert!(
+        !entries.contains_key("/lib64/ld-linux-x86-64.so.2"),
+        "a static binary needs no loader"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    image.extract_layer(dir.path());
+    // Static: it runs as it is, on no library of the host's.
+    let out = Command::new(dir.path().join("usr/local/bin/account-app"))
+        .env_clear()
+        .output()
+        .expect("run account-app from the image");
+    assert!(
+        !out.status.success()
+            && String::from_utf8_lossy(&out.stderr).contains("set SETTLE_SUBSCRIPTION_FILE"),
+        "account-app from the image: {out:?}"
+    );
+    if let Some(out) = run_chrooted(dir.path(), "/usr/local/bin/account-app", &[]) {
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("set SETTLE_SUBSCRIPTION_FILE"),
+            "account-app chrooted as 65532: {out:?}"
+        );
+    }
+}
+
 #[test]
 fn the_archive_is_an_oci_layout_that_docker_load_also_reads() {
     let image = settle();

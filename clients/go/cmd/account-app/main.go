@@ -7,7 +7,8 @@
 //     and publishing to amq.topic); without either, SETTLE_SQS_ENDPOINT: SQS at that endpoint
 //     (ElasticMQ; any region and keys), with the queue prefix SETTLE_SQS_QUEUE_PREFIX.
 //   - SETTLE_SUBSCRIPTION_FILE: the Subscription manifest (with its namespace).
-//   - SETTLE_APP_HANDLER: ack (prints `acked <body>`), nack, ack-even-silent-odd, nack-first
+//   - SETTLE_APP_HANDLER: ack (prints `acked <body>`), demo (acks orders, declines a body
+//     containing `bad`, returns silently once on one containing `slow`), nack, ack-even-silent-odd, nack-first
 //     (declines a message's first attempt, acks the others, printing `seen <body> <attempt>`),
 //     model (the fault campaign's handler, docs/guide/chaos.md: the same draw as the Rust
 //     app's, appending `<id> <attempt> <answer> <unix ms>` to SETTLE_APP_MODEL_LOG).
@@ -144,6 +145,17 @@ func handler(name string) (messaging.Handler, error) {
 			say("acked %s", d.Payload())
 			return err
 		}, nil
+	case "demo":
+		return func(_ context.Context, d messaging.Delivery) error {
+			body := string(d.Payload())
+			switch {
+			case strings.Contains(body, "bad"):
+				return d.Nack()
+			case strings.Contains(body, "slow") && d.Attempt() == 1:
+				return nil
+			}
+			return d.Ack()
+		}, nil
 	case "nack":
 		return func(ctx context.Context, d messaging.Delivery) error {
 			work(ctx, wait)
@@ -169,5 +181,5 @@ func handler(name string) (messaging.Handler, error) {
 	case "model":
 		return model()
 	}
-	return nil, fmt.Errorf("SETTLE_APP_HANDLER=%q: use ack, nack, ack-even-silent-odd, nack-first or model", name)
+	return nil, fmt.Errorf("SETTLE_APP_HANDLER=%q: use ack, demo, nack, ack-even-silent-odd, nack-first or model", name)
 }
