@@ -10,7 +10,7 @@
 //! 3. an invalid Subscription denied through that webhook; a Backend and Subscriptions whose
 //!    consumers the operator pod makes; a NATS Backend over TLS with its CA from a Secret Ready on
 //!    the chart's read-only root filesystem; the example application as a pod, its counters in
-//!    status;
+//!    status, and the Go runtime's example beside it on the same Subscription, one account;
 //! 4. the leader pod deleted: the other replica leads within the Lease's bound and reconciles,
 //!    and no `kubectl apply` is refused meanwhile; evictions respect the PodDisruptionBudget;
 //! 5. `helm upgrade` to a new image under traffic (a prober publishing and the application
@@ -59,8 +59,10 @@ async fn settle_installs_with_helm_on_a_real_node_and_lives_through_day_two() {
     step("images into the node's containerd, brokers on the bridge");
     let operator_archive = image_archive("settle");
     let example_archive = image_archive("example");
+    let go_archive = image_archive("example-go");
     let operator_image = archive_reference(&operator_archive);
     let example_image = archive_reference(&example_archive);
+    let go_image = archive_reference(&go_archive);
     let chart_default = chart_default_image();
     assert_eq!(
         operator_image, chart_default,
@@ -68,7 +70,12 @@ async fn settle_installs_with_helm_on_a_real_node_and_lives_through_day_two() {
     );
     node.import_image(&operator_archive);
     node.import_image(&example_archive);
-    assert!(node.has_image(&operator_image) && node.has_image(&example_image));
+    node.import_image(&go_archive);
+    assert!(
+        node.has_image(&operator_image)
+            && node.has_image(&example_image)
+            && node.has_image(&go_image)
+    );
     let nats = BridgeNats::start(&node, "plain", &[]);
     let tls_dir = tempfile::tempdir().expect("tempdir");
     let (ca_pem, tls_args) = common::nats_tls_files(tls_dir.path(), &node.ip);
@@ -99,6 +106,7 @@ async fn settle_installs_with_helm_on_a_real_node_and_lives_through_day_two() {
     consumers_made_by_the_operator_pod(&node, &client, &js, &nats).await;
     tls_backend_ready_on_a_read_only_root(&node, &client, &tls_nats, &ca_pem).await;
     let prober = Arc::new(Prober::new(&node, &client, &js, &nats, &example_image).await);
+    prober.go_beside_rust(&node, &nats, &go_image).await;
     leader_failover(&node, &client, &js, &mut figures).await;
     evictions_respect_the_pdb(&node, &client).await;
     upgrade_under_traffic(&node, &prober, &operator_image, &mut figures).await;
@@ -332,6 +340,35 @@ impl Prober {
         let s = prober.settled(want).await;
         assert_eq!(s.delivered, want, "{s:?}");
         prober
+    }
+
+    /// The Go runtime's application as a second pod on Subscription `prober`, beside the Rust
+    /// one: both consume the same queue, and status stays one exact account.
+    async fn go_beside_rust(&self, node: &Node, nats: &BridgeNats, image: &str) {
+        step("the Go runtime's application beside the Rust one: one account");
+        let mut app = app_deployment(image, &nats.url());
+        app["metadata"]["name"] = json!("prober-app-go");
+        app["metadata"]["labels"]["app"] = json!("prober-app-go");
+        app["spec"]["selector"]["matchLabels"]["app"] = json!("prober-app-go");
+        app["spec"]["template"]["metadata"]["labels"]["app"] = json!("prober-app-go");
+        app["spec"]["template"]["spec"]["containers"][0]["env"][2]["value"] = json!("ack");
+        node.apply(TEAM, &app.to_string());
+        node.wait_rollout(TEAM, "prober-app-go", Duration::from_secs(120));
+        let stop = Arc::new(AtomicBool::new(true));
+        self.publish_until(stop, 100).await;
+        let want = self.published();
+        let s = self.settled(want).await;
+        assert_eq!(s.delivered, want, "{s:?}");
+        let acked_by_go = node
+            .kubectl_ok(&["logs", "-n", TEAM, "deploy/prober-app-go"], None)
+            .lines()
+            .filter(|l| l.starts_with("acked "))
+            .count();
+        println!("  the Go application acked {acked_by_go} of the last 100");
+        assert!(
+            acked_by_go > 0,
+            "the Go application served the Subscription too"
+        );
     }
 
     fn published(&self) -> u64 {
