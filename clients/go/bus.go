@@ -1,8 +1,8 @@
 package messaging
 
-// The bus: subscriptions on a backend, each a loop that takes a slot (MaxInFlight), takes a
-// delivery and runs its handler; the lease kept for slow handlers; the graceful stop; the
-// stats report loop. It must not talk to a broker except through the Backend seam.
+// The bus: subscriptions on a backend (each subscription's loop, its lease and its close are
+// dispatch.go's), the graceful stop of them all, and the stats report loop. It must not talk
+// to a broker except through the Backend seam.
 
 import (
 	"context"

@@ -18,7 +18,11 @@
 //! - Paused (W3: the operator's marker exchange `settle.paused.<queue>` is there and
 //!   `settle.running.<queue>` is not, checked every pause poll interval by `backend::pause`): `basic.cancel`, so the broker sends nothing more;
 //!   what it had sent (the prefetch) is still handed out, and every delivery taken settles on
-//!   the channel as before. Once the marker is gone, `basic.consume` again on the same channel.
+//!   the channel as before. Once the marker is gone, the queue's object mark is read again
+//!   (the queue may have been made again for a new object meanwhile), then `basic.consume`
+//!   again on the same channel.
+//! - The close's broker calls (`basic.cancel`, a release's `basic.nack`, `channel.close`) wait
+//!   at most [`CLOSE_STEP`] each, so a graceful stop ends whatever the broker does.
 //!
 //! It must not count anything (the settle path does), build queue arguments (that is
 //! [`super::mapping`]) nor declare or bind a queue the operator owns.
