@@ -17,5 +17,5 @@ for suite in settle:admission_rules settle-operator:layering settle-operator:hot
   settle-operator:check_cli settle-operator:webhook_review settle-operator:reference settle-e2e:docs; do
   cargo test --locked --quiet -p "${suite%%:*}" --test "${suite#*:}"
 done
-(cd clients/go && go test -count=1 -short ./...)   # the Go runtime: everything but its broker suites
+(cd clients/go && go test -count=1 -short -parallel 16 ./...)   # the Go runtime: everything but its broker suites
 echo "make check: lint and the tests that need no environment passed in $((SECONDS - start))s"

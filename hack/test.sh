@@ -40,18 +40,14 @@ source "$SETTLE_ENV_DIR/settle.env"
 # suites wait on real servers rather than the CPU; each binary's output is printed whole. Each
 # binary gets SETTLE_TEST_TIMEOUT seconds (default 900), then it and its children are killed.
 log="$ROOT/target/test-output.log"
-# The Go runtime (clients/go): its unit tests, the admission vectors, and the shared scenes on
-# every broker, beside the Rust suites (they wait on brokers, not the CPU); printed after them.
-go_log="$ROOT/target/go-test-output.log"
-(cd clients/go && go test -count=1 -v ./... >"$go_log" 2>&1; echo "go test exit $?" >>"$go_log") &
-go_tests=$!
 {
   cargo test --workspace --locked --no-run --lib --bins --tests --examples --message-format=json-render-diagnostics \
     | python3 hack/run-tests.py "${SETTLE_TEST_JOBS:-3}"
   cargo test --workspace --locked --doc
-  wait "$go_tests"
-  grep -v '^=== ' "$go_log"
-  grep -qx 'go test exit 0' "$go_log"
+  # The Go runtime (clients/go): its unit tests, the admission vectors, and the shared scenes
+  # on every broker. After the Rust suites, not beside them: beside them, the cluster's
+  # campaign (nats_cluster, timing-bound on two cores) failed once (docs/guide/chaos.md).
+  (cd clients/go && go test -count=1 -parallel 16 -v ./... | grep -v '^=== ')
 } 2>&1 | tee "$log"
 phase tests
 # The node changed the host (a bridge, iptables chains, sysctls): its `down` must undo all of it.

@@ -78,6 +78,7 @@ func (s memoryScope) Send(ctx context.Context, b messaging.Backend, n int, body 
 }
 
 func TestTheSharedScenesHoldOnMemory(t *testing.T) {
+	t.Parallel()
 	runAll(t, memoryScope{memory.New()})
 }
 
@@ -111,6 +112,7 @@ func env(t *testing.T, name string) string {
 }
 
 func TestTheSharedScenesHoldOnNATS(t *testing.T) {
+	t.Parallel()
 	url := env(t, "SETTLE_NATS_URL")
 	prefix := fmt.Sprintf("goconf.%d.%d", os.Getpid(), seq.Add(1))
 	b, err := settlenats.Connect(url, "conformance")
@@ -152,6 +154,7 @@ func (s rabbitScope) Send(ctx context.Context, b messaging.Backend, n int, body 
 }
 
 func TestTheSharedScenesHoldOnRabbitMQ(t *testing.T) {
+	t.Parallel()
 	url := env(t, "SETTLE_RABBITMQ_URL")
 	conn, err := amqp.Dial(url)
 	if err != nil {
@@ -206,6 +209,7 @@ func (s sqsScope) Send(ctx context.Context, b messaging.Backend, _ int, body []b
 }
 
 func TestTheSharedScenesHoldOnSQS(t *testing.T) {
+	t.Parallel()
 	endpoint := env(t, "SETTLE_SQS_ENDPOINT")
 	f, err := conformance.Load()
 	if err != nil {
