@@ -79,3 +79,16 @@ type Backend interface {
 	// again ("" when there is none or it cannot be read).
 	ReadMark(ctx context.Context, sub *Sub) string
 }
+
+// Sleep waits d, or until ctx ends: false when ctx ended first. The backends' waits (for an
+// operator's consumer, a retry, a pause poll) all take it, so each ends with its subscription.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

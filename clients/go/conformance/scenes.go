@@ -232,10 +232,7 @@ func (sc Scene) handler(s *seen) messaging.Handler {
 			case strings.HasPrefix(step, "nackAfter:"):
 				err = d.NackAfter(duration(strings.TrimPrefix(step, "nackAfter:")))
 			case strings.HasPrefix(step, "sleep:"):
-				select {
-				case <-ctx.Done():
-				case <-time.After(duration(strings.TrimPrefix(step, "sleep:"))):
-				}
+				messaging.Sleep(ctx, duration(strings.TrimPrefix(step, "sleep:")))
 			default:
 				panic(fmt.Sprintf("scenes.json: unknown answer %q", step))
 			}
@@ -328,10 +325,8 @@ func settle(ctx context.Context, bus *messaging.Bus, name string, want Expect, c
 		if time.Now().After(deadline) {
 			return fmt.Errorf("timed out waiting for %d attempts offered and finished: %+v", target, st)
 		}
-		select {
-		case <-ctx.Done():
+		if !messaging.Sleep(ctx, 20*time.Millisecond) {
 			return ctx.Err()
-		case <-time.After(20 * time.Millisecond):
 		}
 	}
 }

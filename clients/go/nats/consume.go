@@ -140,10 +140,8 @@ func (c *consumer) awaitOperator(ctx context.Context) (string, string, error) {
 			slog.Warn("waiting for the operator's consumer", "subscription", c.sub.Name(), "why", why)
 			said = why
 		}
-		select {
-		case <-ctx.Done():
+		if !messaging.Sleep(ctx, awaitOperatorEvery) {
 			return "", "", fmt.Errorf("nats backend: %s", why)
-		case <-time.After(awaitOperatorEvery):
 		}
 	}
 }

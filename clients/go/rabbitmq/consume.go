@@ -117,10 +117,8 @@ func (c *consumer) awaitOperator(ctx context.Context) error {
 				fmt.Sprintf("queue %s does not exist yet: the operator creates it from Subscription %s/%s (kubectl describe subscription %s -n %s)", c.queue, ns, c.sub.Name(), c.sub.Name(), ns))
 			said = true
 		}
-		select {
-		case <-ctx.Done():
+		if !messaging.Sleep(ctx, awaitOperatorEvery) {
 			return fmt.Errorf("rabbitmq backend: queue %s does not exist", c.queue)
-		case <-time.After(awaitOperatorEvery):
 		}
 	}
 }
@@ -171,10 +169,8 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 			return messaging.Delivery{}, false
 		}
 		for c.paused.Load() {
-			select {
-			case <-ctx.Done():
+			if !messaging.Sleep(ctx, c.b.pausePoll/2) {
 				return messaging.Delivery{}, false
-			case <-time.After(c.b.pausePoll / 2):
 			}
 		}
 		// The operator repairs a deleted queue while its Subscription exists; one made again
@@ -185,10 +181,8 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 		c.sub.BoundTo(c.b.readObject(c.sub.Namespace, c.sub.Name()))
 		if err := c.consume(); err != nil {
 			slog.Warn("cannot consume again; trying again in 1s", "subscription", c.sub.Name(), "error", err)
-			select {
-			case <-ctx.Done():
+			if !messaging.Sleep(ctx, time.Second) {
 				return messaging.Delivery{}, false
-			case <-time.After(time.Second):
 			}
 		}
 	}
@@ -227,10 +221,8 @@ func (c *consumer) delivery(d amqp.Delivery) messaging.Delivery {
 // consumer (what was sent already is still handed out), and Next consumes again at the resume.
 func (c *consumer) watchPause(ctx context.Context) {
 	for {
-		select {
-		case <-ctx.Done():
+		if !messaging.Sleep(ctx, c.b.pausePoll) {
 			return
-		case <-time.After(c.b.pausePoll):
 		}
 		paused, err := c.b.isPaused(c.queue, c.paused.Load())
 		if err != nil || paused == c.paused.Load() {

@@ -137,10 +137,8 @@ func (c *consumer) awaitOperator(ctx context.Context, name string) (string, erro
 				fmt.Sprintf("no SQS queue named %q yet: the operator creates it from Subscription %s/%s (kubectl describe subscription %s -n %s)", name, ns, c.sub.Name(), c.sub.Name(), ns))
 			said = true
 		}
-		select {
-		case <-ctx.Done():
+		if !messaging.Sleep(ctx, time.Second) {
 			return "", fmt.Errorf("sqs backend: no SQS queue named %q", name)
-		case <-time.After(time.Second):
 		}
 	}
 }
@@ -168,20 +166,16 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 			paused, err := c.paused(ctx)
 			if err == nil && paused {
 				c.missing = true // the queue may be made again meanwhile (W4)
-				select {
-				case <-ctx.Done():
+				if !messaging.Sleep(ctx, time.Duration(c.b.pausePoll)*time.Second) {
 					return messaging.Delivery{}, false
-				case <-time.After(time.Duration(c.b.pausePoll) * time.Second):
 				}
 				continue
 			}
 			if c.missing {
 				t, err := c.b.tags(ctx, c.url)
 				if err != nil {
-					select {
-					case <-ctx.Done():
+					if !messaging.Sleep(ctx, backoff) {
 						return messaging.Delivery{}, false
-					case <-time.After(backoff):
 					}
 					backoff = min(backoff*2, 5*time.Second)
 					continue
@@ -207,10 +201,8 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 			}
 			c.missing = c.missing || queueMissing(err)
 			slog.Warn("receiving from SQS; trying again", "subscription", c.sub.Name(), "error", err, "in", backoff)
-			select {
-			case <-ctx.Done():
+			if !messaging.Sleep(ctx, backoff) {
 				return messaging.Delivery{}, false
-			case <-time.After(backoff):
 			}
 			backoff = min(backoff*2, 5*time.Second)
 			continue

@@ -127,12 +127,8 @@ func handleMs() time.Duration {
 }
 
 func work(ctx context.Context, d time.Duration) {
-	if d <= 0 {
-		return
-	}
-	select {
-	case <-ctx.Done():
-	case <-time.After(d):
+	if d > 0 {
+		messaging.Sleep(ctx, d)
 	}
 }
 
