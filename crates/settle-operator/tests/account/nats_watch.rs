@@ -14,22 +14,22 @@ use settle_testkit as common;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{DeliverPolicy, push};
-use common::account::{NACK_SPEC, Scene};
+use common::account::{NACK_SPEC, OPERATOR_FLAGS, Scene};
 use common::operator::{NatsServer, poll};
 use futures::TryStreamExt;
 use settle::bus::report::REPORT_BUCKET;
 
+/// The always-nack scene on a nats-server of the test's own (its report bucket can be deleted
+/// and made again without touching another test's), kept running as long as the scene.
+async fn on_a_server_of_its_own(test: &str) -> (NatsServer, Scene) {
+    let nats = NatsServer::start(&[]);
+    let scene = Scene::build(test, NACK_SPEC, &OPERATOR_FLAGS, &[], Some(nats.url())).await;
+    (nats, scene)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_a_report_watch_that_heartbeats_and_delivers_nothing_is_made_again() {
-    let nats = NatsServer::start(&[]);
-    let scene = Scene::build(
-        "watch-stall",
-        NACK_SPEC,
-        &["--leader-election=false", "--stats-interval", "1s"],
-        &[],
-        Some(nats.url()),
-    )
-    .await;
+    let (_nats, scene) = on_a_server_of_its_own("watch-stall").await;
     let js = &scene.stream.js;
     let stream_name = format!("KV_{REPORT_BUCKET}");
     // The keeper's watch: the report bucket's one push consumer.
@@ -138,15 +138,7 @@ async fn nats_a_report_watch_that_heartbeats_and_delivers_nothing_is_made_again(
 /// up within the test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_a_report_bucket_made_again_under_the_watch_is_watched_afresh() {
-    let nats = NatsServer::start(&[]);
-    let scene = Scene::build(
-        "watch-again",
-        NACK_SPEC,
-        &["--leader-election=false", "--stats-interval", "1s"],
-        &[],
-        Some(nats.url()),
-    )
-    .await;
+    let (_nats, scene) = on_a_server_of_its_own("watch-again").await;
     let js = &scene.stream.js;
     let app = scene.app("nack");
     app.wait_ready().await;
