@@ -130,3 +130,38 @@ func TestASpecTheBackendCannotHonourIsRefused(t *testing.T) {
 		t.Fatalf("%v", err)
 	}
 }
+
+// A handler still running when the close grace ends has its attempt released (C3); what it
+// settles afterwards returns ErrReleased and counts nothing (the Rust runtime aborts it).
+func TestASettlementAfterTheReleaseCountsNothing(t *testing.T) {
+	b := memory.New()
+	bus := messaging.New(b, messaging.Options{NoReports: true, CloseGrace: 100 * time.Millisecond})
+	started, answered := make(chan struct{}), make(chan error, 1)
+	err := bus.Subscribe(context.Background(), messaging.SubscriptionSpec{
+		Name: "orders", Pattern: "orders.>", Mode: messaging.AtLeastOnce, DurableName: "orders",
+		Handler: func(ctx context.Context, d messaging.Delivery) error {
+			close(started)
+			<-ctx.Done() // the close gives up on it
+			answered <- d.Ack()
+			return nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bus.Publish(context.Background(), "orders.1", []byte(`{"id":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	<-started
+	bus.Close()
+	if err := <-answered; !errors.Is(err, messaging.ErrReleased) {
+		t.Fatalf("an ack after the release: %v, want ErrReleased", err)
+	}
+	st, _ := bus.Stats("orders")
+	if st.Released != 1 || st.Settlement.Acked != 0 || st.Delivered != 0 || st.Offered != 1 {
+		t.Fatalf("released, nothing else: %+v", st)
+	}
+	if b.Pending("orders") != 1 {
+		t.Fatalf("the broker owes it back: %d pending", b.Pending("orders"))
+	}
+}
