@@ -116,6 +116,10 @@ type state struct {
 	fate       atomic.Int32
 	generation uint64
 	onSettle   OnSettle
+	// keeper keeps the lease while the handler runs; ran is set when the handler returned
+	// (the bus's loop, dispatch.go).
+	keeper atomic.Pointer[leaseKeeper]
+	ran    atomic.Bool
 }
 
 // Delivery is one attempt of one message. Copies share one settlement state.

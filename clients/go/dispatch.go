@@ -40,13 +40,14 @@ type pump struct {
 	busy    sync.WaitGroup // deliveries taken and not finished
 	takers  sync.WaitGroup // goroutines taking deliveries (one, but for a moment at a handoff)
 	// inline is the run (a number) whose handler runs inline now, 0 when none; since is when
-	// it began (Unix ns). Whoever swaps it to 0 first decides: the taker goes on, or the
-	// watcher hands taking on.
-	inline atomic.Uint64
-	since  atomic.Int64
-	runs   uint64
-	asleep atomic.Bool
-	wake   chan struct{}
+	// it began (Unix ns), running its delivery. Whoever swaps inline to 0 first decides: the
+	// taker goes on, or the watcher hands taking on (and starts the run's lease keeper).
+	inline  atomic.Uint64
+	since   atomic.Int64
+	running atomic.Pointer[state]
+	runs    uint64
+	asleep  atomic.Bool
+	wake    chan struct{}
 }
 
 // dispatch is one subscription's loop, until ctx ends or the consumer does; then the close:
@@ -99,10 +100,14 @@ func (p *pump) take() {
 	for {
 		var slot int
 		select {
-		case slot = <-p.free:
-		case <-p.ctx.Done():
-			p.takers.Done()
-			return
+		case slot = <-p.free: // a slot is free at once, unless MaxInFlight handlers run
+		default:
+			select {
+			case slot = <-p.free:
+			case <-p.ctx.Done():
+				p.takers.Done()
+				return
+			}
 		}
 		d, ok := p.c.Next(p.ctx)
 		if !ok {
@@ -118,13 +123,14 @@ func (p *pump) take() {
 		p.runs++
 		run := p.runs
 		p.since.Store(time.Now().UnixNano())
+		p.running.Store(d.s)
 		p.inline.Store(run)
 		if p.ctx.Err() != nil && p.inline.CompareAndSwap(run, 0) {
 			// Taken as the subscription ended (the watcher may be gone): run it on its own
 			// goroutine, so the close's grace covers it.
 			p.takers.Done()
 			go func() {
-				runOne(p.hctx, d, p.h, p.lease)
+				runOne(p.hctx, d, p.h, p.lease, false)
 				p.current[slot].Store(nil)
 				p.busy.Done()
 			}()
@@ -136,7 +142,7 @@ func (p *pump) take() {
 			default:
 			}
 		}
-		runOne(p.hctx, d, p.h, p.lease)
+		runOne(p.hctx, d, p.h, p.lease, true)
 		p.current[slot].Store(nil)
 		p.busy.Done()
 		p.free <- slot
@@ -161,6 +167,7 @@ func (p *pump) watch() {
 				case <-p.ctx.Done():
 					p.asleep.Store(false)
 					if run := p.inline.Load(); run != 0 && p.inline.CompareAndSwap(run, 0) {
+						p.leaseRunning()
 						p.takers.Done()
 					}
 					return
@@ -175,11 +182,13 @@ func (p *pump) watch() {
 			// No more handoffs: a taker running a handler inline stops being one now, so the
 			// close's grace starts without waiting for that handler.
 			if run := p.inline.Load(); run != 0 && p.inline.CompareAndSwap(run, 0) {
+				p.leaseRunning()
 				p.takers.Done()
 			}
 			return
 		}
 		if time.Now().UnixNano()-p.since.Load() >= int64(handOff) && p.inline.CompareAndSwap(run, 0) {
+			p.leaseRunning()
 			p.takers.Add(1) // the new taker, before the old one leaves
 			go p.take()
 			p.takers.Done()
@@ -187,16 +196,34 @@ func (p *pump) watch() {
 	}
 }
 
+// leaseRunning starts the lease keeper of the run the watcher just took off the taker (the
+// handler went on past handOff, or the subscription is closing), from when the run began.
+// Called only by whoever swapped inline to 0, so the run and since are that run's.
+func (p *pump) leaseRunning() {
+	if p.lease == nil {
+		return
+	}
+	s := p.running.Load()
+	k := keepLease(Delivery{s}, *p.lease, time.Unix(0, p.since.Load()))
+	s.keeper.Store(k)
+	if s.ran.Load() {
+		k.stop() // the handler returned meanwhile: runOne may not have seen the keeper
+	}
+}
+
 // runOne runs one handler on one delivery: contains a panic, counts a returned error, keeps
-// the lease, and settles silence.
-func runOne(ctx context.Context, d Delivery, h Handler, lease *leaseTimes) {
-	var kept *leaseKeeper
-	if lease != nil {
-		kept = keepLease(d, *lease)
+// the lease, and settles silence. A handler run inline gets its lease keeper only if it runs
+// past handOff (leaseRunning): a timer per delivery cost a fifth of the throughput, and the
+// first extension is due half an ackWait after the start, far beyond handOff.
+func runOne(ctx context.Context, d Delivery, h Handler, lease *leaseTimes, inline bool) {
+	if lease != nil && !inline {
+		d.s.keeper.Store(keepLease(d, *lease, time.Now()))
 	}
 	err, panicked := call(ctx, d, h)
-	if kept != nil {
-		kept.stop()
+	// Either this sees the keeper leaseRunning stored, or leaseRunning sees ran and stops it.
+	d.s.ran.Store(true)
+	if k := d.s.keeper.Load(); k != nil {
+		k.stop()
 	}
 	if d.s.fate.Load() == fateReleased {
 		return // given up at close: what it did after is not counted (the Rust runtime aborts it)
@@ -234,9 +261,9 @@ type leaseKeeper struct {
 	stopped   bool
 }
 
-func keepLease(d Delivery, l leaseTimes) *leaseKeeper {
-	now := time.Now()
-	k := &leaseKeeper{d: d, l: l, bound: now.Add(l.maxProcessing), heldUntil: now.Add(l.ackWait)}
+// keepLease keeps d's lease, taken at start.
+func keepLease(d Delivery, l leaseTimes, start time.Time) *leaseKeeper {
+	k := &leaseKeeper{d: d, l: l, bound: start.Add(l.maxProcessing), heldUntil: start.Add(l.ackWait)}
 	k.mu.Lock()
 	k.next()
 	k.mu.Unlock()

@@ -68,12 +68,27 @@ func startsObject(payload []byte) bool {
 	return len(t) > 0 && t[0] == '{'
 }
 
-func looksLike(payload []byte, key string) bool {
-	return startsObject(payload) && bytes.Contains(payload, []byte(key))
+// keysNamed says whether a JSON object payload names "specversion" or "messageType" anywhere
+// (the envelope of an untyped payload is recognised by them), in one pass over its quotes.
+func keysNamed(payload []byte) (specversion, messageType bool) {
+	if !startsObject(payload) {
+		return false, false
+	}
+	for rest := payload; ; {
+		i := bytes.IndexByte(rest, '"')
+		if i < 0 {
+			return specversion, messageType
+		}
+		rest = rest[i:]
+		specversion = specversion || bytes.HasPrefix(rest, []byte(`"specversion"`))
+		messageType = messageType || bytes.HasPrefix(rest, []byte(`"messageType"`))
+		rest = rest[1:]
+	}
 }
 
 func parseEnvelope(headers []Header, payload []byte) parsed {
-	if len(headers) == 0 && !startsObject(payload) {
+	specversion, messageType := keysNamed(payload)
+	if len(headers) == 0 && !specversion && !messageType {
 		return parsed{event: Event{Format: Raw}, data: payload}
 	}
 	contentType, _ := header(headers, "content-type")
@@ -81,10 +96,10 @@ func parseEnvelope(headers []Header, payload []byte) parsed {
 	if p, ok := cloudEventsBinary(headers, contentType, payload); ok {
 		return p
 	}
-	if p, ok := cloudEventsStructured(ct, contentType, payload); ok {
+	if p, ok := cloudEventsStructured(ct, contentType, payload, specversion); ok {
 		return p
 	}
-	if p, ok := massTransit(headers, ct, contentType, payload); ok {
+	if p, ok := massTransit(headers, ct, contentType, payload, messageType); ok {
 		return p
 	}
 	return parsed{event: Event{Format: Raw, ContentType: contentType}, data: payload}
@@ -136,8 +151,8 @@ func object(payload []byte) (map[string]json.RawMessage, bool) {
 	return doc, true
 }
 
-func cloudEventsStructured(ct, contentType string, payload []byte) (parsed, bool) {
-	if !(strings.HasPrefix(ct, "application/cloudevents+json") || (ct == "" && looksLike(payload, `"specversion"`))) {
+func cloudEventsStructured(ct, contentType string, payload []byte, named bool) (parsed, bool) {
+	if !(strings.HasPrefix(ct, "application/cloudevents+json") || (ct == "" && named)) {
 		return parsed{}, false
 	}
 	doc, ok := object(payload)
@@ -159,8 +174,8 @@ func cloudEventsStructured(ct, contentType string, payload []byte) (parsed, bool
 	}, true
 }
 
-func massTransit(headers []Header, ct, contentType string, payload []byte) (parsed, bool) {
-	if !(strings.HasPrefix(ct, "application/vnd.masstransit+json") || (ct == "" && looksLike(payload, `"messageType"`))) {
+func massTransit(headers []Header, ct, contentType string, payload []byte, named bool) (parsed, bool) {
+	if !(strings.HasPrefix(ct, "application/vnd.masstransit+json") || (ct == "" && named)) {
 		return parsed{}, false
 	}
 	doc, ok := object(payload)

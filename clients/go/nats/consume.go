@@ -230,12 +230,19 @@ func (s *settler) replyTo() (string, *messaging.Refusal) {
 	return s.reply, nil
 }
 
-func (s *settler) publish(body string) *messaging.Refusal {
+// The bodies sent with publish, made once.
+var (
+	ackBody      = []byte("+ACK")
+	progressBody = []byte("+WPI")
+	releaseBody  = []byte("-NAK")
+)
+
+func (s *settler) publish(body []byte) *messaging.Refusal {
 	reply, r := s.replyTo()
 	if r != nil {
 		return r
 	}
-	if err := s.c.broker.nc.Publish(reply, []byte(body)); err != nil {
+	if err := s.c.broker.nc.Publish(reply, body); err != nil {
 		return &messaging.Refusal{Reason: "cannot send to the server: " + err.Error()}
 	}
 	return nil
@@ -291,9 +298,14 @@ func ackSubject(reply string) (stream, consumer string, delivered int, ok bool) 
 	if !found {
 		return "", "", 0, false
 	}
-	t := strings.Split(rest, ".")
+	// Tokens on the stack (the subject is read for every delivery); past 12, n only says "9 or more".
+	var t [12]string
+	n := 0
+	for more := true; more && n < len(t); n++ {
+		t[n], rest, more = strings.Cut(rest, ".")
+	}
 	skip := 0
-	switch n := len(t); {
+	switch {
 	case n == 7:
 	case n >= 9:
 		skip = 2
@@ -315,7 +327,7 @@ func (s *settler) Settle(ctx context.Context, a messaging.BrokerAction) (messagi
 	var r *messaging.Refusal
 	switch a.Kind {
 	case messaging.ActAck:
-		r = s.publish("+ACK")
+		r = s.publish(ackBody)
 	case messaging.ActDecline:
 		r = s.confirmed(ctx, nakBody(a.Delay))
 	case messaging.ActTerminate:
@@ -324,10 +336,10 @@ func (s *settler) Settle(ctx context.Context, a messaging.BrokerAction) (messagi
 	return messaging.AsAsked, r
 }
 
-func (s *settler) Progress(context.Context) *messaging.Refusal { return s.publish("+WPI") }
+func (s *settler) Progress(context.Context) *messaging.Refusal { return s.publish(progressBody) }
 
 func (s *settler) Release(context.Context) {
-	if r := s.publish("-NAK"); r != nil {
+	if r := s.publish(releaseBody); r != nil {
 		slog.Debug("release not sent; the server offers the message again after ackWait", "reason", r.Reason)
 	}
 }
