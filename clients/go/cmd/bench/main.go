@@ -1,12 +1,16 @@
 // Command bench measures the Go runtime's throughput against a bare client doing the same
-// acks, on the environment's brokers, and prints the ratio per broker (issue: at least 0.95).
-// Each round publishes the same messages to a stream of its own and drains them twice: once
-// with a bare nats.go pull consumer that acks every message (the floor any runtime pays), once
-// through a messaging.Bus whose handler acks (AtLeastOnce, the same consumer settings).
+// acks, on the environment's brokers, and prints the ratio per broker (the goal: at least
+// 0.95). Each round fills a place of its own (a stream, an exchange and its queues, SQS
+// queues) with the same messages for both sides, then drains them twice in alternating order:
+// once with the broker's own client acknowledging every message the way the runtime does
+// (the floor any runtime pays), once through a messaging.Bus whose handler acks (AtLeastOnce,
+// the same consumer or queue). Beside the rates it prints this process's CPU a message on
+// each side, the figure two shared cores disturb least.
 //
-//	go run ./cmd/bench [-messages 20000] [-rounds 5]
+//	go run ./cmd/bench [-broker nats,rabbitmq,sqs] [-messages N] [-rounds 9]
 //
-// It needs SETTLE_NATS_URL (`make env-up`, then `source target/env/settle.env`).
+// It needs the environment's variables (`make env-up`, then `source target/env/settle.env`);
+// a broker whose variable is unset is skipped, saying so.
 package main
 
 import (
@@ -19,184 +23,216 @@ import (
 	"sort"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-
 	messaging "settle.dev/messaging"
-	settlenats "settle.dev/messaging/nats"
 )
 
+// place is one round's fill on one broker: the two drains (each takes every message waiting
+// for its side and acks it) and what to remove after.
+type place struct {
+	bare    func() error
+	runtime messaging.Backend
+	spec    messaging.SubscriptionSpec
+	cleanup func()
+}
+
+// broker makes a place per round.
+type broker struct {
+	name     string
+	env      string
+	messages int // per round unless -messages is given
+	prepare  func(ctx context.Context, url string, round, messages int) (place, error)
+}
+
+var brokers = []broker{
+	{name: "nats", env: "SETTLE_NATS_URL", messages: 60000, prepare: natsPlace},
+	{name: "rabbitmq", env: "SETTLE_RABBITMQ_URL", messages: 10000, prepare: rabbitPlace},
+	{name: "sqs", env: "SETTLE_SQS_ENDPOINT", messages: 2000, prepare: sqsPlace},
+}
+
 func main() {
-	messages := flag.Int("messages", 20000, "messages per round")
-	rounds := flag.Int("rounds", 5, "rounds (the median is the figure)")
-	profile := flag.String("cpuprofile", "", "write a CPU profile of the runtime's drains here")
+	which := flag.String("broker", "nats,rabbitmq,sqs", "the brokers to measure, by name")
+	messages := flag.Int("messages", 0, "messages a round (0: each broker's default: NATS 60,000, RabbitMQ 10,000, SQS 2,000)")
+	rounds := flag.Int("rounds", 9, "rounds (the median is the figure)")
+	profile := flag.String("cpuprofile", "", "write a CPU profile of the whole run here")
+	only := flag.String("only", "", "drain with one side only (bare or runtime), to look at it with a profiler")
 	flag.Parse()
 	slog.SetDefault(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})))
-	url := os.Getenv("SETTLE_NATS_URL")
-	if url == "" {
-		fmt.Fprintln(os.Stderr, "bench: SETTLE_NATS_URL is not set: `make env-up`, then `source target/env/settle.env`")
-		os.Exit(2)
-	}
 	if *profile != "" {
 		f, err := os.Create(*profile)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "bench:", err)
-			os.Exit(1)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
 		}
-		if err := pprof.StartCPUProfile(f); err != nil {
+		if err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
 		}
 		defer pprof.StopCPUProfile()
 	}
-	if err := natsRounds(url, *messages, *rounds); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
+	failed := false
+	for _, b := range brokers {
+		if !strings.Contains(","+*which+",", ","+b.name+",") {
+			continue
+		}
+		url := os.Getenv(b.env)
+		if url == "" {
+			fmt.Printf("%s: skipped, %s is not set (`make env-up`, then `source target/env/settle.env`)\n", b.name, b.env)
+			continue
+		}
+		n := b.messages
+		if *messages > 0 {
+			n = *messages
+		}
+		if err := measure(b, url, n, *rounds, *only); err != nil {
+			fmt.Fprintf(os.Stderr, "bench: %s: %v\n", b.name, err)
+			failed = true
+		}
+	}
+	if failed {
 		pprof.StopCPUProfile()
 		os.Exit(1)
 	}
 }
 
+// side is one side's figures, a round each.
+type side struct{ rate, cpu []float64 }
+
+func (s *side) add(messages int, wall, cpu time.Duration) {
+	s.rate = append(s.rate, float64(messages)/wall.Seconds())
+	s.cpu = append(s.cpu, cpu.Seconds()*1e6/float64(messages))
+}
+
+func measure(b broker, url string, messages, rounds int, only string) error {
+	ctx := context.Background()
+	var bare, rt side
+	for r := range rounds {
+		p, err := b.prepare(ctx, url, r, messages)
+		if err != nil {
+			return err
+		}
+		drainBare := func() error {
+			start, cpu := time.Now(), cpuTime()
+			if err := p.bare(); err != nil {
+				return err
+			}
+			bare.add(messages, time.Since(start), cpuTime()-cpu)
+			return nil
+		}
+		drainRuntime := func() error {
+			start, cpu := time.Now(), cpuTime()
+			if err := drain(ctx, p.runtime, p.spec, messages); err != nil {
+				return err
+			}
+			rt.add(messages, time.Since(start), cpuTime()-cpu)
+			return nil
+		}
+		order := []func() error{drainBare, drainRuntime} // alternated: neither always runs on a warmer broker
+		if r%2 == 1 {
+			order = []func() error{drainRuntime, drainBare}
+		}
+		switch only {
+		case "bare":
+			order = order[:0]
+			order = append(order, drainBare)
+		case "runtime":
+			order = order[:0]
+			order = append(order, drainRuntime)
+		}
+		for _, f := range order {
+			if err := f(); err != nil {
+				p.cleanup()
+				return err
+			}
+		}
+		p.cleanup()
+		if only == "" {
+			fmt.Printf("%s round %d: bare %.0f msg/s, runtime %.0f msg/s, ratio %.3f; CPU a message bare %.2f µs, runtime %.2f µs\n",
+				b.name, r+1, bare.rate[r], rt.rate[r], rt.rate[r]/bare.rate[r], bare.cpu[r], rt.cpu[r])
+		}
+	}
+	if only != "" {
+		s := map[string]side{"bare": bare, "runtime": rt}[only]
+		fmt.Printf("%s: %s only, %d messages, %d rounds: median %.0f msg/s, CPU a message %.2f µs\n", b.name, only, messages, rounds, median(s.rate), median(s.cpu))
+		return nil
+	}
+	ratios := make([]float64, rounds)
+	for i := range ratios {
+		ratios[i] = rt.rate[i] / bare.rate[i]
+	}
+	fmt.Printf("%s: %d messages a round, %d rounds; median bare %.0f msg/s, runtime %.0f msg/s; ratio of medians %.3f (rounds' ratios: median %.3f, min %.3f, max %.3f)\n",
+		b.name, messages, rounds, median(bare.rate), median(rt.rate), median(rt.rate)/median(bare.rate), median(ratios), minOf(ratios), maxOf(ratios))
+	fmt.Printf("%s: CPU a message in this process (the client's side of the wire), median bare %.2f µs, runtime %.2f µs: the runtime adds %.2f µs\n",
+		b.name, median(bare.cpu), median(rt.cpu), median(rt.cpu)-median(bare.cpu))
+	return nil
+}
+
+// drain takes every waiting message through a bus whose handler acks.
+func drain(ctx context.Context, b messaging.Backend, spec messaging.SubscriptionSpec, messages int) error {
+	var done atomic.Int64
+	finished := make(chan struct{})
+	bus := messaging.New(b, messaging.Options{NoReports: true})
+	defer bus.Close()
+	spec.Mode = messaging.AtLeastOnce
+	spec.Handler = func(_ context.Context, d messaging.Delivery) error {
+		err := d.Ack()
+		if done.Add(1) == int64(messages) {
+			close(finished)
+		}
+		return err
+	}
+	if err := bus.Subscribe(ctx, spec); err != nil {
+		return err
+	}
+	select {
+	case <-finished:
+		return nil
+	case <-time.After(10 * time.Minute):
+		return fmt.Errorf("the runtime took %d of %d messages in 10 minutes", done.Load(), messages)
+	}
+}
+
+// made lets the runtime make a subscription's consumer or queue, before anything is sent:
+// both sides then drain what they are made the same way.
+func made(ctx context.Context, b messaging.Backend, spec messaging.SubscriptionSpec) error {
+	bus := messaging.New(b, messaging.Options{NoReports: true})
+	defer bus.Close()
+	spec.Mode = messaging.AtLeastOnce
+	spec.Handler = func(context.Context, messaging.Delivery) error { return nil }
+	return bus.Subscribe(ctx, spec)
+}
+
+// cpuTime is the CPU this process has used (user and system).
+func cpuTime() time.Duration {
+	var u syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &u) != nil {
+		return 0
+	}
+	return time.Duration(u.Utime.Nano() + u.Stime.Nano())
+}
+
 func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
 	s := append([]float64(nil), xs...)
 	sort.Float64s(s)
 	return s[len(s)/2]
 }
 
-func natsRounds(url string, messages, rounds int) error {
-	nc, err := nats.Connect(url)
-	if err != nil {
-		return err
-	}
-	defer nc.Close()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return err
-	}
-	ctx := context.Background()
-	var bare, runtime []float64
-	for r := range rounds {
-		prefix := fmt.Sprintf("gobench.%d.%d", os.Getpid(), r)
-		stream := strings.ReplaceAll(prefix, ".", "_")
-		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: stream, Subjects: []string{prefix + ".>"}, Storage: jetstream.MemoryStorage}); err != nil {
-			return err
-		}
-		payload := []byte(`{"id":1,"item":"a benchmark order of about a hundred bytes, as orders go ......"}`)
-		futures := make([]jetstream.PubAckFuture, 0, messages)
-		for range messages {
-			f, err := js.PublishAsync(prefix+".m", payload)
-			if err != nil {
-				return err
-			}
-			futures = append(futures, f)
-		}
-		for _, f := range futures {
-			select {
-			case <-f.Ok():
-			case err := <-f.Err():
-				return err
-			}
-		}
-		p := messaging.SubscriptionSpec{Name: "bench", Pattern: prefix + ".>", Mode: messaging.AtLeastOnce, DurableName: "bare", MaxDeliver: 5}.Resolve()
-
-		// Alternate which goes first, so neither always runs on a warmer server.
-		runBare := func() error {
-			// Bare: the same consumer settings, a pull loop that acks.
-			cons, err := js.CreateConsumer(ctx, stream, settlenats.Desired("bench", "bare", p))
-			if err != nil {
-				return err
-			}
-			start := time.Now()
-			// The pull the runtime makes (nats/consume.go): the same batch, bytes, expiry and heartbeat.
-			it, err := cons.Messages(jetstream.PullMaxMessagesWithBytesLimit(250, 2<<20),
-				jetstream.PullExpiry(10*time.Second), jetstream.PullHeartbeat(3*time.Second))
-			if err != nil {
-				return err
-			}
-			for range messages {
-				m, err := it.Next()
-				if err != nil {
-					return err
-				}
-				if err := m.Ack(); err != nil {
-					return err
-				}
-			}
-			bare = append(bare, float64(messages)/time.Since(start).Seconds())
-			it.Stop()
-
-			return nil
-		}
-		runRuntime := func() error {
-			// The runtime: a bus whose handler acks.
-			b, err := settlenats.Connect(url, "bench")
-			if err != nil {
-				return err
-			}
-			var done atomic.Int64
-			var last, gap atomic.Int64
-			var first atomic.Int64
-			finished := make(chan struct{})
-			bus := messaging.New(b, messaging.Options{NoReports: true})
-			start := time.Now()
-			err = bus.Subscribe(ctx, messaging.SubscriptionSpec{
-				Name: "bench", Pattern: prefix + ".>", Mode: messaging.AtLeastOnce, DurableName: "runtime", MaxDeliver: 5,
-				Handler: func(_ context.Context, d messaging.Delivery) error {
-					now := time.Now().UnixNano()
-					first.CompareAndSwap(0, now)
-					if l := last.Swap(now); l != 0 && now-l > gap.Load() {
-						gap.Store(now - l)
-					}
-					err := d.Ack()
-					if done.Add(1) == int64(messages) {
-						close(finished)
-					}
-					return err
-				},
-			})
-			if err != nil {
-				return err
-			}
-			<-finished
-			if os.Getenv("BENCH_DEBUG") != "" {
-				fmt.Printf("first delivery after %s, longest gap %s\n", time.Duration(first.Load()-start.UnixNano()), time.Duration(gap.Load()))
-			}
-			runtime = append(runtime, float64(messages)/time.Since(start).Seconds())
-			bus.Close()
-			b.Close()
-			return nil
-		}
-		first, second := runBare, runRuntime
-		if r%2 == 1 {
-			first, second = runRuntime, runBare
-		}
-		if err := first(); err != nil {
-			return err
-		}
-		if err := second(); err != nil {
-			return err
-		}
-		_ = js.DeleteStream(ctx, stream)
-		fmt.Printf("nats round %d: bare %.0f msg/s, runtime %.0f msg/s, ratio %.3f\n", r+1, bare[r], runtime[r], runtime[r]/bare[r])
-	}
-	fmt.Printf("nats: %d messages a round, %d rounds; median bare %.0f msg/s, runtime %.0f msg/s; ratio of medians %.3f (min %.3f, max %.3f)\n",
-		messages, rounds, median(bare), median(runtime), median(runtime)/median(bare), minRatio(runtime, bare), maxRatio(runtime, bare))
-	return nil
-}
-
-func minRatio(a, b []float64) float64 {
-	m := a[0] / b[0]
-	for i := range a {
-		m = min(m, a[i]/b[i])
+func minOf(xs []float64) float64 {
+	m := xs[0]
+	for _, x := range xs {
+		m = min(m, x)
 	}
 	return m
 }
 
-func maxRatio(a, b []float64) float64 {
-	m := a[0] / b[0]
-	for i := range a {
-		m = max(m, a[i]/b[i])
+func maxOf(xs []float64) float64 {
+	m := xs[0]
+	for _, x := range xs {
+		m = max(m, x)
 	}
 	return m
 }
