@@ -16,7 +16,7 @@ use settle::api::Subscription;
 
 use super::broker::{Broker, Target};
 use super::credentials::Access;
-use super::outages::Hit;
+use super::outages::{AckLoss, Hit};
 use super::{Draw, Kill};
 use crate::account::App;
 use crate::controlplane::ControlPlane;
@@ -352,8 +352,8 @@ pub(super) struct Done {
     pub(super) t0: Instant,
     pub(super) kills: Vec<Kill>,
     pub(super) outages: Vec<(Duration, Duration)>,
-    /// From a second before a fault hit the server leading the consumer (an ack it had not
-    /// made durable yet) until the broker was whole again: an ack sent then may be lost (J3).
+    /// From a second before a fault hit a server that may lose acks until it could no longer
+    /// ([`AckLoss`]): an ack sent then may be lost (J3).
     pub(super) ack_outages: Vec<(Duration, Duration)>,
     pub(super) api_outages: Vec<(Duration, Duration)>,
     /// Each time the Subscription was deleted and applied again.
@@ -394,9 +394,11 @@ impl Done {
     fn broker_down(&mut self, down: Duration, hit: &Hit) {
         let back = self.t0.elapsed();
         self.outages.push((down, back));
-        if hit.consumer_led {
-            self.ack_outages
-                .push((down.saturating_sub(Duration::from_secs(1)), back));
+        let from = down.saturating_sub(Duration::from_secs(1));
+        match hit.acks_lost {
+            AckLoss::None => {}
+            AckLoss::UntilWhole => self.ack_outages.push((from, back)),
+            AckLoss::For(held) => self.ack_outages.push((from, (down + held).min(back))),
         }
     }
 }

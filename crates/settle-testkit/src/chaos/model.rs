@@ -172,8 +172,8 @@ pub fn check(
     // The messages the last consumer owes are judged by its answers.
     let last_made = earlier.last.as_ref().unwrap_or(model);
     // Ids whose every ack may not have reached the broker: it failed, or was sent while the
-    // broker was down or the consumer had no leader (J3: such an ack is lost, and the message
-    // offered again, so it may run out).
+    // broker was down, the consumer had no leader or the server it went through was down or
+    // paused (J3: such an ack is lost, and the message offered again, so it may run out).
     let unsure: BTreeSet<u64> = last_made
         .acked_ids
         .iter()
@@ -201,7 +201,7 @@ pub fn check(
             ));
         } else if status != model {
             allowed.push(format!(
-                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or C17: answered before a report source was lost and not counted yet; or J3: an ack that failed, or was sent while the broker was down or the consumer had no leader; or C6, C8: settled around a deletion of the consumer on the broker)"
+                "{what}: status {status}, the handlers {model}: allowed (C16: answered by a SIGKILLed instance after its last report; or C17: answered before a report source was lost and not counted yet; or J3: an ack that failed, or was sent while the broker was down, the consumer had no leader, or the server it went through was down or paused; or C6, C8: settled around a deletion of the consumer on the broker)"
             ));
         }
     };

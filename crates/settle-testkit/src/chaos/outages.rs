@@ -40,7 +40,7 @@ impl Target {
                 server.resume();
                 Hit {
                     what: format!("the broker {sig}, and started again {secs} s later"),
-                    consumer_led: true,
+                    acks_lost: AckLoss::UntilWhole,
                     dead_queue: false,
                 }
             }
@@ -53,6 +53,7 @@ impl Target {
                 let back = healthy_again(cluster).await;
                 led.hit(
                     i,
+                    down,
                     &format!("{sig}, started again {secs} s later, every server healthy {back}"),
                 )
             }
@@ -76,7 +77,7 @@ impl Target {
                             ""
                         }
                     ),
-                    consumer_led: true,
+                    acks_lost: AckLoss::UntilWhole,
                     dead_queue,
                 }
             }
@@ -88,7 +89,7 @@ impl Target {
                     what: format!("SQS unreachable for {secs} s (every connection held)"),
                     // An SQS delete answers: an ack that returned was taken, one that did
                     // not failed (and is unsure on its own).
-                    consumer_led: false,
+                    acks_lost: AckLoss::None,
                     dead_queue: false,
                 }
             }
@@ -113,6 +114,7 @@ impl Target {
         let back = healthy_again(cluster).await;
         led.hit(
             i,
+            down,
             &format!(
                 "paused (SIGSTOP) for {} s, then resumed, every server healthy {back}",
                 down.as_secs()
@@ -130,15 +132,30 @@ async fn healthy_again(cluster: &Cluster) -> String {
     format!("{:.1} s later", back.elapsed().as_secs_f64())
 }
 
-/// What a fault on the broker did: said in a line, and whether the server it hit led the
-/// consumer (the only server when there is one; on the cluster, or not known then): until
-/// another leads it, an ack sent is lost (semantics J3).
+/// What a fault on the broker did: said in a line, and when an ack sent around it may have been
+/// lost (semantics J3).
 pub(super) struct Hit {
     pub(super) what: String,
-    pub(super) consumer_led: bool,
+    pub(super) acks_lost: AckLoss,
     /// RabbitMQ came back listing the Subscription's queue but running nothing for it (a
     /// quorum queue made just before the node was SIGKILLed can stay so).
     pub(super) dead_queue: bool,
+}
+
+/// When an ack sent around a fault may have been lost (J3), from a second before it hit.
+pub(super) enum AckLoss {
+    /// None: an SQS delete answers (one that returned was taken, one that did not failed).
+    None,
+    /// Until the broker is whole again: the only server, or the cluster's server leading the
+    /// consumer (until another leads it, an ack sent is lost).
+    UntilWhole,
+    /// For as long as the server hit was down or paused, and a second more: on the cluster a
+    /// server that did not lead the consumer still carries the acks of the applications
+    /// connected to it; killed, it loses what it had not passed on, until they see it gone;
+    /// paused, it passes them on when it resumes, after ackWait, when the message was offered
+    /// again and may have run out. The campaign does not know which server each application
+    /// uses, so every ack of that time is unsure.
+    For(Duration),
 }
 
 /// Which servers led the campaign's stream and its consumer when a fault hit one.
@@ -148,9 +165,10 @@ struct Leaders {
 }
 
 impl Leaders {
-    /// Server `i` hit, as `done` says: `settle-cN (what it led) <done>`, and whether it led
-    /// the consumer (or nobody knew who did).
-    fn hit(&self, i: usize, done: &str) -> Hit {
+    /// Server `i` hit for `down`, as `done` says: `settle-cN (what it led) <done>`, and when
+    /// its acks may have been lost: until the cluster is whole when it led the consumer (or
+    /// nobody knew who did), else while it was down.
+    fn hit(&self, i: usize, down: Duration, done: &str) -> Hit {
         let server = SERVERS[i];
         let of = |l: &Option<String>| l.as_deref() == Some(server);
         let led = match (of(&self.stream), of(&self.consumer)) {
@@ -161,7 +179,11 @@ impl Leaders {
         };
         Hit {
             what: format!("{server} ({led}) {done}"),
-            consumer_led: self.consumer.as_deref().is_none_or(|l| l == server),
+            acks_lost: if self.consumer.as_deref().is_none_or(|l| l == server) {
+                AckLoss::UntilWhole
+            } else {
+                AckLoss::For(down + Duration::from_secs(1))
+            },
             dead_queue: false,
         }
     }
