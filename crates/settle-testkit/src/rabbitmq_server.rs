@@ -112,6 +112,26 @@ impl RabbitServer {
         let _ = child.wait();
     }
 
+    /// Stops the node where it is (SIGSTOP to its process group): its connections stay open and
+    /// nothing on them is answered, as a node cut off, until [`RabbitServer::thaw`].
+    pub fn freeze(&self) {
+        self.signal_group("STOP");
+    }
+
+    /// Lets a frozen node run on (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal_group("CONT");
+    }
+
+    fn signal_group(&self, sig: &str) {
+        if let Some(child) = &self.server {
+            let _ = Command::new("kill")
+                .args([&format!("-{sig}"), "--", &format!("-{}", child.id())])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+
     /// Starts it again on the same ports and store; returns once it serves.
     pub fn resume(&mut self) {
         let d = self.dir.path();
@@ -175,6 +195,7 @@ fn group_alive(group: &str) -> bool {
 
 impl Drop for RabbitServer {
     fn drop(&mut self) {
+        self.thaw(); // a frozen node takes no SIGTERM, and its script none either
         self.stop("KILL");
         let _ = self.epmd.kill();
         let _ = self.epmd.wait();

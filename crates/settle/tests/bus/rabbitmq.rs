@@ -517,6 +517,51 @@ async fn closing_with_a_handler_still_running_releases_and_the_broker_redelivers
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_close_ends_while_the_broker_answers_nothing() {
+    // The close's broker calls (basic.cancel, the release's basic.nack, channel.close) wait at
+    // most CLOSE_STEP each: a graceful stop ends, and its handler's attempt is Released, while the
+    // broker holds every call unanswered (a node cut off, on a node of the test's own: the
+    // environment's is shared). A close that waited for the broker would hang here until the
+    // node came back, which it does only after the assertion.
+    let server = tokio::task::block_in_place(common::rabbitmq_server::RabbitServer::start);
+    let bus = Bus::builder(RabbitBroker::connect(&server.url()).await.unwrap())
+        .without_reports()
+        .close_grace(Duration::from_millis(500))
+        .build();
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    let seen = started.clone();
+    bus.subscribe(sub(
+        "frozen",
+        at_least_once("orders.>", "frozen"),
+        move |_d| {
+            let seen = seen.clone();
+            async move {
+                seen.notify_one();
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                Ok(())
+            }
+        },
+    ))
+    .await
+    .unwrap();
+    bus.publish("orders.1", "held".to_string()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), started.notified())
+        .await
+        .expect("the handler started");
+    server.freeze();
+    let began = Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(120), bus.close()).await;
+    let took = began.elapsed();
+    server.thaw();
+    assert!(
+        closed.is_ok(),
+        "the close did not end within 120 s of the broker going silent"
+    );
+    eprintln!("closed {took:?} after the broker went silent");
+    assert_eq!(stats(&bus, "frozen").released, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_correlation_id_property_contradicting_a_masstransit_envelope_is_a_foreign_conflict() {
     // semantics C11, R6: the AMQP correlation_id property is a transport header; when it differs
     // from the MassTransit envelope's correlationId the envelope wins and the attempt counts a
