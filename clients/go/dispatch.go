@@ -120,6 +120,7 @@ func (p *pump) take() {
 		}
 		p.current[slot].Store(d.s)
 		p.busy.Add(1)
+		p.sub.running.Add(1)
 		p.runs++
 		run := p.runs
 		p.since.Store(time.Now().UnixNano())
@@ -132,6 +133,7 @@ func (p *pump) take() {
 			go func() {
 				runOne(p.hctx, d, p.h, p.lease, false)
 				p.current[slot].Store(nil)
+				p.sub.running.Add(-1)
 				p.busy.Done()
 			}()
 			return
@@ -144,6 +146,7 @@ func (p *pump) take() {
 		}
 		runOne(p.hctx, d, p.h, p.lease, true)
 		p.current[slot].Store(nil)
+		p.sub.running.Add(-1)
 		p.busy.Done()
 		p.free <- slot
 		if !p.inline.CompareAndSwap(run, 0) {

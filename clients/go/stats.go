@@ -89,15 +89,22 @@ type epoch struct {
 type Sub struct {
 	Policy    Policy
 	Namespace string
-	counts    counters
-	mu        sync.RWMutex
-	epoch     epoch
+	// running is the attempts the bus holds now: taken, their handler not yet returned.
+	running atomic.Int64
+	counts  counters
+	mu      sync.RWMutex
+	epoch   epoch
 }
 
 // NewSub is a subscription context counting from startedAtMs (Unix ms).
 func NewSub(p Policy, namespace string, startedAtMs uint64) *Sub {
 	return &Sub{Policy: p, Namespace: namespace, epoch: epoch{startedAt: startedAtMs}}
 }
+
+// Running is how many attempts the bus holds now (taken from the consumer, their handler not
+// yet returned): a backend that receives several messages at a time receives no more than
+// MaxInFlight minus these, so nothing waits received and untaken while its lease runs.
+func (s *Sub) Running() int { return int(s.running.Load()) }
 
 // Name is the subscription's name.
 func (s *Sub) Name() string { return s.Policy.Name }

@@ -26,7 +26,8 @@ import (
 	messaging "settle.dev/messaging"
 )
 
-const maxBatch = 10
+// maxReceive is the most messages one ReceiveMessage returns (SQS's limit).
+const maxReceive = 10
 
 // pauseSeconds is SETTLE_PAUSE_POLL_INTERVAL in whole seconds (5 unless set, at least 1).
 func pauseSeconds() int32 {
@@ -143,8 +144,10 @@ func (c *consumer) awaitOperator(ctx context.Context, name string) (string, erro
 	}
 }
 
-// Next hands out the next received message, receiving (for at most maxBatch, one delivery at a
-// time is taken by the bus) when none is buffered.
+// Next hands out the next received message, receiving when none is buffered: as many as the
+// subscription has free slots (MaxInFlight minus the attempts the bus holds), up to SQS's ten,
+// so a received message is taken at once and no lease runs on one waiting (P1, as the Rust
+// runtime receives).
 func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 	backoff := 200 * time.Millisecond
 	for {
@@ -189,7 +192,7 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 			wait = max(min(wait, c.b.pausePoll), 1)
 		}
 		out, err := c.b.client.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{
-			QueueUrl: aws.String(c.url), MaxNumberOfMessages: 1, WaitTimeSeconds: wait,
+			QueueUrl: aws.String(c.url), MaxNumberOfMessages: c.batch(), WaitTimeSeconds: wait,
 			VisibilityTimeout: visibilitySecs(c.sub.Policy.AckWait),
 			MessageSystemAttributeNames: []types.MessageSystemAttributeName{
 				types.MessageSystemAttributeNameApproximateReceiveCount, types.MessageSystemAttributeNameApproximateFirstReceiveTimestamp},
@@ -263,6 +266,12 @@ func (c *consumer) delivery(ctx context.Context, m types.Message) (messaging.Del
 		Subject: c.sub.Policy.Pattern, Headers: headers, Payload: body, Attempt: attempt,
 		OnSettle: &settler{c: c, receipt: aws.ToString(m.ReceiptHandle), first: first},
 	}), true
+}
+
+// batch is how many messages a receive asks for: the free slots, 1 to 10.
+func (c *consumer) batch() int32 {
+	free := max(c.sub.Policy.MaxInFlight, 1) - c.sub.Running()
+	return int32(min(max(free, 1), maxReceive))
 }
 
 // giveBack makes what was received and not handed out visible again at once.
