@@ -48,6 +48,12 @@ func CapabilitiesOf(kind string) Capabilities {
 	}
 }
 
+// SettlementWaits is what a Consumer whose settlements each wait for the broker's answer (an
+// HTTP call on SQS) implements, returning true: the bus then runs each of its handlers on a
+// goroutine of its own at once, instead of inline until it has run past the handoff (a
+// handler that acks would always run past it, and the next delivery would wait that long).
+type SettlementWaits interface{ SettlementWaits() bool }
+
 // Consumer is one subscription's source of deliveries.
 type Consumer interface {
 	// Next waits for the next delivery; false when the consumer ended or ctx is done.

@@ -2,7 +2,8 @@ package messaging
 
 // One subscription's loop: a delivery is taken only with one of MaxInFlight slots free, so no
 // more than MaxInFlight attempts are held (P1); its handler runs on the goroutine that took it,
-// which hands taking on to another when the handler is slow. The lease kept for slow handlers
+// which hands taking on to another when the handler is slow (or, for a consumer whose
+// settlements wait for the broker, SettlementWaits, on a goroutine of its own at once). The lease kept for slow handlers
 // (H1, H2) is a timer, not a goroutine. The close: running handlers get the grace, then their
 // attempts are released.
 // It must not talk to a broker except through the Consumer and the delivery's OnSettle.
@@ -48,6 +49,8 @@ type pump struct {
 	runs    uint64
 	asleep  atomic.Bool
 	wake    chan struct{}
+	// apart: every handler runs on a goroutine of its own at once (SettlementWaits).
+	apart bool
 }
 
 // dispatch is one subscription's loop, until ctx ends or the consumer does; then the close:
@@ -58,6 +61,9 @@ func dispatch(ctx context.Context, sub *Sub, h Handler, c Consumer, grace time.D
 	defer cancelHandlers()
 	p := &pump{sub: sub, h: h, c: c, lease: lease, ctx: ctx, hctx: hctx,
 		free: make(chan int, limit), current: make([]atomic.Pointer[state], limit), wake: make(chan struct{}, 1)}
+	if w, ok := c.(SettlementWaits); ok {
+		p.apart = w.SettlementWaits()
+	}
 	for i := range limit {
 		p.free <- i
 	}
@@ -121,6 +127,16 @@ func (p *pump) take() {
 		p.current[slot].Store(d.s)
 		p.busy.Add(1)
 		p.sub.running.Add(1)
+		if p.apart {
+			go func() {
+				runOne(p.hctx, d, p.h, p.lease, false)
+				p.current[slot].Store(nil)
+				p.sub.running.Add(-1)
+				p.busy.Done()
+				p.free <- slot
+			}()
+			continue
+		}
 		p.runs++
 		run := p.runs
 		p.since.Store(time.Now().UnixNano())

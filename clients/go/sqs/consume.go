@@ -287,6 +287,9 @@ func (c *consumer) giveBack() {
 	}
 }
 
+// SettlementWaits: every settlement is an HTTP call (messaging.SettlementWaits).
+func (c *consumer) SettlementWaits() bool { return true }
+
 func (c *consumer) Stop(context.Context)   { c.giveBack() }
 func (c *consumer) Retire(context.Context) { c.retired.Store(true); c.giveBack() }
 

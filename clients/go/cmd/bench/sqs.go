@@ -2,12 +2,15 @@ package main
 
 // SQS: the two queues the runtime makes for a code-defined subscription, under a prefix of
 // their own a round; the bare side is an aws-sdk-go-v2 loop that receives the way the runtime
-// does (one message a call, its visibility and attributes, sqs/consume.go) and deletes each.
+// does (ten messages a call, as many as its free slots; its visibility and attributes,
+// sqs/consume.go) and deletes each of a batch on a goroutine of its own, as a handler that
+// acks does once the runtime hands it off.
 
 import (
 	"context"
 	"fmt"
 	"os"
+	"sync"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
@@ -27,7 +30,8 @@ func sqsPlace(ctx context.Context, endpoint string, round, messages int) (place,
 		return b.WithLongPoll(1), nil
 	}
 	spec := func(name string) messaging.SubscriptionSpec {
-		return messaging.SubscriptionSpec{Name: name, Pattern: name, DurableName: name, MaxDeliver: 5}
+		// Ten in flight on both sides: the bare side's batch, deleted at once.
+		return messaging.SubscriptionSpec{Name: name, Pattern: name, DurableName: name, MaxDeliver: 5, MaxInFlight: 10}
 	}
 	admin, err := backend()
 	if err != nil {
@@ -66,7 +70,7 @@ func sqsPlace(ctx context.Context, endpoint string, round, messages int) (place,
 	p.bare = func() error {
 		for left := messages; left > 0; {
 			out, err := c.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{
-				QueueUrl: urls["bare"], MaxNumberOfMessages: 1, WaitTimeSeconds: 1, VisibilityTimeout: visibility,
+				QueueUrl: urls["bare"], MaxNumberOfMessages: 10, WaitTimeSeconds: 1, VisibilityTimeout: visibility,
 				MessageSystemAttributeNames: []types.MessageSystemAttributeName{
 					types.MessageSystemAttributeNameApproximateReceiveCount, types.MessageSystemAttributeNameApproximateFirstReceiveTimestamp},
 				MessageAttributeNames: []string{"All"},
@@ -74,12 +78,20 @@ func sqsPlace(ctx context.Context, endpoint string, round, messages int) (place,
 			if err != nil {
 				return err
 			}
-			for _, m := range out.Messages {
-				if _, err := c.DeleteMessage(ctx, &awssqs.DeleteMessageInput{QueueUrl: urls["bare"], ReceiptHandle: m.ReceiptHandle}); err != nil {
+			var wg sync.WaitGroup
+			errs := make([]error, len(out.Messages))
+			for i, m := range out.Messages {
+				wg.Go(func() {
+					_, errs[i] = c.DeleteMessage(ctx, &awssqs.DeleteMessageInput{QueueUrl: urls["bare"], ReceiptHandle: m.ReceiptHandle})
+				})
+			}
+			wg.Wait()
+			for _, err := range errs {
+				if err != nil {
 					return err
 				}
-				left--
 			}
+			left -= len(out.Messages)
 		}
 		return nil
 	}
