@@ -2,10 +2,11 @@ package messaging
 
 // One subscription's loop: a delivery is taken only with one of MaxInFlight slots free, so no
 // more than MaxInFlight attempts are held (P1); its handler runs on the goroutine that took it,
-// which hands taking on to another when the handler is slow (or, for a consumer whose
-// settlements wait for the broker, SettlementWaits, on a goroutine of its own at once). The lease kept for slow handlers
-// (H1, H2) is a timer, not a goroutine. The close: running handlers get the grace, then their
-// attempts are released.
+// which hands taking on to another when the handler is slow (for a consumer whose settlements
+// wait for the broker, SettlementWaits, every handler runs on a goroutine of its own at once).
+// The lease kept for slow handlers (H1, H2) is a timer, started only for a handler past the
+// handoff, not a goroutine. The close: running handlers get the grace, then their attempts are
+// released.
 // It must not talk to a broker except through the Consumer and the delivery's OnSettle.
 
 import (
@@ -41,14 +42,15 @@ type pump struct {
 	busy    sync.WaitGroup // deliveries taken and not finished
 	takers  sync.WaitGroup // goroutines taking deliveries (one, but for a moment at a handoff)
 	// inline is the run (a number) whose handler runs inline now, 0 when none; since is when
-	// it began (Unix ns), running its delivery. Whoever swaps inline to 0 first decides: the
-	// taker goes on, or the watcher hands taking on (and starts the run's lease keeper).
-	inline  atomic.Uint64
-	since   atomic.Int64
-	running atomic.Pointer[state]
-	runs    uint64
-	asleep  atomic.Bool
-	wake    chan struct{}
+	// it began (Unix ns), inlineDelivery its delivery. Whoever swaps inline to 0 first
+	// decides: the taker goes on, or the watcher hands taking on (and starts the run's lease
+	// keeper).
+	inline         atomic.Uint64
+	since          atomic.Int64
+	inlineDelivery atomic.Pointer[state]
+	runs           uint64
+	asleep         atomic.Bool
+	wake           chan struct{}
 	// apart: every handler runs on a goroutine of its own at once (SettlementWaits).
 	apart bool
 }
@@ -140,7 +142,7 @@ func (p *pump) take() {
 		p.runs++
 		run := p.runs
 		p.since.Store(time.Now().UnixNano())
-		p.running.Store(d.s)
+		p.inlineDelivery.Store(d.s)
 		p.inline.Store(run)
 		if p.ctx.Err() != nil && p.inline.CompareAndSwap(run, 0) {
 			// Taken as the subscription ended (the watcher may be gone): run it on its own
@@ -222,7 +224,7 @@ func (p *pump) leaseRunning() {
 	if p.lease == nil {
 		return
 	}
-	s := p.running.Load()
+	s := p.inlineDelivery.Load()
 	k := keepLease(Delivery{s}, *p.lease, time.Unix(0, p.since.Load()))
 	s.keeper.Store(k)
 	if s.ran.Load() {
