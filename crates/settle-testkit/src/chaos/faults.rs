@@ -292,13 +292,16 @@ impl Apps {
         Kill { file, at_ms }
     }
 
-    pub(super) fn stop(&mut self, i: usize) {
-        let (mut app, _) = self.running.remove(i);
+    /// Instance `i` stopped (SIGTERM): it sends its last report as it exits; when (unix ms).
+    pub(super) fn stop(&mut self, i: usize) -> Kill {
+        let (mut app, file) = self.running.remove(i);
+        let at_ms = settle::bus::report::now_ms();
         app.sigterm();
         assert!(
             app.wait_exit(Duration::from_secs(60)),
             "an application's graceful stop"
         );
+        Kill { file, at_ms }
     }
 }
 
@@ -345,12 +348,15 @@ impl Operators {
     }
 }
 
-/// What the faults did that the checker needs: the applications SIGKILLed, when the broker
+/// What the faults did that the checker needs: the applications SIGKILLed or stopped, when the broker
 /// was down, when an ack may have been lost, and when the API server was down (since the
 /// campaign's start).
 pub(super) struct Done {
     pub(super) t0: Instant,
     pub(super) kills: Vec<Kill>,
+    /// The applications stopped with SIGTERM, and when: their last report, sent as they exit,
+    /// goes if the report source is deleted before the account read it.
+    pub(super) stops: Vec<Kill>,
     pub(super) outages: Vec<(Duration, Duration)>,
     /// From a second before a fault hit a server that may lose acks until it could no longer
     /// ([`AckLoss`]): an ack sent then may be lost (J3).
@@ -437,7 +443,7 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
     match fault {
         Fault::AppReplaced => {
             let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
-            apps.stop(i);
+            done.stops.push(apps.stop(i));
             apps.start().await;
             format!("application {i} stopped (SIGTERM) and another started")
         }
@@ -447,7 +453,7 @@ pub(super) async fn inject(fault: Fault, draw: &mut Draw, w: &mut World) -> Stri
         }
         Fault::AppScaledDown if apps.running.len() > 1 => {
             let i = usize::try_from(draw.below(apps.running.len() as u64)).unwrap_or(0);
-            apps.stop(i);
+            done.stops.push(apps.stop(i));
             format!("scaled down to {}", apps.running.len())
         }
         Fault::AppScaledUp | Fault::AppScaledDown => "scaling left as it is (at its bound)".into(),

@@ -224,6 +224,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         done: Done {
             t0,
             kills: Vec::new(),
+            stops: Vec::new(),
             outages: Vec::new(),
             ack_outages: Vec::new(),
             api_outages: Vec::new(),
@@ -363,7 +364,7 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
         acks: ms_of(&done.ack_outages),
     };
     let earlier = Earlier::of(&model, &gone, &outages.acks);
-    let missing = unreported(&done, &watched, &changes, broker, ms);
+    let missing = unreported(&done, |at| watched.written_before(at), &changes, broker, ms);
     let mut discrepancies = check(&model, owed, &s, &missing, &outages, &earlier, &mut allowed);
     if !broker.offers_stored() {
         let last_made = earlier.last.as_ref().unwrap_or(&model);
@@ -519,14 +520,15 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
 
 /// What the account may not have counted, by the semantics: each SIGKILLed instance's last
 /// answers (C16); and for each report source deleted on the broker, what an instance SIGKILLed
-/// before it answered since the status last written before the deletion (its last reports may
-/// not have been read), and on NATS, where the loss is found and counting goes on from status,
+/// or stopped (SIGTERM) before it answered since the status last written before the deletion
+/// (its last reports may not have been read, and it never reports again), and on NATS, where the loss is found and counting goes on from status,
 /// what any instance answered from then until the loss was found (C17), when it was (when it
 /// was found while `Accounted` still said an earlier loss, by 15 s after reports were back).
-/// `ms` turns a time since the start into unix ms.
+/// `written_before` is when status was last written before a time; `ms` turns a time since the
+/// start into unix ms.
 fn unreported(
     done: &Done,
-    watched: &conditions::Watched,
+    written_before: impl Fn(Duration) -> Duration,
     changes: &[conditions::Change],
     broker: Broker,
     ms: impl Fn(Duration) -> u64,
@@ -536,11 +538,12 @@ fn unreported(
     for (deleted, back) in &done.reports_deleted {
         let (at, written) = (
             ms(*deleted),
-            ms(watched.written_before(*deleted)).saturating_sub(window),
+            ms(written_before(*deleted)).saturating_sub(window),
         );
         missing.extend(
             done.kills
                 .iter()
+                .chain(&done.stops)
                 .filter(|k| k.at_ms <= at)
                 .map(|k| Unreported {
                     file: Some(k.file),
@@ -579,6 +582,65 @@ fn unreported(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// SQS seed 1796681179252396803: an application scaled down (SIGTERM) before the report
+    /// queue was deleted, its last report unread by an operator just SIGKILLed; what it
+    /// answered since the status written before the deletion may be missing, as for a kill.
+    #[test]
+    fn a_report_source_deleted_after_a_stop_may_lose_the_stopped_instances_last_answers() {
+        let done = Done {
+            t0: Instant::now(),
+            kills: vec![Kill {
+                file: 3,
+                at_ms: 132_700,
+            }],
+            stops: vec![Kill {
+                file: 4,
+                at_ms: 137_500,
+            }],
+            outages: Vec::new(),
+            ack_outages: Vec::new(),
+            api_outages: Vec::new(),
+            recreated: Vec::new(),
+            consumer_deleted: Vec::new(),
+            reports_deleted: vec![(
+                Duration::from_millis(147_700),
+                Duration::from_millis(153_900),
+            )],
+            found: Vec::new(),
+        };
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let missing = unreported(
+            &done,
+            |_| Duration::from_millis(136_000),
+            &[],
+            Broker::Sqs,
+            ms,
+        );
+        // Each instance's own window: the kill's, then for the deletion the killed one's and
+        // the stopped one's, from the status written before it (less the report interval's
+        // margin) to when each went.
+        assert!(missing.contains(&Unreported {
+            file: Some(4),
+            from_ms: 134_500,
+            to_ms: 137_500
+        }));
+        assert!(missing.contains(&Unreported {
+            file: Some(3),
+            from_ms: 131_200,
+            to_ms: 132_700
+        }));
+        // A stop after the deletion loses nothing: its last report went to the queue made again.
+        let later = Done {
+            stops: vec![Kill {
+                file: 4,
+                at_ms: 150_000,
+            }],
+            kills: Vec::new(),
+            ..done
+        };
+        assert!(unreported(&later, |_| Duration::ZERO, &[], Broker::Sqs, ms).is_empty());
+    }
 
     #[test]
     fn a_seed_draws_the_same_schedule_and_another_a_different_one() {
