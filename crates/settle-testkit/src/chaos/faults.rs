@@ -348,9 +348,9 @@ impl Operators {
     }
 }
 
-/// What the faults did that the checker needs: the applications SIGKILLed or stopped, when the broker
-/// was down, when an ack may have been lost, and when the API server was down (since the
-/// campaign's start).
+/// What the faults did that the checker needs: the applications SIGKILLed or stopped, when
+/// the broker was down, when an ack may have been lost, and when the API server was down
+/// (since the campaign's start).
 pub(super) struct Done {
     pub(super) t0: Instant,
     pub(super) kills: Vec<Kill>,

@@ -521,9 +521,10 @@ pub async fn run(broker: Broker, c: &Campaign, control_plane: Option<ControlPlan
 /// What the account may not have counted, by the semantics: each SIGKILLed instance's last
 /// answers (C16); and for each report source deleted on the broker, what an instance SIGKILLed
 /// or stopped (SIGTERM) before it answered since the status last written before the deletion
-/// (its last reports may not have been read, and it never reports again), and on NATS, where the loss is found and counting goes on from status,
-/// what any instance answered from then until the loss was found (C17), when it was (when it
-/// was found while `Accounted` still said an earlier loss, by 15 s after reports were back).
+/// (its last reports may not have been read, and it never reports again), and on NATS, where
+/// the loss is found and counting goes on from status, what any instance answered from then
+/// until the loss was found (C17), when it was (when it was found while `Accounted` still said
+/// an earlier loss, by 15 s after reports were back).
 /// `written_before` is when status was last written before a time; `ms` turns a time since the
 /// start into unix ms.
 fn unreported(

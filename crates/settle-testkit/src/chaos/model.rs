@@ -79,8 +79,9 @@ fn unreported<'a>(
 
 /// When the broker was down, in unix ms: from each fault until it was whole again (a
 /// settlement may fail then, and for [`OUTAGE_GRACE`] after), and, narrower, when an ack sent
-/// may have been lost (the server leading the consumer hit, from a second before until the
-/// broker was whole again: semantics J3).
+/// may have been lost (from a second before a server was hit: the server leading the consumer
+/// until the broker was whole again, on the cluster another one while it was down or paused,
+/// and a second more: semantics J3).
 #[derive(Debug, Default)]
 pub struct Outages {
     pub broker: Vec<(u64, u64)>,
