@@ -128,12 +128,12 @@ func (p *pump) take() {
 		}
 		p.current[slot].Store(d.s)
 		p.busy.Add(1)
-		p.sub.running.Add(1)
+		p.sub.started()
 		if p.apart {
 			go func() {
 				runOne(p.hctx, d, p.h, p.lease, false)
 				p.current[slot].Store(nil)
-				p.sub.running.Add(-1)
+				p.sub.ended()
 				p.busy.Done()
 				p.free <- slot
 			}()
@@ -151,7 +151,7 @@ func (p *pump) take() {
 			go func() {
 				runOne(p.hctx, d, p.h, p.lease, false)
 				p.current[slot].Store(nil)
-				p.sub.running.Add(-1)
+				p.sub.ended()
 				p.busy.Done()
 			}()
 			return
@@ -164,7 +164,7 @@ func (p *pump) take() {
 		}
 		runOne(p.hctx, d, p.h, p.lease, true)
 		p.current[slot].Store(nil)
-		p.sub.running.Add(-1)
+		p.sub.ended()
 		p.busy.Done()
 		p.free <- slot
 		if !p.inline.CompareAndSwap(run, 0) {

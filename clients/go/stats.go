@@ -89,8 +89,10 @@ type epoch struct {
 type Sub struct {
 	Policy    Policy
 	Namespace string
-	// running is the attempts the bus holds now: taken, their handler not yet returned.
+	// running is the attempts the bus holds now: taken, their handler not yet returned;
+	// freed is signalled (never blocking) each time one ends.
 	running atomic.Int64
+	freed   chan struct{}
 	counts  counters
 	mu      sync.RWMutex
 	epoch   epoch
@@ -98,13 +100,27 @@ type Sub struct {
 
 // NewSub is a subscription context counting from startedAtMs (Unix ms).
 func NewSub(p Policy, namespace string, startedAtMs uint64) *Sub {
-	return &Sub{Policy: p, Namespace: namespace, epoch: epoch{startedAt: startedAtMs}}
+	return &Sub{Policy: p, Namespace: namespace, epoch: epoch{startedAt: startedAtMs}, freed: make(chan struct{}, 1)}
 }
 
 // Running is how many attempts the bus holds now (taken from the consumer, their handler not
 // yet returned): a backend that receives several messages at a time receives no more than
 // MaxInFlight minus these, so nothing waits received and untaken while its lease runs.
 func (s *Sub) Running() int { return int(s.running.Load()) }
+
+// Freed is signalled when an attempt the bus held ends (at most one signal waits: read
+// Running again after it).
+func (s *Sub) Freed() <-chan struct{} { return s.freed }
+
+func (s *Sub) started() { s.running.Add(1) }
+
+func (s *Sub) ended() {
+	s.running.Add(-1)
+	select {
+	case s.freed <- struct{}{}:
+	default:
+	}
+}
 
 // Name is the subscription's name.
 func (s *Sub) Name() string { return s.Policy.Name }

@@ -192,7 +192,7 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 			wait = max(min(wait, c.b.pausePoll), 1)
 		}
 		out, err := c.b.client.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{
-			QueueUrl: aws.String(c.url), MaxNumberOfMessages: c.batch(), WaitTimeSeconds: wait,
+			QueueUrl: aws.String(c.url), MaxNumberOfMessages: c.batch(ctx), WaitTimeSeconds: wait,
 			VisibilityTimeout: visibilitySecs(c.sub.Policy.AckWait),
 			MessageSystemAttributeNames: []types.MessageSystemAttributeName{
 				types.MessageSystemAttributeNameApproximateReceiveCount, types.MessageSystemAttributeNameApproximateFirstReceiveTimestamp},
@@ -269,10 +269,33 @@ func (c *consumer) delivery(ctx context.Context, m types.Message) (messaging.Del
 }
 
 // batch is how many messages a receive asks for: the free slots, 1 to 10.
-func (c *consumer) batch() int32 {
-	free := max(c.sub.Policy.MaxInFlight, 1) - c.sub.Running()
+//
+// Under load every slot is held, and each one freed would be refilled by a receive of one, a
+// round trip a message: a receive that would ask for fewer than ten waits, up to gatherFor,
+// for more handlers to end (they started together and end close together).
+func (c *consumer) batch(ctx context.Context) int32 {
+	limit := max(c.sub.Policy.MaxInFlight, 1)
+	want := min(limit, maxReceive)
+	free := limit - c.sub.Running()
+	if free < want {
+		timer := time.NewTimer(gatherFor)
+		defer timer.Stop()
+		for free < want {
+			select {
+			case <-c.sub.Freed():
+				free = limit - c.sub.Running()
+				continue
+			case <-timer.C:
+			case <-ctx.Done():
+			}
+			break
+		}
+	}
 	return int32(min(max(free, 1), maxReceive))
 }
+
+// gatherFor is the longest a receive waits for more free slots (batch).
+const gatherFor = 20 * time.Millisecond
 
 // giveBack makes what was received and not handed out visible again at once.
 func (c *consumer) giveBack() {
