@@ -280,15 +280,16 @@ func (c *consumer) batch(ctx context.Context) int32 {
 	if free < want {
 		timer := time.NewTimer(gatherFor)
 		defer timer.Stop()
+	gather:
 		for free < want {
 			select {
 			case <-c.sub.Freed():
 				free = limit - c.sub.Running()
-				continue
 			case <-timer.C:
+				break gather
 			case <-ctx.Done():
+				break gather
 			}
-			break
 		}
 	}
 	return int32(min(max(free, 1), maxReceive))

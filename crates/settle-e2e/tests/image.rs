@@ -645,18 +645,22 @@ fn the_operator_in_the_image_runs_on_the_image_libraries_as_nonroot() {
     }
 }
 
+/// An example application's image: named `repo` at the crate's version, run as nonroot, its
+/// entrypoint the application at `entrypoint`.
+fn assert_an_application_image(image: &ImageArchive, repo: &str, entrypoint: &str) {
+    assert_eq!(image.reference(), format!("{repo}:{}", cargo_version()));
+    let config = &image.config["config"];
+    assert_eq!(config["User"], "65532:65532");
+    assert_eq!(config["Entrypoint"], serde_json::json!([entrypoint]));
+}
+
 #[test]
 fn the_example_image_runs_account_app_as_nonroot() {
     let image = example();
-    assert_eq!(
-        image.reference(),
-        format!("ghcr.io/settle-dev/settle-example:{}", cargo_version())
-    );
-    let config = &image.config["config"];
-    assert_eq!(config["User"], "65532:65532");
-    assert_eq!(
-        config["Entrypoint"],
-        serde_json::json!(["/usr/local/bin/account_app"])
+    assert_an_application_image(
+        &image,
+        "ghcr.io/settle-dev/settle-example",
+        "/usr/local/bin/account_app",
     );
     let entries = entries_by_path(&image);
     for path in [
@@ -696,16 +700,12 @@ fn the_example_image_runs_account_app_as_nonroot() {
 #[test]
 fn the_go_example_image_runs_account_app_static_as_nonroot() {
     let image = ImageArchive::open(&image_archive("example-go"));
-    assert_eq!(
-        image.reference(),
-        format!("ghcr.io/settle-dev/settle-example-go:{}", cargo_version())
+    assert_an_application_image(
+        &image,
+        "ghcr.io/settle-dev/settle-example-go",
+        "/usr/local/bin/account-app",
     );
     let config = &image.config["config"];
-    assert_eq!(config["User"], "65532:65532");
-    assert_eq!(
-        config["Entrypoint"],
-        serde_json::json!(["/usr/local/bin/account-app"])
-    );
     assert!(
         config["Labels"]["dev.settle.image.go"]
             .as_str()

@@ -134,11 +134,9 @@ func measure(b broker, url string, messages, rounds int, only string) error {
 		}
 		switch only {
 		case "bare":
-			order = order[:0]
-			order = append(order, drainBare)
+			order = []func() error{drainBare}
 		case "runtime":
-			order = order[:0]
-			order = append(order, drainRuntime)
+			order = []func() error{drainRuntime}
 		}
 		for _, f := range order {
 			if err := f(); err != nil {
