@@ -264,6 +264,25 @@ pub async fn kube_client_of(kubeconfig: kube::config::Kubeconfig) -> kube::Clien
     kube::Client::try_from(config).expect("client")
 }
 
+/// The environment's kubeconfig, acting as `user` (impersonated: `as`), written to
+/// `target/kubeconfig-as-<tag>-<pid>.yaml` for a process to use.
+pub fn kubeconfig_as(user: &str, tag: &str) -> PathBuf {
+    let mut kubeconfig =
+        kube::config::Kubeconfig::read_from(&env().kubeconfig).expect("read kubeconfig");
+    for named in &mut kubeconfig.auth_infos {
+        if let Some(auth) = named.auth_info.as_mut() {
+            auth.impersonate = Some(user.to_string());
+        }
+    }
+    let path = root().join(format!(
+        "target/kubeconfig-as-{tag}-{}.yaml",
+        std::process::id()
+    ));
+    let text = serde_yaml::to_string(&kubeconfig).expect("a kubeconfig serializes");
+    std::fs::write(&path, text).expect("write the kubeconfig");
+    path
+}
+
 /// Installs Settle's CRDs (idempotent) and waits until they are served.
 pub fn install_crds() {
     let crds = root().join("crds/settle.yaml");

@@ -78,6 +78,11 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         .duration
         .with_label_values(&[BACKEND])
         .start_timer();
+    // A deleting Backend stays while the Subscriptions cache shows one that still needs it: a
+    // replica that just took the lead reads that cache once it holds its first list, or it
+    // would find none and let the Backend go before their consumers were deleted. (The
+    // Backends cache is full already: the controller runs nothing before it is.)
+    super::cache_ready(&ctx.subs).await;
     let ns = b.namespace().unwrap_or_default();
     let key: Key = (ns.clone(), b.name_any());
     let Some(kind) = BackendKind::of(&b.spec) else {

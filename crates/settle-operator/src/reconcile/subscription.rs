@@ -55,6 +55,12 @@ pub async fn reconcile(sub: Arc<Subscription>, ctx: Arc<Ctx>) -> Result<Action, 
     let (ns, name) = (&target.namespace, &target.name);
     let api: Api<Subscription> = Api::namespaced(ctx.client.clone(), ns);
     let fkey = format!("subscription/{ns}/{name}");
+    // Every step below reads the Backend from the cache, the deletion too, so none runs before
+    // the cache holds its first list: a replica that just took the lead would otherwise find no
+    // Backend, say BackendNotFound of one that exists (a lie that fires alerts on every
+    // handover), and finish a deletion as if the Backend were gone, leaving the consumer or
+    // queue on the broker. A writer gone (the term is ending) ends the wait.
+    super::cache_ready(&ctx.backends).await;
 
     if sub.metadata.deletion_timestamp.is_some() {
         if has_finalizer(&sub) {
@@ -209,11 +215,8 @@ async fn converge(t: &Target<'_>, ctx: &Ctx) -> Option<SubOutcome> {
     let (sub, ns) = (t.sub, &t.namespace);
     let backend_name = &sub.spec.backend_ref.name;
 
-    // 3. The one validate, before the broker is touched. The Backend cache is read once it
-    // holds the first list: a replica that just took the lead would otherwise find no Backend
-    // and say BackendNotFound of one that exists (a lie that fires alerts on every handover).
-    // A writer gone (the term is ending) ends the wait: the cache is read as it is.
-    super::cache_ready(&ctx.backends).await;
+    // 3. The one validate, before the broker is touched (the Backend cache holds its first
+    // list: `reconcile` waited for it).
     let backend = backend_of(sub, ctx);
     let capabilities = backend.as_deref().and_then(effective_capabilities);
     let view = match (&backend, &capabilities) {

@@ -4,6 +4,10 @@
 //! connection it made before its Secret went; the `Delete` Subscription's consumer or queue is
 //! deleted, the `Retain` one's kept, and then the Backend goes (on NATS, with the account's
 //! reader of the capture that was its; on RabbitMQ, with its copy of the dead-letter exchange).
+//!
+//! And the same deletion found by an operator that takes over before it can list one of the
+//! two kinds: neither the Subscription nor the Backend goes until it can, and then the consumer
+//! or queue is deleted on the broker, not left there.
 
 use settle_testkit as common;
 
@@ -24,9 +28,10 @@ enum Broker {
 }
 
 impl Broker {
-    async fn new(kind: &str) -> Broker {
+    /// The broker of `kind`, its names tagged with `scene` (short, unique among the scenes).
+    async fn new(kind: &str, scene: &str) -> Broker {
         let env = common::env();
-        let tag = format!("del{}", std::process::id());
+        let tag = format!("{scene}{}", std::process::id());
         match kind {
             "nats" => Broker::Nats(TestStream::new(&env.nats_url, "deletion").await),
             "rabbitmq" => Broker::Rabbitmq(tag),
@@ -146,7 +151,7 @@ impl Broker {
 async fn secret_then_backend_then_subscriptions(kind: &str) {
     install_crds();
     let ns = namespace(&format!("rec-deletion-{kind}"));
-    let broker = Broker::new(kind).await;
+    let broker = Broker::new(kind, "del").await;
     let _op = Operator::start(&format!("deletion-{kind}"), &ns);
     let secret = broker.backend(&ns);
     let api = subs(&ns).await;
@@ -265,4 +270,151 @@ async fn rabbitmq_secret_then_backend_then_subscriptions_deletes_what_delete_ask
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqs_secret_then_backend_then_subscriptions_deletes_what_delete_asks() {
     secret_then_backend_then_subscriptions("sqs").await;
+}
+
+/// The rules an operator taking over is granted: what it needs, with `kinds` of Settle's
+/// (`backends`, `subscriptions`) only.
+fn taker_role(name: &str, kinds: &[&str]) -> String {
+    let settle: Vec<String> = kinds
+        .iter()
+        .flat_map(|k| [format!("\"{k}\""), format!("\"{k}/status\"")])
+        .collect();
+    format!(
+        "apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: {name}}}
+rules:
+  - {{apiGroups: [\"messaging.settle.dev\"], resources: [{}], verbs: [get, list, watch, patch]}}
+  - {{apiGroups: [\"\", coordination.k8s.io, events.k8s.io], resources: [\"*\"], verbs: [\"*\"]}}
+  - {{apiGroups: [authentication.k8s.io, authorization.k8s.io], resources: [\"*\"], verbs: [create]}}
+",
+        settle.join(", ")
+    )
+}
+
+/// A Subscription and its Backend deleted while no operator runs (as `kubectl delete
+/// namespace` does), found by an operator that takes over and may list only `first` of the two
+/// kinds for a while (RBAC: the other granted later). Until it can list both, the Subscription
+/// keeps its finalizer and its consumer or queue, the Backend its finalizer; then the consumer
+/// or queue is deleted on the broker and both objects go. Reconciled with one cache empty, the
+/// deletion would go as if the Backend were gone (or no Subscription needed it) and leave the
+/// consumer on the broker.
+async fn deleted_while_no_operator_ran_waits_for_both_caches(kind: &str, first: &str) {
+    install_crds();
+    let ns = namespace(&format!("rec-takeover-{kind}-{first}"));
+    let broker = Broker::new(kind, &format!("tk{}", &first[..1])).await;
+    let mut op = Operator::start(&format!("takeover-{kind}-{first}"), &ns);
+    broker.backend(&ns);
+    let api = subs(&ns).await;
+    apply(&ns, &sub_yaml_on("b", "gone", &broker.spec("gone", false)));
+    let s = wait_ready(&api, "gone").await;
+    let made = s
+        .status
+        .and_then(|s| s.consumer)
+        .expect("status names it")
+        .name;
+    assert!(broker.holds(&made).await, "{kind}: {made} made");
+    op.kill9();
+
+    let b_api = backends(&ns).await;
+    api.delete("gone", &DeleteParams::default())
+        .await
+        .expect("delete the Subscription");
+    b_api
+        .delete("b", &DeleteParams::default())
+        .await
+        .expect("delete the Backend");
+    let role = ns.clone();
+    let user = format!("system:serviceaccount:{ns}:taker");
+    kubectl_ok(&["apply", "-f", "-"], Some(&taker_role(&role, &[first])));
+    kubectl_ok(
+        &[
+            "create",
+            "clusterrolebinding",
+            &role,
+            &format!("--clusterrole={role}"),
+            &format!("--serviceaccount={ns}:taker"),
+        ],
+        None,
+    );
+    let kubeconfig = common::kubeconfig_as(&user, &ns);
+    let kubeconfig = kubeconfig.to_string_lossy();
+    let mut taker = Operator::spawn_env(
+        &format!("takeover-{kind}-{first}-taker"),
+        &ns,
+        &["--leader-election=false"],
+        &[("KUBECONFIG", &kubeconfig)],
+    );
+    // Past several reconciles of what it can list, both still wait.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(taker.alive(), "{kind}: the operator taking over runs");
+    let sub = api.get_opt("gone").await.expect("read the Subscription");
+    assert!(
+        sub.is_some(),
+        "{kind}, listing {first} only: the deleted Subscription keeps its finalizer"
+    );
+    let b = b_api.get_opt("b").await.expect("read the Backend");
+    assert!(
+        b.is_some(),
+        "{kind}, listing {first} only: the deleted Backend keeps its finalizer"
+    );
+    assert!(
+        broker.holds(&made).await,
+        "{kind}, listing {first} only: {made} stays until the deletion can be done"
+    );
+
+    kubectl_ok(
+        &["apply", "-f", "-"],
+        Some(&taker_role(&role, &["backends", "subscriptions"])),
+    );
+    wait_gone(&api, "gone", Duration::from_secs(90)).await;
+    assert!(
+        !broker.holds(&made).await,
+        "{kind}: the deleted Subscription's {made} is deleted on the broker"
+    );
+    poll(
+        "the Backend to be gone once no Subscription needs it",
+        Duration::from_secs(60),
+        || async {
+            match b_api.get_opt("b").await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    taker.kill9();
+    kubectl_ok(&["delete", "clusterrolebinding,clusterrole", &role], None);
+    broker.clear(&made).await;
+    kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_deleted_while_no_operator_ran_waits_for_the_backends_cache() {
+    deleted_while_no_operator_ran_waits_for_both_caches("nats", "subscriptions").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_deleted_while_no_operator_ran_waits_for_the_backends_cache() {
+    deleted_while_no_operator_ran_waits_for_both_caches("rabbitmq", "subscriptions").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_deleted_while_no_operator_ran_waits_for_the_backends_cache() {
+    deleted_while_no_operator_ran_waits_for_both_caches("sqs", "subscriptions").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_deleted_while_no_operator_ran_waits_for_the_subscriptions_cache() {
+    deleted_while_no_operator_ran_waits_for_both_caches("nats", "backends").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_deleted_while_no_operator_ran_waits_for_the_subscriptions_cache() {
+    deleted_while_no_operator_ran_waits_for_both_caches("rabbitmq", "backends").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_deleted_while_no_operator_ran_waits_for_the_subscriptions_cache() {
+    deleted_while_no_operator_ran_waits_for_both_caches("sqs", "backends").await;
 }
