@@ -106,20 +106,22 @@ const (
 )
 
 type state struct {
-	sub        *Sub
+	sub      *Sub
+	onSettle OnSettle
+	// env is the envelope as read: at once when there are transport headers (they may
+	// contradict it: a ForeignConflict), else when first asked for (most handlers never do).
+	env        atomic.Pointer[parsed]
 	subject    string
 	headers    []Header
 	payload    []byte
 	attempt    int
-	parsed     parsed
-	settled    atomic.Bool
-	fate       atomic.Int32
 	generation uint64
-	onSettle   OnSettle
 	// keeper keeps the lease while the handler runs; ran is set when the handler returned
 	// (the bus's loop, dispatch.go).
-	keeper atomic.Pointer[leaseKeeper]
-	ran    atomic.Bool
+	keeper  atomic.Pointer[leaseKeeper]
+	settled atomic.Bool
+	ran     atomic.Bool
+	fate    atomic.Int32
 }
 
 // Delivery is one attempt of one message. Copies share one settlement state.
@@ -128,12 +130,28 @@ type Delivery struct{ s *state }
 // NewDelivery is the one way to make a delivery: it counts the attempt Offered (and a
 // ForeignConflict when its transport headers contradict its envelope).
 func NewDelivery(sub *Sub, o DeliveryOptions) Delivery {
-	p := parseEnvelope(o.Headers, o.Payload)
-	gen := sub.offer(!p.foreign.Empty())
-	return Delivery{&state{
+	var env *parsed
+	if len(o.Headers) > 0 {
+		env = parseEnvelope(o.Headers, o.Payload)
+	}
+	gen := sub.offer(env != nil && !env.foreign.Empty())
+	s := &state{
 		sub: sub, subject: o.Subject, headers: o.Headers, payload: o.Payload,
-		attempt: max(o.Attempt, 1), parsed: p, generation: gen, onSettle: o.OnSettle,
-	}}
+		attempt: max(o.Attempt, 1), generation: gen, onSettle: o.OnSettle,
+	}
+	if env != nil {
+		s.env.Store(env)
+	}
+	return Delivery{s}
+}
+
+// envelope is the delivery's envelope, read the first time it is asked for.
+func (s *state) envelope() *parsed {
+	if p := s.env.Load(); p != nil {
+		return p
+	}
+	s.env.CompareAndSwap(nil, parseEnvelope(s.headers, s.payload))
+	return s.env.Load()
 }
 
 func (d Delivery) Subscription() string { return d.s.sub.Name() }
@@ -148,17 +166,17 @@ func (d Delivery) Header(name string) (string, bool) { return header(d.s.headers
 func (d Delivery) Attempt() int { return d.s.attempt }
 
 // Event is the event's identity as its envelope states it.
-func (d Delivery) Event() Event { return d.s.parsed.event }
+func (d Delivery) Event() Event { return d.s.envelope().event }
 
 // Foreign is the transport headers that contradicted the envelope.
-func (d Delivery) Foreign() Foreign { return d.s.parsed.foreign }
+func (d Delivery) Foreign() Foreign { return d.s.envelope().foreign }
 
 // Settled reports whether any copy has settled it.
 func (d Delivery) Settled() bool { return d.s.settled.Load() }
 
 // Decode decodes the event's data (the payload, CloudEvents data, or MassTransit message) from JSON.
 func (d Delivery) Decode(v any) error {
-	if err := json.Unmarshal(d.s.parsed.data, v); err != nil {
+	if err := json.Unmarshal(d.s.envelope().data, v); err != nil {
 		return fmt.Errorf("cannot decode the event data of %q: %w", d.s.subject, err)
 	}
 	return nil

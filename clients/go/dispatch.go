@@ -23,13 +23,14 @@ type leaseTimes struct{ ackWait, maxProcessing time.Duration }
 // handOff is how long a handler runs inline, on the goroutine that took its delivery, before
 // another goroutine takes over taking deliveries: a handler that answers at once costs no
 // goroutine switch (the Rust runtime polls a handler once inline for the same reason), and a
-// slow one holds up the next delivery by about this much at most.
+// slow one holds up the next delivery by one to two of these (the watcher's ticks).
 const handOff = 500 * time.Microsecond
 
 // pump is one subscription's loop: one goroutine at a time takes deliveries and runs each
 // handler itself; a watcher hands taking on to a new goroutine when a handler runs past
-// handOff. The watcher looks every handOff while a handler runs inline, and sleeps otherwise,
-// so a delivery costs two atomic stores, not a timer.
+// handOff. The watcher looks every handOff while a handler runs inline, and sleeps otherwise;
+// it alone reads the clock, so a delivery costs two atomic stores, not a timer or a clock
+// read.
 type pump struct {
 	sub     *Sub
 	h       Handler
@@ -41,12 +42,10 @@ type pump struct {
 	current []atomic.Pointer[state]
 	busy    sync.WaitGroup // deliveries taken and not finished
 	takers  sync.WaitGroup // goroutines taking deliveries (one, but for a moment at a handoff)
-	// inline is the run (a number) whose handler runs inline now, 0 when none; since is when
-	// it began (Unix ns), inlineDelivery its delivery. Whoever swaps inline to 0 first
-	// decides: the taker goes on, or the watcher hands taking on (and starts the run's lease
-	// keeper).
+	// inline is the run (a number) whose handler runs inline now, 0 when none;
+	// inlineDelivery its delivery. Whoever swaps inline to 0 first decides: the taker goes
+	// on, or the watcher hands taking on (and starts the run's lease keeper).
 	inline         atomic.Uint64
-	since          atomic.Int64
 	inlineDelivery atomic.Pointer[state]
 	runs           uint64
 	asleep         atomic.Bool
@@ -103,20 +102,24 @@ func dispatch(ctx context.Context, sub *Sub, h Handler, c Consumer, grace time.D
 // take takes deliveries and runs their handlers, until the subscription ends or the watcher
 // handed taking on (its handler ran past handOff). A goroutine counts in takers while it
 // takes: one handed off is only running a handler (in busy), so the close does not wait for it
-// before the grace.
+// before the grace. A handler that returned inline leaves its slot with the taker for the next
+// delivery.
 func (p *pump) take() {
+	slot, held := 0, false
 	for {
-		var slot int
-		select {
-		case slot = <-p.free: // a slot is free at once, unless MaxInFlight handlers run
-		default:
+		if !held {
 			select {
-			case slot = <-p.free:
-			case <-p.ctx.Done():
-				p.takers.Done()
-				return
+			case slot = <-p.free: // a slot is free at once, unless MaxInFlight handlers run
+			default:
+				select {
+				case slot = <-p.free:
+				case <-p.ctx.Done():
+					p.takers.Done()
+					return
+				}
 			}
 		}
+		held = false
 		d, ok := p.c.Next(p.ctx)
 		if !ok {
 			p.free <- slot
@@ -130,30 +133,29 @@ func (p *pump) take() {
 		p.busy.Add(1)
 		p.sub.started()
 		if p.apart {
-			go func() {
+			go func(slot int) {
 				runOne(p.hctx, d, p.h, p.lease, false)
 				p.current[slot].Store(nil)
 				p.sub.ended()
 				p.busy.Done()
 				p.free <- slot
-			}()
+			}(slot)
 			continue
 		}
 		p.runs++
 		run := p.runs
-		p.since.Store(time.Now().UnixNano())
 		p.inlineDelivery.Store(d.s)
 		p.inline.Store(run)
-		if p.ctx.Err() != nil && p.inline.CompareAndSwap(run, 0) {
+		if closing(p.ctx) && p.inline.CompareAndSwap(run, 0) {
 			// Taken as the subscription ended (the watcher may be gone): run it on its own
 			// goroutine, so the close's grace covers it.
 			p.takers.Done()
-			go func() {
+			go func(slot int) {
 				runOne(p.hctx, d, p.h, p.lease, false)
 				p.current[slot].Store(nil)
 				p.sub.ended()
 				p.busy.Done()
-			}()
+			}(slot)
 			return
 		}
 		if p.asleep.Load() {
@@ -166,18 +168,40 @@ func (p *pump) take() {
 		p.current[slot].Store(nil)
 		p.sub.ended()
 		p.busy.Done()
-		p.free <- slot
 		if !p.inline.CompareAndSwap(run, 0) {
+			p.free <- slot
 			return // handed off: another goroutine takes deliveries now
 		}
+		held = true
+	}
+}
+
+// closing reports whether ctx has ended, without the lock its Err takes.
+func closing(ctx context.Context) bool {
+	select {
+	case <-ctx.Done():
+		return true
+	default:
+		return false
 	}
 }
 
 // watch hands taking on to a new goroutine when the inline handler runs past handOff, until
-// the subscription ends. It sleeps while no handler runs inline.
+// the subscription ends. It sleeps while no handler runs inline. A run is timed from when the
+// watcher first saw it (at a tick, or woken as it began), so it is handed on between handOff
+// and two handOffs after it began, and its lease keeper counts from a handOff before that
+// sighting (never later than the run began: the lease is extended early, not late).
 func (p *pump) watch() {
 	tick := time.NewTicker(handOff)
 	defer tick.Stop()
+	var seen uint64 // the run last seen inline, and when
+	var seenAt time.Time
+	startOf := func(run uint64) time.Time {
+		if run == seen {
+			return seenAt.Add(-handOff)
+		}
+		return time.Now().Add(-handOff)
+	}
 	for {
 		run := p.inline.Load()
 		if run == 0 {
@@ -188,13 +212,16 @@ func (p *pump) watch() {
 				case <-p.ctx.Done():
 					p.asleep.Store(false)
 					if run := p.inline.Load(); run != 0 && p.inline.CompareAndSwap(run, 0) {
-						p.leaseRunning()
+						p.leaseRunning(startOf(run))
 						p.takers.Done()
 					}
 					return
 				}
 			}
 			p.asleep.Store(false)
+			if run := p.inline.Load(); run != 0 && run != seen {
+				seen, seenAt = run, time.Now()
+			}
 			continue
 		}
 		select {
@@ -203,13 +230,18 @@ func (p *pump) watch() {
 			// No more handoffs: a taker running a handler inline stops being one now, so the
 			// close's grace starts without waiting for that handler.
 			if run := p.inline.Load(); run != 0 && p.inline.CompareAndSwap(run, 0) {
-				p.leaseRunning()
+				p.leaseRunning(startOf(run))
 				p.takers.Done()
 			}
 			return
 		}
-		if time.Now().UnixNano()-p.since.Load() >= int64(handOff) && p.inline.CompareAndSwap(run, 0) {
-			p.leaseRunning()
+		run = p.inline.Load()
+		switch {
+		case run == 0:
+		case run != seen:
+			seen, seenAt = run, time.Now()
+		case time.Since(seenAt) >= handOff && p.inline.CompareAndSwap(run, 0):
+			p.leaseRunning(startOf(run))
 			p.takers.Add(1) // the new taker, before the old one leaves
 			go p.take()
 			p.takers.Done()
@@ -218,14 +250,14 @@ func (p *pump) watch() {
 }
 
 // leaseRunning starts the lease keeper of the run the watcher just took off the taker (the
-// handler went on past handOff, or the subscription is closing), from when the run began.
-// Called only by whoever swapped inline to 0, so the run and since are that run's.
-func (p *pump) leaseRunning() {
+// handler went on past handOff, or the subscription is closing), counting from start.
+// Called only by whoever swapped inline to 0, so inlineDelivery is that run's.
+func (p *pump) leaseRunning(start time.Time) {
 	if p.lease == nil {
 		return
 	}
 	s := p.inlineDelivery.Load()
-	k := keepLease(Delivery{s}, *p.lease, time.Unix(0, p.since.Load()))
+	k := keepLease(Delivery{s}, *p.lease, start)
 	s.keeper.Store(k)
 	if s.ran.Load() {
 		k.stop() // the handler returned meanwhile: runOne may not have seen the keeper

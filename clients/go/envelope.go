@@ -64,45 +64,43 @@ type parsed struct {
 }
 
 func startsObject(payload []byte) bool {
-	t := bytes.TrimLeft(payload, " \t\r\n\f\v")
-	return len(t) > 0 && t[0] == '{'
+	for _, b := range payload {
+		switch b {
+		case ' ', '\t', '\r', '\n', '\f', '\v':
+		default:
+			return b == '{'
+		}
+	}
+	return false
 }
 
 // keysNamed says whether a JSON object payload names "specversion" or "messageType" anywhere
-// (the envelope of an untyped payload is recognised by them), in one pass over its quotes.
+// (the envelope of an untyped payload is recognised by them).
 func keysNamed(payload []byte) (specversion, messageType bool) {
 	if !startsObject(payload) {
 		return false, false
 	}
-	for rest := payload; ; {
-		i := bytes.IndexByte(rest, '"')
-		if i < 0 {
-			return specversion, messageType
-		}
-		rest = rest[i:]
-		specversion = specversion || bytes.HasPrefix(rest, []byte(`"specversion"`))
-		messageType = messageType || bytes.HasPrefix(rest, []byte(`"messageType"`))
-		rest = rest[1:]
-	}
+	return bytes.Contains(payload, []byte(`"specversion"`)), bytes.Contains(payload, []byte(`"messageType"`))
 }
 
-func parseEnvelope(headers []Header, payload []byte) parsed {
+// parseEnvelope reads the envelope.
+func parseEnvelope(headers []Header, payload []byte) *parsed {
 	specversion, messageType := keysNamed(payload)
 	if len(headers) == 0 && !specversion && !messageType {
-		return parsed{event: Event{Format: Raw}, data: payload}
+		return &parsed{event: Event{Format: Raw}, data: payload}
 	}
 	contentType, _ := header(headers, "content-type")
 	ct := strings.ToLower(contentType)
 	if p, ok := cloudEventsBinary(headers, contentType, payload); ok {
-		return p
+		return &p
 	}
 	if p, ok := cloudEventsStructured(ct, contentType, payload, specversion); ok {
-		return p
+		return &p
 	}
 	if p, ok := massTransit(headers, ct, contentType, payload, messageType); ok {
-		return p
+		return &p
 	}
-	return parsed{event: Event{Format: Raw, ContentType: contentType}, data: payload}
+	return &parsed{event: Event{Format: Raw, ContentType: contentType}, data: payload}
 }
 
 func cloudEventsBinary(headers []Header, contentType string, payload []byte) (parsed, bool) {

@@ -58,6 +58,10 @@ type consumer struct {
 	retired *atomic.Bool
 	// bound counts the bindings to a consumer made again: a delivery remembers its own.
 	bound *atomic.Uint64
+	// next is the pull's option for the context Next was last called with (one per
+	// subscription: made once, not for every message).
+	next    jetstream.NextOpt
+	nextCtx context.Context
 }
 
 // bind finds or makes the consumer and starts pulling from it.
@@ -151,7 +155,10 @@ func (c *consumer) Next(ctx context.Context) (messaging.Delivery, bool) {
 		if c.msgs == nil {
 			return messaging.Delivery{}, false
 		}
-		m, err := c.msgs.Next(jetstream.NextContext(ctx))
+		if c.nextCtx != ctx {
+			c.next, c.nextCtx = jetstream.NextContext(ctx), ctx
+		}
+		m, err := c.msgs.Next(c.next)
 		if err == nil {
 			return c.delivery(m), true
 		}
@@ -191,7 +198,7 @@ func (c *consumer) delivery(m jetstream.Msg) messaging.Delivery {
 	}
 	return messaging.NewDelivery(c.sub, messaging.DeliveryOptions{
 		Subject: m.Subject(), Headers: headers, Payload: m.Data(), Attempt: attempt,
-		OnSettle: &settler{c: c, reply: m.Reply(), offeredIn: c.bound.Load(), acks: c.sub.Policy.AtLeastOnce()},
+		OnSettle: &settler{c: c, reply: m.Reply(), offeredIn: c.bound.Load()},
 	})
 }
 
@@ -213,7 +220,6 @@ type settler struct {
 	c         *consumer
 	reply     string
 	offeredIn uint64
-	acks      bool
 }
 
 func (s *settler) replyTo() (string, *messaging.Refusal) {
@@ -222,7 +228,7 @@ func (s *settler) replyTo() (string, *messaging.Refusal) {
 		return "", &messaging.Refusal{Reason: "the consumer that offered this delivery was retired by this process; the server offers the message again after ackWait"}
 	case s.c.bound.Load() != s.offeredIn:
 		return "", &messaging.Refusal{Reason: "the consumer that offered this delivery was deleted and made again; the new one offers the message afresh"}
-	case !s.acks:
+	case !s.c.sub.Policy.AtLeastOnce():
 		return "", &messaging.Refusal{Reason: "the consumer does not take acknowledgements (ack policy none)"}
 	case s.reply == "":
 		return "", &messaging.Refusal{Reason: "the message has no reply subject: not a JetStream delivery", Stranded: true}
@@ -298,22 +304,20 @@ func ackSubject(reply string) (stream, consumer string, delivered int, ok bool) 
 	if !found {
 		return "", "", 0, false
 	}
-	// Tokens on the stack (the subject is read for every delivery); past 12, n only says "9 or more".
-	var t [12]string
-	n := 0
-	for more := true; more && n < len(t); n++ {
-		t[n], rest, more = strings.Cut(rest, ".")
-	}
-	skip := 0
-	switch {
-	case n == 7:
-	case n >= 9:
-		skip = 2
+	// Read for every delivery: the dots counted at once, then only the tokens wanted cut.
+	switch dots := strings.Count(rest, "."); {
+	case dots == 6:
+	case dots >= 8:
+		_, rest, _ = strings.Cut(rest, ".") // the domain
+		_, rest, _ = strings.Cut(rest, ".") // the account hash
 	default:
 		return "", "", 0, false
 	}
-	delivered, _ = strconv.Atoi(t[skip+2])
-	return t[skip], t[skip+1], delivered, true
+	stream, rest, _ = strings.Cut(rest, ".")
+	consumer, rest, _ = strings.Cut(rest, ".")
+	count, _, _ := strings.Cut(rest, ".")
+	delivered, _ = strconv.Atoi(count)
+	return stream, consumer, delivered, true
 }
 
 func nakBody(delay time.Duration) string {
