@@ -216,7 +216,7 @@ pub struct Metrics {
     /// reports), each continued from status as an offset (semantics C17).
     pub source_lost: IntCounterVec,
     /// `settle_account_dead_letters_total{outcome}`: copies of RabbitMQ dead letters read
-    /// (counted, duplicate, not_exhausted, not_ours), and the copies the broker dropped or never
+    /// (counted, duplicate, not_exhausted, not_ours, earlier_object), and the copies the broker dropped or never
     /// made as far as the keeper can tell (`copy_queue_full`: it was found full, so the oldest
     /// beyond `--dead-letter-copy-max-length` were dropped; `copy_queue_lost`: it was deleted on
     /// the broker and made again).
@@ -313,7 +313,7 @@ impl Metrics {
             )?,
             dead_letters: counter(
                 "settle_account_dead_letters_total",
-                "Copies of RabbitMQ dead letters read by the account, by outcome (counted, duplicate, not_exhausted, not_ours), and the times the copy queue was found full (copy_queue_full) or deleted (copy_queue_lost).",
+                "Copies of RabbitMQ dead letters read by the account, by outcome (counted, duplicate, not_exhausted, not_ours, earlier_object), and the times the copy queue was found full (copy_queue_full) or deleted (copy_queue_lost).",
                 &["outcome"],
             )?,
             gauge_calls: counter(

@@ -32,10 +32,10 @@ use settle::backend::rabbitmq::report::{ledger_queue, report_queue};
 
 /// A namespace, a RabbitMQ Backend, the operator, and Subscription `orders` (always nack,
 /// maxDeliver 3) on a routing key of this test's own.
-struct Scene {
+pub(super) struct Scene {
     base: Base,
-    tag: String,
-    amqp: lapin::Connection,
+    pub(super) tag: String,
+    pub(super) amqp: lapin::Connection,
     /// The Backend's dead-letter exchange (a topic exchange of this test's) and the user's own
     /// dead-letter queue bound to it with `#`, when the scene has them.
     dead: Option<(String, String)>,
@@ -58,18 +58,23 @@ impl std::ops::DerefMut for Scene {
 const NACK_POLICY: &str = "  mode: AtLeastOnce\n  maxDeliver: 3\n";
 
 impl Scene {
-    async fn new(test: &str) -> Scene {
+    pub(super) async fn new(test: &str) -> Scene {
         Scene::build(test, false, NACK_POLICY, &OPERATOR_FLAGS).await
     }
 
     /// With a dead-letter exchange on the Backend, and the user's dead-letter queue on it.
-    async fn with_dead_letters(test: &str) -> Scene {
+    pub(super) async fn with_dead_letters(test: &str) -> Scene {
         Scene::build(test, true, NACK_POLICY, &OPERATOR_FLAGS).await
     }
 
     /// Subscription `orders` with `policy` (after its durableName), the operator with `flags`,
     /// with a dead-letter exchange on the Backend when `with_dead`.
-    async fn build(test: &str, with_dead: bool, policy: &str, flags: &[&'static str]) -> Scene {
+    pub(super) async fn build(
+        test: &str,
+        with_dead: bool,
+        policy: &str,
+        flags: &[&'static str],
+    ) -> Scene {
         install_crds();
         let ns = namespace(test);
         let env = common::env();
@@ -140,7 +145,7 @@ impl Scene {
     }
 
     /// Publishes `n` messages (bodies 1..=n) to `amq.topic` on this test's routing keys.
-    async fn publish(&self, n: usize) {
+    pub(super) async fn publish(&self, n: usize) {
         self.publish_bodies((1..=n).map(|i| i.to_string()).collect())
             .await;
     }
@@ -153,7 +158,7 @@ impl Scene {
 
     /// The user's dead-letter queue: its messages, read and put back (management API), once it
     /// holds `n`.
-    async fn dead_letters(&self, n: usize) -> Vec<Value> {
+    pub(super) async fn dead_letters(&self, n: usize) -> Vec<Value> {
         let (_, dlq) = self.dead.as_ref().expect("a scene with dead letters");
         poll(
             &format!("{n} message(s) in the user's dead-letter queue {dlq}"),
@@ -189,12 +194,12 @@ impl Scene {
             .collect()
     }
 
-    fn dead_letter_metric(&self, outcome: &str) -> f64 {
+    pub(super) fn dead_letter_metric(&self, outcome: &str) -> f64 {
         self.op
             .metric("settle_account_dead_letters_total", &[("outcome", outcome)])
     }
 
-    async fn finish(self) {
+    pub(super) async fn finish(self) {
         if let Some((dlx, dlq)) = &self.dead {
             management("DELETE", &format!("/api/queues/%2f/{dlq}"));
             management("DELETE", &format!("/api/exchanges/%2f/{dlx}"));
@@ -909,30 +914,5 @@ async fn a_handler_blocked_forever_on_rabbitmq_raises_stalled_until_one_acks() {
     )
     .await;
     stalled_scenario(&scene).await;
-    scene.finish().await;
-}
-
-/// A takeover under a running application (the scenario every broker runs): the new object
-/// counts the new messages without a restart, and none of the old one's history.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_takeover_on_rabbitmq_under_a_running_application_counts_on_the_new_object_without_history()
- {
-    let scene = Scene::new("acctrq-takeover").await;
-    common::account::takeover_under_a_running_app_scenario(&scene).await;
-    scene.finish().await;
-}
-
-/// Delete and apply on RabbitMQ while five slow handlers run: their completions stay the old
-/// object's, and the new one balances at rest (I1).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delete_and_apply_on_rabbitmq_across_slow_handlers_leaves_the_new_object_balanced() {
-    let scene = Scene::build(
-        "acctrq-recreate-slow",
-        false,
-        common::account::SLOW_SPEC,
-        &OPERATOR_FLAGS,
-    )
-    .await;
-    common::account::recreate_under_slow_handlers_scenario(&scene).await;
     scene.finish().await;
 }

@@ -19,7 +19,7 @@ use lapin::Channel;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::{FieldTable, ShortString};
 
-use super::dead_letters::{self, Attribution, DeadLetters};
+use super::dead_letters::{self, Attribution, DeadLetters, Owner};
 use super::{Book, Broken, RabbitKeeper, Source, broken};
 use crate::account::ledger::BrokerOutcome;
 use crate::account::queue_keeper::{self, SubKey, who};
@@ -124,7 +124,7 @@ impl RabbitKeeper {
     pub(super) async fn on_dead_letter(
         &self,
         dl: &Channel,
-        (owners, wanted): (&HashMap<String, SubKey>, &BTreeSet<String>),
+        (owners, wanted): (&HashMap<String, Owner>, &BTreeSet<String>),
         books: &mut HashMap<SubKey, Book>,
         held: &mut Vec<(Instant, lapin::message::Delivery)>,
         (since, d): (Instant, lapin::message::Delivery),
@@ -254,7 +254,7 @@ pub(super) async fn next_copy(
 /// they are bound with.
 pub(super) fn queues_of(
     members: &HashMap<SubKey, Arc<Subscription>>,
-) -> (HashMap<String, SubKey>, BTreeSet<String>, BTreeSet<String>) {
+) -> (HashMap<String, Owner>, BTreeSet<String>, BTreeSet<String>) {
     let mut owners = HashMap::new();
     let mut wanted = BTreeSet::new();
     let mut keys = BTreeSet::new();
@@ -268,7 +268,14 @@ pub(super) fn queues_of(
         ));
         match sub.status.as_ref().and_then(|s| s.consumer.as_ref()) {
             Some(c) => {
-                owners.insert(c.name.clone(), key.clone());
+                let since_s = sub
+                    .metadata
+                    .creation_timestamp
+                    .as_ref()
+                    .and_then(|t| u64::try_from(t.0.as_second()).ok())
+                    .unwrap_or(0);
+                let key = key.clone();
+                owners.insert(c.name.clone(), Owner { key, since_s });
             }
             None => {
                 wanted.insert(settle::backend::rabbitmq::mapping::queue_name(

@@ -33,6 +33,14 @@ pub const HOLD_UNVERIFIED: Duration = Duration::from_secs(60);
 /// A Subscription, by namespace and name.
 pub type SubKey = (String, String);
 
+/// The Subscription a verified queue is, and since when (its object's `creationTimestamp`,
+/// Unix seconds; 0 when unknown): a dead letter from before was an earlier object's.
+#[derive(Clone, Debug)]
+pub struct Owner {
+    pub key: SubKey,
+    pub since_s: u64,
+}
+
 /// What one copy counts for.
 pub enum Attribution {
     /// The Subscription whose verified queue dead-lettered it because its attempts ran out;
@@ -47,9 +55,12 @@ pub enum Attribution {
 
 /// Attributes one copy (pure): `owners` maps each verified AtLeastOnce queue of the Backend to
 /// its Subscription; `wanted` holds the queues its AtLeastOnce Subscriptions want that no status
-/// names yet.
+/// names yet. A copy dead-lettered in a second before the owner's object was made is an
+/// earlier object's (one of the same name whose queue this one took over, C15): it counts for
+/// nobody. `x-death` times are whole seconds of the broker's clock, the object's of the API
+/// server's: one from the object's first second counts.
 pub fn attribute(
-    owners: &HashMap<String, SubKey>,
+    owners: &HashMap<String, Owner>,
     wanted: &BTreeSet<String>,
     props: &lapin::BasicProperties,
     body: &[u8],
@@ -61,8 +72,11 @@ pub fn attribute(
         return Attribution::Nothing("not_exhausted");
     }
     match owners.get(&death.queue) {
-        Some(key) => {
-            Attribution::Exhausted(key.clone(), dead_letters::message_id(&death, props, body))
+        Some(o) if death.time != 0 && death.time < o.since_s => {
+            Attribution::Nothing("earlier_object")
+        }
+        Some(o) => {
+            Attribution::Exhausted(o.key.clone(), dead_letters::message_id(&death, props, body))
         }
         None if wanted.contains(&death.queue) => Attribution::Unverified,
         None => Attribution::Nothing("not_ours"),
@@ -343,10 +357,15 @@ mod tests {
     use lapin::types::{AMQPValue, FieldArray};
 
     fn copy_of(queue: &str, reason: &str) -> lapin::BasicProperties {
+        copy_at(queue, reason, 1_800_000_000)
+    }
+
+    fn copy_at(queue: &str, reason: &str, time: u64) -> lapin::BasicProperties {
         let mut e = FieldTable::default();
         e.insert("queue".into(), AMQPValue::LongString(queue.into()));
         e.insert("reason".into(), AMQPValue::LongString(reason.into()));
         e.insert("count".into(), AMQPValue::LongLongInt(1));
+        e.insert("time".into(), AMQPValue::Timestamp(time));
         let mut h = FieldTable::default();
         h.insert(
             "x-death".into(),
@@ -357,7 +376,11 @@ mod tests {
 
     #[test]
     fn a_copy_counts_for_the_subscription_whose_verified_queue_ran_it_out() {
-        let owners = HashMap::from([("orders".to_string(), ("shop".into(), "orders".into()))]);
+        let owner = Owner {
+            key: ("shop".into(), "orders".into()),
+            since_s: 1_700_000_000,
+        };
+        let owners = HashMap::from([("orders".to_string(), owner)]);
         let none = BTreeSet::new();
         for reason in ["rejected", "delivery_limit"] {
             assert!(matches!(
@@ -387,5 +410,40 @@ mod tests {
             attribute(&owners, &none, &lapin::BasicProperties::default(), b"x"),
             Attribution::Nothing("not_exhausted")
         ));
+    }
+
+    #[test]
+    fn a_copy_from_before_its_queues_object_was_made_counts_for_nobody() {
+        let since = 1_700_000_000;
+        let owners = HashMap::from([(
+            "orders".to_string(),
+            Owner {
+                key: ("shop".into(), "orders".into()),
+                since_s: since,
+            },
+        )]);
+        let none = BTreeSet::new();
+        // Dead-lettered by the queue while it was an earlier object's, read after the takeover.
+        assert!(matches!(
+            attribute(
+                &owners,
+                &none,
+                &copy_at("orders", "rejected", since - 1),
+                b"x"
+            ),
+            Attribution::Nothing("earlier_object")
+        ));
+        // From the object's first second on, or with no time to tell by: this object's.
+        for time in [since, since + 30, 0] {
+            assert!(matches!(
+                attribute(
+                    &owners,
+                    &none,
+                    &copy_at("orders", "delivery_limit", time),
+                    b"x"
+                ),
+                Attribution::Exhausted(..)
+            ));
+        }
     }
 }

@@ -56,7 +56,7 @@ use super::show::Showing;
 use super::writer::Writer;
 use super::{AmqpLookup, Config, PlacesFreed, QueueLookup};
 use count::{Reports, consume, next_copy, queues_of};
-use dead_letters::DeadLetters;
+use dead_letters::{DeadLetters, Owner};
 use settle::api::{Backend, Subscription};
 use settle::backend::rabbitmq::{admin, report};
 use settle::bus::report::now_ms;
@@ -262,7 +262,7 @@ impl RabbitKeeper {
         let mut books: HashMap<SubKey, Book> = HashMap::new();
         let mut reports: Reports = SelectAll::new();
         // Each verified AtLeastOnce queue of the Backend, by name: whose its dead letters are.
-        let mut owners: HashMap<String, SubKey> = HashMap::new();
+        let mut owners: HashMap<String, Owner> = HashMap::new();
         // The queues the Backend's AtLeastOnce Subscriptions want that no status names yet.
         let mut wanted: BTreeSet<String> = BTreeSet::new();
         // Copies for a Subscription whose book is not open, or whose queue is not verified,
