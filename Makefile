@@ -13,7 +13,7 @@ demo:            ## run Settle locally against a real API server and brokers
 build:
 	cargo build --release --locked --bin settle --bin kubectl-settle
 
-image:           ## the operator and example images as OCI archives, offline and reproducible (target/image/)
+image:           ## the operator and example images as OCI archives, offline and reproducible, the operator with its bill of materials (target/image/)
 	hack/image.sh build
 
 crds:            ## regenerate crds/ and its copies (chart, kustomize) from the Rust types

@@ -9,6 +9,10 @@
 # bundle, /etc/passwd and /etc/group with root and nonroot (65532), /tmp and /home/nonroot. The Dockerfile describes the
 # same operator image for those who build with Docker (crates/settle-e2e/tests/image.rs compares them).
 #
+# The operator image carries a CycloneDX bill of materials at /usr/share/doc/settle/sbom.cdx.json
+# (hack/sbom.py: every crate the binary links, every Debian package its files came from), also
+# written beside the archive as <archive>.cdx.json.
+#
 # Pinned inputs: the files come from this machine's Debian packages, and the image says which:
 # a label per package with its version (dev.settle.image.debian.<package>), the rustc version
 # (the Go version for the Go application),
@@ -178,6 +182,19 @@ build_image() {
     *) echo "error: no OCI architecture known for $(uname -m)" >&2; exit 1 ;;
   esac
   packages="$(stage "$rootfs" "$bin" "$exe")"
+  # The operator image carries its bill of materials (the crates the binary links, the Debian
+  # packages of its files), also written beside the archive. It names the release, not the tag,
+  # so another --tag keeps the digest.
+  local sbom=""
+  if [ "$name" = settle ]; then
+    sbom="$rootfs/usr/share/doc/settle/sbom.cdx.json"
+    mkdir -p "$(dirname "$sbom")"
+    printf '%s\n' "$packages" | python3 "$ROOT/hack/sbom.py" --package settle-operator \
+      --image "$(repo_of "$name")" --version "$VERSION" --epoch "$epoch" --arch "$arch" \
+      --debian "debian-$(sed -n 's/^VERSION_ID="\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' /etc/os-release)" \
+      --packages - >"$sbom"
+    cp "$sbom" "$archive.cdx.json"
+  fi
 
   local args=(
     --rootfs "$rootfs" --out "$archive.new" --name "$(repo_of "$name"):$(tag_of "$name")"
@@ -224,6 +241,9 @@ build_image() {
   fi
   echo "  size $(du -m --apparent-size "$archive" | cut -f1) MB ($(stat -c %s "$archive") bytes)," \
     "digest $(cat "$archive.digest")"
+  if [ -n "$sbom" ]; then
+    echo "  sbom $archive.cdx.json (CycloneDX; also /usr/share/doc/settle/sbom.cdx.json in the image)"
+  fi
 }
 
 case "$cmd" in

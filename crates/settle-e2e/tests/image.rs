@@ -3,7 +3,8 @@
 //! (user, entrypoint, command, ports, files) and as the chart expects (its ports, its default
 //! image reference), holding everything its binary needs (the binary runs on the image's own
 //! libraries, as the nonroot user), and saying what went in (version, commit, the Debian
-//! packages its files came from). The example application's image likewise.
+//! packages its files came from, and a bill of materials of every crate the binary links). The
+//! example application's image likewise.
 //!
 //! Needs no environment; builds the release binaries when they are missing (`make test` has run
 //! `make image` before).
@@ -820,4 +821,112 @@ fn the_archive_is_an_oci_layout_that_docker_load_also_reads() {
     // `hack/image.sh digest` prints the manifest digest.
     let printed = common::image::image_script_ok(&["digest", "settle"]);
     assert_eq!(printed.trim(), image.manifest_digest);
+}
+
+/// The crates whose sources the binary names (its panic locations and the like hold paths
+/// under the cargo registry): a witness, from the bytes shipped, of crates it links.
+fn crates_named_in(binary: &[u8]) -> BTreeSet<(String, String)> {
+    let marker = b"/index.crates.io-";
+    let version = regex::Regex::new(r"^(.+?)-(\d+\.\d+\.\d+[0-9A-Za-z.+-]*)$").expect("regex");
+    let mut named = BTreeSet::new();
+    let mut at = 0;
+    while let Some(i) = binary[at..].windows(marker.len()).position(|w| w == marker) {
+        let rest = &binary[at + i + marker.len()..];
+        at += i + marker.len();
+        // <hash>/<name>-<version>/...
+        let Some(slash) = rest.iter().position(|&b| b == b'/') else {
+            continue;
+        };
+        let dir = &rest[slash + 1..];
+        let Some(end) = dir.iter().position(|&b| b == b'/') else {
+            continue;
+        };
+        let Ok(dir) = std::str::from_utf8(&dir[..end]) else {
+            continue;
+        };
+        if let Some(c) = version.captures(dir) {
+            named.insert((c[1].to_string(), c[2].to_string()));
+        }
+    }
+    named
+}
+
+#[test]
+fn the_operator_image_carries_a_bill_of_materials_of_every_crate_it_links_and_every_debian_package()
+{
+    let image = settle();
+    let entries = entries_by_path(&image);
+    let inside = &entries
+        .get("/usr/share/doc/settle/sbom.cdx.json")
+        .expect("the bill of materials in the image")
+        .data;
+    let beside = std::fs::read(format!("{}.cdx.json", image.path.display()))
+        .expect("the bill of materials beside the archive");
+    assert_eq!(inside, &beside, "the one beside the archive is the image's");
+    let bom: serde_json::Value = serde_json::from_slice(inside).expect("JSON");
+    assert_eq!(
+        (bom["bomFormat"].as_str(), bom["specVersion"].as_str()),
+        (Some("CycloneDX"), Some("1.5"))
+    );
+    assert_eq!(bom["metadata"]["component"]["version"], cargo_version());
+    let components = bom["components"].as_array().expect("components");
+    let of = |prefix: &str| -> BTreeMap<(String, String), &serde_json::Value> {
+        components
+            .iter()
+            .filter(|c| c["purl"].as_str().is_some_and(|p| p.starts_with(prefix)))
+            .map(|c| {
+                let field = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+                ((field("name"), field("version")), c)
+            })
+            .collect()
+    };
+    let crates = of("pkg:cargo/");
+    let debs = of("pkg:deb/");
+
+    // Every crate the binary in the image names is listed, and no crate only the build runs.
+    let binary = &entries
+        .get("/usr/local/bin/settle")
+        .expect("the binary")
+        .data;
+    let named = crates_named_in(binary);
+    assert!(named.len() > 50, "the binary names its crates: {named:?}");
+    let missing: Vec<_> = named.iter().filter(|k| !crates.contains_key(*k)).collect();
+    assert!(missing.is_empty(), "linked and not listed: {missing:?}");
+    for build_only in ["serde_derive", "thiserror-impl", "clap_derive"] {
+        assert!(
+            !crates.keys().any(|(n, _)| n == build_only),
+            "{build_only} runs at build time, not in the binary"
+        );
+    }
+    // Cargo.lock's checksum for each crate from crates.io; the workspace's own are said.
+    let lock = read("Cargo.lock");
+    for ((name, version), c) in &crates {
+        match c["hashes"][0]["content"].as_str() {
+            Some(sum) => assert!(
+                lock.contains(&format!(
+                    "name = \"{name}\"\nversion = \"{version}\"\nsource = \"registry+https://github.com/rust-lang/crates.io-index\"\nchecksum = \"{sum}\""
+                )),
+                "{name} {version}: checksum {sum} is not Cargo.lock's"
+            ),
+            None => assert_eq!(
+                c["properties"][0]["value"], "workspace",
+                "{name} {version} has no checksum: only a crate of this workspace"
+            ),
+        }
+    }
+    assert!(crates.contains_key(&("settle".to_string(), cargo_version())));
+
+    // The Debian packages: those the image's labels name, each at its version.
+    let labels = image.config["config"]["Labels"]
+        .as_object()
+        .expect("labels");
+    let labelled: BTreeSet<(String, String)> = labels
+        .iter()
+        .filter_map(|(k, v)| {
+            let pkg = k.strip_prefix("dev.settle.image.debian.")?;
+            Some((pkg.to_string(), v.as_str()?.to_string()))
+        })
+        .collect();
+    assert!(!labelled.is_empty(), "the image names its Debian packages");
+    assert_eq!(debs.keys().cloned().collect::<BTreeSet<_>>(), labelled);
 }
