@@ -98,12 +98,20 @@ pub async fn reconcile(b: Arc<Backend>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     if deleting && let Lookup::Up(conn) = ctx.conns.get_for_deletion(&key) {
         if backend_finalizer::goes_now(&ctx, &b)
             && let Conn::Rabbitmq(r) = conn.as_ref()
-            && b.spec
+        {
+            if b.spec
                 .rabbitmq
                 .as_ref()
                 .is_some_and(|s| s.dead_letter_exchange.is_some())
-        {
-            super::rabbitmq::remove_copy_queue(r, &ns, &b.name_any()).await;
+            {
+                super::rabbitmq::remove_copy_queue(r, &ns, &b.name_any()).await;
+            }
+            super::rabbitmq::remove_account_leftovers(
+                r,
+                &ns,
+                &backend_finalizer::existing(&ctx, &ns),
+            )
+            .await;
         }
         return backend_finalizer::release(&ctx, &b).await;
     }

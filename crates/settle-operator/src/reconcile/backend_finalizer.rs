@@ -100,6 +100,20 @@ pub async fn release(ctx: &Ctx, b: &Backend) -> Result<Action, Error> {
     Ok(Action::await_change())
 }
 
+/// The Subscriptions of namespace `ns` that still exist, whichever Backend they name: all but
+/// those deleted whose finalizer is gone (their account queues are leftovers).
+pub fn existing(ctx: &Ctx, ns: &str) -> Vec<String> {
+    ctx.subs
+        .state()
+        .iter()
+        .filter(|s| s.namespace().as_deref() == Some(ns))
+        .filter(|s| {
+            s.metadata.deletion_timestamp.is_none() || s.finalizers().iter().any(|f| f == FINALIZER)
+        })
+        .map(|s| s.name_any())
+        .collect()
+}
+
 /// The Subscriptions of namespace `ns` that name Backend `name` and still hold their finalizer
 /// (their consumer may still be on the broker), by name, from the cache.
 fn users(ctx: &Ctx, ns: &str, name: &str) -> Vec<String> {

@@ -21,6 +21,7 @@
 //! | [`nats_accounts`] | NATS JetStream | a NATS account per tenant: nothing shared, a full report bucket said |
 //! | [`matrix`], [`matrix_nats`], [`matrix_rabbitmq`], [`matrix_sqs`] | each | the tenant attack matrix: every attack another tenant can try, tried, and `docs/guide/tenant-matrix.md` checked against it |
 //! | [`rabbitmq`] | RabbitMQ | report queues, snapshots, dead-letter copies, operator kills |
+//! | [`rabbitmq_deletion`] | RabbitMQ | a namespace deleted at once leaves none of the account's queues |
 //! | [`rabbitmq_epochs`] | RabbitMQ | a new object under running applications; an earlier object's dead letter read after a takeover |
 //! | [`sqs`] | SQS (ElasticMQ) | report queues, the ledger queue, the dead-letter queue |
 //!
@@ -44,6 +45,7 @@ mod nats_rotate;
 mod nats_runtimes;
 mod nats_watch;
 mod rabbitmq;
+mod rabbitmq_deletion;
 mod rabbitmq_epochs;
 mod sqs;
 mod tenants;

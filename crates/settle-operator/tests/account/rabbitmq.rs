@@ -131,7 +131,7 @@ impl Scene {
         }
     }
 
-    fn app(&self) -> App {
+    pub(super) fn app(&self) -> App {
         self.app_with("nack")
     }
 

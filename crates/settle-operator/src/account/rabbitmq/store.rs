@@ -62,10 +62,11 @@ impl RabbitKeeper {
             })
             .map(|b| dead_letters::copy_queue(ns, &b.name_any()))
             .collect();
-        for q in names {
+        let leftovers = report::leftover_account_queues(&names, ns, &alive);
+        for q in &names {
             if q.starts_with(&dead_letters::copy_queue(ns, "")) {
-                if !copying.contains(&q) {
-                    match admin::delete(conn, &q).await {
+                if !copying.contains(q) {
+                    match admin::delete(conn, q).await {
                         Ok(()) => {
                             tracing::info!(queue = %q, "deleted the dead-letter copy queue of a Backend gone, or without a dead-letter exchange")
                         }
@@ -76,22 +77,8 @@ impl RabbitKeeper {
                 }
                 continue;
             }
-            let Some(sub) = ["stats", "ledger", "instances", "object", "report"]
-                .iter()
-                .find_map(|kind| {
-                    q.strip_prefix(&format!("settle.{kind}.{ns}."))
-                        .map(|rest| (*kind, rest))
-                })
-            else {
-                continue;
-            };
-            let owned = match sub {
-                // `settle.report.<ns>.<subscription>.<instance>`: a name may hold dots.
-                ("report", rest) => alive.iter().any(|a| rest.starts_with(&format!("{a}."))),
-                (_, rest) => alive.iter().any(|a| a == rest),
-            };
-            if !owned {
-                match admin::delete(conn, &q).await {
+            if leftovers.contains(&q.as_str()) {
+                match admin::delete(conn, q).await {
                     Ok(()) => {
                         tracing::info!(queue = %q, "deleted the account queue of a Subscription deleted while no operator ran");
                         (self.freed)(&self.backend.0, &self.backend.1);

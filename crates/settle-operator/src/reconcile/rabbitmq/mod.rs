@@ -57,7 +57,7 @@ mod remove;
 use claim::*;
 use create::*;
 use pause::*;
-pub use remove::{remove, remove_copy_queue};
+pub use remove::{remove, remove_account_leftovers, remove_copy_queue};
 
 pub(super) fn failure(error: BrokerError, known: Option<ConsumerRef>) -> SubOutcome {
     // Only while the broker cannot answer is the queue known from before still shown.

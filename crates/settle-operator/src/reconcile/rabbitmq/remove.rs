@@ -1,6 +1,6 @@
 //! Deleting a RabbitMQ Subscription's queue and its markers when the Subscription goes, only
-//! when this object made or took it over; and a deleted Backend's dead-letter copy queue when
-//! it goes.
+//! when this object made or took it over; and, as a deleted Backend goes, its dead-letter copy
+//! queue and the account queues its namespace's gone Subscriptions left.
 
 use super::*;
 use settle::backend::rabbitmq::pause;
@@ -86,6 +86,45 @@ pub async fn remove_copy_queue(conn: &RabbitConn, namespace: &str, backend: &str
         }
         Err(e) => {
             tracing::warn!(backend = %format!("{namespace}/{backend}"), queue = %queue, error = %e, "the Backend goes, but its dead-letter copy queue cannot be deleted: it stays on the broker")
+        }
+    }
+}
+
+/// As a deleted Backend goes, the account queues of its namespace's Subscriptions that are gone
+/// (`alive`: those that still exist), listed through the management API: deleted with the
+/// Subscription, they are the account keeper's to drop at its next round, and a Backend deleted
+/// at the same moment (a namespace deleted) ends that keeper first. Without a management API the
+/// per-instance queues cannot be listed, and nothing is deleted here.
+pub async fn remove_account_leftovers(conn: &RabbitConn, namespace: &str, alive: &[String]) {
+    let Some(management) = &conn.management else {
+        return;
+    };
+    let names = match management.queue_names(&conn.vhost).await {
+        Ok(names) => names,
+        Err(e) => {
+            tracing::warn!(namespace = %namespace, error = %e, "the Backend goes, but its namespace's queues cannot be listed: account queues of gone Subscriptions may stay on the broker");
+            return;
+        }
+    };
+    let leftovers = report::leftover_account_queues(&names, namespace, alive);
+    if leftovers.is_empty() {
+        return;
+    }
+    let amqp = match conn.connection().await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(namespace = %namespace, error = %e, "the Backend goes, but the account queues of gone Subscriptions cannot be deleted: they stay on the broker");
+            return;
+        }
+    };
+    for q in leftovers {
+        match admin::delete(&amqp, q).await {
+            Ok(()) => {
+                tracing::info!(queue = %q, "the Backend goes: the account queue of a gone Subscription is deleted")
+            }
+            Err(e) => {
+                tracing::warn!(queue = %q, error = %e, "the Backend goes, but the account queue of a gone Subscription cannot be deleted: it stays on the broker")
+            }
         }
     }
 }

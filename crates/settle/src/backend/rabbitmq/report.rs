@@ -167,6 +167,38 @@ pub fn account_queues(namespace: &str, subscription: &str) -> [String; 3] {
     ]
 }
 
+/// Of `names` (a vhost's queues), the account queues of namespace `namespace` that belong to
+/// no Subscription in `alive` (the namespace's Subscriptions that still exist): the report,
+/// ledger, index and object queues and each instance's report queue
+/// (`settle.report.<namespace>.<subscription>.<instance>`; a name may hold dots). Pure.
+pub fn leftover_account_queues<'a>(
+    names: &'a [String],
+    namespace: &str,
+    alive: &[String],
+) -> Vec<&'a str> {
+    names
+        .iter()
+        .filter(|q| {
+            let Some((kind, rest)) = ["stats", "ledger", "instances", "object", "report"]
+                .iter()
+                .find_map(|kind| {
+                    q.strip_prefix(&format!("settle.{kind}.{namespace}."))
+                        .map(|rest| (*kind, rest))
+                })
+            else {
+                return false;
+            };
+            let owned = if kind == "report" {
+                alive.iter().any(|a| rest.starts_with(&format!("{a}.")))
+            } else {
+                alive.iter().any(|a| a == rest)
+            };
+            !owned
+        })
+        .map(String::as_str)
+        .collect()
+}
+
 /// An account queue the broker refused to declare.
 #[derive(Debug, thiserror::Error)]
 #[error("declaring {queue:?}: {error}")]
@@ -505,6 +537,36 @@ pub(super) type Declared = std::sync::Arc<std::sync::Mutex<HashSet<String>>>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_account_queues_of_gone_subscriptions_are_leftovers_and_no_others() {
+        let names: Vec<String> = [
+            "settle.stats.shop.gone",
+            "settle.ledger.shop.gone",
+            "settle.instances.shop.gone",
+            "settle.object.shop.gone",
+            "settle.report.shop.gone.pid-1-2",
+            "settle.report.shop.orders.v2.pid-1-2",
+            "settle.ledger.shop.orders.v2",
+            "settle.ledger.shop.orders",
+            "settle.ledger.other.gone",
+            "settle.deadletters.shop.rabbit",
+            "orders",
+        ]
+        .map(String::from)
+        .to_vec();
+        let alive = ["orders".to_string(), "orders.v2".to_string()];
+        assert_eq!(
+            leftover_account_queues(&names, "shop", &alive),
+            [
+                "settle.stats.shop.gone",
+                "settle.ledger.shop.gone",
+                "settle.instances.shop.gone",
+                "settle.object.shop.gone",
+                "settle.report.shop.gone.pid-1-2",
+            ]
+        );
+    }
 
     #[test]
     fn queue_names_are_the_subscriptions_own() {
