@@ -47,11 +47,12 @@ chaos:           ## a fault campaign on the real environment: BROKER= (nats, nat
 	cargo build --profile bench -p settle-examples --example account_app
 	cargo bench -p settle-operator --bench chaos -- $(if $(BROKER),--broker $(BROKER)) $(if $(SEED),--seed $(SEED)) --faults $(or $(FAULTS),30) $(if $(MESSAGES),--messages $(MESSAGES)) $(if $(KINDS),--kinds $(KINDS))
 
-lint:            ## rustfmt, clippy, gofmt and go vet (clients/go), and shellcheck over the scripts (installs shellcheck with apt when missing)
+lint:            ## rustfmt, clippy, gofmt and go vet (clients/go), every crate's license and source (hack/crates.py), and shellcheck over the scripts (installs shellcheck with apt when missing)
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
 	cd clients/go && test -z "$$(gofmt -l .)" || { gofmt -l .; echo 'gofmt: run gofmt -w clients/go'; exit 1; }
 	cd clients/go && go vet ./...
+	python3 hack/crates.py
 	hack/tools.sh build shellcheck
 	shellcheck -x hack/*.sh .ci/run
 

@@ -14,7 +14,8 @@ start=$SECONDS
 make --no-print-directory lint
 cargo test --workspace --locked --lib --bins --quiet
 for suite in settle:admission_rules settle-operator:layering settle-operator:hot_text \
-  settle-operator:check_cli settle-operator:webhook_review settle-operator:reference settle-e2e:docs; do
+  settle-operator:check_cli settle-operator:webhook_review settle-operator:reference settle-e2e:docs \
+  settle-e2e:supply_chain; do
   cargo test --locked --quiet -p "${suite%%:*}" --test "${suite#*:}"
 done
 (cd clients/go && go test -count=1 -short -parallel 16 ./...)   # the Go runtime: everything but its broker suites
