@@ -70,6 +70,9 @@ fn a_crate_under_a_license_not_accepted_from_git_or_with_no_expression_is_named(
         );
     }
     for fine in ["either", "llvm", "old-style", "nested", "here"] {
-        assert!(!said.contains(&format!("crates: {fine} ")), "{fine} passes\n{said}");
+        assert!(
+            !said.contains(&format!("crates: {fine} ")),
+            "{fine} passes\n{said}"
+        );
     }
 }
