@@ -952,17 +952,7 @@ async fn the_webhook_never_blocks_the_cleanup_of_a_subscription_that_no_longer_p
     // delete every object in it, wait until none is left (here the operator's finalizer removal
     // must pass the webhook), then finalize the namespace.
     kubectl_ok(&["delete", "namespace", &ns, "--wait=false"], None);
-    kubectl_ok(
-        &[
-            "delete",
-            "subscriptions,backends",
-            "--all",
-            "-n",
-            &ns,
-            "--wait=false",
-        ],
-        None,
-    );
+    common::subs::delete_all_at_once(&ns);
     poll(
         "every Subscription in the Terminating namespace to be gone",
         Duration::from_secs(60),

@@ -106,6 +106,23 @@ pub async fn wait_ready(api: &Api<Subscription>, name: &str) -> Subscription {
 }
 
 /// Waits until Subscription `name` no longer exists.
+/// Deletes every Subscription and Backend of `ns` at once, as the namespace controller does when
+/// the namespace is deleted (`kubectl delete --all --wait=false`: their finalizers are the
+/// operator's to remove).
+pub fn delete_all_at_once(ns: &str) {
+    kubectl_ok(
+        &[
+            "delete",
+            "subscriptions,backends",
+            "--all",
+            "-n",
+            ns,
+            "--wait=false",
+        ],
+        None,
+    );
+}
+
 /// Deletes Subscription `name` as a user does when no operator runs to remove its finalizer:
 /// `kubectl delete --wait=false`, then the finalizer taken off by hand. What the operator would
 /// have cleaned up (consumer, queues, ledger) stays on the broker.

@@ -67,17 +67,7 @@ async fn a_namespace_deleted_at_once_leaves_no_ledger_nor_report_on_the_broker()
     )
     .await;
     app.kill9();
-    common::kubectl_ok(
-        &[
-            "delete",
-            "subscriptions,backends",
-            "--all",
-            "-n",
-            &scene.ns,
-            "--wait=false",
-        ],
-        None,
-    );
+    common::subs::delete_all_at_once(&scene.ns);
     poll(
         "nothing of the account left under the namespace",
         Duration::from_secs(60),

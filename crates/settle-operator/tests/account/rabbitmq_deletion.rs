@@ -52,17 +52,7 @@ async fn a_namespace_deleted_at_once_on_rabbitmq_leaves_none_of_the_accounts_que
         "the account's queues, an instance's report queue among them: {made:?}"
     );
     app.kill9();
-    common::kubectl_ok(
-        &[
-            "delete",
-            "subscriptions,backends",
-            "--all",
-            "-n",
-            &scene.ns,
-            "--wait=false",
-        ],
-        None,
-    );
+    common::subs::delete_all_at_once(&scene.ns);
     poll(
         "none of the account's queues left for the namespace",
         Duration::from_secs(60),

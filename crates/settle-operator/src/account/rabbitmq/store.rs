@@ -62,30 +62,28 @@ impl RabbitKeeper {
             })
             .map(|b| dead_letters::copy_queue(ns, &b.name_any()))
             .collect();
-        let leftovers = report::leftover_account_queues(&names, ns, &alive);
-        for q in &names {
-            if q.starts_with(&dead_letters::copy_queue(ns, "")) {
-                if !copying.contains(q) {
-                    match admin::delete(conn, q).await {
-                        Ok(()) => {
-                            tracing::info!(queue = %q, "deleted the dead-letter copy queue of a Backend gone, or without a dead-letter exchange")
-                        }
-                        Err(e) => {
-                            tracing::debug!(queue = %q, error = %e, "cannot delete a leftover copy queue")
-                        }
-                    }
+        let copies = dead_letters::copy_queue(ns, "");
+        for q in names
+            .iter()
+            .filter(|q| q.starts_with(&copies) && !copying.contains(*q))
+        {
+            match admin::delete(conn, q).await {
+                Ok(()) => {
+                    tracing::info!(queue = %q, "deleted the dead-letter copy queue of a Backend gone, or without a dead-letter exchange")
                 }
-                continue;
+                Err(e) => {
+                    tracing::debug!(queue = %q, error = %e, "cannot delete a leftover copy queue")
+                }
             }
-            if leftovers.contains(&q.as_str()) {
-                match admin::delete(conn, q).await {
-                    Ok(()) => {
-                        tracing::info!(queue = %q, "deleted the account queue of a Subscription deleted while no operator ran");
-                        (self.freed)(&self.backend.0, &self.backend.1);
-                    }
-                    Err(e) => {
-                        tracing::debug!(queue = %q, error = %e, "cannot delete a leftover account queue")
-                    }
+        }
+        for q in report::leftover_account_queues(&names, ns, &alive) {
+            match admin::delete(conn, q).await {
+                Ok(()) => {
+                    tracing::info!(queue = %q, "deleted the account queue of a Subscription deleted while no operator ran");
+                    (self.freed)(&self.backend.0, &self.backend.1);
+                }
+                Err(e) => {
+                    tracing::debug!(queue = %q, error = %e, "cannot delete a leftover account queue")
                 }
             }
         }
